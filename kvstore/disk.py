@@ -1,0 +1,305 @@
+"""The disk tier: safetensors blobs under ``blobs/``, named by the LMDB index under ``index/``.
+
+Trimmable KV (every layer KVCache / QuantizedKVCache) is cut into fixed token chunks keyed
+by the chained hash, so a shared prefix is stored once and a conversation that grows by a
+turn writes only its new chunks, plus an exact tail for the last partial chunk. Everything
+else (RotatingKVCache, ArraysCache, mixed layouts) is one snapshot taken at exactly the
+prefix boundary.
+
+Lookup walks the query's chunk boundaries through the index's ``bounds`` trie and returns a
+``Plan``: the longest reusable prefix, from an entry (exact or shorter), or from a chunk
+chain trimmed back to the common prefix. Every token of a plan is compared with the stored
+token ids; no hash is trusted alone. Restore reads each blob once, checks its size and
+checksum, and rebuilds caches. Any failure is a ``BlobError``; the store turns it into a
+miss and drops the damaged record.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from . import blobs, codec
+from .identity import Identity
+from .index import Index
+from .keys import boundaries, chunk_key, encode_tokens, entry_key, root_key
+
+log = logging.getLogger("kvstore")
+
+
+@dataclass
+class Plan:
+    """What to read to restore ``n`` tokens of a query."""
+
+    n: int                      # tokens the restored cache will hold
+    chunks: list[bytes]         # full chunks to read, in order
+    last: tuple[str, bytes] | None  # ("entry", key) or ("chunk", key): the final piece
+    layout: codec.Layout        # layout of the final piece (offsets fixed at restore)
+    stored_n: int               # tokens the final piece's source holds (before trimming)
+    chunked: bool
+    entry: bytes | None = None  # entry credited with the hit (for last_used / hits)
+
+
+@dataclass
+class PersistJob:
+    """One cache snapshot to persist, prepared on the caller's thread."""
+
+    identity: Identity
+    tokens: bytes               # encoded token ids the cache covers
+    tensors: dict[str, tuple[str, Any]]  # blobs.host_views(...)
+    layout: codec.Layout
+    cache_type: str = "assistant"
+    created: float = field(default_factory=time.time)
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens) // 4
+
+
+def _common(a: bytes, b: bytes) -> int:
+    """Common prefix length, in tokens, of two encoded token strings."""
+    n = min(len(a), len(b)) // 4
+    if a[: n * 4] == b[: n * 4]:
+        return n
+    lo, hi = 0, n  # binary search on equal prefixes (bytes compare is fast)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[: mid * 4] == b[: mid * 4]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class DiskTier:
+    """Blobs + index of one cache directory."""
+
+    def __init__(self, root: Path, *, chunk_tokens: int = 256, readonly: bool = False) -> None:
+        self.root = Path(root)
+        self.blob_root = self.root / "blobs"
+        if not readonly:
+            self.blob_root.mkdir(parents=True, exist_ok=True)
+        self.index = Index(self.root / "index", readonly=readonly)
+        self.chunk = chunk_tokens
+
+    def close(self) -> None:
+        self.index.close()
+
+    # -- lookup ------------------------------------------------------------------------
+
+    def plan(self, ident: Identity, tokens: list[int] | bytes) -> Plan | None:
+        """The longest reusable stored prefix of ``tokens`` for ``ident``, or None."""
+        enc = tokens if isinstance(tokens, bytes) else encode_tokens(tokens)
+        n_q = len(enc) // 4
+        C = self.chunk
+        bounds = boundaries(root_key(ident.digest), enc, C)
+        best: Plan | None = None
+        chain: list[bytes] = []      # full chunks verified so far
+        chain_ok = True
+        idx = self.index
+        for k, b in enumerate(bounds):
+            nxt = bounds[k + 1] if k + 1 < len(bounds) else None
+            found_next = False
+            for child, kind in idx.children(b):
+                stored = idx.tokens(child)
+                if stored is None:
+                    continue
+                if kind == "e":
+                    rec = idx.entry(child)
+                    if rec is None or rec.get("identity") != ident.hex:
+                        continue
+                    n_e = len(stored) // 4
+                    common = _common(stored, enc)
+                    chunked = rec["kind"] == "chunked"
+                    if chunked and not chain_ok:
+                        continue
+                    usable = n_e if common == n_e else (min(common, n_q - 1) if rec.get("trimmable") else 0)
+                    if usable > 0 and (best is None or usable > best.n):
+                        best = Plan(usable, list(chain) if chunked else [], ("entry", child),
+                                    rec["layout"], n_e, chunked, entry=child)
+                elif chain_ok:
+                    m = _common(stored, enc[k * C * 4 :])
+                    if m == C and child == nxt:
+                        found_next = True
+                    elif m > 0 and min(k * C + m, n_q - 1) > (best.n if best else 0):
+                        crec = idx.chunk(child)
+                        if crec is not None and crec.get("identity") == ident.hex:
+                            best = Plan(min(k * C + m, n_q - 1), list(chain), ("chunk", child), crec["layout"],
+                                        (k + 1) * C, True)
+            if chain_ok and found_next and nxt is not None:
+                chain.append(nxt)
+            else:
+                chain_ok = False
+        # a chain of full chunks alone (no entry ends exactly there) is also reusable
+        n_chain = min(len(chain) * C, n_q - 1 if len(chain) * C == n_q else n_q)
+        if chain and n_chain > (best.n if best else 0):
+            crec = idx.chunk(chain[-1])
+            if crec is not None:
+                best = Plan(n_chain, chain[:-1], ("chunk", chain[-1]), crec["layout"],
+                            len(chain) * C, True)
+        return best
+
+    # -- restore -----------------------------------------------------------------------
+
+    def _read(self, rec: dict) -> dict[str, mx.array]:
+        tensors, _ = blobs.read_blob(self.blob_root / rec["blob"], rec["size"], rec["checksum"])
+        return tensors
+
+    def restore(self, plan: Plan) -> tuple[list[Any], int]:
+        """Read a plan's blobs (verified) and build live cache objects holding ``plan.n``
+        tokens. Raises BlobError / codec.Unsupported on anything unexpected."""
+        parts = []
+        for ck in plan.chunks:
+            rec = self.index.chunk(ck)
+            if rec is None:
+                raise blobs.BlobError(f"chunk {ck.hex()} vanished from the index")
+            parts.append(self._read(rec))
+        kind, key = plan.last  # type: ignore[misc]
+        rec = self.index.entry(key) if kind == "entry" else self.index.chunk(key)
+        if rec is None:
+            raise blobs.BlobError(f"{kind} {key.hex()} vanished from the index")
+        parts.append(self._read(rec))
+        if plan.chunked:
+            tensors = codec.concat_tokens(parts)
+            tensors = codec.slice_tokens(tensors, 0, plan.n)
+            cache = codec.decode_cache(tensors, codec.with_offset(plan.layout, plan.n))
+        else:
+            cache = codec.decode_cache(parts[-1], plan.layout)
+            if plan.n < plan.stored_n:
+                if not codec.trimmable(cache):
+                    raise blobs.BlobError("stored snapshot cannot be trimmed")
+                for c in cache:
+                    c.trim(plan.stored_n - plan.n)
+        mx.eval([v for layer in cache for v in _arrays(layer)])
+        return cache, plan.n
+
+    # -- persist -----------------------------------------------------------------------
+
+    def _write(self, key: bytes, tensors: dict, meta: dict[str, str]) -> dict:
+        path = blobs.blob_path(self.blob_root, key.hex())
+        path.parent.mkdir(exist_ok=True)
+        size, checksum = blobs.write_blob(path, tensors, meta)
+        return {"blob": str(path.relative_to(self.blob_root)), "size": size, "checksum": checksum}
+
+    def persist(self, job: PersistJob) -> int:
+        """Write a job's blobs and commit its entry; returns bytes written (0 if the entry
+        already existed). Raises OSError on a failed write (nothing is indexed then)."""
+        ident, enc, C = job.identity, job.tokens, self.chunk
+        n = job.n
+        root = root_key(ident.digest)
+        bounds = boundaries(root, enc, C)
+        chunked = codec.is_chunkable(job.layout, n)
+        K = len(bounds) - 1 if chunked else 0
+        boundary = bounds[-1]
+        key = entry_key(boundary, enc[(len(bounds) - 1) * C * 4 :])
+        if self.index.entry(key) is not None:
+            return 0
+        meta = {"kvstore.format": "1", "kvstore.identity": ident.hex}
+        # numpy views of the caller's evaluated arrays: no MLX op runs on this thread
+        host = {nm: (st, np.asarray(a)) for nm, (st, a) in job.tensors.items()}
+        written = 0
+        for attempt in range(3):
+            new_chunks: dict[bytes, tuple[dict, bytes, bytes]] = {}
+            reused: list[bytes] = []
+            new_files: list[str] = []
+            try:
+                for k in range(K):
+                    ck = bounds[k + 1]
+                    if self.index.chunk(ck) is not None and attempt == 0:
+                        reused.append(ck)
+                        continue
+                    t = {nm: (st, a[..., k * C : (k + 1) * C, :]) for nm, (st, a) in host.items()}
+                    rec = self._write(ck, t, dict(meta, **{"kvstore.kind": "chunk", "kvstore.key": ck.hex(),
+                                                          "kvstore.tokens": f"{k * C}-{(k + 1) * C}"}))
+                    new_files.append(rec["blob"])
+                    written += rec["size"]
+                    rec.update(identity=ident.hex, parent=bounds[k].hex(), n=C,
+                               layout=codec.with_offset(job.layout, C))
+                    new_chunks[ck] = (rec, enc[k * C * 4 : (k + 1) * C * 4], bounds[k])
+                record: dict[str, Any] = {
+                    "identity": ident.hex, "n": n, "kind": "chunked" if chunked else "snapshot",
+                    "chunk": C, "chunks": [bounds[k + 1].hex() for k in range(K)],
+                    "root": root.hex(), "boundary": boundary.hex(),
+                    "trimmable": chunked or _layout_trimmable(job.layout, n),
+                    "layout": job.layout, "cache_type": job.cache_type,
+                    "created": job.created, "last_used": job.created, "hits": 0, "pinned": False,
+                    "blob": None, "size": 0, "checksum": None,
+                }
+                if not chunked or n > K * C:
+                    tail = host if not chunked else {
+                        nm: (st, a[..., K * C : n, :]) for nm, (st, a) in host.items()}
+                    layout = job.layout if not chunked else codec.with_offset(job.layout, n - K * C)
+                    rec = self._write(key, tail, dict(meta, **{"kvstore.kind": record["kind"],
+                                                              "kvstore.key": key.hex(),
+                                                              "kvstore.tokens": f"{K * C}-{n}"}))
+                    new_files.append(rec["blob"])
+                    written += rec["size"]
+                    record.update(rec)
+                    if chunked:
+                        record["tail_layout"] = layout
+                status = self.index.commit_entry(key, record, enc, boundary, new_chunks, reused)
+            except BaseException:
+                self._unlink(new_files)
+                raise
+            if status == "ok":
+                self._unlink(record.get("_dup_blobs", []))
+                return written
+            self._unlink(new_files)
+            if status == "exists":
+                return 0
+            # "retry": a reused chunk vanished under a concurrent gc; write them all now
+        raise OSError("could not commit entry: chunks kept vanishing under a concurrent gc")
+
+    def _unlink(self, rel_paths: list[str]) -> None:
+        for rel in rel_paths:
+            try:
+                os.unlink(self.blob_root / rel)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("kvstore: could not remove blob %s: %s", rel, e)
+
+    def remove(self, keys: list[bytes], *, only_if=None) -> int:
+        """Drop entries and their unreferenced chunks; blobs go after the commit."""
+        rels = self.index.remove_entries(keys, only_if=only_if)
+        self._unlink(rels)
+        return len(rels)
+
+    def drop_chunk(self, key: bytes) -> None:
+        self._unlink(self.index.drop_chunk_orphans([key]))
+
+
+def _layout_trimmable(layout: codec.Layout, n: int) -> bool:
+    """Whether a snapshot can be trimmed to a shorter prefix after restore (mlx-lm's
+    ``is_trimmable`` for the classes involved, decided from the stored layout)."""
+    flat = codec._walk(layout)
+    for m in flat:
+        cls = m["class"]
+        if cls in ("KVCache", "QuantizedKVCache", "ChunkedKVCache"):
+            continue
+        if cls == "RotatingKVCache" and m["offset"] < m["max_size"]:
+            continue
+        return False
+    return True
+
+
+def _arrays(layer: Any) -> list[mx.array]:
+    out: list[mx.array] = []
+    for v in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+        if isinstance(v, mx.array):
+            out.append(v)
+        elif isinstance(v, (tuple, list)):
+            out.extend(x for x in v if isinstance(x, mx.array))
+    for x in getattr(layer, "cache", None) or []:
+        if isinstance(x, mx.array):
+            out.append(x)
+    for sub in getattr(layer, "caches", None) or []:
+        out.extend(_arrays(sub))
+    return out

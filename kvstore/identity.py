@@ -1,0 +1,200 @@
+"""Model identity: a digest of everything that makes a KV cache valid for reuse.
+
+An entry is only ever returned to the identity that wrote it. The digest covers:
+- the weights (xxh3-128 of every weight file; remembered by path + size + mtime so a
+  restart does not re-hash gigabytes),
+- the model config, the tokenizer files and the chat template (each its own component),
+- KV quantisation (bits, group size) and the per-layer cache layout (classes and
+  parameters such as RotatingKVCache max_size / keep), derived with mlx-lm's own
+  ``make_prompt_cache`` so it tracks what the installed mlx-lm builds,
+- adapter and draft model files, when the caller has them,
+- kvstore's format version.
+
+mlx / mlx-lm versions are recorded but not hashed: kvstore's codecs write a
+version-neutral layout (see ``codec``), so an mlx-lm upgrade does not void the cache
+unless it changes the layout itself, which the layout component catches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from .keys import FORMAT_VERSION
+
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz", ".bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What an entry belongs to. ``digest`` is the 16-byte key; ``info`` describes it."""
+
+    digest: bytes
+    info: dict[str, Any] = field(compare=False, hash=False)
+
+    @property
+    def hex(self) -> str:
+        return self.digest.hex()
+
+    @property
+    def name(self) -> str:
+        return str(self.info.get("name", self.hex[:12]))
+
+    @classmethod
+    def from_components(cls, components: dict[str, Any], **described: Any) -> "Identity":
+        """An identity from explicit components (engines that are not an mlx-lm dir)."""
+        comps = dict(components, format=FORMAT_VERSION)
+        digest = xxhash.xxh3_128_digest(json.dumps(comps, sort_keys=True, default=str).encode())
+        return cls(digest, dict(described, components=comps))
+
+
+class DigestMemo:
+    """File digests remembered by (path, size, mtime_ns) in a JSON file. Safe across
+    processes: a lost update only costs one re-hash."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+
+    def _read(self) -> dict[str, Any]:
+        if self.path is None:
+            return {}
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def digest(self, file: Path) -> str:
+        st = file.stat()
+        key = str(file.resolve())
+        stamp = [st.st_size, st.st_mtime_ns]
+        with self._lock:
+            memo = self._read()
+            hit = memo.get(key)
+            if hit and hit[0] == stamp:
+                return hit[1]
+            value = hash_file(file)
+            if self.path is not None:
+                memo[key] = [stamp, value]
+                tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+                try:
+                    tmp.write_text(json.dumps(memo))
+                    os.replace(tmp, self.path)
+                except OSError:
+                    pass
+            return value
+
+
+def hash_file(path: Path) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _hash_files(files: list[Path], memo: DigestMemo | None = None) -> str | None:
+    if not files:
+        return None
+    h = xxhash.xxh3_128()
+    for f in sorted(files):
+        h.update(f.name.encode())
+        h.update((memo.digest(f) if memo else hash_file(f)).encode())
+    return h.hexdigest()
+
+
+def _chat_template(model_dir: Path) -> str | None:
+    parts = []
+    cfg = model_dir / "tokenizer_config.json"
+    if cfg.exists():
+        try:
+            parts.append(json.dumps(json.loads(cfg.read_text()).get("chat_template"), sort_keys=True))
+        except ValueError:
+            parts.append(cfg.read_text())
+    for name in TEMPLATE_FILES:
+        if (model_dir / name).exists():
+            parts.append((model_dir / name).read_text())
+    return xxhash.xxh3_128_hexdigest("\0".join(parts).encode()) if parts else None
+
+
+def dir_components(model_dir: Path, memo: DigestMemo | None = None) -> dict[str, Any]:
+    """Digests of one mlx-lm model directory: weights, config, tokenizer, chat template."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist")
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    weights = [p for p in model_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
+    return {
+        "weights": _hash_files(weights, memo),
+        "config": xxhash.xxh3_128_hexdigest(json.dumps(config, sort_keys=True).encode()),
+        "tokenizer": _hash_files([model_dir / n for n in TOKENIZER_FILES if (model_dir / n).exists()]),
+        "chat_template": _chat_template(model_dir),
+    }
+
+
+def layout_from_config(model_dir: Path) -> list:
+    """The per-layer cache layout mlx-lm would build for this model, without loading
+    weights (the architecture is instantiated lazily; nothing is evaluated)."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import _get_classes  # present in mlx-lm 0.31 and 0.32
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    return layout_of(make_prompt_cache(model))
+
+
+def layout_of(cache: list) -> list:
+    """Classes and parameters of a (possibly empty) prompt cache, without lengths."""
+    from .codec import encode_cache, layout_signature
+
+    return layout_signature(encode_cache(cache)[1])
+
+
+def model_identity(
+    model_path: str | Path,
+    *,
+    adapter_path: str | Path | None = None,
+    draft_path: str | Path | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int | None = None,
+    layout: list | None = None,
+    memo: DigestMemo | None = None,
+) -> Identity:
+    """The identity of an mlx-lm model directory (plus adapter / draft / KV quantisation).
+
+    ``layout`` defaults to what mlx-lm builds for this config; pass ``layout_of(cache)``
+    when the engine builds caches its own way (e.g. ``max_kv_size``).
+    """
+    model_path = Path(model_path)
+    comps: dict[str, Any] = dir_components(model_path, memo)
+    comps["adapter"] = _hash_files(list(Path(adapter_path).glob("*")), memo) if adapter_path else None
+    comps["draft"] = dir_components(Path(draft_path), memo) if draft_path else None
+    comps["kv_bits"] = kv_bits
+    comps["kv_group_size"] = kv_group_size if kv_bits else None
+    comps["layout"] = layout if layout is not None else layout_from_config(model_path)
+    try:
+        import mlx.core as mx
+        import mlx_lm
+        versions = {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__}
+    except Exception:  # pragma: no cover - versions are descriptive only
+        versions = {}
+    config = json.loads((model_path / "config.json").read_text()) if (model_path / "config.json").exists() else {}
+    return Identity.from_components(
+        comps,
+        name=model_path.name,
+        path=str(model_path.resolve()),
+        model_type=config.get("model_type"),
+        kv_bits=kv_bits,
+        versions=versions,
+    )

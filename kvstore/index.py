@@ -1,0 +1,319 @@
+"""The index: one LMDB environment naming every entry, chunk and blob on disk.
+
+An LMDB commit is the only thing that makes an entry exist: blobs are written and fsynced
+before the transaction that names them, and unlinked only after the transaction that drops
+them. LMDB gives one writer at a time across threads and processes and lock-free readers,
+so several servers and the CLI can share a cache directory.
+
+Databases (keys are 16-byte xxh3-128 digests from ``keys``):
+- ``entries``: entry key -> JSON record (identity, token count, chunks, own blob, size,
+  checksum, layout, created / last_used / hits / pinned, cache_type)
+- ``chunks``: chunk key -> JSON record (identity, blob, size, checksum, refs)
+- ``tokens``: entry or chunk key -> the exact token ids (uint32 LE), checked on every hit
+- ``bounds``: boundary key + child key -> b"c" (chunk) or b"e" (entry): the trie over
+  token prefixes, walked one chunk boundary at a time
+- ``identities``: identity digest -> JSON description (model name, path, dtype ...)
+- ``meta``: format version, total blob bytes
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
+
+import lmdb
+
+from .keys import FORMAT_VERSION, KEY_BYTES
+
+log = logging.getLogger("kvstore")
+T = TypeVar("T")
+
+_DBS = ("entries", "chunks", "tokens", "bounds", "identities", "meta")
+_INITIAL_MAP = 256 << 20
+
+
+class IndexError_(RuntimeError):
+    """The index cannot be opened or used; the message says what to do."""
+
+
+def _dump(rec: dict) -> bytes:
+    return json.dumps(rec, separators=(",", ":")).encode()
+
+
+def _load(b: bytes | memoryview | None) -> dict | None:
+    return None if b is None else json.loads(bytes(b))
+
+
+class Index:
+    """The LMDB index of one cache directory. Safe to share between threads; open one per
+    process (after fork). Every method is one short transaction."""
+
+    def __init__(self, path: Path, *, readonly: bool = False) -> None:
+        self.path = Path(path)
+        self.readonly = readonly
+        self.env = self._open()
+        self._db = {name: self.env.open_db(name.encode(), create=not readonly) for name in _DBS}
+        if not readonly:
+            self._check_format()
+
+    # -- environment -------------------------------------------------------------------
+
+    def _open(self) -> lmdb.Environment:
+        if not self.readonly:
+            self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            return self._open_env()
+        except lmdb.Error as e:
+            if self.readonly or isinstance(e, (lmdb.ReadonlyError,)):
+                raise IndexError_(f"cannot open index {self.path}: {e}") from None
+            # A damaged data file: keep it for inspection, start an empty index. Blobs it
+            # named become orphans that `kvstore verify --fix` / `gc` remove.
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+            log.warning("kvstore: index %s is unreadable (%s); moved aside to %s, starting empty",
+                        self.path, e, aside)
+            os.replace(self.path, aside)
+            self.path.mkdir(parents=True)
+            return self._open_env()
+
+    def _open_env(self) -> lmdb.Environment:
+        size = _INITIAL_MAP
+        data = self.path / "data.mdb"
+        if data.exists():
+            size = max(size, data.stat().st_size)
+        env = lmdb.open(str(self.path), map_size=size, max_dbs=len(_DBS) + 2, subdir=True,
+                        readonly=self.readonly, lock=True, readahead=False, max_readers=512)
+        # touch every named database once so a truncated / foreign file fails here, at open
+        with env.begin() as txn:
+            txn.stat()
+        return env
+
+    def _check_format(self) -> None:
+        def run(txn: lmdb.Transaction) -> None:
+            v = txn.get(b"format", db=self._db["meta"])
+            if v is None:
+                txn.put(b"format", str(FORMAT_VERSION).encode(), db=self._db["meta"])
+            elif int(v) != FORMAT_VERSION:
+                raise IndexError_(f"index {self.path} has format {int(v)}, this kvstore reads "
+                                  f"{FORMAT_VERSION}: use another --cache-dir or remove it")
+        self.write(run)
+
+    def close(self) -> None:
+        self.env.close()
+
+    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn`` in one write transaction; grows the map and retries when it is full."""
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                new = self.env.info()["map_size"] * 2
+                log.info("kvstore: index map full, growing to %d MiB", new >> 20)
+                self.env.set_mapsize(new)
+            except lmdb.MapResizedError:
+                self.env.set_mapsize(0)
+
+    def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        while True:
+            try:
+                with self.env.begin() as txn:
+                    return fn(txn)
+            except lmdb.MapResizedError:
+                self.env.set_mapsize(0)
+
+    # -- reads -------------------------------------------------------------------------
+
+    def entry(self, key: bytes) -> dict | None:
+        return self.read(lambda t: _load(t.get(key, db=self._db["entries"])))
+
+    def chunk(self, key: bytes) -> dict | None:
+        return self.read(lambda t: _load(t.get(key, db=self._db["chunks"])))
+
+    def tokens(self, key: bytes) -> bytes | None:
+        return self.read(lambda t: t.get(key, db=self._db["tokens"]))
+
+    def children(self, boundary: bytes) -> list[tuple[bytes, str]]:
+        """Chunks (``"c"``) and entries (``"e"``) whose prefix ends at ``boundary``."""
+        def run(txn: lmdb.Transaction) -> list[tuple[bytes, str]]:
+            out = []
+            cur = txn.cursor(db=self._db["bounds"])
+            if cur.set_range(boundary):
+                for k, v in cur:
+                    if k[:KEY_BYTES] != boundary:
+                        break
+                    out.append((bytes(k[KEY_BYTES:]), bytes(v).decode()))
+            return out
+        return self.read(run)
+
+    def entries(self) -> Iterator[tuple[bytes, dict]]:
+        """Every entry record (a snapshot taken in one read transaction)."""
+        return iter(self.read(lambda t: [(bytes(k), _load(v)) for k, v in t.cursor(db=self._db["entries"])]))
+
+    def chunks(self) -> Iterator[tuple[bytes, dict]]:
+        return iter(self.read(lambda t: [(bytes(k), _load(v)) for k, v in t.cursor(db=self._db["chunks"])]))
+
+    def identities(self) -> dict[str, dict]:
+        return self.read(lambda t: {bytes(k).hex(): _load(v) for k, v in t.cursor(db=self._db["identities"])})
+
+    def total_bytes(self) -> int:
+        v = self.read(lambda t: t.get(b"bytes", db=self._db["meta"]))
+        return int(v) if v else 0
+
+    def counts(self) -> dict[str, int]:
+        def run(txn: lmdb.Transaction) -> dict[str, int]:
+            return {n: txn.stat(self._db[n])["entries"] for n in ("entries", "chunks", "identities")}
+        return self.read(run)
+
+    def file_bytes(self) -> int:
+        return (self.path / "data.mdb").stat().st_size
+
+    # -- writes ------------------------------------------------------------------------
+
+    def put_identity(self, digest: bytes, info: dict) -> None:
+        db = self._db["identities"]
+        def run(txn: lmdb.Transaction) -> None:
+            if txn.get(digest, db=db) is None:
+                txn.put(digest, _dump(info), db=db)
+        self.write(run)
+
+    def _add_bytes(self, txn: lmdb.Transaction, n: int) -> None:
+        db = self._db["meta"]
+        cur = txn.get(b"bytes", db=db)
+        txn.put(b"bytes", str(max(0, (int(cur) if cur else 0) + n)).encode(), db=db)
+
+    def commit_entry(self, key: bytes, record: dict, tokens: bytes, boundary: bytes,
+                     new_chunks: dict[bytes, tuple[dict, bytes, bytes]],
+                     reused_chunks: list[bytes]) -> str:
+        """Make one entry exist, in one transaction.
+
+        ``new_chunks`` maps chunk key -> (record, tokens, parent boundary) for chunk blobs this
+        writer just wrote; ``reused_chunks`` are chunks it found already indexed. Returns
+        ``"ok"``, ``"exists"`` (entry already indexed: the caller removes its own new blobs),
+        or ``"retry"`` if a reused chunk vanished meanwhile (gc): the caller writes it again.
+        Chunk blobs in ``new_chunks`` that turn out to be indexed already are reported back
+        through ``record["_dup_blobs"]`` for the caller to unlink.
+        """
+        e_db, c_db, t_db, b_db = (self._db[n] for n in ("entries", "chunks", "tokens", "bounds"))
+
+        def run(txn: lmdb.Transaction) -> str:
+            if txn.get(key, db=e_db) is not None:
+                return "exists"
+            for ck in reused_chunks:
+                if txn.get(ck, db=c_db) is None:
+                    return "retry"
+            added = record.get("size", 0)
+            dups = []
+            for ck in list(reused_chunks) + list(new_chunks):
+                old = _load(txn.get(ck, db=c_db))
+                if old is not None:
+                    old["refs"] += 1
+                    txn.put(ck, _dump(old), db=c_db)
+                    if ck in new_chunks:
+                        dups.append(new_chunks[ck][0]["blob"])
+                else:
+                    crec, ctoks, parent = new_chunks[ck]
+                    crec = dict(crec, refs=1)
+                    txn.put(ck, _dump(crec), db=c_db)
+                    txn.put(ck, ctoks, db=t_db)
+                    txn.put(parent + ck, b"c", db=b_db)
+                    added += crec["size"]
+            rec = dict(record)
+            txn.put(key, _dump(rec), db=e_db)
+            txn.put(key, tokens, db=t_db)
+            txn.put(boundary + key, b"e", db=b_db)
+            self._add_bytes(txn, added)
+            record["_dup_blobs"] = dups
+            return "ok"
+
+        return self.write(run)
+
+    def remove_entries(self, keys: list[bytes], *, only_if: Callable[[dict], bool] | None = None) -> list[str]:
+        """Drop entries (and chunks no longer referenced) in one transaction; returns the
+        blob paths (relative) that the caller must unlink after this commit."""
+        e_db, c_db, t_db, b_db = (self._db[n] for n in ("entries", "chunks", "tokens", "bounds"))
+
+        def run(txn: lmdb.Transaction) -> list[str]:
+            blobs: list[str] = []
+            freed = 0
+            for key in keys:
+                rec = _load(txn.get(key, db=e_db))
+                if rec is None or (only_if is not None and not only_if(rec)):
+                    continue
+                txn.delete(key, db=e_db)
+                txn.delete(key, db=t_db)
+                txn.delete(bytes.fromhex(rec["boundary"]) + key, db=b_db)
+                if rec.get("blob"):
+                    blobs.append(rec["blob"])
+                    freed += rec["size"]
+                parent = bytes.fromhex(rec["root"])
+                for ck_hex in rec.get("chunks", []):
+                    ck = bytes.fromhex(ck_hex)
+                    crec = _load(txn.get(ck, db=c_db))
+                    if crec is not None:
+                        crec["refs"] -= 1
+                        if crec["refs"] <= 0:
+                            txn.delete(ck, db=c_db)
+                            txn.delete(ck, db=t_db)
+                            txn.delete(parent + ck, db=b_db)
+                            blobs.append(crec["blob"])
+                            freed += crec["size"]
+                        else:
+                            txn.put(ck, _dump(crec), db=c_db)
+                    parent = ck
+            self._add_bytes(txn, -freed)
+            return blobs
+
+        return self.write(run)
+
+    def update_entry(self, key: bytes, fn: Callable[[dict], dict | None]) -> dict | None:
+        """Read-modify-write one entry record (touch, pin); returns the new record."""
+        db = self._db["entries"]
+
+        def run(txn: lmdb.Transaction) -> dict | None:
+            rec = _load(txn.get(key, db=db))
+            if rec is None:
+                return None
+            new = fn(rec)
+            if new is not None:
+                txn.put(key, _dump(new), db=db)
+            return new
+
+        return self.write(run)
+
+    def touch_many(self, hits: dict[bytes, tuple[float, int]]) -> None:
+        """Record uses: ``key -> (last_used, extra hits)``; missing keys are skipped."""
+        db = self._db["entries"]
+
+        def run(txn: lmdb.Transaction) -> None:
+            for key, (when, n) in hits.items():
+                rec = _load(txn.get(key, db=db))
+                if rec is not None:
+                    rec["last_used"] = max(rec.get("last_used", 0), when)
+                    rec["hits"] = rec.get("hits", 0) + n
+                    txn.put(key, _dump(rec), db=db)
+
+        self.write(run)
+
+    def drop_chunk_orphans(self, chunk_keys: list[bytes]) -> list[str]:
+        """Remove chunk records with no referencing entry (repair); returns their blobs."""
+        c_db, t_db, b_db = (self._db[n] for n in ("chunks", "tokens", "bounds"))
+
+        def run(txn: lmdb.Transaction) -> list[str]:
+            blobs = []
+            for ck in chunk_keys:
+                crec = _load(txn.get(ck, db=c_db))
+                if crec is None:
+                    continue
+                txn.delete(ck, db=c_db)
+                txn.delete(ck, db=t_db)
+                if crec.get("parent"):
+                    txn.delete(bytes.fromhex(crec["parent"]) + ck, db=b_db)
+                blobs.append(crec["blob"])
+                self._add_bytes(txn, -crec["size"])
+            return blobs
+
+        return self.write(run)

@@ -1,0 +1,93 @@
+"""Stable keys over token prefixes: chained xxh3-128 with a fixed integer encoding.
+
+Tokens are encoded as little-endian uint32, so a key depends only on the token ids,
+never on the process (no ``hash()``, no seed, no pickle). Every key chain starts from a
+root derived from the identity digest and the format version, so two identities can never
+share a key.
+
+The chain is cut at fixed ``chunk`` boundaries: ``bounds[k]`` names the prefix
+``tokens[:k * chunk]`` and is also the key of the chunk that ends there. An entry's own key
+adds the residual tokens after its last boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import xxhash
+
+FORMAT_VERSION = 1
+KEY_BYTES = 16
+MAX_TOKEN_ID = 2**32 - 1
+
+
+class TokenError(ValueError):
+    """Raised for token lists that cannot be keyed (not integers, negative, too large)."""
+
+
+def encode_tokens(tokens: Sequence[int]) -> bytes:
+    """Tokens as little-endian uint32 bytes; raises TokenError naming the first bad token."""
+    try:
+        arr = np.asarray(tokens)
+    except Exception as e:  # ragged or exotic input
+        raise TokenError(f"tokens must be a flat sequence of integers: {e}") from None
+    if arr.ndim != 1:
+        raise TokenError(f"tokens must be a flat sequence of integers, got shape {arr.shape}")
+    if arr.size == 0:
+        return b""
+    if arr.dtype.kind not in "iu":
+        bad = next((t for t in tokens if not isinstance(t, (int, np.integer)) or isinstance(t, bool)), None)
+        raise TokenError(f"tokens must be integers, got {type(bad).__name__}: {bad!r}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi > MAX_TOKEN_ID:
+        bad = lo if lo < 0 else hi
+        raise TokenError(f"token id {bad} is out of range [0, 2**32)")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def decode_tokens(data: bytes) -> list[int]:
+    """Inverse of encode_tokens."""
+    return np.frombuffer(data, dtype="<u4").astype(np.int64).tolist()
+
+
+def _h(*parts: bytes) -> bytes:
+    x = xxhash.xxh3_128()
+    for p in parts:
+        x.update(p)
+    return x.digest()
+
+
+def root_key(identity_digest: bytes) -> bytes:
+    """Key of the empty prefix for one identity and this format version."""
+    return _h(b"kvstore/root/v%d/" % FORMAT_VERSION, identity_digest)
+
+
+def chunk_key(parent: bytes, chunk_tokens: bytes) -> bytes:
+    """Key of the prefix ``parent + chunk``: the next boundary of the chain."""
+    return _h(b"C", parent, chunk_tokens)
+
+
+def entry_key(boundary: bytes, residual_tokens: bytes) -> bytes:
+    """Key of a whole stored prefix: its last boundary plus the residual tokens after it."""
+    return _h(b"E", boundary, residual_tokens)
+
+
+def boundaries(root: bytes, tokens: bytes, chunk: int) -> list[bytes]:
+    """``[root, b1, ..., bK]`` for ``K = n_tokens // chunk`` (tokens given encoded)."""
+    out = [root]
+    step = chunk * 4
+    for k in range(len(tokens) // step):
+        out.append(chunk_key(out[-1], tokens[k * step : (k + 1) * step]))
+    return out
+
+
+def key_of(root: bytes, tokens: bytes, chunk: int) -> bytes:
+    """The entry key of a whole token prefix (tokens given encoded)."""
+    b = boundaries(root, tokens, chunk)
+    return entry_key(b[-1], tokens[(len(b) - 1) * chunk * 4 :])
+
+
+def checksum(data: bytes | memoryview) -> str:
+    """Blob checksum: xxh3-128 hex of the exact file bytes."""
+    return xxhash.xxh3_128_hexdigest(data)

@@ -1,0 +1,169 @@
+"""The memory tier: hot prefix snapshots as MLX arrays in a trie over token ids.
+
+Matching is mlx-lm's own (its ``PromptTrie``, identical in 0.31 and 0.32): an exact hit;
+else a longer entry trimmed back to the common prefix when it is trimmable and that beats
+the longest shorter prefix; else the longest shorter prefix. Eviction is mlx-lm's too:
+three LRU lists (assistant, then user, then system are evicted first), by entry count and
+by bytes, and inserting a trimmable entry drops its stored prefixes.
+
+A snapshot holds encoded tensors (views, no copy) and hands out fresh cache objects on
+every hit, so the caller can extend its cache without touching the stored arrays and no
+hit pays a deep copy. Objects kvstore cannot encode are kept as given and deep-copied on
+hit, as mlx-lm does.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+from mlx_lm.models.cache import PromptTrie
+
+from . import codec
+
+ORDERING = ("assistant", "user", "system")
+
+
+@dataclass
+class Snapshot:
+    """One stored prefix in memory."""
+
+    tensors: codec.Tensors | None
+    layout: codec.Layout | None
+    opaque: list[Any] | None        # caches kvstore cannot encode, kept as given
+    nbytes: int
+    trimmable: bool
+    cache_type: str = "assistant"
+    persisted: bool = False         # queued for (or already on) disk
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def materialize(self) -> list[Any]:
+        """Fresh cache objects; extending them never changes this snapshot."""
+        if self.opaque is not None:
+            return copy.deepcopy(self.opaque)
+        return codec.decode_cache(self.tensors or {}, self.layout or [])
+
+
+Key = tuple[Hashable, tuple[int, ...]]
+
+
+class MemoryTier:
+    """Not thread-safe by itself: the store serialises calls."""
+
+    def __init__(self, max_entries: int = 10, max_bytes: int = 1 << 63, *,
+                 touch_on_hit: bool = False) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.touch_on_hit = touch_on_hit
+        self._trie = PromptTrie()
+        self._lrus: dict[str, OrderedDict[Key, None]] = {k: OrderedDict() for k in ORDERING}
+        self._bytes_by_type = {k: 0 for k in ORDERING}
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._lrus.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._bytes_by_type.values())
+
+    def stats_by_type(self) -> dict[str, dict[str, int]]:
+        return {k: {"n_sequences": len(self._lrus[k]), "n_bytes": self._bytes_by_type[k]}
+                for k in ORDERING}
+
+    def lookup(self, model: Hashable, tokens: list[int]) -> tuple[list[Any] | None, int]:
+        """mlx-lm's ``fetch_nearest_cache`` rules: (fresh cache or None, tokens it holds)."""
+        result = self._trie.search(model, tokens)
+        if result.exact is not None:
+            self._touch(model, result.exact)
+            return self._trie.get(model, result.exact).materialize(), len(tokens)
+
+        short = len(result.shorter) if result.shorter is not None else 0
+        if result.longer is not None and result.common_prefix > short:
+            snap: Snapshot = self._trie.get(model, result.longer)
+            if snap.trimmable:
+                cache = snap.materialize()
+                if codec.trimmable(cache):
+                    prefix = min(len(tokens) - 1, result.common_prefix)
+                    for c in cache:
+                        c.trim(len(result.longer) - prefix)
+                    self._touch(model, result.longer)
+                    return cache, prefix
+        if short > 0:
+            self._touch(model, result.shorter)
+            return self._trie.get(model, result.shorter).materialize(), short
+        return None, 0
+
+    def get(self, model: Hashable, tokens: list[int]) -> Snapshot | None:
+        try:
+            return self._trie.get(model, tokens)
+        except KeyError:
+            return None
+
+    def insert(self, model: Hashable, tokens: list[int], snap: Snapshot) -> list[tuple[Hashable, list[int], Snapshot]]:
+        """Store a snapshot; returns what was evicted by the limits (the store persists
+        those not yet on disk). Prefixes dropped because ``snap`` covers them are not
+        returned: ``snap`` itself will be persisted."""
+        key: Key = (model, tuple(tokens))
+        prev = self._trie.add(model, tokens, snap)
+        if prev is not None:
+            self._bytes_by_type[prev.cache_type] -= prev.nbytes
+            self._forget(key)
+        self._lrus[snap.cache_type][key] = None
+        self._bytes_by_type[snap.cache_type] += snap.nbytes
+
+        evicted: list[tuple[Hashable, list[int], Snapshot]] = []
+        if snap.trimmable:  # a trimmable entry covers its prefixes
+            for n, old in self._trie.pop_prefixes(model, tokens):
+                self._bytes_by_type[old.cache_type] -= old.nbytes
+                self._forget((model, tuple(tokens[:n])))
+        if len(self) > self.max_entries:
+            evicted.append(self._pop())
+        while self.nbytes > self.max_bytes and len(self):
+            evicted.append(self._pop())
+        return evicted
+
+    def trim_to(self, n_sequences: int | None = None, n_bytes: int | None = None) -> list[tuple[Hashable, list[int], Snapshot]]:
+        n_sequences = max(0, n_sequences) if n_sequences is not None else 1 << 63
+        n_bytes = max(0, n_bytes) if n_bytes is not None else 1 << 63
+        out = []
+        while len(self) > n_sequences:
+            out.append(self._pop())
+        while self.nbytes > n_bytes and len(self):
+            out.append(self._pop())
+        return out
+
+    def clear(self) -> list[tuple[Hashable, list[int], Snapshot]]:
+        return self.trim_to(n_sequences=0)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _touch(self, model: Hashable, tokens: list[int]) -> None:
+        if not self.touch_on_hit:
+            return
+        key = (model, tuple(tokens))
+        for lru in self._lrus.values():
+            if key in lru:
+                lru.move_to_end(key)
+                return
+
+    def _forget(self, key: Key) -> None:
+        for k in ORDERING:
+            if key in self._lrus[k]:
+                del self._lrus[k][key]
+                return
+
+    def _pop(self) -> tuple[Hashable, list[int], Snapshot]:
+        # mlx-lm's CacheOrder.pop: take from the first list that is at least as long as
+        # the next one, so assistant turns go before user turns before system prompts.
+        order = [self._lrus[k] for k in ORDERING]
+        victim = order[-1]
+        for a, b in zip(order, order[1:]):
+            if a and len(a) >= len(b):
+                victim = a
+                break
+        (model, tokens), _ = victim.popitem(last=False)
+        snap: Snapshot = self._trie.pop(model, list(tokens))
+        self._bytes_by_type[snap.cache_type] -= snap.nbytes
+        return model, list(tokens), snap

@@ -1,0 +1,423 @@
+"""KVStore: one lookup over the memory tier and the disk tier.
+
+``fetch`` returns the longest reusable prefix from either tier as fresh cache objects;
+``insert`` keeps a snapshot in memory and queues it for the disk (write-behind). A disk
+problem of any kind (missing, truncated, corrupt or foreign blob, a failed write, a full
+disk) costs at most a miss: it is counted, logged once, and never raised to the caller.
+Bad *input* (tokens that are not token ids, a cache longer than its tokens) raises
+``ValueError`` naming the problem, and changes nothing.
+
+Thread-safe: one lock guards the memory tier; disk reads run outside it; one writer thread
+owns disk writes. Several processes may share a cache directory (LMDB locking, unique blob
+names, commit-after-fsync).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Hashable
+
+import mlx.core as mx
+
+from . import blobs, codec
+from .disk import DiskTier, PersistJob
+from .identity import DigestMemo, Identity, model_identity
+from .keys import encode_tokens, key_of, root_key
+from .memory import MemoryTier, Snapshot
+from .writer import Writer
+
+log = logging.getLogger("kvstore")
+
+
+def default_cache_dir() -> Path:
+    """``$KVSTORE_DIR`` if set, else the platform's user cache dir (``.../kvstore/cache``)."""
+    env = os.environ.get("KVSTORE_DIR")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("kvstore")) / "cache"
+
+
+class StoreOpenError(RuntimeError):
+    """The cache directory cannot be used; the message says why and what to do."""
+
+
+@dataclass
+class Fetched:
+    """Result of a lookup: a fresh cache holding ``n`` tokens (or None), and its tier."""
+
+    cache: list[Any] | None
+    n: int
+    source: str | None  # "memory", "disk" or None
+
+
+_STAT_KEYS = ("hits_memory", "hits_disk", "misses", "tokens_saved", "bytes_read",
+              "bytes_written", "restore_seconds", "restores", "write_seconds", "writes",
+              "corrupt", "write_errors", "unpersistable")
+
+
+class KVStore:
+    """A two-tier prefix cache for mlx-lm prompt caches.
+
+    ``model`` arguments may be an ``Identity``, a model directory, or mlx-lm's server key
+    ``(model path, adapter path, draft model path)``; a key that cannot be resolved to
+    files on disk is served from memory only.
+    """
+
+    def __init__(
+        self,
+        cache_dir: str | Path | None = None,
+        *,
+        max_entries: int = 10,
+        max_bytes: int = 1 << 63,
+        max_disk_bytes: int | None = None,
+        chunk_tokens: int = 256,
+        queue_size: int = 16,
+        touch_on_hit: bool = True,
+        memory_only: bool = False,
+        on_disk_error: str = "raise",
+    ) -> None:
+        self.memory = MemoryTier(max_entries, max_bytes, touch_on_hit=touch_on_hit)
+        self.max_disk_bytes = max_disk_bytes
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self._lock = threading.RLock()
+        self._stats = {k: 0 for k in _STAT_KEYS}
+        self._stats["restore_seconds"] = 0.0
+        self._stats["write_seconds"] = 0.0
+        self._idents: dict[Hashable, Identity | None] = {}
+        self._warned: set[str] = set()
+        self._touches: dict[bytes, tuple[float, int]] = {}
+        self._touch_scheduled = False
+        self.disk: DiskTier | None = None
+        if not memory_only:
+            try:
+                self.disk = _open_disk(self.cache_dir, chunk_tokens)
+            except StoreOpenError as e:
+                if on_disk_error != "memory":
+                    raise
+                log.warning("kvstore: %s; serving from memory only", e)
+        self.memo = DigestMemo(self.cache_dir / "file-digests.json" if self.disk else None)
+        self.writer = Writer(queue_size) if self.disk else None
+        _open_stores.add(self)
+
+    # -- identity ----------------------------------------------------------------------
+
+    def identity(self, model: Any) -> Identity | None:
+        """Map a model key to its identity (cached); None if it names no local files."""
+        if isinstance(model, Identity):
+            return model
+        try:
+            key: Hashable = model if isinstance(model, Hashable) else repr(model)
+        except TypeError:
+            key = repr(model)
+        if key in self._idents:
+            return self._idents[key]
+        ident = None
+        try:
+            parts = list(model) if isinstance(model, (tuple, list)) else [model]
+            parts += [None] * (3 - len(parts))
+            path, adapter, draft = (_local_path(p) if p is not None else None for p in parts[:3])
+            if path is not None:
+                ident = model_identity(path, adapter_path=adapter, draft_path=draft, memo=self.memo)
+                if self.disk is not None:
+                    self.disk.index.put_identity(ident.digest, ident.info)
+        except Exception as e:  # unresolvable: memory only, said once
+            self._warn_once(f"ident:{key!r}", "kvstore: no identity for model %r (%s); memory only", model, e)
+        if ident is None:
+            self._warn_once(f"ident:{key!r}", "kvstore: model %r is not a local directory; memory only", model)
+        self._idents[key] = ident
+        return ident
+
+    def register(self, model: Hashable, identity: Identity) -> None:
+        """Use ``identity`` for ``model`` (engines whose key is not a path)."""
+        self._idents[model] = identity
+        if self.disk is not None:
+            self.disk.index.put_identity(identity.digest, identity.info)
+
+    def _mem_key(self, model: Any, ident: Identity | None) -> Hashable:
+        return ident.digest if ident is not None else model
+
+    # -- fetch -------------------------------------------------------------------------
+
+    def fetch(self, model: Any, tokens: list[int]) -> Fetched:
+        """The longest reusable prefix of ``tokens`` in memory or on disk.
+
+        Raises ValueError (``keys.TokenError``) for token lists that are not token ids.
+        """
+        tokens = list(tokens)
+        enc = encode_tokens(tokens)
+        ident = self.identity(model)
+        mkey = self._mem_key(model, ident)
+        with self._lock:
+            cache, n = self.memory.lookup(mkey, tokens)
+            snap = self.memory.get(mkey, tokens[:n]) if cache is not None else None
+        if cache is not None and n == len(tokens):
+            self._hit("memory", n, snap)
+            return Fetched(cache, n, "memory")
+        if ident is not None and self.disk is not None and tokens:
+            got = self._fetch_disk(ident, enc, better_than=n)
+            if got is not None:
+                return got
+        if cache is not None:
+            self._hit("memory", n, snap)
+            return Fetched(cache, n, "memory")
+        self._stats["misses"] += 1
+        return Fetched(None, 0, None)
+
+    def _fetch_disk(self, ident: Identity, enc: bytes, better_than: int) -> Fetched | None:
+        assert self.disk is not None
+        for _ in range(4):  # each failure drops a record; the next plan may still hit
+            try:
+                plan = self.disk.plan(ident, enc)
+            except Exception as e:
+                self._warn_once("plan", "kvstore: disk lookup failed (%s); treating as a miss", e)
+                return None
+            if plan is None or plan.n <= better_than:
+                return None
+            t0 = time.perf_counter()
+            try:
+                cache, n = self.disk.restore(plan)
+            except (blobs.BlobError, codec.Unsupported, KeyError, ValueError, OSError) as e:
+                self._stats["corrupt"] += 1
+                self._warn_once(f"bad:{e}", "kvstore: dropping damaged entry: %s", e)
+                self._drop(plan)
+                continue
+            dt = time.perf_counter() - t0
+            self._stats["restore_seconds"] += dt
+            self._stats["restores"] += 1
+            self._stats["bytes_read"] += sum(int(a.nbytes) for c in cache for a in _layer_arrays(c))
+            # promote: keep it hot, marked as already on disk
+            tensors, layout = codec.encode_cache(cache)
+            snap = Snapshot(tensors, layout, None, codec.cache_nbytes(tensors),
+                            codec.trimmable(cache), persisted=True)
+            tokens = _decode(enc[: n * 4])
+            snap.extra["disk_key"] = plan.entry
+            with self._lock:
+                evicted = self.memory.insert(ident.digest, tokens, snap)
+            self._persist_evicted(evicted)
+            self._hit("disk", n, snap)
+            return Fetched(snap.materialize(), n, "disk")
+        return None
+
+    def _drop(self, plan: Any) -> None:
+        assert self.disk is not None
+        kind, key = plan.last
+        try:
+            if kind == "entry":
+                self.disk.remove([key])
+            else:
+                self.disk.drop_chunk(key)
+            for ck in plan.chunks:  # a bad chunk in the chain: drop it (entries above go dead)
+                rec = self.disk.index.chunk(ck)
+                if rec is not None and not (self.disk.blob_root / rec["blob"]).exists():
+                    self.disk.drop_chunk(ck)
+        except Exception as e:
+            self._warn_once("drop", "kvstore: could not drop damaged record: %s", e)
+
+    def _hit(self, tier: str, n: int, snap: Snapshot | None) -> None:
+        self._stats[f"hits_{tier}"] += 1
+        self._stats["tokens_saved"] += n
+        key = snap.extra.get("disk_key") if snap is not None else None
+        if key is not None and self.writer is not None:
+            with self._lock:
+                when, hits = self._touches.get(key, (0.0, 0))
+                self._touches[key] = (time.time(), hits + 1)
+                schedule = not self._touch_scheduled
+                self._touch_scheduled = True
+            if schedule and not self.writer.submit(self._flush_touches):
+                self._touch_scheduled = False
+
+    def _flush_touches(self) -> None:
+        with self._lock:
+            touches, self._touches = self._touches, {}
+            self._touch_scheduled = False
+        if touches and self.disk is not None:
+            self.disk.index.touch_many(touches)
+
+    # -- insert ------------------------------------------------------------------------
+
+    def insert(self, model: Any, tokens: list[int], cache: list[Any], *,
+               cache_type: str = "assistant") -> None:
+        """Keep ``cache`` (which holds ``tokens``) hot and queue it for disk; returns at once.
+
+        Raises ValueError when the tokens are not token ids or the cache holds more
+        positions than ``tokens``; nothing is stored then.
+        """
+        tokens = list(tokens)
+        enc = encode_tokens(tokens)
+        if cache_type not in self.memory.stats_by_type():
+            raise ValueError(f"cache_type must be one of {list(self.memory.stats_by_type())}, got {cache_type!r}")
+        ident = self.identity(model)
+        snap, covered = self._snapshot(cache, len(tokens), cache_type)
+        if snap.tensors is not None and ident is not None and self.disk is not None and covered > 0:
+            snap.extra["job"] = (ident, enc[: covered * 4])
+            snap.persisted = self._submit(snap)
+        with self._lock:
+            evicted = self.memory.insert(self._mem_key(model, ident), tokens, snap)
+        self._persist_evicted(evicted)
+
+    def _snapshot(self, cache: list[Any], n_tokens: int, cache_type: str) -> tuple[Snapshot, int]:
+        try:
+            tensors, layout = codec.encode_cache(cache)
+        except codec.Unsupported as e:
+            self._stats["unpersistable"] += 1
+            self._warn_once(f"unsup:{e}", "kvstore: %s; kept in memory only", e)
+            nbytes = sum(getattr(c, "nbytes", 0) for c in cache) if isinstance(cache, (list, tuple)) else 0
+            trim = bool(cache) and all(getattr(c, "is_trimmable", lambda: False)() for c in cache)
+            return Snapshot(None, None, cache, nbytes, trim, cache_type), 0
+        offsets = [m["offset"] for m in codec._walk(layout) if "offset" in m]
+        covered = min(offsets) if offsets else n_tokens
+        if covered > n_tokens:
+            raise ValueError(f"cache holds {covered} positions but only {n_tokens} tokens were given")
+        if len(set(offsets)) > 1:
+            raise ValueError(f"cache layers disagree on their length: {sorted(set(offsets))}")
+        if not offsets:  # recurrent state only: it must be taken at the prefix boundary
+            covered = n_tokens
+        mx.eval(list(tensors.values()))  # views: free, and ready for the writer thread
+        snap = Snapshot(tensors, layout, None, codec.cache_nbytes(tensors), codec.trimmable(cache), cache_type)
+        return snap, covered
+
+    def _submit(self, snap: Snapshot) -> bool:
+        assert self.writer is not None and snap.tensors is not None
+        ident, enc = snap.extra["job"]
+        try:
+            host = blobs.host_views(snap.tensors)
+        except TypeError as e:
+            self._warn_once(f"dtype:{e}", "kvstore: %s; kept in memory only", e)
+            return False
+        job = PersistJob(ident, enc, host, snap.layout or [], snap.cache_type)
+        snap.extra["disk_key"] = key_of(root_key(ident.digest), enc, self.disk.chunk) if self.disk else None
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                written = self.disk.persist(job)  # type: ignore[union-attr]
+            except OSError as e:
+                self._stats["write_errors"] += 1
+                self._warn_once(f"write:{e.errno}", "kvstore: write failed (%s); entry stays in memory only", e)
+                return
+            self._stats["write_seconds"] += time.perf_counter() - t0
+            self._stats["writes"] += 1
+            self._stats["bytes_written"] += written
+            if self.max_disk_bytes is not None and self.disk is not None:
+                from .maintenance import evict_to
+                evict_to(self.disk, self.max_disk_bytes)
+
+        return self.writer.submit(run)
+
+    def _persist_evicted(self, evicted: list) -> None:
+        for _, _, snap in evicted:
+            if not snap.persisted and "job" in snap.extra and self.writer is not None:
+                snap.persisted = self._submit(snap)
+
+    # -- limits, stats, lifecycle ------------------------------------------------------
+
+    def trim_to(self, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        with self._lock:
+            evicted = self.memory.trim_to(n_sequences, n_bytes)
+        self._persist_evicted(evicted)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters by tier, plus queue depth, dropped and failed writes, disk totals."""
+        s: dict[str, Any] = dict(self._stats)
+        s["memory_entries"] = len(self.memory)
+        s["memory_bytes"] = self.memory.nbytes
+        if self.writer is not None:
+            s["queue_depth"] = self.writer.depth
+            s["dropped_writes"] = self.writer.dropped
+        if self.disk is not None:
+            s["disk_bytes"] = self.disk.index.total_bytes()
+            s.update({f"disk_{k}": v for k, v in self.disk.index.counts().items()})
+            s["cache_dir"] = str(self.cache_dir)
+        return s
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is on disk (or failed)."""
+        if self.writer is None:
+            return True
+        ok = self.writer.flush(timeout)
+        if self._touches:
+            self.writer.submit(self._flush_touches)
+            ok = self.writer.flush(timeout) and ok
+        return ok
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush the write-behind queue and release the index. Idempotent."""
+        if self.writer is not None:
+            self.flush(timeout)
+            self.writer.close(timeout)
+            self.writer = None
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
+        _open_stores.discard(self)
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
+
+
+def _open_disk(path: Path, chunk_tokens: int) -> DiskTier:
+    if path.exists() and not path.is_dir():
+        raise StoreOpenError(f"cache path {path} is a file, not a directory: pass another --cache-dir")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StoreOpenError(f"cannot create cache directory {path}: {e.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise StoreOpenError(f"cache directory {path} is not writable: fix its permissions or pass another --cache-dir")
+    try:
+        return DiskTier(path, chunk_tokens=chunk_tokens)
+    except OSError as e:
+        raise StoreOpenError(f"cannot open cache directory {path}: {e}") from None
+    except Exception as e:
+        raise StoreOpenError(f"cannot open index in {path}: {e}") from None
+
+
+def _local_path(p: Any) -> Path | None:
+    path = Path(str(p)).expanduser()
+    if path.is_dir():
+        return path
+    try:  # a hub repo id already in the local hub cache
+        from huggingface_hub import snapshot_download
+        got = Path(snapshot_download(str(p), local_files_only=True))
+        return got if got.is_dir() else None
+    except Exception:
+        return None
+
+
+def _decode(enc: bytes) -> list[int]:
+    from .keys import decode_tokens
+    return decode_tokens(enc)
+
+
+def _layer_arrays(layer: Any) -> list:
+    from .disk import _arrays
+    return _arrays(layer)
+
+
+_open_stores: "weakref.WeakSet[KVStore]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:  # interpreter exit flushes the write-behind queue
+    for store in list(_open_stores):
+        try:
+            store.close(timeout=60)
+        except Exception:
+            pass

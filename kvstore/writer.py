@@ -1,0 +1,80 @@
+"""The write-behind thread: one owner for disk writes, fed by a bounded queue.
+
+``submit`` never blocks: when the queue is full the job is dropped and counted, so
+generation is never held up by the disk. ``flush`` waits until everything queued so far
+is on disk (or failed); ``close`` flushes and stops the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Callable
+
+log = logging.getLogger("kvstore")
+
+Job = Callable[[], None]
+
+
+class Writer:
+    def __init__(self, maxsize: int = 16, name: str = "kvstore-writer") -> None:
+        self._q: queue.Queue[Job | None] = queue.Queue(maxsize=maxsize)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._closed = False
+        self.dropped = 0
+        self.failed = 0
+        self.done = 0
+        self._thread.start()
+
+    @property
+    def depth(self) -> int:
+        return self._q.qsize()
+
+    def submit(self, job: Job) -> bool:
+        """Queue a job; False (and counted as dropped) if the queue is full or closed."""
+        if self._closed:
+            self.dropped += 1
+            return False
+        try:
+            self._q.put_nowait(job)
+            return True
+        except queue.Full:
+            self.dropped += 1
+            return False
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Block until every job queued before this call has run. True if it finished."""
+        if not self._thread.is_alive():
+            return self._q.unfinished_tasks == 0
+        done = threading.Event()
+        try:
+            self._q.put(done.set, timeout=timeout)
+        except queue.Full:
+            return False
+        return done.wait(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        if self._closed:
+            return
+        self.flush(timeout)
+        self._closed = True
+        try:
+            self._q.put(None, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            try:
+                if job is None:
+                    return
+                job()
+                self.done += 1
+            except Exception:  # a failed write costs that entry, never the thread
+                self.failed += 1
+                log.exception("kvstore: background write failed")
+            finally:
+                self._q.task_done()
