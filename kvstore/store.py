@@ -69,7 +69,8 @@ class KVStore:
 
     ``model`` arguments may be an ``Identity``, a model directory, or mlx-lm's server key
     ``(model path, adapter path, draft model path)``; a key that cannot be resolved to
-    files on disk is served from memory only.
+    files on disk is served from memory only. ``kv_bits`` / ``kv_group_size`` name the KV
+    quantisation the engine runs with (it is part of every identity this store resolves).
     """
 
     def __init__(
@@ -84,6 +85,8 @@ class KVStore:
         touch_on_hit: bool = True,
         memory_only: bool = False,
         on_disk_error: str = "raise",
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ) -> None:
         self.memory = MemoryTier(max_entries, max_bytes, touch_on_hit=touch_on_hit)
         self.max_disk_bytes = max_disk_bytes
@@ -93,6 +96,7 @@ class KVStore:
         self._stats["restore_seconds"] = 0.0
         self._stats["write_seconds"] = 0.0
         self._idents: dict[Hashable, Identity | None] = {}
+        self._kv_quant = (kv_bits, kv_group_size if kv_bits else None)
         self._warned: set[str] = set()
         self._touches: dict[bytes, tuple[float, int]] = {}
         self._touch_scheduled = False
@@ -126,7 +130,8 @@ class KVStore:
             parts += [None] * (3 - len(parts))
             path, adapter, draft = (_local_path(p) if p is not None else None for p in parts[:3])
             if path is not None:
-                ident = model_identity(path, adapter_path=adapter, draft_path=draft, memo=self.memo)
+                ident = model_identity(path, adapter_path=adapter, draft_path=draft, memo=self.memo,
+                                       kv_bits=self._kv_quant[0], kv_group_size=self._kv_quant[1])
                 if self.disk is not None:
                     self.disk.index.put_identity(ident.digest, ident.info)
         except Exception as e:  # unresolvable: memory only, said once

@@ -1,0 +1,96 @@
+"""A drop-in for ``mlx_lm.models.cache.LRUPromptCache`` with a disk tier underneath.
+
+Switching is one import line::
+
+    from kvstore import LRUPromptCache   # was: from mlx_lm.models.cache import LRUPromptCache
+
+The memory tier behaves as mlx-lm's does (same matching, same three LRU lists, same
+limits, same prefix pruning; tests pin this against mlx-lm 0.31 and 0.32), and a memory
+miss falls through to disk. Constructed with mlx-lm's arguments alone it stores in
+``$KVSTORE_DIR``, else the user cache dir. A cache directory that cannot be used makes it
+warn and run memory-only, so an engine never fails to start because of its cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..store import KVStore
+
+
+class LRUPromptCache:
+    """mlx-lm's prompt cache API over a two-tier KVStore.
+
+    ``model`` is mlx-lm's ``(model path, adapter path, draft model path)`` key; it maps to
+    the identity digest of those files, so entries survive restarts and never cross models.
+    """
+
+    def __init__(
+        self,
+        max_size: int = 10,
+        max_bytes: int = 1 << 63,
+        *,
+        cache_dir: str | Path | None = None,
+        max_disk_bytes: int | None = None,
+        chunk_tokens: int = 256,
+        queue_size: int = 16,
+        disk: bool = True,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+        store: KVStore | None = None,
+    ) -> None:
+        self.store = store or KVStore(
+            cache_dir, max_entries=max_size, max_bytes=max_bytes, max_disk_bytes=max_disk_bytes,
+            chunk_tokens=chunk_tokens, queue_size=queue_size, touch_on_hit=False,
+            memory_only=not disk, on_disk_error="memory", kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+        )
+
+    @property
+    def max_size(self) -> int:
+        return self.store.memory.max_entries
+
+    @max_size.setter
+    def max_size(self, v: int) -> None:
+        self.store.memory.max_entries = v
+
+    @property
+    def max_bytes(self) -> int:
+        return self.store.memory.max_bytes
+
+    @max_bytes.setter
+    def max_bytes(self, v: int) -> None:
+        self.store.memory.max_bytes = v
+
+    def __len__(self) -> int:
+        return len(self.store.memory)
+
+    @property
+    def nbytes(self) -> int:
+        return self.store.memory.nbytes
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
+        """(cache or None, the tokens still to process): exact, longer-trimmed or shorter
+        hit from memory, else the longest stored prefix on disk."""
+        got = self.store.fetch(model, tokens)
+        return got.cache, tokens[got.n :]
+
+    def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
+                     cache_type: str = "assistant") -> None:
+        """Keep the cache hot and queue it for disk; returns without waiting for the disk."""
+        self.store.insert(model, tokens, prompt_cache, cache_type=cache_type)
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        self.store.trim_to(n_sequences, n_bytes)
+
+    def stats_by_type(self) -> dict[str, dict[str, int]]:
+        return self.store.memory.stats_by_type()
+
+    def stats(self) -> dict[str, Any]:
+        """The store's counters (hits by tier, bytes, dropped writes, ...)."""
+        return self.store.stats()
+
+    def close(self) -> None:
+        """Flush the write-behind queue and close the index."""
+        self.store.close()

@@ -1,0 +1,120 @@
+"""``kvstore serve``: mlx-lm's own OpenAI-compatible server with kvstore as its prompt cache.
+
+No mlx-lm file is edited. Before ``mlx_lm.server.main()`` runs, this module
+- replaces ``mlx_lm.server.LRUPromptCache`` (which ``run()`` instantiates) with a subclass
+  of kvstore's drop-in bound to the cache directory, budgets and KV quantisation given here,
+- wraps ``APIHandler.do_GET`` to answer ``GET /v1/cache/stats`` with the store's counters,
+- turns SIGTERM into the KeyboardInterrupt mlx-lm already handles (``httpd.shutdown()``),
+  then closes the store, which flushes the write-behind queue before the process exits.
+Every other flag is mlx_lm.server's own and passed through unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from typing import Any
+
+from .mlx_lm import LRUPromptCache
+
+log = logging.getLogger("kvstore")
+_STORES: list[LRUPromptCache] = []
+
+
+def bind_prompt_cache(**options: Any) -> type[LRUPromptCache]:
+    """A ``LRUPromptCache`` class whose constructor takes mlx-lm's arguments only and adds
+    ``options`` (cache_dir, max_disk_bytes, ...): what an engine instantiates itself."""
+
+    class BoundPromptCache(LRUPromptCache):
+        def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63) -> None:
+            super().__init__(max_size, max_bytes, **options)
+            _STORES.append(self)
+
+    return BoundPromptCache
+
+
+def _install_stats_route(server_mod: Any) -> None:
+    handler = server_mod.APIHandler
+    if getattr(handler, "_kvstore_patched", False):
+        return
+    original = handler.do_GET
+
+    def do_GET(self: Any) -> None:
+        if self.path.split("?")[0] == "/v1/cache/stats":
+            body = json.dumps([s.stats() for s in _STORES][0] if _STORES else {}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        original(self)
+
+    handler.do_GET = do_GET
+    handler._kvstore_patched = True
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("kvstore")
+    g.add_argument("--cache-dir", help="kvstore cache directory (default: $KVSTORE_DIR or the user cache dir)")
+    g.add_argument("--max-disk-bytes", type=_size, default=None, help="disk budget, e.g. 20G (LRU eviction)")
+    g.add_argument("--chunk-tokens", type=int, default=256, help="tokens per stored chunk (default 256)")
+    g.add_argument("--write-queue", type=int, default=16, help="write-behind queue length (default 16)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvstore serve",
+        description="mlx_lm.server with a persistent kvstore prompt cache. "
+                    "All mlx_lm.server flags are accepted (e.g. --model, --host, --port).")
+    setup_arg_parser(parser)
+    ours, rest = parser.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        parser.print_help()
+        print("\nmlx_lm.server flags:")
+    import mlx_lm.server as server_mod
+
+    kv_bits = _flag(rest, "--kv-bits")
+    options: dict[str, Any] = {
+        "cache_dir": ours.cache_dir, "max_disk_bytes": ours.max_disk_bytes,
+        "chunk_tokens": ours.chunk_tokens, "queue_size": ours.write_queue,
+    }
+    if kv_bits is not None:  # entries of a --kv-bits server get their own identity
+        options.update(kv_bits=int(kv_bits), kv_group_size=int(_flag(rest, "--kv-group-size") or 64))
+    server_mod.LRUPromptCache = bind_prompt_cache(**options)
+    _install_stats_route(server_mod)
+    signal.signal(signal.SIGTERM, _sigterm)
+    sys.argv = ["mlx_lm.server", *rest]
+    try:
+        server_mod.main()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for s in _STORES:
+            s.close()
+        log.info("kvstore: store flushed and closed")
+    return 0
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().rstrip("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)

@@ -1,0 +1,17 @@
+"""``kvstore serve``: see kvstore.adapters.server."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def setup_arg_parser(subparsers: "argparse._SubParsersAction") -> None:
+    p = subparsers.add_parser("serve", add_help=False,
+                              help="mlx_lm.server with a persistent kvstore prompt cache")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..adapters.server import main
+
+    return main(args.args)
