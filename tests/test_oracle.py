@@ -1,0 +1,201 @@
+"""tools/oracle.py: the restored-equals-cold oracle passes correct caches and fails wrong ones.
+
+For every tiny family (plain KVCache, QuantizedKVCache, RotatingKVCache+KVCache, ArraysCache+
+KVCache, CacheList) and SmolLM2, with a prompt of N tokens and a split at K:
+- ok, exact=True: a cache of prompt[:K] made by the same split as the cold run;
+- ok, tolerance: a cache of prompt[:K] made by a different split (chunked, then one token);
+- not ok: a cache of a different prefix of the same length (all different / one token);
+- not ok: caches of prompt[:K+1] and prompt[:K-1] claimed to hold K tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass
+
+import pytest
+from conftest import have_smollm2, text_prompt
+
+from tools import models as M
+from tools.oracle import (
+    DEFAULT_ATOL,
+    ColdRun,
+    assert_restore,
+    check_restore,
+    cold_run,
+    make_cache,
+    prefill,
+)
+
+# name -> (prompt tokens N, split K, prefill chunk for the "different split" cache, n_gen)
+CASES = {
+    "tiny-llama": (320, 256, 64, 16),
+    "tiny-llama-q": (320, 256, 64, 16),
+    "tiny-gemma3": (320, 256, 64, 16),  # sliding window 32: rotated many times over
+    "tiny-qwen3next": (200, 150, 64, 16),
+    "tiny-cachelist": (320, 256, 64, 16),
+    "smollm2": (64, 56, 16, 6),  # mlx CPU prefill of 135M float32 is ~10 tok/s here: short
+}
+NAMES = [n for n in CASES if have_smollm2() or not n.startswith("smollm2")]
+
+MEASURED: dict[str, dict[str, float]] = {}  # printed at the end (run with -s to see)
+
+
+@dataclass
+class Scenario:
+    name: str
+    model: object
+    tokenizer: object
+    prompt: list[int]
+    k: int
+    chunk: int
+    n_gen: int
+
+    @property
+    def kw(self) -> dict:
+        return M.MODELS[self.name].cache_kwargs
+
+    @functools.cached_property
+    def reference(self) -> ColdRun:
+        """Cold run of the whole prompt in one call, shared by the tolerance checks."""
+        return cold_run(self.model, self.prompt, n_gen=self.n_gen, **self.kw)
+
+    @functools.cached_property
+    def cache_k_minus_1(self) -> list:
+        return prefill(self.model, self.prompt[: self.k - 1], chunk=self.chunk, **self.kw)
+
+    @functools.cached_property
+    def cache_k_split(self) -> list:
+        """prompt[:K] made as chunked prompt[:K-1] + one more token: not the cold run's split."""
+        cache = copy.deepcopy(self.cache_k_minus_1)
+        return prefill(self.model, self.prompt[self.k - 1 : self.k], cache=cache, **self.kw)
+
+    @functools.cached_property
+    def cache_k_plus_1(self) -> list:
+        cache = copy.deepcopy(self.cache_k_split)
+        return prefill(self.model, self.prompt[self.k : self.k + 1], cache=cache, **self.kw)
+
+    def check(self, cache, **kwargs):
+        kwargs.setdefault("n_gen", self.n_gen)
+        return check_restore(
+            self.model, self.prompt, cache, self.k, copy_cache=True, **self.kw, **kwargs
+        )
+
+    def record(self, key: str, value: float) -> None:
+        MEASURED.setdefault(self.name, {})[key] = value
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def scenario(request, load_named):
+    name = request.param
+    n, k, chunk, n_gen = CASES[name]
+    model, tokenizer = load_named(name)
+    prompt = text_prompt(tokenizer, n, seed=3)
+    return Scenario(name, model, tokenizer, prompt, k, chunk, n_gen)
+
+
+def test_exact_same_split_is_ok(scenario):
+    cache = prefill(scenario.model, scenario.prompt[: scenario.k], **scenario.kw)
+    result = scenario.check(cache, exact=True)
+    assert result.ok, result.detail
+    assert result.logprobs_max_abs_diff == 0.0 and result.gen_logprobs_max_abs_diff == 0.0
+    assert result.same_tokens and len(result.tokens_cold) == scenario.n_gen
+
+
+def test_different_split_is_ok_within_tolerance(scenario):
+    result = scenario.check(scenario.cache_k_split, reference=scenario.reference)
+    scenario.record("correct (different split) vs cold", result.logprobs_max_abs_diff)
+    assert result.ok, result.detail
+    assert result.logprobs_max_abs_diff <= DEFAULT_ATOL
+    assert result.tokens_cold == scenario.reference.tokens
+
+
+def test_different_prefix_same_length_fails(scenario):
+    prompt, k = scenario.prompt, scenario.k
+    if scenario.name.startswith("tiny"):
+        # entirely different tokens of the same length
+        other = text_prompt(scenario.tokenizer, k, seed=99)
+        assert other != prompt[:k]
+        cache = prefill(scenario.model, other, **scenario.kw)
+        result = scenario.check(cache, reference=scenario.reference)
+        scenario.record("different prefix", result.logprobs_max_abs_diff)
+        assert not result.ok, result.detail
+    # one token changed near the start (the hard case); the byte tokenizer's ids are < 256
+    one = list(prompt[:k])
+    one[1] = (one[1] + 1) % 256 if scenario.name.startswith("tiny") else one[1] + 1
+    cache = prefill(scenario.model, one, **scenario.kw)
+    result = scenario.check(cache, reference=scenario.reference)
+    scenario.record("one token changed at position 1", result.logprobs_max_abs_diff)
+    assert not result.ok, result.detail
+    assert result.logprobs_max_abs_diff > DEFAULT_ATOL
+
+
+def test_off_by_one_caches_fail(scenario):
+    plus = scenario.check(scenario.cache_k_plus_1, reference=scenario.reference)
+    minus = scenario.check(scenario.cache_k_minus_1, reference=scenario.reference)
+    scenario.record("cache of K+1 claimed K", plus.logprobs_max_abs_diff)
+    scenario.record("cache of K-1 claimed K", minus.logprobs_max_abs_diff)
+    assert not plus.ok, plus.detail
+    assert not minus.ok, minus.detail
+    assert plus.logprobs_max_abs_diff > DEFAULT_ATOL
+    assert minus.logprobs_max_abs_diff > DEFAULT_ATOL
+    if scenario.name.startswith("tiny"):  # exact mode fails too (one more cold run)
+        assert not scenario.check(scenario.cache_k_minus_1, exact=True).ok
+
+
+def test_cache_classes_used(scenario):
+    """The caches the oracle handled are of the family's intended classes."""
+    spec = M.MODELS[scenario.name]
+    cache = scenario.cache_k_split
+    assert {type(c).__name__ for c in cache} == set(spec.cache_classes)
+    if scenario.name == "tiny-gemma3":
+        rot = [c for c in cache if type(c).__name__ == "RotatingKVCache"]
+        assert rot and all(c.offset == scenario.k > 4 * c.max_size for c in rot)
+
+
+def test_assert_restore_and_argument_errors(tiny_llama):
+    model, tokenizer = tiny_llama
+    prompt = text_prompt(tokenizer, 60, seed=5)
+    good = prefill(model, prompt[:40])
+    result = assert_restore(model, prompt, good, 40, n_gen=4, exact=True, copy_cache=True)
+    assert result.ok and "OK" in result.detail
+    with pytest.raises(AssertionError, match="MISMATCH"):
+        assert_restore(model, prompt, prefill(model, prompt[:41]), 40, n_gen=4)
+    with pytest.raises(ValueError):  # nothing left to feed
+        check_restore(model, prompt, prefill(model, prompt), len(prompt))
+    with pytest.raises(ValueError):
+        check_restore(model, prompt, None, 5)
+    # cache=None with n_cached=0: a cold run against itself
+    assert check_restore(model, prompt, None, 0, n_gen=4, exact=True).ok
+    # a reference for another split is refused
+    ref = cold_run(model, prompt, n_gen=4)
+    with pytest.raises(ValueError, match="reference"):
+        check_restore(model, prompt, good, 40, n_gen=4, exact=True, reference=ref)
+    with pytest.raises(ValueError, match="reference"):
+        check_restore(model, prompt, good, 40, n_gen=5, reference=ref)
+    # copy_cache=True left `good` untouched; without it the cache is advanced
+    assert good[0].offset == 40
+    check_restore(model, prompt, good, 40, n_gen=4, reference=ref)
+    assert good[0].offset > 40
+
+
+def test_float_cache_is_quantized_for_kv_bits(load_named):
+    """A float KVCache handed to a kv_bits check is converted like mlx_lm does; the result
+    is close to, but not bit-equal with, a cache quantised from the first token."""
+    model, tokenizer = load_named("tiny-llama-q")
+    prompt = text_prompt(tokenizer, 120, seed=6)
+    kw = M.MODELS["tiny-llama-q"].cache_kwargs
+    assert {type(c).__name__ for c in make_cache(model, **kw)} == {"QuantizedKVCache"}
+    float_cache = prefill(model, prompt[:100])
+    result = check_restore(model, prompt, float_cache, 100, n_gen=4, **kw)
+    assert {type(c).__name__ for c in float_cache} == {"QuantizedKVCache"}
+    assert result.logprobs_max_abs_diff < 1.0, result.detail
+
+
+def test_zz_report_measured_diffs():
+    """Print the measured last-position max|log-prob diff| per family (pytest -s)."""
+    for name, values in MEASURED.items():
+        print(f"\n{name}:")
+        for key, value in values.items():
+            print(f"  {key:40s} {value:.3g}")
