@@ -46,6 +46,9 @@ _FROM_ST = {st: (name, npd) for name, (st, npd) in _DTYPES.items()}
 class BlobError(Exception):
     """A blob is missing, truncated, corrupt or not what its index record says."""
 
+    # set by the disk tier's restore: ("entry" | "chunk", key) of the record that failed
+    record: tuple[str, bytes] | None = None
+
 
 def _dtype_name(d: mx.Dtype) -> str:
     return str(d).split(".")[-1]

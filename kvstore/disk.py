@@ -45,6 +45,7 @@ class Plan:
     stored_n: int               # tokens the final piece's source holds (before trimming)
     chunked: bool
     entry: bytes | None = None  # entry credited with the hit (for last_used / hits)
+    cache_type: str = "assistant"  # the entry's cache type (kept when promoted to memory)
 
 
 @dataclass
@@ -87,7 +88,12 @@ class DiskTier:
         if not readonly:
             self.blob_root.mkdir(parents=True, exist_ok=True)
         self.index = Index(self.root / "index", readonly=readonly)
-        self.chunk = chunk_tokens
+        # The chunk size is part of the directory's format (it places every key boundary):
+        # the first opener fixes it, later openers use it whatever they ask for.
+        stored = self.index.meta_setdefault(b"chunk_tokens", str(int(chunk_tokens)).encode())
+        self.chunk = int(stored) if stored else int(chunk_tokens)
+        if self.chunk != chunk_tokens:
+            log.info("kvstore: %s uses chunk_tokens=%d (asked for %d)", self.root, self.chunk, chunk_tokens)
 
     def close(self) -> None:
         self.index.close()
@@ -123,7 +129,8 @@ class DiskTier:
                     usable = n_e if common == n_e else (min(common, n_q - 1) if rec.get("trimmable") else 0)
                     if usable > 0 and (best is None or usable > best.n):
                         best = Plan(usable, list(chain) if chunked else [], ("entry", child),
-                                    rec["layout"], n_e, chunked, entry=child)
+                                    rec["layout"], n_e, chunked, entry=child,
+                                    cache_type=rec.get("cache_type") or "assistant")
                 elif chain_ok:
                     m = _common(stored, enc[k * C * 4 :])
                     if m == C and child == nxt:
@@ -148,8 +155,15 @@ class DiskTier:
 
     # -- restore -----------------------------------------------------------------------
 
-    def _read(self, rec: dict) -> dict[str, mx.array]:
-        tensors, _ = blobs.read_blob(self.blob_root / rec["blob"], rec["size"], rec["checksum"])
+    def _read(self, rec: dict | None, kind: str, key: bytes) -> dict[str, mx.array]:
+        """One record's verified blob; a BlobError names the record (``err.record``)."""
+        try:
+            if rec is None:
+                raise blobs.BlobError(f"{kind} {key.hex()} vanished from the index")
+            tensors, _ = blobs.read_blob(self.blob_root / rec["blob"], rec["size"], rec["checksum"])
+        except blobs.BlobError as e:
+            e.record = (kind, key)
+            raise
         return tensors
 
     def restore(self, plan: Plan) -> tuple[list[Any], int]:
@@ -157,15 +171,13 @@ class DiskTier:
         tokens. Raises BlobError / codec.Unsupported on anything unexpected."""
         parts = []
         for ck in plan.chunks:
-            rec = self.index.chunk(ck)
-            if rec is None:
-                raise blobs.BlobError(f"chunk {ck.hex()} vanished from the index")
-            parts.append(self._read(rec))
+            parts.append(self._read(self.index.chunk(ck), "chunk", ck))
         kind, key = plan.last  # type: ignore[misc]
         rec = self.index.entry(key) if kind == "entry" else self.index.chunk(key)
-        if rec is None:
-            raise blobs.BlobError(f"{kind} {key.hex()} vanished from the index")
-        parts.append(self._read(rec))
+        if rec is None or rec.get("blob") is not None:
+            parts.append(self._read(rec, kind, key))
+        elif not (plan.chunked and parts):  # only a chunked entry of whole chunks has no tail
+            raise blobs.BlobError(f"{kind} {key.hex()} names no blob")
         if plan.chunked:
             tensors = codec.concat_tokens(parts)
             tensors = codec.slice_tokens(tensors, 0, plan.n)
@@ -274,6 +286,15 @@ class DiskTier:
 
     def drop_chunk(self, key: bytes) -> None:
         self._unlink(self.index.drop_chunk_orphans([key]))
+
+    def drop_chunk_and_users(self, key: bytes) -> None:
+        """Drop a damaged chunk and every entry built on it (none of them can be restored):
+        no entry record is left naming a chunk that is gone, so rewriting one of those
+        entries stores it whole again."""
+        k = key.hex()
+        users = [ek for ek, rec in self.index.entries() if k in rec.get("chunks", ())]
+        rels = self.index.remove_entries(users) if users else []
+        self._unlink(rels + self.index.drop_chunk_orphans([key]))
 
 
 def _layout_trimmable(layout: codec.Layout, n: int) -> bool:

@@ -171,6 +171,23 @@ class Index:
     def file_bytes(self) -> int:
         return (self.path / "data.mdb").stat().st_size
 
+    def meta_setdefault(self, key: bytes, value: bytes) -> bytes | None:
+        """The ``meta`` value under ``key``, storing ``value`` first when there is none
+        (a read-only index stores nothing and returns None then)."""
+        db = self._db["meta"]
+        if self.readonly:
+            got = self.read(lambda t: t.get(key, db=db))
+            return None if got is None else bytes(got)
+
+        def run(txn: lmdb.Transaction) -> bytes:
+            cur = txn.get(key, db=db)
+            if cur is None:
+                txn.put(key, value, db=db)
+                return value
+            return bytes(cur)
+
+        return self.write(run)
+
     # -- writes ------------------------------------------------------------------------
 
     def put_identity(self, digest: bytes, info: dict) -> None:

@@ -95,6 +95,10 @@ class MemoryTier:
             return self._trie.get(model, result.shorter).materialize(), short
         return None, 0
 
+    def snapshots(self) -> list[Snapshot]:
+        """Every snapshot held, in no particular order."""
+        return [self._trie.get(model, list(tokens)) for lru in self._lrus.values() for model, tokens in lru]
+
     def get(self, model: Hashable, tokens: list[int]) -> Snapshot | None:
         try:
             return self._trie.get(model, tokens)

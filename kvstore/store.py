@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Hashable
 
+import lmdb
 import mlx.core as mx
 
 from . import blobs, codec
@@ -193,7 +194,14 @@ class KVStore:
             except (blobs.BlobError, codec.Unsupported, KeyError, ValueError, OSError) as e:
                 self._stats["corrupt"] += 1
                 self._warn_once(f"bad:{e}", "kvstore: dropping damaged entry: %s", e)
-                self._drop(plan)
+                self._drop(plan, e)
+                continue
+            except Exception as e:  # a defect, not damage: still a miss, never a crash
+                self._stats["corrupt"] += 1
+                if f"bug:{type(e).__name__}" not in self._warned:
+                    self._warned.add(f"bug:{type(e).__name__}")
+                    log.exception("kvstore: unexpected error restoring an entry (a kvstore bug: please report)")
+                self._drop(plan, e)
                 continue
             dt = time.perf_counter() - t0
             self._stats["restore_seconds"] += dt
@@ -201,8 +209,9 @@ class KVStore:
             self._stats["bytes_read"] += sum(int(a.nbytes) for c in cache for a in _layer_arrays(c))
             # promote: keep it hot, marked as already on disk
             tensors, layout = codec.encode_cache(cache)
+            ctype = plan.cache_type if plan.cache_type in self.memory.stats_by_type() else "assistant"
             snap = Snapshot(tensors, layout, None, codec.cache_nbytes(tensors),
-                            codec.trimmable(cache), persisted=True)
+                            codec.trimmable(cache), ctype, persisted=True)
             tokens = _decode(enc[: n * 4])
             snap.extra["disk_key"] = plan.entry
             with self._lock:
@@ -212,10 +221,17 @@ class KVStore:
             return Fetched(snap.materialize(), n, "disk")
         return None
 
-    def _drop(self, plan: Any) -> None:
+    def _drop(self, plan: Any, err: Exception | None = None) -> None:
         assert self.disk is not None
         kind, key = plan.last
+        bad = getattr(err, "record", None)  # the record whose blob failed, when known
         try:
+            if bad is not None:
+                if bad[0] == "entry":
+                    self.disk.remove([bad[1]])
+                else:
+                    self.disk.drop_chunk_and_users(bad[1])
+                return
             if kind == "entry":
                 self.disk.remove([key])
             else:
@@ -305,9 +321,10 @@ class KVStore:
             t0 = time.perf_counter()
             try:
                 written = self.disk.persist(job)  # type: ignore[union-attr]
-            except OSError as e:
+            except (OSError, lmdb.Error) as e:  # blob write or index commit (full disk, I/O)
                 self._stats["write_errors"] += 1
-                self._warn_once(f"write:{e.errno}", "kvstore: write failed (%s); entry stays in memory only", e)
+                self._warn_once(f"write:{getattr(e, 'errno', type(e).__name__)}",
+                                "kvstore: write failed (%s); entry stays in memory only", e)
                 return
             self._stats["write_seconds"] += time.perf_counter() - t0
             self._stats["writes"] += 1
@@ -337,6 +354,7 @@ class KVStore:
         s["memory_bytes"] = self.memory.nbytes
         if self.writer is not None:
             s["queue_depth"] = self.writer.depth
+            s["pending_writes"] = self.writer.pending
             s["dropped_writes"] = self.writer.dropped
         if self.disk is not None:
             s["disk_bytes"] = self.disk.index.total_bytes()
@@ -357,6 +375,7 @@ class KVStore:
     def close(self, timeout: float | None = None) -> None:
         """Flush the write-behind queue and release the index. Idempotent."""
         if self.writer is not None:
+            self._persist_unwritten(timeout)
             self.flush(timeout)
             self.writer.close(timeout)
             self.writer = None
@@ -364,6 +383,18 @@ class KVStore:
             self.disk.close()
             self.disk = None
         _open_stores.discard(self)
+
+    def _persist_unwritten(self, timeout: float | None) -> None:
+        """Queue the snapshots still in memory whose write was dropped (queue full): at
+        close there is no generation left to hold up, so wait for room if needed."""
+        assert self.writer is not None
+        with self._lock:
+            pending = [s for s in self.memory.snapshots() if not s.persisted and "job" in s.extra]
+        for snap in pending:
+            snap.persisted = self._submit(snap)
+            if not snap.persisted:
+                self.writer.flush(timeout)
+                snap.persisted = self._submit(snap)
 
     def __enter__(self) -> "KVStore":
         return self

@@ -29,7 +29,13 @@ class Writer:
 
     @property
     def depth(self) -> int:
+        """Jobs waiting in the queue (not counting the one running)."""
         return self._q.qsize()
+
+    @property
+    def pending(self) -> int:
+        """Jobs queued or running: 0 means everything submitted so far has finished."""
+        return self._q.unfinished_tasks
 
     def submit(self, job: Job) -> bool:
         """Queue a job; False (and counted as dropped) if the queue is full or closed."""

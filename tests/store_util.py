@@ -1,0 +1,175 @@
+"""Shared helpers for the store tests: a subprocess runner, blob-file accounting, cache
+digests and synthetic caches.
+
+Import as ``import store_util`` (pytest puts tests/ on sys.path; conftest.py puts the repo
+root there too, so ``tools`` and ``kvstore`` import in tests and in the subprocesses).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import xxhash
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Chunk size for store tests: prompts of 100-300 tokens then span several chunks plus a tail.
+CHUNK = 64
+
+
+# --------------------------------------------------------------------------- subprocess
+
+
+def run_py(script: str, payload: Any = None, *, timeout: float = 600, env: dict | None = None) -> Any:
+    """Run ``script`` in a NEW Python process (this interpreter, repo root on sys.path).
+
+    ``payload`` is handed over as JSON in ``sys.argv[1]`` (the script reads it with
+    ``json.loads(sys.argv[1])``); the script must print one JSON document as its last
+    stdout line, which is returned. A non-zero exit raises AssertionError with stderr.
+    """
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), str(ROOT / "tests")] + [p for p in [full_env.get("PYTHONPATH")] if p])
+    full_env.setdefault("HF_HUB_OFFLINE", "1")
+    full_env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    full_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), json.dumps(payload)],
+        capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(ROOT),
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    lines = proc.stdout.strip().splitlines()
+    if not lines:
+        raise AssertionError(f"subprocess printed nothing; stderr:\n{proc.stderr[-6000:]}")
+    return json.loads(lines[-1])
+
+
+# --------------------------------------------------------------------------- disk accounting
+
+
+def blob_files(cache_dir: str | Path) -> list[Path]:
+    """Every file under ``cache_dir/blobs`` (blobs and any stray temp files)."""
+    root = Path(cache_dir) / "blobs"
+    return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+def blob_bytes(cache_dir: str | Path) -> int:
+    """Sum of the sizes of every file under ``cache_dir/blobs``."""
+    return sum(p.stat().st_size for p in blob_files(cache_dir))
+
+
+def entry_blobs(store, tokens: list[int], identity) -> list[Path]:
+    """Blob files the indexed entry for exactly ``tokens`` reads (its chunks, then its own
+    tail / snapshot blob if any), in restore order."""
+    from kvstore.keys import encode_tokens, key_of, root_key
+
+    disk = store.disk
+    key = key_of(root_key(identity.digest), encode_tokens(tokens), disk.chunk)
+    rec = disk.index.entry(key)
+    assert rec is not None, "entry is not indexed"
+    out = [disk.blob_root / disk.index.chunk(bytes.fromhex(c))["blob"] for c in rec["chunks"]]
+    if rec.get("blob"):
+        out.append(disk.blob_root / rec["blob"])
+    return out
+
+
+# --------------------------------------------------------------------------- cache digests
+
+
+def layer_arrays(cache: list) -> dict[str, np.ndarray]:
+    """The encoded tensors of a cache (codec.encode_cache) as numpy arrays (bfloat16 as its
+    uint16 bit pattern): the exact content a store keeps and restores."""
+    from kvstore import codec
+
+    tensors, _ = codec.encode_cache(cache)
+    out = {}
+    for name, a in tensors.items():
+        if a.dtype == mx.bfloat16:
+            a = a.view(mx.uint16)
+        out[name] = np.array(a)
+    return out
+
+
+def cache_digest(cache: list) -> dict[str, Any]:
+    """A JSON-able digest of a cache: its layout (with lengths) and an xxh3 of every
+    encoded tensor's bytes, shape and dtype. Equal digests mean bit-identical caches."""
+    from kvstore import codec
+
+    _, layout = codec.encode_cache(cache)
+    arrays = layer_arrays(cache)
+    return {
+        "layout": json.loads(json.dumps(layout)),
+        "tensors": {k: f"{v.dtype}{list(v.shape)}:{xxhash.xxh3_64_hexdigest(np.ascontiguousarray(v).tobytes())}"
+                    for k, v in sorted(arrays.items())},
+    }
+
+
+def offsets(cache: list) -> list[int]:
+    """Every ``offset`` in a cache (CacheList members included)."""
+    out = []
+    for c in cache:
+        for sub in getattr(c, "caches", (c,)):
+            if isinstance(getattr(sub, "offset", None), int):
+                out.append(sub.offset)
+    return out
+
+
+# --------------------------------------------------------------------------- synthetic caches
+
+
+def synth_kv_cache(layers: int, heads: int, n: int, dim: int, *, dtype=mx.float32, seed: int = 0,
+                   shared: bool = False) -> list:
+    """``layers`` KVCache objects holding ``n`` positions of random keys / values.
+
+    ``shared=True`` makes every layer hold the same two arrays (cheap to build, the same
+    bytes to write as distinct arrays)."""
+    from mlx_lm.models.cache import KVCache
+
+    key = mx.random.key(seed)
+    cache = []
+    k = v = None
+    for i in range(layers):
+        if k is None or not shared:
+            k1, k2, key = mx.random.split(key, 3)
+            k = mx.random.normal((1, heads, n, dim), key=k1).astype(dtype)
+            v = mx.random.normal((1, heads, n, dim), key=k2).astype(dtype)
+            mx.eval(k, v)
+        c = KVCache()
+        c.keys, c.values, c.offset = k, v, n
+        cache.append(c)
+    return cache
+
+
+# --------------------------------------------------------------------------- oracle on a fetch
+
+
+def check_fetched(model, fetched, prompt, ref, *, oracle: bool, trim1: bool, kv: dict) -> dict:
+    """What a ``KVStore.fetch`` gave (n, tier, offsets, bit digest), then the
+    restored-equals-cold oracle on it against the cold reference ``ref`` (a
+    ``tools.oracle.cold_run`` of ``prompt``). ``trim1``: an exact hit holds the whole
+    prompt, so trim one token off to leave the oracle a token to feed. JSON-able result."""
+    from tools.oracle import check_restore
+
+    out: dict[str, Any] = {"n": fetched.n, "source": fetched.source}
+    if fetched.cache is None:
+        return out
+    out["offsets"] = offsets(fetched.cache)
+    out["digest"] = cache_digest(fetched.cache)
+    if oracle:
+        cache, n = fetched.cache, fetched.n
+        if trim1:
+            for c in cache:
+                assert c.trim(1) == 1
+            n -= 1
+        r = check_restore(model, prompt, cache, n, n_gen=ref.n_gen, reference=ref, **kv)
+        out.update(ok=bool(r.ok), detail=r.detail, n_cached=n)
+    return out

@@ -1,0 +1,420 @@
+"""kvstore.codec, kvstore.blobs and kvstore.keys: every cache class round-trips exactly.
+
+Caches here are built directly through mlx-lm's own ``update_and_fetch`` with random arrays
+(no model), so buffers are over-allocated, rotated and front-trimmed the way real runs leave
+them. "Equal" means: same class, same attributes (offset, rotation index, window, group
+size, ...), bit-identical logical contents, and the same outputs when both copies are
+extended with the same new keys / values.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    CacheList,
+    ChunkedKVCache,
+    ConcatenateKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
+
+from kvstore import blobs, codec, keys
+from kvstore.keys import TokenError
+
+H, D = 2, 64  # kv heads, head dim (64: divisible by the quantisation group size 32)
+_rng = np.random.default_rng(0)
+
+
+def rand(n: int, *, dim: int = D, dtype=mx.float32) -> mx.array:
+    return mx.array(_rng.standard_normal((1, H, n, dim)).astype(np.float32)).astype(dtype)
+
+
+def feed(c, n: int, *, one_at_a_time: bool = False, dtype=mx.float32):
+    """Extend a KV-style cache by ``n`` random positions (in one call or one by one)."""
+    steps = [1] * n if one_at_a_time else [n]
+    out = None
+    for s in steps:
+        out = c.update_and_fetch(rand(s, dtype=dtype), rand(s, dtype=dtype))
+    mx.eval(out)
+    return out
+
+
+def make_kv(n=40, dtype=mx.float32):
+    c = KVCache()
+    feed(c, n, dtype=dtype)
+    assert c.keys.shape[2] == 256 > n  # over-allocated buffer: encode must cut it
+    return c
+
+
+def make_quant(n=40):
+    c = QuantizedKVCache(group_size=32, bits=8)
+    feed(c, n)
+    return c
+
+
+def make_rotating(wrapped: bool, concat: bool = False):
+    c = RotatingKVCache(max_size=16, keep=4)
+    if concat:  # multi-token prefill path: buffer longer than max_size, then in-place steps
+        feed(c, 24)
+        feed(c, 3, one_at_a_time=True)
+    elif wrapped:
+        feed(c, 40, one_at_a_time=True)
+    else:
+        feed(c, 10, one_at_a_time=True)
+    assert (c.offset > c.max_size) == (wrapped or concat)
+    return c
+
+
+def make_arrays():
+    c = ArraysCache(3)
+    c[0] = mx.array(_rng.standard_normal((1, 3, 8)).astype(np.float32))
+    c[2] = mx.array(_rng.standard_normal((1, 2, 4, 4)).astype(np.float32))  # [1] stays None
+    return c
+
+
+def make_chunked():
+    c = ChunkedKVCache(8)
+    feed(c, 20)
+    c.maybe_trim_front()
+    feed(c, 3)
+    assert c.start_position > 0
+    return c
+
+
+def make_cachelist():
+    return CacheList(make_arrays(), make_rotating(wrapped=True), make_kv(30))
+
+
+FACTORIES = {
+    "KVCache": make_kv,
+    "QuantizedKVCache": make_quant,
+    "RotatingKVCache-before-wrap": lambda: make_rotating(False),
+    "RotatingKVCache-wrapped": lambda: make_rotating(True),
+    "RotatingKVCache-concat": lambda: make_rotating(True, concat=True),
+    "ArraysCache": make_arrays,
+    "ChunkedKVCache": make_chunked,
+    "CacheList": make_cachelist,
+}
+
+_ATTRS = {
+    KVCache: ("offset",),
+    QuantizedKVCache: ("offset", "group_size", "bits"),
+    RotatingKVCache: ("offset", "keep", "max_size", "_idx"),
+    ChunkedKVCache: ("offset", "chunk_size", "start_position"),
+}
+
+
+def _np(a: mx.array) -> np.ndarray:
+    return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+
+
+def _eq(a: mx.array, b: mx.array, what: str) -> None:
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    assert a.shape == b.shape, f"{what}: shape {a.shape} != {b.shape}"
+    assert np.array_equal(_np(a), _np(b)), f"{what}: values differ"
+
+
+def logical(c) -> list[mx.array]:
+    """The arrays a cache's state really holds (buffers cut to their filled length)."""
+    if isinstance(c, (KVCache, QuantizedKVCache)):
+        if c.keys is None:
+            return []
+        ks = c.keys if isinstance(c.keys, tuple) else (c.keys,)
+        vs = c.values if isinstance(c.values, tuple) else (c.values,)
+        return [x[..., : c.offset, :] for x in (*ks, *vs)]
+    if isinstance(c, ChunkedKVCache):
+        n = c.offset - c.start_position
+        return [c.keys[..., :n, :], c.values[..., :n, :]]
+    if isinstance(c, RotatingKVCache):  # the ring buffer as it is: rotation is state
+        return [c.keys, c.values]
+    if isinstance(c, ArraysCache):
+        return [x for x in c.cache if x is not None]
+    raise AssertionError(type(c))
+
+
+def assert_same(a, b, what="cache") -> None:
+    assert type(a) is type(b), f"{what}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, CacheList):
+        assert len(a.caches) == len(b.caches)
+        for i, (x, y) in enumerate(zip(a.caches, b.caches)):
+            assert_same(x, y, f"{what}.caches[{i}]")
+        return
+    if isinstance(a, ArraysCache):
+        assert len(a.cache) == len(b.cache)
+        assert [x is None for x in a.cache] == [x is None for x in b.cache]
+    for attr in _ATTRS.get(type(a), ()):
+        assert getattr(a, attr) == getattr(b, attr), f"{what}.{attr}: {getattr(a, attr)} != {getattr(b, attr)}"
+    la, lb = logical(a), logical(b)
+    assert len(la) == len(lb)
+    for i, (x, y) in enumerate(zip(la, lb)):
+        _eq(x, y, f"{what} array {i}")
+
+
+def assert_same_when_extended(a, b) -> None:
+    """Feeding the same new positions into both gives the same keys / values."""
+    subs = list(zip(a.caches, b.caches)) if isinstance(a, CacheList) else [(a, b)]
+    for x, y in subs:
+        if isinstance(x, ArraysCache):
+            continue
+        for n in (1, 3, 1):
+            k, v = rand(n), rand(n)
+            ox, oy = x.update_and_fetch(k, v), y.update_and_fetch(k, v)
+            for p, q in zip(ox, oy):
+                for s, t in zip(p if isinstance(p, tuple) else (p,), q if isinstance(q, tuple) else (q,)):
+                    _eq(s, t, f"{type(x).__name__} extended by {n}")
+
+
+def through_json(layout):
+    """Layouts are stored as JSON in the index: decode from what JSON gives back."""
+    return json.loads(json.dumps(layout))
+
+
+# --------------------------------------------------------------------------- codec
+
+
+@pytest.mark.parametrize("kind", list(FACTORIES))
+def test_codec_round_trip(kind):
+    c = FACTORIES[kind]()
+    tensors, layout = codec.encode_cache([c])
+    restored = codec.decode_cache(tensors, through_json(layout))
+    assert len(restored) == 1
+    assert_same(c, restored[0])
+    assert_same_when_extended(copy.deepcopy(c), restored[0])
+
+
+@pytest.mark.parametrize("kind", list(FACTORIES))
+def test_blob_round_trip(kind, tmp_path):
+    """codec -> blobs.write_blob -> blobs.read_blob -> codec gives the same cache, and the
+    file is a plain safetensors file (safetensors.safe_open and mx.load read it)."""
+    from safetensors import safe_open
+
+    cache = [FACTORIES[kind](), make_kv(7)]  # two layers: names are layer-prefixed
+    tensors, layout = codec.encode_cache(cache)
+    path = tmp_path / "x.safetensors"
+    size, checksum = blobs.write_blob(path, blobs.host_views(tensors), {"kvstore.kind": "test"})
+    assert path.stat().st_size == size
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(blobs.TMP_SUFFIX)]
+    got, meta = blobs.read_blob(path, size, checksum)
+    assert meta == {"kvstore.kind": "test"}
+    assert set(got) == set(tensors)
+    for name in tensors:
+        _eq(got[name], tensors[name], name)
+    restored = codec.decode_cache(got, through_json(layout))
+    for a, b in zip(cache, restored):
+        assert_same(a, b)
+    assert_same_when_extended(copy.deepcopy(cache[0]), restored[0])
+
+    with safe_open(str(path), framework="numpy") as f:
+        assert set(f.keys()) == set(tensors)
+        assert f.metadata() == {"kvstore.kind": "test"}
+        for name in tensors:
+            assert np.array_equal(f.get_tensor(name), _np(tensors[name])), name
+    loaded = mx.load(str(path))
+    assert set(loaded) == set(tensors)
+    for name in tensors:
+        _eq(loaded[name], tensors[name], f"mx.load {name}")
+
+
+def test_encode_does_not_copy_or_keep_padding():
+    c = make_kv(40)
+    tensors, layout = codec.encode_cache([c])
+    assert tensors["0.k"].shape == (1, H, 40, D)  # cut to the filled length, not 256
+    assert layout == [{"offset": 40, "class": "KVCache"}]
+    assert codec.is_chunkable(layout, 40) and not codec.is_chunkable(layout, 41)
+    rot = codec.encode_cache([make_rotating(True)])[1]
+    assert not codec.is_chunkable(rot, 40)
+
+
+def test_bfloat16_round_trip(tmp_path):
+    cache = [make_kv(33, dtype=mx.bfloat16), make_kv(33, dtype=mx.bfloat16)]
+    assert cache[0].keys.dtype == mx.bfloat16
+    tensors, layout = codec.encode_cache(cache)
+    path = tmp_path / "bf16.safetensors"
+    size, checksum = blobs.write_blob(path, blobs.host_views(tensors), {})
+    got, _ = blobs.read_blob(path, size, checksum)
+    assert all(v.dtype == mx.bfloat16 for v in got.values())
+    restored = codec.decode_cache(got, through_json(layout))
+    for a, b in zip(cache, restored):
+        assert_same(a, b)
+    loaded = mx.load(str(path))
+    for name in tensors:
+        _eq(loaded[name], tensors[name], f"mx.load {name}")
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:  # the header says BF16
+        assert set(f.keys()) == set(tensors)
+    header, _ = blobs.parse_header(path.read_bytes())
+    assert {header[n]["dtype"] for n in tensors} == {"BF16"}
+
+
+@pytest.mark.parametrize("kind", ["KVCache", "QuantizedKVCache", "RotatingKVCache-wrapped",
+                                  "RotatingKVCache-before-wrap", "ChunkedKVCache", "CacheList"])
+def test_handed_out_twice_extends_independently(kind):
+    """Two caches decoded from the same stored tensors: extending one (also in place, after
+    a trim, where mlx-lm writes into the existing buffer) changes neither the other nor
+    the stored tensors."""
+    c = FACTORIES[kind]()
+    tensors, layout = codec.encode_cache([c])
+    before = {k: _np(v).copy() for k, v in tensors.items()}
+    a = codec.decode_cache(tensors, layout)[0]
+    b = codec.decode_cache(tensors, layout)[0]
+    ref = codec.decode_cache(tensors, layout)[0]
+    subs = a.caches if isinstance(a, CacheList) else (a,)
+    for x in subs:
+        if isinstance(x, ArraysCache):
+            x[0] = x[0] + 1  # recurrent state replaced, as a model step does
+            continue
+        if x.is_trimmable():
+            x.trim(3)  # then the update writes into the existing buffer in place
+        feed(x, 2)
+        feed(x, 1, one_at_a_time=True)
+    mx.eval([arr for x in subs for arr in logical(x)])
+    assert_same(b, ref)
+    for k, v in tensors.items():
+        assert np.array_equal(_np(v), before[k]), f"stored tensor {k} changed"
+
+
+def test_layout_helpers():
+    cache = [make_kv(10), CacheList(make_kv(10), make_quant(10))]
+    _, layout = codec.encode_cache(cache)
+    assert codec.is_chunkable(layout, 10)
+    relabelled = codec.with_offset(layout, 4)
+    assert [m["offset"] for m in codec._walk(relabelled)] == [4, 4, 4]
+    assert [m["offset"] for m in codec._walk(layout)] == [10, 10, 10]  # not mutated
+    sig = codec.layout_signature(codec.encode_cache([make_rotating(True)])[1])
+    assert sig == [{"keep": 4, "max_size": 16, "class": "RotatingKVCache"}]
+
+
+class _MyKV(KVCache):
+    pass
+
+
+@pytest.mark.parametrize("bad", [
+    [object()],
+    [],
+    "not a cache",
+    [_MyKV()],  # a subclass is not the class its codec knows
+    [ConcatenateKVCache()],
+    [BatchKVCache([0, 1])],
+    [make_kv(3), 5],
+])
+def test_unsupported_raises(bad):
+    with pytest.raises(codec.Unsupported):
+        codec.encode_cache(bad)
+
+
+def test_unsupported_batched_arrays_cache_and_unknown_class():
+    c = ArraysCache(2, left_padding=[1, 0])
+    with pytest.raises(codec.Unsupported):
+        codec.encode_cache([c])
+    with pytest.raises(codec.Unsupported):
+        codec.decode_cache({}, [{"class": "NoSuchCache"}])
+
+
+# --------------------------------------------------------------------------- blobs
+
+
+def test_blob_errors(tmp_path):
+    tensors, _ = codec.encode_cache([make_kv(5)])
+    path = tmp_path / "b.safetensors"
+    size, checksum = blobs.write_blob(path, blobs.host_views(tensors), {})
+    with pytest.raises(blobs.BlobError):
+        blobs.read_blob(path, size + 1, checksum)
+    with pytest.raises(blobs.BlobError):
+        blobs.read_blob(path, size, "0" * 32)
+    with pytest.raises(blobs.BlobError):
+        blobs.read_blob(tmp_path / "missing.safetensors", size, checksum)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(blobs.BlobError, match="checksum"):
+        blobs.read_blob(path, size, checksum)
+    with pytest.raises(blobs.BlobError):
+        blobs.decode_blob(memoryview(b"\xff" * 16))
+
+
+def test_write_blob_failure_leaves_nothing(tmp_path):
+    class Boom:
+        nbytes = 4
+
+        def __array__(self, *a, **k):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        blobs.write_blob(tmp_path / "x.safetensors", {"t": ("F32", Boom())}, {})
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- keys
+
+# Pinned values: a change here means stored caches stop matching (bump FORMAT_VERSION).
+PINNED_TOKENS = [0, 1, 2, 3, 255, 256, 65535, 65536, 151643, 2**32 - 1]
+PINNED_IDENTITY = bytes(range(16))
+PINNED_ROOT = "6ba87e3aeb360a6afdefb493eff52f57"
+PINNED_KEY_CHUNK4 = "f44928e4883cae798f5bac08d1d3b0a0"
+PINNED_BOUNDS_CHUNK4 = [PINNED_ROOT, "99a281eba8b8d9122b6e121bf54cf67f",
+                        "c4d69a9064940bf71f39026df4fb7465"]
+
+
+def test_token_encoding_is_little_endian_uint32():
+    enc = keys.encode_tokens(PINNED_TOKENS)
+    assert enc == b"".join(t.to_bytes(4, "little") for t in PINNED_TOKENS)
+    assert keys.decode_tokens(enc) == PINNED_TOKENS
+    assert keys.encode_tokens(np.array(PINNED_TOKENS, dtype=np.uint32)) == enc
+    assert keys.encode_tokens(np.array(PINNED_TOKENS, dtype=np.int64)) == enc
+    assert keys.encode_tokens(mx.array(PINNED_TOKENS[:8])) == enc[:32]
+    assert keys.encode_tokens([]) == b""
+
+
+def test_keys_are_pinned():
+    root = keys.root_key(PINNED_IDENTITY)
+    enc = keys.encode_tokens(PINNED_TOKENS)
+    got = {
+        "root": root.hex(),
+        "key": keys.key_of(root, enc, 4).hex(),
+        "bounds": [b.hex() for b in keys.boundaries(root, enc, 4)],
+    }
+    assert got == {"root": PINNED_ROOT, "key": PINNED_KEY_CHUNK4, "bounds": PINNED_BOUNDS_CHUNK4}
+    assert keys.checksum(b"kvstore") == "5bba62f694774ad242496eb43a7ca792"
+    # the documented construction, spelled out with xxhash directly
+    import xxhash
+
+    h = lambda *parts: xxhash.xxh3_128_digest(b"".join(parts))  # noqa: E731
+    assert h(b"kvstore/root/v1/", PINNED_IDENTITY) == root
+    b1 = h(b"C", root, enc[:16])
+    b2 = h(b"C", b1, enc[16:32])
+    assert [root, b1, b2] == keys.boundaries(root, enc, 4)
+    assert h(b"E", b2, enc[32:]) == keys.key_of(root, enc, 4)
+
+
+def test_key_structure():
+    root = keys.root_key(PINNED_IDENTITY)
+    enc = keys.encode_tokens(list(range(10)))
+    b = keys.boundaries(root, enc, 4)
+    assert len(b) == 3 and b[0] == root
+    assert b[1] == keys.chunk_key(root, enc[:16]) and b[2] == keys.chunk_key(b[1], enc[16:32])
+    assert keys.key_of(root, enc, 4) == keys.entry_key(b[2], enc[32:])
+    # a prefix shares the boundaries; another identity shares nothing
+    assert keys.boundaries(root, enc[:36], 4) == b
+    other = keys.root_key(bytes(16))
+    assert not set(keys.boundaries(other, enc, 4)) & set(b)
+    assert keys.key_of(root, enc[:32], 4) != keys.key_of(root, enc[:36], 4)
+    assert len({keys.key_of(root, enc[:i * 4], 4) for i in range(11)}) == 11
+
+
+@pytest.mark.parametrize("bad", [
+    [-1], [1, -5], [1.0], [1, 2.5], [2**32], [1, 2**40], [2**64], [[1, 2]], [[1], [2, 3]],
+    ["1"], [True, False], [None], np.array([1.0, 2.0]),
+])
+def test_token_errors(bad):
+    with pytest.raises(TokenError):
+        keys.encode_tokens(bad)
+    assert issubclass(TokenError, ValueError)

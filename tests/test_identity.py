@@ -1,0 +1,206 @@
+"""Identity: an entry is only ever returned to the identity that wrote it.
+
+Each component gets its own test: copy tiny-llama's directory, change exactly that
+component, and check (in memory and, through a freshly opened store, on disk) that an
+entry written under the original is a miss under the variant while the original still
+hits. The differing identity components are checked too, so each test changes what it
+says it changes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from store_util import CHUNK, cache_digest
+
+from kvstore import KVStore, model_identity
+from kvstore.identity import Identity
+from tools.models import MODELS, model_path
+from tools.oracle import prefill
+
+N_PROMPT = 100
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama, make_prompt):
+    model, tok = tiny_llama
+    prompt = make_prompt(tok, N_PROMPT, seed=11)
+    return {"model": model, "path": model_path("tiny-llama"), "prompt": prompt,
+            "cache": prefill(model, prompt)}
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _components(path, **kw) -> dict:
+    return model_identity(path, **kw).info["components"]
+
+
+def _changed(a: dict, b: dict) -> set[str]:
+    return {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
+
+
+def assert_separated(store_dir: Path, llama, original, variant, *, write_kw=None, read_kw=None,
+                     variant_kw=None) -> None:
+    """An entry written under ``original`` is a miss under ``variant`` (memory and disk);
+    ``original`` still hits (memory and disk)."""
+    write_kw, read_kw = write_kw or {}, read_kw or {}
+    variant_kw = read_kw if variant_kw is None else variant_kw
+    prompt = llama["prompt"]
+    longer = prompt + [7, 8, 9]
+    with KVStore(store_dir, chunk_tokens=CHUNK, **write_kw) as s:
+        s.insert(original, prompt, llama["cache"])
+        if not variant_kw and not read_kw:  # same store settings: check the memory tier too
+            assert s.identity(variant) != s.identity(original)
+            for q in (prompt, longer, prompt[:60]):
+                assert s.fetch(variant, q).cache is None, "memory tier served another identity"
+        got = s.fetch(original, prompt)
+        assert (got.n, got.source) == (len(prompt), "memory")
+    with KVStore(store_dir, **variant_kw) as s:
+        for q in (prompt, longer, prompt[:60]):
+            f = s.fetch(variant, q)
+            assert f.cache is None and f.n == 0, f"disk served another identity ({f.n} tokens)"
+        assert s.stats()["hits_disk"] == 0
+    with KVStore(store_dir, **read_kw) as s:
+        got = s.fetch(original, prompt)
+        assert (got.n, got.source) == (len(prompt), "disk")
+        assert cache_digest(got.cache) == cache_digest(llama["cache"])
+
+
+def test_weights_component(tmp_path, llama):
+    variant = _copy(llama["path"], tmp_path / "m")
+    w = variant / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-3] ^= 0x01  # one bit of one weight; same size
+    w.write_bytes(bytes(data))
+    assert _changed(_components(llama["path"]), _components(variant)) == {"weights"}
+    assert_separated(tmp_path / "s", llama, llama["path"], variant)
+
+
+def test_config_component(tmp_path, llama):
+    variant = _copy(llama["path"], tmp_path / "m")
+    cfg = json.loads((variant / "config.json").read_text())
+    cfg["rms_norm_eps"] = 2e-5
+    (variant / "config.json").write_text(json.dumps(cfg))
+    assert _changed(_components(llama["path"]), _components(variant)) == {"config"}
+    assert_separated(tmp_path / "s", llama, llama["path"], variant)
+
+
+def test_tokenizer_component(tmp_path, llama):
+    variant = _copy(llama["path"], tmp_path / "m")
+    tj = json.loads((variant / "tokenizer.json").read_text())
+    added = next(t for t in tj["added_tokens"] if t["content"] == "<|im_end|>")
+    added["content"] = "<|im_stop|>"
+    (variant / "tokenizer.json").write_text(json.dumps(tj))
+    assert _changed(_components(llama["path"]), _components(variant)) == {"tokenizer"}
+    assert_separated(tmp_path / "s", llama, llama["path"], variant)
+
+
+def test_chat_template_component(tmp_path, llama):
+    variant = _copy(llama["path"], tmp_path / "m")
+    tc = json.loads((variant / "tokenizer_config.json").read_text())
+    tc["chat_template"] = tc["chat_template"].replace("'\\n'", "'\\n\\n'")
+    assert tc["chat_template"] != json.loads((llama["path"] / "tokenizer_config.json").read_text())["chat_template"]
+    (variant / "tokenizer_config.json").write_text(json.dumps(tc))
+    # tokenizer_config.json is also a tokenizer file, so both components move
+    assert _changed(_components(llama["path"]), _components(variant)) == {"tokenizer", "chat_template"}
+    assert_separated(tmp_path / "s", llama, llama["path"], variant)
+
+
+def test_chat_template_file_component(tmp_path, llama):
+    """A separate chat_template.jinja is the chat_template component alone."""
+    variant = _copy(llama["path"], tmp_path / "m")
+    (variant / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert _changed(_components(llama["path"]), _components(variant)) == {"chat_template"}
+    assert_separated(tmp_path / "s", llama, llama["path"], variant)
+
+
+def test_another_model(tmp_path, llama):
+    other = model_path("tiny-qwen3next")
+    assert_separated(tmp_path / "s", llama, llama["path"], other)
+
+
+def test_adapter_and_draft_components(tmp_path, llama):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapters.safetensors").write_bytes(b"\0" * 64)
+    (adapter / "adapter_config.json").write_text("{}")
+    draft = model_path("tiny-gemma3")
+    base = _components(llama["path"])
+    assert _changed(base, _components(llama["path"], adapter_path=adapter)) == {"adapter"}
+    assert _changed(base, _components(llama["path"], draft_path=draft)) == {"draft"}
+    path = str(llama["path"])
+    assert_separated(tmp_path / "s1", llama, (path, None, None), (path, str(adapter), None))
+    assert_separated(tmp_path / "s2", llama, (path, None, None), (path, None, str(draft)))
+    assert_separated(tmp_path / "s3", llama, (path, str(adapter), None), (path, None, None))
+
+
+def test_kv_quantisation_component(tmp_path, llama, load_named):
+    """Entries written by a kv_bits=8 / group 32 store are invisible to stores running
+    another KV quantisation (none, other group size, other bits), and the other way round."""
+    spec = MODELS["tiny-llama-q"]
+    qmodel = load_named("tiny-llama-q")[0]
+    qcache = prefill(qmodel, llama["prompt"], **spec.cache_kwargs)
+    assert type(qcache[0]).__name__ == "QuantizedKVCache"
+    q = {"kv_bits": 8, "kv_group_size": 32}
+    path = llama["path"]
+    assert _changed(_components(path), _components(path, **q)) == {"kv_bits", "kv_group_size"}
+    qllama = dict(llama, cache=qcache)
+    for i, other in enumerate([{}, {"kv_bits": 8, "kv_group_size": 64}, {"kv_bits": 4, "kv_group_size": 32}]):
+        assert_separated(tmp_path / f"q{i}", qllama, path, path, write_kw=q, read_kw=q, variant_kw=other)
+    # and a plain entry is invisible to the quantised store
+    assert_separated(tmp_path / "plain", llama, path, path, write_kw={}, read_kw={}, variant_kw=q)
+
+
+def test_same_tokens_two_identities_each_get_their_own(tmp_path, llama, tiny_gemma3):
+    """Same token ids written under two models: each model gets back exactly its own cache."""
+    gmodel = tiny_gemma3[0]
+    gpath = model_path("tiny-gemma3")
+    gcache = prefill(gmodel, llama["prompt"])
+    want = {str(llama["path"]): cache_digest(llama["cache"]), str(gpath): cache_digest(gcache)}
+    d = tmp_path / "s"
+    with KVStore(d, chunk_tokens=CHUNK) as s:
+        s.insert(llama["path"], llama["prompt"], llama["cache"])
+        s.insert(gpath, llama["prompt"], gcache)
+        for p in want:
+            f = s.fetch(p, llama["prompt"])
+            assert f.source == "memory" and cache_digest(f.cache) == want[p]
+    with KVStore(d) as s:
+        assert s.stats()["disk_entries"] == 2
+        for p in want:
+            f = s.fetch(p, llama["prompt"])
+            assert f.source == "disk" and cache_digest(f.cache) == want[p]
+
+
+def test_tuple_key_maps_to_the_path_identity(tmp_path, llama):
+    path = llama["path"]
+    d = tmp_path / "s"
+    with KVStore(d, chunk_tokens=CHUNK) as s:
+        ident = s.identity(path)
+        assert isinstance(ident, Identity)
+        for key in (str(path), (str(path), None, None), (path, None, None), (str(path),), [str(path), None, None]):
+            assert s.identity(key) == ident, key
+        assert ident == model_identity(path)
+        s.insert((str(path), None, None), llama["prompt"], llama["cache"])
+        f = s.fetch(str(path), llama["prompt"])
+        assert (f.n, f.source) == (len(llama["prompt"]), "memory")
+    with KVStore(d) as s:
+        f = s.fetch((str(path), None, None), llama["prompt"])
+        assert (f.n, f.source) == (len(llama["prompt"]), "disk")
+        assert s.stats()["disk_identities"] == 1
+
+
+def test_unresolvable_model_is_memory_only(tmp_path, llama):
+    d = tmp_path / "s"
+    with KVStore(d, chunk_tokens=CHUNK) as s:
+        assert s.identity("no/such-model-dir") is None
+        s.insert("no/such-model-dir", llama["prompt"], llama["cache"])
+        assert s.fetch("no/such-model-dir", llama["prompt"]).source == "memory"
+        assert s.fetch(llama["path"], llama["prompt"]).cache is None
+    with KVStore(d) as s:
+        assert s.stats()["disk_entries"] == 0
