@@ -18,9 +18,11 @@ Databases (keys are 16-byte xxh3-128 digests from ``keys``):
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
@@ -34,6 +36,14 @@ T = TypeVar("T")
 
 _DBS = ("entries", "chunks", "tokens", "bounds", "identities", "meta")
 _INITIAL_MAP = 256 << 20
+_LOCK_BYTES = 64 << 10  # lock.mdb: LMDB's reader table for max_readers=512 needs ~33 KiB
+
+
+# Errors that mean the data file itself is damaged: only these move an index aside.
+_CORRUPTION = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
+               lmdb.VersionMismatchError, lmdb.PanicError)
+_SHARED: dict[tuple[int, str], tuple[lmdb.Environment, bool, int]] = {}
+_SHARED_LOCK = threading.Lock()
 
 
 class IndexError_(RuntimeError):
@@ -55,20 +65,37 @@ class Index:
     def __init__(self, path: Path, *, readonly: bool = False) -> None:
         self.path = Path(path)
         self.readonly = readonly
-        self.env = self._open()
+        self.env = self._shared_open()
         self._db = {name: self.env.open_db(name.encode(), create=not readonly) for name in _DBS}
         if not readonly:
             self._check_format()
 
     # -- environment -------------------------------------------------------------------
 
-    def _open(self) -> lmdb.Environment:
+    def _shared_open(self) -> lmdb.Environment:
+        """LMDB forbids opening one environment twice in a process, so every Index on the
+        same directory in this process shares one (a writable one serves read-only users
+        too). Keyed by pid: a forked child opens its own, as LMDB requires."""
         if not self.readonly:
             self.path.mkdir(parents=True, exist_ok=True)
+        key = (os.getpid(), os.path.realpath(self.path))
+        with _SHARED_LOCK:
+            got = _SHARED.get(key)
+            if got is not None and (self.readonly or not got[1]):
+                _SHARED[key] = (got[0], got[1], got[2] + 1)
+                return got[0]
+            if got is not None:  # open read-only so far; a writer needs its own handle
+                raise IndexError_(f"index {self.path} is already open read-only in this process; "
+                                  "open the writable store first")
+            env = self._open()
+            _SHARED[key] = (env, self.readonly, 1)
+            return env
+
+    def _open(self) -> lmdb.Environment:
         try:
             return self._open_env()
         except lmdb.Error as e:
-            if self.readonly or isinstance(e, (lmdb.ReadonlyError,)):
+            if self.readonly or not isinstance(e, _CORRUPTION):
                 raise IndexError_(f"cannot open index {self.path}: {e}") from None
             # A damaged data file: keep it for inspection, start an empty index. Blobs it
             # named become orphans that `kvstore verify --fix` / `gc` remove.
@@ -84,12 +111,40 @@ class Index:
         data = self.path / "data.mdb"
         if data.exists():
             size = max(size, data.stat().st_size)
+        if not self.readonly:
+            self._allocate_lock_file()
         env = lmdb.open(str(self.path), map_size=size, max_dbs=len(_DBS) + 2, subdir=True,
                         readonly=self.readonly, lock=True, readahead=False, max_readers=512)
-        # touch every named database once so a truncated / foreign file fails here, at open
-        with env.begin() as txn:
-            txn.stat()
+        try:
+            # touch every named database once so a truncated / foreign file fails here, at open
+            with env.begin() as txn:
+                txn.stat()
+            # LMDB reads pages through a memory map: a page past the end of a truncated file
+            # is a SIGBUS, not an error. The meta page names the last page in use.
+            need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+            have = data.stat().st_size if data.exists() else 0
+            if have < need:
+                raise lmdb.CorruptedError(f"{data} is truncated: {have} bytes, its pages need {need}")
+        except BaseException:
+            env.close()
+            raise
         return env
+
+    def _allocate_lock_file(self) -> None:
+        """Give ``lock.mdb`` real blocks before LMDB maps it: LMDB extends the file sparse
+        and writes its reader table through the map, which is a SIGBUS on a full disk.
+        ``posix_fallocate`` never changes existing bytes (safe next to live processes); a
+        full disk makes it raise ENOSPC, a clear error at open."""
+        if not hasattr(os, "posix_fallocate"):
+            return
+        fd = os.open(self.path / "lock.mdb", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, _LOCK_BYTES)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+        finally:
+            os.close(fd)
 
     def _check_format(self) -> None:
         def run(txn: lmdb.Transaction) -> None:
@@ -102,6 +157,15 @@ class Index:
         self.write(run)
 
     def close(self) -> None:
+        """Release this handle; the environment closes with the last one in the process."""
+        key = (os.getpid(), os.path.realpath(self.path))
+        with _SHARED_LOCK:
+            got = _SHARED.get(key)
+            if got is not None and got[0] is self.env:
+                if got[2] > 1:
+                    _SHARED[key] = (got[0], got[1], got[2] - 1)
+                    return
+                del _SHARED[key]
         self.env.close()
 
     def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:

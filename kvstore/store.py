@@ -30,7 +30,7 @@ import mlx.core as mx
 from . import blobs, codec
 from .disk import DiskTier, PersistJob
 from .identity import DigestMemo, Identity, model_identity
-from .keys import encode_tokens, key_of, root_key
+from .keys import TokenError, encode_tokens, key_of, root_key
 from .memory import MemoryTier, Snapshot
 from .writer import Writer
 
@@ -97,6 +97,7 @@ class KVStore:
         self._stats["restore_seconds"] = 0.0
         self._stats["write_seconds"] = 0.0
         self._idents: dict[Hashable, Identity | None] = {}
+        self._vocab: dict[bytes, int | None] = {}
         self._kv_quant = (kv_bits, kv_group_size if kv_bits else None)
         self._warned: set[str] = set()
         self._touches: dict[bytes, tuple[float, int]] = {}
@@ -142,6 +143,24 @@ class KVStore:
         self._idents[key] = ident
         return ident
 
+    def _vocab_size(self, ident: Identity) -> int | None:
+        """The model's vocabulary size from its config.json (None when unknown)."""
+        cached = self._vocab.get(ident.digest, False)
+        if cached is not False:
+            return cached  # type: ignore[return-value]
+        vocab = None
+        path = ident.info.get("path")
+        if path:
+            try:
+                import json
+                cfg = json.loads((Path(path) / "config.json").read_text())
+                v = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+                vocab = int(v) if v else None
+            except (OSError, ValueError, TypeError, AttributeError):
+                vocab = None
+        self._vocab[ident.digest] = vocab
+        return vocab
+
     def register(self, model: Hashable, identity: Identity) -> None:
         """Use ``identity`` for ``model`` (engines whose key is not a path)."""
         self._idents[model] = identity
@@ -158,13 +177,22 @@ class KVStore:
 
         Raises ValueError (``keys.TokenError``) for token lists that are not token ids.
         """
-        tokens = list(tokens)
+        tokens = _token_list(tokens)
         enc = encode_tokens(tokens)
         ident = self.identity(model)
         mkey = self._mem_key(model, ident)
         with self._lock:
             cache, n = self.memory.lookup(mkey, tokens)
             snap = self.memory.get(mkey, tokens[:n]) if cache is not None else None
+        if cache is not None:
+            # A snapshot is keyed by the tokens it was inserted with; a cache that holds fewer
+            # positions (mlx-lm's server inserts prompt + generated tokens with a cache that
+            # has not seen the last one) serves only the prefix it holds.
+            held = _held(cache)
+            if held is not None and held < n:
+                n = held
+                if n <= 0:
+                    cache, n = None, 0
         if cache is not None and n == len(tokens):
             self._hit("memory", n, snap)
             return Fetched(cache, n, "memory")
@@ -177,6 +205,27 @@ class KVStore:
             return Fetched(cache, n, "memory")
         self._stats["misses"] += 1
         return Fetched(None, 0, None)
+
+    def peek(self, model: Any, tokens: list[int]) -> int:
+        """How many tokens ``fetch`` would restore now (memory or disk), reading no KV data
+        and changing nothing. Engines use it to choose between competing snapshots."""
+        tokens = _token_list(tokens)
+        enc = encode_tokens(tokens)
+        ident = self.identity(model)
+        with self._lock:
+            result = self.memory._trie.search(self._mem_key(model, ident), tokens)
+        n = len(tokens) if result.exact is not None else len(result.shorter or [])
+        if result.longer is not None and result.common_prefix > n:
+            snap = self.memory.get(self._mem_key(model, ident), result.longer)
+            if snap is not None and snap.trimmable:
+                n = min(len(tokens) - 1, result.common_prefix)
+        if n < len(tokens) and ident is not None and self.disk is not None and tokens:
+            try:
+                plan = self.disk.plan(ident, enc)
+                n = max(n, plan.n if plan is not None else 0)
+            except Exception:  # a disk problem is a miss, as in fetch
+                pass
+        return n
 
     def _fetch_disk(self, ident: Identity, enc: bytes, better_than: int) -> Fetched | None:
         assert self.disk is not None
@@ -272,13 +321,23 @@ class KVStore:
         Raises ValueError when the tokens are not token ids or the cache holds more
         positions than ``tokens``; nothing is stored then.
         """
-        tokens = list(tokens)
+        tokens = _token_list(tokens)
         enc = encode_tokens(tokens)
         if cache_type not in self.memory.stats_by_type():
             raise ValueError(f"cache_type must be one of {list(self.memory.stats_by_type())}, got {cache_type!r}")
+        _check_cache(cache)
         ident = self.identity(model)
+        if ident is not None and tokens:
+            vocab = self._vocab_size(ident)
+            top = max(tokens)
+            if vocab is not None and top >= vocab:
+                raise TokenError(f"token id {top} is out of the vocabulary of {ident.name} (vocab_size {vocab})")
         snap, covered = self._snapshot(cache, len(tokens), cache_type)
-        if snap.tensors is not None and ident is not None and self.disk is not None and covered > 0:
+        wrong = _layout_problem(ident, snap.layout) if ident is not None and snap.layout is not None else None
+        if wrong is not None:  # never stored on disk under this identity (memory is the caller's own)
+            self._stats["unpersistable"] += 1
+            self._warn_once(f"layout:{wrong}", "kvstore: %s; kept in memory only", wrong)
+        elif snap.tensors is not None and ident is not None and self.disk is not None and covered > 0:
             snap.extra["job"] = (ident, enc[: covered * 4])
             snap.persisted = self._submit(snap)
         with self._lock:
@@ -303,7 +362,12 @@ class KVStore:
         if not offsets:  # recurrent state only: it must be taken at the prefix boundary
             covered = n_tokens
         mx.eval(list(tensors.values()))  # views: free, and ready for the writer thread
-        snap = Snapshot(tensors, layout, None, codec.cache_nbytes(tensors), codec.trimmable(cache), cache_type)
+        try:  # what the snapshot keeps alive: its views pin the whole allocated buffers,
+            # which is also what mlx-lm's LRUPromptCache counts against max_bytes
+            nbytes = int(sum(c.nbytes for c in cache))
+        except Exception:
+            nbytes = codec.cache_nbytes(tensors)
+        snap = Snapshot(tensors, layout, None, nbytes, codec.trimmable(cache), cache_type)
         return snap, covered
 
     def _submit(self, snap: Snapshot) -> bool:
@@ -408,8 +472,85 @@ class KVStore:
             log.warning(msg, *args)
 
 
+def _token_list(tokens: Any) -> list:
+    try:
+        return list(tokens)
+    except TypeError:
+        raise TokenError(f"tokens must be a sequence of integers, got {type(tokens).__name__}") from None
+
+
+def _layers(cache: Any) -> list:
+    """Cache layers, CacheList members flattened."""
+    out: list = []
+    for c in cache:
+        subs = getattr(c, "caches", None)
+        out.extend(_layers(subs) if isinstance(subs, (list, tuple)) else [c])
+    return out
+
+
+def _held(cache: Any) -> int | None:
+    """Positions a live cache holds: the smallest integer ``offset`` of its layers."""
+    if not isinstance(cache, (list, tuple)):
+        return None
+    offs = [c.offset for c in _layers(cache) if isinstance(getattr(c, "offset", None), int)]
+    return min(offs) if offs else None
+
+
+def _check_cache(cache: Any) -> None:
+    """A prompt cache is a non-empty list of cache objects whose arrays hold what they claim."""
+    if not isinstance(cache, (list, tuple)) or not cache:
+        raise ValueError(f"cache must be a non-empty list of cache objects (one per layer), "
+                         f"got {type(cache).__name__}{' (empty)' if isinstance(cache, (list, tuple)) else ''}")
+    for i, c in enumerate(_layers(cache)):
+        if not (hasattr(type(c), "state") or hasattr(c, "nbytes")) or isinstance(c, (int, float, str, bytes)):
+            raise ValueError(f"cache layer {i} is a {type(c).__name__}, not a cache object")
+        keys = getattr(c, "keys", None)
+        off = getattr(c, "offset", None)
+        if type(c).__name__ in ("KVCache", "QuantizedKVCache") and keys is not None and isinstance(off, int):
+            k = keys[0] if isinstance(keys, (list, tuple)) else keys
+            if k.shape[-2] < off:
+                raise ValueError(f"cache layer {i} ({type(c).__name__}) claims {off} positions "
+                                 f"but its arrays hold {k.shape[-2]}")
+
+
+_KV_FAMILY = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache")
+
+
+def _layout_problem(ident: Identity, layout: codec.Layout) -> str | None:
+    """Why a cache does not fit the identity's model, or None: it must have the layers the
+    model makes (same count; per layer the same class family: attention KV in any of its
+    forms, or the same recurrent class). Unknown (None) for identities without a layout
+    component, or with a draft model (whose layers the engine appends)."""
+    comps = ident.info.get("components") or {}
+    want = comps.get("layout")
+    if not isinstance(want, list) or comps.get("draft"):
+        return None
+
+    def fam(m: dict) -> str:
+        return "attention KV" if m.get("class") in _KV_FAMILY else str(m.get("class"))
+
+    def diff(a: list, b: list, where: str) -> str | None:
+        if len(a) != len(b):
+            return f"cache has {len(a)} layers{where}, {ident.name} makes {len(b)} (a cache from another model?)"
+        for i, (x, y) in enumerate(zip(a, b)):
+            if fam(x) != fam(y):
+                return (f"cache layer {i}{where} is {x.get('class')}, {ident.name} makes {y.get('class')} "
+                        "(a cache from another model?)")
+            if x.get("class") == "CacheList":
+                d = diff(x.get("sub", []), y.get("sub", []), f" (in layer {i})")
+                if d:
+                    return d
+        return None
+
+    return diff(codec.layout_signature(layout), want, "")
+
+
 def _open_disk(path: Path, chunk_tokens: int) -> DiskTier:
-    if path.exists() and not path.is_dir():
+    try:
+        is_file = path.exists() and not path.is_dir()
+    except OSError as e:  # ENAMETOOLONG, EACCES on a parent, ELOOP...: pathlib does not swallow these
+        raise StoreOpenError(f"cannot use cache directory {path}: {e.strerror}") from None
+    if is_file:
         raise StoreOpenError(f"cache path {path} is a file, not a directory: pass another --cache-dir")
     try:
         path.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -58,6 +59,8 @@ def _install_stats_route(server_mod: Any) -> None:
 
 
 def _sigterm(signum: int, frame: Any) -> None:
+    # once: a second SIGTERM must not interrupt the flush the first one started
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
@@ -69,16 +72,21 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--write-queue", type=int, default=16, help="write-behind queue length (default 16)")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, exit_process: bool = True) -> int:
+    """Run the server until SIGTERM / Ctrl-C, then flush and close the store.
+
+    With ``exit_process`` (the default: this is a process entry point) a server that ran
+    ends the process itself with status 0 once the store is closed (see ``_exit_now``);
+    ``--help`` and usage errors raise SystemExit as argparse does."""
     parser = argparse.ArgumentParser(
-        prog="kvstore serve",
+        prog="kvstore serve", add_help=False,  # -h / --help: ours, then mlx_lm.server's
         description="mlx_lm.server with a persistent kvstore prompt cache. "
                     "All mlx_lm.server flags are accepted (e.g. --model, --host, --port).")
     setup_arg_parser(parser)
     ours, rest = parser.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         parser.print_help()
-        print("\nmlx_lm.server flags:")
+        print("\nmlx_lm.server flags:", flush=True)
     import mlx_lm.server as server_mod
 
     kv_bits = _flag(rest, "--kv-bits")
@@ -100,7 +108,31 @@ def main(argv: list[str] | None = None) -> int:
         for s in _STORES:
             s.close()
         log.info("kvstore: store flushed and closed")
+    if exit_process:
+        _exit_now(0)
     return 0
+
+
+def _exit_now(code: int) -> None:
+    """End the process without interpreter finalization, once the stores are closed.
+
+    mlx-lm's generation thread leaves MLX thread-local state (e.g. its ``mx.compile``
+    cache) whose destructors take the GIL when the OS thread finally exits; if that
+    happens after ``Py_Finalize`` has begun, CPython ends the thread with
+    ``pthread_exit`` inside a noexcept C++ destructor and the process dies with
+    ``terminate called without an active exception`` (SIGABRT, status 134): seen on about
+    1 ``kvstore serve`` shutdown in 4, and on most Ctrl-C shutdowns of plain
+    ``mlx_lm.server`` (mlx 0.32.4 / mlx-lm 0.32.2, Linux CPU). Everything
+    kvstore owns is already flushed and closed here, so skipping finalization loses
+    nothing and makes a SIGTERM exit status 0.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
 
 
 def _flag(argv: list[str], name: str) -> str | None:
