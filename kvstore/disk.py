@@ -16,17 +16,21 @@ miss and drops the damaged record.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
 
-from . import blobs, codec
+from . import blobs
+
+if TYPE_CHECKING:
+    from . import codec
 from .identity import Identity
 from .index import Index
 from .keys import boundaries, chunk_key, encode_tokens, entry_key, root_key
@@ -115,7 +119,7 @@ class DiskTier:
             found_next = False
             for child, kind in idx.children(b):
                 stored = idx.tokens(child)
-                if stored is None:
+                if stored is None or not _keyed(b, k, child, kind, stored, C):
                     continue
                 if kind == "e":
                     rec = idx.entry(child)
@@ -155,28 +159,51 @@ class DiskTier:
 
     # -- restore -----------------------------------------------------------------------
 
-    def _read(self, rec: dict | None, kind: str, key: bytes) -> dict[str, mx.array]:
-        """One record's verified blob; a BlobError names the record (``err.record``)."""
+    def _read(self, rec: dict | None, kind: str, key: bytes, layout: codec.Layout | None = None,
+              exact: bool = False) -> dict[str, mx.array]:
+        """One record's verified blob; a BlobError names the record (``err.record``).
+
+        The blob's own (checksummed) metadata must agree with the index record that led to
+        it: its key, its kind and, when ``layout`` is given, the layout the restore will use
+        (``exact``: offsets too). LMDB has no checksums, so a flipped record must not be
+        able to reinterpret a good blob."""
+        from . import codec  # lazy: keeps mlx_lm (3 s) out of CLI start-up
         try:
             if rec is None:
                 raise blobs.BlobError(f"{kind} {key.hex()} vanished from the index")
-            tensors, _ = blobs.read_blob(self.blob_root / rec["blob"], rec["size"], rec["checksum"])
+            tensors, meta = blobs.read_blob(self.blob_root / rec["blob"], rec["size"], rec["checksum"])
+            want_kind = "chunk" if kind == "chunk" else rec.get("kind")
+            if meta.get("kvstore.key", key.hex()) != key.hex() or meta.get("kvstore.kind", want_kind) != want_kind:
+                raise blobs.BlobError(f"{kind} {key.hex()}: the blob is {meta.get('kvstore.kind')} "
+                                      f"{meta.get('kvstore.key')}, not what the index record says")
+            if layout is not None and "kvstore.layout" in meta:
+                stored = json.loads(meta["kvstore.layout"])
+                same = (stored == layout) if exact else (
+                    codec.layout_signature(stored) == codec.layout_signature(layout))
+                if not same:
+                    raise blobs.BlobError(f"{kind} {key.hex()}: the index record's layout differs from the blob's")
         except blobs.BlobError as e:
             e.record = (kind, key)
             raise
+        except (KeyError, TypeError, ValueError) as e:  # an unusable record
+            err = blobs.BlobError(f"{kind} {key.hex()}: damaged index record ({e!r})")
+            err.record = (kind, key)
+            raise err from None
         return tensors
 
     def restore(self, plan: Plan) -> tuple[list[Any], int]:
         """Read a plan's blobs (verified) and build live cache objects holding ``plan.n``
         tokens. Raises BlobError / codec.Unsupported on anything unexpected."""
+        from . import codec  # lazy: keeps mlx_lm (3 s) out of CLI start-up
         parts = []
         for ck in plan.chunks:
             parts.append(self._read(self.index.chunk(ck), "chunk", ck))
         kind, key = plan.last  # type: ignore[misc]
         rec = self.index.entry(key) if kind == "entry" else self.index.chunk(key)
         if rec is None or rec.get("blob") is not None:
-            parts.append(self._read(rec, kind, key))
-        elif not (plan.chunked and parts):  # only a chunked entry of whole chunks has no tail
+            parts.append(self._read(rec, kind, key, plan.layout, exact=not plan.chunked))
+        elif not (plan.chunked and parts and plan.stored_n == len(parts) * self.chunk):
+            # only a chunked entry of whole chunks has no tail
             raise blobs.BlobError(f"{kind} {key.hex()} names no blob")
         if plan.chunked:
             tensors = codec.concat_tokens(parts)
@@ -189,6 +216,7 @@ class DiskTier:
                     raise blobs.BlobError("stored snapshot cannot be trimmed")
                 for c in cache:
                     c.trim(plan.stored_n - plan.n)
+        _check_restored(cache, plan.n)
         mx.eval([v for layer in cache for v in _arrays(layer)])
         return cache, plan.n
 
@@ -203,6 +231,7 @@ class DiskTier:
     def persist(self, job: PersistJob) -> int:
         """Write a job's blobs and commit its entry; returns bytes written (0 if the entry
         already existed). Raises OSError on a failed write (nothing is indexed then)."""
+        from . import codec  # lazy: keeps mlx_lm (3 s) out of CLI start-up
         ident, enc, C = job.identity, job.tokens, self.chunk
         n = job.n
         root = root_key(ident.digest)
@@ -216,6 +245,7 @@ class DiskTier:
         meta = {"kvstore.format": "1", "kvstore.identity": ident.hex}
         # numpy views of the caller's evaluated arrays: no MLX op runs on this thread
         host = {nm: (st, np.asarray(a)) for nm, (st, a) in job.tensors.items()}
+        chunk_layout = json.dumps(codec.with_offset(job.layout, C)) if chunked else ""
         written = 0
         for attempt in range(3):
             new_chunks: dict[bytes, tuple[dict, bytes, bytes]] = {}
@@ -229,7 +259,8 @@ class DiskTier:
                         continue
                     t = {nm: (st, a[..., k * C : (k + 1) * C, :]) for nm, (st, a) in host.items()}
                     rec = self._write(ck, t, dict(meta, **{"kvstore.kind": "chunk", "kvstore.key": ck.hex(),
-                                                          "kvstore.tokens": f"{k * C}-{(k + 1) * C}"}))
+                                                          "kvstore.tokens": f"{k * C}-{(k + 1) * C}",
+                                                          "kvstore.layout": chunk_layout}))
                     new_files.append(rec["blob"])
                     written += rec["size"]
                     rec.update(identity=ident.hex, parent=bounds[k].hex(), n=C,
@@ -250,7 +281,8 @@ class DiskTier:
                     layout = job.layout if not chunked else codec.with_offset(job.layout, n - K * C)
                     rec = self._write(key, tail, dict(meta, **{"kvstore.kind": record["kind"],
                                                               "kvstore.key": key.hex(),
-                                                              "kvstore.tokens": f"{K * C}-{n}"}))
+                                                              "kvstore.tokens": f"{K * C}-{n}",
+                                                              "kvstore.layout": json.dumps(layout)}))
                     new_files.append(rec["blob"])
                     written += rec["size"]
                     record.update(rec)
@@ -297,9 +329,43 @@ class DiskTier:
         self._unlink(rels + self.index.drop_chunk_orphans([key]))
 
 
+def _keyed(boundary: bytes, k: int, child: bytes, kind: str, stored: bytes, C: int) -> bool:
+    """The stored token ids hash to the key they are filed under. Token ids are what every
+    hit is checked against, so a damaged (or foreign) token record must not be trusted: a
+    flip in an entry's last partial chunk would otherwise serve its KV to another prompt."""
+    if len(stored) % 4:
+        return False
+    if kind == "e":
+        return len(stored) // 4 // C == k and entry_key(boundary, stored[k * C * 4 :]) == child
+    return len(stored) == C * 4 and chunk_key(boundary, stored) == child
+
+
+def _check_restored(cache: list[Any], n: int) -> None:
+    """A restored cache holds exactly ``n`` positions: every layer that counts its
+    positions says ``n``, and KV arrays hold them (a damaged layout must not pass)."""
+    for i, layer in enumerate(_flat(cache)):
+        off = getattr(layer, "offset", None)
+        if isinstance(off, int) and off != n:
+            raise blobs.BlobError(f"restored layer {i} holds {off} positions, not {n}")
+        keys = getattr(layer, "keys", None)
+        if type(layer).__name__ in ("KVCache", "QuantizedKVCache") and keys is not None:
+            k = keys[0] if isinstance(keys, (tuple, list)) else keys
+            if k.shape[-2] < n:
+                raise blobs.BlobError(f"restored layer {i} has arrays for {k.shape[-2]} positions, not {n}")
+
+
+def _flat(cache: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for c in cache:
+        subs = getattr(c, "caches", None)
+        out.extend(_flat(list(subs)) if isinstance(subs, (list, tuple)) else [c])
+    return out
+
+
 def _layout_trimmable(layout: codec.Layout, n: int) -> bool:
     """Whether a snapshot can be trimmed to a shorter prefix after restore (mlx-lm's
     ``is_trimmable`` for the classes involved, decided from the stored layout)."""
+    from . import codec  # lazy: keeps mlx_lm (3 s) out of CLI start-up
     flat = codec._walk(layout)
     for m in flat:
         cls = m["class"]

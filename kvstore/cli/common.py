@@ -1,0 +1,244 @@
+"""Shared pieces of the ``kvstore`` commands: ``--cache-dir``, opening the store, sizes,
+durations, entry ids, tables and error reporting.
+
+Opening a cache directory
+-------------------------
+Commands that only read (``ls``, ``stats``, ``inspect``, ``verify`` without ``--fix``,
+``gc --dry-run``) open the LMDB index read-only and never create anything: a directory that
+does not exist, or holds no index, is an error (exit 1) with a message saying which
+``--cache-dir`` to pass. LMDB's read-only mode still registers the reader in
+``index/lock.mdb`` (that is how it stays safe next to live servers), so the user needs
+write permission on that one file. Commands that change the store (``verify --fix``,
+``gc``, ``pin``/``unpin``) open it read-write but also refuse a directory that holds no
+index; only ``warm`` creates a new cache directory, as a server would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+ENTRY_ID_CHARS = 12
+
+
+class CLIError(Exception):
+    """A problem the user can fix; printed as ``kvstore: error: ...``, exit ``code``."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def error(message: str) -> None:
+    print(f"kvstore: error: {message}", file=sys.stderr)
+
+
+def warn(message: str) -> None:
+    print(f"kvstore: warning: {message}", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- options
+
+
+def add_cache_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cache-dir", metavar="DIR", type=Path, default=None,
+        help="the cache directory (default: $KVSTORE_DIR if set, else the user cache dir, "
+             "e.g. ~/.cache/kvstore/cache on Linux, ~/Library/Caches/kvstore/cache on macOS)")
+
+
+def add_json(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
+
+
+def cache_dir(args: argparse.Namespace) -> Path:
+    if getattr(args, "cache_dir", None) is not None:
+        return Path(args.cache_dir).expanduser()
+    from ..store import default_cache_dir
+
+    return default_cache_dir()
+
+
+def open_disk(args: argparse.Namespace, *, write: bool = False):
+    """The cache directory's DiskTier: read-only unless ``write``. Raises CLIError."""
+    from ..disk import DiskTier
+    from ..keys import FORMAT_VERSION
+
+    root = cache_dir(args)
+    hint = "pass --cache-dir DIR (or set KVSTORE_DIR) naming the directory your servers use"
+    if not root.exists():
+        raise CLIError(f"cache directory {root} does not exist (nothing has been cached there): {hint}")
+    if not root.is_dir():
+        raise CLIError(f"cache path {root} is a file, not a directory: {hint}")
+    if not (root / "index" / "data.mdb").is_file():
+        raise CLIError(f"{root} is not a kvstore cache directory (it has no index/data.mdb): {hint}")
+    try:
+        disk = DiskTier(root, readonly=not write)
+    except Exception as e:  # lmdb.Error, IndexError_, PermissionError
+        extra = "" if write else " (read-only commands still need write access to index/lock.mdb)"
+        raise CLIError(f"cannot open the index in {root}: {e}{extra}") from None
+    fmt = disk.index.read(lambda t: t.get(b"format", db=disk.index._db["meta"]))
+    if fmt is not None and int(fmt) != FORMAT_VERSION:
+        disk.close()
+        raise CLIError(f"{root} holds a format-{int(fmt)} cache; this kvstore reads format "
+                       f"{FORMAT_VERSION}: use a matching kvstore version or another --cache-dir")
+    return disk
+
+
+# ----------------------------------------------------------------------------- entries
+
+
+def short_id(key: bytes | str) -> str:
+    return (key.hex() if isinstance(key, bytes) else key)[:ENTRY_ID_CHARS]
+
+
+def resolve_entry(disk, prefix: str) -> tuple[bytes, dict]:
+    """The one entry whose key (hex) starts with ``prefix``. Raises CLIError."""
+    p = prefix.strip().lower()
+    if not p or not re.fullmatch(r"[0-9a-f]+", p):
+        raise CLIError(f"ENTRY must be a hex prefix of an entry id (as `kvstore ls` shows), got {prefix!r}")
+    start = bytes.fromhex(p[: len(p) // 2 * 2])
+    db = disk.index._db["entries"]
+
+    def run(txn: Any) -> list[bytes]:
+        out = []
+        cur = txn.cursor(db=db)
+        if not cur.set_range(start):
+            return out
+        for k in cur.iternext(keys=True, values=False):
+            hx = bytes(k).hex()
+            if not hx.startswith(p[: len(start) * 2]):
+                break
+            if hx.startswith(p):
+                out.append(bytes(k))
+                if len(out) > 10:
+                    break
+        return out
+
+    keys = disk.index.read(run)
+    if not keys:
+        raise CLIError(f"no entry matches {prefix!r} in {disk.root}: run `kvstore ls` to see the entry ids")
+    if len(keys) > 1:
+        shown = ", ".join(short_id(k) for k in keys[:10])
+        raise CLIError(f"{prefix!r} matches several entries ({shown}{', ...' if len(keys) > 10 else ''}): "
+                       "give more hex digits")
+    rec = disk.index.entry(keys[0])
+    if rec is None:  # removed between the two reads
+        raise CLIError(f"entry {short_id(keys[0])} was just removed by another process")
+    return keys[0], rec
+
+
+def resolve_identity(identities: dict[str, dict], prefix: str) -> str:
+    p = prefix.strip().lower()
+    if not p or not re.fullmatch(r"[0-9a-f]+", p):
+        raise CLIError(f"--identity takes a hex prefix of an identity (as `kvstore ls` shows), got {prefix!r}")
+    hits = [h for h in identities if h.startswith(p)]
+    if not hits:
+        raise CLIError(f"no identity matches {prefix!r}: run `kvstore ls` to see the identities")
+    if len(hits) > 1:
+        raise CLIError(f"{prefix!r} matches {len(hits)} identities ({', '.join(h[:12] for h in hits)}): "
+                       "give more hex digits")
+    return hits[0]
+
+
+# ----------------------------------------------------------------------------- units
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def human_bytes(n: int | float) -> str:
+    n = float(n)
+    for unit in _UNITS:
+        if abs(n) < 1024 or unit == _UNITS[-1]:
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def parse_size(text: str) -> int:
+    """``10G``, ``500M``, ``1.5GiB``, ``64k``, ``1000`` -> bytes. K/M/G/T/P are powers of
+    1024 (with or without ``i``/``B``), as du and Docker read them."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(?:i?b)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use a number with an optional unit, e.g. 500M, 10G")
+    power = "_kmgtp".index(m.group(2).lower()) if m.group(2) else 0
+    return int(float(m.group(1)) * 1024 ** power)
+
+
+_DUR = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``7d``, ``12h``, ``30m``, ``45s``, ``2w``, ``3600`` (seconds) -> seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhdw]?)\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r}: use e.g. 7d, 12h, 30m, 45s")
+    return float(m.group(1)) * _DUR[(m.group(2) or "s").lower()]
+
+
+def seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        return parse_duration(text)
+    if v < 0 or math.isnan(v):
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text!r}")
+    return v
+
+
+def ago(ts: float | None, now: float | None = None) -> str:
+    if not ts:
+        return "never"
+    d = (time.time() if now is None else now) - ts
+    if d < 1:
+        return "just now"
+    for unit, s in (("d", 86400), ("h", 3600), ("m", 60)):
+        if d >= s:
+            return f"{int(d // s)}{unit} ago"
+    return f"{int(d)}s ago"
+
+
+def iso(ts: float | None) -> str | None:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(ts)) if ts else None
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def table(rows: Iterable[Sequence[Any]], headers: Sequence[str], *, right: Iterable[int] = (),
+          indent: str = "") -> str:
+    """A plain-text table; columns in ``right`` are right-aligned."""
+    rows = [[str(c) for c in r] for r in rows]
+    right = set(right)
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    def fmt(cells: Sequence[str]) -> str:
+        out = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return (indent + "  ".join(out)).rstrip()
+
+    return "\n".join([fmt(headers)] + [fmt(r) for r in rows])
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    return f"{n} {word if n == 1 else (many or word + 's')}"
+
+
+def print_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
+
+
+def identity_name(hx: str, info: dict | None) -> str:
+    return str((info or {}).get("name") or f"identity {hx[:12]}")
+
+
+def model_present(info: dict | None) -> bool | None:
+    p = (info or {}).get("path")
+    return None if not p else os.path.isdir(p)

@@ -1,0 +1,88 @@
+"""``kvstore gc``: budgets, dropped models, orphans and stale temp files."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from . import common
+
+
+def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from ..maintenance import ORPHAN_BLOB_SECONDS, STALE_TMP_SECONDS
+
+    p = subparsers.add_parser(
+        "gc", help="enforce size and age budgets, drop models, remove orphans and temp files",
+        description="Remove entries, least recently used first: of the identities named with "
+                    "--identity or whose model directory is gone (--missing-models; pinned "
+                    "entries too), unused for longer than --max-age (never pinned ones), then "
+                    "until the blobs fit --max-bytes (pinned ones only when nothing else is "
+                    "left). Orphan blobs, stale temp files and broken records are always "
+                    "removed (as `kvstore verify --fix --no-checksums` does). Safe while servers "
+                    "use the directory. --dry-run lists what would go and changes nothing.")
+    p.add_argument("--max-bytes", type=common.parse_size, metavar="SIZE",
+                   help="keep at most this many blob bytes, e.g. 500M, 10G (powers of 1024)")
+    p.add_argument("--max-age", type=common.parse_duration, metavar="AGE",
+                   help="remove unpinned entries not used for this long, e.g. 7d, 12h, 30m")
+    p.add_argument("--identity", action="append", default=[], metavar="HEXPREFIX",
+                   help="remove every entry of this identity (see `kvstore ls`); repeatable")
+    p.add_argument("--missing-models", action="store_true",
+                   help="remove entries of identities whose model directory no longer exists")
+    p.add_argument("--keep-orphans", action="store_true",
+                   help="do not look for orphan blobs, temp files and broken records")
+    p.add_argument("--dry-run", "-n", action="store_true",
+                   help="list what would be removed and the bytes it would free; change nothing")
+    p.add_argument("--tmp-age", type=common.seconds, default=STALE_TMP_SECONDS, metavar="SECONDS",
+                   help=f"temp files older than this are stale (default {STALE_TMP_SECONDS})")
+    p.add_argument("--blob-age", type=common.seconds, default=ORPHAN_BLOB_SECONDS, metavar="SECONDS",
+                   help=f"unindexed blob files older than this are orphans (default {ORPHAN_BLOB_SECONDS})")
+    common.add_cache_dir(p)
+    common.add_json(p)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import maintenance as M
+    from .verify import describe
+
+    disk = common.open_disk(args, write=not args.dry_run)  # a dry run opens the index read-only
+    try:
+        idents = disk.index.identities()
+        chosen = [common.resolve_identity(idents, p) for p in args.identity]
+        res = M.gc(disk, max_bytes=args.max_bytes, max_age=args.max_age, identities=chosen,
+                   missing_models=args.missing_models, orphans=not args.keep_orphans,
+                   dry_run=args.dry_run, tmp_age=args.tmp_age, blob_age=args.blob_age)
+        left = disk.index.total_bytes()
+        counts = disk.index.counts()
+    finally:
+        disk.close()
+    unfixed = [p for p in res.problems if not p.fixed] if not args.dry_run else []
+    if args.json:
+        out = res.to_dict()
+        out.update(cache_dir=str(disk.root), blob_bytes_left=left, entries_left=counts["entries"])
+        common.print_json(out)
+        return 1 if unfixed else 0
+    verb = "would remove" if args.dry_run else "removed"
+    now = time.time()
+    for r in res.removed:
+        why = {"max_age": f"last used {common.ago(r['last_used'], now)}", "max_bytes": "over --max-bytes",
+               "identity": "--identity", "missing_model": "model directory is gone"}.get(r["reason"], r["reason"])
+        print(f"{verb} {common.short_id(r['key'])}  {r['model'] or common.short_id(r['identity'] or '')}  "
+              f"{r['tokens']} tokens  frees {common.human_bytes(r['bytes'])}  ({why}"
+              f"{', pinned' if r['pinned'] else ''})")
+    for p in res.problems:
+        print(("would fix " if args.dry_run else "") + describe(p))
+    P = common.plural
+    files = sum(1 for p in res.problems if p.record == "file")
+    summary = (f"{'would free' if args.dry_run else 'freed'} {common.human_bytes(res.freed)}: "
+               f"{P(len(res.removed), 'entry', 'entries')}, {P(files, 'stray file')}, "
+               f"{P(len(res.problems) - files, 'broken record')}")
+    if args.dry_run:
+        print(f"{summary} (dry run: nothing changed)")
+    else:
+        print(f"{summary}; {common.human_bytes(left)} in {P(counts['entries'], 'entry', 'entries')} left")
+    if unfixed:
+        print(f"{len(unfixed)} problem(s) could not be fixed now: run `kvstore verify --fix`")
+        return 1
+    return 0

@@ -1,0 +1,174 @@
+"""``kvstore inspect ENTRY``: one entry in full."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from . import common
+
+
+def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "inspect", help="show one entry in full: prompt, chunks, layers, dtype, checksums",
+        description="Show one entry: token count, the prompt decoded with the model's "
+                    "tokenizer (when its directory still exists), its chunks and tail, cache "
+                    "layers and classes, KV dtype, bytes, and whether every blob's size and "
+                    "checksum match the index (exit 1 if one does not).")
+    p.add_argument("entry", metavar="ENTRY", help="entry id or any unique hex prefix of it (see `kvstore ls`)")
+    p.add_argument("--no-prompt", action="store_true", help="do not load the tokenizer to decode the prompt")
+    p.add_argument("--tokens", action="store_true", help="also print the token ids")
+    common.add_cache_dir(p)
+    common.add_json(p)
+    return p
+
+
+def decode_prompt(model_path: str | None, tokens: list[int]) -> tuple[str | None, str | None]:
+    """(text, None), or (None, why not). Never raises: a tokenizer that cannot be found or
+    loaded only costs the decoded prompt."""
+    if not model_path:
+        return None, "the identity records no model path"
+    if not Path(model_path).is_dir():
+        return None, f"model directory {model_path} no longer exists"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    errors = []
+    try:
+        try:  # mlx-lm 0.32: mlx_lm.utils.load_tokenizer; 0.31: tokenizer_utils.load_tokenizer
+            from mlx_lm.utils import load_tokenizer
+        except ImportError:
+            from mlx_lm.tokenizer_utils import load_tokenizer  # type: ignore[no-redef]
+        return str(load_tokenizer(Path(model_path)).decode(tokens)), None
+    except Exception as e:
+        errors.append(f"mlx_lm: {e}")
+    try:
+        from transformers import AutoTokenizer
+
+        return str(AutoTokenizer.from_pretrained(model_path, local_files_only=True).decode(tokens)), None
+    except Exception as e:
+        errors.append(f"transformers: {e}")
+    return None, f"could not load a tokenizer from {model_path} ({'; '.join(errors)})"
+
+
+def collect(disk, key: bytes, rec: dict, *, prompt: bool = True, with_tokens: bool = False) -> dict[str, Any]:
+    from .. import maintenance as M
+    from ..keys import decode_tokens
+
+    info = disk.index.identities().get(rec.get("identity", ""), {})
+    raw = disk.index.tokens(key)
+    tokens = decode_tokens(bytes(raw)) if raw is not None else None
+    pieces = []
+    C = int(rec.get("chunk") or disk.chunk)
+    header = None
+    for i, ck in enumerate(rec.get("chunks", [])):
+        crec = disk.index.chunk(bytes.fromhex(ck))
+        piece: dict[str, Any] = {"piece": "chunk", "key": ck, "tokens": [i * C, (i + 1) * C]}
+        if crec is None:
+            piece.update(bytes=0, refs=None, blob=None, state="missing_chunk",
+                         detail="chunk record does not exist")
+        else:
+            bad = M.check_blob(disk.blob_root / crec["blob"], int(crec["size"]), crec.get("checksum"))
+            piece.update(bytes=int(crec["size"]), refs=crec.get("refs"), blob=crec["blob"],
+                         checksum=crec.get("checksum"), state=bad[0] if bad else "ok",
+                         detail=bad[1] if bad else None)
+        pieces.append(piece)
+    if rec.get("blob"):
+        k0 = len(rec.get("chunks", [])) * C if rec.get("kind") == "chunked" else 0
+        bad = M.check_blob(disk.blob_root / rec["blob"], int(rec["size"]), rec.get("checksum"))
+        pieces.append({"piece": "tail" if rec.get("kind") == "chunked" else "snapshot", "key": key.hex(),
+                       "tokens": [k0, rec.get("n")], "bytes": int(rec["size"]), "refs": None,
+                       "blob": rec["blob"], "checksum": rec.get("checksum"),
+                       "state": bad[0] if bad else "ok", "detail": bad[1] if bad else None})
+    tensors: dict[str, Any] = {}
+    for pc in pieces:
+        if pc["state"] in ("ok", "bad_checksum") and pc.get("blob"):
+            try:
+                header = M.blob_header(disk.blob_root / pc["blob"])
+            except Exception:
+                continue
+            tensors = {k: {"dtype": v.get("dtype"), "shape": v.get("shape")}
+                       for k, v in header.items() if k != "__metadata__"}
+            break
+    text, why = (None, "not requested (--no-prompt)")
+    if prompt and tokens is not None:
+        text, why = decode_prompt(info.get("path"), tokens)
+    elif tokens is None:
+        why = "no token ids stored for this entry"
+    layers = [{"index": i, **m} for i, m in enumerate(rec.get("layout", []))]
+    out = {
+        "id": common.short_id(key), "key": key.hex(), "identity": rec.get("identity"),
+        "model": {"name": info.get("name"), "path": info.get("path"), "model_type": info.get("model_type"),
+                  "present": common.model_present(info), "versions": info.get("versions")},
+        "tokens": rec.get("n"), "kind": rec.get("kind"), "cache_type": rec.get("cache_type"),
+        "chunk_tokens": C, "trimmable": rec.get("trimmable"),
+        "created": rec.get("created"), "last_used": rec.get("last_used"), "hits": rec.get("hits", 0),
+        "pinned": bool(rec.get("pinned")),
+        "bytes": sum(p["bytes"] for p in pieces), "own_bytes": int(rec.get("size") or 0),
+        "kv_dtype": M.kv_dtype(rec.get("layout"), header), "tensors": tensors,
+        "layers": layers, "pieces": pieces,
+        "checksums_ok": all(p["state"] == "ok" for p in pieces),
+        "prompt": text, "prompt_error": None if text is not None else why,
+    }
+    if with_tokens:
+        out["token_ids"] = tokens
+    return out
+
+
+def _layer_summary(layers: list[dict]) -> list[str]:
+    """Consecutive layers of the same class and parameters, as ``"0-27  KVCache"``."""
+    def sig(m: dict) -> str:
+        params = {k: v for k, v in m.items() if k not in ("index", "class", "offset", "sub", "idx", "start")}
+        s = m["class"] + (" " + " ".join(f"{k}={v}" for k, v in sorted(params.items())) if params else "")
+        if m.get("sub"):
+            s += " [" + ", ".join(sig(x) for x in m["sub"]) + "]"
+        return s
+    out, start = [], 0
+    for i in range(1, len(layers) + 1):
+        if i == len(layers) or sig(layers[i]) != sig(layers[start]):
+            rng = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
+            out.append(f"{rng:>7}  {sig(layers[start])}")
+            start = i
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    disk = common.open_disk(args)
+    try:
+        key, rec = common.resolve_entry(disk, args.entry)
+        info = collect(disk, key, rec, prompt=not args.no_prompt, with_tokens=args.tokens)
+    finally:
+        disk.close()
+    if args.json:
+        common.print_json(info)
+        return 0 if info["checksums_ok"] else 1
+    hb = common.human_bytes
+    m = info["model"]
+    print(f"entry       {info['key']}  (id {info['id']})")
+    print(f"model       {m['name'] or '?'}  identity {info['identity'][:12]}  "
+          f"{m['path'] or ''}{'  (missing)' if m['present'] is False else ''}")
+    print(f"tokens      {info['tokens']}  ({info['kind']}, {info['cache_type']}, "
+          f"{'trimmable' if info['trimmable'] else 'not trimmable'}, chunk_tokens={info['chunk_tokens']})")
+    print(f"kv dtype    {info['kv_dtype'] or '?'}")
+    print(f"bytes       {hb(info['bytes'])}  ({info['bytes']} B; own blob {hb(info['own_bytes'])})")
+    print(f"created     {common.iso(info['created'])}")
+    print(f"last used   {common.iso(info['last_used'])} ({common.ago(info['last_used'])}), "
+          f"{common.plural(info['hits'], 'hit')}{', PINNED' if info['pinned'] else ''}")
+    print(f"layers      {len(info['layers'])}")
+    for line in _layer_summary(info["layers"]):
+        print(f"  {line}")
+    print(f"blobs       {'all sizes and checksums match' if info['checksums_ok'] else 'PROBLEMS (run `kvstore verify --fix`)'}")
+    rows = [[p["piece"], f"{p['tokens'][0]}-{p['tokens'][1]}", common.short_id(p["key"]), hb(p["bytes"]),
+             "" if p["refs"] is None else p["refs"], p["state"] + (f": {p['detail']}" if p.get("detail") else "")]
+            for p in info["pieces"]]
+    print(common.table(rows, ["PIECE", "TOKENS", "KEY", "BYTES", "REFS", "CHECKSUM"], right=(3, 4), indent="  "))
+    if info["prompt"] is not None:
+        print("prompt:")
+        print(info["prompt"])
+    else:
+        print(f"prompt      (not decoded: {info['prompt_error']})")
+    if args.tokens:
+        print(f"token ids   {info['token_ids']}")
+    return 0 if info["checksums_ok"] else 1

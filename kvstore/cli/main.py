@@ -1,0 +1,114 @@
+"""The ``kvstore`` dispatcher (mlx-lm style: one module per command, imported lazily).
+
+Only the module of the command being run is imported, so a command whose module is missing
+or broken (``serve`` is optional) never breaks the others. ``kvstore --help`` lists every
+command from the table below without importing any of them.
+
+Exit codes: 0 fine, 1 problems found or the operation failed (the message says what to
+do), 2 usage errors (argparse's), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+# command -> (module under kvstore.cli, one-line help). A module may register several
+# commands (pin.py registers pin and unpin).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "ls": ("ls", "list cached entries, grouped by model identity"),
+    "stats": ("stats", "totals by identity and tier, index and blob bytes, hits, free space"),
+    "inspect": ("inspect", "show one entry in full: prompt, chunks, layers, dtype, checksums"),
+    "verify": ("verify", "check every record against its blobs and every blob against the index"),
+    "gc": ("gc", "enforce size and age budgets, drop models, remove orphans and temp files"),
+    "warm": ("warm", "prefill a system prompt or chat into the store ahead of traffic"),
+    "pin": ("pin", "protect an entry from age and size eviction"),
+    "unpin": ("pin", "make a pinned entry evictable again"),
+    "serve": ("serve", "run an mlx-lm server backed by the store"),
+}
+
+DESCRIPTION = ("Manage a kvstore cache directory: a persistent, disk-backed KV-cache tier for "
+               "MLX inference. Every command works while servers are using the directory.")
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("kvstore")
+    except Exception:
+        return "unknown"
+
+
+def _parser(command: str | None, module) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstore", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"kvstore {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    registered: set[str] = set()
+    if module is not None:
+        module.setup_arg_parser(sub)
+        registered = set(sub.choices)
+    for name, (_mod, help_) in COMMANDS.items():
+        if name not in registered:  # placeholder: listed in --help, never parsed
+            sub.add_parser(name, help=help_, add_help=False)
+    return parser
+
+
+def _command(argv: list[str]) -> str | None:
+    for a in argv:
+        if a in ("-h", "--help", "--version"):
+            return None
+        if not a.startswith("-"):
+            return a
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name = _command(argv)
+    module = None
+    if name in COMMANDS:
+        modname = f"{__package__}.{COMMANDS[name][0]}"
+        try:
+            module = importlib.import_module(modname)
+        except ModuleNotFoundError as e:
+            if e.name != modname:
+                raise
+            print(f"kvstore: error: `kvstore {name}` is not available in this installation "
+                  f"(no module {modname})", file=sys.stderr)
+            return 1
+    parser = _parser(name if module else None, module)
+    if not argv:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: usage error (2) or --help / --version (0)
+        return int(e.code or 0) if isinstance(e.code, int) or e.code is None else 2
+    if module is None:
+        parser.print_help(sys.stderr)
+        return 2
+    from .common import CLIError, error
+
+    try:
+        return int(module.run(args) or 0)
+    except CLIError as e:
+        error(str(e))
+        return e.code
+    except KeyboardInterrupt:
+        print("kvstore: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `kvstore ls | head`
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
+    except Exception as e:
+        import lmdb  # a damaged index surfaces as an lmdb error from any read
+
+        if not isinstance(e, lmdb.Error):
+            raise
+        error(f"cannot read the index ({type(e).__name__}: {e}): run `kvstore verify` for details")
+        return 1

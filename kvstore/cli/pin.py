@@ -1,0 +1,36 @@
+"""``kvstore pin ENTRY`` / ``kvstore unpin ENTRY``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from . import common
+
+
+def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
+    for name, what in (("pin", "protect an entry from age and size eviction (gc --max-age never removes a "
+                               "pinned entry; --max-bytes only when nothing unpinned is left)"),
+                       ("unpin", "make a pinned entry evictable again")):
+        p = subparsers.add_parser(name, help=what.split(" (")[0], description=what[0].upper() + what[1:] + ".")
+        p.add_argument("entry", metavar="ENTRY", help="entry id or any unique hex prefix of it (see `kvstore ls`)")
+        common.add_cache_dir(p)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    flag = args.command == "pin"
+    disk = common.open_disk(args, write=True)
+    try:
+        key, rec = common.resolve_entry(disk, args.entry)
+        new = disk.index.update_entry(key, lambda r: dict(r, pinned=flag))
+        ident = disk.index.identities().get(rec.get("identity", ""), {})
+    finally:
+        disk.close()
+    if new is None:
+        raise common.CLIError(f"entry {common.short_id(key)} was removed by another process meanwhile")
+    was = bool(rec.get("pinned"))
+    state = ("already " if was == flag else "") + ("pinned" if flag else "unpinned")
+    print(f"{state} {common.short_id(key)}  ({common.identity_name(rec.get('identity', ''), ident)}, "
+          f"{rec.get('n')} tokens)")
+    return 0

@@ -1,0 +1,158 @@
+"""Helpers for tests that run ``kvstore serve`` as a real subprocess and talk HTTP to it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+ADAPTER_COMMAND = [sys.executable, "-c",
+                   "import sys; from kvstore.adapters.server import main; sys.exit(main(sys.argv[1:]))"]
+CLI_COMMAND = [sys.executable, "-m", "kvstore.cli", "serve"]
+
+
+def cli_available() -> bool:
+    return importlib.util.find_spec("kvstore.cli.__main__") is not None
+
+
+def serve_command() -> list[str]:
+    """``kvstore serve`` as a command line: ``python -m kvstore.cli serve`` when the CLI is
+    installed, else the adapter's ``main`` (what the CLI routes to).
+    ``KVSTORE_TEST_SERVE=adapter`` forces the latter."""
+    if os.environ.get("KVSTORE_TEST_SERVE") != "adapter" and cli_available():
+        return CLI_COMMAND
+    return ADAPTER_COMMAND
+
+
+class Server:
+    """One ``kvstore serve`` process on 127.0.0.1; use as a context manager (always killed)."""
+
+    def __init__(self, model: Path, cache_dir: Path, log_path: Path, extra: list[str] = ()) -> None:
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.log_path = log_path
+        args = ["--model", str(model), "--cache-dir", str(cache_dir),
+                "--host", HOST, "--port", str(self.port), *extra]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(serve_command() + args, stdout=self._log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode} before it was ready\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"server not ready after {timeout}s\n{self.log()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        """Send ``sig`` and wait for the exit; returns the return code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+                raise AssertionError(f"server did not exit within {timeout}s of signal {sig}\n{self.log()}")
+        return self.proc.returncode
+
+    def log(self) -> str:
+        self._log.flush()
+        try:
+            return Path(self.log_path).read_text(errors="replace")[-6000:]
+        except OSError:
+            return ""
+
+    def __enter__(self) -> "Server":
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+    # -- HTTP ------------------------------------------------------------------------
+
+    def get(self, path: str, timeout: float = 10.0) -> Any:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            assert r.status == 200, r.status
+            return json.loads(r.read())
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 120.0) -> Any:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                assert r.status == 200, r.status
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise AssertionError(f"{path}: HTTP {e.code}: {e.read()[:2000]!r}\n{self.log()}") from None
+
+    def chat(self, messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:
+        body = {"messages": messages, "temperature": 0, "max_tokens": 16,
+                "logprobs": True, "top_logprobs": 1, **extra}
+        return self.post("/v1/chat/completions", body)
+
+    def stats(self) -> dict[str, Any]:
+        return self.get("/v1/cache/stats")
+
+    def wait_flushed(self, timeout: float = 30.0, settle: float = 0.3) -> dict[str, Any]:
+        """Poll the stats until the write-behind queue is empty, something was written,
+        and the write counters stay put for ``settle`` seconds (``queue_depth`` does not
+        count the job being written, so one reading of 0 is not enough on its own)."""
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            s = self.stats()
+            now = (s.get("queue_depth"), s.get("writes"), s.get("bytes_written"),
+                   s.get("memory_entries"), s.get("disk_entries"))
+            if s.get("queue_depth") == 0 and s.get("writes", 0) >= 1 and now == last:
+                return s
+            last = now
+            time.sleep(settle)
+        raise AssertionError(f"write-behind did not flush within {timeout}s: {self.stats()}")
+
+
+def reply(resp: dict[str, Any]) -> tuple[str, list[int]]:
+    """(text, generated token ids) of a chat completion."""
+    choice = resp["choices"][0]
+    ids = [t["id"] for t in (choice.get("logprobs") or {}).get("content", [])]
+    return choice["message"]["content"], ids
+
+
+def cached_tokens(resp: dict[str, Any]) -> int:
+    return resp["usage"]["prompt_tokens_details"]["cached_tokens"]

@@ -1,0 +1,644 @@
+"""The ``kvstore`` command line, run as real subprocesses on real stores.
+
+A template store is built once per module with the real KVStore on tiny-llama (chunk 64, so
+entries span several chunks and two of them share a prefix), plus entries of a second
+identity whose model directory does not exist. Each test copies it and runs
+``python -m kvstore.cli ...`` against the copy; fetches that check a command's effect run in
+a fresh process too, and hits are checked with the restored-equals-cold oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import xxhash
+
+ROOT = Path(__file__).resolve().parent.parent
+CHUNK = 64
+DAY = 86400.0
+GONE_COMPONENTS = {"weights": "a model that was deleted", "layout": [{"class": "KVCache"}] * 3}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    return env
+
+
+def cli(*args: Any, cache_dir: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "kvstore.cli", *map(str, args)]
+    if cache_dir is not None:
+        cmd += ["--cache-dir", str(cache_dir)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=str(ROOT))
+
+
+def cli_json(*args: Any, cache_dir: Path, code: int = 0) -> Any:
+    p = cli(*args, "--json", cache_dir=cache_dir)
+    assert p.returncode == code, (p.returncode, p.stdout, p.stderr)
+    return json.loads(p.stdout)
+
+
+def main_text(*args: Any, cache_dir: Path, code: int = 0) -> str:
+    """The same command in this process (quicker; the subprocess runs cover the entry point)."""
+    import contextlib
+    import io
+
+    from kvstore.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([*map(str, args), "--cache-dir", str(cache_dir)])
+    assert rc == code, (rc, out.getvalue(), err.getvalue())
+    return out.getvalue()
+
+
+def main_json(*args: Any, cache_dir: Path, code: int = 0) -> Any:
+    return json.loads(main_text(*args, "--json", cache_dir=cache_dir, code=code))
+
+
+def run_script(script: str, payload: Any, timeout: float = 300) -> Any:
+    """Run ``script`` in a new Python process; it reads ``json.loads(sys.argv[1])`` and
+    prints one JSON document as its last line."""
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(script), json.dumps(payload)],
+                       capture_output=True, text=True, timeout=timeout, env=_env(), cwd=str(ROOT))
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+# The fetcher: a new process opens the store, fetches every prompt (plus a short user turn)
+# and checks each hit with the oracle.
+FETCH = """
+import json, sys
+from pathlib import Path
+from kvstore import KVStore, Identity
+from tools.models import load_model
+from tools.oracle import check_restore
+P = json.loads(sys.argv[1])
+model, tok = load_model("tiny-llama")
+gone = Identity.from_components(P["gone_components"], name="gone-model", path=P["gone_path"])
+out = {}
+with KVStore(P["cache_dir"], chunk_tokens=64, max_entries=0) as store:
+    store.register(gone.digest, gone)
+    for name, toks in P["prompts"].items():
+        who = gone.digest if name in P["gone"] else P["model_dir"]
+        q = toks + P["suffix"]
+        f = store.fetch(who, q)
+        ok = None
+        if f.cache is not None:
+            ok = check_restore(model, q, f.cache, f.n, n_gen=4).ok
+        out[name] = {"n": f.n, "source": f.source, "oracle": ok}
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_llama) -> dict[str, Any]:
+    """The template store and what is in it."""
+    from conftest import text_prompt
+    from kvstore import Identity, KVStore
+    from kvstore.disk import DiskTier
+    from kvstore.keys import encode_tokens, key_of, root_key
+    from tools.models import model_path
+    from tools.oracle import prefill
+
+    model, tok = tiny_llama
+    mdir = model_path("tiny-llama")
+    base = tmp_path_factory.mktemp("cli-template")
+    gone_path = str(base / "gone-model")  # never created
+    a = text_prompt(tok, 300, seed=1)
+    prompts = {
+        "A": a,
+        "A2": a + text_prompt(tok, 80, seed=2),   # shares A's 4 full chunks
+        "B": text_prompt(tok, 250, seed=3),
+        "C": text_prompt(tok, 200, seed=4),
+        "E": text_prompt(tok, 280, seed=5),
+        "D": text_prompt(tok, 150, seed=6),       # stored under the "gone" identity
+    }
+    gone = Identity.from_components(GONE_COMPONENTS, name="gone-model", path=gone_path, model_type="llama")
+    cache_dir = base / "cache"
+    store = KVStore(cache_dir, chunk_tokens=CHUNK)
+    store.register(gone.digest, gone)
+    idents = {}
+    for name, toks in prompts.items():
+        who = gone if name == "D" else mdir
+        store.insert(who, toks, prefill(model, toks), cache_type="system")
+        idents[name] = store.identity(who)
+    store.close()
+    keys = {n: key_of(root_key(idents[n].digest), encode_tokens(t), CHUNK).hex() for n, t in prompts.items()}
+    now = time.time()
+    # last use: A 10 days ago, E 20 days ago but pinned, the rest recent (B oldest of those)
+    used = {"A": now - 10 * DAY, "E": now - 20 * DAY, "B": now - 3600, "C": now - 60,
+            "A2": now - 30, "D": now - 120}
+    disk = DiskTier(cache_dir)
+    for n, k in keys.items():
+        disk.index.update_entry(bytes.fromhex(k), lambda r, n=n: dict(r, last_used=used[n], pinned=(n == "E")))
+    disk.close()
+    return {"dir": cache_dir, "prompts": prompts, "keys": keys, "model_dir": mdir,
+            "ident": idents["A"].hex, "gone_ident": gone.hex, "gone_path": gone_path, "tok": tok,
+            "model": model}
+
+
+@pytest.fixture
+def store_dir(built, tmp_path) -> Path:
+    d = tmp_path / "cache"
+    shutil.copytree(built["dir"], d)
+    return d
+
+
+def fetch_all(built, cache_dir: Path, names=None) -> dict[str, dict]:
+    prompts = {n: t for n, t in built["prompts"].items() if names is None or n in names}
+    return run_script(FETCH, {"cache_dir": str(cache_dir), "prompts": prompts, "gone": ["D"],
+                              "gone_components": GONE_COMPONENTS, "gone_path": built["gone_path"],
+                              "model_dir": str(built["model_dir"]), "suffix": [10, 72, 105, 33, 10]})
+
+
+def files_snapshot(cache_dir: Path) -> dict[str, tuple[int, str]]:
+    out = {}
+    for p in sorted(cache_dir.rglob("*")):
+        if p.is_file() and p.name != "lock.mdb":
+            out[str(p.relative_to(cache_dir))] = (p.stat().st_size, xxhash.xxh3_128_hexdigest(p.read_bytes()))
+    return out
+
+
+def blob_of(cache_dir: Path, key_hex: str, chunk: int | None = None) -> Path:
+    """The blob file of an entry (its tail) or of its ``chunk``-th chunk."""
+    from kvstore.disk import DiskTier
+
+    disk = DiskTier(cache_dir, readonly=True)
+    try:
+        rec = disk.index.entry(bytes.fromhex(key_hex))
+        if chunk is not None:
+            rec = disk.index.chunk(bytes.fromhex(rec["chunks"][chunk]))
+        return disk.blob_root / rec["blob"]
+    finally:
+        disk.close()
+
+
+# ----------------------------------------------------------------------------- ls / stats / inspect
+
+
+def test_ls_groups_by_identity(built, store_dir):
+    p = cli("ls", cache_dir=store_dir)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    print(out)
+    assert "tiny-llama" in out and "gone-model" in out and "(missing)" in out
+    assert "float32" in out
+    for k in built["keys"].values():
+        assert k[:12] in out
+    assert "6 entries, 2 identities" in out
+
+    data = cli_json("ls", cache_dir=store_dir)
+    groups = {g["name"]: g for g in data["identities"]}
+    assert set(groups) == {"tiny-llama-v1", "gone-model"} or set(groups) >= {"gone-model"}
+    gone = groups["gone-model"]
+    assert gone["identity"] == built["gone_ident"] and gone["model_present"] is False
+    assert [e["key"] for e in gone["entries"]] == [built["keys"]["D"]]
+    llama = next(g for g in data["identities"] if g["identity"] == built["ident"])
+    assert llama["model_present"] is True and llama["kv_dtype"] == "float32"
+    by_key = {e["key"]: e for e in llama["entries"]}
+    assert set(by_key) == {built["keys"][n] for n in "A A2 B C E".split()}
+    a, a2, e = by_key[built["keys"]["A"]], by_key[built["keys"]["A2"]], by_key[built["keys"]["E"]]
+    assert a["tokens"] == 300 and a["chunks"] == 4 and a2["chunks"] == 5 and a2["tokens"] == 380
+    assert e["pinned"] is True and a["pinned"] is False
+    # size = own blob + chunks; A2's chunks include A's four
+    assert a["bytes"] > a["own_bytes"] > 0 and a2["bytes"] > a["bytes"]
+    assert sum(x["bytes"] for g in data["identities"] for x in g["entries"]) > data["total_bytes"]
+    assert all(x["id"] == x["key"][:12] for x in llama["entries"])
+
+
+def test_stats(built, store_dir):
+    from kvstore.disk import DiskTier
+
+    p = cli("stats", cache_dir=store_dir)
+    assert p.returncode == 0, p.stderr
+    print(p.stdout)
+    for word in ("disk tier", "6 entries", "index bytes", "blob bytes", "free space", "memory tier", "per process"):
+        assert word in p.stdout
+    s = cli_json("stats", cache_dir=store_dir)
+    disk = DiskTier(store_dir, readonly=True)
+    try:
+        counts, total = disk.index.counts(), disk.index.total_bytes()
+        hits = sum(r.get("hits", 0) for _, r in disk.index.entries())
+    finally:
+        disk.close()
+    d = s["disk"]
+    assert (d["entries"], d["chunks"], d["identities"]) == (counts["entries"], counts["chunks"], 2)
+    assert d["blob_bytes"] == total == d["blob_bytes_on_disk"]
+    assert d["index_bytes"] == (store_dir / "index" / "data.mdb").stat().st_size
+    assert s["hits"] == hits and d["pinned"] == 1 and s["chunk_tokens"] == CHUNK
+    assert s["memory"] is None and "per" in s["memory_note"]
+    assert 0 < s["filesystem"]["free_bytes"] <= s["filesystem"]["total_bytes"]
+    by = {r["identity"]: r for r in s["by_identity"]}
+    assert by[built["gone_ident"]]["entries"] == 1 and by[built["ident"]]["entries"] == 5
+    assert sum(r["bytes"] for r in s["by_identity"]) == total
+
+
+def test_inspect(built, store_dir):
+    key = built["keys"]["A2"]
+    p = cli("inspect", key[:7], cache_dir=store_dir)
+    assert p.returncode == 0, p.stderr
+    text = built["tok"].decode(built["prompts"]["A2"])
+    assert text[:60] in p.stdout and "KVCache" in p.stdout and "float32" in p.stdout
+    info = cli_json("inspect", key[:9], cache_dir=store_dir)
+    assert info["key"] == key and info["tokens"] == 380 and info["prompt"] == text
+    assert [pc["piece"] for pc in info["pieces"]] == ["chunk"] * 5 + ["tail"]
+    assert info["pieces"][-1]["tokens"] == [320, 380]
+    assert all(pc["state"] == "ok" for pc in info["pieces"]) and info["checksums_ok"]
+    assert [pc["refs"] for pc in info["pieces"][:5]] == [2, 2, 2, 2, 1]
+    assert [m["class"] for m in info["layers"]] == ["KVCache"] * 3 and info["kv_dtype"] == "float32"
+    assert info["bytes"] == sum(pc["bytes"] for pc in info["pieces"])
+    # a damaged chunk shows in the checksum column and the exit code
+    blob = blob_of(store_dir, key, chunk=4)
+    data = bytearray(blob.read_bytes())
+    data[-3] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    bad = main_json("inspect", key[:12], "--no-prompt", cache_dir=store_dir, code=1)
+    assert [pc["state"] for pc in bad["pieces"]] == ["ok"] * 4 + ["bad_checksum", "ok"]
+    # the gone model: no tokenizer, said softly
+    gone = main_json("inspect", built["keys"]["D"][:12], cache_dir=store_dir)
+    assert gone["prompt"] is None and "no longer exists" in gone["prompt_error"]
+
+
+def test_entry_prefix_errors(built, store_dir, capsys):
+    from kvstore.cli import main
+
+    assert main(["inspect", "zz", "--cache-dir", str(store_dir)]) == 1
+    assert "hex prefix" in capsys.readouterr().err
+    missing = next(c for c in "0123456789abcdef" if not any(k.startswith(c) for k in built["keys"].values()))
+    assert main(["pin", missing, "--cache-dir", str(store_dir)]) == 1
+    assert "no entry matches" in capsys.readouterr().err
+    assert main(["inspect", "", "--cache-dir", str(store_dir)]) == 1
+    capsys.readouterr()
+    # A and A2 share no key prefix necessarily; an ambiguous one-char prefix among 6 keys may exist
+    firsts = [k[0] for k in built["keys"].values()]
+    dup = next((c for c in firsts if firsts.count(c) > 1), None)
+    if dup is not None:
+        assert main(["inspect", dup, "--cache-dir", str(store_dir)]) == 1
+        assert "several entries" in capsys.readouterr().err
+
+
+def test_missing_cache_dir_and_usage_errors(tmp_path, capsys):
+    nothere = tmp_path / "nothere"
+    p = cli("ls", cache_dir=nothere)
+    assert p.returncode == 1 and "does not exist" in p.stderr and "--cache-dir" in p.stderr
+    assert not nothere.exists()
+    from kvstore.cli import main
+
+    for cmd in (["stats"], ["inspect", "ab"], ["verify"], ["gc", "--dry-run"], ["pin", "ab"], ["verify", "--fix"]):
+        assert main([*cmd, "--cache-dir", str(nothere)]) == 1, cmd
+        assert "does not exist" in capsys.readouterr().err
+    assert not nothere.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["ls", "--cache-dir", str(empty)]) == 1
+    assert "not a kvstore cache directory" in capsys.readouterr().err
+    assert list(empty.iterdir()) == []
+    assert main(["gc", "--max-bytes", "ten", "--cache-dir", str(empty)]) == 2
+    assert "invalid size" in capsys.readouterr().err
+    assert main(["gc", "--max-age", "7x", "--cache-dir", str(empty)]) == 2
+    assert main(["frobnicate"]) == 2
+    assert main([]) == 2
+    assert main(["--help"]) == 0
+
+
+def test_missing_command_module_breaks_nothing(monkeypatch, built, store_dir, capsys):
+    import importlib
+
+    m = importlib.import_module("kvstore.cli.main")  # the module (kvstore.cli.main is also the function)
+    monkeypatch.setitem(m.COMMANDS, "nosuch", ("nosuch_module", "a command that is not installed"))
+    assert m.main(["nosuch"]) == 1
+    assert "not available" in capsys.readouterr().err
+    assert m.main(["ls", "--cache-dir", str(store_dir)]) == 0
+    assert built["keys"]["A"][:12] in capsys.readouterr().out
+
+
+def test_units():
+    import argparse
+
+    from kvstore.cli import common
+
+    assert common.parse_size("10G") == 10 << 30 and common.parse_size("500M") == 500 << 20
+    assert common.parse_size("1.5GiB") == 3 << 29 and common.parse_size("64kb") == 65536
+    assert common.parse_size("1234") == 1234
+    assert common.parse_duration("7d") == 7 * DAY and common.parse_duration("12h") == 43200
+    assert common.parse_duration("30m") == 1800 and common.parse_duration("45") == 45
+    for bad in ("", "G", "-1G", "1X"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            common.parse_size(bad)
+    assert common.human_bytes(0) == "0 B" and common.human_bytes(1536) == "1.5 KiB"
+    assert common.human_bytes(10 << 30) == "10.0 GiB"
+
+
+# ----------------------------------------------------------------------------- pin
+
+
+def test_pin_unpin(built, store_dir):
+    from kvstore.disk import DiskTier
+
+    a, e = built["keys"]["A"], built["keys"]["E"]
+    p = cli("pin", a[:10], cache_dir=store_dir)
+    assert p.returncode == 0 and f"pinned {a[:12]}" in p.stdout, p.stderr
+    p = cli("unpin", e[:10], cache_dir=store_dir)
+    assert p.returncode == 0 and f"unpinned {e[:12]}" in p.stdout, p.stderr
+    disk = DiskTier(store_dir, readonly=True)
+    try:
+        assert disk.index.entry(bytes.fromhex(a))["pinned"] is True
+        assert disk.index.entry(bytes.fromhex(e))["pinned"] is False
+    finally:
+        disk.close()
+    # the pin is what --max-age honours: A (10 days) stays, E (20 days, now unpinned) goes
+    res = main_json("gc", "--max-age", "2d", cache_dir=store_dir)
+    assert [r["key"] for r in res["removed"]] == [e]
+
+
+# ----------------------------------------------------------------------------- verify
+
+
+def _inject_faults(built, d: Path) -> dict[str, Any]:
+    """One of each fault kind; returns what was damaged."""
+    from kvstore.disk import DiskTier
+
+    keys = built["keys"]
+    flip = blob_of(d, keys["B"])                     # B's tail: one flipped byte
+    data = bytearray(flip.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    flip.write_bytes(bytes(data))
+    trunc = blob_of(d, keys["C"], chunk=1)           # C's second chunk: truncated
+    with open(trunc, "r+b") as f:
+        f.truncate(trunc.stat().st_size - 100)
+    blob_of(d, keys["D"]).unlink()                   # D's tail: deleted
+    src = blob_of(d, keys["A"], chunk=0)             # a stray copy nobody names
+    orphan = d / "blobs" / "ee" / ("ee" * 16 + "-0badf00d.safetensors")
+    orphan.parent.mkdir(exist_ok=True)
+    shutil.copy(src, orphan)
+    tmp = src.with_name(src.name + ".4242.deadbeef.tmp")  # a writer died mid-write
+    tmp.write_bytes(b"partial")
+    disk = DiskTier(d)                               # A2's own 5th chunk record: gone
+    try:
+        ck = bytes.fromhex(disk.index.entry(bytes.fromhex(keys["A2"]))["chunks"][4])
+        disk.index.write(lambda txn: txn.delete(ck, db=disk.index._db["chunks"]))
+    finally:
+        disk.close()
+    return {"intact": ["A", "E"], "broken": ["A2", "B", "C", "D"]}
+
+
+def test_verify_detects_each_fault_and_fix_repairs(built, store_dir):
+    assert main_json("verify", cache_dir=store_dir)["ok"]
+    faults = _inject_faults(built, store_dir)
+    keys = built["keys"]
+
+    p = cli("verify", "--tmp-age", "0", "--blob-age", "0", cache_dir=store_dir)
+    assert p.returncode == 1 and "kvstore verify --fix" in p.stdout
+    print(p.stdout)
+    rep = main_json("verify", "--tmp-age", "0", "--blob-age", "0", cache_dir=store_dir, code=1)
+    kinds: dict[str, list[dict]] = {}
+    for prob in rep["problems"]:
+        kinds.setdefault(prob["kind"], []).append(prob)
+    assert {"bad_checksum", "truncated", "missing_blob", "orphan_blob", "stale_tmp", "missing_chunk",
+            "dangling_bound"} <= set(kinds), sorted(kinds)
+    assert [p["key"] for p in kinds["bad_checksum"]] == [keys["B"]]
+    assert [p["key"] for p in kinds["missing_blob"]] == [keys["D"]]
+    assert [p["key"] for p in kinds["missing_chunk"]] == [keys["A2"]]
+    assert len(kinds["truncated"]) == 1 and kinds["truncated"][0]["record"] == "chunk"
+    assert any("ee" * 16 in p["path"] for p in kinds["orphan_blob"])
+    assert [p["path"].endswith(".tmp") for p in kinds["stale_tmp"]] == [True]
+    # the default grace periods keep young files out of it (a live writer's blob or temp file)
+    young = main_json("verify", cache_dir=store_dir, code=1)
+    assert not [p for p in young["problems"] if p["kind"] == "stale_tmp" or "ee" * 16 in (p["path"] or "")]
+
+    fixed = cli_json("verify", "--fix", "--tmp-age", "0", "--blob-age", "0", cache_dir=store_dir)
+    assert fixed["ok"] and all(p["fixed"] for p in fixed["problems"])
+    again = cli("verify", "--tmp-age", "0", "--blob-age", "0", cache_dir=store_dir)
+    assert again.returncode == 0 and again.stdout.startswith("ok:"), again.stdout
+
+    got = fetch_all(built, store_dir)
+    for name in faults["intact"]:
+        assert got[name]["n"] == len(built["prompts"][name]) and got[name]["source"] == "disk", (name, got)
+        assert got[name]["oracle"] is True, (name, got)
+    for name in faults["broken"]:  # gone, or (A2) only its intact shared prefix
+        assert got[name]["n"] < len(built["prompts"][name]), (name, got)
+        assert got[name]["oracle"] in (None, True), (name, got)
+    assert got["A2"]["n"] == 300  # A's chunks + tail survive A2's removal
+
+
+# ----------------------------------------------------------------------------- gc
+
+
+def test_gc_dry_run_changes_nothing(built, store_dir):
+    _inject_faults(built, store_dir)
+    before = files_snapshot(store_dir)
+    res = cli_json("gc", "--dry-run", "--max-bytes", "1", "--max-age", "1s", "--missing-models",
+                   "--tmp-age", "0", "--blob-age", "0", cache_dir=store_dir)
+    assert res["dry_run"] is True
+    assert {r["key"] for r in res["removed"]} == set(built["keys"].values())
+    assert res["removed"][-1]["pinned"] is True  # pinned last
+    assert res["freed_bytes"] > 0
+    assert {"orphan_blob", "stale_tmp"} <= {p["kind"] for p in res["problems"]}
+    text = main_text("gc", "--dry-run", "--max-bytes", "1", "--tmp-age", "0", "--blob-age", "0", cache_dir=store_dir)
+    assert "would remove" in text and "nothing changed" in text
+    assert files_snapshot(store_dir) == before
+
+
+def test_gc_age_and_missing_models(built, store_dir):
+    keys = built["keys"]
+    res = cli_json("gc", "--max-age", "2d", "--missing-models", cache_dir=store_dir)
+    reasons = {r["key"]: r["reason"] for r in res["removed"]}
+    # A is 10 days old; E is older but pinned; D's model directory is gone
+    assert reasons == {keys["A"]: "max_age", keys["D"]: "missing_model"}
+    left = main_json("ls", cache_dir=store_dir)
+    have = {e["key"] for g in left["identities"] for e in g["entries"]}
+    assert have == {keys[n] for n in ("A2", "B", "C", "E")}
+    assert main_json("verify", cache_dir=store_dir)["ok"]
+    got = fetch_all(built, store_dir, names=["A2", "A"])
+    assert got["A2"]["n"] == 380 and got["A2"]["oracle"] is True  # A2 kept A's shared chunks
+    assert got["A"]["n"] == 300 and got["A"]["oracle"] is True    # A: a prefix of A2's chunks
+
+
+def test_gc_identity_and_max_bytes(built, store_dir):
+    from kvstore.disk import DiskTier
+
+    keys = built["keys"]
+    p = cli("gc", "--identity", built["gone_ident"][:6], cache_dir=store_dir)
+    assert p.returncode == 0 and f"removed {keys['D'][:12]}" in p.stdout, p.stdout + p.stderr
+    disk = DiskTier(store_dir, readonly=True)
+    try:
+        e = disk.index.entry(bytes.fromhex(keys["E"]))
+        e_bytes = e["size"] + sum(disk.index.chunk(bytes.fromhex(ck))["size"] for ck in e["chunks"])
+        total = disk.index.total_bytes()
+    finally:
+        disk.close()
+    # a budget that only the pinned entry fits: every unpinned entry goes, LRU first
+    res = cli_json("gc", "--max-bytes", str(e_bytes), cache_dir=store_dir)
+    order = [r["key"] for r in res["removed"]]
+    assert order == [keys[n] for n in ("A", "B", "C", "A2")], order  # LRU; pinned E kept
+    assert sum(r["bytes"] for r in res["removed"]) == total - e_bytes
+    assert res["blob_bytes_left"] == e_bytes
+    res = main_json("gc", "--max-bytes", "0", cache_dir=store_dir)
+    assert [r["key"] for r in res["removed"]] == [keys["E"]]  # nothing else left: the pinned one goes
+    assert res["entries_left"] == 0 and res["blob_bytes_left"] == 0
+    assert not [f for f in (store_dir / "blobs").rglob("*") if f.is_file()]
+    from kvstore.cli import main
+
+    assert main(["gc", "--identity", "ffffffffff", "--cache-dir", str(store_dir)]) == 1
+
+
+# ----------------------------------------------------------------------------- concurrency
+
+READER = """
+import json, sys, time
+from pathlib import Path
+import numpy as np
+from kvstore import KVStore, Identity
+from tools.models import load_model
+from tools.oracle import check_restore, prefill
+P = json.loads(sys.argv[1])
+model, tok = load_model("tiny-llama")
+gone = Identity.from_components(P["gone_components"], name="gone-model", path=P["gone_path"])
+refs = {n: [(np.array(c.keys[..., :len(t), :]), np.array(c.values[..., :len(t), :])) for c in prefill(model, t)]
+        for n, t in P["prompts"].items()}
+res = {"fetches": 0, "hits": 0, "partial": 0, "misses": 0, "errors": [], "wrong": [], "oracle_runs": 0,
+       "rounds": 0, "round_ends": []}
+stop, ready = Path(P["stop"]), Path(P["ready"])
+deadline = time.time() + P["max_seconds"]
+with KVStore(P["cache_dir"], chunk_tokens=64, max_entries=0) as store:
+    store.register(gone.digest, gone)
+    while not stop.exists() and time.time() < deadline:
+        for name, toks in P["prompts"].items():
+            who = gone.digest if name == "D" else P["model_dir"]
+            q = toks + [10, 33]
+            res["fetches"] += 1
+            try:
+                f = store.fetch(who, q)
+                if f.cache is None:
+                    res["misses"] += 1
+                    continue
+                res["hits"] += 1
+                res["partial"] += f.n < len(toks)
+                for layer, (k, v) in zip(f.cache, refs[name]):
+                    if layer.offset != f.n or not (np.allclose(np.array(layer.keys[..., :f.n, :]), k[..., :f.n, :], atol=1e-4)
+                                                   and np.allclose(np.array(layer.values[..., :f.n, :]), v[..., :f.n, :], atol=1e-4)):
+                        res["wrong"].append(f"{name}: restored tensors differ (n={f.n})")
+                        break
+                if res["hits"] % 7 == 1:
+                    res["oracle_runs"] += 1
+                    r = check_restore(model, q, f.cache, f.n, n_gen=3)
+                    if not r.ok:
+                        res["wrong"].append(f"{name}: oracle {r.detail}")
+            except Exception as e:
+                res["errors"].append(f"{name}: {type(e).__name__}: {e}")
+        res["rounds"] += 1
+        res["round_ends"].append(time.time())
+        ready.touch()
+res["stats"] = {k: v for k, v in store.stats().items() if isinstance(v, (int, float))}
+print(json.dumps(res))
+"""
+
+
+def test_gc_and_verify_fix_under_a_live_reader(built, store_dir, tmp_path):
+    keys = built["keys"]
+    stop, ready = tmp_path / "stop", tmp_path / "ready"
+    payload = {"cache_dir": str(store_dir), "prompts": built["prompts"], "model_dir": str(built["model_dir"]),
+               "gone_components": GONE_COMPONENTS, "gone_path": built["gone_path"],
+               "stop": str(stop), "ready": str(ready), "max_seconds": 120}
+    reader = subprocess.Popen([sys.executable, "-c", textwrap.dedent(READER), json.dumps(payload)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=str(ROOT))
+    try:
+        t0 = time.time()
+        while not ready.exists():
+            assert reader.poll() is None, reader.communicate()[1][-3000:]
+            assert time.time() - t0 < 120, "reader never got going"
+            time.sleep(0.05)
+        # damage B while the reader is serving it, add strays, then repair and collect
+        blob = blob_of(store_dir, keys["B"], chunk=2)
+        data = bytearray(blob.read_bytes())
+        data[100] ^= 0x40
+        blob.write_bytes(bytes(data))
+        (store_dir / "blobs" / "zz.safetensors.1.x.tmp").write_bytes(b"junk")
+        t_begin = time.time()
+        fix = cli("verify", "--fix", "--tmp-age", "0", "--blob-age", "0", cache_dir=store_dir)
+        assert fix.returncode == 0, fix.stdout + fix.stderr
+        gc = cli_json("gc", "--max-bytes", "700K", "--missing-models", cache_dir=store_dir)
+        removed = {r["key"] for r in gc["removed"]}
+        assert keys["D"] in removed and keys["E"] not in removed
+        assert gc["blob_bytes_left"] <= 700 << 10
+        # keep both commands running against the live reader for a few seconds (they start
+        # in well under a second, so one pass may overlap only a round or two of fetches)
+        while time.time() - t_begin < 4.0:
+            again = cli("verify", "--fix", "--tmp-age", "0", "--blob-age", "0", cache_dir=store_dir)
+            assert again.returncode == 0, again.stdout + again.stderr
+            cli_json("gc", "--max-bytes", "700K", cache_dir=store_dir)
+        t_end = time.time()
+        time.sleep(1.0)  # let the reader run a few rounds against the collected store
+        stop.touch()
+        out, err = reader.communicate(timeout=120)
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.communicate()
+    assert reader.returncode == 0, err[-3000:]
+    res = json.loads(out.strip().splitlines()[-1])
+    during = sum(t_begin <= t <= t_end for t in res.pop("round_ends"))
+    print({k: v for k, v in res.items() if k != "stats"}, "rounds during verify --fix and gc:", during)
+    assert res["errors"] == [] and res["wrong"] == [], res
+    assert during >= 3  # the reader kept fetching while both commands ran
+    assert res["hits"] > 0 and res["misses"] > 0 and res["oracle_runs"] > 0 and res["rounds"] >= 3
+    assert main_json("verify", cache_dir=store_dir)["ok"]
+
+
+# ----------------------------------------------------------------------------- warm
+
+
+def test_warm_then_fetch_in_a_new_process(built, tmp_path):
+    from kvstore import KVStore
+    from tools.oracle import check_restore
+
+    model, tok, mdir = built["model"], built["tok"], built["model_dir"]
+    cache_dir = tmp_path / "fresh-cache"  # does not exist yet: warm creates it
+    system = "You are a terse assistant for a storage team. " * 6
+    (tmp_path / "system.txt").write_text(system)
+    p = cli("warm", "--model", mdir, "--system-file", tmp_path / "system.txt", "--chunk-tokens", CHUNK,
+            "--step", 100, cache_dir=cache_dir)
+    assert p.returncode == 0 and "warmed" in p.stdout, p.stdout + p.stderr
+    assert "\r" not in p.stderr  # no progress bar when stderr is not a terminal
+
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "What is a blob?"},
+            {"role": "assistant", "content": "A file holding KV tensors."}]
+    sys_toks = list(tok.apply_chat_template([msgs[0]], tokenize=True, add_generation_prompt=False))
+    chat_toks = list(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=False))
+    request = list(tok.apply_chat_template(msgs[:2], tokenize=True, add_generation_prompt=True))
+    assert request[: len(sys_toks)] == sys_toks and 200 <= len(sys_toks) <= 400
+    with KVStore(cache_dir, max_entries=0) as store:  # chunk size comes from the directory
+        f = store.fetch(mdir, request)  # the first real request: a hit on the warmed prompt
+        assert f.source == "disk" and f.n == len(sys_toks)
+        assert check_restore(model, request, f.cache, f.n).ok
+
+    (tmp_path / "chat.json").write_text(json.dumps(msgs))
+    p = cli("warm", "--model", mdir, "--messages-file", tmp_path / "chat.json", cache_dir=cache_dir)
+    assert p.returncode == 0 and "warmed" in p.stdout and "reused" in p.stdout, p.stdout + p.stderr
+    with KVStore(cache_dir, max_entries=0) as store:
+        f = store.fetch(mdir, chat_toks + [10])
+        assert f.source == "disk" and f.n == len(chat_toks)
+        assert check_restore(model, chat_toks + [10], f.cache, f.n).ok
+
+    from kvstore.cli import main
+
+    assert "already warm" in main_text("warm", "--model", mdir, "--system-file", tmp_path / "system.txt",
+                                       cache_dir=cache_dir)
+    (tmp_path / "bad.json").write_text('{"role": "system"}')
+
+    assert main(["warm", "--model", str(mdir), "--messages-file", str(tmp_path / "bad.json"),
+                 "--cache-dir", str(cache_dir)]) == 1
+    assert main(["warm", "--model", str(tmp_path / "no-model"), "--system-file", str(tmp_path / "system.txt"),
+                 "--cache-dir", str(cache_dir)]) == 1

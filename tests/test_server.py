@@ -1,0 +1,188 @@
+"""``kvstore serve`` end to end: a real server process, real HTTP, a restart in between.
+
+Turn one of a chat (long system prompt) goes to a server on an empty cache directory; the
+server is stopped (SIGTERM: its shutdown must flush the write-behind queue; SIGKILL: only
+after the stats say the queue has flushed); a new server on the same directory answers
+turn two from the disk tier (``cached_tokens`` > 0, ``hits_disk`` >= 1) with exactly the
+reply a server on an empty directory gives.
+
+mlx-lm's server has two generation paths: batched (``BatchGenerator``, which also inserts
+system / user segment caches while prefilling) and single-request (``_serve_single``, one
+insert at the end). ``_is_batchable`` sends a request down the single path when the server
+runs with ``--kv-bits`` (or a draft model), or when the request carries a ``seed``; both
+paths are run here.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.server_util import Server, cached_tokens, reply, serve_command  # noqa: E402
+
+# mode -> (server flags, extra request fields)
+MODES = {
+    "batched": ([], {}),
+    # --kv-bits forces the single path; below --quantized-kv-start (default 5000) the cache
+    # is still a plain KVCache, stored under the kv_bits=8 identity.
+    "single-kv-bits": (["--kv-bits", "8", "--kv-group-size", "32"], {}),
+    # a per-request seed forces the single path too, with the plain identity
+    "single-seed": ([], {"seed": 0}),
+}
+CASES = [
+    pytest.param("batched", signal.SIGTERM, id="batched-sigterm"),
+    pytest.param("batched", signal.SIGKILL, id="batched-sigkill"),
+    pytest.param("single-kv-bits", signal.SIGTERM, id="single-kv-bits-sigterm"),
+    pytest.param("single-kv-bits", signal.SIGKILL, id="single-kv-bits-sigkill"),
+    pytest.param("single-seed", signal.SIGTERM, id="single-seed-sigterm"),
+]
+
+_ADJ = ("patient", "careful", "curious", "precise", "cheerful", "laconic", "thorough", "modest")
+_NOUN = ("librarian", "navigator", "gardener", "engineer", "cartographer", "archivist", "baker")
+SYSTEM = " ".join(
+    f"Rule {i}: answer like a {_ADJ[i % len(_ADJ)]} {_NOUN[i % len(_NOUN)]} and cite section {i * 7 % 31}."
+    for i in range(16)
+)  # ~1000 characters: ~1000 tokens for the byte-level tokenizer
+USER1 = "Hello! Please summarise the rules above in one sentence."
+USER2 = "Thanks. Now list the first three rules."
+
+
+def turn1() -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER1}]
+
+
+def turn2(answer: str) -> list[dict[str, str]]:
+    return turn1() + [{"role": "assistant", "content": answer}, {"role": "user", "content": USER2}]
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from tools.models import model_path
+
+    return model_path("tiny-llama")
+
+
+class Baselines:
+    """Turn two on a server whose cache directory is empty, once per (mode, turn-one reply).
+
+    ``start`` launches that server as soon as the turn-one reply is known, so it boots
+    while the test stops and restarts its own server; ``get`` collects the response."""
+
+    def __init__(self, model: Path, tmp: pytest.TempPathFactory) -> None:
+        self.model, self.tmp = model, tmp
+        self.servers: dict[tuple[str, str], Server] = {}
+        self.results: dict[tuple[str, str], dict] = {}
+
+    def start(self, mode: str, answer: str) -> None:
+        key = (mode, answer)
+        if key not in self.servers:
+            d = self.tmp.mktemp(f"baseline-{mode}")
+            self.servers[key] = Server(self.model, d / "cache", d / "server.log", MODES[mode][0])
+
+    def get(self, mode: str, answer: str) -> dict:
+        key = (mode, answer)
+        if key not in self.results:
+            self.start(mode, answer)
+            with self.servers[key] as s:
+                r = s.chat(turn2(answer), **MODES[mode][1])
+                assert cached_tokens(r) == 0, r["usage"]
+                assert s.stats()["hits_disk"] == 0
+                assert s.stop(signal.SIGTERM) == 0, s.log()
+            self.results[key] = r
+        return self.results[key]
+
+    def close(self) -> None:
+        for s in self.servers.values():
+            s.__exit__()
+
+
+@pytest.fixture(scope="module")
+def baselines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    b = Baselines(model_dir, tmp_path_factory)
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+def check_store(cache_dir: Path) -> dict:
+    """Open the cache directory in this process: entries on disk, no problems found."""
+    from kvstore import KVStore
+    from kvstore.maintenance import verify
+
+    with KVStore(cache_dir) as store:
+        stats = store.stats()
+        problems = verify(store.disk)
+    assert stats["disk_entries"] >= 1, stats
+    assert problems == [], [p.to_dict() for p in problems]
+    return stats
+
+
+def test_serve_help_lists_both_flag_sets() -> None:
+    """``kvstore serve --help`` reaches the adapter: kvstore's flags, then mlx_lm.server's,
+    exit status 0 (not the dispatcher's "unrecognized arguments")."""
+    out = subprocess.run(serve_command() + ["--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "--cache-dir" in out.stdout and "--max-disk-bytes" in out.stdout, out.stdout
+    assert "mlx_lm.server flags" in out.stdout and "--kv-bits" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("mode, stop", CASES)
+def test_restart_reuses_disk_cache(model_dir: Path, tmp_path: Path, baselines: Baselines,
+                                   mode: str, stop: int) -> None:
+    flags, extra = MODES[mode]
+    cache_dir = tmp_path / "cache"
+
+    # -- first server: turn one, then stop it -------------------------------------------
+    with Server(model_dir, cache_dir, tmp_path / "server1.log", flags) as s:
+        r1 = s.chat(turn1(), **extra)
+        assert cached_tokens(r1) == 0, r1["usage"]
+        assert r1["usage"]["prompt_tokens"] > 800, r1["usage"]  # byte-level: ~1 token a char
+        answer, ids1 = reply(r1)
+        assert len(ids1) == r1["usage"]["completion_tokens"] > 0
+        baselines.start(mode, answer)  # boots while this server stops and the next starts
+        if stop == signal.SIGKILL:
+            st = s.wait_flushed()
+            assert st["disk_entries"] >= 1 and st["write_errors"] == 0 and st["dropped_writes"] == 0, st
+            # which path ran: the batched one also stores the system / user segments
+            if mode == "batched":
+                assert st["writes"] >= 2, st
+            else:
+                assert st["writes"] == 1, st
+        rc = s.stop(stop)
+        log1 = s.log()
+    if stop == signal.SIGTERM:
+        assert rc == 0, f"SIGTERM exit status {rc}\n{log1}"
+        assert "store flushed and closed" in log1, log1
+    else:
+        assert rc == -signal.SIGKILL, rc
+
+    stored = check_store(cache_dir)
+
+    # -- second server, same directory: turn two comes from disk -------------------------
+    with Server(model_dir, cache_dir, tmp_path / "server2.log", flags) as s:
+        r2 = s.chat(turn2(answer), **extra)
+        st = s.stats()
+        assert cached_tokens(r2) > 0, (r2["usage"], st)
+        assert st["hits_disk"] >= 1 and st["restores"] >= 1 and st["corrupt"] == 0, st
+        assert st["tokens_saved"] >= cached_tokens(r2), st
+        rc = s.stop(signal.SIGTERM)
+        assert rc == 0, f"SIGTERM exit status {rc}\n{s.log()}"
+    after = check_store(cache_dir)
+    assert after["disk_entries"] >= stored["disk_entries"], (stored, after)
+
+    # -- same reply as a server that computed everything ---------------------------------
+    b = baselines.get(mode, answer)
+    assert r2["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
+    assert reply(r2) == reply(b), (reply(r2), reply(b))
+    print(f"\n{mode}/{signal.Signals(stop).name}: turn1 prompt_tokens={r1['usage']['prompt_tokens']} "
+          f"turn2 prompt_tokens={r2['usage']['prompt_tokens']} cached_tokens={cached_tokens(r2)} "
+          f"hits_disk={st['hits_disk']} disk_entries={stored['disk_entries']} reply_ids={reply(r2)[1]}")
