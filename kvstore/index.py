@@ -22,6 +22,9 @@ import errno
 import json
 import logging
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -36,12 +39,56 @@ T = TypeVar("T")
 
 _DBS = ("entries", "chunks", "tokens", "bounds", "identities", "meta")
 _INITIAL_MAP = 256 << 20
+_PROBE_KEY = b"\x00kvstore-open-probe"  # main database; never committed
 _LOCK_BYTES = 64 << 10  # lock.mdb: LMDB's reader table for max_readers=512 needs ~33 KiB
 
 
 # Errors that mean the data file itself is damaged: only these move an index aside.
 _CORRUPTION = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
                lmdb.VersionMismatchError, lmdb.PanicError)
+# Before a process maps an index, a child process reads every record of it (and, for a
+# writer, probes a write): LMDB has no page checksums, so a damaged page can fault (SIGBUS,
+# SIGSEGV) or fail an assertion (SIGABRT) in whatever process reads it. A child that dies
+# that way, or that LMDB tells of a damaged B-tree (whose next read may fault instead),
+# marks the index as damaged: a writer moves it aside, a reader reports it.
+CHECK_AT_OPEN = True
+_FATAL = {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE}
+_WALK = r"""
+import sys, lmdb
+path, ro, size = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
+try:
+    env = lmdb.open(path, readonly=ro, lock=True, max_dbs=64, subdir=True, readahead=False,
+                    max_readers=512, map_size=size, create=False)
+except lmdb.Error:
+    sys.exit(0)  # the parent's own open reports what is wrong
+DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError)
+bad = []
+try:
+    with env.begin() as txn:
+        names = [bytes(k) for k, _ in txn.cursor()]
+    for name in names:  # one transaction each: an error spoils the transaction it happens in
+        try:
+            db = env.open_db(name, create=False)
+            with env.begin(db=db, buffers=True) as txn:
+                for k, v in txn.cursor():
+                    if len(v):  # first and last byte: a value running past the file faults
+                        v[0], v[len(v) - 1]
+        except DAMAGE as e:
+            bad.append(f"{name.decode(errors='replace')}: {e}")
+        except lmdb.Error:
+            pass
+    if not ro:
+        with env.begin(write=True) as txn:
+            txn.put(b"\x00kvstore-open-probe", b"")
+            txn.delete(b"\x00kvstore-open-probe")
+except DAMAGE as e:
+    bad.append(str(e))
+except lmdb.Error:
+    pass
+if bad:  # a damaged B-tree: the next read of it may fault instead of failing
+    print("; ".join(bad), file=sys.stderr)
+    sys.exit(3)
+"""
 _SHARED: dict[tuple[int, str], tuple[lmdb.Environment, bool, int]] = {}
 _SHARED_LOCK = threading.Lock()
 
@@ -52,6 +99,15 @@ class IndexError_(RuntimeError):
 
 def _dump(rec: dict) -> bytes:
     return json.dumps(rec, separators=(",", ":")).encode()
+
+
+def _count(v: bytes | memoryview | None) -> int:
+    """The blob byte counter; a damaged value counts as 0 (``verify`` reports the drift and
+    ``--fix`` recomputes it) rather than failing every write that updates it."""
+    try:
+        return int(bytes(v)) if v else 0
+    except ValueError:
+        return 0
 
 
 def _load(b: bytes | memoryview | None) -> dict | None:
@@ -93,6 +149,11 @@ class Index:
 
     def _open(self) -> lmdb.Environment:
         try:
+            if not self.readonly:
+                self._allocate_lock_file()
+            damage = self._check_in_child()
+            if damage:
+                raise lmdb.CorruptedError(damage)
             return self._open_env()
         except lmdb.Error as e:
             if self.readonly or not isinstance(e, _CORRUPTION):
@@ -104,6 +165,7 @@ class Index:
                         self.path, e, aside)
             os.replace(self.path, aside)
             self.path.mkdir(parents=True)
+            self._allocate_lock_file()
             return self._open_env()
 
     def _open_env(self) -> lmdb.Environment:
@@ -111,8 +173,6 @@ class Index:
         data = self.path / "data.mdb"
         if data.exists():
             size = max(size, data.stat().st_size)
-        if not self.readonly:
-            self._allocate_lock_file()
         env = lmdb.open(str(self.path), map_size=size, max_dbs=len(_DBS) + 2, subdir=True,
                         readonly=self.readonly, lock=True, readahead=False, max_readers=512)
         try:
@@ -125,10 +185,46 @@ class Index:
             have = data.stat().st_size if data.exists() else 0
             if have < need:
                 raise lmdb.CorruptedError(f"{data} is truncated: {have} bytes, its pages need {need}")
+            if not self.readonly:
+                # LMDB reads its free-page list only when a write allocates a page: probe one
+                # now, so a damaged list is found at open (and recovered from), not by the
+                # first write of a running server. Nothing is left behind.
+                with env.begin(write=True) as txn:
+                    txn.put(_PROBE_KEY, b"")
+                    txn.delete(_PROBE_KEY)
         except BaseException:
             env.close()
             raise
         return env
+
+    def _check_in_child(self) -> str | None:
+        """Why the index would crash a process reading it (see ``CHECK_AT_OPEN``), or None.
+        A check that cannot run, takes too long or is killed from outside checks nothing."""
+        data = self.path / "data.mdb"
+        try:
+            size = data.stat().st_size
+        except OSError:
+            return None
+        if not CHECK_AT_OPEN or not sys.executable or size == 0:
+            return None
+        timeout = 30 + size / (20 << 20)
+        cmd = [sys.executable, "-c", _WALK, str(self.path), "1" if self.readonly else "0",
+               str(max(_INITIAL_MAP, size))]
+        try:
+            p = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("kvstore: checking index %s took over %.0fs; opening it unchecked", self.path, timeout)
+            return None
+        except OSError:
+            return None
+        why = p.stderr.decode(errors="replace").strip().splitlines()
+        if p.returncode == 3:
+            return f"reading {data} fails: {why[-1] if why else 'damaged'}"
+        if p.returncode < 0 and -p.returncode in _FATAL:
+            return (f"reading {data} kills the process ({signal.Signals(-p.returncode).name}"
+                    + (f": {why[-1]}" if why else "") + ")")
+        return None
 
     def _allocate_lock_file(self) -> None:
         """Give ``lock.mdb`` real blocks before LMDB maps it: LMDB extends the file sparse
@@ -224,8 +320,7 @@ class Index:
         return self.read(lambda t: {bytes(k).hex(): _load(v) for k, v in t.cursor(db=self._db["identities"])})
 
     def total_bytes(self) -> int:
-        v = self.read(lambda t: t.get(b"bytes", db=self._db["meta"]))
-        return int(v) if v else 0
+        return _count(self.read(lambda t: t.get(b"bytes", db=self._db["meta"])))
 
     def counts(self) -> dict[str, int]:
         def run(txn: lmdb.Transaction) -> dict[str, int]:
@@ -264,7 +359,7 @@ class Index:
     def _add_bytes(self, txn: lmdb.Transaction, n: int) -> None:
         db = self._db["meta"]
         cur = txn.get(b"bytes", db=db)
-        txn.put(b"bytes", str(max(0, (int(cur) if cur else 0) + n)).encode(), db=db)
+        txn.put(b"bytes", str(max(0, _count(cur) + n)).encode(), db=db)
 
     def commit_entry(self, key: bytes, record: dict, tokens: bytes, boundary: bytes,
                      new_chunks: dict[bytes, tuple[dict, bytes, bytes]],

@@ -103,6 +103,7 @@ class KVStore:
         self._touches: dict[bytes, tuple[float, int]] = {}
         self._touch_scheduled = False
         self.disk: DiskTier | None = None
+        self._disk_off: str | None = None  # why the disk tier was switched off (a damaged index)
         if not memory_only:
             try:
                 self.disk = _open_disk(self.cache_dir, chunk_tokens)
@@ -196,7 +197,7 @@ class KVStore:
         if cache is not None and n == len(tokens):
             self._hit("memory", n, snap)
             return Fetched(cache, n, "memory")
-        if ident is not None and self.disk is not None and tokens:
+        if ident is not None and self.disk is not None and tokens and not self._disk_off:
             got = self._fetch_disk(ident, enc, better_than=n)
             if got is not None:
                 return got
@@ -219,7 +220,7 @@ class KVStore:
             snap = self.memory.get(self._mem_key(model, ident), result.longer)
             if snap is not None and snap.trimmable:
                 n = min(len(tokens) - 1, result.common_prefix)
-        if n < len(tokens) and ident is not None and self.disk is not None and tokens:
+        if n < len(tokens) and ident is not None and self.disk is not None and tokens and not self._disk_off:
             try:
                 plan = self.disk.plan(ident, enc)
                 n = max(n, plan.n if plan is not None else 0)
@@ -233,7 +234,8 @@ class KVStore:
             try:
                 plan = self.disk.plan(ident, enc)
             except Exception as e:
-                self._warn_once("plan", "kvstore: disk lookup failed (%s); treating as a miss", e)
+                if not self._index_damaged(e):
+                    self._warn_once("plan", "kvstore: disk lookup failed (%s); treating as a miss", e)
                 return None
             if plan is None or plan.n <= better_than:
                 return None
@@ -247,6 +249,8 @@ class KVStore:
                 continue
             except Exception as e:  # a defect, not damage: still a miss, never a crash
                 self._stats["corrupt"] += 1
+                if self._index_damaged(e):
+                    return None
                 if f"bug:{type(e).__name__}" not in self._warned:
                     self._warned.add(f"bug:{type(e).__name__}")
                     log.exception("kvstore: unexpected error restoring an entry (a kvstore bug: please report)")
@@ -309,8 +313,12 @@ class KVStore:
         with self._lock:
             touches, self._touches = self._touches, {}
             self._touch_scheduled = False
-        if touches and self.disk is not None:
-            self.disk.index.touch_many(touches)
+        if touches and self.disk is not None and not self._disk_off:
+            try:
+                self.disk.index.touch_many(touches)
+            except lmdb.Error as e:  # bookkeeping only: a failed touch costs nothing else
+                if not self._index_damaged(e):
+                    self._warn_once(f"touch:{type(e).__name__}", "kvstore: could not record hits: %s", e)
 
     # -- insert ------------------------------------------------------------------------
 
@@ -337,7 +345,8 @@ class KVStore:
         if wrong is not None:  # never stored on disk under this identity (memory is the caller's own)
             self._stats["unpersistable"] += 1
             self._warn_once(f"layout:{wrong}", "kvstore: %s; kept in memory only", wrong)
-        elif snap.tensors is not None and ident is not None and self.disk is not None and covered > 0:
+        elif (snap.tensors is not None and ident is not None and self.disk is not None and covered > 0
+              and not self._disk_off):
             snap.extra["job"] = (ident, enc[: covered * 4])
             snap.persisted = self._submit(snap)
         with self._lock:
@@ -387,6 +396,8 @@ class KVStore:
                 written = self.disk.persist(job)  # type: ignore[union-attr]
             except (OSError, lmdb.Error) as e:  # blob write or index commit (full disk, I/O)
                 self._stats["write_errors"] += 1
+                if self._index_damaged(e):
+                    return
                 self._warn_once(f"write:{getattr(e, 'errno', type(e).__name__)}",
                                 "kvstore: write failed (%s); entry stays in memory only", e)
                 return
@@ -421,9 +432,15 @@ class KVStore:
             s["pending_writes"] = self.writer.pending
             s["dropped_writes"] = self.writer.dropped
         if self.disk is not None:
-            s["disk_bytes"] = self.disk.index.total_bytes()
-            s.update({f"disk_{k}": v for k, v in self.disk.index.counts().items()})
             s["cache_dir"] = str(self.cache_dir)
+            try:
+                if not self._disk_off:
+                    s["disk_bytes"] = self.disk.index.total_bytes()
+                    s.update({f"disk_{k}": v for k, v in self.disk.index.counts().items()})
+            except lmdb.Error as e:
+                self._index_damaged(e)
+            if self._disk_off:
+                s["disk_off"] = self._disk_off
         return s
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -465,6 +482,18 @@ class KVStore:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def _index_damaged(self, e: BaseException) -> bool:
+        """Switch the disk tier off for this process when LMDB reports a damaged file: LMDB
+        has no checksums, and walking a damaged tree further can abort the process (an
+        assertion in mdb.c) or fault on a wild page. Memory keeps serving."""
+        if not isinstance(e, _INDEX_DAMAGE):
+            return False
+        if not self._disk_off:
+            self._disk_off = f"{type(e).__name__}: {e}"
+            log.error("kvstore: the index in %s is damaged (%s); the disk tier is off for this process, "
+                      "memory keeps serving (`kvstore verify` reports the damage)", self.cache_dir, e)
+        return True
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._warned:
@@ -512,6 +541,8 @@ def _check_cache(cache: Any) -> None:
                 raise ValueError(f"cache layer {i} ({type(c).__name__}) claims {off} positions "
                                  f"but its arrays hold {k.shape[-2]}")
 
+
+_INDEX_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.InvalidError)
 
 _KV_FAMILY = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache")
 

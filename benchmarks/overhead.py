@@ -1,0 +1,135 @@
+"""Request-path overhead: what kvstore costs on the request thread, against the prefill.
+
+For SmolLM2 float32 at 1k and 2k prompt tokens (tiny-llama with --quick):
+
+- prefill: a cold prefill of the prompt (steps of 512, as stream_generate) + first token;
+- insert: ``KVStore.insert`` of the prefilled cache (snapshot views, checksumless host
+  views, key, memory-tier insert, queueing); the write itself runs on the writer thread and
+  is reported separately (``flush`` waits for it) as background seconds;
+- memory fetch, exact: ``fetch`` of a stored prompt (memory tier, fresh cache objects);
+- memory fetch, prefix: ``fetch`` of a stored prefix + a new question: memory hit after
+  the disk index is consulted for a longer prefix;
+- miss: ``fetch`` of a prompt nobody stored (memory trie + disk index lookup).
+
+Each store call is repeated (median reported); the prefill runs once per length.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+from . import common as C
+
+NAME = "overhead"
+REPS = 5
+PREFILL_STEP = 512
+
+
+def _prefill(model: Any, tokens: list[int]) -> tuple[list[Any], float]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    t0 = time.perf_counter()
+    logits = None
+    for i in range(0, len(tokens), PREFILL_STEP):
+        logits = model(mx.array([tokens[i: i + PREFILL_STEP]]), cache=cache)
+        mx.eval(logits)
+    mx.eval(mx.argmax(logits[:, -1, :], axis=-1))
+    return cache, time.perf_counter() - t0
+
+
+def run(ctx: C.Context) -> dict[str, Any]:
+    from kvstore import KVStore
+
+    started = time.perf_counter()
+    name, lengths = ("tiny-llama", [256, 512]) if ctx.quick else ("smollm2", [1024, 2048])
+    model, tok, path = C.load_model(name)
+    C.warm_up(model)
+    rows = []
+    for L in lengths:
+        ctx.log(f"  {name} {L} tokens ...")
+        d = ctx.scratch(f"overhead-{L}")
+        store = KVStore(d, max_entries=64, queue_size=64)
+        store.identity(path)
+        prompt = C.text_tokens(tok, L, seed=L + 1)
+        cache, prefill_s = _prefill(model, prompt)
+        variants = [prompt[:-1] + [int(prompt[-1]) + 1 + k] for k in range(REPS)]
+        ins, bg = [], []
+        for k, toks in enumerate(variants):
+            _, dt = C.timed(store.insert, path, toks, cache)
+            ins.append(dt)
+            w0 = store.stats()["write_seconds"]
+            store.flush()
+            bg.append(store.stats()["write_seconds"] - w0)
+        exact, prefix, miss = [], [], []
+        rng = random.Random(L)
+        for k in range(REPS):
+            got, dt = C.timed(store.fetch, path, variants[k])
+            assert got.source == "memory" and got.n == L, (got.source, got.n)
+            exact.append(dt)
+            q = prompt[: L - 16] + C.question_tokens(tok, 16, k)
+            got, dt = C.timed(store.fetch, path, q)
+            prefix.append(dt)
+            absent = [rng.randrange(1, 30000) for _ in range(L)]
+            got, dt = C.timed(store.fetch, path, absent)
+            assert got.source is None
+            miss.append(dt)
+        st = store.stats()
+        store.close()
+        med = {"prefill_s": prefill_s, "insert_s": C.median(ins), "insert_max_s": max(ins),
+               "memory_fetch_exact_s": C.median(exact), "memory_fetch_prefix_s": C.median(prefix),
+               "miss_fetch_s": C.median(miss), "background_write_first_s": bg[0],
+               "background_write_tail_s": C.median(bg[1:]),
+               "kv_bytes": C.cache_bytes(cache)}
+        med["insert_vs_prefill"] = med["insert_s"] / prefill_s
+        med["memory_fetch_exact_vs_prefill"] = med["memory_fetch_exact_s"] / prefill_s
+        med["memory_fetch_prefix_vs_prefill"] = med["memory_fetch_prefix_s"] / prefill_s
+        med["miss_vs_prefill"] = med["miss_fetch_s"] / prefill_s
+        med["background_write_vs_prefill"] = bg[0] / prefill_s
+        rows.append({"tokens": L, "insert_s": ins, "background_write_s": bg, "memory_fetch_exact_s": exact,
+                     "memory_fetch_prefix_s": prefix, "miss_fetch_s": miss, "prefill_s": prefill_s,
+                     "dropped_writes": st.get("dropped_writes"), "medians": med})
+        ctx.log(f"    prefill {C.fmt(prefill_s, 's')}, insert {C.fmt(med['insert_s'], 's')} "
+                f"({med['insert_vs_prefill'] * 100:.2f}% of prefill), memory fetch {C.fmt(med['memory_fetch_exact_s'], 's')}")
+        del cache
+    del model
+    C.unload()
+    medians = {str(r["tokens"]): r["medians"] for r in rows}
+    headline = {k: {"insert_s": v["insert_s"], "insert_vs_prefill": v["insert_vs_prefill"],
+                    "memory_fetch_exact_s": v["memory_fetch_exact_s"], "prefill_s": v["prefill_s"]}
+                for k, v in medians.items()}
+    settings = {"model": name, "lengths": lengths, "reps": REPS, "prefill_step": PREFILL_STEP,
+                "prefill_runs": 1, "kv_dtype": "float32"}
+    notes = ["insert returns before the write; the write (fsynced blobs + index commit) runs on the "
+             "writer thread: 'background write' is its duration, first insert (all chunks) and later "
+             "inserts of the same prefix (tail only).",
+             "On a machine with few cores the background write competes with the next request for CPU."]
+    return C.document(NAME, ctx, settings, rows, medians, headline, notes, started)
+
+
+def report(doc: dict[str, Any]) -> str:
+    rows = []
+    for r in doc["raw"]:
+        m = r["medians"]
+        rows.append([r["tokens"], C.fmt(m["prefill_s"], "s"), C.fmt(m["insert_s"], "s"),
+                     f"{m['insert_vs_prefill'] * 100:.2f}%", C.fmt(m["memory_fetch_exact_s"], "s"),
+                     C.fmt(m["memory_fetch_prefix_s"], "s"), C.fmt(m["miss_fetch_s"], "s"),
+                     f"{C.fmt(m['background_write_first_s'], 's')} / {C.fmt(m['background_write_tail_s'], 's')}"])
+    return C.table(f"Request-path overhead ({doc['settings']['model']}, median of {doc['settings']['reps']})",
+                   ["tokens", "prefill", "insert()", "insert/prefill", "memory fetch (exact)",
+                    "memory fetch (prefix)", "miss fetch", "bg write first / tail"], rows)
+
+
+def headline_rows(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
+    out = []
+    model = doc["settings"]["model"]
+    for r in doc["raw"]:
+        m = r["medians"]
+        out.append((f"insert() on the request thread, {model} {r['tokens']} tok",
+                    f"{C.fmt(m['insert_s'], 's')} ({m['insert_vs_prefill'] * 100:.2f}% of prefill)",
+                    f"prefill {C.fmt(m['prefill_s'], 's')}; memory fetch {C.fmt(m['memory_fetch_exact_s'], 's')}; "
+                    f"miss {C.fmt(m['miss_fetch_s'], 's')}; background write {C.fmt(m['background_write_first_s'], 's')}"))
+    return out

@@ -1,0 +1,80 @@
+"""The benchmark suite runs (``python -m benchmarks --quick``) and writes what it promises.
+
+One subprocess run of the whole quick suite (a tiny model, small sizes); this is what keeps
+the benchmarks from rotting. It checks every JSON file exists with the keys the README and
+the chart read, and that the chart and summary were drawn.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMES = ("ttft", "bandwidth", "agent_loop", "overhead", "scale")
+TOP_KEYS = {"benchmark", "schema", "quick", "machine", "settings", "raw", "medians", "headline", "notes", "seconds"}
+MACHINE_KEYS = {"cpu", "cores", "ram_bytes", "os", "blas", "versions", "loadavg"}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-out")
+    env = dict(os.environ, KVSTORE_NO_OPENBLAS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # --no-drop: a test run must not empty the machine's page cache (the benchmarks do, as root)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--no-drop", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_every_benchmark_writes_json(quick_run):
+    out, _ = quick_run
+    for name in NAMES:
+        doc = json.loads((out / f"{name}.json").read_text())
+        assert TOP_KEYS <= set(doc), (name, TOP_KEYS - set(doc))
+        assert doc["benchmark"] == name and doc["quick"] is True
+        assert MACHINE_KEYS <= set(doc["machine"]), name
+        assert {"mlx", "mlx_lm", "kvstore"} <= set(doc["machine"]["versions"])
+        assert doc["raw"] and doc["medians"] and doc["headline"], name
+
+
+def test_expected_medians(quick_run):
+    out, _ = quick_run
+    load = lambda n: json.loads((out / f"{n}.json").read_text())  # noqa: E731
+    ttft = load("ttft")
+    for row in ttft["raw"]:
+        m = row["medians"]
+        assert m["cold_ttft"] > 0 and m["memory_ttft"] > 0 and m["disk_ttft"] > 0
+        assert m["all_disk_hits_from_disk"], row["disk_hits"]
+        assert row["disk_hits"][0]["page_cache"] == {"dropped": False, "method": "disabled"}
+    for m in load("bandwidth")["medians"].values():
+        for state in ("cold", "warm"):
+            for method in ("kvstore", "raw", "mlx_lm"):
+                assert m[f"{state}_{method}_gbps"] > 0
+        assert m["all_reads_ok"]
+        assert m["write_kvstore_gbps"] > 0 and m["write_mlx_lm_gbps"] > 0
+    agent = load("agent_loop")["medians"]
+    assert agent["storage"]["write_amp_median_turns_2_20"] > 0
+    assert agent["storage"]["restart_turn_source"] == "disk"
+    assert agent["storage"]["footprint_vs_whole_snapshot"] < 1
+    assert agent["ttft"]["ttft_median_turns_2_20_s"] > 0
+    for m in load("overhead")["medians"].values():
+        assert m["insert_s"] > 0 and m["prefill_s"] > 0 and m["memory_fetch_exact_s"] > 0
+    scale = load("scale")["medians"]
+    assert scale["dropped_writes"] == 0
+    assert scale["persisted_per_s"] > 0 and scale["lookup_present_p50_s"] > 0 and scale["open_warm_s"] > 0
+    assert scale["gc_s"] > 0
+
+
+def test_chart_and_summary(quick_run):
+    out, stdout = quick_run
+    assert (out / "chart.png").stat().st_size > 10_000
+    summary = (out / "summary.md").read_text()
+    assert "Headline numbers" in summary and "ttft" in summary and "scale" in summary
+    run = json.loads((out / "run.json").read_text())
+    assert run["failed"] == [] and set(run["seconds"]) == set(NAMES)
