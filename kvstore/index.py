@@ -110,6 +110,13 @@ def _count(v: bytes | memoryview | None) -> int:
         return 0
 
 
+def _size(rec: dict) -> int:
+    try:
+        return int(rec.get("size") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
 def _load(b: bytes | memoryview | None) -> dict | None:
     return None if b is None else json.loads(bytes(b))
 
@@ -424,7 +431,7 @@ class Index:
                 txn.delete(bytes.fromhex(rec["boundary"]) + key, db=b_db)
                 if rec.get("blob"):
                     blobs.append(rec["blob"])
-                    freed += rec["size"]
+                    freed += _size(rec)  # a damaged record goes too (verify --fix recounts)
                 parent = bytes.fromhex(rec["root"])
                 for ck_hex in rec.get("chunks", []):
                     ck = bytes.fromhex(ck_hex)
@@ -436,7 +443,7 @@ class Index:
                             txn.delete(ck, db=t_db)
                             txn.delete(parent + ck, db=b_db)
                             blobs.append(crec["blob"])
-                            freed += crec["size"]
+                            freed += _size(crec)
                         else:
                             txn.put(ck, _dump(crec), db=c_db)
                     parent = ck

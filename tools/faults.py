@@ -36,8 +36,12 @@ Fault kinds:
   gc chose to evict and entries the trial damaged on purpose are excused).
 - ``corruption``: byte flips, truncation, deletion, zeroed ranges, swaps and stray files
   in blobs; flips, zeroed pages, truncation, deletion and garbage in ``index/data.mdb`` and
-  ``lock.mdb``; and ``live`` flips of data.mdb under an open store that must keep serving
-  from memory. An entry whose blobs were not damaged must survive a blob fault.
+  ``lock.mdb``; single bit flips written through LMDB into one stored value (an entry or
+  chunk record, token ids, a trie edge, a counter: what a flip LMDB cannot detect looks
+  like); and ``live`` flips of data.mdb under an open store that must keep serving from
+  memory. An entry whose blobs were not damaged must survive a blob fault. A damaged index
+  may give a clear error (StoreOpenError), be moved aside at open (the documented
+  recovery, which must be logged) or degrade to misses, never a crash or a wrong hit.
 - ``full_disk``: the cache directory on a 4 MiB tmpfs mounted by the harness, filled by a
   filler file of random size and then by the store itself: serving continues from memory,
   every failed write is counted in ``stats()["write_errors"]``, nothing half-written is
