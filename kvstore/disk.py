@@ -22,7 +22,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -32,7 +32,7 @@ from . import blobs
 if TYPE_CHECKING:
     from . import codec
 from .identity import Identity
-from .index import Index
+from .index import Index, Reader
 from .keys import boundaries, chunk_key, encode_tokens, entry_key, root_key
 
 log = logging.getLogger("kvstore")
@@ -105,57 +105,16 @@ class DiskTier:
     # -- lookup ------------------------------------------------------------------------
 
     def plan(self, ident: Identity, tokens: list[int] | bytes) -> Plan | None:
-        """The longest reusable stored prefix of ``tokens`` for ``ident``, or None."""
+        """The longest reusable stored prefix of ``tokens`` for ``ident``, or None.
+
+        One read transaction. First the chain of stored full chunks matching the query is
+        followed as far as it goes; then the boundaries from the deepest down to the end of
+        that chain are searched for entries (and, at the chain's end, a chunk to trim),
+        stopping as soon as nothing shallower can be longer. Each boundary costs a few
+        seeks however many children it has (``Reader.edges``)."""
         enc = tokens if isinstance(tokens, bytes) else encode_tokens(tokens)
-        n_q = len(enc) // 4
-        C = self.chunk
-        bounds = boundaries(root_key(ident.digest), enc, C)
-        best: Plan | None = None
-        chain: list[bytes] = []      # full chunks verified so far
-        chain_ok = True
-        idx = self.index
-        for k, b in enumerate(bounds):
-            nxt = bounds[k + 1] if k + 1 < len(bounds) else None
-            found_next = False
-            for child, kind in idx.children(b):
-                stored = idx.tokens(child)
-                if stored is None or not _keyed(b, k, child, kind, stored, C):
-                    continue
-                if kind == "e":
-                    rec = idx.entry(child)
-                    if rec is None or rec.get("identity") != ident.hex:
-                        continue
-                    n_e = len(stored) // 4
-                    common = _common(stored, enc)
-                    chunked = rec["kind"] == "chunked"
-                    if chunked and not chain_ok:
-                        continue
-                    usable = n_e if common == n_e else (min(common, n_q - 1) if rec.get("trimmable") else 0)
-                    if usable > 0 and (best is None or usable > best.n):
-                        best = Plan(usable, list(chain) if chunked else [], ("entry", child),
-                                    rec["layout"], n_e, chunked, entry=child,
-                                    cache_type=rec.get("cache_type") or "assistant")
-                elif chain_ok:
-                    m = _common(stored, enc[k * C * 4 :])
-                    if m == C and child == nxt:
-                        found_next = True
-                    elif m > 0 and min(k * C + m, n_q - 1) > (best.n if best else 0):
-                        crec = idx.chunk(child)
-                        if crec is not None and crec.get("identity") == ident.hex:
-                            best = Plan(min(k * C + m, n_q - 1), list(chain), ("chunk", child), crec["layout"],
-                                        (k + 1) * C, True)
-            if chain_ok and found_next and nxt is not None:
-                chain.append(nxt)
-            else:
-                chain_ok = False
-        # a chain of full chunks alone (no entry ends exactly there) is also reusable
-        n_chain = min(len(chain) * C, n_q - 1 if len(chain) * C == n_q else n_q)
-        if chain and n_chain > (best.n if best else 0):
-            crec = idx.chunk(chain[-1])
-            if crec is not None:
-                best = Plan(n_chain, chain[:-1], ("chunk", chain[-1]), crec["layout"],
-                            len(chain) * C, True)
-        return best
+        bounds = boundaries(root_key(ident.digest), enc, self.chunk)
+        return self.index.view(lambda r: _plan(r, ident, enc, bounds, self.chunk))
 
     # -- restore -----------------------------------------------------------------------
 
@@ -310,9 +269,11 @@ class DiskTier:
             except OSError as e:
                 log.warning("kvstore: could not remove blob %s: %s", rel, e)
 
-    def remove(self, keys: list[bytes], *, only_if=None) -> int:
-        """Drop entries and their unreferenced chunks; blobs go after the commit."""
-        rels = self.index.remove_entries(keys, only_if=only_if)
+    def remove(self, keys: list[bytes], *, only_if: Callable[[bytes, dict], bool] | None = None,
+               removed: list[bytes] | None = None) -> int:
+        """Drop entries and their unreferenced chunks in one transaction (see
+        ``Index.remove_entries``); blobs go after the commit. Returns blobs unlinked."""
+        rels = self.index.remove_entries(keys, only_if=only_if, removed=removed)
         self._unlink(rels)
         return len(rels)
 
@@ -327,6 +288,67 @@ class DiskTier:
         users = [ek for ek, rec in self.index.entries() if k in rec.get("chunks", ())]
         rels = self.index.remove_entries(users) if users else []
         self._unlink(rels + self.index.drop_chunk_orphans([key]))
+
+
+def _plan(r: Reader, ident: Identity, enc: bytes, bounds: list[bytes], C: int) -> Plan | None:
+    n_q = len(enc) // 4
+    chain: list[bytes] = []  # full chunks whose stored token ids equal the query's
+    for k in range(1, len(bounds)):
+        crec = r.chunk(bounds[k])
+        if (crec is None or crec.get("identity") != ident.hex
+                or r.tokens(bounds[k]) != enc[(k - 1) * C * 4 : k * C * 4]):
+            break
+        chain.append(bounds[k])
+    best: Plan | None = None
+    if chain:  # the chain alone is reusable (keeping one token to feed when it is all)
+        n = len(chain) * C
+        best = Plan(n - 1 if n == n_q else n, chain[:-1], ("chunk", chain[-1]),
+                    r.chunk(chain[-1])["layout"], n, True)
+    for k in range(len(bounds) - 1, len(chain) - 1, -1):
+        if best is not None and best.n >= (k + 1) * C:
+            break  # everything filed at boundary k or above holds fewer tokens
+        after = enc[k * C * 4 : (k + 1) * C * 4]
+        for child, kind, shared, exact in r.edges(bounds[k], after):
+            top = k * C + shared if exact else min(k * C + shared, n_q - 1)
+            if best is not None and k * C + shared <= best.n:
+                break
+            if best is not None and top <= best.n:
+                continue
+            got = _candidate(r, ident, enc, bounds[k], k, child, kind, chain, C)
+            if got is not None and (best is None or got.n > best.n):
+                best = got
+    return best
+
+
+def _candidate(r: Reader, ident: Identity, enc: bytes, boundary: bytes, k: int, child: bytes, kind: str,
+               chain: list[bytes], C: int) -> Plan | None:
+    """What one child of boundary ``k`` can restore for the query, or None. Chunked pieces
+    need the verified chain up to ``k``; the stored token ids decide every length."""
+    n_q = len(enc) // 4
+    stored = r.tokens(child)
+    if stored is None or not _keyed(boundary, k, child, kind, stored, C):
+        return None
+    if kind == "e":
+        n_e = len(stored) // 4
+        common = _common(stored, enc)
+        rec = r.entry(child)
+        if rec is None or rec.get("identity") != ident.hex:
+            return None
+        chunked = rec.get("kind") == "chunked"
+        if chunked and k > len(chain):
+            return None
+        usable = n_e if common == n_e else (min(common, n_q - 1) if rec.get("trimmable") else 0)
+        if usable <= 0:
+            return None
+        return Plan(usable, chain[:k] if chunked else [], ("entry", child), rec["layout"], n_e, chunked,
+                    entry=child, cache_type=rec.get("cache_type") or "assistant")
+    if kind != "c" or k != len(chain):
+        return None
+    m = _common(stored, enc[k * C * 4 :])
+    crec = r.chunk(child)
+    if m <= 0 or crec is None or crec.get("identity") != ident.hex:
+        return None
+    return Plan(min(k * C + m, n_q - 1), chain[:k], ("chunk", child), crec["layout"], (k + 1) * C, True)
 
 
 def _keyed(boundary: bytes, k: int, child: bytes, kind: str, stored: bytes, C: int) -> bool:

@@ -10,8 +10,10 @@ Databases (keys are 16-byte xxh3-128 digests from ``keys``):
   checksum, layout, created / last_used / hits / pinned, cache_type)
 - ``chunks``: chunk key -> JSON record (identity, blob, size, checksum, refs)
 - ``tokens``: entry or chunk key -> the exact token ids (uint32 LE), checked on every hit
-- ``bounds``: boundary key + child key -> b"c" (chunk) or b"e" (entry): the trie over
-  token prefixes, walked one chunk boundary at a time
+- ``bounds``: ``keys.edge_key(boundary, residual tokens, child)`` -> b"c" (chunk) or b"e"
+  (entry): the trie over token prefixes, walked one chunk boundary at a time; under each
+  boundary the children sort by the token ids that follow it, so a lookup seeks to the
+  ones sharing the longest prefix with the query (``Reader.edges``)
 - ``identities``: identity digest -> JSON description (model name, path, dtype ...)
 - ``meta``: format version, total blob bytes
 """
@@ -32,7 +34,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import lmdb
 
-from .keys import FORMAT_VERSION, KEY_BYTES
+from .keys import EDGE_TOKENS, FORMAT_VERSION, KEY_BYTES, edge_key, edge_tokens, residual
 
 log = logging.getLogger("kvstore")
 T = TypeVar("T")
@@ -119,6 +121,136 @@ def _size(rec: dict) -> int:
 
 def _load(b: bytes | memoryview | None) -> dict | None:
     return None if b is None else json.loads(bytes(b))
+
+
+def entry_edge(key: bytes, rec: dict, tokens: bytes | None) -> bytes | None:
+    """The trie edge that makes entry ``key`` reachable, or None if its record or token
+    ids are too damaged to say."""
+    try:
+        return edge_key(bytes.fromhex(rec["boundary"]), residual(bytes(tokens), int(rec["chunk"])), key)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+
+
+def chunk_edge(key: bytes, rec: dict, tokens: bytes | None) -> bytes | None:
+    """The trie edge from a chunk's parent boundary to the chunk (None: no parent / unknown)."""
+    try:
+        return edge_key(bytes.fromhex(rec["parent"]), bytes(tokens), key) if rec.get("parent") else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def drop_edge(txn: lmdb.Transaction, db: Any, boundary: bytes, child: bytes, edge: bytes | None) -> None:
+    """Delete the edge from ``boundary`` to ``child``: by its key, or (token ids damaged, so
+    the key is unknown) by scanning that boundary's children."""
+    if edge is not None and txn.delete(edge, db=db):
+        return
+    cur = txn.cursor(db=db)
+    dead = []
+    if cur.set_range(boundary):
+        for k in cur.iternext(keys=True, values=False):
+            if k[:KEY_BYTES] != boundary:
+                break
+            if k[-KEY_BYTES:] == child:
+                dead.append(bytes(k))
+    for k in dead:
+        txn.delete(k, db=db)
+
+
+def _lcp5(a: bytes, b: bytes) -> int:
+    """Common prefix, in tokens, of two ``edge_tokens`` spellings."""
+    n = 0
+    for i in range(0, min(len(a), len(b)) - 4, 5):
+        if a[i : i + 5] != b[i : i + 5]:
+            break
+        n += 1
+    return n
+
+
+class Reader:
+    """Reads inside one read transaction: a consistent view for one lookup."""
+
+    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, Any]) -> None:
+        self.txn, self._db = txn, dbs
+
+    def entry(self, key: bytes) -> dict | None:
+        return _load(self.txn.get(key, db=self._db["entries"]))
+
+    def chunk(self, key: bytes) -> dict | None:
+        return _load(self.txn.get(key, db=self._db["chunks"]))
+
+    def tokens(self, key: bytes) -> bytes | None:
+        return self.txn.get(key, db=self._db["tokens"])
+
+    def edges(self, boundary: bytes, after: bytes) -> Iterator[tuple[bytes, str, int, bool]]:
+        """Children of ``boundary`` that may share a prefix with the query tokens ``after``
+        it, best first: ``(child, "c" | "e", shared, exact)``. ``shared`` bounds how many
+        of ``after``'s tokens the child shares (non-increasing along the iteration: a caller
+        may stop once it cannot gain); ``exact``: the child's tokens may be a prefix of the
+        query, not longer. Seeks, never a scan of all children, except among children
+        sharing all ``EDGE_TOKENS`` spelled-out tokens with the query, which are read in
+        turn. Every child is a candidate only: its stored token ids decide."""
+        db = self._db["bounds"]
+        m = len(after) // 4
+        q = edge_tokens(after)
+        head = boundary + q
+        cur = self.txn.cursor(db=db)
+        seen: set[bytes] = set()
+
+        def child(k: bytes, v: bytes) -> tuple[bytes, str]:
+            return bytes(k[-KEY_BYTES:]), bytes(v).decode(errors="replace")
+
+        def spelled(k: bytes) -> bytes:
+            return bytes(k[KEY_BYTES : -KEY_BYTES - 1])
+
+        shared = 0
+        if m and cur.set_range(head):  # children sharing all spelled-out query tokens
+            for k, v in cur:
+                if k[: len(head)] != head:
+                    break
+                seen.add(bytes(k))
+                sp = spelled(k)
+                yield (*child(k, v), m, len(sp) == len(q) or m > EDGE_TOKENS)
+            shared = len(q) // 5 if seen else 0
+        if m and not seen:  # the neighbours around the query's place share the most
+            side: list[tuple[int, int]] = []  # (shared tokens, direction)
+            if cur.set_range(head):
+                nxt = cur.key()
+                if nxt[:KEY_BYTES] == boundary:
+                    side.append((_lcp5(spelled(nxt), q), 1))
+                if cur.prev() and cur.key()[:KEY_BYTES] == boundary:
+                    side.append((_lcp5(spelled(cur.key()), q), -1))
+            elif cur.last() and cur.key()[:KEY_BYTES] == boundary:
+                side.append((_lcp5(spelled(cur.key()), q), -1))
+            best = max((s for s, _ in side), default=0)
+            if best:
+                pre = boundary + q[: best * 5]
+                for _, step in (x for x in side if x[0] == best):
+                    if not cur.set_range(head):
+                        cur.last()
+                    elif step < 0:
+                        cur.prev()
+                    for _ in range(32):  # children sharing exactly `best`: any usable one will do
+                        k = cur.key()
+                        if k[: len(pre)] != pre or _lcp5(spelled(k), q) != best:
+                            break
+                        if bytes(k) not in seen:
+                            seen.add(bytes(k))
+                            sp = spelled(k)
+                            yield (*child(k, cur.value()), best, len(sp) == best * 5)
+                        if not (cur.next() if step > 0 else cur.prev()):
+                            break
+            shared = best
+        # children whose whole (spelled-out) residual is a shorter prefix of the query
+        for n in range(min(shared, m, EDGE_TOKENS), -1, -1):
+            pre = boundary + q[: n * 5] + b"\x00"
+            if cur.set_range(pre):
+                for k, v in cur:
+                    if k[: len(pre)] != pre:
+                        break
+                    if bytes(k) not in seen:
+                        seen.add(bytes(k))
+                        yield (*child(k, v), n, True)
 
 
 class Index:
@@ -303,18 +435,9 @@ class Index:
     def tokens(self, key: bytes) -> bytes | None:
         return self.read(lambda t: t.get(key, db=self._db["tokens"]))
 
-    def children(self, boundary: bytes) -> list[tuple[bytes, str]]:
-        """Chunks (``"c"``) and entries (``"e"``) whose prefix ends at ``boundary``."""
-        def run(txn: lmdb.Transaction) -> list[tuple[bytes, str]]:
-            out = []
-            cur = txn.cursor(db=self._db["bounds"])
-            if cur.set_range(boundary):
-                for k, v in cur:
-                    if k[:KEY_BYTES] != boundary:
-                        break
-                    out.append((bytes(k[KEY_BYTES:]), bytes(v).decode()))
-            return out
-        return self.read(run)
+    def view(self, fn: Callable[[Reader], T]) -> T:
+        """Run ``fn`` on a ``Reader`` over one read transaction (one consistent snapshot)."""
+        return self.read(lambda txn: fn(Reader(txn, self._db)))
 
     def entries(self) -> Iterator[tuple[bytes, dict]]:
         """Every entry record (a snapshot taken in one read transaction)."""
@@ -402,21 +525,23 @@ class Index:
                     crec = dict(crec, refs=1)
                     txn.put(ck, _dump(crec), db=c_db)
                     txn.put(ck, ctoks, db=t_db)
-                    txn.put(parent + ck, b"c", db=b_db)
+                    txn.put(edge_key(parent, ctoks, ck), b"c", db=b_db)
                     added += crec["size"]
             rec = dict(record)
             txn.put(key, _dump(rec), db=e_db)
             txn.put(key, tokens, db=t_db)
-            txn.put(boundary + key, b"e", db=b_db)
+            txn.put(edge_key(boundary, residual(tokens, int(record["chunk"])), key), b"e", db=b_db)
             self._add_bytes(txn, added)
             record["_dup_blobs"] = dups
             return "ok"
 
         return self.write(run)
 
-    def remove_entries(self, keys: list[bytes], *, only_if: Callable[[dict], bool] | None = None) -> list[str]:
+    def remove_entries(self, keys: list[bytes], *, only_if: Callable[[bytes, dict], bool] | None = None,
+                       removed: list[bytes] | None = None) -> list[str]:
         """Drop entries (and chunks no longer referenced) in one transaction; returns the
-        blob paths (relative) that the caller must unlink after this commit."""
+        blob paths (relative) that the caller must unlink after this commit. ``only_if(key,
+        record)`` is asked inside the transaction; ``removed`` collects the keys dropped."""
         e_db, c_db, t_db, b_db = (self._db[n] for n in ("entries", "chunks", "tokens", "bounds"))
 
         def run(txn: lmdb.Transaction) -> list[str]:
@@ -424,11 +549,14 @@ class Index:
             freed = 0
             for key in keys:
                 rec = _load(txn.get(key, db=e_db))
-                if rec is None or (only_if is not None and not only_if(rec)):
+                if rec is None or (only_if is not None and not only_if(key, rec)):
                     continue
+                if removed is not None:
+                    removed.append(key)
+                drop_edge(txn, b_db, bytes.fromhex(rec["boundary"]), key,
+                          entry_edge(key, rec, txn.get(key, db=t_db)))
                 txn.delete(key, db=e_db)
                 txn.delete(key, db=t_db)
-                txn.delete(bytes.fromhex(rec["boundary"]) + key, db=b_db)
                 if rec.get("blob"):
                     blobs.append(rec["blob"])
                     freed += _size(rec)  # a damaged record goes too (verify --fix recounts)
@@ -439,9 +567,9 @@ class Index:
                     if crec is not None:
                         crec["refs"] -= 1
                         if crec["refs"] <= 0:
+                            drop_edge(txn, b_db, parent, ck, edge_key(parent, txn.get(ck, db=t_db) or b"", ck))
                             txn.delete(ck, db=c_db)
                             txn.delete(ck, db=t_db)
-                            txn.delete(parent + ck, db=b_db)
                             blobs.append(crec["blob"])
                             freed += _size(crec)
                         else:
@@ -491,10 +619,11 @@ class Index:
                 crec = _load(txn.get(ck, db=c_db))
                 if crec is None:
                     continue
+                if crec.get("parent"):
+                    drop_edge(txn, b_db, bytes.fromhex(crec["parent"]), ck,
+                              chunk_edge(ck, crec, txn.get(ck, db=t_db)))
                 txn.delete(ck, db=c_db)
                 txn.delete(ck, db=t_db)
-                if crec.get("parent"):
-                    txn.delete(bytes.fromhex(crec["parent"]) + ck, db=b_db)
                 blobs.append(crec["blob"])
                 self._add_bytes(txn, -crec["size"])
             return blobs

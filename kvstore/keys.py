@@ -8,6 +8,10 @@ share a key.
 The chain is cut at fixed ``chunk`` boundaries: ``bounds[k]`` names the prefix
 ``tokens[:k * chunk]`` and is also the key of the chunk that ends there. An entry's own key
 adds the residual tokens after its last boundary.
+
+The index's trie edges (``edge_key``) file each entry and chunk under its boundary, sorted
+by the token ids that follow it, so a lookup seeks straight to the children sharing the
+longest prefix with the query instead of reading every child of a boundary.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: trie edges sorted by residual token ids (edge_key)
 KEY_BYTES = 16
 MAX_TOKEN_ID = 2**32 - 1
+EDGE_TOKENS = 48  # residual tokens spelled out in a trie edge key (LMDB keys are <= 511 bytes)
 
 
 class TokenError(ValueError):
@@ -37,7 +42,11 @@ def encode_tokens(tokens: Sequence[int]) -> bytes:
     if arr.size == 0:
         return b""
     if arr.dtype.kind not in "iu":
-        bad = next((t for t in tokens if not isinstance(t, (int, np.integer)) or isinstance(t, bool)), None)
+        bads = [t for t in tokens if not isinstance(t, (int, np.integer)) or isinstance(t, bool)][:1]
+        if not bads:  # all integers, but numpy could not hold one of them (beyond int64)
+            big = next(t for t in tokens if not 0 <= int(t) <= MAX_TOKEN_ID)
+            raise TokenError(f"token id {big} is out of range [0, 2**32)")
+        bad = bads[0]
         raise TokenError(f"tokens must be integers, got {type(bad).__name__}: {bad!r}")
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi > MAX_TOKEN_ID:
@@ -86,6 +95,29 @@ def key_of(root: bytes, tokens: bytes, chunk: int) -> bytes:
     """The entry key of a whole token prefix (tokens given encoded)."""
     b = boundaries(root, tokens, chunk)
     return entry_key(b[-1], tokens[(len(b) - 1) * chunk * 4 :])
+
+
+def residual(tokens: bytes, chunk: int) -> bytes:
+    """The encoded tokens after the last full ``chunk`` boundary of ``tokens``."""
+    return tokens[(len(tokens) // 4 // chunk) * chunk * 4 :]
+
+
+def edge_tokens(residual_tokens: bytes) -> bytes:
+    """The first ``EDGE_TOKENS`` residual tokens in an order-preserving spelling: each
+    token as ``0x01`` + big-endian uint32. Byte order of the result is the order of the
+    token sequences, a prefix sorting first (an edge key ends the spelling with ``0x00``)."""
+    toks = np.frombuffer(residual_tokens[: EDGE_TOKENS * 4], dtype="<u4")
+    out = np.empty((len(toks), 5), dtype=np.uint8)
+    out[:, 0] = 1
+    out[:, 1:] = toks.astype(">u4").view(np.uint8).reshape(-1, 4)
+    return out.tobytes()
+
+
+def edge_key(boundary: bytes, residual_tokens: bytes, child: bytes) -> bytes:
+    """The trie edge filing ``child`` (an entry, or the chunk that ends at it) under
+    ``boundary``: ``boundary + edge_tokens(residual) + 0x00 + child``. Boundary first and
+    child last, so ``key[:KEY_BYTES]`` and ``key[-KEY_BYTES:]`` read them back."""
+    return boundary + edge_tokens(residual_tokens) + b"\x00" + child
 
 
 def checksum(data: bytes | memoryview) -> str:

@@ -26,6 +26,7 @@ import lmdb
 import xxhash
 
 from . import blobs
+from .index import chunk_edge, drop_edge, entry_edge
 from .keys import KEY_BYTES
 
 if TYPE_CHECKING:  # maintenance needs no MLX itself; DiskTier is only a type here
@@ -323,7 +324,7 @@ class Snapshot:
     entries: dict[bytes, dict | None]       # None: unreadable record (not JSON, fields missing)
     chunks: dict[bytes, dict | None]
     tokens: dict[bytes, bytes]              # key -> its token ids (uint32 LE)
-    bounds: list[tuple[bytes, bytes, bytes]]  # (boundary, child, kind b"c"/b"e")
+    bounds: list[tuple[bytes, bytes, bytes, bytes]]  # (boundary, child, kind b"c"/b"e", edge key)
     identities: dict[str, dict]
     meta_bytes: int
 
@@ -393,10 +394,10 @@ def snapshot(disk: DiskTier, *, full: bool = True, check: bool = False) -> Snaps
         entries = {k: _entry_ok(_parse(v)) for k, v in items(txn, "entries")}
         chunks = {k: _chunk_ok(_parse(v)) for k, v in items(txn, "chunks")}
         tokens: dict[bytes, bytes] = {}
-        bounds: list[tuple[bytes, bytes, bytes]] = []
+        bounds: list[tuple[bytes, bytes, bytes, bytes]] = []
         if full:
             tokens = dict(items(txn, "tokens"))
-            bounds = [(k[:KEY_BYTES], k[KEY_BYTES:], v) for k, v in items(txn, "bounds")]
+            bounds = [(k[:KEY_BYTES], k[-KEY_BYTES:], v, k) for k, v in items(txn, "bounds")]
         idents = {}
         for k, v in txn.cursor(db=db["identities"]):
             idents[bytes(k).hex()] = _parse(v) or {}
@@ -596,7 +597,7 @@ def _verify(disk: DiskTier, *, fix: bool, checksums: bool, tmp_age: float, blob_
     files = _files(disk)  # list files before reading the index: a blob committed in
     snap = snapshot(disk, check=True)  # between is then seen as indexed, not as an orphan
     problems: list[Problem] = []
-    bounds = {(b, c): kind for b, c, kind in snap.bounds}
+    bounds = {edge: kind for _, _, kind, edge in snap.bounds}
     rel_root = disk.root
 
     def relpath(rel_blob: str) -> str:
@@ -618,12 +619,9 @@ def _verify(disk: DiskTier, *, fix: bool, checksums: bool, tmp_age: float, blob_
         if why:
             problems.append(Problem("bad_record", hx, None, why, "entry"))
             continue
-        try:
-            bkey = (bytes.fromhex(rec["boundary"]), key)
-        except (KeyError, ValueError):
-            bkey = None
-        if bkey is None or bounds.get(bkey) != b"e":
-            problems.append(Problem("missing_bound", (bytes.fromhex(rec["boundary"]) + key).hex(), None,
+        edge = entry_edge(key, rec, toks)
+        if edge is None or bounds.get(edge) != b"e":
+            problems.append(Problem("missing_bound", (edge or key).hex(), None,
                                     f"entry {hx[:12]} has no trie edge: lookups cannot reach it", "bound"))
         missing = [ck for ck in rec.get("chunks", []) if bytes.fromhex(ck) not in snap.chunks]
         if missing:
@@ -653,8 +651,9 @@ def _verify(disk: DiskTier, *, fix: bool, checksums: bool, tmp_age: float, blob_
         if bad is not None and still("chunk", key, rec):
             problems.append(Problem(bad[0], hx, relpath(rec.get("blob", "")), bad[1], "chunk"))
             continue
-        if rec.get("parent") and bounds.get((bytes.fromhex(rec["parent"]), key)) != b"c":
-            problems.append(Problem("missing_bound", (bytes.fromhex(rec["parent"]) + key).hex(), None,
+        edge = chunk_edge(key, rec, snap.tokens.get(key))
+        if rec.get("parent") and (edge is None or bounds.get(edge) != b"c"):
+            problems.append(Problem("missing_bound", (edge or key).hex(), None,
                                     f"chunk {hx[:12]} has no trie edge: entries built on it cannot be reached",
                                     "bound"))
         have, want = rec.get("refs", 0), actual_refs.get(key, 0)
@@ -666,7 +665,8 @@ def _verify(disk: DiskTier, *, fix: bool, checksums: bool, tmp_age: float, blob_
                                     f"refcount drift: refs={have}, {want} entries reference it", "chunk"))
 
     # trie edges
-    for b, c, kind in snap.bounds:
+    bad_records = {p.key for p in problems if p.kind == "bad_record"}  # their edges follow them
+    for b, c, kind, edge in snap.bounds:
         target = snap.entries.get(c, False) if kind == b"e" else snap.chunks.get(c, False) if kind == b"c" else False
         why = None
         if kind not in (b"e", b"c"):
@@ -675,10 +675,13 @@ def _verify(disk: DiskTier, *, fix: bool, checksums: bool, tmp_age: float, blob_
             why = f"points at {'entry' if kind == b'e' else 'chunk'} {c.hex()[:12]}, which does not exist"
         elif target is not None:
             parent = target.get("boundary") if kind == b"e" else target.get("parent")
+            want = None if c.hex() in bad_records else _edge_of(c, kind, target, snap.tokens.get(c))
             if parent != b.hex():
                 why = f"edge from {b.hex()[:12]} but the record's parent is {str(parent)[:12]}"
+            elif want is not None and want != edge:
+                why = f"edge to {c.hex()[:12]} does not spell its token ids: lookups seek past it"
         if why:
-            problems.append(Problem("dangling_bound", (b + c).hex(), None, why, "bound"))
+            problems.append(Problem("dangling_bound", edge.hex(), None, why, "bound"))
 
     for key in snap.tokens:
         if key not in snap.entries and key not in snap.chunks:
@@ -762,10 +765,11 @@ def _fix(disk: DiskTier, problems: list[Problem], snap: Snapshot, *, tmp_age: fl
                     _drop_raw(txn, db, {ck}, "chunks")
                     raw_chunks.append(ck)
                     continue
+                if crec.get("parent"):
+                    drop_edge(txn, db["bounds"], bytes.fromhex(crec["parent"]), ck,
+                              chunk_edge(ck, crec, txn.get(ck, db=db["tokens"])))
                 txn.delete(ck, db=db["chunks"])
                 txn.delete(ck, db=db["tokens"])
-                if crec.get("parent"):
-                    txn.delete(bytes.fromhex(crec["parent"]) + ck, db=db["bounds"])
                 unlink.append(crec.get("blob", ""))
                 freed += int(crec.get("size", 0))
             idx._add_bytes(txn, -freed)
@@ -787,7 +791,7 @@ def _fix(disk: DiskTier, problems: list[Problem], snap: Snapshot, *, tmp_age: fl
         key = bytes.fromhex(p.key)
         orig = snap.entries[key]
         assert orig is not None
-        _safe_remove(disk, [key], only_if=lambda r, o=orig: r.get("blob") == o.get("blob")
+        _safe_remove(disk, [key], only_if=lambda _, r, o=orig: r.get("blob") == o.get("blob")
                      and r.get("chunks") == o.get("chunks"))
         p.fixed = idx.entry(key) is None
     if raw_entries:
@@ -848,18 +852,18 @@ def _sweep(txn: Any, idx: Any) -> list[str]:
     dead = []
     for k, v in txn.cursor(db=db["bounds"]):
         k, v = bytes(k), bytes(v)
-        b, c = k[:KEY_BYTES], k[KEY_BYTES:]
+        b, c = k[:KEY_BYTES], k[-KEY_BYTES:]
         rec = entries.get(c) if v == b"e" else chunks.get(c) if v == b"c" else None
-        if rec is None or rec.get("boundary" if v == b"e" else "parent") != b.hex():
+        if (rec is None or rec.get("boundary" if v == b"e" else "parent") != b.hex()
+                or _edge_of(c, v, rec, txn.get(c, db=db["tokens"])) not in (None, k)):
             dead.append(k)
     for k in dead:
         txn.delete(k, db=db["bounds"])
-    for key, rec in entries.items():  # every record reachable again
-        if rec is not None and txn.get(bytes.fromhex(rec["boundary"]) + key, db=db["bounds"]) != b"e":
-            txn.put(bytes.fromhex(rec["boundary"]) + key, b"e", db=db["bounds"])
-    for key, rec in chunks.items():
-        if rec is not None and rec.get("parent") and txn.get(bytes.fromhex(rec["parent"]) + key, db=db["bounds"]) != b"c":
-            txn.put(bytes.fromhex(rec["parent"]) + key, b"c", db=db["bounds"])
+    for key, rec in list(entries.items()) + list(chunks.items()):  # every record reachable again
+        kind = b"e" if key in entries else b"c"
+        edge = _edge_of(key, kind, rec, txn.get(key, db=db["tokens"])) if rec is not None else None
+        if edge is not None and txn.get(edge, db=db["bounds"]) != kind:
+            txn.put(edge, kind, db=db["bounds"])
     stale = [bytes(k) for k in txn.cursor(db=db["tokens"]).iternext(keys=True, values=False)
              if bytes(k) not in entries and bytes(k) not in chunks]
     for k in stale:
@@ -868,6 +872,11 @@ def _sweep(txn: Any, idx: Any) -> list[str]:
     total += sum(int(r.get("size") or 0) for r in chunks.values() if r)
     txn.put(b"bytes", str(total).encode(), db=db["meta"])
     return unlink
+
+
+def _edge_of(key: bytes, kind: bytes, rec: dict, tokens: bytes | None) -> bytes | None:
+    """The trie edge a record should have (None: unknown, its token ids are damaged)."""
+    return entry_edge(key, rec, tokens) if kind == b"e" else chunk_edge(key, rec, tokens)
 
 
 def _forget_shared(old: Any) -> None:
@@ -884,7 +893,7 @@ def _forget_shared(old: Any) -> None:
                 del shared[key]
 
 
-def _safe_remove(disk: DiskTier, keys: list[bytes], only_if: Callable[[dict], bool] | None = None) -> bool:
+def _safe_remove(disk: DiskTier, keys: list[bytes], only_if: Callable[[bytes, dict], bool] | None = None) -> bool:
     """DiskTier.remove, except that a malformed record in the way (which remove_entries
     cannot read) leaves the entry for the next repair instead of raising."""
     try:
@@ -924,7 +933,7 @@ def _drop_raw(txn: Any, db: dict, keys: set[bytes], name: str) -> None:
     for key in keys:
         txn.delete(key, db=db[name])
         txn.delete(key, db=db["tokens"])
-    dead = [bytes(k) for k, _ in txn.cursor(db=db["bounds"]) if bytes(k[KEY_BYTES:]) in keys]
+    dead = [bytes(k) for k, _ in txn.cursor(db=db["bounds"]) if bytes(k[-KEY_BYTES:]) in keys]
     for k in dead:
         txn.delete(k, db=db["bounds"])
 
@@ -956,6 +965,17 @@ class _Sim:
         self.sizes = {k: int(r.get("size", 0)) for k, r in snap.chunks.items() if r}
         self.gone: set[bytes] = set()
 
+    def preview(self, rec: dict, drops: dict[bytes, int]) -> int:
+        """What removing ``rec`` would free after the entries already counted in ``drops``
+        (chunk key -> references they drop; updated) went, without removing anything."""
+        freed = int(rec.get("size") or 0)
+        for ck in rec.get("chunks", []):
+            k = bytes.fromhex(ck)
+            drops[k] = drops.get(k, 0) + 1
+            if k in self.refs and self.refs[k] == drops[k]:
+                freed += self.sizes[k]
+        return freed
+
     def remove(self, key: bytes, rec: dict) -> int:
         if key in self.gone:
             return 0
@@ -986,33 +1006,49 @@ def evict_to(disk: DiskTier, max_bytes: int, *, dry_run: bool = False) -> list[t
 
 def _evict(disk: DiskTier, sim: _Sim, records: list[tuple[bytes, dict]], max_bytes: int,
            dry_run: bool) -> list[tuple[bytes, dict]]:
+    """Remove in LRU order, a batch per transaction: each batch is what the simulation
+    says reaches ``max_bytes`` (at most ``BATCH``); the index total is re-read between
+    batches, so concurrent writers and shared chunks only cost another round."""
     gone: list[tuple[bytes, dict]] = []
-    for key, rec in lru_order((k, r) for k, r in records if k not in sim.gone):
-        if (sim.total if dry_run else disk.index.total_bytes()) <= max_bytes:
+    order = [kr for kr in lru_order((k, r) for k, r in records) if kr[0] not in sim.gone]
+    i = 0
+    while i < len(order):
+        total = sim.total if dry_run else disk.index.total_bytes()
+        if total <= max_bytes:
             break
-        if not dry_run and not _remove_one(disk, key, rec):
-            continue
-        gone.append((key, dict(rec, _frees=sim.remove(key, rec))))
+        batch, frees, drops = [], 0, {}
+        while i < len(order) and len(batch) < BATCH and frees < total - max_bytes:
+            batch.append(order[i])
+            frees += sim.preview(order[i][1], drops)
+            i += 1
+        done = set(k for k, _ in batch) if dry_run else _remove_many(disk, batch)
+        gone += [(k, dict(r, _frees=sim.remove(k, r))) for k, r in batch if k in done]
     return gone
 
 
-def _remove_one(disk: DiskTier, key: bytes, rec: dict, guard: Callable[[dict], bool] | None = None) -> bool:
-    """Remove one entry unless it was pinned or unpinned since ``rec`` was read, or ``guard``
-    rejects its current record (checked in the removing transaction). A use since then does
-    not save it from a size budget (a busy server touches everything all the time), only
-    from ``max_age`` (whose guard re-checks the age)."""
-    hit: list[bool] = []
+BATCH = 256  # entries removed per transaction (one fsync each)
 
-    def only_if(cur: dict) -> bool:
-        ok = bool(cur.get("pinned")) == bool(rec.get("pinned")) and (guard is None or guard(cur))
-        hit[:] = [ok]
-        return ok
+
+def _remove_many(disk: DiskTier, batch: list[tuple[bytes, dict]],
+                 guard: Callable[[dict], bool] | None = None) -> set[bytes]:
+    """Remove entries in one transaction, each unless it was pinned or unpinned since its
+    record was read, or ``guard`` rejects its current record (checked in the transaction).
+    A use since then does not save it from a size budget (a busy server touches everything
+    all the time), only from ``max_age`` (whose guard re-checks the age). Returns the keys
+    removed; a malformed record in the way leaves the batch to ``verify --fix``."""
+    pinned = {k: bool(r.get("pinned")) for k, r in batch}
+    removed: list[bytes] = []
+
+    def only_if(key: bytes, cur: dict) -> bool:
+        return bool(cur.get("pinned")) == pinned[key] and (guard is None or guard(cur))
 
     try:
-        disk.remove([key], only_if=only_if)
-    except (ValueError, KeyError, TypeError):  # a malformed record in the way: verify --fix's job
-        return False
-    return bool(hit and hit[0])
+        disk.remove([k for k, _ in batch], only_if=only_if, removed=removed)
+    except (ValueError, KeyError, TypeError):
+        if len(batch) == 1:
+            return set()
+        return set().union(*(_remove_many(disk, [kr], guard) for kr in batch))
+    return set(removed)
 
 
 # ----------------------------------------------------------------------------- gc
@@ -1064,12 +1100,14 @@ def gc(disk: DiskTier, *, max_bytes: int | None = None, max_age: float | None = 
                             "identity": rec.get("identity"), "model": ident.get("name"),
                             "pinned": bool(rec.get("pinned")), "last_used": rec.get("last_used")})
 
-    def take(key: bytes, rec: dict, reason: str, guard: Callable[[dict], bool] | None = None) -> None:
-        if key in sim.gone:
-            return
-        if not dry_run and not _remove_one(disk, key, rec, guard):
-            return
-        note(key, rec, reason, sim.remove(key, rec))
+    def take(items: list[tuple[bytes, dict]], reason: str, guard: Callable[[dict], bool] | None = None) -> None:
+        items = [(k, r) for k, r in items if k not in sim.gone]
+        for j in range(0, len(items), BATCH):
+            batch = items[j : j + BATCH]
+            done = {k for k, _ in batch} if dry_run else _remove_many(disk, batch, guard)
+            for key, rec in batch:
+                if key in done:
+                    note(key, rec, reason, sim.remove(key, rec))
 
     gone_models = set()
     if missing_models:
@@ -1077,17 +1115,13 @@ def gc(disk: DiskTier, *, max_bytes: int | None = None, max_age: float | None = 
             p = info.get("path")
             if p and not Path(p).exists():
                 gone_models.add(hx)
-    for key, rec in lru_order(records):
-        ih = rec.get("identity", "")
-        if any(ih.startswith(p) for p in idents):
-            take(key, rec, "identity")
-        elif ih in gone_models:
-            take(key, rec, "missing_model")
+    named = [(k, r) for k, r in lru_order(records) if any(r.get("identity", "").startswith(p) for p in idents)]
+    take(named, "identity")
+    take([(k, r) for k, r in lru_order(records) if r.get("identity", "") in gone_models], "missing_model")
     if max_age is not None:
         cutoff = now - max_age
-        for key, rec in lru_order(records):
-            if not rec.get("pinned") and rec.get("last_used", 0) < cutoff:
-                take(key, rec, "max_age", guard=lambda cur: cur.get("last_used", 0) < cutoff)
+        take([(k, r) for k, r in lru_order(records) if not r.get("pinned") and r.get("last_used", 0) < cutoff],
+             "max_age", guard=lambda cur: cur.get("last_used", 0) < cutoff)
     if max_bytes is not None:
         for key, rec in _evict(disk, sim, records, max_bytes, dry_run):
             note(key, rec, "max_bytes", rec["_frees"])

@@ -358,10 +358,10 @@ def test_write_blob_failure_leaves_nothing(tmp_path):
 # Pinned values: a change here means stored caches stop matching (bump FORMAT_VERSION).
 PINNED_TOKENS = [0, 1, 2, 3, 255, 256, 65535, 65536, 151643, 2**32 - 1]
 PINNED_IDENTITY = bytes(range(16))
-PINNED_ROOT = "6ba87e3aeb360a6afdefb493eff52f57"
-PINNED_KEY_CHUNK4 = "f44928e4883cae798f5bac08d1d3b0a0"
-PINNED_BOUNDS_CHUNK4 = [PINNED_ROOT, "99a281eba8b8d9122b6e121bf54cf67f",
-                        "c4d69a9064940bf71f39026df4fb7465"]
+PINNED_ROOT = "760e1febbb8f46d72bbfa587059ea1ee"  # format 2 (format 1: 6ba87e3a...)
+PINNED_KEY_CHUNK4 = "af731b07ac197db2afcaf7d15c4d5bf9"
+PINNED_BOUNDS_CHUNK4 = [PINNED_ROOT, "b0aea969affedeb5d2ffaa09fecdab65",
+                        "f021a40506761ea726b6210911fe502c"]
 
 
 def test_token_encoding_is_little_endian_uint32():
@@ -388,11 +388,27 @@ def test_keys_are_pinned():
     import xxhash
 
     h = lambda *parts: xxhash.xxh3_128_digest(b"".join(parts))  # noqa: E731
-    assert h(b"kvstore/root/v1/", PINNED_IDENTITY) == root
+    assert h(b"kvstore/root/v%d/" % keys.FORMAT_VERSION, PINNED_IDENTITY) == root
     b1 = h(b"C", root, enc[:16])
     b2 = h(b"C", b1, enc[16:32])
     assert [root, b1, b2] == keys.boundaries(root, enc, 4)
     assert h(b"E", b2, enc[32:]) == keys.key_of(root, enc, 4)
+
+
+def test_edge_keys_sort_by_token_ids():
+    """Trie edges order children by the tokens after the boundary (a prefix first), so a
+    lookup's seek lands next to the children sharing the most with the query."""
+    b, child = b"B" * 16, b"K" * 16
+    enc = keys.encode_tokens(PINNED_TOKENS)
+    e = keys.edge_key(b, enc[32:], child)
+    assert e.hex() == ("42" * 16 + "010002505b" + "01ffffffff" + "00" + "4b" * 16)
+    assert e[: keys.KEY_BYTES] == b and e[-keys.KEY_BYTES:] == child
+    seqs = [[], [0], [0, 0], [0, 1], [1], [1, 2], [1, 2, 0], [1, 3], [255], [256], [65536], [2**32 - 1]]
+    ks = [keys.edge_key(b, keys.encode_tokens(t), child) for t in seqs]
+    assert ks == sorted(ks)
+    long = keys.encode_tokens(list(range(100)))
+    assert len(keys.edge_key(b, long, child)) == 16 + 5 * keys.EDGE_TOKENS + 1 + 16 <= 511
+    assert keys.residual(long, 32) == long[96 * 4 :] and keys.residual(long[: 64 * 4], 32) == b""
 
 
 def test_key_structure():
@@ -411,10 +427,17 @@ def test_key_structure():
 
 
 @pytest.mark.parametrize("bad", [
-    [-1], [1, -5], [1.0], [1, 2.5], [2**32], [1, 2**40], [2**64], [[1, 2]], [[1], [2, 3]],
+    [-1], [1, -5], [1.0], [1, 2.5], [2**32], [1, 2**40], [2**64], [5, 2**70], [-2**70], [[1, 2]], [[1], [2, 3]],
     ["1"], [True, False], [None], np.array([1.0, 2.0]),
 ])
 def test_token_errors(bad):
     with pytest.raises(TokenError):
         keys.encode_tokens(bad)
     assert issubclass(TokenError, ValueError)
+
+
+def test_token_error_names_the_token():
+    with pytest.raises(TokenError, match=r"token id 1180591620717411303424 is out of range"):
+        keys.encode_tokens([5, 2**70])
+    with pytest.raises(TokenError, match="got NoneType"):
+        keys.encode_tokens([5, None])

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kvstore import maintenance as M
+from kvstore.index import chunk_edge, entry_edge
 
 CHUNK = 64
 DAY = 86400.0
@@ -146,8 +147,8 @@ def _orphan_chunk(disk, t):  # a chunk record no entry uses (an entry removed wi
     key = t["keys"]["S"]
     rec = disk.index.entry(key)
     raw_put(disk, "entries", key, None)
+    raw_put(disk, "bounds", entry_edge(key, rec, disk.index.tokens(key)), None)
     raw_put(disk, "tokens", key, None)
-    raw_put(disk, "bounds", bytes.fromhex(rec["boundary"]) + key, None)
     os.unlink(disk.blob_root / rec["blob"])  # its tail is gone too; its 3 chunks linger
 
 
@@ -208,12 +209,12 @@ def _entry_boundary_and_chunks_flipped(disk, t):  # ... and so do an entry's bou
 
 def _entry_edge_deleted(disk, t):
     key = t["keys"]["P"]
-    raw_put(disk, "bounds", bytes.fromhex(disk.index.entry(key)["boundary"]) + key, None)
+    raw_put(disk, "bounds", entry_edge(key, disk.index.entry(key), disk.index.tokens(key)), None)
 
 
 def _chunk_edge_deleted(disk, t):  # Q's and P's second chunk: the chain breaks there
     ck, crec = chunk_of(disk, t["keys"]["Q"], 1)
-    raw_put(disk, "bounds", bytes.fromhex(crec["parent"]) + ck, None)
+    raw_put(disk, "bounds", chunk_edge(ck, crec, disk.index.tokens(ck)), None)
 
 
 FAULTS = {
@@ -350,16 +351,19 @@ def test_gc_skips_an_entry_pinned_meanwhile(tmpl, disk):
     t = tmpl["keys"]
     rec = disk.index.entry(t["P"])
     disk.index.update_entry(t["P"], lambda r: dict(r, pinned=True))
-    assert not M._remove_one(disk, t["P"], rec)
+    assert M._remove_many(disk, [(t["P"], rec)]) == set()
     assert disk.index.entry(t["P"]) is not None
     # a use after the read saves it from --max-age (its guard re-checks the age) ...
     disk.index.update_entry(t["P"], lambda r: dict(r, pinned=False, last_used=time.time()))
     cutoff = time.time() - DAY
-    assert not M._remove_one(disk, t["P"], rec, guard=lambda cur: cur.get("last_used", 0) < cutoff)
+    assert M._remove_many(disk, [(t["P"], rec)], guard=lambda cur: cur.get("last_used", 0) < cutoff) == set()
     assert disk.index.entry(t["P"]) is not None
     # ... but not from a size budget
-    assert M._remove_one(disk, t["P"], rec)
-    assert disk.index.entry(t["P"]) is None
+    # and in a batch, only the entry whose pin changed is kept
+    q = disk.index.entry(t["Q"])
+    disk.index.update_entry(t["Q"], lambda r: dict(r, pinned=True))
+    assert M._remove_many(disk, [(t["P"], rec), (t["Q"], q)]) == {t["P"]}
+    assert disk.index.entry(t["P"]) is None and disk.index.entry(t["Q"]) is not None
 
 
 def test_blob_helpers(tmpl, disk):

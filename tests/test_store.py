@@ -327,6 +327,54 @@ def test_disk_lookup_rules_and_content(tmp_path):
         assert st["corrupt"] == 0 and st["misses"] == sum(_expected_n(stored, q) == 0 for q in queries)
 
 
+def _expected_snapshot_n(stored: list[list[int]], q: list[int]) -> int:
+    """Snapshots (not trimmable) count only when they are a prefix of q."""
+    return max([len(e) for e in stored if len(e) <= len(q) and q[: len(e)] == e] or [0])
+
+
+def test_disk_lookup_among_many_siblings(tmp_path):
+    """Hundreds of entries filed under one boundary: some sharing more tokens after it than
+    a trie edge spells out (EDGE_TOKENS), some differing in their first token, token ids at
+    both ends of the range, snapshots that only count when exact. The seek-based lookup
+    finds exactly what the brute-force rule finds."""
+    from kvstore.keys import EDGE_TOKENS
+
+    r = random.Random(11)
+    C = 256
+    head = rand_tokens(EDGE_TOKENS + 12, seed=3)
+    stored = [head[: r.randrange(1, len(head))] for _ in range(10)]
+    for i in range(150):  # past the spelled-out part; a tiny vocabulary makes long ties
+        stored.append(head + rand_tokens(r.randrange(1, 150), seed=100 + i, vocab=3))
+    for i in range(100):  # first tokens all over the range, including 0 and 2**32 - 1
+        first = r.choice([0, 1, 2**32 - 1, r.randrange(2**32)])
+        stored.append([first] + rand_tokens(r.randrange(0, 300), seed=300 + i, vocab=5))
+    snaps = [head[:n] for n in (5, 30, EDGE_TOKENS, EDGE_TOKENS + 3)]
+    snaps += [head + rand_tokens(r.randrange(1, 40), seed=500 + i, vocab=3) for i in range(30)]
+    queries = [head, head[:EDGE_TOKENS], head[:EDGE_TOKENS + 1], [7], [0], [2**32 - 1, 0, 0], []]
+    for e in stored + snaps:
+        queries += [e, e[:-1], e + [1, 2], e[: max(1, len(e) // 2)] + [4]]
+    for i in range(30):
+        queries.append(head + rand_tokens(r.randrange(1, 200), seed=700 + i, vocab=3))
+    who, who_snap = ident("siblings"), ident("siblings-snapshots")
+    with KVStore(tmp_path, chunk_tokens=C, queue_size=512) as s:
+        for e in stored:
+            s.insert(who, e, synth(e))
+        for e in snaps:
+            s.insert(who_snap, e, synth(e, snapshot=True))
+    with KVStore(tmp_path, chunk_tokens=C) as s:
+        for q in queries:
+            plan = s.disk.plan(who, q) if q else None
+            assert (plan.n if plan else 0) == (_expected_n(stored, q) if q else 0), q
+            plan = s.disk.plan(who_snap, q) if q else None
+            assert (plan.n if plan else 0) == _expected_snapshot_n(snaps, q), q
+        for q in queries[:: len(queries) // 12]:  # and what the plan names restores exactly
+            f = s.fetch(who, q)
+            assert f.n == (_expected_n(stored, q) if q else 0)
+            if f.n:
+                assert_synth(f.cache, q[: f.n])
+            s.memory.clear()
+
+
 def test_entry_of_whole_chunks_restores(tmp_path):
     """Regression: a chunked entry whose length is an exact multiple of the chunk has no
     tail blob; fetching it raised TypeError (blob path None) instead of restoring."""
