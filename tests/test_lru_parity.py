@@ -726,3 +726,31 @@ def test_disk_serves_prefixes_the_mlx_rules_skip(disk_impl: Impl, M: Any) -> Non
             bad.append((tokens, rest))
     assert bad == [([7, 8, 9], [8, 9]), ([1, 2, 3, 9], [9])], bad
     assert len(pc) > n  # the disk hits were promoted into memory
+
+
+def test_trie_search_matches_mlx_lm():
+    """kvstore's Trie (linear search for the nearest longer entry) answers exactly as
+    mlx-lm's PromptTrie on random tries, ties included; and a query leaving a 20k-token
+    entry at its first token gets that entry back as the longer match."""
+    import random
+
+    from mlx_lm.models.cache import PromptTrie
+
+    from kvstore.memory import Trie
+
+    r = random.Random(7)
+    for trial in range(200):
+        theirs, ours = PromptTrie(), Trie()
+        stored = [[r.randrange(3) for _ in range(r.randrange(0, 12))] for _ in range(r.randrange(1, 15))]
+        for i, t in enumerate(stored):
+            theirs.add("m", t, i)
+            ours.add("m", t, i)
+        queries = stored + [[r.randrange(3) for _ in range(r.randrange(0, 14))] for _ in range(20)]
+        for q in queries + [s[:-1] for s in stored if s]:
+            assert ours.search("m", q) == theirs.search("m", q), (stored, q)
+        assert ours.search("other", [1]) == theirs.search("other", [1])
+    long = list(range(1, 20_001))
+    ours = Trie()
+    ours.add("m", long, "v")
+    res = ours.search("m", [1, 0])
+    assert res.longer == long and res.common_prefix == 1 and res.shorter is None and res.exact is None
