@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kvstore import maintenance as M
+from kvstore.maintenance import budgets as MG, fsck as MV, pages as MP
 from kvstore.index import chunk_edge, entry_edge
 
 CHUNK = 64
@@ -286,7 +287,7 @@ def test_fix_leaves_a_blob_committed_after_the_scan(tmpl, disk):
     assert kinds(problems) == {"orphan_blob"}
     # ... the writer commits: a record now names the file
     raw_put(disk, "chunks", b"\xab" * 16, json.dumps(dict(crec, blob=rel, refs=0)).encode())
-    M._fix(disk, problems, M.snapshot(disk), tmp_age=0, blob_age=0)
+    MV._fix(disk, problems, M.snapshot(disk), tmp_age=0, blob_age=0)
     assert (disk.blob_root / rel).exists() and not problems[0].fixed
 
 
@@ -351,18 +352,18 @@ def test_gc_skips_an_entry_pinned_meanwhile(tmpl, disk):
     t = tmpl["keys"]
     rec = disk.index.entry(t["P"])
     disk.index.update_entry(t["P"], lambda r: dict(r, pinned=True))
-    assert M._remove_many(disk, [(t["P"], rec)]) == set()
+    assert MG._remove_many(disk, [(t["P"], rec)]) == set()
     assert disk.index.entry(t["P"]) is not None
     # a use after the read saves it from --max-age (its guard re-checks the age) ...
     disk.index.update_entry(t["P"], lambda r: dict(r, pinned=False, last_used=time.time()))
     cutoff = time.time() - DAY
-    assert M._remove_many(disk, [(t["P"], rec)], guard=lambda cur: cur.get("last_used", 0) < cutoff) == set()
+    assert MG._remove_many(disk, [(t["P"], rec)], guard=lambda cur: cur.get("last_used", 0) < cutoff) == set()
     assert disk.index.entry(t["P"]) is not None
     # ... but not from a size budget
     # and in a batch, only the entry whose pin changed is kept
     q = disk.index.entry(t["Q"])
     disk.index.update_entry(t["Q"], lambda r: dict(r, pinned=True))
-    assert M._remove_many(disk, [(t["P"], rec), (t["Q"], q)]) == {t["P"]}
+    assert MG._remove_many(disk, [(t["P"], rec), (t["Q"], q)]) == {t["P"]}
     assert disk.index.entry(t["P"]) is None and disk.index.entry(t["Q"]) is not None
 
 
@@ -387,7 +388,7 @@ def test_damaged_index_is_reported_and_rebuilt(tmpl, disk, monkeypatch):
     --fix rebuilds it from its readable records and the store serves again."""
     import lmdb
 
-    real = M.snapshot
+    real = MV.snapshot  # what verify calls
     fail = {"n": 0}
 
     def flaky(*a, **k):
@@ -396,7 +397,8 @@ def test_damaged_index_is_reported_and_rebuilt(tmpl, disk, monkeypatch):
             raise lmdb.PageNotFoundError("mdb_cursor_get: MDB_PAGE_NOTFOUND: Requested page not found")
         return real(*a, **k)
 
-    monkeypatch.setattr(M, "snapshot", flaky)
+    monkeypatch.setattr(MV, "snapshot", flaky)
+    monkeypatch.setattr(MG, "snapshot", flaky)
     fail["n"] = 1
     got = M.verify(disk)
     assert [p.kind for p in got] == ["corrupt_index"] and not got[0].fixed and "--fix" in got[0].detail
@@ -415,7 +417,7 @@ def test_damaged_index_is_reported_and_rebuilt(tmpl, disk, monkeypatch):
     assert all(got[n] == len(t) for n, t in tmpl["prompts"].items()), got
     fail["n"] = 10
     with pytest.raises(lmdb.Error):  # budgets (gc, the store's evict_to) do raise; the CLI says so
-        M.snapshot(None)
+        M.gc(None)
 
 
 def test_damaged_pages_are_found_without_lmdb_and_salvaged(tmpl, disk):
@@ -425,7 +427,7 @@ def test_damaged_pages_are_found_without_lmdb_and_salvaged(tmpl, disk):
     import struct
 
     path, psize = disk.index.path / "data.mdb", disk.index.env.stat()["psize"]
-    pages = M._Pages(path, psize, None)
+    pages = MP._Pages(path, psize, None)
     subs = {}
     pages.walk(pages.main, lambda k, v, f: subs.__setitem__(k.decode(), struct.unpack("<IHHQQQQQ", v)), [], "main")
     pages.close()

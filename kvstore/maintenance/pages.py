@@ -1,0 +1,173 @@
+"""A read-only walker over LMDB's on-disk B-trees, for an index LMDB itself would crash on.
+
+LMDB checks little of what it reads: a damaged page that a cursor steps onto is an
+assertion failure, i.e. abort() of the whole process, not an error Python can catch.
+``verify`` walks every record, so before it lets LMDB do that it walks the B-trees itself,
+page by page, from the meta page of its own read transaction (pages a live reader's
+snapshot uses are never rewritten while it is open), and reports any page that is not
+what its parent says as ``corrupt_index``. ``rebuild_index`` uses the same walk to salvage
+records from the pages that are intact. On-disk format: LMDB 0.9 (``mdb.c``), 64-bit.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import lmdb
+
+if TYPE_CHECKING:  # maintenance needs no MLX itself; DiskTier is only a type here
+    from ..disk import DiskTier
+
+_P_BRANCH, _P_LEAF, _P_OVERFLOW = 0x01, 0x02, 0x04
+_F_BIGDATA, _F_SUBDATA, _F_DUPDATA = 0x01, 0x02, 0x04
+_P_INVALID = (1 << 64) - 1
+_HDR, _NODE = 16, 8
+
+
+class _Damaged(Exception):
+    pass
+
+
+class _Pages:
+    """The pages of one snapshot of an LMDB data file, read with pread (no mmap)."""
+
+    def __init__(self, path: Path, psize: int, txnid: int | None) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+        self.psize = psize
+        self.size = os.fstat(self.fd).st_size
+        metas = []
+        for m in (0, 1):
+            b = os.pread(self.fd, 160, m * psize)
+            if len(b) < 152 or int.from_bytes(b[16:20], "little") != 0xBEEFC0DE:
+                continue
+            metas.append((int.from_bytes(b[144:152], "little"), b))
+        if not metas:
+            raise _Damaged("no valid meta page")
+        pick = [mb for mb in metas if mb[0] == txnid] if txnid is not None else sorted(metas)[-1:]
+        if not pick:
+            raise LookupError("the read transaction's meta page was overwritten meanwhile")
+        b = pick[0][1]
+        self.last_pg = int.from_bytes(b[136:144], "little")
+        self.main = struct.unpack_from("<IHHQQQQQ", b, 40 + 48)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def page(self, pgno: int, n: int = 1) -> bytes:
+        if pgno < 2 or pgno + n - 1 > self.last_pg or (pgno + n) * self.psize > self.size:
+            raise _Damaged(f"page {pgno} is outside the file")
+        b = os.pread(self.fd, n * self.psize, pgno * self.psize)
+        if int.from_bytes(b[:8], "little") != pgno:
+            raise _Damaged(f"page {pgno} says it is page {int.from_bytes(b[:8], 'little')}")
+        return b
+
+    def walk(self, db: tuple, sink: Callable[[bytes, bytes, int], None] | None, errors: list[str],
+             name: str) -> None:
+        """Every leaf record of the tree ``db`` (an MDB_db tuple), in key order, checking
+        page numbers, flags, bounds, depth and key order; ``sink(key, value, node_flags)``.
+        A damaged subtree is recorded in ``errors`` and skipped."""
+        depth, root = db[2], db[7]
+        if root == _P_INVALID:
+            return
+        seen: set[int] = set()
+        last: list[bytes] = []
+
+        def visit(pgno: int, level: int, lo: bytes | None, hi: bytes | None) -> None:
+            try:
+                if pgno in seen:
+                    raise _Damaged(f"page {pgno} is reachable twice")
+                seen.add(pgno)
+                b = self.page(pgno)
+                flags, lower, upper = struct.unpack_from("<HHH", b, 10)
+                kind = flags & (_P_BRANCH | _P_LEAF | _P_OVERFLOW)
+                want = _P_LEAF if level == depth else _P_BRANCH
+                if kind != want:
+                    raise _Damaged(f"page {pgno} has flags {flags:#x}, its parent expects "
+                                   f"a {'leaf' if want == _P_LEAF else 'branch'}")
+                if not (_HDR <= lower <= upper <= self.psize) or (lower - _HDR) % 2:
+                    raise _Damaged(f"page {pgno} has bad bounds {lower}/{upper}")
+                n = (lower - _HDR) // 2
+                if n == 0 and want == _P_BRANCH:
+                    raise _Damaged(f"branch page {pgno} holds no nodes")
+                nodes = []
+                for i in range(n):
+                    off = int.from_bytes(b[_HDR + 2 * i : _HDR + 2 * i + 2], "little")
+                    if not upper <= off <= self.psize - _NODE:
+                        raise _Damaged(f"page {pgno} node {i} is out of bounds")
+                    mlo, mhi, mflags, ksize = struct.unpack_from("<HHHH", b, off)
+                    kend = off + _NODE + ksize
+                    if kend > self.psize:
+                        raise _Damaged(f"page {pgno} node {i} key runs past the page")
+                    nodes.append((off, mlo | (mhi << 16), mflags, bytes(b[off + _NODE : kend]), kend))
+                if want == _P_BRANCH:
+                    # separator i (node 0's key is implicit) bounds child i: [key_i, key_i+1)
+                    keys = [nd[3] for nd in nodes]
+                    for i in range(1, n):
+                        if ((i > 1 and keys[i] <= keys[i - 1]) or (lo is not None and keys[i] < lo)
+                                or (hi is not None and keys[i] >= hi)):
+                            raise _Damaged(f"page {pgno} branch keys are out of order")
+                    for i, (_, lohi, mflags, _key, _) in enumerate(nodes):
+                        visit(lohi | (mflags << 32), level + 1, lo if i == 0 else keys[i],
+                              keys[i + 1] if i + 1 < n else hi)
+                    return
+                for i, (off, dsize, mflags, key, kend) in enumerate(nodes):
+                    if (lo is not None and key < lo) or (hi is not None and key >= hi) or (last and key <= last[0]):
+                        raise _Damaged(f"page {pgno} leaf keys are out of order")
+                    last[:] = [key]
+                    if mflags & _F_DUPDATA:
+                        raise _Damaged(f"page {pgno} has a duplicate-sorted node (kvstore has none)")
+                    if mflags & _F_BIGDATA:
+                        if kend + 8 > self.psize:
+                            raise _Damaged(f"page {pgno} node {i} overflow pointer runs past the page")
+                        ov = int.from_bytes(b[kend : kend + 8], "little")
+                        head = self.page(ov)
+                        oflags, count = struct.unpack_from("<H", head, 10)[0], int.from_bytes(head[12:16], "little")
+                        if not oflags & _P_OVERFLOW or count < 1 or dsize > count * self.psize - _HDR:
+                            raise _Damaged(f"overflow page {ov} does not hold {dsize} bytes")
+                        value = self.page(ov, count)[_HDR : _HDR + dsize]
+                    else:
+                        if kend + dsize > self.psize:
+                            raise _Damaged(f"page {pgno} node {i} value runs past the page")
+                        value = bytes(b[kend : kend + dsize])
+                    if sink is not None:
+                        sink(key, value, mflags)
+            except _Damaged as e:
+                errors.append(f"{name}: {e}")
+
+        visit(root, 1, None, None)
+
+
+def _walk_all(path: Path, psize: int, txnid: int | None, *, collect: bool
+              ) -> tuple[list[str], dict[str, list[tuple[bytes, bytes]]]]:
+    """Walk the main tree and every named database in it. Returns (damage found, records
+    by database name when ``collect``)."""
+    pages = _Pages(path, psize, txnid)
+    errors: list[str] = []
+    out: dict[str, list[tuple[bytes, bytes]]] = {}
+    try:
+        subs: list[tuple[str, tuple]] = []
+
+        def main_sink(key: bytes, value: bytes, flags: int) -> None:
+            if flags & _F_SUBDATA and len(value) == 48:
+                subs.append((key.decode(errors="replace"), struct.unpack("<IHHQQQQQ", value)))
+
+        pages.walk(pages.main, main_sink, errors, "main")
+        for name, db in subs:
+            got: list[tuple[bytes, bytes]] = []
+            pages.walk(db, (lambda k, v, f, got=got: got.append((k, v))) if collect else None, errors, name)
+            out[name] = got
+    finally:
+        pages.close()
+    return errors, out
+
+
+def check_pages(disk: DiskTier, txn: Any) -> None:
+    """Raise lmdb.CorruptedError if any page of ``txn``'s snapshot is damaged, before a
+    cursor steps on it (see above). LookupError if the snapshot's meta page was reused."""
+    errors, _ = _walk_all(disk.index.path / "data.mdb", disk.index.env.stat()["psize"], txn.id(), collect=False)
+    if errors:
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise lmdb.CorruptedError(f"damaged pages: {errors[0]}{more}")
