@@ -95,6 +95,33 @@ _SHARED: dict[tuple[int, str], tuple[lmdb.Environment, bool, int]] = {}
 _SHARED_LOCK = threading.Lock()
 
 
+def _salvage_into(env: lmdb.Environment, data: Path) -> int:
+    """Copy the readable records of a damaged data file into a new environment, the blob
+    byte counter recomputed from them. Returns the number of records kept."""
+    from .maintenance.pages import salvage  # lazy: maintenance imports this module
+
+    _, found = salvage(data)
+    kept, total = 0, 0
+    with env.begin(write=True) as txn:
+        for name in _DBS:
+            db = env.open_db(name.encode(), txn=txn)
+            for k, v in found.get(name, []):
+                if name == "meta" and k == b"bytes":
+                    continue
+                if name in ("entries", "chunks"):
+                    try:
+                        total += _size(json.loads(v))
+                    except (ValueError, AttributeError):
+                        pass  # unreadable: verify reports it
+                try:
+                    txn.put(k, v, db=db)
+                    kept += 1
+                except lmdb.Error:  # a key LMDB cannot hold (damaged length)
+                    pass
+        txn.put(b"bytes", str(total).encode(), db=env.open_db(b"meta", txn=txn))
+    return kept
+
+
 class IndexError_(RuntimeError):
     """The index cannot be opened or used; the message says what to do."""
 
@@ -297,15 +324,19 @@ class Index:
         except lmdb.Error as e:
             if self.readonly or not isinstance(e, _CORRUPTION):
                 raise IndexError_(f"cannot open index {self.path}: {e}") from None
-            # A damaged data file: keep it for inspection, start an empty index. Blobs it
-            # named become orphans that `kvstore verify --fix` / `gc` remove.
+            # A damaged data file: keep it for inspection, start a new index holding every
+            # record still readable from it (read page by page, without LMDB). Lookups check
+            # token ids and blob checksums as always; blobs of lost records become orphans
+            # that `kvstore verify --fix` / `gc` remove.
             aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
-            log.warning("kvstore: index %s is unreadable (%s); moved aside to %s, starting empty",
-                        self.path, e, aside)
             os.replace(self.path, aside)
             self.path.mkdir(parents=True)
             self._allocate_lock_file()
-            return self._open_env()
+            env = self._open_env()
+            kept = _salvage_into(env, aside / "data.mdb")
+            log.warning("kvstore: index %s is unreadable (%s); moved aside to %s, new index kept "
+                        "%d readable records", self.path, e, aside, kept)
+            return env
 
     def _open_env(self) -> lmdb.Environment:
         size = _INITIAL_MAP

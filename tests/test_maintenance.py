@@ -445,3 +445,35 @@ def test_damaged_pages_are_found_without_lmdb_and_salvaged(tmpl, disk):
     disk.close()
     got = served(tmpl, root_dir)
     assert all(got[n] == len(t) for n, t in tmpl["prompts"].items()), got
+
+
+def test_damaged_index_at_open_keeps_its_readable_records(tmpl, disk, caplog):
+    """An index found damaged when a store opens it is moved aside and a new one starts
+    with every record still readable (here all entries: the damage is in the identities
+    database), so the entries keep serving; the aside copy stays for inspection."""
+    import struct
+
+    path, psize = disk.index.path / "data.mdb", disk.index.env.stat()["psize"]
+    pages = MP._Pages(path, psize, None)
+    subs = {}
+    pages.walk(pages.main, lambda k, v, f: subs.__setitem__(k.decode(), struct.unpack("<IHHQQQQQ", v)), [], "main")
+    pages.close()
+    root = subs["identities"][7]
+    with open(path, "r+b") as f:  # zeroed: LMDB reports MDB_CORRUPTED reading it
+        f.seek(root * psize)
+        f.write(bytes(psize))
+    root_dir = disk.root
+    disk.close()
+    with caplog.at_level("WARNING", logger="kvstore"):
+        got = served(tmpl, root_dir)
+    assert all(got[n] == len(t) for n, t in tmpl["prompts"].items()), got
+    assert len(list(root_dir.glob("index.corrupt-*"))) == 1
+    assert any("moved aside" in r.getMessage() and "kept" in r.getMessage() for r in caplog.records)
+    from kvstore.disk import DiskTier
+
+    d = DiskTier(root_dir, chunk_tokens=CHUNK)
+    try:
+        assert d.index.counts()["entries"] == 4
+        assert [p.kind for p in M.verify(d, tmp_age=0, blob_age=0)] == []
+    finally:
+        d.close()

@@ -164,6 +164,21 @@ def _walk_all(path: Path, psize: int, txnid: int | None, *, collect: bool
     return errors, out
 
 
+def salvage(data: Path) -> tuple[list[str], dict[str, list[tuple[bytes, bytes]]]]:
+    """Every record still readable in a (damaged) LMDB data file, by database name, and
+    the damage met. The page size is the one the file records in its first meta page
+    (FREE_DBI's md_pad), so a file made on a 16 KiB-page Mac reads right anywhere."""
+    try:
+        with open(data, "rb") as f:
+            head = f.read(48)
+        psize = int.from_bytes(head[40:44], "little") if len(head) >= 44 else 0
+        if psize < 512 or psize > 65536 or psize & (psize - 1):
+            psize = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        return _walk_all(data, psize, None, collect=True)
+    except (OSError, _Damaged, struct.error) as e:
+        return [str(e)], {}
+
+
 def check_pages(disk: DiskTier, txn: Any) -> None:
     """Raise lmdb.CorruptedError if any page of ``txn``'s snapshot is damaged, before a
     cursor steps on it (see above). LookupError if the snapshot's meta page was reused."""
