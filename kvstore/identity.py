@@ -185,13 +185,15 @@ def _lazy_model(model_dir: Path) -> tuple[Any, bool]:
 
 
 def _probe(model: Any) -> list:
-    """A prompt cache after one token went through ``model``, lazily (never evaluated):
-    its arrays have the shapes and dtype the engine's caches will have."""
+    """A prompt cache after one token went through ``model``, never evaluated: its arrays
+    have the shapes and dtype the engine's caches will have. The forward runs while
+    ``mx.compile`` traces it, where MLX refuses any evaluation (an architecture that reads
+    a value mid-forward raises instead of computing, or reading, the whole model)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=cache)
+    mx.compile(lambda tokens: model(tokens, cache=cache))(mx.array([[0]]))
     return cache
 
 

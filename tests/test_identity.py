@@ -253,18 +253,23 @@ def test_layout_dtype_follows_the_weights(tmp_path, llama):
 
 def test_layout_falls_back_without_weights_or_probe(tmp_path, llama, monkeypatch):
     """No loadable weights (a GGUF-only directory): heads and head_dim from config.json, no
-    dtype (a lazily initialised model is float32 whatever the weights are). A probe that
-    fails: the class-only layout. Identity creation never fails for it."""
-    import kvstore.identity as I
+    dtype (a lazily initialised model is float32 whatever the weights are). An architecture
+    whose forward reads a value (which would evaluate the model): the probe refuses to
+    evaluate and the layout is classes only. Identity creation never fails for either."""
+    from mlx_lm.models import llama as arch
     from mlx_lm.models.cache import make_prompt_cache
 
     variant = _copy(llama["path"], tmp_path / "m")
     (variant / "model.safetensors").rename(variant / "model.gguf")
     assert _kv_geometry(_components(variant)["layout"]) == [([2, 32], [2, 32], None)] * 3
 
-    def broken(model):
-        raise ValueError("an architecture the probe cannot run")
+    forward = arch.Model.__call__
 
-    monkeypatch.setattr(I, "_probe", broken)
-    assert _components(llama["path"])["layout"] == layout_of(make_prompt_cache(llama["model"]))
-    assert _kv_geometry(_components(llama["path"])["layout"]) == [(None, None, None)] * 3
+    def reads_a_value(self, inputs, *a, **kw):
+        int(inputs.sum().item())
+        return forward(self, inputs, *a, **kw)
+
+    monkeypatch.setattr(arch.Model, "__call__", reads_a_value)
+    layout = _components(llama["path"])["layout"]
+    assert layout == layout_of(make_prompt_cache(llama["model"]))
+    assert _kv_geometry(layout) == [(None, None, None)] * 3
