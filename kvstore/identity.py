@@ -5,8 +5,9 @@ An entry is only ever returned to the identity that wrote it. The digest covers:
   restart does not re-hash gigabytes),
 - the model config, the tokenizer files and the chat template (each its own component),
 - KV quantisation (bits, group size) and the per-layer cache layout (classes and
-  parameters such as RotatingKVCache max_size / keep), derived with mlx-lm's own
-  ``make_prompt_cache`` so it tracks what the installed mlx-lm builds,
+  parameters such as RotatingKVCache max_size / keep, and for attention-KV layers the KV
+  heads, head_dim and dtype), derived with mlx-lm's own ``make_prompt_cache`` and a lazy
+  (never evaluated) one-token forward, so it tracks what the installed mlx-lm builds,
 - adapter and draft model files, when the caller has them,
 - kvstore's format version.
 
@@ -142,23 +143,115 @@ def dir_components(model_dir: Path, memo: DigestMemo | None = None) -> dict[str,
     }
 
 
-def layout_from_config(model_dir: Path) -> list:
-    """The per-layer cache layout mlx-lm would build for this model, without loading
-    weights (the architecture is instantiated lazily; nothing is evaluated)."""
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import _get_classes  # present in mlx-lm 0.31 and 0.32
+_KV_CLASSES = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache")
 
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    model_cls, args_cls = _get_classes(config)
-    model = model_cls(args_cls.from_dict(config))
-    return layout_of(make_prompt_cache(model))
+
+def layout_from_config(model_dir: Path) -> list:
+    """The per-layer cache layout mlx-lm builds for this model, with each attention-KV
+    layer's geometry (KV heads and head_dim of keys and values, and the KV dtype).
+
+    Nothing is evaluated and no weight data is read: the model is built lazily (from the
+    safetensors headers when mlx-lm can load the directory, else from config.json alone)
+    and one token is run through it lazily, so the cache arrays' shapes and dtype are
+    known while nothing is computed. The dtype is only recorded when the real weights were
+    (lazily) loaded: a lazily initialised model is float32, whatever the weights are. (An
+    mlx-lm adapter keeps the dtype: LoRA / DoRA cast their output to the input's.) If the
+    probe fails for an architecture, the layout is classes and parameters only, as
+    mlx-lm's ``make_prompt_cache`` gives them: never an error.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, real = _lazy_model(Path(model_dir))
+    try:
+        layout = layout_of(_probe(model))
+    except Exception:  # an architecture the probe cannot run: classes only
+        return layout_of(make_prompt_cache(model))
+    return layout if real else _without_dtype(layout)
+
+
+def _lazy_model(model_dir: Path) -> tuple[Any, bool]:
+    """The model, unevaluated: lazily loaded from its weight files (True) or, when mlx-lm
+    cannot load the directory (no safetensors, a GGUF), lazily initialised (False)."""
+    try:
+        from mlx_lm.utils import load_model
+
+        return load_model(model_dir, lazy=True)[0], True
+    except Exception:
+        from mlx_lm.utils import _get_classes  # present in mlx-lm 0.31 and 0.32
+
+        config = json.loads((model_dir / "config.json").read_text())
+        model_cls, args_cls = _get_classes(config)
+        return model_cls(args_cls.from_dict(config)), False
+
+
+def _probe(model: Any) -> list:
+    """A prompt cache after one token went through ``model``, never evaluated: its arrays
+    have the shapes and dtype the engine's caches will have. The forward runs while
+    ``mx.compile`` traces it, where MLX refuses any evaluation (an architecture that reads
+    a value mid-forward raises instead of computing, or reading, the whole model)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.compile(lambda tokens: model(tokens, cache=cache))(mx.array([[0]]))
+    return cache
+
+
+def _without_dtype(layout: list) -> list:
+    out = []
+    for m in layout:
+        m = {k: v for k, v in m.items() if k != "dtype"}
+        if "sub" in m:
+            m["sub"] = _without_dtype(m["sub"])
+        out.append(m)
+    return out
 
 
 def layout_of(cache: list) -> list:
-    """Classes and parameters of a (possibly empty) prompt cache, without lengths."""
-    from .codec import encode_cache, layout_signature
+    """Classes and parameters of a (possibly empty) prompt cache, without lengths, and each
+    attention-KV layer's geometry when it holds arrays (see ``describe_layout``)."""
+    from .codec import encode_cache
 
-    return layout_signature(encode_cache(cache)[1])
+    return describe_layout(*encode_cache(cache))
+
+
+def describe_layout(tensors: dict[str, Any], layout: list) -> list:
+    """``codec.layout_signature(layout)`` plus, for every attention-KV layer (also inside a
+    CacheList) whose tensors are present, ``k`` / ``v`` = [KV heads, head_dim] and
+    ``dtype``: what tells a cache of this model from one of another model with the same
+    layer classes. Reads array shapes and dtypes only."""
+    from .codec import layout_signature
+
+    sig = layout_signature(layout)
+    for i, (s, m) in enumerate(zip(sig, layout)):
+        _add_geometry(s, m, tensors, f"{i}.")
+    return sig
+
+
+def _add_geometry(sig: dict, meta: dict, tensors: dict[str, Any], prefix: str) -> None:
+    if meta.get("class") == "CacheList":
+        for j, (s, m) in enumerate(zip(sig.get("sub", []), meta.get("sub", []))):
+            _add_geometry(s, m, tensors, f"{prefix}s{j}.")
+    elif meta.get("class") in _KV_CLASSES:
+        sig.update(kv_geometry(tensors, meta, prefix))
+
+
+def kv_geometry(tensors: dict[str, Any], meta: dict, prefix: str = "") -> dict:
+    """``{"k": [heads, head_dim], "v": [heads, head_dim], "dtype": name}`` of one
+    attention-KV layer's encoded tensors (``prefix`` + ``k`` / ``v``, or the packed
+    ``k0..2`` / ``v0..2`` of a QuantizedKVCache, whose head_dim is unpacked from ``bits``);
+    {} when the layer holds no arrays or they are not (batch, heads, tokens, dim)."""
+    if meta.get("class") == "QuantizedKVCache":
+        k, v, scales = (tensors.get(prefix + n) for n in ("k0", "v0", "k1"))
+        bits = int(meta.get("bits") or 32)  # k0 / v0 pack head_dim * bits / 32 uint32 words
+    else:
+        k, v = (tensors.get(prefix + n) for n in ("k", "v"))
+        scales, bits = k, 32
+    if k is None or v is None or scales is None or k.ndim != 4 or v.ndim != 4:
+        return {}
+    return {"k": [int(k.shape[1]), int(k.shape[-1]) * 32 // bits],
+            "v": [int(v.shape[1]), int(v.shape[-1]) * 32 // bits],
+            "dtype": str(scales.dtype).rsplit(".", 1)[-1]}
 
 
 def model_identity(

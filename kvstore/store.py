@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from . import blobs, codec
 from .disk import DiskTier, PersistJob
-from .identity import DigestMemo, Identity, model_identity
+from .identity import DigestMemo, Identity, describe_layout, model_identity
 from .keys import TokenError, encode_tokens, key_of, root_key
 from .memory import MemoryTier, Snapshot
 from .writer import Writer
@@ -256,12 +256,18 @@ class KVStore:
                     log.exception("kvstore: unexpected error restoring an entry (a kvstore bug: please report)")
                 self._drop(plan, e)
                 continue
+            tensors, layout = codec.encode_cache(cache)
+            wrong = _layout_problem(ident, tensors, layout)
+            if wrong is not None:  # insert refuses such caches: this one was not written by it
+                self._stats["corrupt"] += 1
+                self._warn_once(f"bad:{wrong}", "kvstore: dropping an entry that does not fit its model: %s", wrong)
+                self._drop(plan)
+                continue
             dt = time.perf_counter() - t0
             self._stats["restore_seconds"] += dt
             self._stats["restores"] += 1
             self._stats["bytes_read"] += sum(int(a.nbytes) for c in cache for a in _layer_arrays(c))
             # promote: keep it hot, marked as already on disk
-            tensors, layout = codec.encode_cache(cache)
             ctype = plan.cache_type if plan.cache_type in self.memory.stats_by_type() else "assistant"
             snap = Snapshot(tensors, layout, None, codec.cache_nbytes(tensors),
                             codec.trimmable(cache), ctype, persisted=True)
@@ -341,7 +347,8 @@ class KVStore:
             if vocab is not None and top >= vocab:
                 raise TokenError(f"token id {top} is out of the vocabulary of {ident.name} (vocab_size {vocab})")
         snap, covered = self._snapshot(cache, len(tokens), cache_type)
-        wrong = _layout_problem(ident, snap.layout) if ident is not None and snap.layout is not None else None
+        wrong = (_layout_problem(ident, snap.tensors, snap.layout)
+                 if ident is not None and snap.layout is not None and snap.tensors is not None else None)
         if wrong is not None:  # never stored on disk under this identity (memory is the caller's own)
             self._stats["unpersistable"] += 1
             self._warn_once(f"layout:{wrong}", "kvstore: %s; kept in memory only", wrong)
@@ -547,11 +554,13 @@ _INDEX_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, l
 _KV_FAMILY = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache")
 
 
-def _layout_problem(ident: Identity, layout: codec.Layout) -> str | None:
+def _layout_problem(ident: Identity, tensors: codec.Tensors, layout: codec.Layout) -> str | None:
     """Why a cache does not fit the identity's model, or None: it must have the layers the
     model makes (same count; per layer the same class family: attention KV in any of its
-    forms, or the same recurrent class). Unknown (None) for identities without a layout
-    component, or with a draft model (whose layers the engine appends)."""
+    forms, or the same recurrent class) and, where the identity records it, each attention
+    layer's KV geometry (heads and head_dim of keys and values, and dtype). Unknown (None)
+    for identities without a layout component, or with a draft model (whose layers the
+    engine appends); identities without geometry are checked on classes only."""
     comps = ident.info.get("components") or {}
     want = comps.get("layout")
     if not isinstance(want, list) or comps.get("draft"):
@@ -567,13 +576,36 @@ def _layout_problem(ident: Identity, layout: codec.Layout) -> str | None:
             if fam(x) != fam(y):
                 return (f"cache layer {i}{where} is {x.get('class')}, {ident.name} makes {y.get('class')} "
                         "(a cache from another model?)")
+            d = _geometry_problem(x, y) if fam(x) == "attention KV" else None
+            if d:
+                return f"cache layer {i}{where} {d[0]}, {ident.name} makes {d[1]} (a cache from another model?)"
             if x.get("class") == "CacheList":
                 d = diff(x.get("sub", []), y.get("sub", []), f" (in layer {i})")
                 if d:
                     return d
         return None
 
-    return diff(codec.layout_signature(layout), want, "")
+    return diff(describe_layout(tensors, layout), want, "")
+
+
+def _geometry_problem(got: dict, want: dict) -> tuple[str, str] | None:
+    """(what the cache layer holds, what the model makes) when their recorded KV geometry
+    differs; None when it agrees or either side does not record it (an empty layer, an
+    identity without geometry or without dtype)."""
+    if not all(isinstance(m.get(n), list) for m in (got, want) for n in ("k", "v")):
+        return None
+    if (got["k"], got["v"]) != (want["k"], want["v"]):
+        return f"has {_shape_text(got, True)}", _shape_text(want, False)
+    if got.get("dtype") and want.get("dtype") and got["dtype"] != want["dtype"]:
+        return f"holds {got['dtype']} KV", want["dtype"]
+    return None
+
+
+def _shape_text(m: dict, long: bool) -> str:
+    (kh, kd), (vh, vd) = m["k"], m["v"]
+    if (kh, kd) == (vh, vd):
+        return f"{kh} KV heads x head_dim {kd}" if long else f"{kh} x {kd}"
+    return f"keys {kh} x {kd} and values {vh} x {vd}"
 
 
 def _open_disk(path: Path, chunk_tokens: int) -> DiskTier:

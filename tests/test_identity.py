@@ -17,7 +17,7 @@ import pytest
 from store_util import CHUNK, cache_digest
 
 from kvstore import KVStore, model_identity
-from kvstore.identity import Identity
+from kvstore.identity import Identity, layout_of
 from tools.models import MODELS, model_path
 from tools.oracle import prefill
 
@@ -204,3 +204,72 @@ def test_unresolvable_model_is_memory_only(tmp_path, llama):
         assert s.fetch(llama["path"], llama["prompt"]).cache is None
     with KVStore(d) as s:
         assert s.stats()["disk_entries"] == 0
+
+
+# --------------------------------------------------------------------------- KV geometry
+
+
+def _kv_geometry(layout: list) -> list:
+    """Per attention-KV layer (CacheList flattened): KV heads x head_dim of keys and values, dtype."""
+    out = []
+    for m in layout:
+        if "sub" in m:
+            out += _kv_geometry(m["sub"])
+        elif m["class"] in ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache"):
+            out.append((m.get("k"), m.get("v"), m.get("dtype")))
+    return out
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-q", "tiny-gemma3", "tiny-qwen3next", "tiny-cachelist"])
+def test_layout_records_the_kv_geometry_real_caches_have(name, load_named):
+    """The layout component (built without evaluating anything) records what a real prefilled
+    cache has: its classes and parameters, and per attention layer the KV heads, head_dim and
+    dtype, so a cache of another model with the same classes is told apart."""
+    spec = MODELS[name]
+    cache = prefill(load_named(name)[0], list(range(40)), **spec.cache_kwargs)
+    got = _components(model_path(name), kv_bits=spec.kv_bits, kv_group_size=spec.kv_group_size)["layout"]
+    assert all(k and v and d for k, v, d in _kv_geometry(got)), got
+    assert _kv_geometry(got) == _kv_geometry(layout_of(cache))
+    if spec.kv_bits is None:  # (a kv_bits engine quantises mlx-lm's KVCache layers itself)
+        assert got == layout_of(cache)
+
+
+def test_layout_dtype_follows_the_weights(tmp_path, llama):
+    """bfloat16 weights make bfloat16 KV: the identity says so (read from the safetensors
+    header, no data), and differs from the float32 model's layout."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    variant = _copy(llama["path"], tmp_path / "m")
+    w = mx.load(str(variant / "model.safetensors"))
+    mx.save_safetensors(str(variant / "model.safetensors"), {k: v.astype(mx.bfloat16) for k, v in w.items()},
+                        {"format": "mlx"})
+    cache = prefill(load(str(variant))[0], llama["prompt"][:20])
+    got = _components(variant)["layout"]
+    assert got == layout_of(cache)
+    assert {d for _, _, d in _kv_geometry(got)} == {"bfloat16"}
+    assert _changed(_components(llama["path"]), _components(variant)) == {"weights", "layout"}
+
+
+def test_layout_falls_back_without_weights_or_probe(tmp_path, llama, monkeypatch):
+    """No loadable weights (a GGUF-only directory): heads and head_dim from config.json, no
+    dtype (a lazily initialised model is float32 whatever the weights are). An architecture
+    whose forward reads a value (which would evaluate the model): the probe refuses to
+    evaluate and the layout is classes only. Identity creation never fails for either."""
+    from mlx_lm.models import llama as arch
+    from mlx_lm.models.cache import make_prompt_cache
+
+    variant = _copy(llama["path"], tmp_path / "m")
+    (variant / "model.safetensors").rename(variant / "model.gguf")
+    assert _kv_geometry(_components(variant)["layout"]) == [([2, 32], [2, 32], None)] * 3
+
+    forward = arch.Model.__call__
+
+    def reads_a_value(self, inputs, *a, **kw):
+        int(inputs.sum().item())
+        return forward(self, inputs, *a, **kw)
+
+    monkeypatch.setattr(arch.Model, "__call__", reads_a_value)
+    layout = _components(llama["path"])["layout"]
+    assert layout == layout_of(make_prompt_cache(llama["model"]))
+    assert _kv_geometry(layout) == [(None, None, None)] * 3

@@ -18,8 +18,9 @@ Caches are real mlx-lm ``KVCache`` objects (trimmable) filled with ``update_and_
 ``RotatingKVCache`` objects that wrapped (offset >= max_size: not trimmable). No model runs:
 model keys are mlx-lm server keys ``(model dir, None, None)`` naming real tiny model
 directories, so the disk implementation resolves them to identities. kvstore persists only
-caches whose layers match the model's (their count, and attention KV vs recurrent state), so
-the caches here have the model's layer count; their head shapes are small and arbitrary.
+caches whose layers match the model's (their count, attention KV vs recurrent state, and each
+attention layer's KV heads, head_dim and dtype), so the caches here have the model's layer
+count and KV geometry (2 heads x head_dim 32, float32: tiny-llama's and tiny-gemma3's).
 
 By default ``kv()`` sizes each KVCache's buffer to exactly the positions it holds, so mlx-lm's
 byte count (the allocated buffer) and the filled size agree; the ordinary over-allocated
@@ -116,7 +117,7 @@ def disk_impl(tmp_path: pathlib.Path) -> Any:
 
 # --------------------------------------------------------------------------- caches
 
-H, D = 2, 8
+H, D = 2, 32   # tiny-llama's and tiny-gemma3's KV heads and head_dim (a cache of other shapes stays in memory)
 LAYERS, LAYERS_2 = 3, 4   # tiny-llama's and tiny-gemma3's layer counts
 
 

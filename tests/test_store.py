@@ -26,7 +26,7 @@ from conftest import have_smollm2, requires_smollm2, text_prompt
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from kvstore import KVStore, blobs
-from kvstore.identity import Identity
+from kvstore.identity import Identity, model_identity
 from tools.models import MODELS, model_path
 from tools.oracle import cold_run, prefill
 
@@ -817,3 +817,76 @@ def test_disk_hit_keeps_its_cache_type(tmp_path):
         assert s.fetch(who, sys_t).source == "disk" and s.fetch(who, user_t).source == "disk"
         by_type = s.memory.stats_by_type()
         assert [by_type[k]["n_sequences"] for k in ("assistant", "user", "system")] == [0, 1, 1]
+
+
+# --------------------------------------------------------------------------- caches of another model
+
+
+def _llama_variant(**changes: int) -> object:
+    """tiny-llama's architecture with ``changes`` to its config: another model with the
+    same layer count and cache classes, other KV shapes (weights lazily initialised)."""
+    import json
+
+    from mlx_lm.models import llama
+
+    cfg = json.loads((model_path("tiny-llama") / "config.json").read_text())
+    return llama.Model(llama.ModelArgs.from_dict({**cfg, **changes}))
+
+
+def _as_dtype(cache: list, dtype: mx.Dtype) -> list:
+    out = []
+    for c in cache:
+        k = KVCache()
+        k.update_and_fetch(c.keys[..., : c.offset, :].astype(dtype), c.values[..., : c.offset, :].astype(dtype))
+        out.append(k)
+    mx.eval([a for c in out for a in (c.keys, c.values)])
+    return out
+
+
+@pytest.mark.parametrize("other, says", [
+    ({"num_key_value_heads": 4}, "cache layer 0 has 4 KV heads x head_dim 32, tiny-llama-v1 makes 2 x 32"),
+    ({"head_dim": 16}, "cache layer 0 has 2 KV heads x head_dim 16, tiny-llama-v1 makes 2 x 32"),
+    ("bfloat16", "cache layer 0 holds bfloat16 KV, tiny-llama-v1 makes float32"),
+])
+def test_cache_of_another_model_with_the_same_classes_stays_in_memory(tmp_path, tiny_llama, caplog, other, says):
+    """Regression (fault harness, bad input): a cache with tiny-llama's layer count and
+    classes but other KV heads, head_dim or dtype was persisted under tiny-llama. It is
+    refused like any layout mismatch: counted unpersistable, warned once, kept in memory
+    only, and nothing reaches the disk; the model's own cache still does."""
+    path = model_path("tiny-llama")
+    toks = rand_tokens(100, seed=97, vocab=256)
+    good = prefill(tiny_llama[0], toks)
+    bad = _as_dtype(good, mx.bfloat16) if other == "bfloat16" else prefill(_llama_variant(**other), toks)
+    assert [type(c).__name__ for c in bad] == [type(c).__name__ for c in good]
+    with KVStore(tmp_path, chunk_tokens=C) as s:
+        with caplog.at_level("WARNING", logger="kvstore"):
+            s.insert(path, toks, bad)
+            s.insert(path, toks + [7], bad)  # a cache may cover fewer tokens than given
+        assert s.flush(60)
+        assert s.stats()["unpersistable"] == 2
+        assert [r.getMessage() for r in caplog.records] == [f"kvstore: {says} (a cache from another model?); "
+                                                            "kept in memory only"]
+        assert s.fetch(path, toks).source == "memory"  # the caller's own, as other layout mismatches
+        assert s.stats()["disk_entries"] == 0 and U.blob_files(tmp_path) == []
+        s.insert(path, toks, good)
+    with KVStore(tmp_path) as s:
+        f = s.fetch(path, toks)
+        assert f.source == "disk" and U.cache_digest(f.cache) == U.cache_digest(good)
+        assert s.stats()["disk_entries"] == 1
+
+
+def test_disk_entry_of_another_model_is_never_returned(tmp_path, tiny_llama):
+    """An entry under tiny-llama's digest whose KV shapes are another model's (written by a
+    writer that did not check) is dropped at restore: a miss, counted as corrupt."""
+    path = model_path("tiny-llama")
+    real = model_identity(path)
+    unchecked = Identity(real.digest, {"name": "unchecked"})  # same digest, no layout to check against
+    toks = rand_tokens(100, seed=98, vocab=256)
+    with KVStore(tmp_path, chunk_tokens=C) as s:
+        s.insert(unchecked, toks, prefill(_llama_variant(num_key_value_heads=4), toks))
+    with KVStore(tmp_path) as s:
+        assert s.stats()["disk_entries"] == 1
+        f = s.fetch(path, toks)
+        assert f.cache is None and f.n == 0
+        assert s.stats()["corrupt"] >= 1 and s.stats()["hits_disk"] == 0
+        assert s.fetch(real, toks).cache is None

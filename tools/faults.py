@@ -55,8 +55,11 @@ Fault kinds:
   oracle), then the check.
 - ``bad_input``: empty, non-integer, negative, out-of-range and out-of-vocabulary token
   lists, enormous token lists, caches of the wrong length or classes, caches from another
-  model: a ValueError/TokenError naming the problem or a documented miss, and the store
-  (index records, blob files, memory tier) unchanged.
+  model (other layer classes, or the same classes with other KV heads, head_dim or dtype):
+  a ValueError/TokenError naming the problem, a documented miss, or (a cache that does not
+  fit the model) a documented refusal: counted in ``stats()["unpersistable"]``, warned, kept
+  in memory only. The store (index records, blob files; the memory tier too for errors and
+  misses) is unchanged.
 
 The harness needs root for tmpfs mounts and for dropping to ``nobody``; without it those
 cases are reported as skipped.
@@ -115,12 +118,9 @@ SIZES: dict[str, dict[str, Any]] = {
 KINDS = ("crash", "corruption", "full_disk", "permissions", "concurrency", "bad_input")
 
 # Bad inputs kvstore cannot detect with what it knows; reported, not counted as failures.
-LIMITATIONS = {
-    "insert: same classes, other shapes (another model)":
-        "the identity records each layer's cache class, not its KV head count and head size, so "
-        "a cache of another model with the same layer classes is stored; proposed: record the "
-        "per-layer KV shapes (from config.json, or from the first entry) in the identity",
-}
+# (Empty since the identity records each attention layer's KV heads, head_dim and dtype: a
+# cache of another model with the same layer classes is now refused like other mismatches.)
+LIMITATIONS: dict[str, str] = {}
 M64 = (1 << 64) - 1
 
 log = logging.getLogger("kvfaults")
@@ -1203,7 +1203,8 @@ def op_bad_input(zoo: Zoo, msg: dict, emit: Emit) -> dict:
     documented miss, and leave the store (index, blobs, memory tier) unchanged."""
     import mlx.core as mx
     import numpy as np
-    from mlx_lm.models.cache import KVCache
+    from mlx_lm.models import llama as llama_arch
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
     from kvstore import KVStore
     rng = random.Random(msg["seed"])
     store = KVStore(msg["dir"], chunk_tokens=CHUNK, max_entries=50)
@@ -1227,6 +1228,31 @@ def op_bad_input(zoo: Zoo, msg: dict, emit: Emit) -> dict:
             c.offset = 60
             out.append(c)
         return out
+
+    def other_kv(like: list, heads: int, dim: int, dtype: Any = mx.float32) -> list:
+        """A real mlx-lm cache with the layer classes of ``like`` (same count, same
+        RotatingKVCache parameters) holding 60 positions of other KV shapes / dtype, filled
+        by update_and_fetch as a model's attention would."""
+        out = []
+        for c in like:
+            o = RotatingKVCache(max_size=c.max_size, keep=c.keep) if isinstance(c, RotatingKVCache) else KVCache()
+            k = mx.random.normal((1, heads, 60, dim), key=mx.random.key(orng.randrange(1 << 30))).astype(dtype)
+            o.update_and_fetch(k, k * 0.5)
+            out.append(o)
+        mx.eval([a for c in out for a in (c.keys, c.values)])
+        return out
+
+    def llama_variant(**changes: int) -> list:  # a real prefill of another model: tiny-llama's layers, other KV
+        cfg = json.loads((Path(zoo.paths["llama"]) / "config.json").read_text())
+        from tools import oracle
+        return oracle.prefill(llama_arch.Model(llama_arch.ModelArgs.from_dict({**cfg, **changes})), t_other)
+
+    orng = random.Random(msg["seed"] + 7)  # its own stream: the other cases' inputs stay as they were
+    t_other = [orng.randrange(VOCAB) for _ in range(60)]
+    g60 = zoo.prefill("gemma", t_other)
+
+    def ofresh() -> list[int]:  # fresh tokens for the other-model cases
+        return [orng.randrange(VOCAB) for _ in range(60)]
 
     def short_arrays() -> list:  # offset claims more positions than the arrays hold
         out = []
@@ -1293,6 +1319,18 @@ def op_bad_input(zoo: Zoo, msg: dict, emit: Emit) -> dict:
          lambda: store.insert(llama, (t := fresh()), syn_cache("kv", t)), "not_persisted", None),
         ("insert: same classes, other shapes (another model)", I,
          lambda: store.insert(llama, fresh(), odd_cache()), "not_persisted", None),
+        ("insert: same classes, other KV head count (4 x 32, another model)", I,
+         lambda: store.insert(llama, ofresh(), other_kv(c60, 4, 32)), "not_persisted", None),
+        ("insert: same classes, other head_dim (2 x 16, another model)", I,
+         lambda: store.insert(llama, ofresh(), other_kv(c60, 2, 16)), "not_persisted", None),
+        ("insert: same classes and shapes, bfloat16 KV", I,
+         lambda: store.insert(llama, ofresh(), other_kv(c60, 2, 32, mx.bfloat16)), "not_persisted", None),
+        ("insert: prefill of tiny-llama with 4 KV heads under tiny-llama", I,
+         lambda: store.insert(llama, t_other, llama_variant(num_key_value_heads=4)), "not_persisted", None),
+        ("insert: prefill of tiny-llama with head_dim 16 under tiny-llama", I,
+         lambda: store.insert(llama, t_other, llama_variant(head_dim=16)), "not_persisted", None),
+        ("insert: tiny-gemma3 classes, other head_dim (2 x 64) under tiny-gemma3", I,
+         lambda: store.insert(gemma, ofresh(), other_kv(g60, 2, 64)), "not_persisted", None),
         ("insert: cache=[]", I, lambda: store.insert(llama, t60, []), "error", None),
         ("insert: cache=None", I, lambda: store.insert(llama, t60, None), "error", None),
         ("insert: cache of ints", I, lambda: store.insert(llama, t60, [1, 2, 3]), "error", None),
@@ -1305,10 +1343,15 @@ def op_bad_input(zoo: Zoo, msg: dict, emit: Emit) -> dict:
     for name, kind, call, expect, hit_tokens in cases:
         store.flush()
         before = (logical_dump(store), _memory_keys(store))
+        refused_before = store.stats()["unpersistable"]
         t0 = time.perf_counter()
         r: dict[str, Any] = {"case": name, "expect": expect}
         try:
-            got = call()
+            with LogCapture() as logs:
+                got = call()
+            r["refused"] = store.stats()["unpersistable"] > refused_before
+            if logs.records:
+                r["warning"] = logs.records[0][:300]
             r["outcome"] = "returned"
             if kind == F:
                 r["n"] = got.n
@@ -1338,7 +1381,7 @@ def op_bad_input(zoo: Zoo, msg: dict, emit: Emit) -> dict:
         prefix = r["outcome"] == "returned" and kind == F and r.get("n", 0) > 0 and bool(r.get("restore_ok"))
         ok = {"error": raised, "miss": miss, "error_or_miss": raised or miss, "prefix": prefix,
               "error_or_prefix": raised or prefix,
-              "not_persisted": raised or r["outcome"] == "returned"}[expect]
+              "not_persisted": raised or (r["outcome"] == "returned" and r.get("refused"))}[expect]
         if expect == "not_persisted":
             same = r["unchanged"]
         else:  # a hit updates last_used / hits and promotes to memory; nothing else may change
