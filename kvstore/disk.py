@@ -40,8 +40,9 @@ from .keys import boundaries, chunk_key, encode_tokens, entry_key, root_key
 log = logging.getLogger("kvstore")
 
 # Blobs of one chunked restore read (and hashed) at a time, on reader threads: readinto
-# and xxhash release the GIL, so reads overlap each other and the hashing.
-RESTORE_THREADS = 3
+# and xxhash release the GIL, so reads overlap each other and the hashing. Warm reads are
+# CPU-bound (copy + hash): more readers than cores only contend.
+RESTORE_THREADS = max(2, min(4, os.cpu_count() or 2))
 
 
 @dataclass
