@@ -4,20 +4,23 @@ The framing is the published safetensors layout (8-byte little-endian header len
 header with dtype / shape / data_offsets and ``__metadata__``, raw little-endian data), so
 any safetensors reader opens a blob (tests check ``safetensors.safe_open`` and
 ``mx.load``). kvstore writes and parses the framing itself because it must stream KV views
-straight to the file while hashing them, and read a file with one ``readinto`` that is
-both checksummed and turned into arrays; the ``safetensors`` binding's Python API changed
-shape between 0.4 and 0.8 and offers neither.
+straight to the file while hashing them, and read a file straight into the memory of the
+arrays it restores (or into their token slices) while hashing it; the ``safetensors``
+binding's Python API changed shape between 0.4 and 0.8 and offers neither.
 
 Guarantees:
 - ``write_blob`` makes a file appear under its final name only complete and fsynced:
   temp file in the same directory, fsync, rename, fsync the directory (F_FULLFSYNC on macOS).
-- ``read_blob`` returns arrays only if size and xxh3-128 checksum match the index record;
-  anything else raises ``BlobError`` (the store turns that into a miss).
+- ``read_blob`` / ``Blob.read`` return arrays only if size and xxh3-128 checksum match the
+  index record; anything else raises ``BlobError`` (the store turns that into a miss).
+  ``Blob.read_into`` fills caller-owned arrays: they hold unverified bytes until it
+  returns, and a caller that gets a ``BlobError`` drops them.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import sys
@@ -148,27 +151,159 @@ def parse_header(data: bytes | memoryview) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
-def read_blob(path: Path, size: int, checksum: str) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """Read, verify and decode one blob. Raises BlobError on any mismatch."""
-    try:
-        with open(path, "rb") as f:
-            actual = os.fstat(f.fileno()).st_size
+# Bytes read (and hashed right after, while still in cache) per readinto call.
+_PIECE = 1 << 20
+
+
+class Blob:
+    """An open blob whose size matched its index record and whose header parsed. Nothing in
+    it is verified yet, ``meta`` and ``specs`` included, until ``read``/``read_into``
+    returns; their shapes are only bounded (they exactly cover the file's data section).
+
+    ``specs``: name -> (safetensors dtype, shape), in file order.
+    """
+
+    def __init__(self, path: Path, size: int, checksum: str) -> None:
+        self.path, self.checksum = path, checksum
+        try:
+            self._f = open(path, "rb", buffering=0)
+        except FileNotFoundError:
+            raise BlobError(f"{path.name}: blob file is missing") from None
+        except OSError as e:
+            raise BlobError(f"{path.name}: {e}") from None
+        try:
+            actual = os.fstat(self._f.fileno()).st_size
             if actual != size:
                 raise BlobError(f"{path.name}: size {actual}, index says {size}")
-            buf = bytearray(size)
-            if f.readinto(buf) != size:
-                raise BlobError(f"{path.name}: short read")
-    except FileNotFoundError:
-        raise BlobError(f"{path.name}: blob file is missing") from None
-    except OSError as e:
-        raise BlobError(f"{path.name}: {e}") from None
-    if xxhash.xxh3_128_hexdigest(buf) != checksum:
-        raise BlobError(f"{path.name}: checksum mismatch")
-    return decode_blob(memoryview(buf))
+            if size < 8:
+                raise BlobError(f"{path.name}: shorter than its 8-byte header length")
+            head = self._exact(8)
+            self.prefix = head + self._exact(min(struct.unpack("<Q", head)[0], size - 8))
+            header, start = parse_header(self.prefix)
+            meta = header.pop("__metadata__", {}) or {}
+            self.meta: dict[str, str] = meta if isinstance(meta, dict) else {}
+            self.specs = _specs(header, size - start)
+        except OSError as e:
+            self.close()
+            raise BlobError(f"{path.name}: {e}") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def _exact(self, n: int) -> bytes:
+        b = self._f.read(n)
+        if len(b) != n:
+            raise BlobError(f"{self.path.name}: short read")
+        return b
+
+    def close(self) -> None:
+        self._f.close()
+
+    def read_into(self, dests: dict[str, tuple[str, np.ndarray]]) -> None:
+        """Read the tensors straight into ``dests`` (name -> (expected safetensors dtype,
+        writable numpy array of the stored shape and host dtype: C-contiguous, or a slice
+        of one along axis -2)), hashing the bytes as they land; raises BlobError if a
+        tensor is not the one expected or the bytes do not match the checksum, and always
+        closes the file. Until it returns, the arrays hold unverified bytes: a caller that
+        gets a BlobError must drop them. numpy, I/O and xxhash only (no MLX): callable
+        from any thread."""
+        try:
+            if set(dests) != set(self.specs):
+                raise BlobError(f"{self.path.name}: tensors {sorted(self.specs)}, expected {sorted(dests)}")
+            h = xxhash.xxh3_128(self.prefix)
+            for name, (st, shape) in self.specs.items():
+                want, d = dests[name]
+                if st != want or d.shape != shape or d.dtype != np.dtype(_FROM_ST[st][1]):
+                    raise BlobError(f"{self.path.name}: tensor {name!r} is {st} {list(shape)}, "
+                                    f"expected {want} {list(d.shape)}")
+                for piece in _pieces(d):
+                    if self._f.readinto(piece) != len(piece):
+                        raise BlobError(f"{self.path.name}: short read")
+                    h.update(piece)
+        except OSError as e:
+            raise BlobError(f"{self.path.name}: {e}") from None
+        finally:
+            self.close()
+        if h.hexdigest() != self.checksum:
+            raise BlobError(f"{self.path.name}: checksum mismatch")
+
+    def read(self) -> dict[str, mx.array]:
+        """The verified tensors as fresh MLX arrays (allocated, then read into directly).
+        Runs MLX ops: call it on the thread that uses the arrays."""
+        arrays, hosts = empty(self.specs)
+        self.read_into({name: (st, hosts[name]) for name, (st, _) in self.specs.items()})
+        return {name: finish(st, arrays[name]) for name, (st, _) in self.specs.items()}
+
+
+def _specs(header: dict[str, Any], data_size: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor specs in file order; BlobError unless they tile ``data_size`` bytes exactly."""
+    try:
+        items = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        out: dict[str, tuple[str, tuple[int, ...]]] = {}
+        end = 0
+        for name, spec in items:
+            st = spec["dtype"]
+            shape = tuple(int(d) for d in spec["shape"])
+            a, b = (int(x) for x in spec["data_offsets"])
+            nbytes = np.dtype(_FROM_ST[st][1]).itemsize * math.prod(shape)
+            if min(shape, default=0) < 0 or a != end or b - a != nbytes:
+                raise BlobError(f"tensor {name!r}: offsets {a}-{b} do not fit {st} {list(shape)}")
+            out[name] = (st, shape)
+            end = b
+    except (KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
+        raise BlobError(f"malformed tensor entry: {e!r}") from None
+    if end != data_size:
+        raise BlobError(f"tensors cover {end} bytes of a {data_size}-byte data section")
+    return out
+
+
+def _pieces(a: np.ndarray):
+    """Writable byte views covering ``a`` in C order, each contiguous, at most _PIECE long."""
+    rows = [a] if a.flags.c_contiguous else (a[i] for i in np.ndindex(a.shape[:-2]))
+    for r in rows:
+        if not r.flags.c_contiguous or not r.flags.writeable:
+            raise ValueError("destination is not writable in contiguous rows")
+        mv = memoryview(r.reshape(-1).view(np.uint8))
+        for i in range(0, len(mv), _PIECE):
+            yield mv[i : i + _PIECE]
+
+
+def empty(specs: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[dict[str, mx.array], dict[str, np.ndarray]]:
+    """Fresh evaluated MLX arrays for stored tensor specs (bfloat16 as its uint16 storage)
+    and writable numpy views of their memory. Write the views before any MLX op uses the
+    arrays, then hand out ``finish(st, array)``. Runs MLX ops (caller's thread)."""
+    arrays = {name: mx.zeros(shape, _storage_dtype(st)) for name, (st, shape) in specs.items()}
+    mx.eval(list(arrays.values()))
+    hosts = {name: np.asarray(a) for name, a in arrays.items()}
+    if any(h.flags.owndata or not h.flags.writeable for h in hosts.values()):
+        raise RuntimeError("this MLX build does not expose array memory to numpy")  # a copy would lose the data
+    return arrays, hosts
+
+
+def _storage_dtype(st: str) -> mx.Dtype:
+    name = {"BF16": "uint16", "BOOL": "bool_"}.get(st) or _FROM_ST[st][0]
+    return getattr(mx, name)
+
+
+def finish(st: str, a: mx.array) -> mx.array:
+    return a.view(mx.bfloat16) if st == "BF16" else a
+
+
+def read_blob(path: Path, size: int, checksum: str) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """Read, verify and decode one blob. Raises BlobError on any mismatch.
+
+    The bytes go from the file straight into the returned arrays' memory and are hashed
+    there; the arrays are returned only once size and checksum matched."""
+    blob = Blob(path, size, checksum)
+    try:
+        return blob.read(), blob.meta
+    finally:
+        blob.close()
 
 
 def decode_blob(buf: memoryview) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """Arrays and metadata from verified blob bytes."""
+    """Arrays (copies) and metadata from verified blob bytes already in memory. Restores
+    do not use it (``Blob`` reads straight into the arrays); kept for tools."""
     header, start = parse_header(buf)
     meta = header.pop("__metadata__", {}) or {}
     out: dict[str, mx.array] = {}

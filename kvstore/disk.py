@@ -20,9 +20,11 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -36,6 +38,11 @@ from .index import Index, Reader
 from .keys import boundaries, chunk_key, encode_tokens, entry_key, root_key
 
 log = logging.getLogger("kvstore")
+
+# Blobs of one chunked restore read (and hashed) at a time, on reader threads: readinto
+# and xxhash release the GIL, so reads overlap each other and the hashing. Warm reads are
+# CPU-bound (copy + hash): more readers than cores only contend.
+RESTORE_THREADS = max(2, min(4, os.cpu_count() or 2))
 
 
 @dataclass
@@ -118,20 +125,35 @@ class DiskTier:
 
     # -- restore -----------------------------------------------------------------------
 
+    def _open(self, rec: dict | None, kind: str, key: bytes) -> blobs.Blob:
+        """A record's blob, opened: size checked, header parsed, nothing verified yet."""
+        with _blame(kind, key):
+            if rec is None:
+                raise blobs.BlobError(f"{kind} {key.hex()} vanished from the index")
+            return blobs.Blob(self.blob_root / rec["blob"], rec["size"], rec["checksum"])
+
     def _read(self, rec: dict | None, kind: str, key: bytes, layout: codec.Layout | None = None,
-              exact: bool = False) -> dict[str, mx.array]:
+              exact: bool = False, *, blob: blobs.Blob | None = None,
+              into: dict[str, tuple[str, np.ndarray]] | None = None) -> dict[str, mx.array] | None:
         """One record's verified blob; a BlobError names the record (``err.record``).
+
+        Returns fresh arrays; with ``into`` (see ``Blob.read_into``: numpy only, any thread)
+        the tensors are read straight into those destinations and nothing is returned.
+        ``blob``: the record's blob if ``_open`` already opened it.
 
         The blob's own (checksummed) metadata must agree with the index record that led to
         it: its key, its kind and, when ``layout`` is given, the layout the restore will use
         (``exact``: offsets too). LMDB has no checksums, so a flipped record must not be
         able to reinterpret a good blob."""
         from . import codec  # lazy: keeps mlx_lm (3 s) out of CLI start-up
-        try:
-            if rec is None:
-                raise blobs.BlobError(f"{kind} {key.hex()} vanished from the index")
-            tensors, meta = blobs.read_blob(self.blob_root / rec["blob"], rec["size"], rec["checksum"])
-            want_kind = "chunk" if kind == "chunk" else rec.get("kind")
+        blob = blob or self._open(rec, kind, key)
+        with _blame(kind, key):
+            try:
+                tensors = blob.read() if into is None else blob.read_into(into)
+            finally:
+                blob.close()
+            meta = blob.meta
+            want_kind = "chunk" if kind == "chunk" else rec.get("kind")  # type: ignore[union-attr]
             if meta.get("kvstore.key", key.hex()) != key.hex() or meta.get("kvstore.kind", want_kind) != want_kind:
                 raise blobs.BlobError(f"{kind} {key.hex()}: the blob is {meta.get('kvstore.kind')} "
                                       f"{meta.get('kvstore.key')}, not what the index record says")
@@ -141,35 +163,74 @@ class DiskTier:
                     codec.layout_signature(stored) == codec.layout_signature(layout))
                 if not same:
                     raise blobs.BlobError(f"{kind} {key.hex()}: the index record's layout differs from the blob's")
-        except blobs.BlobError as e:
-            e.record = (kind, key)
-            raise
-        except (KeyError, TypeError, ValueError) as e:  # an unusable record
-            err = blobs.BlobError(f"{kind} {key.hex()}: damaged index record ({e!r})")
-            err.record = (kind, key)
-            raise err from None
         return tensors
+
+    def _read_tokens(self, pieces: list[tuple[dict | None, str, bytes, codec.Layout | None]],
+                     n_chunks: int, total: int) -> dict[str, mx.array]:
+        """A chunked cache's pieces (``n_chunks`` full chunks, then maybe a tail) read
+        straight into arrays allocated once for ``total`` tokens: each blob lands in its
+        token slice, a few blobs at a time on reader threads, each verified as it is read.
+        Returns only when every piece verified; on a BlobError the arrays are dropped (no
+        reader is still running then)."""
+        spans, a = [], 0
+        for i in range(len(pieces)):
+            b = a + self.chunk if i < n_chunks else total
+            if b <= a or b > total:
+                raise blobs.BlobError(f"a chunked record of {total} tokens has {n_chunks} chunks and a tail")
+            spans.append((a, b))
+            a = b
+        if a != total:
+            raise blobs.BlobError(f"the pieces of a chunked record hold {a} tokens, not {total}")
+        first = self._open(*pieces[0][:3])
+        try:
+            with _blame(*pieces[0][1:3]):  # shapes come from the first header (checked as it is read)
+                t0 = spans[0][1] - spans[0][0]
+                if any(len(shape) < 2 or shape[-2] != t0 for _, shape in first.specs.values()):
+                    raise blobs.BlobError(f"{first.path.name}: tensors do not hold {t0} tokens")
+                specs = {name: (st, (*shape[:-2], total, shape[-1])) for name, (st, shape) in first.specs.items()}
+                arrays, hosts = blobs.empty(specs)
+
+            def read(i: int) -> None:
+                rec, kind, key, layout = pieces[i]
+                lo, hi = spans[i]
+                self._read(rec, kind, key, layout, blob=first if i == 0 else None,
+                           into={name: (specs[name][0], h[..., lo:hi, :]) for name, h in hosts.items()})
+
+            if len(pieces) == 1:
+                read(0)
+            else:
+                with ThreadPoolExecutor(min(RESTORE_THREADS, len(pieces)), "kvstore-restore") as pool:
+                    futures = [pool.submit(read, i) for i in range(len(pieces))]
+                    try:
+                        for f in futures:
+                            f.result()
+                    except BaseException:
+                        for f in futures:
+                            f.cancel()
+                        raise  # after the pool's exit has waited for the running readers
+        finally:
+            first.close()
+        return {name: blobs.finish(specs[name][0], x) for name, x in arrays.items()}
 
     def restore(self, plan: Plan) -> tuple[list[Any], int]:
         """Read a plan's blobs (verified) and build live cache objects holding ``plan.n``
         tokens. Raises BlobError / codec.Unsupported on anything unexpected."""
         from . import codec  # lazy: keeps mlx_lm (3 s) out of CLI start-up
-        parts = []
-        for ck in plan.chunks:
-            parts.append(self._read(self.index.chunk(ck), "chunk", ck))
+        pieces: list[tuple[dict | None, str, bytes, codec.Layout | None]] = [
+            (self.index.chunk(ck), "chunk", ck, None) for ck in plan.chunks]
         kind, key = plan.last  # type: ignore[misc]
         rec = self.index.entry(key) if kind == "entry" else self.index.chunk(key)
         if rec is None or rec.get("blob") is not None:
-            parts.append(self._read(rec, kind, key, plan.layout, exact=not plan.chunked))
-        elif not (plan.chunked and parts and plan.stored_n == len(parts) * self.chunk):
+            pieces.append((rec, kind, key, plan.layout))
+        elif not (plan.chunked and pieces and plan.stored_n == len(pieces) * self.chunk):
             # only a chunked entry of whole chunks has no tail
             raise blobs.BlobError(f"{kind} {key.hex()} names no blob")
         if plan.chunked:
-            tensors = codec.concat_tokens(parts)
+            tensors = self._read_tokens(pieces, len(plan.chunks), plan.stored_n)
             tensors = codec.slice_tokens(tensors, 0, plan.n)
             cache = codec.decode_cache(tensors, codec.with_offset(plan.layout, plan.n))
         else:
-            cache = codec.decode_cache(parts[-1], plan.layout)
+            cache = codec.decode_cache(self._read(rec, kind, key, plan.layout, exact=True), plan.layout)
             if plan.n < plan.stored_n:
                 if not codec.trimmable(cache):
                     raise blobs.BlobError("stored snapshot cannot be trimmed")
@@ -360,6 +421,20 @@ def _keyed(boundary: bytes, k: int, child: bytes, kind: str, stored: bytes, C: i
     if kind == "e":
         return len(stored) // 4 // C == k and entry_key(boundary, stored[k * C * 4 :]) == child
     return len(stored) == C * 4 and chunk_key(boundary, stored) == child
+
+
+@contextmanager
+def _blame(kind: str, key: bytes) -> Iterator[None]:
+    """Any failure in the block becomes a BlobError naming the record (``err.record``)."""
+    try:
+        yield
+    except blobs.BlobError as e:
+        e.record = (kind, key)
+        raise
+    except (KeyError, TypeError, ValueError) as e:  # an unusable record
+        err = blobs.BlobError(f"{kind} {key.hex()}: damaged index record ({e!r})")
+        err.record = (kind, key)
+        raise err from None
 
 
 def _check_restored(cache: list[Any], n: int) -> None:

@@ -341,6 +341,40 @@ def test_blob_errors(tmp_path):
         blobs.decode_blob(memoryview(b"\xff" * 16))
 
 
+def test_blob_header_must_tile_its_data(tmp_path):
+    """A header is parsed before the checksum can be checked: shapes that do not exactly
+    cover the data section are a BlobError before anything is allocated for them."""
+    import struct
+
+    import xxhash
+
+    tensors, _ = codec.encode_cache([make_kv(5)])
+    path = tmp_path / "b.safetensors"
+    blobs.write_blob(path, blobs.host_views(tensors), {})
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    for change in ({"shape": [1, 1 << 40, 5, D]}, {"data_offsets": [8, 1 << 40]}, {"dtype": "F64"}):
+        header = json.loads(data[8 : 8 + n])
+        header["0.k"].update(change)
+        hb = json.dumps(header).encode()
+        bad = struct.pack("<Q", len(hb)) + hb + data[8 + n :]
+        path.write_bytes(bad)
+        with pytest.raises(blobs.BlobError, match="fit|cover"):
+            blobs.read_blob(path, len(bad), xxhash.xxh3_128_hexdigest(bad))
+
+
+@pytest.mark.parametrize("st", sorted(blobs._FROM_ST))
+def test_empty_arrays_are_written_through_numpy(st):
+    """Restores read blob bytes straight into MLX arrays through numpy views of their
+    memory: a write through the view is what MLX then sees, for every stored dtype."""
+    arrays, hosts = blobs.empty({"x": (st, (2, 3, 4))})
+    pattern = np.arange(hosts["x"].nbytes, dtype=np.uint8) % (2 if st == "BOOL" else 251)
+    hosts["x"].reshape(-1).view(np.uint8)[:] = pattern
+    got = blobs.finish(st, arrays["x"])
+    raw = got.view(mx.uint16) if st == "BF16" else got
+    assert np.array_equal(np.array(raw).reshape(-1).view(np.uint8), pattern)
+
+
 def test_write_blob_failure_leaves_nothing(tmp_path):
     class Boom:
         nbytes = 4

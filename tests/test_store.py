@@ -576,6 +576,32 @@ def test_damaged_blob_is_a_miss_and_the_rest_works(tmp_path, target, how):
         assert s.stats()["corrupt"] == 0
 
 
+def test_damaged_middle_chunk_fails_the_whole_restore(tmp_path):
+    """A chunked restore reads its blobs on reader threads straight into one set of arrays:
+    a damaged chunk in the middle is a BlobError naming that chunk, raised only once every
+    reader stopped, with nothing handed out; through the store it is a shorter valid hit
+    (the chunks before it) at most."""
+    import threading
+
+    who = ident("middle")
+    toks = rand_tokens(6 * C + 10, seed=77)
+    with KVStore(tmp_path, chunk_tokens=C) as s:
+        s.insert(who, toks, synth(toks))
+        assert s.flush()
+        files = U.entry_blobs(s, toks, who)
+    assert len(files) == 7
+    _damage(files[3], "flip")
+    with KVStore(tmp_path) as s:
+        plan = s.disk.plan(who, toks)
+        assert plan.n == len(toks) and len(plan.chunks) == 6
+        with pytest.raises(blobs.BlobError, match="checksum") as e:
+            s.disk.restore(plan)
+        assert e.value.record == ("chunk", plan.chunks[3])
+        assert not [t for t in threading.enumerate() if t.name.startswith("kvstore-restore")]
+        n = _fetch_ok_or_shorter(s, who, toks)
+        assert n <= 3 * C and s.stats()["corrupt"] == 1
+
+
 def test_stray_temp_files_are_ignored(tmp_path):
     """Leftovers of a writer that died mid-write (temp files, never indexed): the entry it
     was writing is a miss, everything else hits, and the entry can be written later."""
@@ -645,11 +671,11 @@ WARM_SCRIPT = r"""
 import json, sys
 import kvstore.blobs
 reads = []
-real = kvstore.blobs.read_blob
-def counting(path, size, checksum):
+real = kvstore.blobs.Blob.__init__
+def counting(self, path, size, checksum):  # every blob read opens one Blob
     reads.append(str(path))
-    return real(path, size, checksum)
-kvstore.blobs.read_blob = counting
+    real(self, path, size, checksum)
+kvstore.blobs.Blob.__init__ = counting
 
 from kvstore import KVStore
 from kvstore.identity import Identity
