@@ -353,18 +353,19 @@ class DiskTier:
 
 def _plan(r: Reader, ident: Identity, enc: bytes, bounds: list[bytes], C: int) -> Plan | None:
     n_q = len(enc) // 4
-    chain: list[bytes] = []  # full chunks whose stored token ids equal the query's
+    # Full chunks whose stored token ids equal the query's. Their keys chain from the
+    # identity's root, so a chunk found under the query's own boundary is this identity's.
+    chain: list[bytes] = []
     for k in range(1, len(bounds)):
-        crec = r.chunk(bounds[k])
-        if (crec is None or crec.get("identity") != ident.hex
-                or r.tokens(bounds[k]) != enc[(k - 1) * C * 4 : k * C * 4]):
+        if r.chunk(bounds[k]) is None or r.tokens(bounds[k]) != enc[(k - 1) * C * 4 : k * C * 4]:
             break
         chain.append(bounds[k])
     best: Plan | None = None
-    if chain:  # the chain alone is reusable (keeping one token to feed when it is all)
+    last = r.chunk(chain[-1]) if chain else None
+    if last is not None and isinstance(last.get("layout"), list):
+        # the chain alone is reusable (keeping one token to feed when it is all)
         n = len(chain) * C
-        best = Plan(n - 1 if n == n_q else n, chain[:-1], ("chunk", chain[-1]),
-                    r.chunk(chain[-1])["layout"], n, True)
+        best = Plan(n - 1 if n == n_q else n, chain[:-1], ("chunk", chain[-1]), last["layout"], n, True)
     for k in range(len(bounds) - 1, len(chain) - 1, -1):
         if best is not None and best.n >= (k + 1) * C:
             break  # everything filed at boundary k or above holds fewer tokens
@@ -393,7 +394,7 @@ def _candidate(r: Reader, ident: Identity, enc: bytes, boundary: bytes, k: int, 
         n_e = len(stored) // 4
         common = _common(stored, enc)
         rec = r.entry(child)
-        if rec is None or rec.get("identity") != ident.hex:
+        if rec is None or rec.get("identity") != ident.hex or not isinstance(rec.get("layout"), list):
             return None
         chunked = rec.get("kind") == "chunked"
         if chunked and k > len(chain):
@@ -407,7 +408,7 @@ def _candidate(r: Reader, ident: Identity, enc: bytes, boundary: bytes, k: int, 
         return None
     m = _common(stored, enc[k * C * 4 :])
     crec = r.chunk(child)
-    if m <= 0 or crec is None or crec.get("identity") != ident.hex:
+    if m <= 0 or crec is None or crec.get("identity") != ident.hex or not isinstance(crec.get("layout"), list):
         return None
     return Plan(min(k * C + m, n_q - 1), chain[:k], ("chunk", child), crec["layout"], (k + 1) * C, True)
 

@@ -174,6 +174,19 @@ def _bad_chunk_record(disk, t):
     raw_put(disk, "chunks", ck, b"\x00garbage")
 
 
+def _chunk_field_renamed(field):  # a flipped byte in a field name: the record lacks it
+    def inject(disk, t):
+        ck, crec = chunk_of(disk, t["keys"]["R"], 1)
+        crec[field[0] + "{" + field[2:]] = crec.pop(field)
+        raw_put(disk, "chunks", ck, json.dumps(crec).encode())
+    return inject
+
+
+def _chunk_identity_flipped(disk, t):  # informational: the chunk key already binds the identity
+    ck, crec = chunk_of(disk, t["keys"]["R"], 1)
+    raw_put(disk, "chunks", ck, json.dumps(dict(crec, identity="0" * 32)).encode())
+
+
 def _entry_tokens_flipped(disk, t):  # the entry can no longer be found by its own tokens
     key = t["keys"]["S"]
     toks = bytearray(disk.index.tokens(key))
@@ -232,6 +245,9 @@ FAULTS = {
     "orphan_tokens": (_orphan_tokens, {"orphan_tokens"}, "PQRS"),
     "bytes_drift": (_bytes_drift, {"bytes_drift"}, "PQRS"),
     "bad_chunk_record": (_bad_chunk_record, {"bad_record", "orphan_blob", "bytes_drift"}, "PQS"),
+    "chunk_checksum_renamed": (_chunk_field_renamed("checksum"), {"bad_record", "orphan_blob", "bytes_drift"}, "PQS"),
+    "chunk_layout_renamed": (_chunk_field_renamed("layout"), {"bad_record", "orphan_blob", "bytes_drift"}, "PQS"),
+    "chunk_identity_flipped": (_chunk_identity_flipped, set(), "PQRS"),
     "entry_tokens_flipped": (_entry_tokens_flipped, {"bad_record"}, "PQR"),
     "chunk_tokens_flipped": (_chunk_tokens_flipped, {"bad_record"}, "PQS"),
     "layout_offset": (_layout_offset, {"bad_record"}, "PQR"),

@@ -177,14 +177,16 @@ def _entry_ok(rec: dict | None) -> dict | None:
     """``rec`` if it has every field the index and the tier rely on, else None (unreadable)."""
     if (rec is None or not _int(rec.get("n")) or not _hex16(rec.get("boundary")) or not _hex16(rec.get("root"))
             or not isinstance(rec.get("chunks", []), list) or not all(_hex16(c) for c in rec.get("chunks", []))
-            or not (rec.get("blob") is None or isinstance(rec.get("blob"), str))
+            or not (rec.get("blob") is None or (isinstance(rec.get("blob"), str) and _hex16(rec.get("checksum"))))
             or not _int(rec.get("size", 0)) or not isinstance(rec.get("layout", []), list)):
         return None
     return rec
 
 
 def _chunk_ok(rec: dict | None) -> dict | None:
+    """The same for a chunk record (a restore reads its blob, checksum and layout)."""
     if (rec is None or not isinstance(rec.get("blob"), str) or not _int(rec.get("size"))
+            or not _hex16(rec.get("checksum")) or not isinstance(rec.get("layout"), list)
             or not isinstance(rec.get("refs"), int) or not (rec.get("parent") is None or _hex16(rec.get("parent")))):
         return None
     return rec
