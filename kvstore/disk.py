@@ -376,23 +376,28 @@ def _plan(r: Reader, ident: Identity, enc: bytes, bounds: list[bytes], C: int) -
                 break
             if best is not None and top <= best.n:
                 continue
-            got = _candidate(r, ident, enc, bounds[k], k, child, kind, chain, C)
+            got = _candidate(r, ident, enc, bounds[k], k, child, kind, chain, C, best.n if best else 0)
             if got is not None and (best is None or got.n > best.n):
                 best = got
     return best
 
 
 def _candidate(r: Reader, ident: Identity, enc: bytes, boundary: bytes, k: int, child: bytes, kind: str,
-               chain: list[bytes], C: int) -> Plan | None:
-    """What one child of boundary ``k`` can restore for the query, or None. Chunked pieces
-    need the verified chain up to ``k``; the stored token ids decide every length."""
+               chain: list[bytes], C: int, beat: int) -> Plan | None:
+    """What one child of boundary ``k`` can restore for the query if it is more than
+    ``beat`` tokens, else None. Chunked pieces need the verified chain up to ``k``; the
+    stored token ids decide every length (compared first: the cheap test)."""
     n_q = len(enc) // 4
     stored = r.tokens(child)
-    if stored is None or not _keyed(boundary, k, child, kind, stored, C):
+    if stored is None or len(stored) % 4:
         return None
     if kind == "e":
         n_e = len(stored) // 4
         common = _common(stored, enc)
+        if (n_e if common == n_e else min(common, n_q - 1)) <= beat:
+            return None
+        if not _keyed(boundary, k, child, kind, stored, C):
+            return None
         rec = r.entry(child)
         if rec is None or rec.get("identity") != ident.hex or not isinstance(rec.get("layout"), list):
             return None
@@ -407,6 +412,8 @@ def _candidate(r: Reader, ident: Identity, enc: bytes, boundary: bytes, k: int, 
     if kind != "c" or k != len(chain):
         return None
     m = _common(stored, enc[k * C * 4 :])
+    if min(k * C + m, n_q - 1) <= beat or not _keyed(boundary, k, child, kind, stored, C):
+        return None
     crec = r.chunk(child)
     if m <= 0 or crec is None or crec.get("identity") != ident.hex or not isinstance(crec.get("layout"), list):
         return None
