@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import shutil
 import sys
 import time

@@ -112,7 +112,6 @@ def _breakdown(store: Any, ident: Any, tokens: list[int]) -> dict[str, float]:
 
 
 def run_shape(ctx: C.Context, name: str, n: int, reps: int) -> dict[str, Any]:
-    import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
     from kvstore import KVStore

@@ -69,9 +69,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import glob
-import hashlib
 import json
 import logging
 import os
