@@ -268,16 +268,27 @@ def _pieces(a: np.ndarray):
             yield mv[i : i + _PIECE]
 
 
-def empty(specs: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[dict[str, mx.array], dict[str, np.ndarray]]:
-    """Fresh evaluated MLX arrays for stored tensor specs (bfloat16 as its uint16 storage)
-    and writable numpy views of their memory. Write the views before any MLX op uses the
-    arrays, then hand out ``finish(st, array)``. Runs MLX ops (caller's thread)."""
-    arrays = {name: mx.zeros(shape, _storage_dtype(st)) for name, (st, shape) in specs.items()}
-    mx.eval(list(arrays.values()))
-    hosts = {name: np.asarray(a) for name, a in arrays.items()}
-    if any(h.flags.owndata or not h.flags.writeable for h in hosts.values()):
-        raise RuntimeError("this MLX build does not expose array memory to numpy")  # a copy would lose the data
-    return arrays, hosts
+# Read straight into MLX's memory (numpy views of evaluated arrays). If an MLX build ever
+# hands numpy a copy instead, restores fall back to numpy buffers and one copy into MLX.
+SHARED_MEMORY = True
+
+
+def empty(specs: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Destinations for stored tensor specs (bfloat16 as its uint16 storage): fresh
+    evaluated MLX arrays and writable numpy views of their memory (or, where MLX does not
+    share its memory, numpy buffers standing in for the arrays). Write the views before any
+    MLX op uses the arrays, then hand out ``finish(st, array)``. Runs MLX ops (caller's
+    thread)."""
+    global SHARED_MEMORY
+    if SHARED_MEMORY:
+        arrays = {name: mx.zeros(shape, _storage_dtype(st)) for name, (st, shape) in specs.items()}
+        mx.eval(list(arrays.values()))
+        hosts = {name: np.asarray(a) for name, a in arrays.items()}
+        if not any(h.flags.owndata or not h.flags.writeable for h in hosts.values()):
+            return arrays, hosts
+        SHARED_MEMORY = False  # a copy would lose the data
+    hosts = {name: np.empty(shape, _FROM_ST[st][1]) for name, (st, shape) in specs.items()}
+    return dict(hosts), hosts
 
 
 def _storage_dtype(st: str) -> mx.Dtype:
@@ -285,7 +296,10 @@ def _storage_dtype(st: str) -> mx.Dtype:
     return getattr(mx, name)
 
 
-def finish(st: str, a: mx.array) -> mx.array:
+def finish(st: str, a: Any) -> mx.array:
+    """The MLX array of a filled destination from ``empty``."""
+    if isinstance(a, np.ndarray):
+        a = mx.array(a, dtype=_storage_dtype(st))
     return a.view(mx.bfloat16) if st == "BF16" else a
 
 

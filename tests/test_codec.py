@@ -363,11 +363,16 @@ def test_blob_header_must_tile_its_data(tmp_path):
             blobs.read_blob(path, len(bad), xxhash.xxh3_128_hexdigest(bad))
 
 
+@pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("st", sorted(blobs._FROM_ST))
-def test_empty_arrays_are_written_through_numpy(st):
+def test_empty_arrays_are_written_through_numpy(st, shared, monkeypatch):
     """Restores read blob bytes straight into MLX arrays through numpy views of their
-    memory: a write through the view is what MLX then sees, for every stored dtype."""
+    memory: a write through the view is what MLX then sees, for every stored dtype. Where
+    MLX would hand numpy a copy (``SHARED_MEMORY`` off), numpy buffers stand in and
+    ``finish`` copies them into MLX: the same result."""
+    monkeypatch.setattr(blobs, "SHARED_MEMORY", shared)
     arrays, hosts = blobs.empty({"x": (st, (2, 3, 4))})
+    assert isinstance(arrays["x"], mx.array if shared else np.ndarray)
     pattern = np.arange(hosts["x"].nbytes, dtype=np.uint8) % (2 if st == "BOOL" else 251)
     hosts["x"].reshape(-1).view(np.uint8)[:] = pattern
     got = blobs.finish(st, arrays["x"])

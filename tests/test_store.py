@@ -390,6 +390,25 @@ def test_entry_of_whole_chunks_restores(tmp_path):
             s.memory.clear()
 
 
+def test_restore_without_shared_memory_is_the_same(tmp_path, monkeypatch):
+    """The fallback for an MLX that does not share array memory with numpy (read into
+    numpy buffers, one copy into MLX) restores exactly what the direct path does."""
+    from kvstore import blobs
+
+    who = ident("fallback")
+    toks = rand_tokens(2 * C + 37, seed=8)
+    with KVStore(tmp_path, chunk_tokens=C) as s:
+        s.insert(who, toks, synth(toks))
+    monkeypatch.setattr(blobs, "SHARED_MEMORY", False)
+    with KVStore(tmp_path) as s:
+        for q, n in ((toks, len(toks)), (toks[:100] + [5], 100)):
+            f = s.fetch(who, q)
+            assert (f.n, f.source) == (n, "disk")
+            assert_synth(f.cache, q[:n])
+            s.memory.clear()
+        assert s.stats()["corrupt"] == 0
+
+
 def test_chunk_size_belongs_to_the_directory(tmp_path):
     """Regression: reopening with another (or the default) chunk_tokens silently missed
     every entry, since key boundaries depend on it; the directory now keeps its own."""
