@@ -372,10 +372,8 @@ def _plan(r: Reader, ident: Identity, enc: bytes, bounds: list[bytes], C: int) -
         after = enc[k * C * 4 : (k + 1) * C * 4]
         for child, kind, shared, exact in r.edges(bounds[k], after):
             top = k * C + shared if exact else min(k * C + shared, n_q - 1)
-            if best is not None and k * C + shared <= best.n:
-                break
             if best is not None and top <= best.n:
-                continue
+                break  # what follows shares no more (Reader.edges), so it cannot do better
             got = _candidate(r, ident, enc, bounds[k], k, child, kind, chain, C, best.n if best else 0)
             if got is not None and (best is None or got.n > best.n):
                 best = got

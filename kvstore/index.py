@@ -10,7 +10,7 @@ Databases (keys are 16-byte xxh3-128 digests from ``keys``):
   checksum, layout, created / last_used / hits / pinned, cache_type)
 - ``chunks``: chunk key -> JSON record (identity, blob, size, checksum, refs)
 - ``tokens``: entry or chunk key -> the exact token ids (uint32 LE), checked on every hit
-- ``bounds``: ``keys.edge_key(boundary, residual tokens, child)`` -> b"c" (chunk) or b"e"
+- ``bounds``: ``keys.edge_keys(boundary, residual tokens, child)`` -> b"c" (chunk) or b"e"
   (entry): the trie over token prefixes, walked one chunk boundary at a time; under each
   boundary the children sort by the token ids that follow it, so a lookup seeks to the
   ones sharing the longest prefix with the query (``Reader.edges``)
@@ -34,7 +34,8 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import lmdb
 
-from .keys import EDGE_TOKENS, FORMAT_VERSION, KEY_BYTES, edge_key, edge_tokens, residual
+from .keys import (COMPLETE, EDGE_TOKENS, FORMAT_VERSION, KEY_BYTES, edge_keys, edge_tokens, residual,
+                   sub_boundary)
 
 log = logging.getLogger("kvstore")
 T = TypeVar("T")
@@ -150,27 +151,29 @@ def _load(b: bytes | memoryview | None) -> dict | None:
     return None if b is None else json.loads(bytes(b))
 
 
-def entry_edge(key: bytes, rec: dict, tokens: bytes | None) -> bytes | None:
-    """The trie edge that makes entry ``key`` reachable, or None if its record or token
+def entry_edges(key: bytes, rec: dict, tokens: bytes | None) -> list[bytes] | None:
+    """The trie edges that make entry ``key`` reachable, or None if its record or token
     ids are too damaged to say."""
     try:
-        return edge_key(bytes.fromhex(rec["boundary"]), residual(bytes(tokens), int(rec["chunk"])), key)
+        return edge_keys(bytes.fromhex(rec["boundary"]), residual(bytes(tokens), int(rec["chunk"])), key)
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
 
 
-def chunk_edge(key: bytes, rec: dict, tokens: bytes | None) -> bytes | None:
-    """The trie edge from a chunk's parent boundary to the chunk (None: no parent / unknown)."""
+def chunk_edges(key: bytes, rec: dict, tokens: bytes | None) -> list[bytes] | None:
+    """The trie edges from a chunk's parent boundary to the chunk ([]: no parent; None:
+    unknown)."""
     try:
-        return edge_key(bytes.fromhex(rec["parent"]), bytes(tokens), key) if rec.get("parent") else None
+        return edge_keys(bytes.fromhex(rec["parent"]), bytes(tokens), key) if rec.get("parent") else []
     except (KeyError, TypeError, ValueError):
         return None
 
 
-def drop_edge(txn: lmdb.Transaction, db: Any, boundary: bytes, child: bytes, edge: bytes | None) -> None:
-    """Delete the edge from ``boundary`` to ``child``: by its key, or (token ids damaged, so
-    the key is unknown) by scanning that boundary's children."""
-    if edge is not None and txn.delete(edge, db=db):
+def drop_edges(txn: lmdb.Transaction, db: Any, boundary: bytes, child: bytes, edges: list[bytes] | None) -> None:
+    """Delete ``child``'s edges: by their keys, or (token ids damaged, so the keys are
+    unknown) the first-level ones by scanning ``boundary``'s children; deeper ones are
+    then left to ``verify --fix``, which deletes edges leading nowhere."""
+    if edges is not None and all([txn.delete(e, db=db) for e in edges]):
         return
     cur = txn.cursor(db=db)
     dead = []
@@ -209,14 +212,15 @@ class Reader:
     def tokens(self, key: bytes) -> bytes | None:
         return self.txn.get(key, db=self._db["tokens"])
 
-    def edges(self, boundary: bytes, after: bytes) -> Iterator[tuple[bytes, str, int, bool]]:
+    def edges(self, boundary: bytes, after: bytes, base: int = 0) -> Iterator[tuple[bytes, str, int, bool]]:
         """Children of ``boundary`` that may share a prefix with the query tokens ``after``
         it, best first: ``(child, "c" | "e", shared, exact)``. ``shared`` bounds how many
-        of ``after``'s tokens the child shares (non-increasing along the iteration: a caller
-        may stop once it cannot gain); ``exact``: the child's tokens may be a prefix of the
-        query, not longer. Seeks, never a scan of all children, except among children
-        sharing all ``EDGE_TOKENS`` spelled-out tokens with the query, which are read in
-        turn. Every child is a candidate only: its stored token ids decide."""
+        of the query's tokens after the boundary the child shares (``base`` of them before
+        ``after``: a sub-boundary's); ``exact``: the child's residual may end inside the
+        query (else it is longer, so it must be trimmed). Along the iteration ``shared``
+        never grows, so a caller may stop once it cannot gain. A few seeks per level;
+        children extending the query's last stretch are visited in turn (any one will do).
+        Every child is a candidate only: its stored token ids decide."""
         db = self._db["bounds"]
         m = len(after) // 4
         q = edge_tokens(after)
@@ -230,16 +234,22 @@ class Reader:
         def spelled(k: bytes) -> bytes:
             return bytes(k[KEY_BYTES : -KEY_BYTES - 1])
 
+        def complete(k: bytes) -> bool:
+            return k[-KEY_BYTES - 1 : -KEY_BYTES] == COMPLETE
+
         shared = 0
-        if m and cur.set_range(head):  # children sharing all spelled-out query tokens
-            for k, v in cur:
-                if k[: len(head)] != head:
-                    break
-                seen.add(bytes(k))
-                sp = spelled(k)
-                yield (*child(k, v), m, len(sp) == len(q) or m > EDGE_TOKENS)
-            shared = len(q) // 5 if seen else 0
-        if m and not seen:  # the neighbours around the query's place share the most
+        if m and cur.set_range(head) and cur.key()[: len(head)] == head:
+            shared = len(q) // 5  # some children share every spelled-out query token
+            if m > EDGE_TOKENS:  # those going on are filed one level down, by the next stretch
+                step = EDGE_TOKENS * 4
+                yield from self.edges(sub_boundary(boundary, after[:step]), after[step:], base + EDGE_TOKENS)
+            else:
+                for k, v in cur:
+                    if k[: len(head)] != head:
+                        break
+                    seen.add(bytes(k))
+                    yield (*child(k, v), base + m, complete(k) and len(spelled(k)) == len(q))
+        elif m:  # the neighbours around the query's place share the most
             side: list[tuple[int, int]] = []  # (shared tokens, direction)
             if cur.set_range(head):
                 nxt = cur.key()
@@ -249,35 +259,44 @@ class Reader:
                     side.append((_lcp5(spelled(cur.key()), q), -1))
             elif cur.last() and cur.key()[:KEY_BYTES] == boundary:
                 side.append((_lcp5(spelled(cur.key()), q), -1))
-            best = max((s for s, _ in side), default=0)
-            if best:
-                pre = boundary + q[: best * 5]
-                for _, step in (x for x in side if x[0] == best):
+            shared = max((n for n, _ in side), default=0)
+            if shared:
+                pre = boundary + q[: shared * 5]
+                for _, step in (x for x in side if x[0] == shared):
                     if not cur.set_range(head):
                         cur.last()
                     elif step < 0:
                         cur.prev()
-                    for _ in range(32):  # children sharing exactly `best`: any usable one will do
+                    for _ in range(32):  # children sharing exactly `shared`: any usable one will do
                         k = cur.key()
-                        if k[: len(pre)] != pre or _lcp5(spelled(k), q) != best:
+                        if k[: len(pre)] != pre or _lcp5(spelled(k), q) != shared:
                             break
                         if bytes(k) not in seen:
                             seen.add(bytes(k))
-                            sp = spelled(k)
-                            yield (*child(k, cur.value()), best, len(sp) == best * 5)
+                            yield (*child(k, cur.value()), base + shared,
+                                   complete(k) and len(spelled(k)) == shared * 5)
                         if not (cur.next() if step > 0 else cur.prev()):
                             break
-            shared = best
-        # children whose whole (spelled-out) residual is a shorter prefix of the query
+            elif base and cur.set_range(boundary):  # none shares the next token, all share `base`
+                for _ in range(32):
+                    k = cur.key()
+                    if k[:KEY_BYTES] != boundary:
+                        break
+                    if bytes(k) not in seen:
+                        seen.add(bytes(k))
+                        yield (*child(k, cur.value()), base, False)
+                    if not cur.next():
+                        break
+        # children whose whole residual is a shorter prefix of the query
         for n in range(min(shared, m, EDGE_TOKENS), -1, -1):
-            pre = boundary + q[: n * 5] + b"\x00"
+            pre = boundary + q[: n * 5] + COMPLETE
             if cur.set_range(pre):
                 for k, v in cur:
                     if k[: len(pre)] != pre:
                         break
                     if bytes(k) not in seen:
                         seen.add(bytes(k))
-                        yield (*child(k, v), n, True)
+                        yield (*child(k, v), base + n, True)
 
 
 class Index:
@@ -556,12 +575,14 @@ class Index:
                     crec = dict(crec, refs=1)
                     txn.put(ck, _dump(crec), db=c_db)
                     txn.put(ck, ctoks, db=t_db)
-                    txn.put(edge_key(parent, ctoks, ck), b"c", db=b_db)
+                    for e in edge_keys(parent, ctoks, ck):
+                        txn.put(e, b"c", db=b_db)
                     added += crec["size"]
             rec = dict(record)
             txn.put(key, _dump(rec), db=e_db)
             txn.put(key, tokens, db=t_db)
-            txn.put(edge_key(boundary, residual(tokens, int(record["chunk"])), key), b"e", db=b_db)
+            for e in edge_keys(boundary, residual(tokens, int(record["chunk"])), key):
+                txn.put(e, b"e", db=b_db)
             self._add_bytes(txn, added)
             record["_dup_blobs"] = dups
             return "ok"
@@ -584,8 +605,8 @@ class Index:
                     continue
                 if removed is not None:
                     removed.append(key)
-                drop_edge(txn, b_db, bytes.fromhex(rec["boundary"]), key,
-                          entry_edge(key, rec, txn.get(key, db=t_db)))
+                drop_edges(txn, b_db, bytes.fromhex(rec["boundary"]), key,
+                           entry_edges(key, rec, txn.get(key, db=t_db)))
                 txn.delete(key, db=e_db)
                 txn.delete(key, db=t_db)
                 if rec.get("blob"):
@@ -598,7 +619,7 @@ class Index:
                     if crec is not None:
                         crec["refs"] -= 1
                         if crec["refs"] <= 0:
-                            drop_edge(txn, b_db, parent, ck, edge_key(parent, txn.get(ck, db=t_db) or b"", ck))
+                            drop_edges(txn, b_db, parent, ck, chunk_edges(ck, crec, txn.get(ck, db=t_db)))
                             txn.delete(ck, db=c_db)
                             txn.delete(ck, db=t_db)
                             blobs.append(crec["blob"])
@@ -651,8 +672,8 @@ class Index:
                 if crec is None:
                     continue
                 if crec.get("parent"):
-                    drop_edge(txn, b_db, bytes.fromhex(crec["parent"]), ck,
-                              chunk_edge(ck, crec, txn.get(ck, db=t_db)))
+                    drop_edges(txn, b_db, bytes.fromhex(crec["parent"]), ck,
+                               chunk_edges(ck, crec, txn.get(ck, db=t_db)))
                 txn.delete(ck, db=c_db)
                 txn.delete(ck, db=t_db)
                 blobs.append(crec["blob"])

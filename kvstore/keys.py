@@ -9,9 +9,12 @@ The chain is cut at fixed ``chunk`` boundaries: ``bounds[k]`` names the prefix
 ``tokens[:k * chunk]`` and is also the key of the chunk that ends there. An entry's own key
 adds the residual tokens after its last boundary.
 
-The index's trie edges (``edge_key``) file each entry and chunk under its boundary, sorted
+The index's trie edges (``edge_keys``) file each entry and chunk under its boundary, sorted
 by the token ids that follow it, so a lookup seeks straight to the children sharing the
-longest prefix with the query instead of reading every child of a boundary.
+longest prefix with the query instead of reading every child of a boundary. An edge spells
+``EDGE_TOKENS`` tokens; a longer residual is also filed, one level down, under a
+sub-boundary naming those tokens, and so on, so children sharing many tokens are told apart
+by seeks too.
 """
 
 from __future__ import annotations
@@ -113,11 +116,33 @@ def edge_tokens(residual_tokens: bytes) -> bytes:
     return out.tobytes()
 
 
+COMPLETE, CONTINUES = b"\x00", b"\xff"  # after the spelled tokens: the residual ends / goes on
+
+
 def edge_key(boundary: bytes, residual_tokens: bytes, child: bytes) -> bytes:
     """The trie edge filing ``child`` (an entry, or the chunk that ends at it) under
-    ``boundary``: ``boundary + edge_tokens(residual) + 0x00 + child``. Boundary first and
-    child last, so ``key[:KEY_BYTES]`` and ``key[-KEY_BYTES:]`` read them back."""
-    return boundary + edge_tokens(residual_tokens) + b"\x00" + child
+    ``boundary``: ``boundary + edge_tokens(residual) + COMPLETE | CONTINUES + child``.
+    Boundary first and child last, so ``key[:KEY_BYTES]`` and ``key[-KEY_BYTES:]`` read
+    them back; CONTINUES says the residual is longer than the spelled tokens."""
+    more = len(residual_tokens) > EDGE_TOKENS * 4
+    return boundary + edge_tokens(residual_tokens) + (CONTINUES if more else COMPLETE) + child
+
+
+def sub_boundary(boundary: bytes, spelled_tokens: bytes) -> bytes:
+    """The key under which residuals continuing past ``EDGE_TOKENS`` spelled tokens are
+    filed one level down (``spelled_tokens``: those tokens, encoded)."""
+    return _h(b"S", boundary, spelled_tokens)
+
+
+def edge_keys(boundary: bytes, residual_tokens: bytes, child: bytes) -> list[bytes]:
+    """Every trie edge of ``child``: one per ``EDGE_TOKENS`` stretch of its residual, the
+    first under ``boundary``, each next one under the sub-boundary of the stretch before."""
+    step = EDGE_TOKENS * 4
+    out = [edge_key(boundary, residual_tokens, child)]
+    while len(residual_tokens) > step:
+        boundary, residual_tokens = sub_boundary(boundary, residual_tokens[:step]), residual_tokens[step:]
+        out.append(edge_key(boundary, residual_tokens, child))
+    return out
 
 
 def checksum(data: bytes | memoryview) -> str:

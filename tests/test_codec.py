@@ -448,6 +448,15 @@ def test_edge_keys_sort_by_token_ids():
     long = keys.encode_tokens(list(range(100)))
     assert len(keys.edge_key(b, long, child)) == 16 + 5 * keys.EDGE_TOKENS + 1 + 16 <= 511
     assert keys.residual(long, 32) == long[96 * 4 :] and keys.residual(long[: 64 * 4], 32) == b""
+    # a residual longer than the spelled-out part goes on one level down, stretch by stretch
+    E = keys.EDGE_TOKENS
+    assert keys.edge_keys(b, long[: E * 4], child) == [keys.edge_key(b, long[: E * 4], child)]
+    got = keys.edge_keys(b, long, child)  # 100 tokens: stretches of 48, 48, 4
+    s1 = keys.sub_boundary(b, long[: E * 4])
+    s2 = keys.sub_boundary(s1, long[E * 4 : 2 * E * 4])
+    assert got == [keys.edge_key(b, long, child), keys.edge_key(s1, long[E * 4 :], child),
+                   keys.edge_key(s2, long[2 * E * 4 :], child)]
+    assert got[0][-17:-16] == keys.CONTINUES and got[2][-17:-16] == keys.COMPLETE
 
 
 def test_key_structure():

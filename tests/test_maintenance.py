@@ -15,7 +15,7 @@ import pytest
 
 from kvstore import maintenance as M
 from kvstore.maintenance import budgets as MG, fsck as MV, pages as MP
-from kvstore.index import chunk_edge, entry_edge
+from kvstore.index import chunk_edges, entry_edges
 
 CHUNK = 64
 DAY = 86400.0
@@ -148,7 +148,7 @@ def _orphan_chunk(disk, t):  # a chunk record no entry uses (an entry removed wi
     key = t["keys"]["S"]
     rec = disk.index.entry(key)
     raw_put(disk, "entries", key, None)
-    raw_put(disk, "bounds", entry_edge(key, rec, disk.index.tokens(key)), None)
+    raw_put(disk, "bounds", entry_edges(key, rec, disk.index.tokens(key))[0], None)
     raw_put(disk, "tokens", key, None)
     os.unlink(disk.blob_root / rec["blob"])  # its tail is gone too; its 3 chunks linger
 
@@ -223,12 +223,19 @@ def _entry_boundary_and_chunks_flipped(disk, t):  # ... and so do an entry's bou
 
 def _entry_edge_deleted(disk, t):
     key = t["keys"]["P"]
-    raw_put(disk, "bounds", entry_edge(key, disk.index.entry(key), disk.index.tokens(key)), None)
+    raw_put(disk, "bounds", entry_edges(key, disk.index.entry(key), disk.index.tokens(key))[0], None)
 
 
 def _chunk_edge_deleted(disk, t):  # Q's and P's second chunk: the chain breaks there
     ck, crec = chunk_of(disk, t["keys"]["Q"], 1)
-    raw_put(disk, "bounds", chunk_edge(ck, crec, disk.index.tokens(ck)), None)
+    raw_put(disk, "bounds", chunk_edges(ck, crec, disk.index.tokens(ck))[0], None)
+
+
+def _chunk_deep_edge_deleted(disk, t):  # a chunk's 64 tokens are filed on two levels (48 + 16)
+    ck, crec = chunk_of(disk, t["keys"]["Q"], 1)
+    edges = chunk_edges(ck, crec, disk.index.tokens(ck))
+    assert len(edges) == 2
+    raw_put(disk, "bounds", edges[1], None)
 
 
 FAULTS = {
@@ -251,10 +258,12 @@ FAULTS = {
     "entry_tokens_flipped": (_entry_tokens_flipped, {"bad_record"}, "PQR"),
     "chunk_tokens_flipped": (_chunk_tokens_flipped, {"bad_record"}, "PQS"),
     "layout_offset": (_layout_offset, {"bad_record"}, "PQR"),
-    "chunk_parent_flipped": (_chunk_parent_flipped, {"bad_record", "dangling_bound"}, "PQS"),
-    "entry_fields_flipped": (_entry_boundary_and_chunks_flipped, {"bad_record", "dangling_bound", "orphan_chunk"}, "PRS"),
+    # a bad record's trie edges are part of it (not reported again); --fix's sweep removes them
+    "chunk_parent_flipped": (_chunk_parent_flipped, {"bad_record"}, "PQS"),
+    "entry_fields_flipped": (_entry_boundary_and_chunks_flipped, {"bad_record", "orphan_chunk"}, "PRS"),
     "entry_edge_deleted": (_entry_edge_deleted, {"missing_bound"}, "PQRS"),  # re-added
     "chunk_edge_deleted": (_chunk_edge_deleted, {"missing_bound"}, "PQRS"),
+    "chunk_deep_edge_deleted": (_chunk_deep_edge_deleted, {"missing_bound"}, "PQRS"),
     "bad_record": (_bad_record, {"bad_record", "orphan_chunk", "orphan_blob", "bytes_drift"}, "PQR"),
 }
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import lmdb
 
 from .. import blobs
-from ..index import chunk_edge, drop_edge, entry_edge
+from ..index import chunk_edges, drop_edges, entry_edges
 from ..keys import KEY_BYTES
 from .pages import _walk_all
 from .records import (BLOB_KINDS, KINDS, ORPHAN_BLOB_SECONDS, STALE_TMP_SECONDS, Problem, Snapshot, _chunk_mismatch,
@@ -169,10 +169,10 @@ def _verify(disk: DiskTier, *, fix: bool, checksums: bool, tmp_age: float, blob_
         if why:
             problems.append(Problem("bad_record", hx, None, why, "entry"))
             continue
-        edge = entry_edge(key, rec, toks)
-        if edge is None or bounds.get(edge) != b"e":
-            problems.append(Problem("missing_bound", (edge or key).hex(), None,
-                                    f"entry {hx[:12]} has no trie edge: lookups cannot reach it", "bound"))
+        gone = _missing_edge(entry_edges(key, rec, toks), bounds, b"e")
+        if gone is not None:
+            problems.append(Problem("missing_bound", (gone or key).hex(), None,
+                                    f"entry {hx[:12]} lacks a trie edge: lookups cannot reach it", "bound"))
         missing = [ck for ck in rec.get("chunks", []) if bytes.fromhex(ck) not in snap.chunks]
         if missing:
             problems.append(Problem("missing_chunk", hx, None,
@@ -201,10 +201,10 @@ def _verify(disk: DiskTier, *, fix: bool, checksums: bool, tmp_age: float, blob_
         if bad is not None and still("chunk", key, rec):
             problems.append(Problem(bad[0], hx, relpath(rec.get("blob", "")), bad[1], "chunk"))
             continue
-        edge = chunk_edge(key, rec, snap.tokens.get(key))
-        if rec.get("parent") and (edge is None or bounds.get(edge) != b"c"):
-            problems.append(Problem("missing_bound", (edge or key).hex(), None,
-                                    f"chunk {hx[:12]} has no trie edge: entries built on it cannot be reached",
+        gone = _missing_edge(chunk_edges(key, rec, snap.tokens.get(key)), bounds, b"c")
+        if gone is not None:
+            problems.append(Problem("missing_bound", (gone or key).hex(), None,
+                                    f"chunk {hx[:12]} lacks a trie edge: entries built on it cannot be reached",
                                     "bound"))
         have, want = rec.get("refs", 0), actual_refs.get(key, 0)
         if want == 0:
@@ -223,13 +223,11 @@ def _verify(disk: DiskTier, *, fix: bool, checksums: bool, tmp_age: float, blob_
             why = f"unknown edge kind {kind!r}"
         elif target is False:
             why = f"points at {'entry' if kind == b'e' else 'chunk'} {c.hex()[:12]}, which does not exist"
-        elif target is not None:
-            parent = target.get("boundary") if kind == b"e" else target.get("parent")
-            want = None if c.hex() in bad_records else _edge_of(c, kind, target, snap.tokens.get(c))
-            if parent != b.hex():
-                why = f"edge from {b.hex()[:12]} but the record's parent is {str(parent)[:12]}"
-            elif want is not None and want != edge:
-                why = f"edge to {c.hex()[:12]} does not spell its token ids: lookups seek past it"
+        elif target is not None and c.hex() not in bad_records:  # a bad record's edges go with it
+            want = _edges_of(c, kind, target, snap.tokens.get(c))
+            if want is not None and edge not in want:
+                why = (f"edge from {b.hex()[:12]} to {c.hex()[:12]} is not one the record's boundary and "
+                       "token ids make: lookups seek past it")
         if why:
             problems.append(Problem("dangling_bound", edge.hex(), None, why, "bound"))
 
@@ -316,8 +314,8 @@ def _fix(disk: DiskTier, problems: list[Problem], snap: Snapshot, *, tmp_age: fl
                     raw_chunks.append(ck)
                     continue
                 if crec.get("parent"):
-                    drop_edge(txn, db["bounds"], bytes.fromhex(crec["parent"]), ck,
-                              chunk_edge(ck, crec, txn.get(ck, db=db["tokens"])))
+                    drop_edges(txn, db["bounds"], bytes.fromhex(crec["parent"]), ck,
+                               chunk_edges(ck, crec, txn.get(ck, db=db["tokens"])))
                 txn.delete(ck, db=db["chunks"])
                 txn.delete(ck, db=db["tokens"])
                 unlink.append(crec.get("blob", ""))
@@ -402,18 +400,18 @@ def _sweep(txn: Any, idx: Any) -> list[str]:
     dead = []
     for k, v in txn.cursor(db=db["bounds"]):
         k, v = bytes(k), bytes(v)
-        b, c = k[:KEY_BYTES], k[-KEY_BYTES:]
+        c = k[-KEY_BYTES:]
         rec = entries.get(c) if v == b"e" else chunks.get(c) if v == b"c" else None
-        if (rec is None or rec.get("boundary" if v == b"e" else "parent") != b.hex()
-                or _edge_of(c, v, rec, txn.get(c, db=db["tokens"])) not in (None, k)):
+        want = _edges_of(c, v, rec, txn.get(c, db=db["tokens"])) if rec is not None else None
+        if rec is None or k not in (want or ()):
             dead.append(k)
     for k in dead:
         txn.delete(k, db=db["bounds"])
     for key, rec in list(entries.items()) + list(chunks.items()):  # every record reachable again
         kind = b"e" if key in entries else b"c"
-        edge = _edge_of(key, kind, rec, txn.get(key, db=db["tokens"])) if rec is not None else None
-        if edge is not None and txn.get(edge, db=db["bounds"]) != kind:
-            txn.put(edge, kind, db=db["bounds"])
+        for edge in (_edges_of(key, kind, rec, txn.get(key, db=db["tokens"])) if rec is not None else None) or []:
+            if txn.get(edge, db=db["bounds"]) != kind:
+                txn.put(edge, kind, db=db["bounds"])
     stale = [bytes(k) for k in txn.cursor(db=db["tokens"]).iternext(keys=True, values=False)
              if bytes(k) not in entries and bytes(k) not in chunks]
     for k in stale:
@@ -424,9 +422,16 @@ def _sweep(txn: Any, idx: Any) -> list[str]:
     return unlink
 
 
-def _edge_of(key: bytes, kind: bytes, rec: dict, tokens: bytes | None) -> bytes | None:
-    """The trie edge a record should have (None: unknown, its token ids are damaged)."""
-    return entry_edge(key, rec, tokens) if kind == b"e" else chunk_edge(key, rec, tokens)
+def _edges_of(key: bytes, kind: bytes, rec: dict, tokens: bytes | None) -> list[bytes] | None:
+    """The trie edges a record should have (None: unknown, its token ids are damaged)."""
+    return entry_edges(key, rec, tokens) if kind == b"e" else chunk_edges(key, rec, tokens)
+
+
+def _missing_edge(want: list[bytes] | None, have: dict[bytes, bytes], kind: bytes) -> bytes | None:
+    """The first edge of ``want`` not in the index (b"" if ``want`` is unknown), or None."""
+    if want is None:
+        return b""
+    return next((e for e in want if have.get(e) != kind), None)
 
 
 def _forget_shared(old: Any) -> None:
