@@ -1,25 +1,32 @@
 """Model identity: a digest of everything that makes a KV cache valid for reuse.
 
 An entry is only ever returned to the identity that wrote it. The digest covers:
-- the weights (xxh3-128 of every weight file; remembered by path + size + mtime so a
-  restart does not re-hash gigabytes),
+- the weights (xxh3-128 of every weight file; remembered by device, inode, size, mtime and
+  ctime so a restart does not re-hash gigabytes: ctime is what ``cp -p``, ``rsync -a`` or
+  ``touch -r`` cannot set back, so a file replaced under an old mtime is hashed again),
 - the model config, the tokenizer files and the chat template (each its own component),
 - KV quantisation (bits, group size) and the per-layer cache layout (classes and
   parameters such as RotatingKVCache max_size / keep, and for attention-KV layers the KV
   heads, head_dim and dtype), derived with mlx-lm's own ``make_prompt_cache`` and a lazy
   (never evaluated) one-token forward, so it tracks what the installed mlx-lm builds,
 - adapter and draft model files, when the caller has them,
+- the model's implementation (``code_digest``): the source of the mlx-lm module that
+  builds the model, of every ``mlx_lm.models`` module it uses (RoPE, attention helpers),
+  and of the cache classes in its layout, so an mlx-lm upgrade that changes how KV is
+  computed starts a new identity while one that leaves that code alone keeps the cache,
 - kvstore's format version.
 
-mlx / mlx-lm versions are recorded but not hashed: kvstore's codecs write a
-version-neutral layout (see ``codec``), so an mlx-lm upgrade does not void the cache
-unless it changes the layout itself, which the layout component catches.
+mlx / mlx-lm versions are recorded, not hashed: the code digest is what decides.
+``watch`` gives the stat signature of every file an identity was derived from, so a
+process notices a model directory that changed under it (see ``KVStore.identity``).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,9 +65,16 @@ class Identity:
         return cls(digest, dict(described, components=comps))
 
 
+def file_stamp(st: os.stat_result) -> list[int]:
+    """What identifies a file's content without reading it: device, inode, size, mtime and
+    ctime (ns). ctime is set by the kernel on every change and cannot be set back by a
+    user (only by changing the clock), unlike mtime."""
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
 class DigestMemo:
-    """File digests remembered by (path, size, mtime_ns) in a JSON file. Safe across
-    processes: a lost update only costs one re-hash."""
+    """File digests remembered by ``file_stamp`` in a private JSON file (0600). Safe across
+    processes: a lost update only costs one re-hash; an unreadable memo is ignored."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
@@ -70,25 +84,28 @@ class DigestMemo:
         if self.path is None:
             return {}
         try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
+            memo = json.loads(self.path.read_text())
+        except (OSError, ValueError, RecursionError):
             return {}
+        return memo if isinstance(memo, dict) else {}
 
     def digest(self, file: Path) -> str:
         st = file.stat()
         key = str(file.resolve())
-        stamp = [st.st_size, st.st_mtime_ns]
+        stamp = file_stamp(st)
         with self._lock:
             memo = self._read()
             hit = memo.get(key)
-            if hit and hit[0] == stamp:
+            if isinstance(hit, list) and len(hit) == 2 and hit[0] == stamp and isinstance(hit[1], str):
                 return hit[1]
             value = hash_file(file)
             if self.path is not None:
                 memo[key] = [stamp, value]
                 tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
                 try:
-                    tmp.write_text(json.dumps(memo))
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+                    with os.fdopen(fd, "w") as f:
+                        f.write(json.dumps(memo))
                     os.replace(tmp, self.path)
                 except OSError:
                     pass
@@ -127,6 +144,34 @@ def _chat_template(model_dir: Path) -> str | None:
     return xxhash.xxh3_128_hexdigest("\0".join(parts).encode()) if parts else None
 
 
+def weight_files(model_dir: Path) -> list[Path]:
+    """The weight files of a model directory (what the weights component hashes)."""
+    return [p for p in model_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
+
+
+def source_files(model_dir: Path) -> list[Path]:
+    """Every file an identity of ``model_dir`` is derived from, the directory included
+    (its mtime changes when a file is added, removed or renamed in)."""
+    names = ("config.json",) + TOKENIZER_FILES + TEMPLATE_FILES
+    return [model_dir] + weight_files(model_dir) + [model_dir / n for n in names if (model_dir / n).exists()]
+
+
+def watch(*dirs: Path | None) -> tuple:
+    """The stat signature of every file identities of ``dirs`` derive from: equal
+    signatures mean unchanged files (see ``file_stamp``). A few stat calls per directory,
+    cheap enough to take on every use of an identity."""
+    out: list = []
+    for d in dirs:
+        if d is None:
+            continue
+        try:
+            files = source_files(Path(d)) if Path(d).is_dir() else [Path(d)]
+            out.extend((str(f), *file_stamp(f.stat())) for f in files)
+        except OSError as e:
+            out.append((str(d), "error", e.errno))
+    return tuple(out)
+
+
 def dir_components(model_dir: Path, memo: DigestMemo | None = None) -> dict[str, Any]:
     """Digests of one mlx-lm model directory: weights, config, tokenizer, chat template."""
     model_dir = Path(model_dir)
@@ -134,13 +179,71 @@ def dir_components(model_dir: Path, memo: DigestMemo | None = None) -> dict[str,
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     config_path = model_dir / "config.json"
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
-    weights = [p for p in model_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
     return {
-        "weights": _hash_files(weights, memo),
+        "weights": _hash_files(weight_files(model_dir), memo),
         "config": xxhash.xxh3_128_hexdigest(json.dumps(config, sort_keys=True).encode()),
         "tokenizer": _hash_files([model_dir / n for n in TOKENIZER_FILES if (model_dir / n).exists()]),
         "chat_template": _chat_template(model_dir),
     }
+
+
+def code_digest(config: dict, layout: list) -> str | None:
+    """A digest of the code that computes this model's KV: the source of the mlx-lm module
+    that builds the model, of every ``mlx_lm.models`` module it reaches (attention, RoPE,
+    activations), and of each cache class in ``layout`` with its kvstore-relevant bases.
+    ``mlx_lm.models.cache`` is hashed per class, so a change to an unrelated class (the
+    prompt cache, say) keeps the cache. None when mlx-lm cannot name the model's module."""
+    try:
+        from mlx_lm.utils import _get_classes  # present in mlx-lm 0.31 and 0.32
+
+        root = sys.modules[_get_classes(config)[0].__module__]
+    except Exception:
+        return None
+    h = xxhash.xxh3_128()
+    others = sorted((n, m) for n, m in _model_modules(root).items() if m is not root)
+    for name, module in [("", root)] + others:  # the root's own name (model_type) is not code
+        h.update(name.encode() + b"\0")
+        try:
+            h.update(Path(inspect.getsourcefile(module) or "").read_bytes())
+        except (OSError, TypeError):
+            h.update(b"?")
+    from mlx_lm.models import cache as C
+
+    for cls_name in sorted(_classes(layout)):
+        for cls in getattr(getattr(C, cls_name, None), "__mro__", ()):
+            if getattr(cls, "__module__", None) == C.__name__:
+                try:
+                    h.update(inspect.getsource(cls).encode())
+                except (OSError, TypeError):
+                    h.update(cls.__qualname__.encode())
+    return h.hexdigest()
+
+
+def _model_modules(root: Any) -> dict[str, Any]:
+    """``root`` and every ``mlx_lm.models`` module reachable from its globals (modules,
+    classes and functions it uses), except ``mlx_lm.models.cache``."""
+    found: dict[str, Any] = {}
+    todo = [root]
+    while todo:
+        mod = todo.pop()
+        if mod.__name__ in found:
+            continue
+        found[mod.__name__] = mod
+        for value in list(vars(mod).values()):
+            name = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
+            if (isinstance(name, str) and name.startswith("mlx_lm.models.") and name != "mlx_lm.models.cache"
+                    and name not in found and name in sys.modules):
+                todo.append(sys.modules[name])
+    return found
+
+
+def _classes(layout: list) -> set[str]:
+    out: set[str] = set()
+    for m in layout:
+        if isinstance(m, dict):
+            out.add(str(m.get("class")))
+            out |= _classes(m.get("sub") or [])
+    return out
 
 
 _KV_CLASSES = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache")
@@ -276,13 +379,14 @@ def model_identity(
     comps["kv_bits"] = kv_bits
     comps["kv_group_size"] = kv_group_size if kv_bits else None
     comps["layout"] = layout if layout is not None else layout_from_config(model_path)
+    config = json.loads((model_path / "config.json").read_text()) if (model_path / "config.json").exists() else {}
+    comps["code"] = code_digest(config, comps["layout"])
     try:
         import mlx.core as mx
         import mlx_lm
         versions = {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__}
     except Exception:  # pragma: no cover - versions are descriptive only
         versions = {}
-    config = json.loads((model_path / "config.json").read_text()) if (model_path / "config.json").exists() else {}
     return Identity.from_components(
         comps,
         name=model_path.name,

@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from . import blobs, codec
 from .disk import DiskTier, PersistJob
-from .identity import DigestMemo, Identity, describe_layout, model_identity
+from .identity import DigestMemo, Identity, describe_layout, model_identity, watch
 from .keys import TokenError, encode_tokens, key_of, root_key
 from .memory import MemoryTier, Snapshot
 from .writer import Writer
@@ -62,7 +62,7 @@ class Fetched:
 
 _STAT_KEYS = ("hits_memory", "hits_disk", "misses", "tokens_saved", "bytes_read",
               "bytes_written", "restore_seconds", "restores", "write_seconds", "writes",
-              "corrupt", "write_errors", "unpersistable")
+              "corrupt", "races", "write_errors", "unpersistable", "warnings_suppressed")
 
 
 class KVStore:
@@ -96,7 +96,7 @@ class KVStore:
         self._stats = {k: 0 for k in _STAT_KEYS}
         self._stats["restore_seconds"] = 0.0
         self._stats["write_seconds"] = 0.0
-        self._idents: dict[Hashable, Identity | None] = {}
+        self._idents: dict[Hashable, tuple[Identity | None, tuple | None, tuple | None]] = {}
         self._vocab: dict[bytes, int | None] = {}
         self._kv_quant = (kv_bits, kv_group_size if kv_bits else None)
         self._warned: set[str] = set()
@@ -118,30 +118,41 @@ class KVStore:
     # -- identity ----------------------------------------------------------------------
 
     def identity(self, model: Any) -> Identity | None:
-        """Map a model key to its identity (cached); None if it names no local files."""
+        """Map a model key to its identity; None if it names no local files.
+
+        Remembered per key, and re-derived when any file it was derived from changed
+        (``identity.watch``: a few stat calls on every use), so weights replaced in place
+        (even under their old mtime) or a model directory swapped under a running server
+        never restore the old model's KV."""
         if isinstance(model, Identity):
             return model
         try:
             key: Hashable = model if isinstance(model, Hashable) else repr(model)
         except TypeError:
             key = repr(model)
-        if key in self._idents:
-            return self._idents[key]
-        ident = None
+        known = self._idents.get(key)
+        if known is not None:
+            ident, dirs, stamp = known
+            if dirs is None or watch(*dirs) == stamp:
+                return ident
+        ident, dirs, stamp = None, None, None
         try:
             parts = list(model) if isinstance(model, (tuple, list)) else [model]
             parts += [None] * (3 - len(parts))
             path, adapter, draft = (_local_path(p) if p is not None else None for p in parts[:3])
             if path is not None:
+                dirs = (path, adapter, draft)
+                stamp = watch(*dirs)
                 ident = model_identity(path, adapter_path=adapter, draft_path=draft, memo=self.memo,
                                        kv_bits=self._kv_quant[0], kv_group_size=self._kv_quant[1])
                 if self.disk is not None:
                     self.disk.index.put_identity(ident.digest, ident.info)
         except Exception as e:  # unresolvable: memory only, said once
-            self._warn_once(f"ident:{key!r}", "kvstore: no identity for model %r (%s); memory only", model, e)
+            self._warn_once("identity", "kvstore: no identity for model %r (%s); memory only", model, e)
         if ident is None:
-            self._warn_once(f"ident:{key!r}", "kvstore: model %r is not a local directory; memory only", model)
-        self._idents[key] = ident
+            dirs = None
+            self._warn_once("identity", "kvstore: model %r is not a local directory; memory only", model)
+        self._idents[key] = (ident, dirs, stamp)
         return ident
 
     def _vocab_size(self, ident: Identity) -> int | None:
@@ -164,7 +175,7 @@ class KVStore:
 
     def register(self, model: Hashable, identity: Identity) -> None:
         """Use ``identity`` for ``model`` (engines whose key is not a path)."""
-        self._idents[model] = identity
+        self._idents[model] = (identity, None, None)
         if self.disk is not None:
             self.disk.index.put_identity(identity.digest, identity.info)
 
@@ -244,15 +255,15 @@ class KVStore:
                 cache, n = self.disk.restore(plan)
             except (blobs.BlobError, codec.Unsupported, KeyError, ValueError, OSError) as e:
                 self._stats["corrupt"] += 1
-                self._warn_once(f"bad:{e}", "kvstore: dropping damaged entry: %s", e)
+                self._warn_once("damaged", "kvstore: dropping damaged entry: %s", e)
                 self._drop(plan, e)
                 continue
             except Exception as e:  # a defect, not damage: still a miss, never a crash
                 self._stats["corrupt"] += 1
                 if self._index_damaged(e):
                     return None
-                if f"bug:{type(e).__name__}" not in self._warned:
-                    self._warned.add(f"bug:{type(e).__name__}")
+                if "bug" not in self._warned:
+                    self._warned.add("bug")
                     log.exception("kvstore: unexpected error restoring an entry (a kvstore bug: please report)")
                 self._drop(plan, e)
                 continue
@@ -260,7 +271,7 @@ class KVStore:
             wrong = _layout_problem(ident, tensors, layout)
             if wrong is not None:  # insert refuses such caches: this one was not written by it
                 self._stats["corrupt"] += 1
-                self._warn_once(f"bad:{wrong}", "kvstore: dropping an entry that does not fit its model: %s", wrong)
+                self._warn_once("misfit", "kvstore: dropping an entry that does not fit its model: %s", wrong)
                 self._drop(plan)
                 continue
             dt = time.perf_counter() - t0
@@ -324,7 +335,7 @@ class KVStore:
                 self.disk.index.touch_many(touches)
             except lmdb.Error as e:  # bookkeeping only: a failed touch costs nothing else
                 if not self._index_damaged(e):
-                    self._warn_once(f"touch:{type(e).__name__}", "kvstore: could not record hits: %s", e)
+                    self._warn_once("touch", "kvstore: could not record hits: %s", e)
 
     # -- insert ------------------------------------------------------------------------
 
@@ -351,7 +362,7 @@ class KVStore:
                  if ident is not None and snap.layout is not None and snap.tensors is not None else None)
         if wrong is not None:  # never stored on disk under this identity (memory is the caller's own)
             self._stats["unpersistable"] += 1
-            self._warn_once(f"layout:{wrong}", "kvstore: %s; kept in memory only", wrong)
+            self._warn_once("layout", "kvstore: %s; kept in memory only", wrong)
         elif (snap.tensors is not None and ident is not None and self.disk is not None and covered > 0
               and not self._disk_off):
             snap.extra["job"] = (ident, enc[: covered * 4])
@@ -365,7 +376,7 @@ class KVStore:
             tensors, layout = codec.encode_cache(cache)
         except codec.Unsupported as e:
             self._stats["unpersistable"] += 1
-            self._warn_once(f"unsup:{e}", "kvstore: %s; kept in memory only", e)
+            self._warn_once("unsupported", "kvstore: %s; kept in memory only", e)
             nbytes = sum(getattr(c, "nbytes", 0) for c in cache) if isinstance(cache, (list, tuple)) else 0
             trim = bool(cache) and all(getattr(c, "is_trimmable", lambda: False)() for c in cache)
             return Snapshot(None, None, cache, nbytes, trim, cache_type), 0
@@ -392,7 +403,7 @@ class KVStore:
         try:
             host = blobs.host_views(snap.tensors)
         except TypeError as e:
-            self._warn_once(f"dtype:{e}", "kvstore: %s; kept in memory only", e)
+            self._warn_once("dtype", "kvstore: %s; kept in memory only", e)
             return False
         job = PersistJob(ident, enc, host, snap.layout or [], snap.cache_type)
         snap.extra["disk_key"] = key_of(root_key(ident.digest), enc, self.disk.chunk) if self.disk else None
@@ -502,10 +513,15 @@ class KVStore:
                       "memory keeps serving (`kvstore verify` reports the damage)", self.cache_dir, e)
         return True
 
-    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(msg, *args)
+    def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
+        """Log ``msg`` the first time a problem of ``kind`` happens in this store; later
+        ones are only counted (``stats()["warnings_suppressed"]``). Kinds are a fixed,
+        small set, never built from data (a blob name, a record), so the set is bounded."""
+        if kind in self._warned:
+            self._stats["warnings_suppressed"] += 1
+            return
+        self._warned.add(kind)
+        log.warning(msg, *args)
 
 
 def _token_list(tokens: Any) -> list:

@@ -1,0 +1,109 @@
+"""Trust boundaries of a cache directory (issue 11): what someone else put in or around it.
+
+Each test is the reproduction of one finding of the adversarial review, run on real
+stores, real files and real processes: it failed before the fix it names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from store_util import CHUNK, run_py
+
+from kvstore import KVStore
+from kvstore.identity import code_digest, model_identity
+from tools.models import model_path
+from tools.oracle import prefill
+
+N_PROMPT = 80
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama, make_prompt):
+    model, tok = tiny_llama
+    prompt = make_prompt(tok, N_PROMPT, seed=5)
+    return {"model": model, "prompt": prompt, "cache": prefill(model, prompt)}
+
+
+def _swap_weights_keep_stat(model_dir: Path) -> None:
+    """Different weights of the same size, with the old mtime put back (what ``cp -p``,
+    ``rsync -a`` and ``touch -r`` do)."""
+    w = model_dir / "model.safetensors"
+    st = w.stat()
+    data = bytearray(w.read_bytes())
+    data[-64:] = bytes(b ^ 0x5A for b in data[-64:])
+    w.write_bytes(bytes(data))
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (w.stat().st_size, w.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+
+# -- finding 2: a stale identity restores the old weights' KV ----------------------------
+
+
+def test_weights_swapped_under_old_mtime_miss_in_a_new_process(tmp_path, llama):
+    mdir = shutil.copytree(model_path("tiny-llama"), tmp_path / "model")
+    cache_dir = tmp_path / "cache"
+    with KVStore(cache_dir, chunk_tokens=CHUNK) as s:
+        s.insert(mdir, llama["prompt"], llama["cache"])
+    _swap_weights_keep_stat(mdir)
+    got = run_py("""
+        import json, sys
+        from kvstore import KVStore
+        a = json.loads(sys.argv[1])
+        with KVStore(a["cache"], chunk_tokens=a["chunk"]) as s:
+            f = s.fetch(a["model"], a["prompt"])
+        print(json.dumps({"n": f.n, "source": f.source}))
+    """, {"cache": str(cache_dir), "model": str(mdir), "prompt": llama["prompt"], "chunk": CHUNK})
+    assert got == {"n": 0, "source": None}, "the old weights' KV was restored for new weights"
+
+
+def test_running_store_notices_weights_swapped_under_it(tmp_path, llama):
+    mdir = shutil.copytree(model_path("tiny-llama"), tmp_path / "model")
+    with KVStore(tmp_path / "cache", chunk_tokens=CHUNK) as s:
+        s.insert(mdir, llama["prompt"], llama["cache"])
+        before = s.identity(mdir)
+        assert s.fetch(mdir, llama["prompt"]).n == len(llama["prompt"])
+        _swap_weights_keep_stat(mdir)
+        assert s.identity(mdir) != before
+        got = s.fetch(mdir, llama["prompt"])
+        assert (got.n, got.cache) == (0, None), "a running store kept the old identity"
+        s.flush()
+    with KVStore(tmp_path / "cache", chunk_tokens=CHUNK) as s:  # and the disk tier agrees
+        assert s.fetch(mdir, llama["prompt"]).n == 0
+
+
+def test_identity_includes_the_model_code(tmp_path):
+    """The code component follows the mlx-lm module that builds the model: a copy of
+    llama.py under another model_type gives the same digest as llama; one changed line in
+    it (a RoPE detail) gives another. Run in a new process, where the copy is importable
+    as ``mlx_lm.models.<name>`` exactly as an upgraded mlx-lm would ship it."""
+    got = run_py("""
+        import json, sys, pathlib
+        import mlx_lm.models, mlx_lm.models.llama as L
+        from kvstore.identity import code_digest
+        a = json.loads(sys.argv[1])
+        src = pathlib.Path(L.__file__).read_text()
+        d = pathlib.Path(a["tmp"])
+        (d / "kvtest_same.py").write_text(src)
+        (d / "kvtest_changed.py").write_text(src.replace("args.rope_theta,", "args.rope_theta * 1.0,", 1))
+        mlx_lm.models.__path__.append(str(d))
+        layout = [{"class": "KVCache"}]
+        out = {n: code_digest({"model_type": n}, layout) for n in ("llama", "kvtest_same", "kvtest_changed", "gemma3")}
+        out["rotating"] = code_digest({"model_type": "llama"}, [{"class": "RotatingKVCache"}])
+        print(json.dumps(out))
+    """, {"tmp": str(tmp_path)})
+    assert got["llama"] and got["llama"] == got["kvtest_same"]
+    assert got["kvtest_changed"] != got["llama"]
+    assert got["gemma3"] != got["llama"]
+    assert got["rotating"] != got["llama"]  # the cache classes' code is part of it
+
+
+def test_code_component_is_in_the_identity():
+    comps = model_identity(model_path("tiny-llama")).info["components"]
+    cfg = json.loads((model_path("tiny-llama") / "config.json").read_text())
+    assert comps["code"] == code_digest(cfg, comps["layout"]) is not None
