@@ -1,39 +1,52 @@
-"""The blob format: one safetensors file per chunk, tail or snapshot, written crash-safe.
+"""The blob format and kvstore's own files: pack files of safetensors segments.
 
-The framing is the published safetensors layout (8-byte little-endian header length, JSON
-header with dtype / shape / data_offsets and ``__metadata__``, raw little-endian data), so
-any safetensors reader opens a blob (tests check ``safetensors.safe_open`` and
-``mx.load``). kvstore writes and parses the framing itself because it must stream KV views
-straight to the file while hashing them, and read a file straight into the memory of the
-arrays it restores (or into their token slices) while hashing it; the ``safetensors``
-binding's Python API changed shape between 0.4 and 0.8 and offers neither.
+A persist writes ONE pack file holding every new segment of the entry (its new chunks and
+its tail or snapshot). Each segment is a complete safetensors buffer (8-byte little-endian
+header length, JSON header with dtype / shape / data_offsets and ``__metadata__``, raw data),
+so any safetensors reader opens a segment cut out of its pack; its xxh3-128 is its checksum.
+kvstore writes and parses the framing itself: it streams KV views straight to the file while
+hashing them, and reads a file straight into the memory of the arrays it restores.
 
 Guarantees:
-- ``write_blob`` makes a file appear under its final name only complete and fsynced:
-  temp file in the same directory, fsync, rename, fsync the directory (F_FULLFSYNC on macOS).
-- ``read_blob`` / ``Blob.read`` return arrays only if size and xxh3-128 checksum match the
-  index record; anything else raises ``BlobError`` (the store turns that into a miss).
-  ``Blob.read_into`` fills caller-owned arrays: they hold unverified bytes until it
-  returns, and a caller that gets a ``BlobError`` drops them.
+- Only kvstore's own files (``pack_path``, ``open_own``, ``own_packs``): a pack's name is
+  derived from 16 random bytes, never from a string in a record; kvstore opens, reads and
+  unlinks only regular files under ``blobs/<2 hex>/`` named ``<32 hex>.kvpack``, never
+  follows a symlink there (``O_NOFOLLOW``, ``lstat``) and never waits on a FIFO or device
+  (non-blocking open, ``S_ISREG`` checked on the open descriptor). Files are created 0600
+  (0660 for a group-shared directory), directories 0700 (0770); a stricter umask wins.
+- ``PackWriter`` writes a new, never reused name (``O_EXCL``): a crash leaves at most an
+  unnamed file, which the index never points at. ``seal`` makes it durable (file and
+  directory synced; on macOS ``F_BARRIERFSYNC``, which orders it before the index commit
+  that names it, at a fraction of ``F_FULLFSYNC``'s cost) before any record names it.
+- ``SegmentReader.read_into`` hands back nothing unverified: a size, header or checksum
+  mismatch raises ``BlobError``, and the caller drops the arrays it was filling.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import re
+import stat
 import struct
 import sys
-import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-import mlx.core as mx
 import numpy as np
 import xxhash
 
-TMP_SUFFIX = ".tmp"
-BLOB_SUFFIX = ".safetensors"
+from .records import KEY, Segment
+
+PACK_SUFFIX = ".kvpack"
+_PACK_NAME = re.compile(r"([0-9a-f]{2})[0-9a-f]{30}\.kvpack")
+_FANOUT = re.compile(r"[0-9a-f]{2}")
+MAX_HEADER = 16 << 20  # bytes of one segment's JSON header
+_PIECE = 1 << 20       # bytes read (or written) and hashed at a time: still in cache when hashed
+_IOV_MAX = 512
 
 # mlx dtype name -> (safetensors dtype, numpy dtype used on the host side)
 _DTYPES: dict[str, tuple[str, str]] = {
@@ -45,24 +58,185 @@ _DTYPES: dict[str, tuple[str, str]] = {
 }
 _FROM_ST = {st: (name, npd) for name, (st, npd) in _DTYPES.items()}
 
+Specs = dict[str, tuple[str, tuple[int, ...]]]  # name -> (safetensors dtype, shape), file order
+
 
 class BlobError(Exception):
-    """A blob is missing, truncated, corrupt or not what its index record says."""
+    """A blob is missing, truncated, corrupt, not kvstore's, or not what its record says."""
 
     # set by the disk tier's restore: ("entry" | "chunk", key) of the record that failed
     record: tuple[str, bytes] | None = None
 
 
-def _dtype_name(d: mx.Dtype) -> str:
+# ----------------------------------------------------------------------------- files
+
+
+def pack_path(blob_root: Path, pack: bytes) -> Path:
+    """The one path pack ``pack`` (16 bytes) may have: ``blobs/<2 hex>/<32 hex>.kvpack``."""
+    if len(pack) != KEY:
+        raise BlobError(f"a pack id is {KEY} bytes, got {len(pack)}")
+    h = pack.hex()
+    return blob_root / h[:2] / f"{h}{PACK_SUFFIX}"
+
+
+def open_own(path: Path) -> int:
+    """A read-only descriptor of ``path`` if it is a regular file reached without following
+    a symlink at its last component; BlobError otherwise (missing, a symlink, a FIFO, a
+    device, a directory). Never blocks: the open is non-blocking, the type checked on it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise BlobError(f"{path.name}: blob file is missing") from None
+    except OSError as e:
+        why = "a symlink" if e.errno == errno.ELOOP else e.strerror
+        raise BlobError(f"{path.name}: not kvstore's file ({why})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BlobError(f"{path.name}: not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def real_dir(path: Path) -> bool:
+    """``path`` is a directory itself, not a symlink to one."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def make_dir(path: Path, mode: int) -> bool:
+    """Create directory ``path`` (parent must exist) with ``mode``; True if it was created.
+    An existing symlink or file there raises BlobError: kvstore never writes through one."""
+    try:
+        os.mkdir(path, mode)
+        return True
+    except FileExistsError:
+        if not real_dir(path):
+            raise BlobError(f"{path} exists and is not a directory of kvstore's (a symlink or a file)") from None
+        return False
+
+
+def untrusted_dir(path: Path, *, shared: bool = False, follow: bool = False) -> str | None:
+    """Why kvstore must not keep a cache in directory ``path``, or None. A cache holds
+    users' prompts (as token ids) and decides what KV a model is given, so its directory
+    must be this user's and writable by nobody else: not owned by another user, not
+    writable by its group (unless ``shared``: a group shares it on purpose), never
+    writable by everyone. ``follow``: ``path`` may be a symlink to such a directory (the
+    cache root a user names); directories inside it never may."""
+    try:
+        st = os.stat(path) if follow else os.lstat(path)
+    except OSError as e:
+        return f"cannot use {path}: {e.strerror}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a directory{'' if follow else ' (a symlink or a file)'}"
+    mode = stat.S_IMODE(st.st_mode)
+    fix = "or pass shared_dir=True (--shared-dir) if a group shares it on purpose"
+    if st.st_mode & stat.S_IWOTH:
+        return (f"{path} is writable by every user (mode {mode:o}): anyone could plant entries or "
+                f"read cached prompts; run `chmod 700 {path}` or use another cache directory")
+    if not shared and hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        return (f"{path} belongs to another user (uid {st.st_uid}): they could read cached prompts "
+                f"and plant entries; use a cache directory of your own, {fix}")
+    if not shared and st.st_mode & stat.S_IWGRP:
+        return (f"{path} is writable by its group (mode {mode:o}): run `chmod 700 {path}`, {fix}")
+    return None
+
+
+def make_private(path: Path) -> None:
+    """Take group and other permissions off a directory this user owns (caches made by
+    earlier versions under umask 022 were readable by every local user)."""
+    try:
+        st = os.stat(path)
+        if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077:
+            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+    except OSError:
+        pass
+
+
+@dataclass(frozen=True)
+class OwnFile:
+    """A pack file found under ``blobs/``: its id, path and ``lstat``."""
+
+    pack: bytes
+    path: Path
+    st: os.stat_result
+
+
+def own_packs(blob_root: Path) -> tuple[list[OwnFile], list[Path]]:
+    """(kvstore's pack files, every other entry) under ``blob_root``, found without following
+    any symlink: ``blob_root`` and its fan-out directories must be real directories, a file
+    is kvstore's only if it is a regular file named as ``pack_path`` names it. Others are
+    listed so they can be reported, and are never opened, renamed or unlinked."""
+    if not real_dir(blob_root):
+        return [], ([blob_root] if os.path.lexists(blob_root) else [])
+    own: list[OwnFile] = []
+    foreign: list[Path] = []
+    for sub in _scan(blob_root):
+        if not (_FANOUT.fullmatch(sub.name) and sub.is_dir(follow_symlinks=False)):
+            foreign.append(Path(sub.path))
+            continue
+        for f in _scan(Path(sub.path)):
+            m = _PACK_NAME.fullmatch(f.name)
+            try:
+                st = f.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if m and m.group(1) == sub.name and stat.S_ISREG(st.st_mode):
+                own.append(OwnFile(bytes.fromhex(f.name[: 2 * KEY]), Path(f.path), st))
+            else:
+                foreign.append(Path(f.path))
+    return own, foreign
+
+
+def _scan(path: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def sync(fd: int) -> None:
+    """Make what was written to ``fd`` durable before anything written after it: fsync;
+    on macOS ``F_BARRIERFSYNC`` (an ordering barrier: the index commit that follows cannot
+    reach the disk before this file does), falling back to ``F_FULLFSYNC``, then fsync."""
+    if sys.platform == "darwin":
+        import fcntl
+
+        for op in (getattr(fcntl, "F_BARRIERFSYNC", 85), fcntl.F_FULLFSYNC):
+            try:
+                fcntl.fcntl(fd, op)
+                return
+            except OSError:
+                continue
+    os.fsync(fd)
+
+
+def sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        sync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- framing
+
+
+def _dtype_name(d: Any) -> str:
     return str(d).split(".")[-1]
 
 
-def host_views(tensors: dict[str, mx.array]) -> dict[str, tuple[str, Any]]:
-    """Prepare tensors for a writer thread: ``name -> (safetensors dtype, evaluated array)``.
+def host_views(tensors: dict[str, Any]) -> dict[str, tuple[str, Any]]:
+    """Prepare MLX tensors for a writer thread: ``name -> (safetensors dtype, evaluated
+    array)``. Runs on the caller's thread (MLX ops stay there); bfloat16 becomes a free
+    uint16 view so the writer needs nothing but numpy's buffer protocol."""
+    import mlx.core as mx
 
-    Runs on the caller's thread (MLX ops stay there); bfloat16 becomes a free uint16 view so
-    the writer needs nothing but numpy's buffer protocol.
-    """
     out: dict[str, tuple[str, Any]] = {}
     for name, a in tensors.items():
         dn = _dtype_name(a.dtype)
@@ -73,182 +247,82 @@ def host_views(tensors: dict[str, mx.array]) -> dict[str, tuple[str, Any]]:
     return out
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        _full_fsync(fd)
-    finally:
-        os.close(fd)
+def _rows(a: np.ndarray) -> Iterator[np.ndarray]:
+    """``a`` as C-order runs of contiguous memory: itself, or its last-two-axes slabs (a
+    token slice of a KV array is contiguous per head)."""
+    if a.flags.c_contiguous:
+        yield a
+        return
+    for idx in np.ndindex(a.shape[:-2]):
+        r = a[idx]
+        if not r.flags.c_contiguous:
+            r = np.ascontiguousarray(r)
+        yield r
 
 
-def _full_fsync(fd: int) -> None:
-    if sys.platform == "darwin":  # fsync does not reach the platter on macOS
-        import fcntl
-        try:
-            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
-            return
-        except OSError:
-            pass
-    os.fsync(fd)
-
-
-def write_blob(path: Path, tensors: dict[str, tuple[str, Any]], metadata: dict[str, str]) -> tuple[int, str]:
-    """Write a blob at ``path`` crash-safely; returns (size in bytes, checksum).
-
-    ``tensors`` comes from ``host_views`` (or holds numpy arrays with their dtype tag).
-    On any error the temp file is removed and nothing appears at ``path``.
-    """
+def frame(tensors: dict[str, tuple[str, Any]], metadata: dict[str, str]) -> tuple[bytes, list[np.ndarray]]:
+    """A segment's header prefix and its tensors' host arrays, in file (name) order."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     arrays = []
     offset = 0
     for name in sorted(tensors):
         st, a = tensors[name]
         arr = np.asarray(a)
-        n = arr.nbytes
-        header[name] = {"dtype": st, "shape": list(arr.shape), "data_offsets": [offset, offset + n]}
+        header[name] = {"dtype": st, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
         arrays.append(arr)
-        offset += n
+        offset += arr.nbytes
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
-    prefix = struct.pack("<Q", len(hb)) + hb
+    return struct.pack("<Q", len(hb)) + hb, arrays
 
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
-    h = xxhash.xxh3_128()
+
+@dataclass(frozen=True)
+class Header:
+    """A segment's parsed header: ``meta`` (``__metadata__``), tensor ``specs`` in file
+    order, and ``start``, the bytes before the data. Unverified until the segment's
+    checksum matched; its specs exactly tile the segment (nothing it says can make a reader
+    allocate more than the segment holds)."""
+
+    meta: dict[str, str]
+    specs: Specs
+    start: int
+    prefix: bytes
+
+
+def parse_header(data: bytes, length: int) -> Header:
+    """The header of a segment of ``length`` bytes whose first bytes are ``data`` (at
+    least 8 + the header length); BlobError if malformed or not tiling the segment."""
+    if len(data) < 8 or length < 8:
+        raise BlobError("segment shorter than its 8-byte header length")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > min(length - 8, MAX_HEADER) or n > len(data) - 8:
+        raise BlobError(f"header length {n} does not fit a {length}-byte segment")
     try:
-        with open(tmp, "wb") as f:
-            f.write(prefix)
-            h.update(prefix)
-            for arr in arrays:
-                buf = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-                f.write(buf)
-                h.update(buf)
-            f.flush()
-            _full_fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-    return len(prefix) + offset, h.hexdigest()
-
-
-def parse_header(data: bytes | memoryview) -> tuple[dict[str, Any], int]:
-    """Header dict and the start of the data section; BlobError if malformed."""
-    if len(data) < 8:
-        raise BlobError("blob shorter than its 8-byte header length")
-    (n,) = struct.unpack("<Q", bytes(data[:8]))
-    if n > len(data) - 8:
-        raise BlobError(f"header length {n} exceeds blob size {len(data)}")
-    try:
-        header = json.loads(bytes(data[8 : 8 + n]))
-    except ValueError as e:
-        raise BlobError(f"header is not JSON: {e}") from None
+        header = json.loads(data[8 : 8 + n])
+    except (ValueError, RecursionError) as e:
+        raise BlobError(f"header is not JSON: {type(e).__name__}") from None
     if not isinstance(header, dict):
         raise BlobError("header is not a JSON object")
-    return header, 8 + n
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise BlobError("header metadata is not a string map")
+    return Header(meta, _specs(header, length - 8 - n), 8 + n, bytes(data[: 8 + n]))
 
 
-# Bytes read (and hashed right after, while still in cache) per readinto call.
-_PIECE = 1 << 20
-
-
-class Blob:
-    """An open blob whose size matched its index record and whose header parsed. Nothing in
-    it is verified yet, ``meta`` and ``specs`` included, until ``read``/``read_into``
-    returns; their shapes are only bounded (they exactly cover the file's data section).
-
-    ``specs``: name -> (safetensors dtype, shape), in file order.
-    """
-
-    def __init__(self, path: Path, size: int, checksum: str) -> None:
-        self.path, self.checksum = path, checksum
-        try:
-            self._f = open(path, "rb", buffering=0)
-        except FileNotFoundError:
-            raise BlobError(f"{path.name}: blob file is missing") from None
-        except OSError as e:
-            raise BlobError(f"{path.name}: {e}") from None
-        try:
-            actual = os.fstat(self._f.fileno()).st_size
-            if actual != size:
-                raise BlobError(f"{path.name}: size {actual}, index says {size}")
-            if size < 8:
-                raise BlobError(f"{path.name}: shorter than its 8-byte header length")
-            head = self._exact(8)
-            self.prefix = head + self._exact(min(struct.unpack("<Q", head)[0], size - 8))
-            header, start = parse_header(self.prefix)
-            meta = header.pop("__metadata__", {}) or {}
-            self.meta: dict[str, str] = meta if isinstance(meta, dict) else {}
-            self.specs = _specs(header, size - start)
-        except OSError as e:
-            self.close()
-            raise BlobError(f"{path.name}: {e}") from None
-        except BaseException:
-            self.close()
-            raise
-
-    def _exact(self, n: int) -> bytes:
-        b = self._f.read(n)
-        if len(b) != n:
-            raise BlobError(f"{self.path.name}: short read")
-        return b
-
-    def close(self) -> None:
-        self._f.close()
-
-    def read_into(self, dests: dict[str, tuple[str, np.ndarray]]) -> None:
-        """Read the tensors straight into ``dests`` (name -> (expected safetensors dtype,
-        writable numpy array of the stored shape and host dtype: C-contiguous, or a slice
-        of one along axis -2)), hashing the bytes as they land; raises BlobError if a
-        tensor is not the one expected or the bytes do not match the checksum, and always
-        closes the file. Until it returns, the arrays hold unverified bytes: a caller that
-        gets a BlobError must drop them. numpy, I/O and xxhash only (no MLX): callable
-        from any thread."""
-        try:
-            if set(dests) != set(self.specs):
-                raise BlobError(f"{self.path.name}: tensors {sorted(self.specs)}, expected {sorted(dests)}")
-            h = xxhash.xxh3_128(self.prefix)
-            for name, (st, shape) in self.specs.items():
-                want, d = dests[name]
-                if st != want or d.shape != shape or d.dtype != np.dtype(_FROM_ST[st][1]):
-                    raise BlobError(f"{self.path.name}: tensor {name!r} is {st} {list(shape)}, "
-                                    f"expected {want} {list(d.shape)}")
-                for piece in _pieces(d):
-                    if self._f.readinto(piece) != len(piece):
-                        raise BlobError(f"{self.path.name}: short read")
-                    h.update(piece)
-        except OSError as e:
-            raise BlobError(f"{self.path.name}: {e}") from None
-        finally:
-            self.close()
-        if h.hexdigest() != self.checksum:
-            raise BlobError(f"{self.path.name}: checksum mismatch")
-
-    def read(self) -> dict[str, mx.array]:
-        """The verified tensors as fresh MLX arrays (allocated, then read into directly).
-        Runs MLX ops: call it on the thread that uses the arrays."""
-        arrays, hosts = empty(self.specs)
-        self.read_into({name: (st, hosts[name]) for name, (st, _) in self.specs.items()})
-        return {name: finish(st, arrays[name]) for name, (st, _) in self.specs.items()}
-
-
-def _specs(header: dict[str, Any], data_size: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+def _specs(header: dict[str, Any], data_size: int) -> Specs:
     """Tensor specs in file order; BlobError unless they tile ``data_size`` bytes exactly."""
     try:
         items = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
-        out: dict[str, tuple[str, tuple[int, ...]]] = {}
+        out: Specs = {}
         end = 0
         for name, spec in items:
             st = spec["dtype"]
             shape = tuple(int(d) for d in spec["shape"])
             a, b = (int(x) for x in spec["data_offsets"])
             nbytes = np.dtype(_FROM_ST[st][1]).itemsize * math.prod(shape)
-            if min(shape, default=0) < 0 or a != end or b - a != nbytes:
+            if len(shape) > 8 or min(shape, default=0) < 0 or a != end or b - a != nbytes:
                 raise BlobError(f"tensor {name!r}: offsets {a}-{b} do not fit {st} {list(shape)}")
-            out[name] = (st, shape)
+            out[str(name)] = (st, shape)
             end = b
     except (KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
         raise BlobError(f"malformed tensor entry: {e!r}") from None
@@ -257,33 +331,277 @@ def _specs(header: dict[str, Any], data_size: int) -> dict[str, tuple[str, tuple
     return out
 
 
-def _pieces(a: np.ndarray):
-    """Writable byte views covering ``a`` in C order, each contiguous, at most _PIECE long."""
-    rows = [a] if a.flags.c_contiguous else (a[i] for i in np.ndindex(a.shape[:-2]))
+# ----------------------------------------------------------------------------- writing
+
+
+class PackWriter:
+    """One new pack file: ``add`` segments, ``seal`` it, then let the index name it.
+
+    Until the index commit names it, the file is an orphan that ``gc`` may remove once old
+    enough; ``still_there`` lets that commit check, inside its write transaction, that the
+    file it is about to name is still the one written here."""
+
+    def __init__(self, blob_root: Path, *, mode: int = 0o600, dir_mode: int = 0o700) -> None:
+        self.pack = os.urandom(KEY)
+        self.path = pack_path(blob_root, self.pack)
+        self.blob_root = blob_root
+        self._new_dir = make_dir(self.path.parent, dir_mode)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        self.fd = os.open(self.path, flags, mode)
+        self.size = 0
+
+    def add(self, tensors: dict[str, tuple[str, Any]], metadata: dict[str, str]) -> Segment:
+        """Append one segment (``tensors`` from ``host_views``, or numpy arrays with their
+        safetensors dtype); returns where it is and its checksum."""
+        prefix, arrays = frame(tensors, metadata)
+        h = xxhash.xxh3_128(prefix)
+        start = self.size
+        self._write([memoryview(prefix)])
+        batch: list[memoryview] = []
+        size = 0
+        for arr in arrays:
+            for row in _rows(arr):
+                mv = memoryview(row.reshape(-1).view(np.uint8))
+                for i in range(0, len(mv), _PIECE):
+                    batch.append(mv[i : i + _PIECE])
+                    size += len(batch[-1])
+                    if size >= _PIECE or len(batch) >= _IOV_MAX:
+                        self._write(batch, h)
+                        batch, size = [], 0
+        self._write(batch, h)
+        return Segment(self.pack, start, self.size - start, h.digest())
+
+    def _write(self, views: list[memoryview], h: Any = None) -> None:
+        while views:
+            n = os.writev(self.fd, views)
+            self.size += n
+            done = 0
+            while views and done + len(views[0]) <= n:
+                done += len(views[0])
+                if h is not None:
+                    h.update(views[0])
+                views = views[1:]
+            if views and n > done:  # a short write: finish the partial view
+                if h is not None:
+                    h.update(views[0][: n - done])
+                views[0] = views[0][n - done :]
+
+    def seal(self) -> None:
+        """Make the file and its name durable (see ``sync``)."""
+        sync(self.fd)
+        sync_dir(self.path.parent)
+        if self._new_dir:
+            sync_dir(self.blob_root)
+
+    def still_there(self) -> bool:
+        """The file at ``path`` is still the one this writer wrote (not removed by a gc)."""
+        try:
+            a, b = os.stat(self.path, follow_symlinks=False), os.fstat(self.fd)
+        except OSError:
+            return False
+        return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def discard(self) -> None:
+        """Close and remove the file (nothing names it)."""
+        self.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_header(fd: int, seg: Segment, name: str = "segment") -> Header:
+    """Read and parse the header of ``seg`` in the open pack ``fd`` (unverified)."""
+    head = os.pread(fd, min(seg.length, 64 << 10), seg.offset)
+    if len(head) >= 8:
+        (n,) = struct.unpack("<Q", head[:8])
+        if 8 + n > len(head) and n <= min(seg.length - 8, MAX_HEADER):
+            head += os.pread(fd, 8 + n - len(head), seg.offset + len(head))
+    try:
+        return parse_header(head, seg.length)
+    except BlobError as e:
+        raise BlobError(f"{name}: {e}") from None
+
+
+def read_into(fd: int, seg: Segment, header: Header, dests: dict[str, np.ndarray], name: str = "segment") -> None:
+    """Read ``seg``'s tensors straight into ``dests`` (name -> writable numpy array of the
+    stored shape and host dtype: contiguous, or a token slice of one), hashing the bytes as
+    they land; BlobError if a tensor is not the one expected, the file is short or the
+    bytes do not match the checksum. Until it returns, ``dests`` hold unverified bytes.
+    numpy, I/O and xxhash only: callable from any thread (preadv and xxhash release the
+    GIL, so several segments read in parallel)."""
+    if set(dests) != set(header.specs):
+        raise BlobError(f"{name}: tensors {sorted(header.specs)}, expected {sorted(dests)}")
+    views: list[memoryview] = []
+    for tname, (st, shape) in header.specs.items():
+        d = dests[tname]
+        if d.shape != shape or d.dtype != np.dtype(_FROM_ST[st][1]):
+            raise BlobError(f"{name}: tensor {tname!r} is {st} {list(shape)}, expected {list(d.shape)} {d.dtype}")
+        for row in _dest_rows(d):
+            mv = memoryview(row.reshape(-1).view(np.uint8))
+            views.extend(mv[i : i + _PIECE] for i in range(0, len(mv), _PIECE))
+    h = xxhash.xxh3_128(header.prefix)
+    pos = seg.offset + header.start
+    for batch in _batches(views):
+        got = _preadv(fd, batch, pos)
+        if got != sum(len(v) for v in batch):
+            raise BlobError(f"{name}: short read (the pack file is truncated)")
+        for v in batch:
+            h.update(v)
+        pos += got
+    if pos != seg.end:
+        raise BlobError(f"{name}: tensors end at {pos - seg.offset}, the segment at {seg.length}")
+    if h.digest() != seg.checksum:
+        raise BlobError(f"{name}: checksum mismatch")
+
+
+def _dest_rows(d: np.ndarray) -> Iterator[np.ndarray]:
+    rows = [d] if d.flags.c_contiguous else (d[i] for i in np.ndindex(d.shape[:-2]))
     for r in rows:
         if not r.flags.c_contiguous or not r.flags.writeable:
             raise ValueError("destination is not writable in contiguous rows")
-        mv = memoryview(r.reshape(-1).view(np.uint8))
-        for i in range(0, len(mv), _PIECE):
-            yield mv[i : i + _PIECE]
+        yield r
 
+
+def _batches(views: list[memoryview]) -> Iterator[list[memoryview]]:
+    batch: list[memoryview] = []
+    size = 0
+    for v in views:
+        batch.append(v)
+        size += len(v)
+        if size >= _PIECE or len(batch) >= _IOV_MAX:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _preadv(fd: int, views: list[memoryview], pos: int) -> int:
+    """Fill ``views`` from ``pos`` (a short count only at the end of the file)."""
+    if hasattr(os, "preadv"):
+        total = want = sum(len(v) for v in views)
+        got = os.preadv(fd, views, pos)
+        while got < total:  # preadv may stop early; finish with plain preads
+            done = 0
+            for v in views:
+                if got < done + len(v):
+                    part = v[got - done :]
+                    n = os.preadv(fd, [part], pos + got)
+                    if n <= 0:
+                        return got
+                    got += n
+                    break
+                done += len(v)
+        return min(got, want)
+    got = 0
+    for v in views:
+        data = os.pread(fd, len(v), pos + got)
+        v[: len(data)] = data
+        got += len(data)
+        if len(data) < len(v):
+            break
+    return got
+
+
+def read_segment(path: Path, seg: Segment) -> tuple[dict[str, Any], dict[str, str]]:
+    """One segment, verified, as fresh MLX arrays with its header metadata (for tools
+    and tests; restores read many segments into shared arrays instead). BlobError if it
+    is not kvstore's file or does not match ``seg``."""
+    fd = open_own(path)
+    try:
+        if os.fstat(fd).st_size < seg.end:
+            raise BlobError(f"{path.name}: shorter than the segment")
+        header = read_header(fd, seg, path.name)
+        arrays, hosts = alloc(header.specs)
+        read_into(fd, seg, header, hosts, path.name)
+    finally:
+        os.close(fd)
+    return {n: finish(header.specs[n][0], a) for n, a in arrays.items()}, header.meta
+
+
+def hash_segment(fd: int, seg: Segment) -> bytes:
+    """xxh3-128 of a segment's bytes as they are on disk (``verify``)."""
+    h = xxhash.xxh3_128()
+    pos, end = seg.offset, seg.end
+    while pos < end:
+        data = os.pread(fd, min(8 << 20, end - pos), pos)
+        if not data:
+            break
+        h.update(data)
+        pos += len(data)
+    return h.digest()
+
+
+# ----------------------------------------------------------------------------- arrays
+
+
+class _Unfilled:
+    """A file-like object ``mx.load`` reads a safetensors header from and whose data
+    reads fill nothing: the arrays it makes are allocated and left as the allocator gave
+    them. MLX has no uninitialised allocation in Python; zeros would touch every page from
+    user code first (in a fresh process that costs more than the read that follows)."""
+
+    name = "kvstore-alloc.safetensors"
+    closed = False
+
+    def __init__(self, specs: Specs) -> None:
+        header: dict[str, Any] = {}
+        offset = 0
+        for tname, (st, shape) in specs.items():
+            st = _STORAGE.get(st, st)  # see ``_STORAGE``
+            n = np.dtype(_FROM_ST[st][1]).itemsize * math.prod(shape)
+            header[tname] = {"dtype": st, "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        hb = json.dumps(header).encode()
+        hb += b" " * (-len(hb) % 8)
+        self.prefix = struct.pack("<Q", len(hb)) + hb
+        self.size = len(self.prefix) + offset
+        self.pos = 0
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = (0, self.pos, self.size)[whence] + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buf: Any) -> int:
+        mv = memoryview(buf).cast("B")
+        if self.pos < len(self.prefix):
+            n = min(len(mv), len(self.prefix) - self.pos)
+            mv[:n] = self.prefix[self.pos : self.pos + n]
+        self.pos += len(mv)
+        return len(mv)
+
+
+# Allocated as a same-width integer and viewed as the real dtype at the end: bfloat16 has
+# no numpy dtype, and MLX's safetensors loader has no float64.
+_STORAGE = {"BF16": "U16", "F64": "U64"}
 
 # Read straight into MLX's memory (numpy views of evaluated arrays). If an MLX build ever
 # hands numpy a copy instead, restores fall back to numpy buffers and one copy into MLX.
 SHARED_MEMORY = True
 
 
-def empty(specs: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Destinations for stored tensor specs (bfloat16 as its uint16 storage): fresh
-    evaluated MLX arrays and writable numpy views of their memory (or, where MLX does not
-    share its memory, numpy buffers standing in for the arrays). Write the views before any
-    MLX op uses the arrays, then hand out ``finish(st, array)``. Runs MLX ops (caller's
-    thread)."""
+def alloc(specs: Specs) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Destinations for tensor specs (bfloat16 as its uint16 storage): MLX arrays whose
+    memory is allocated but not touched, and writable numpy views of it (or, where MLX
+    does not share its memory, numpy buffers standing in for the arrays). Fill the views
+    before any MLX op uses the arrays, then hand out ``finish(st, array)``."""
     global SHARED_MEMORY
     if SHARED_MEMORY:
-        arrays = {name: mx.zeros(shape, _storage_dtype(st)) for name, (st, shape) in specs.items()}
-        mx.eval(list(arrays.values()))
-        hosts = {name: np.asarray(a) for name, a in arrays.items()}
+        import mlx.core as mx
+
+        arrays = mx.load(_Unfilled(specs), format="safetensors")
+        hosts = {name: np.asarray(a).view(host_dtype(specs[name][0])) for name, a in arrays.items()}
         if not any(h.flags.owndata or not h.flags.writeable for h in hosts.values()):
             return arrays, hosts
         SHARED_MEMORY = False  # a copy would lose the data
@@ -291,49 +609,14 @@ def empty(specs: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[dict[str, Any]
     return dict(hosts), hosts
 
 
-def _storage_dtype(st: str) -> mx.Dtype:
-    name = {"BF16": "uint16", "BOOL": "bool_"}.get(st) or _FROM_ST[st][0]
-    return getattr(mx, name)
+def finish(st: str, a: Any) -> Any:
+    """The MLX array of a filled destination from ``alloc``."""
+    import mlx.core as mx
 
-
-def finish(st: str, a: Any) -> mx.array:
-    """The MLX array of a filled destination from ``empty``."""
     if isinstance(a, np.ndarray):
-        a = mx.array(a, dtype=_storage_dtype(st))
-    return a.view(mx.bfloat16) if st == "BF16" else a
+        a = mx.array(a.view(_FROM_ST[_STORAGE.get(st, st)][1]))
+    return a.view(getattr(mx, _FROM_ST[st][0])) if st in _STORAGE else a
 
 
-def read_blob(path: Path, size: int, checksum: str) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """Read, verify and decode one blob. Raises BlobError on any mismatch.
-
-    The bytes go from the file straight into the returned arrays' memory and are hashed
-    there; the arrays are returned only once size and checksum matched."""
-    blob = Blob(path, size, checksum)
-    try:
-        return blob.read(), blob.meta
-    finally:
-        blob.close()
-
-
-def decode_blob(buf: memoryview) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """Arrays (copies) and metadata from verified blob bytes already in memory. Restores
-    do not use it (``Blob`` reads straight into the arrays); kept for tools."""
-    header, start = parse_header(buf)
-    meta = header.pop("__metadata__", {}) or {}
-    out: dict[str, mx.array] = {}
-    try:
-        for name, spec in header.items():
-            mx_name, npd = _FROM_ST[spec["dtype"]]
-            a, b = spec["data_offsets"]
-            arr = np.frombuffer(buf[start + a : start + b], dtype=npd).reshape(spec["shape"])
-            x = mx.array(arr)
-            out[name] = x.view(mx.bfloat16) if mx_name == "bfloat16" else x
-    except (KeyError, ValueError, TypeError) as e:
-        raise BlobError(f"malformed tensor entry: {e}") from None
-    return out, meta
-
-
-def blob_path(root: Path, key_hex: str) -> Path:
-    """Final path of a new blob for ``key_hex``: fanned out by the key's first byte, with a
-    unique suffix so a rewrite never replaces a file another process may still be removing."""
-    return root / key_hex[:2] / f"{key_hex}-{uuid.uuid4().hex[:8]}{BLOB_SUFFIX}"
+def host_dtype(st: str) -> np.dtype:
+    return np.dtype(_FROM_ST[st][1])

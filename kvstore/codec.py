@@ -15,13 +15,17 @@ Guarantees:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import cache as C
 
 Tensors = dict[str, mx.array]
 Layout = list[dict[str, Any]]
+
+# Attention-KV classes (one family: a cache of the model may hold any of them); those a
+# prefix can be cut from and glued back (``chunkable``), and recurrent state.
+KV_CLASSES = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache")
 
 
 class Unsupported(TypeError):
@@ -203,17 +207,71 @@ def decode_cache(tensors: Tensors, layout: Layout) -> list[Any]:
     return out
 
 
-def _walk(layout: Layout) -> list[dict]:
+def flat_layout(layout: Layout) -> list[dict]:
+    """Layer metas with CacheList members in their place."""
     flat: list[dict] = []
     for meta in layout:
-        flat.extend(_walk(meta["sub"]) if meta["class"] == "CacheList" else [meta])
+        flat.extend(flat_layout(meta["sub"]) if meta["class"] == "CacheList" else [meta])
     return flat
+
+
+def flat_layers(cache: list[Any]) -> list[Any]:
+    """Cache objects with CacheList members in their place."""
+    out: list[Any] = []
+    for c in cache:
+        subs = getattr(c, "caches", None)
+        out.extend(flat_layers(list(subs)) if isinstance(subs, (list, tuple)) else [c])
+    return out
+
+
+def layer_arrays(layer: Any) -> list[mx.array]:
+    """Every array a cache object holds (keys, values, packed parts, recurrent state)."""
+    out: list[mx.array] = []
+    for v in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+        if isinstance(v, mx.array):
+            out.append(v)
+        elif isinstance(v, (tuple, list)):
+            out.extend(x for x in v if isinstance(x, mx.array))
+    for x in getattr(layer, "cache", None) or []:
+        if isinstance(x, mx.array):
+            out.append(x)
+    for sub in getattr(layer, "caches", None) or []:
+        out.extend(layer_arrays(sub))
+    return out
+
+
+_INT_FIELDS = ("offset", "keep", "max_size", "idx", "chunk_size", "start", "group_size", "bits", "size")
+MAX_LAYERS = 4096
+MAX_ARRAYS = 1024  # an ArraysCache's size
+
+
+def check_layout(obj: Any, depth: int = 0) -> Layout:
+    """``obj`` if it is a layout this codec wrote (a list of layer metas of known classes
+    whose fields are bounded integers, CacheList nesting at most two deep), else
+    ValueError naming what is wrong. Nothing else about a stored layout is trusted before
+    it passed this and the identity's layout check."""
+    if not isinstance(obj, list) or not 0 < len(obj) <= MAX_LAYERS or depth > 2:
+        raise ValueError("a layout is a non-empty list of layer metas")
+    for m in obj:
+        if not isinstance(m, dict) or m.get("class") not in CODECS:
+            raise ValueError(f"unknown cache class in a stored layout: {str(m)[:80]!r}")
+        for k, v in m.items():
+            if k in _INT_FIELDS:
+                if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 31:
+                    raise ValueError(f"layout field {k}={v!r} out of range")
+            elif k == "sub" and m["class"] == "CacheList":
+                check_layout(v, depth + 1)
+            elif k != "class":
+                raise ValueError(f"unexpected layout field {k!r}")
+        if m["class"] == "ArraysCache" and not 0 < m.get("size", 0) <= MAX_ARRAYS:
+            raise ValueError(f"ArraysCache size {m.get('size')!r} out of range")
+    return obj
 
 
 def is_chunkable(layout: Layout, n_tokens: int) -> bool:
     """True when every layer is plain or quantised KV holding exactly ``n_tokens`` positions:
     such a cache can be cut into token chunks and glued back (prefix reuse at any length)."""
-    return all(CODECS[m["class"]].chunkable and m["offset"] == n_tokens for m in _walk(layout))
+    return all(CODECS[m["class"]].chunkable and m["offset"] == n_tokens for m in flat_layout(layout))
 
 
 def with_offset(layout: Layout, n: int) -> Layout:
@@ -244,13 +302,6 @@ def slice_tokens(tensors: Tensors | dict, a: int, b: int) -> dict:
     return {k: v[..., a:b, :] for k, v in tensors.items()}
 
 
-def concat_tokens(parts: list[Tensors]) -> Tensors:
-    """Glue token-range tensors back together along the token axis."""
-    if len(parts) == 1:
-        return parts[0]
-    return {k: mx.concatenate([p[k] for p in parts], axis=-2) for k in parts[0]}
-
-
 def cache_nbytes(tensors: Tensors) -> int:
     return sum(int(v.nbytes) for v in tensors.values())
 
@@ -259,4 +310,37 @@ def trimmable(cache: list[Any]) -> bool:
     return bool(cache) and all(c.is_trimmable() for c in cache)
 
 
-Factory = Callable[[], list[Any]]
+def layout_trimmable(layout: Layout) -> bool:
+    """Whether a snapshot of this layout can be trimmed to a shorter prefix after restore
+    (mlx-lm's ``is_trimmable`` for the classes involved, decided from the layout)."""
+    for m in flat_layout(layout):
+        cls = m["class"]
+        if cls in ("KVCache", "QuantizedKVCache", "ChunkedKVCache"):
+            continue
+        if cls == "RotatingKVCache" and m["offset"] < m["max_size"]:
+            continue
+        return False
+    return True
+
+
+def held(cache: Any) -> int | None:
+    """Positions a live cache holds: the smallest integer ``offset`` of its layers."""
+    if not isinstance(cache, (list, tuple)):
+        return None
+    offs = [c.offset for c in flat_layers(cache) if isinstance(getattr(c, "offset", None), int)]
+    return min(offs) if offs else None
+
+
+def check_holds(cache: list[Any], n: int | None = None) -> str | None:
+    """Why a prompt cache does not hold what it claims (a layer whose arrays have fewer
+    positions than its offset, or, with ``n``, an offset other than ``n``), or None."""
+    for i, c in enumerate(flat_layers(cache)):
+        off = getattr(c, "offset", None)
+        if n is not None and isinstance(off, int) and off != n:
+            return f"layer {i} holds {off} positions, not {n}"
+        keys = getattr(c, "keys", None)
+        if type(c).__name__ in ("KVCache", "QuantizedKVCache") and keys is not None and isinstance(off, int):
+            k = keys[0] if isinstance(keys, (tuple, list)) else keys
+            if k.shape[-2] < off:
+                return f"layer {i} ({type(c).__name__}) claims {off} positions but its arrays hold {k.shape[-2]}"
+    return None

@@ -246,9 +246,6 @@ def _classes(layout: list) -> set[str]:
     return out
 
 
-_KV_CLASSES = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache")
-
-
 def layout_from_config(model_dir: Path) -> list:
     """The per-layer cache layout mlx-lm builds for this model, with each attention-KV
     layer's geometry (KV heads and head_dim of keys and values, and the KV dtype).
@@ -332,10 +329,12 @@ def describe_layout(tensors: dict[str, Any], layout: list) -> list:
 
 
 def _add_geometry(sig: dict, meta: dict, tensors: dict[str, Any], prefix: str) -> None:
+    from .codec import KV_CLASSES
+
     if meta.get("class") == "CacheList":
         for j, (s, m) in enumerate(zip(sig.get("sub", []), meta.get("sub", []))):
             _add_geometry(s, m, tensors, f"{prefix}s{j}.")
-    elif meta.get("class") in _KV_CLASSES:
+    elif meta.get("class") in KV_CLASSES:
         sig.update(kv_geometry(tensors, meta, prefix))
 
 
@@ -355,6 +354,77 @@ def kv_geometry(tensors: dict[str, Any], meta: dict, prefix: str = "") -> dict:
     return {"k": [int(k.shape[1]), int(k.shape[-1]) * 32 // bits],
             "v": [int(v.shape[1]), int(v.shape[-1]) * 32 // bits],
             "dtype": str(scales.dtype).rsplit(".", 1)[-1]}
+
+
+def layout_problem(ident: Identity, tensors: dict[str, Any], layout: list) -> str | None:
+    """Why a cache does not fit the identity's model, or None: it must have the layers the
+    model makes (same count; per layer the same class family: attention KV in any of its
+    forms, or the same recurrent class) and, where the identity records it, each attention
+    layer's KV geometry (heads and head_dim of keys and values, and dtype). Unknown (None)
+    for identities without a layout component, or with a draft model (whose layers the
+    engine appends); identities without geometry are checked on classes only."""
+    from .codec import KV_CLASSES
+
+    comps = ident.info.get("components") or {}
+    want = comps.get("layout")  # ``tensors``: arrays, or ``ArraySpec`` from a blob header
+    if not isinstance(want, list) or comps.get("draft"):
+        return None
+
+    def fam(m: dict) -> str:
+        return "attention KV" if m.get("class") in KV_CLASSES else str(m.get("class"))
+
+    def diff(a: list, b: list, where: str) -> str | None:
+        if len(a) != len(b):
+            return f"cache has {len(a)} layers{where}, {ident.name} makes {len(b)} (a cache from another model?)"
+        for i, (x, y) in enumerate(zip(a, b)):
+            if fam(x) != fam(y):
+                return (f"cache layer {i}{where} is {x.get('class')}, {ident.name} makes {y.get('class')} "
+                        "(a cache from another model?)")
+            if fam(x) not in ("attention KV", "CacheList") and x != y:  # recurrent state: exact
+                return f"cache layer {i}{where} is {x}, {ident.name} makes {y} (a cache from another model?)"
+            d = _geometry_problem(x, y) if fam(x) == "attention KV" else None
+            if d:
+                return f"cache layer {i}{where} {d[0]}, {ident.name} makes {d[1]} (a cache from another model?)"
+            if x.get("class") == "CacheList":
+                d = diff(x.get("sub", []), y.get("sub", []), f" (in layer {i})")
+                if d:
+                    return d
+        return None
+
+    return diff(describe_layout(tensors, layout), want, "")
+
+
+def _geometry_problem(got: dict, want: dict) -> tuple[str, str] | None:
+    """(what the cache layer holds, what the model makes) when their recorded KV geometry
+    differs; None when it agrees or either side does not record it (an empty layer, an
+    identity without geometry or without dtype)."""
+    if not all(isinstance(m.get(n), list) for m in (got, want) for n in ("k", "v")):
+        return None
+    if (got["k"], got["v"]) != (want["k"], want["v"]):
+        return f"has {_shape_text(got, True)}", _shape_text(want, False)
+    if got.get("dtype") and want.get("dtype") and got["dtype"] != want["dtype"]:
+        return f"holds {got['dtype']} KV", want["dtype"]
+    return None
+
+
+def _shape_text(m: dict, long: bool) -> str:
+    (kh, kd), (vh, vd) = m["k"], m["v"]
+    if (kh, kd) == (vh, vd):
+        return f"{kh} KV heads x head_dim {kd}" if long else f"{kh} x {kd}"
+    return f"keys {kh} x {kd} and values {vh} x {vd}"
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """An array's shape and dtype name without its data (from a blob header): what
+    ``describe_layout`` reads of a tensor."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
 
 
 def model_identity(

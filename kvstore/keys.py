@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-FORMAT_VERSION = 2  # 2: trie edges sorted by residual token ids (edge_key)
+FORMAT_VERSION = 3  # 3: binary records, pack files of segments; 2: trie edges sorted by token ids
 KEY_BYTES = 16
 MAX_TOKEN_ID = 2**32 - 1
 EDGE_TOKENS = 48  # residual tokens spelled out in a trie edge key (LMDB keys are <= 511 bytes)
@@ -143,8 +143,3 @@ def edge_keys(boundary: bytes, residual_tokens: bytes, child: bytes) -> list[byt
         boundary, residual_tokens = sub_boundary(boundary, residual_tokens[:step]), residual_tokens[step:]
         out.append(edge_key(boundary, residual_tokens, child))
     return out
-
-
-def checksum(data: bytes | memoryview) -> str:
-    """Blob checksum: xxh3-128 hex of the exact file bytes."""
-    return xxhash.xxh3_128_hexdigest(data)

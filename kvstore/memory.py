@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Hashable
 
 from mlx_lm.models.cache import PromptTrie, PromptTrieResult
@@ -29,16 +29,20 @@ ORDERING = ("assistant", "user", "system")
 
 @dataclass
 class Snapshot:
-    """One stored prefix in memory."""
+    """One stored prefix in memory: encoded tensors (views, no copy) and their layout, or
+    objects kvstore cannot encode (``opaque``). ``disk_key``: the entry it is on disk as
+    (hits are credited to it); ``persist``: (identity, encoded tokens) to write when it is
+    evicted before it reached disk; ``persisted``: queued for, or already on, disk."""
 
     tensors: codec.Tensors | None
     layout: codec.Layout | None
-    opaque: list[Any] | None        # caches kvstore cannot encode, kept as given
+    opaque: list[Any] | None
     nbytes: int
     trimmable: bool
     cache_type: str = "assistant"
-    persisted: bool = False         # queued for (or already on) disk
-    extra: dict[str, Any] = field(default_factory=dict)
+    persisted: bool = False
+    disk_key: bytes | None = None
+    persist: tuple[Any, bytes] | None = None
 
     def materialize(self) -> list[Any]:
         """Fresh cache objects; extending them never changes this snapshot."""
@@ -121,28 +125,40 @@ class MemoryTier:
         return {k: {"n_sequences": len(self._lrus[k]), "n_bytes": self._bytes_by_type[k]}
                 for k in ORDERING}
 
-    def lookup(self, model: Hashable, tokens: list[int]) -> tuple[list[Any] | None, int]:
-        """mlx-lm's ``fetch_nearest_cache`` rules: (fresh cache or None, tokens it holds)."""
+    def _find(self, model: Hashable, tokens: list[int]) -> list[tuple[Snapshot, list[int], int]]:
+        """Candidates by mlx-lm's ``fetch_nearest_cache`` rules, best first:
+        (snapshot, the tokens it is stored under, tokens it serves for this query)."""
         result = self._trie.search(model, tokens)
         if result.exact is not None:
-            self._touch(model, result.exact)
-            return self._trie.get(model, result.exact).materialize(), len(tokens)
-
+            return [(self._trie.get(model, result.exact), result.exact, len(tokens))]
+        out = []
         short = len(result.shorter) if result.shorter is not None else 0
         if result.longer is not None and result.common_prefix > short:
             snap: Snapshot = self._trie.get(model, result.longer)
             if snap.trimmable:
-                cache = snap.materialize()
-                if codec.trimmable(cache):
-                    prefix = min(len(tokens) - 1, result.common_prefix)
-                    for c in cache:
-                        c.trim(len(result.longer) - prefix)
-                    self._touch(model, result.longer)
-                    return cache, prefix
+                out.append((snap, result.longer, min(len(tokens) - 1, result.common_prefix)))
         if short > 0:
-            self._touch(model, result.shorter)
-            return self._trie.get(model, result.shorter).materialize(), short
-        return None, 0
+            out.append((self._trie.get(model, result.shorter), result.shorter, short))
+        return out
+
+    def lookup(self, model: Hashable, tokens: list[int]) -> tuple[list[Any] | None, int, Snapshot | None]:
+        """mlx-lm's ``fetch_nearest_cache`` rules: (fresh cache or None, tokens it holds,
+        the snapshot it came from)."""
+        for snap, stored, n in self._find(model, tokens):
+            cache = snap.materialize()
+            if n < len(stored):  # a longer entry, trimmed back to the common prefix
+                if not codec.trimmable(cache):
+                    continue
+                for c in cache:
+                    c.trim(len(stored) - n)
+            self._touch(model, stored)
+            return cache, n, snap
+        return None, 0, None
+
+    def peek(self, model: Hashable, tokens: list[int]) -> int:
+        """How many tokens ``lookup`` would serve, materialising nothing, touching nothing."""
+        found = self._find(model, tokens)
+        return found[0][2] if found else 0
 
     def snapshots(self) -> list[Snapshot]:
         """Every snapshot held, in no particular order."""

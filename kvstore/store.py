@@ -2,14 +2,15 @@
 
 ``fetch`` returns the longest reusable prefix from either tier as fresh cache objects;
 ``insert`` keeps a snapshot in memory and queues it for the disk (write-behind). A disk
-problem of any kind (missing, truncated, corrupt or foreign blob, a failed write, a full
-disk) costs at most a miss: it is counted, logged once, and never raised to the caller.
-Bad *input* (tokens that are not token ids, a cache longer than its tokens) raises
+problem of any kind (missing, truncated, corrupt or foreign file, a failed write, a full
+disk) costs at most a miss: it is counted, logged once per kind, and never raised to the
+caller. Bad *input* (tokens that are not token ids, a cache longer than its tokens) raises
 ``ValueError`` naming the problem, and changes nothing.
 
 Thread-safe: one lock guards the memory tier; disk reads run outside it; one writer thread
-owns disk writes. Several processes may share a cache directory (LMDB locking, unique blob
-names, commit-after-fsync).
+owns disk writes. Several processes may share a cache directory (LMDB locking, unique pack
+names, commit after sync). A cache directory is private to its user unless ``shared_dir``
+says a group shares it (see ``blobs.untrusted_dir``).
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ import lmdb
 import mlx.core as mx
 
 from . import blobs, codec
-from .disk import DiskTier, PersistJob
-from .identity import DigestMemo, Identity, describe_layout, model_identity, watch
-from .keys import TokenError, encode_tokens, key_of, root_key
+from .budget import evict_to
+from .disk import DiskTier, PersistJob, Plan, Restored
+from .identity import DigestMemo, Identity, layout_problem, model_identity, watch
+from .index import CORRUPTION, IndexOpenError
+from .keys import TokenError, decode_tokens, encode_tokens, key_of, root_key
 from .memory import MemoryTier, Snapshot
+from .records import Kind
 from .writer import Writer
 
 log = logging.getLogger("kvstore")
@@ -63,6 +67,7 @@ class Fetched:
 _STAT_KEYS = ("hits_memory", "hits_disk", "misses", "tokens_saved", "bytes_read",
               "bytes_written", "restore_seconds", "restores", "write_seconds", "writes",
               "corrupt", "races", "write_errors", "unpersistable", "warnings_suppressed")
+_INDEX_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.InvalidError)
 
 
 class KVStore:
@@ -72,6 +77,9 @@ class KVStore:
     ``(model path, adapter path, draft model path)``; a key that cannot be resolved to
     files on disk is served from memory only. ``kv_bits`` / ``kv_group_size`` name the KV
     quantisation the engine runs with (it is part of every identity this store resolves).
+    ``shared_dir``: the directory is shared by a group on purpose (else it must be this
+    user's alone). ``on_disk_error="memory"``: a directory that cannot be used is warned
+    about and the store serves from memory, instead of raising ``StoreOpenError``.
     """
 
     def __init__(
@@ -88,12 +96,13 @@ class KVStore:
         on_disk_error: str = "raise",
         kv_bits: int | None = None,
         kv_group_size: int = 64,
+        shared_dir: bool = False,
     ) -> None:
         self.memory = MemoryTier(max_entries, max_bytes, touch_on_hit=touch_on_hit)
         self.max_disk_bytes = max_disk_bytes
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         self._lock = threading.RLock()
-        self._stats = {k: 0 for k in _STAT_KEYS}
+        self._stats: dict[str, Any] = {k: 0 for k in _STAT_KEYS}
         self._stats["restore_seconds"] = 0.0
         self._stats["write_seconds"] = 0.0
         self._idents: dict[Hashable, tuple[Identity | None, tuple | None, tuple | None]] = {}
@@ -106,7 +115,7 @@ class KVStore:
         self._disk_off: str | None = None  # why the disk tier was switched off (a damaged index)
         if not memory_only:
             try:
-                self.disk = _open_disk(self.cache_dir, chunk_tokens)
+                self.disk = open_disk(self.cache_dir, chunk_tokens, shared_dir=shared_dir)
             except StoreOpenError as e:
                 if on_disk_error != "memory":
                     raise
@@ -157,9 +166,8 @@ class KVStore:
 
     def _vocab_size(self, ident: Identity) -> int | None:
         """The model's vocabulary size from its config.json (None when unknown)."""
-        cached = self._vocab.get(ident.digest, False)
-        if cached is not False:
-            return cached  # type: ignore[return-value]
+        if ident.digest in self._vocab:
+            return self._vocab[ident.digest]
         vocab = None
         path = ident.info.get("path")
         if path:
@@ -182,6 +190,9 @@ class KVStore:
     def _mem_key(self, model: Any, ident: Identity | None) -> Hashable:
         return ident.digest if ident is not None else model
 
+    def _disk_on(self, ident: Identity | None) -> bool:
+        return ident is not None and self.disk is not None and not self._disk_off
+
     # -- fetch -------------------------------------------------------------------------
 
     def fetch(self, model: Any, tokens: list[int]) -> Fetched:
@@ -192,15 +203,13 @@ class KVStore:
         tokens = _token_list(tokens)
         enc = encode_tokens(tokens)
         ident = self.identity(model)
-        mkey = self._mem_key(model, ident)
         with self._lock:
-            cache, n = self.memory.lookup(mkey, tokens)
-            snap = self.memory.get(mkey, tokens[:n]) if cache is not None else None
+            cache, n, snap = self.memory.lookup(self._mem_key(model, ident), tokens)
         if cache is not None:
             # A snapshot is keyed by the tokens it was inserted with; a cache that holds fewer
             # positions (mlx-lm's server inserts prompt + generated tokens with a cache that
             # has not seen the last one) serves only the prefix it holds.
-            held = _held(cache)
+            held = codec.held(cache)
             if held is not None and held < n:
                 n = held
                 if n <= 0:
@@ -208,8 +217,8 @@ class KVStore:
         if cache is not None and n == len(tokens):
             self._hit("memory", n, snap)
             return Fetched(cache, n, "memory")
-        if ident is not None and self.disk is not None and tokens and not self._disk_off:
-            got = self._fetch_disk(ident, enc, better_than=n)
+        if self._disk_on(ident) and tokens:
+            got = self._fetch_disk(ident, enc, better_than=n)  # type: ignore[arg-type]
             if got is not None:
                 return got
         if cache is not None:
@@ -225,15 +234,10 @@ class KVStore:
         enc = encode_tokens(tokens)
         ident = self.identity(model)
         with self._lock:
-            result = self.memory._trie.search(self._mem_key(model, ident), tokens)
-        n = len(tokens) if result.exact is not None else len(result.shorter or [])
-        if result.longer is not None and result.common_prefix > n:
-            snap = self.memory.get(self._mem_key(model, ident), result.longer)
-            if snap is not None and snap.trimmable:
-                n = min(len(tokens) - 1, result.common_prefix)
-        if n < len(tokens) and ident is not None and self.disk is not None and tokens and not self._disk_off:
+            n = self.memory.peek(self._mem_key(model, ident), tokens)
+        if n < len(tokens) and self._disk_on(ident) and tokens:
             try:
-                plan = self.disk.plan(ident, enc)
+                plan = self.disk.plan(ident, enc)  # type: ignore[union-attr,arg-type]
                 n = max(n, plan.n if plan is not None else 0)
             except Exception:  # a disk problem is a miss, as in fetch
                 pass
@@ -252,74 +256,78 @@ class KVStore:
                 return None
             t0 = time.perf_counter()
             try:
-                cache, n = self.disk.restore(plan)
+                got = self.disk.restore(plan, ident, lambda specs, layout: layout_problem(ident, specs, layout))
             except (blobs.BlobError, codec.Unsupported, KeyError, ValueError, OSError) as e:
-                self._stats["corrupt"] += 1
-                self._warn_once("damaged", "kvstore: dropping damaged entry: %s", e)
-                self._drop(plan, e)
+                self._damaged(plan, e)
                 continue
             except Exception as e:  # a defect, not damage: still a miss, never a crash
-                self._stats["corrupt"] += 1
                 if self._index_damaged(e):
                     return None
+                self._stats["corrupt"] += 1
                 if "bug" not in self._warned:
                     self._warned.add("bug")
                     log.exception("kvstore: unexpected error restoring an entry (a kvstore bug: please report)")
                 self._drop(plan, e)
                 continue
-            tensors, layout = codec.encode_cache(cache)
-            wrong = _layout_problem(ident, tensors, layout)
-            if wrong is not None:  # insert refuses such caches: this one was not written by it
-                self._stats["corrupt"] += 1
-                self._warn_once("misfit", "kvstore: dropping an entry that does not fit its model: %s", wrong)
-                self._drop(plan)
-                continue
-            dt = time.perf_counter() - t0
-            self._stats["restore_seconds"] += dt
+            self._stats["restore_seconds"] += time.perf_counter() - t0
             self._stats["restores"] += 1
-            self._stats["bytes_read"] += sum(int(a.nbytes) for c in cache for a in _layer_arrays(c))
-            # promote: keep it hot, marked as already on disk
-            ctype = plan.cache_type if plan.cache_type in self.memory.stats_by_type() else "assistant"
-            snap = Snapshot(tensors, layout, None, codec.cache_nbytes(tensors),
-                            codec.trimmable(cache), ctype, persisted=True)
-            tokens = _decode(enc[: n * 4])
-            snap.extra["disk_key"] = plan.entry
-            with self._lock:
-                evicted = self.memory.insert(ident.digest, tokens, snap)
-            self._persist_evicted(evicted)
-            self._hit("disk", n, snap)
-            return Fetched(snap.materialize(), n, "disk")
+            self._stats["bytes_read"] += got.nbytes
+            return self._promote(ident, enc, plan, got)
         return None
 
-    def _drop(self, plan: Any, err: Exception | None = None) -> None:
-        assert self.disk is not None
-        kind, key = plan.last
-        bad = getattr(err, "record", None)  # the record whose blob failed, when known
+    def _promote(self, ident: Identity, enc: bytes, plan: Plan, got: Restored) -> Fetched:
+        """Keep a disk hit hot (marked as already on disk) and hand out its cache."""
+        ctype = plan.cache_type if plan.cache_type in self.memory.stats_by_type() else "assistant"
+        snap = Snapshot(got.tensors, got.layout, None, codec.cache_nbytes(got.tensors),
+                        codec.trimmable(got.cache), ctype, persisted=True, disk_key=plan.entry)
+        with self._lock:
+            evicted = self.memory.insert(ident.digest, decode_tokens(enc[: got.n * 4]), snap)
+        self._persist_evicted(evicted)
+        self._hit("disk", got.n, snap)
+        return Fetched(got.cache, got.n, "disk")
+
+    def _damaged(self, plan: Plan, err: Exception) -> None:
+        """A restore failed: a record whose file vanished because a gc removed the record
+        meanwhile is a race (counted, retried); anything else is damage, dropped."""
+        bad = getattr(err, "record", None)
+        if bad is not None and self._gone(bad):
+            self._stats["races"] += 1
+            return
+        self._stats["corrupt"] += 1
+        self._warn_once("damaged", "kvstore: dropping damaged entry: %s", err)
+        self._drop(plan, err)
+
+    def _gone(self, record: tuple[str, bytes]) -> bool:
+        kind, key = record
         try:
-            if bad is not None:
-                if bad[0] == "entry":
-                    self.disk.remove([bad[1]])
-                else:
-                    self.disk.drop_chunk_and_users(bad[1])
+            return self.disk.index.view(  # type: ignore[union-attr]
+                lambda r: r.raw("entries" if kind == "entry" else "chunks", key) is None)
+        except lmdb.Error:
+            return False
+
+    def _drop(self, plan: Plan, err: Exception | None = None) -> None:
+        assert self.disk is not None
+        bad = getattr(err, "record", None)  # the record whose file failed, when known
+        if bad is None and plan.last is not None:
+            bad = ("entry" if plan.last[0] is Kind.ENTRY else "chunk", plan.last[1])
+        try:
+            if bad is None:
                 return
-            if kind == "entry":
-                self.disk.remove([key])
+            if bad[0] == "entry":
+                self.disk.remove([bad[1]])
             else:
-                self.disk.drop_chunk(key)
-            for ck in plan.chunks:  # a bad chunk in the chain: drop it (entries above go dead)
-                rec = self.disk.index.chunk(ck)
-                if rec is not None and not (self.disk.blob_root / rec["blob"]).exists():
-                    self.disk.drop_chunk(ck)
+                self.disk.drop_chunk_and_users(bad[1])
         except Exception as e:
-            self._warn_once("drop", "kvstore: could not drop damaged record: %s", e)
+            if not self._index_damaged(e):
+                self._warn_once("drop", "kvstore: could not drop damaged record: %s", e)
 
     def _hit(self, tier: str, n: int, snap: Snapshot | None) -> None:
         self._stats[f"hits_{tier}"] += 1
         self._stats["tokens_saved"] += n
-        key = snap.extra.get("disk_key") if snap is not None else None
+        key = snap.disk_key if snap is not None else None
         if key is not None and self.writer is not None:
             with self._lock:
-                when, hits = self._touches.get(key, (0.0, 0))
+                _when, hits = self._touches.get(key, (0.0, 0))
                 self._touches[key] = (time.time(), hits + 1)
                 schedule = not self._touch_scheduled
                 self._touch_scheduled = True
@@ -332,7 +340,7 @@ class KVStore:
             self._touch_scheduled = False
         if touches and self.disk is not None and not self._disk_off:
             try:
-                self.disk.index.touch_many(touches)
+                self.disk.touch(touches)
             except lmdb.Error as e:  # bookkeeping only: a failed touch costs nothing else
                 if not self._index_damaged(e):
                     self._warn_once("touch", "kvstore: could not record hits: %s", e)
@@ -358,14 +366,13 @@ class KVStore:
             if vocab is not None and top >= vocab:
                 raise TokenError(f"token id {top} is out of the vocabulary of {ident.name} (vocab_size {vocab})")
         snap, covered = self._snapshot(cache, len(tokens), cache_type)
-        wrong = (_layout_problem(ident, snap.tensors, snap.layout)
+        wrong = (layout_problem(ident, snap.tensors, snap.layout)
                  if ident is not None and snap.layout is not None and snap.tensors is not None else None)
         if wrong is not None:  # never stored on disk under this identity (memory is the caller's own)
             self._stats["unpersistable"] += 1
             self._warn_once("layout", "kvstore: %s; kept in memory only", wrong)
-        elif (snap.tensors is not None and ident is not None and self.disk is not None and covered > 0
-              and not self._disk_off):
-            snap.extra["job"] = (ident, enc[: covered * 4])
+        elif snap.tensors is not None and self._disk_on(ident) and covered > 0:
+            snap.persist = (ident, enc[: covered * 4])
             snap.persisted = self._submit(snap)
         with self._lock:
             evicted = self.memory.insert(self._mem_key(model, ident), tokens, snap)
@@ -380,7 +387,7 @@ class KVStore:
             nbytes = sum(getattr(c, "nbytes", 0) for c in cache) if isinstance(cache, (list, tuple)) else 0
             trim = bool(cache) and all(getattr(c, "is_trimmable", lambda: False)() for c in cache)
             return Snapshot(None, None, cache, nbytes, trim, cache_type), 0
-        offsets = [m["offset"] for m in codec._walk(layout) if "offset" in m]
+        offsets = [m["offset"] for m in codec.flat_layout(layout) if "offset" in m]
         covered = min(offsets) if offsets else n_tokens
         if covered > n_tokens:
             raise ValueError(f"cache holds {covered} positions but only {n_tokens} tokens were given")
@@ -394,43 +401,44 @@ class KVStore:
             nbytes = int(sum(c.nbytes for c in cache))
         except Exception:
             nbytes = codec.cache_nbytes(tensors)
-        snap = Snapshot(tensors, layout, None, nbytes, codec.trimmable(cache), cache_type)
-        return snap, covered
+        return Snapshot(tensors, layout, None, nbytes, codec.trimmable(cache), cache_type), covered
 
     def _submit(self, snap: Snapshot) -> bool:
-        assert self.writer is not None and snap.tensors is not None
-        ident, enc = snap.extra["job"]
+        assert self.writer is not None and self.disk is not None and snap.tensors is not None and snap.persist
+        ident, enc = snap.persist
         try:
             host = blobs.host_views(snap.tensors)
         except TypeError as e:
             self._warn_once("dtype", "kvstore: %s; kept in memory only", e)
             return False
-        job = PersistJob(ident, enc, host, snap.layout or [], snap.cache_type)
-        snap.extra["disk_key"] = key_of(root_key(ident.digest), enc, self.disk.chunk) if self.disk else None
+        key = key_of(root_key(ident.digest), enc, self.disk.chunk)
+        job = PersistJob(ident, enc, key, host, snap.layout or [], snap.cache_type)
+        snap.disk_key = key
+        return self.writer.submit(lambda: self._persist(job))
 
-        def run() -> None:
-            t0 = time.perf_counter()
-            try:
-                written = self.disk.persist(job)  # type: ignore[union-attr]
-            except (OSError, lmdb.Error) as e:  # blob write or index commit (full disk, I/O)
-                self._stats["write_errors"] += 1
-                if self._index_damaged(e):
-                    return
-                self._warn_once(f"write:{getattr(e, 'errno', type(e).__name__)}",
+    def _persist(self, job: PersistJob) -> None:
+        """The writer thread's half of an insert: write, commit, keep the budget."""
+        disk = self.disk
+        if disk is None or self._disk_off:
+            return
+        t0 = time.perf_counter()
+        try:
+            written = disk.persist(job)
+            if self.max_disk_bytes is not None:
+                evict_to(disk, self.max_disk_bytes)
+        except (OSError, lmdb.Error, blobs.BlobError) as e:  # a write or commit failed (full disk, I/O)
+            self._stats["write_errors"] += 1
+            if not self._index_damaged(e):
+                self._warn_once(f"write:{getattr(e, 'errno', None) or type(e).__name__}",
                                 "kvstore: write failed (%s); entry stays in memory only", e)
-                return
-            self._stats["write_seconds"] += time.perf_counter() - t0
-            self._stats["writes"] += 1
-            self._stats["bytes_written"] += written
-            if self.max_disk_bytes is not None and self.disk is not None:
-                from .maintenance import evict_to
-                evict_to(self.disk, self.max_disk_bytes)
-
-        return self.writer.submit(run)
+            return
+        self._stats["write_seconds"] += time.perf_counter() - t0
+        self._stats["writes"] += 1
+        self._stats["bytes_written"] += written
 
     def _persist_evicted(self, evicted: list) -> None:
         for _, _, snap in evicted:
-            if not snap.persisted and "job" in snap.extra and self.writer is not None:
+            if not snap.persisted and snap.persist is not None and self.writer is not None:
                 snap.persisted = self._submit(snap)
 
     # -- limits, stats, lifecycle ------------------------------------------------------
@@ -488,7 +496,7 @@ class KVStore:
         close there is no generation left to hold up, so wait for room if needed."""
         assert self.writer is not None
         with self._lock:
-            pending = [s for s in self.memory.snapshots() if not s.persisted and "job" in s.extra]
+            pending = [s for s in self.memory.snapshots() if not s.persisted and s.persist is not None]
         for snap in pending:
             snap.persisted = self._submit(snap)
             if not snap.persisted:
@@ -509,6 +517,8 @@ class KVStore:
             return False
         if not self._disk_off:
             self._disk_off = f"{type(e).__name__}: {e}"
+            if self.disk is not None:
+                self.disk.index.damaged = True  # no clean stamp: the next open checks the file
             log.error("kvstore: the index in %s is damaged (%s); the disk tier is off for this process, "
                       "memory keeps serving (`kvstore verify` reports the damage)", self.cache_dir, e)
         return True
@@ -516,7 +526,7 @@ class KVStore:
     def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
         """Log ``msg`` the first time a problem of ``kind`` happens in this store; later
         ones are only counted (``stats()["warnings_suppressed"]``). Kinds are a fixed,
-        small set, never built from data (a blob name, a record), so the set is bounded."""
+        small set, never built from data (a file name, a record), so the set is bounded."""
         if kind in self._warned:
             self._stats["warnings_suppressed"] += 1
             return
@@ -531,140 +541,66 @@ def _token_list(tokens: Any) -> list:
         raise TokenError(f"tokens must be a sequence of integers, got {type(tokens).__name__}") from None
 
 
-def _layers(cache: Any) -> list:
-    """Cache layers, CacheList members flattened."""
-    out: list = []
-    for c in cache:
-        subs = getattr(c, "caches", None)
-        out.extend(_layers(subs) if isinstance(subs, (list, tuple)) else [c])
-    return out
-
-
-def _held(cache: Any) -> int | None:
-    """Positions a live cache holds: the smallest integer ``offset`` of its layers."""
-    if not isinstance(cache, (list, tuple)):
-        return None
-    offs = [c.offset for c in _layers(cache) if isinstance(getattr(c, "offset", None), int)]
-    return min(offs) if offs else None
-
-
 def _check_cache(cache: Any) -> None:
     """A prompt cache is a non-empty list of cache objects whose arrays hold what they claim."""
     if not isinstance(cache, (list, tuple)) or not cache:
         raise ValueError(f"cache must be a non-empty list of cache objects (one per layer), "
                          f"got {type(cache).__name__}{' (empty)' if isinstance(cache, (list, tuple)) else ''}")
-    for i, c in enumerate(_layers(cache)):
+    for i, c in enumerate(codec.flat_layers(cache)):
         if not (hasattr(type(c), "state") or hasattr(c, "nbytes")) or isinstance(c, (int, float, str, bytes)):
             raise ValueError(f"cache layer {i} is a {type(c).__name__}, not a cache object")
-        keys = getattr(c, "keys", None)
-        off = getattr(c, "offset", None)
-        if type(c).__name__ in ("KVCache", "QuantizedKVCache") and keys is not None and isinstance(off, int):
-            k = keys[0] if isinstance(keys, (list, tuple)) else keys
-            if k.shape[-2] < off:
-                raise ValueError(f"cache layer {i} ({type(c).__name__}) claims {off} positions "
-                                 f"but its arrays hold {k.shape[-2]}")
+    why = codec.check_holds(cache)
+    if why:
+        raise ValueError(f"cache {why}")
 
 
-_INDEX_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.InvalidError)
-
-_KV_FAMILY = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache")
-
-
-def _layout_problem(ident: Identity, tensors: codec.Tensors, layout: codec.Layout) -> str | None:
-    """Why a cache does not fit the identity's model, or None: it must have the layers the
-    model makes (same count; per layer the same class family: attention KV in any of its
-    forms, or the same recurrent class) and, where the identity records it, each attention
-    layer's KV geometry (heads and head_dim of keys and values, and dtype). Unknown (None)
-    for identities without a layout component, or with a draft model (whose layers the
-    engine appends); identities without geometry are checked on classes only."""
-    comps = ident.info.get("components") or {}
-    want = comps.get("layout")
-    if not isinstance(want, list) or comps.get("draft"):
-        return None
-
-    def fam(m: dict) -> str:
-        return "attention KV" if m.get("class") in _KV_FAMILY else str(m.get("class"))
-
-    def diff(a: list, b: list, where: str) -> str | None:
-        if len(a) != len(b):
-            return f"cache has {len(a)} layers{where}, {ident.name} makes {len(b)} (a cache from another model?)"
-        for i, (x, y) in enumerate(zip(a, b)):
-            if fam(x) != fam(y):
-                return (f"cache layer {i}{where} is {x.get('class')}, {ident.name} makes {y.get('class')} "
-                        "(a cache from another model?)")
-            d = _geometry_problem(x, y) if fam(x) == "attention KV" else None
-            if d:
-                return f"cache layer {i}{where} {d[0]}, {ident.name} makes {d[1]} (a cache from another model?)"
-            if x.get("class") == "CacheList":
-                d = diff(x.get("sub", []), y.get("sub", []), f" (in layer {i})")
-                if d:
-                    return d
-        return None
-
-    return diff(describe_layout(tensors, layout), want, "")
-
-
-def _geometry_problem(got: dict, want: dict) -> tuple[str, str] | None:
-    """(what the cache layer holds, what the model makes) when their recorded KV geometry
-    differs; None when it agrees or either side does not record it (an empty layer, an
-    identity without geometry or without dtype)."""
-    if not all(isinstance(m.get(n), list) for m in (got, want) for n in ("k", "v")):
-        return None
-    if (got["k"], got["v"]) != (want["k"], want["v"]):
-        return f"has {_shape_text(got, True)}", _shape_text(want, False)
-    if got.get("dtype") and want.get("dtype") and got["dtype"] != want["dtype"]:
-        return f"holds {got['dtype']} KV", want["dtype"]
-    return None
-
-
-def _shape_text(m: dict, long: bool) -> str:
-    (kh, kd), (vh, vd) = m["k"], m["v"]
-    if (kh, kd) == (vh, vd):
-        return f"{kh} KV heads x head_dim {kd}" if long else f"{kh} x {kd}"
-    return f"keys {kh} x {kd} and values {vh} x {vd}"
-
-
-def _open_disk(path: Path, chunk_tokens: int) -> DiskTier:
+def open_disk(path: Path, chunk_tokens: int = 256, *, shared_dir: bool = False, readonly: bool = False) -> DiskTier:
+    """The disk tier of cache directory ``path``, created if needed (unless ``readonly``),
+    after checking that kvstore may trust it (``blobs.untrusted_dir``); StoreOpenError
+    saying why and what to do otherwise. A private directory this user owns is made
+    0700 if an earlier version left it readable by others."""
     try:
         is_file = path.exists() and not path.is_dir()
     except OSError as e:  # ENAMETOOLONG, EACCES on a parent, ELOOP...: pathlib does not swallow these
         raise StoreOpenError(f"cannot use cache directory {path}: {e.strerror}") from None
     if is_file:
         raise StoreOpenError(f"cache path {path} is a file, not a directory: pass another --cache-dir")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise StoreOpenError(f"cannot create cache directory {path}: {e.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
+    if not readonly:
+        try:
+            path.mkdir(parents=True, exist_ok=True, mode=0o2770 if shared_dir else 0o700)
+        except OSError as e:
+            raise StoreOpenError(f"cannot create cache directory {path}: {e.strerror}") from None
+    for d, follow in ((path, True), (path / "index", False), (path / "blobs", False)):
+        if d is path or os.path.lexists(d):
+            why = blobs.untrusted_dir(d, shared=shared_dir, follow=follow)
+            if why:
+                raise StoreOpenError(why)
+            if not shared_dir and not readonly:
+                blobs.make_private(d)
+    if not readonly and not os.access(path, os.W_OK | os.X_OK):
         raise StoreOpenError(f"cache directory {path} is not writable: fix its permissions or pass another --cache-dir")
     try:
-        return DiskTier(path, chunk_tokens=chunk_tokens)
+        return DiskTier(path, chunk_tokens=chunk_tokens, readonly=readonly, shared_dir=shared_dir)
     except OSError as e:
         raise StoreOpenError(f"cannot open cache directory {path}: {e}") from None
-    except Exception as e:
+    except (IndexOpenError, blobs.BlobError, *CORRUPTION) as e:
+        raise StoreOpenError(f"cannot open index in {path}: {e}") from None
+    except lmdb.Error as e:
         raise StoreOpenError(f"cannot open index in {path}: {e}") from None
 
 
 def _local_path(p: Any) -> Path | None:
+    """A model key as a local directory: a path, or a hub repo id already in the local
+    hub cache (never downloaded); None otherwise."""
     path = Path(str(p)).expanduser()
     if path.is_dir():
         return path
-    try:  # a hub repo id already in the local hub cache
+    try:
         from huggingface_hub import snapshot_download
         got = Path(snapshot_download(str(p), local_files_only=True))
         return got if got.is_dir() else None
     except Exception:
         return None
-
-
-def _decode(enc: bytes) -> list[int]:
-    from .keys import decode_tokens
-    return decode_tokens(enc)
-
-
-def _layer_arrays(layer: Any) -> list:
-    from .disk import _arrays
-    return _arrays(layer)
 
 
 _open_stores: "weakref.WeakSet[KVStore]" = weakref.WeakSet()

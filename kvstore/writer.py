@@ -23,8 +23,6 @@ class Writer:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._closed = False
         self.dropped = 0
-        self.failed = 0
-        self.done = 0
         self._thread.start()
 
     @property
@@ -78,9 +76,7 @@ class Writer:
                 if job is None:
                     return
                 job()
-                self.done += 1
             except Exception:  # a failed write costs that entry, never the thread
-                self.failed += 1
                 log.exception("kvstore: background write failed")
             finally:
                 self._q.task_done()

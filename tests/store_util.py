@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ def run_py(script: str, payload: Any = None, *, timeout: float = 600, env: dict 
 
 
 def blob_files(cache_dir: str | Path) -> list[Path]:
-    """Every file under ``cache_dir/blobs`` (blobs and any stray temp files)."""
+    """Every file under ``cache_dir/blobs`` (pack files and anything else found there)."""
     root = Path(cache_dir) / "blobs"
     return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
 
@@ -67,19 +68,54 @@ def blob_bytes(cache_dir: str | Path) -> int:
     return sum(p.stat().st_size for p in blob_files(cache_dir))
 
 
-def entry_blobs(store, tokens: list[int], identity) -> list[Path]:
-    """Blob files the indexed entry for exactly ``tokens`` reads (its chunks, then its own
-    tail / snapshot blob if any), in restore order."""
+@dataclass(frozen=True)
+class SegRef:
+    """A segment on disk: the pack file it is in, and its byte range."""
+
+    path: Path
+    offset: int
+    length: int
+
+
+def entry_segments(store, tokens: list[int], identity) -> list[SegRef]:
+    """The segments the indexed entry for exactly ``tokens`` reads (its chunks, then its own
+    tail / snapshot if any), in restore order."""
+    from kvstore.blobs import pack_path
     from kvstore.keys import encode_tokens, key_of, root_key
 
     disk = store.disk
     key = key_of(root_key(identity.digest), encode_tokens(tokens), disk.chunk)
     rec = disk.index.entry(key)
     assert rec is not None, "entry is not indexed"
-    out = [disk.blob_root / disk.index.chunk(bytes.fromhex(c))["blob"] for c in rec["chunks"]]
-    if rec.get("blob"):
-        out.append(disk.blob_root / rec["blob"])
-    return out
+    segs = [disk.index.chunk(c).segment for c in rec.chunks] + list(rec.segments)
+    return [SegRef(pack_path(disk.blob_root, s.pack), s.offset, s.length) for s in segs]
+
+
+def damage_segment(seg: SegRef, how: str) -> None:
+    """Damage one segment as a failing disk or a careless hand would: ``flip`` a bit in its
+    middle, ``truncate`` its pack file there (later segments of the pack go too), or
+    ``delete`` the whole pack file."""
+    if how == "flip":
+        with open(seg.path, "r+b") as f:
+            f.seek(seg.offset + seg.length // 2)
+            b = f.read(1)
+            f.seek(seg.offset + seg.length // 2)
+            f.write(bytes([b[0] ^ 0x40]))
+    elif how == "truncate":
+        os.truncate(seg.path, seg.offset + seg.length // 2)
+    elif how == "delete":
+        seg.path.unlink()
+    else:
+        raise AssertionError(how)
+
+
+def damaged_by(seg: SegRef, how: str, other: SegRef) -> bool:
+    """Whether ``damage_segment(seg, how)`` makes ``other`` unreadable."""
+    if other == seg:
+        return True
+    if other.path != seg.path or how == "flip":
+        return False
+    return how == "delete" or other.offset + other.length > seg.offset + seg.length // 2
 
 
 # --------------------------------------------------------------------------- cache digests

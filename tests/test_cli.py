@@ -16,11 +16,13 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import xxhash
+from store_util import SegRef, damage_segment
 
 ROOT = Path(__file__).resolve().parent.parent
 CHUNK = 64
@@ -142,7 +144,9 @@ def built(tmp_path_factory, tiny_llama) -> dict[str, Any]:
             "A2": now - 30, "D": now - 120}
     disk = DiskTier(cache_dir)
     for n, k in keys.items():
-        disk.index.update_entry(bytes.fromhex(k), lambda r, n=n: dict(r, last_used=used[n], pinned=(n == "E")))
+        key = bytes.fromhex(k)
+        disk.index.transact(lambda t, key=key, n=n: t.set_entry(
+            key, replace(t.entry(key), last_used=used[n], pinned=(n == "E"))))
     disk.close()
     return {"dir": cache_dir, "prompts": prompts, "keys": keys, "model_dir": mdir,
             "ident": idents["A"].hex, "gone_ident": gone.hex, "gone_path": gone_path, "tok": tok,
@@ -171,16 +175,16 @@ def files_snapshot(cache_dir: Path) -> dict[str, tuple[int, str]]:
     return out
 
 
-def blob_of(cache_dir: Path, key_hex: str, chunk: int | None = None) -> Path:
-    """The blob file of an entry (its tail) or of its ``chunk``-th chunk."""
+def segment_of(cache_dir: Path, key_hex: str, chunk: int | None = None) -> SegRef:
+    """An entry's own segment (its tail) or its ``chunk``-th chunk's."""
+    from kvstore.blobs import pack_path
     from kvstore.disk import DiskTier
 
     disk = DiskTier(cache_dir, readonly=True)
     try:
         rec = disk.index.entry(bytes.fromhex(key_hex))
-        if chunk is not None:
-            rec = disk.index.chunk(bytes.fromhex(rec["chunks"][chunk]))
-        return disk.blob_root / rec["blob"]
+        seg = rec.tail if chunk is None else disk.index.chunk(rec.chunks[chunk]).segment
+        return SegRef(pack_path(disk.blob_root, seg.pack), seg.offset, seg.length)
     finally:
         disk.close()
 
@@ -230,12 +234,14 @@ def test_stats(built, store_dir):
     disk = DiskTier(store_dir, readonly=True)
     try:
         counts, total = disk.index.counts(), disk.index.total_bytes()
-        hits = sum(r.get("hits", 0) for _, r in disk.index.entries())
+        from kvstore.index import scan
+
+        hits = sum(r.hits for r in scan(disk.index, full=False).entries.values())
     finally:
         disk.close()
     d = s["disk"]
     assert (d["entries"], d["chunks"], d["identities"]) == (counts["entries"], counts["chunks"], 2)
-    assert d["blob_bytes"] == total == d["blob_bytes_on_disk"]
+    assert d["blob_bytes"] == total == d["blob_bytes_on_disk"] == d["live_bytes"]
     assert d["index_bytes"] == (store_dir / "index" / "data.mdb").stat().st_size
     assert s["hits"] == hits and d["pinned"] == 1 and s["chunk_tokens"] == CHUNK
     assert s["memory"] is None and "per" in s["memory_note"]
@@ -260,10 +266,7 @@ def test_inspect(built, store_dir):
     assert [m["class"] for m in info["layers"]] == ["KVCache"] * 3 and info["kv_dtype"] == "float32"
     assert info["bytes"] == sum(pc["bytes"] for pc in info["pieces"])
     # a damaged chunk shows in the checksum column and the exit code
-    blob = blob_of(store_dir, key, chunk=4)
-    data = bytearray(blob.read_bytes())
-    data[-3] ^= 0xFF
-    blob.write_bytes(bytes(data))
+    damage_segment(segment_of(store_dir, key, chunk=4), "flip")
     bad = main_json("inspect", key[:12], "--no-prompt", cache_dir=store_dir, code=1)
     assert [pc["state"] for pc in bad["pieces"]] == ["ok"] * 4 + ["bad_checksum", "ok"]
     # the gone model: no tokenizer, said softly
@@ -354,8 +357,8 @@ def test_pin_unpin(built, store_dir):
     assert p.returncode == 0 and f"unpinned {e[:12]}" in p.stdout, p.stderr
     disk = DiskTier(store_dir, readonly=True)
     try:
-        assert disk.index.entry(bytes.fromhex(a))["pinned"] is True
-        assert disk.index.entry(bytes.fromhex(e))["pinned"] is False
+        assert disk.index.entry(bytes.fromhex(a)).pinned is True
+        assert disk.index.entry(bytes.fromhex(e)).pinned is False
     finally:
         disk.close()
     # the pin is what --max-age honours: A (10 days) stays, E (20 days, now unpinned) goes
@@ -371,24 +374,18 @@ def _inject_faults(built, d: Path) -> dict[str, Any]:
     from kvstore.disk import DiskTier
 
     keys = built["keys"]
-    flip = blob_of(d, keys["B"])                     # B's tail: one flipped byte
-    data = bytearray(flip.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    flip.write_bytes(bytes(data))
-    trunc = blob_of(d, keys["C"], chunk=1)           # C's second chunk: truncated
-    with open(trunc, "r+b") as f:
-        f.truncate(trunc.stat().st_size - 100)
-    blob_of(d, keys["D"]).unlink()                   # D's tail: deleted
-    src = blob_of(d, keys["A"], chunk=0)             # a stray copy nobody names
-    orphan = d / "blobs" / "ee" / ("ee" * 16 + "-0badf00d.safetensors")
+    damage_segment(segment_of(d, keys["B"]), "flip")            # B's tail: one flipped bit
+    damage_segment(segment_of(d, keys["C"], chunk=1), "truncate")  # C's pack cut inside chunk 1
+    damage_segment(segment_of(d, keys["D"]), "delete")          # D's pack: deleted
+    src = segment_of(d, keys["A"], chunk=0).path                # a stray copy nobody names
+    orphan = d / "blobs" / "ee" / ("ee" * 16 + ".kvpack")
     orphan.parent.mkdir(exist_ok=True)
     shutil.copy(src, orphan)
-    tmp = src.with_name(src.name + ".4242.deadbeef.tmp")  # a writer died mid-write
-    tmp.write_bytes(b"partial")
-    disk = DiskTier(d)                               # A2's own 5th chunk record: gone
+    (src.parent / (src.name + ".4242.deadbeef.tmp")).write_bytes(b"partial")  # not kvstore's
+    disk = DiskTier(d)                                          # A2's own 5th chunk record: gone
     try:
-        ck = bytes.fromhex(disk.index.entry(bytes.fromhex(keys["A2"]))["chunks"][4])
-        disk.index.write(lambda txn: txn.delete(ck, db=disk.index._db["chunks"]))
+        ck = disk.index.entry(bytes.fromhex(keys["A2"])).chunks[4]
+        disk.index.transact(lambda t: t.delete_raw("chunks", ck))
     finally:
         disk.close()
     return {"intact": ["A", "E"], "broken": ["A2", "B", "C", "D"]}
@@ -399,29 +396,30 @@ def test_verify_detects_each_fault_and_fix_repairs(built, store_dir):
     faults = _inject_faults(built, store_dir)
     keys = built["keys"]
 
-    p = cli("verify", "--tmp-age", "0", "--blob-age", "0", cache_dir=store_dir)
+    p = cli("verify", "--blob-age", "0", cache_dir=store_dir)
     assert p.returncode == 1 and "kvstore verify --fix" in p.stdout
     print(p.stdout)
-    rep = main_json("verify", "--tmp-age", "0", "--blob-age", "0", cache_dir=store_dir, code=1)
+    rep = main_json("verify", "--blob-age", "0", cache_dir=store_dir, code=1)
     kinds: dict[str, list[dict]] = {}
     for prob in rep["problems"]:
         kinds.setdefault(prob["kind"], []).append(prob)
-    assert {"bad_checksum", "truncated", "missing_blob", "orphan_blob", "stale_tmp", "missing_chunk",
+    assert {"bad_checksum", "truncated", "missing_blob", "orphan_blob", "foreign_file", "missing_chunk",
             "dangling_bound"} <= set(kinds), sorted(kinds)
-    assert [p["key"] for p in kinds["bad_checksum"]] == [keys["B"]]
-    assert [p["key"] for p in kinds["missing_blob"]] == [keys["D"]]
-    assert [p["key"] for p in kinds["missing_chunk"]] == [keys["A2"]]
-    assert len(kinds["truncated"]) == 1 and kinds["truncated"][0]["record"] == "chunk"
+    entry_keys = lambda kind: [p["key"] for p in kinds[kind] if p["record"] == "entry"]  # noqa: E731
+    assert entry_keys("bad_checksum") == [keys["B"]]
+    assert entry_keys("missing_blob") == [keys["D"]] and entry_keys("missing_chunk") == [keys["A2"]]
+    assert entry_keys("truncated") == [keys["C"]]  # and C's chunks: the whole pack is suspect
     assert any("ee" * 16 in p["path"] for p in kinds["orphan_blob"])
-    assert [p["path"].endswith(".tmp") for p in kinds["stale_tmp"]] == [True]
-    # the default grace periods keep young files out of it (a live writer's blob or temp file)
+    assert [p["path"].endswith(".tmp") for p in kinds["foreign_file"]] == [True]
+    # the default grace period keeps young files out of it (a live writer's pack)
     young = main_json("verify", cache_dir=store_dir, code=1)
-    assert not [p for p in young["problems"] if p["kind"] == "stale_tmp" or "ee" * 16 in (p["path"] or "")]
+    assert not [p for p in young["problems"] if "ee" * 16 in (p["path"] or "")]
 
-    fixed = cli_json("verify", "--fix", "--tmp-age", "0", "--blob-age", "0", cache_dir=store_dir)
-    assert fixed["ok"] and all(p["fixed"] for p in fixed["problems"])
-    again = cli("verify", "--tmp-age", "0", "--blob-age", "0", cache_dir=store_dir)
+    fixed = cli_json("verify", "--fix", "--blob-age", "0", cache_dir=store_dir)
+    assert fixed["ok"] and all(p["fixed"] for p in fixed["problems"] if p["kind"] != "foreign_file")
+    again = cli("verify", "--blob-age", "0", cache_dir=store_dir)
     assert again.returncode == 0 and again.stdout.startswith("ok:"), again.stdout
+    assert "left alone" in again.stdout  # the file kvstore did not write is reported, never touched
 
     got = fetch_all(built, store_dir)
     for name in faults["intact"]:
@@ -440,13 +438,14 @@ def test_gc_dry_run_changes_nothing(built, store_dir):
     _inject_faults(built, store_dir)
     before = files_snapshot(store_dir)
     res = cli_json("gc", "--dry-run", "--max-bytes", "1", "--max-age", "1s", "--missing-models",
-                   "--tmp-age", "0", "--blob-age", "0", cache_dir=store_dir)
+                   "--blob-age", "0", cache_dir=store_dir)
     assert res["dry_run"] is True
     assert {r["key"] for r in res["removed"]} == set(built["keys"].values())
     assert res["removed"][-1]["pinned"] is True  # pinned last
     assert res["freed_bytes"] > 0
-    assert {"orphan_blob", "stale_tmp"} <= {p["kind"] for p in res["problems"]}
-    text = main_text("gc", "--dry-run", "--max-bytes", "1", "--tmp-age", "0", "--blob-age", "0", cache_dir=store_dir)
+    assert {"orphan_blob", "foreign_file"} <= {p["kind"] for p in res["problems"]}
+    assert res["bytes_left"] == 0 and res["entries_left"] == 0  # what would be left, not today's totals
+    text = main_text("gc", "--dry-run", "--max-bytes", "1", "--blob-age", "0", cache_dir=store_dir)
     assert "would remove" in text and "nothing changed" in text
     assert files_snapshot(store_dir) == before
 
@@ -475,7 +474,7 @@ def test_gc_identity_and_max_bytes(built, store_dir):
     disk = DiskTier(store_dir, readonly=True)
     try:
         e = disk.index.entry(bytes.fromhex(keys["E"]))
-        e_bytes = e["size"] + sum(disk.index.chunk(bytes.fromhex(ck))["size"] for ck in e["chunks"])
+        e_bytes = disk.index.pack(e.tail.pack).size  # E shares nothing: its pack is all of it
         total = disk.index.total_bytes()
     finally:
         disk.close()
@@ -561,13 +560,10 @@ def test_gc_and_verify_fix_under_a_live_reader(built, store_dir, tmp_path):
             assert time.time() - t0 < 120, "reader never got going"
             time.sleep(0.05)
         # damage B while the reader is serving it, add strays, then repair and collect
-        blob = blob_of(store_dir, keys["B"], chunk=2)
-        data = bytearray(blob.read_bytes())
-        data[100] ^= 0x40
-        blob.write_bytes(bytes(data))
+        damage_segment(segment_of(store_dir, keys["B"], chunk=2), "flip")
         (store_dir / "blobs" / "zz.safetensors.1.x.tmp").write_bytes(b"junk")
         t_begin = time.time()
-        fix = cli("verify", "--fix", "--tmp-age", "0", "--blob-age", "0", cache_dir=store_dir)
+        fix = cli("verify", "--fix", "--blob-age", "0", cache_dir=store_dir)
         assert fix.returncode == 0, fix.stdout + fix.stderr
         gc = cli_json("gc", "--max-bytes", "700K", "--missing-models", cache_dir=store_dir)
         removed = {r["key"] for r in gc["removed"]}
@@ -576,7 +572,7 @@ def test_gc_and_verify_fix_under_a_live_reader(built, store_dir, tmp_path):
         # keep both commands running against the live reader for a few seconds (they start
         # in well under a second, so one pass may overlap only a round or two of fetches)
         while time.time() - t_begin < 4.0:
-            again = cli("verify", "--fix", "--tmp-age", "0", "--blob-age", "0", cache_dir=store_dir)
+            again = cli("verify", "--fix", "--blob-age", "0", cache_dir=store_dir)
             assert again.returncode == 0, again.stdout + again.stderr
             cli_json("gc", "--max-bytes", "700K", cache_dir=store_dir)
         t_end = time.time()

@@ -192,17 +192,15 @@ def test_codec_round_trip(kind):
 
 @pytest.mark.parametrize("kind", list(FACTORIES))
 def test_blob_round_trip(kind, tmp_path):
-    """codec -> blobs.write_blob -> blobs.read_blob -> codec gives the same cache, and the
-    file is a plain safetensors file (safetensors.safe_open and mx.load read it)."""
+    """codec -> a pack of one segment -> blobs.read_segment -> codec gives the same cache,
+    and the segment is a plain safetensors file (safetensors.safe_open and mx.load read it)."""
     from safetensors import safe_open
 
     cache = [FACTORIES[kind](), make_kv(7)]  # two layers: names are layer-prefixed
     tensors, layout = codec.encode_cache(cache)
-    path = tmp_path / "x.safetensors"
-    size, checksum = blobs.write_blob(path, blobs.host_views(tensors), {"kvstore.kind": "test"})
-    assert path.stat().st_size == size
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith(blobs.TMP_SUFFIX)]
-    got, meta = blobs.read_blob(path, size, checksum)
+    path, seg = _write(tmp_path, tensors, {"kvstore.kind": "test"})
+    assert path.stat().st_size == seg.length and seg.offset == 0
+    got, meta = blobs.read_segment(path, seg)
     assert meta == {"kvstore.kind": "test"}
     assert set(got) == set(tensors)
     for name in tensors:
@@ -217,7 +215,7 @@ def test_blob_round_trip(kind, tmp_path):
         assert f.metadata() == {"kvstore.kind": "test"}
         for name in tensors:
             assert np.array_equal(f.get_tensor(name), _np(tensors[name])), name
-    loaded = mx.load(str(path))
+    loaded = mx.load(str(path), format="safetensors")
     assert set(loaded) == set(tensors)
     for name in tensors:
         _eq(loaded[name], tensors[name], f"mx.load {name}")
@@ -237,22 +235,21 @@ def test_bfloat16_round_trip(tmp_path):
     cache = [make_kv(33, dtype=mx.bfloat16), make_kv(33, dtype=mx.bfloat16)]
     assert cache[0].keys.dtype == mx.bfloat16
     tensors, layout = codec.encode_cache(cache)
-    path = tmp_path / "bf16.safetensors"
-    size, checksum = blobs.write_blob(path, blobs.host_views(tensors), {})
-    got, _ = blobs.read_blob(path, size, checksum)
+    path, seg = _write(tmp_path, tensors, {})
+    got, _ = blobs.read_segment(path, seg)
     assert all(v.dtype == mx.bfloat16 for v in got.values())
     restored = codec.decode_cache(got, through_json(layout))
     for a, b in zip(cache, restored):
         assert_same(a, b)
-    loaded = mx.load(str(path))
+    loaded = mx.load(str(path), format="safetensors")
     for name in tensors:
         _eq(loaded[name], tensors[name], f"mx.load {name}")
     from safetensors import safe_open
 
     with safe_open(str(path), framework="numpy") as f:  # the header says BF16
         assert set(f.keys()) == set(tensors)
-    header, _ = blobs.parse_header(path.read_bytes())
-    assert {header[n]["dtype"] for n in tensors} == {"BF16"}
+    header = blobs.parse_header(path.read_bytes(), seg.length)
+    assert {header.specs[n][0] for n in tensors} == {"BF16"}
 
 
 @pytest.mark.parametrize("kind", ["KVCache", "QuantizedKVCache", "RotatingKVCache-wrapped",
@@ -287,8 +284,8 @@ def test_layout_helpers():
     _, layout = codec.encode_cache(cache)
     assert codec.is_chunkable(layout, 10)
     relabelled = codec.with_offset(layout, 4)
-    assert [m["offset"] for m in codec._walk(relabelled)] == [4, 4, 4]
-    assert [m["offset"] for m in codec._walk(layout)] == [10, 10, 10]  # not mutated
+    assert [m["offset"] for m in codec.flat_layout(relabelled)] == [4, 4, 4]
+    assert [m["offset"] for m in codec.flat_layout(layout)] == [10, 10, 10]  # not mutated
     sig = codec.layout_signature(codec.encode_cache([make_rotating(True)])[1])
     assert sig == [{"keep": 4, "max_size": 16, "class": "RotatingKVCache"}]
 
@@ -322,23 +319,57 @@ def test_unsupported_batched_arrays_cache_and_unknown_class():
 # --------------------------------------------------------------------------- blobs
 
 
+def _write(d, tensors, meta):
+    """A new pack file holding one segment of ``tensors``: (its path, the segment)."""
+    w = blobs.PackWriter(d)
+    try:
+        seg = w.add(blobs.host_views(tensors), meta)
+        w.seal()
+    finally:
+        w.close()
+    return w.path, seg
+
+
 def test_blob_errors(tmp_path):
+    from dataclasses import replace
+
     tensors, _ = codec.encode_cache([make_kv(5)])
-    path = tmp_path / "b.safetensors"
-    size, checksum = blobs.write_blob(path, blobs.host_views(tensors), {})
+    path, seg = _write(tmp_path, tensors, {})
     with pytest.raises(blobs.BlobError):
-        blobs.read_blob(path, size + 1, checksum)
+        blobs.read_segment(path, replace(seg, length=seg.length + 1))
     with pytest.raises(blobs.BlobError):
-        blobs.read_blob(path, size, "0" * 32)
+        blobs.read_segment(path, replace(seg, checksum=b"\0" * 16))
     with pytest.raises(blobs.BlobError):
-        blobs.read_blob(tmp_path / "missing.safetensors", size, checksum)
+        blobs.read_segment(tmp_path / "missing.kvpack", seg)
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(blobs.BlobError, match="checksum"):
-        blobs.read_blob(path, size, checksum)
+        blobs.read_segment(path, seg)
     with pytest.raises(blobs.BlobError):
-        blobs.decode_blob(memoryview(b"\xff" * 16))
+        blobs.parse_header(b"\xff" * 16, 16)
+
+
+def test_pack_holds_segments_back_to_back(tmp_path):
+    """Several segments in one pack file: each is found at its offset, verified on its
+    own, and is a complete safetensors buffer once cut out."""
+    from safetensors.numpy import load
+
+    parts = [codec.encode_cache([make_kv(n)])[0] for n in (3, 9, 17)]
+    w = blobs.PackWriter(tmp_path)
+    segs = [w.add(blobs.host_views(t), {"i": str(i)}) for i, t in enumerate(parts)]
+    w.seal()
+    w.close()
+    assert [s.offset for s in segs] == [0, segs[0].length, segs[0].length + segs[1].length]
+    assert w.path.stat().st_size == sum(s.length for s in segs)
+    raw = w.path.read_bytes()
+    for i, (t, seg) in enumerate(zip(parts, segs)):
+        got, meta = blobs.read_segment(w.path, seg)
+        assert meta == {"i": str(i)}
+        for name in t:
+            _eq(got[name], t[name], name)
+        cut = load(raw[seg.offset : seg.end])
+        assert set(cut) == set(t)
 
 
 def test_blob_header_must_tile_its_data(tmp_path):
@@ -348,9 +379,10 @@ def test_blob_header_must_tile_its_data(tmp_path):
 
     import xxhash
 
+    from kvstore.records import Segment
+
     tensors, _ = codec.encode_cache([make_kv(5)])
-    path = tmp_path / "b.safetensors"
-    blobs.write_blob(path, blobs.host_views(tensors), {})
+    path, seg = _write(tmp_path, tensors, {})
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     for change in ({"shape": [1, 1 << 40, 5, D]}, {"data_offsets": [8, 1 << 40]}, {"dtype": "F64"}):
@@ -360,7 +392,7 @@ def test_blob_header_must_tile_its_data(tmp_path):
         bad = struct.pack("<Q", len(hb)) + hb + data[8 + n :]
         path.write_bytes(bad)
         with pytest.raises(blobs.BlobError, match="fit|cover"):
-            blobs.read_blob(path, len(bad), xxhash.xxh3_128_hexdigest(bad))
+            blobs.read_segment(path, Segment(seg.pack, 0, len(bad), xxhash.xxh3_128_digest(bad)))
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -371,7 +403,7 @@ def test_empty_arrays_are_written_through_numpy(st, shared, monkeypatch):
     MLX would hand numpy a copy (``SHARED_MEMORY`` off), numpy buffers stand in and
     ``finish`` copies them into MLX: the same result."""
     monkeypatch.setattr(blobs, "SHARED_MEMORY", shared)
-    arrays, hosts = blobs.empty({"x": (st, (2, 3, 4))})
+    arrays, hosts = blobs.alloc({"x": (st, (2, 3, 4))})
     assert isinstance(arrays["x"], mx.array if shared else np.ndarray)
     pattern = np.arange(hosts["x"].nbytes, dtype=np.uint8) % (2 if st == "BOOL" else 251)
     hosts["x"].reshape(-1).view(np.uint8)[:] = pattern
@@ -380,16 +412,18 @@ def test_empty_arrays_are_written_through_numpy(st, shared, monkeypatch):
     assert np.array_equal(np.array(raw).reshape(-1).view(np.uint8), pattern)
 
 
-def test_write_blob_failure_leaves_nothing(tmp_path):
+def test_pack_write_failure_leaves_nothing(tmp_path):
     class Boom:
         nbytes = 4
 
         def __array__(self, *a, **k):
             raise RuntimeError("boom")
 
+    w = blobs.PackWriter(tmp_path)
     with pytest.raises(RuntimeError):
-        blobs.write_blob(tmp_path / "x.safetensors", {"t": ("F32", Boom())}, {})
-    assert list(tmp_path.iterdir()) == []
+        w.add({"t": ("F32", Boom())}, {})
+    w.discard()
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
 
 
 # --------------------------------------------------------------------------- keys
@@ -397,10 +431,10 @@ def test_write_blob_failure_leaves_nothing(tmp_path):
 # Pinned values: a change here means stored caches stop matching (bump FORMAT_VERSION).
 PINNED_TOKENS = [0, 1, 2, 3, 255, 256, 65535, 65536, 151643, 2**32 - 1]
 PINNED_IDENTITY = bytes(range(16))
-PINNED_ROOT = "760e1febbb8f46d72bbfa587059ea1ee"  # format 2 (format 1: 6ba87e3a...)
-PINNED_KEY_CHUNK4 = "af731b07ac197db2afcaf7d15c4d5bf9"
-PINNED_BOUNDS_CHUNK4 = [PINNED_ROOT, "b0aea969affedeb5d2ffaa09fecdab65",
-                        "f021a40506761ea726b6210911fe502c"]
+PINNED_ROOT = "97b3efa1bb907139b53c372ba5edf6c9"  # format 3 (2: 760e1feb..., 1: 6ba87e3a...)
+PINNED_KEY_CHUNK4 = "a6edd60e6c4fd18548d24040e4098ff0"
+PINNED_BOUNDS_CHUNK4 = [PINNED_ROOT, "554d86803a50f071d5076a012c88e219",
+                        "1b17058c9da1b0f35edc1339699a8d6d"]
 
 
 def test_token_encoding_is_little_endian_uint32():
@@ -422,7 +456,6 @@ def test_keys_are_pinned():
         "bounds": [b.hex() for b in keys.boundaries(root, enc, 4)],
     }
     assert got == {"root": PINNED_ROOT, "key": PINNED_KEY_CHUNK4, "bounds": PINNED_BOUNDS_CHUNK4}
-    assert keys.checksum(b"kvstore") == "5bba62f694774ad242496eb43a7ca792"
     # the documented construction, spelled out with xxhash directly
     import xxhash
 

@@ -1,21 +1,31 @@
 """kvstore.maintenance in process: verify (each problem kind found and repaired), budgets and gc
-rules, on real stores written by KVStore with tiny-llama (chunk 64)."""
+rules, on real stores written by KVStore with tiny-llama (chunk 64).
+
+The template: P (200 tokens) and Q (P + 100) share P's three chunks; R (250, pinned) and S
+(210) are unrelated. Each persist wrote one pack file (its new chunks and its tail)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from kvstore import maintenance as M
-from kvstore.maintenance import budgets as MG, fsck as MV, pages as MP
-from kvstore.index import chunk_edges, entry_edges
+from kvstore import blobs, maintenance as M
+from kvstore.budget import evict_to, lru_order, remove_unchanged
+from kvstore.index import scan
+from kvstore.index.pages import db_roots
+from kvstore.index.trie import chunk_edges, entry_edges
+import importlib
+
+from kvstore.maintenance import fsck as MV
+
+MG = importlib.import_module("kvstore.maintenance.gc")  # the package exports the function gc
 
 CHUNK = 64
 DAY = 86400.0
@@ -42,6 +52,7 @@ def tmpl(tmp_path_factory, tiny_llama) -> dict[str, Any]:
         cache = prefill(model, toks)
         refs[name] = [np.array(c.keys[..., : len(toks), :]) for c in cache]
         store.insert(mdir, toks, cache)
+        store.flush()  # one pack per entry, in this order
     ident = store.identity(mdir)
     store.close()
     keys = {n: key_of(root_key(ident.digest), encode_tokens(t), CHUNK) for n, t in prompts.items()}
@@ -49,7 +60,7 @@ def tmpl(tmp_path_factory, tiny_llama) -> dict[str, Any]:
     used = {"P": now - 5 * DAY, "Q": now - 100, "R": now - 3 * DAY, "S": now - 50}
     disk = DiskTier(base / "cache")
     for n, k in keys.items():
-        disk.index.update_entry(k, lambda r, n=n: dict(r, last_used=used[n], pinned=(n == "R")))
+        set_entry(disk, k, last_used=used[n], pinned=(n == "R"))
     disk.close()
     return {"dir": base / "cache", "prompts": prompts, "keys": keys, "refs": refs, "model_dir": mdir,
             "ident": ident, "model": model}
@@ -88,69 +99,73 @@ def kinds(problems) -> set[str]:
     return {p.kind for p in problems}
 
 
-def chunk_of(disk, key: bytes, i: int) -> tuple[bytes, dict]:
-    ck = bytes.fromhex(disk.index.entry(key)["chunks"][i])
+def set_entry(disk, key: bytes, **changes) -> None:
+    disk.index.transact(lambda t: t.set_entry(key, replace(t.entry(key), **changes)))
+
+
+def chunk_of(disk, key: bytes, i: int):
+    ck = disk.index.entry(key).chunks[i]
     return ck, disk.index.chunk(ck)
 
 
+def pack_file(disk, seg) -> Path:
+    return blobs.pack_path(disk.blob_root, seg.pack)
+
+
 def raw_put(disk, dbname: str, key: bytes, value: bytes | None) -> None:
-    db = disk.index._db[dbname]
-    disk.index.write(lambda t: t.put(key, value, db=db) if value is not None else t.delete(key, db=db))
+    disk.index.transact(lambda t: t.put_raw(dbname, key, value) if value is not None else t.delete_raw(dbname, key))
 
 
 def test_clean_store_verifies_clean(tmpl, disk):
-    assert M.verify(disk, tmp_age=0, blob_age=0) == []
-    assert M.verify(disk, checksums=False, tmp_age=0, blob_age=0) == []
+    assert M.verify(disk, blob_age=0) == []
+    assert M.verify(disk, checksums=False, blob_age=0) == []
+    assert len(list(disk.blob_root.rglob("*.kvpack"))) == 4  # one pack per persist
 
 
-# Each fault: (name, inject(disk, tmpl) -> None, kinds that must be reported, prompts served in
+# Each fault: (inject(disk, tmpl) -> None, kinds that must be reported, prompts served in
 # full after the fix)
 def _flip(disk, t):
-    path = disk.blob_root / disk.index.entry(t["keys"]["S"])["blob"]
-    b = bytearray(path.read_bytes())
-    b[-1] ^= 0x80
-    path.write_bytes(bytes(b))
+    seg = disk.index.entry(t["keys"]["S"]).tail
+    with open(pack_file(disk, seg), "r+b") as f:
+        f.seek(seg.end - 1)
+        b = f.read(1)
+        f.seek(seg.end - 1)
+        f.write(bytes([b[0] ^ 0x80]))
 
 
-def _truncate_shared(disk, t):  # P's first chunk is Q's too
+def _truncate_shared(disk, t):  # P's pack holds the three chunks Q shares
     _, crec = chunk_of(disk, t["keys"]["P"], 0)
-    os.truncate(disk.blob_root / crec["blob"], crec["size"] - 1)
+    path = pack_file(disk, crec.segment)
+    os.truncate(path, path.stat().st_size - 1)
 
 
 def _delete(disk, t):
-    os.unlink(disk.blob_root / disk.index.entry(t["keys"]["R"])["blob"])
+    os.unlink(pack_file(disk, disk.index.entry(t["keys"]["R"]).tail))
 
 
 def _orphan_blob(disk, t):
-    _, crec = chunk_of(disk, t["keys"]["R"], 0)
-    dst = disk.blob_root / "ab" / ("ab" * 16 + "-00000000.safetensors")
+    src = pack_file(disk, disk.index.entry(t["keys"]["R"]).tail)
+    dst = blobs.pack_path(disk.blob_root, b"\xab" * 16)
     dst.parent.mkdir(exist_ok=True)
-    shutil.copyfile(disk.blob_root / crec["blob"], dst)
+    shutil.copyfile(src, dst)
 
 
-def _stale_tmp(disk, t):
-    (disk.blob_root / "ab").mkdir(exist_ok=True)
-    (disk.blob_root / "ab" / "x.safetensors.99.abcdef.tmp").write_bytes(b"half")
-    (disk.root / "file-digests.json.99.tmp").write_text("{")
-
-
-def _missing_chunk(disk, t):  # Q's own 4th chunk record vanishes (its blob stays: an orphan)
+def _missing_chunk(disk, t):  # Q's own 4th chunk record vanishes (its segment stays in Q's pack)
     ck, _ = chunk_of(disk, t["keys"]["Q"], 3)
     raw_put(disk, "chunks", ck, None)
 
 
 def _refcount_drift(disk, t):
     ck, crec = chunk_of(disk, t["keys"]["R"], 1)
-    raw_put(disk, "chunks", ck, json.dumps(dict(crec, refs=5)).encode())
+    raw_put(disk, "chunks", ck, crec.with_refs(5).to_bytes())
 
 
-def _orphan_chunk(disk, t):  # a chunk record no entry uses (an entry removed without its chunk)
+def _orphan_chunk(disk, t):  # an entry removed without its chunks (its pack's tail unused too)
     key = t["keys"]["S"]
     rec = disk.index.entry(key)
-    raw_put(disk, "entries", key, None)
     raw_put(disk, "bounds", entry_edges(key, rec, disk.index.tokens(key))[0], None)
+    raw_put(disk, "entries", key, None)
     raw_put(disk, "tokens", key, None)
-    os.unlink(disk.blob_root / rec["blob"])  # its tail is gone too; its 3 chunks linger
 
 
 def _dangling_bound(disk, t):
@@ -166,7 +181,7 @@ def _bytes_drift(disk, t):
 
 
 def _bad_record(disk, t):
-    raw_put(disk, "entries", t["keys"]["S"], b"{not json")
+    raw_put(disk, "entries", t["keys"]["S"], b'{"not": "ours"}')
 
 
 def _bad_chunk_record(disk, t):
@@ -174,17 +189,20 @@ def _bad_chunk_record(disk, t):
     raw_put(disk, "chunks", ck, b"\x00garbage")
 
 
-def _chunk_field_renamed(field):  # a flipped byte in a field name: the record lacks it
-    def inject(disk, t):
-        ck, crec = chunk_of(disk, t["keys"]["R"], 1)
-        crec[field[0] + "{" + field[2:]] = crec.pop(field)
-        raw_put(disk, "chunks", ck, json.dumps(crec).encode())
-    return inject
+def _chunk_record_cut(disk, t):  # a record cut short: not one kvstore writes
+    ck, crec = chunk_of(disk, t["keys"]["R"], 1)
+    raw_put(disk, "chunks", ck, crec.to_bytes()[:-9])
+
+
+def _chunk_checksum_flipped(disk, t):  # a flip in the record: its segment no longer matches
+    ck, crec = chunk_of(disk, t["keys"]["R"], 1)
+    seg = replace(crec.segment, checksum=bytes([crec.segment.checksum[0] ^ 1]) + crec.segment.checksum[1:])
+    raw_put(disk, "chunks", ck, replace(crec, segment=seg).to_bytes())
 
 
 def _chunk_identity_flipped(disk, t):  # informational: the chunk key already binds the identity
     ck, crec = chunk_of(disk, t["keys"]["R"], 1)
-    raw_put(disk, "chunks", ck, json.dumps(dict(crec, identity="0" * 32)).encode())
+    raw_put(disk, "chunks", ck, replace(crec, identity=b"\0" * 16).to_bytes())
 
 
 def _entry_tokens_flipped(disk, t):  # the entry can no longer be found by its own tokens
@@ -201,24 +219,25 @@ def _chunk_tokens_flipped(disk, t):
     raw_put(disk, "tokens", ck, bytes(toks))
 
 
-def _layout_offset(disk, t):
+def _entry_n_changed(disk, t):  # a record that says it holds another number of tokens
     key = t["keys"]["S"]
     rec = disk.index.entry(key)
-    rec["layout"][1]["offset"] += 1
-    raw_put(disk, "entries", key, json.dumps(rec).encode())
+    raw_put(disk, "entries", key, replace(rec, n=rec.n - 1).to_bytes())
 
 
 def _chunk_parent_flipped(disk, t):  # a damaged parent misleads the removal's edge delete
     ck, crec = chunk_of(disk, t["keys"]["R"], 1)
-    raw_put(disk, "chunks", ck, json.dumps(dict(crec, parent="ff" * 16)).encode())
+    raw_put(disk, "chunks", ck, replace(crec, parent=b"\xff" * 16).to_bytes())
 
 
-def _entry_boundary_and_chunks_flipped(disk, t):  # ... and so do an entry's boundary and chunk list
+def _entry_boundary_and_chunks_flipped(disk, t):  # ... and so do an entry's boundary and chunks
     key = t["keys"]["Q"]
     rec = disk.index.entry(key)
-    rec["boundary"] = "ee" * 16
-    rec["chunks"] = rec["chunks"][:2]
-    raw_put(disk, "entries", key, json.dumps(rec).encode())
+    raw_put(disk, "entries", key, replace(rec, boundary=b"\xee" * 16, chunks=rec.chunks[::-1]).to_bytes())
+
+
+def _bad_pack_record(disk, t):  # R's pack record: the file's segments can no longer be vouched for
+    raw_put(disk, "packs", disk.index.entry(t["keys"]["R"]).tail.pack, b"P\x03short")
 
 
 def _entry_edge_deleted(disk, t):
@@ -243,28 +262,27 @@ FAULTS = {
     "truncate_shared_chunk": (_truncate_shared, {"truncated"}, "RS"),
     "delete": (_delete, {"missing_blob"}, "PQS"),
     "orphan_blob": (_orphan_blob, {"orphan_blob"}, "PQRS"),
-    "stale_tmp": (_stale_tmp, {"stale_tmp"}, "PQRS"),
-    "missing_chunk": (_missing_chunk, {"missing_chunk", "dangling_bound", "orphan_tokens", "orphan_blob",
-                                       "bytes_drift"}, "PRS"),
+    "missing_chunk": (_missing_chunk, {"missing_chunk", "dangling_bound", "orphan_tokens", "orphan_pack"}, "PRS"),
     "refcount_drift": (_refcount_drift, {"orphan_chunk"}, "PQRS"),
-    "orphan_chunk": (_orphan_chunk, {"orphan_chunk", "bytes_drift"}, "PQR"),
+    "orphan_chunk": (_orphan_chunk, {"orphan_chunk", "orphan_pack"}, "PQR"),
     "dangling_bound": (_dangling_bound, {"dangling_bound"}, "PQRS"),
     "orphan_tokens": (_orphan_tokens, {"orphan_tokens"}, "PQRS"),
     "bytes_drift": (_bytes_drift, {"bytes_drift"}, "PQRS"),
-    "bad_chunk_record": (_bad_chunk_record, {"bad_record", "orphan_blob", "bytes_drift"}, "PQS"),
-    "chunk_checksum_renamed": (_chunk_field_renamed("checksum"), {"bad_record", "orphan_blob", "bytes_drift"}, "PQS"),
-    "chunk_layout_renamed": (_chunk_field_renamed("layout"), {"bad_record", "orphan_blob", "bytes_drift"}, "PQS"),
+    "bad_chunk_record": (_bad_chunk_record, {"bad_record", "orphan_pack"}, "PQS"),
+    "chunk_record_cut": (_chunk_record_cut, {"bad_record", "orphan_pack"}, "PQS"),
+    "chunk_checksum_flipped": (_chunk_checksum_flipped, {"bad_checksum"}, "PQS"),
     "chunk_identity_flipped": (_chunk_identity_flipped, set(), "PQRS"),
     "entry_tokens_flipped": (_entry_tokens_flipped, {"bad_record"}, "PQR"),
     "chunk_tokens_flipped": (_chunk_tokens_flipped, {"bad_record"}, "PQS"),
-    "layout_offset": (_layout_offset, {"bad_record"}, "PQR"),
+    "entry_n_changed": (_entry_n_changed, {"bad_record"}, "PQR"),
     # a bad record's trie edges are part of it (not reported again); --fix's sweep removes them
     "chunk_parent_flipped": (_chunk_parent_flipped, {"bad_record"}, "PQS"),
-    "entry_fields_flipped": (_entry_boundary_and_chunks_flipped, {"bad_record", "orphan_chunk"}, "PRS"),
+    "entry_fields_flipped": (_entry_boundary_and_chunks_flipped, {"bad_record"}, "PRS"),
+    "bad_pack_record": (_bad_pack_record, {"bad_record", "missing_pack", "bytes_drift"}, "PQS"),
     "entry_edge_deleted": (_entry_edge_deleted, {"missing_bound"}, "PQRS"),  # re-added
     "chunk_edge_deleted": (_chunk_edge_deleted, {"missing_bound"}, "PQRS"),
     "chunk_deep_edge_deleted": (_chunk_deep_edge_deleted, {"missing_bound"}, "PQRS"),
-    "bad_record": (_bad_record, {"bad_record", "orphan_chunk", "orphan_blob", "bytes_drift"}, "PQR"),
+    "bad_record": (_bad_record, {"bad_record", "orphan_chunk", "orphan_pack"}, "PQR"),
 }
 
 
@@ -272,13 +290,13 @@ FAULTS = {
 def test_verify_finds_and_fixes(tmpl, disk, fault):
     inject, want, full = FAULTS[fault]
     inject(disk, tmpl)
-    problems = M.verify(disk, tmp_age=0, blob_age=0)
+    problems = M.verify(disk, blob_age=0)
     assert kinds(problems) == want, [p.to_dict() for p in problems]
     assert all(p.kind in M.KINDS for p in problems)
-    fixed = M.verify(disk, fix=True, tmp_age=0, blob_age=0)
+    fixed = M.verify(disk, fix=True, blob_age=0)
     assert kinds(fixed) == want and all(p.fixed for p in fixed), [p.to_dict() for p in fixed]
-    assert M.verify(disk, tmp_age=0, blob_age=0) == []
-    # the byte counter matches the files left
+    assert M.verify(disk, blob_age=0) == []
+    # the byte counter matches the pack files left
     on_disk = sum(f.stat().st_size for f in disk.blob_root.rglob("*") if f.is_file())
     assert disk.index.total_bytes() == on_disk
     root = disk.root
@@ -290,30 +308,49 @@ def test_verify_finds_and_fixes(tmpl, disk, fault):
         assert got[name] < len(tmpl["prompts"][name]), (name, got)
 
 
+def test_foreign_files_are_reported_and_never_touched(tmpl, disk):
+    """Files kvstore did not write (another tool's, a temp file, a symlink, a pack name in
+    the wrong fan-out directory) are reported and left alone by --fix and gc."""
+    planted = [disk.blob_root / "ab" / "x.safetensors.99.abcdef.tmp", disk.blob_root / "sha256-0123",
+               disk.blob_root / "cd" / ("ab" * 16 + ".kvpack")]
+    for p in planted:
+        p.parent.mkdir(exist_ok=True)
+        p.write_bytes(b"not kvstore's")
+        os.utime(p, (0, 0))
+    link = disk.blob_root / "ef"
+    link.symlink_to(disk.root / "index")
+    problems = M.verify(disk, fix=True, blob_age=0)
+    assert kinds(problems) == {"foreign_file"} and not any(p.fixed for p in problems)
+    assert M.gc(disk, blob_age=0).removed == []
+    assert all(p.exists() for p in planted) and link.is_symlink() and (disk.root / "index" / "data.mdb").exists()
+
+
 def test_grace_periods(tmpl, disk):
     _orphan_blob(disk, tmpl)
-    _stale_tmp(disk, tmpl)
     assert M.verify(disk) == []  # young: maybe a live writer's
     assert kinds(M.verify(disk, blob_age=0)) == {"orphan_blob"}
-    old = time.time() - 300  # past the blob grace (60 s), not the temp file one (600 s)
-    for f in list(disk.blob_root.rglob("ab*")) + list(disk.blob_root.rglob("*.tmp")):
-        os.utime(f, (old, old))
+    orphan = blobs.pack_path(disk.blob_root, b"\xab" * 16)
+    old = time.time() - 300  # past the grace (60 s)
+    os.utime(orphan, (old, old))
     assert kinds(M.verify(disk)) == {"orphan_blob"}
-    assert kinds(M.verify(disk, tmp_age=200)) == {"orphan_blob", "stale_tmp"}
+    future = time.time() + 10 * DAY  # another host's clock: counts as now, not as forever young
+    os.utime(orphan, (future, future))
+    assert kinds(M.verify(disk, blob_age=0)) == {"orphan_blob"}
+    assert M.gc(disk, blob_age=0).freed > 0 and not orphan.exists()
 
 
-def test_fix_leaves_a_blob_committed_after_the_scan(tmpl, disk):
-    """An 'orphan' that a writer indexes between verify's scan and its repair is kept."""
-    ck, crec = chunk_of(disk, tmpl["keys"]["R"], 0)
-    rel = "ab/" + "ab" * 16 + "-11111111.safetensors"
-    (disk.blob_root / "ab").mkdir(exist_ok=True)
-    shutil.copyfile(disk.blob_root / crec["blob"], disk.blob_root / rel)
+def test_an_orphan_committed_after_the_scan_is_kept(tmpl, disk):
+    """A pack that a writer indexes between verify's scan and the repair is kept: the
+    removal decides inside a write transaction (the writer's commit holds the same lock)."""
+    _orphan_blob(disk, tmpl)
+    orphan = blobs.pack_path(disk.blob_root, b"\xab" * 16)
     problems = M.verify(disk, blob_age=0)
     assert kinds(problems) == {"orphan_blob"}
     # ... the writer commits: a record now names the file
-    raw_put(disk, "chunks", b"\xab" * 16, json.dumps(dict(crec, blob=rel, refs=0)).encode())
-    MV._fix(disk, problems, M.snapshot(disk), tmp_age=0, blob_age=0)
-    assert (disk.blob_root / rel).exists() and not problems[0].fixed
+    raw_put(disk, "packs", b"\xab" * 16, disk.index.pack(disk.index.entry(tmpl["keys"]["R"]).tail.pack).to_bytes())
+    assert M.remove_orphan(disk, b"\xab" * 16, blob_age=0) is False and orphan.exists()
+    raw_put(disk, "packs", b"\xab" * 16, None)
+    assert M.remove_orphan(disk, b"\xab" * 16, blob_age=0) is True and not orphan.exists()
 
 
 def test_evict_to_dry_run_predicts_the_real_run(tmpl, disk, tmp_path):
@@ -322,19 +359,20 @@ def test_evict_to_dry_run_predicts_the_real_run(tmpl, disk, tmp_path):
     total = disk.index.total_bytes()
     budget = total // 3
     before = {str(f) for f in disk.root.rglob("*")}
-    plan = M.evict_to(disk, budget, dry_run=True)
+    plan = evict_to(disk, budget, dry_run=True)
     assert {str(f) for f in disk.root.rglob("*")} == before and disk.index.total_bytes() == total
     other = DiskTier(shutil.copytree(disk.root, tmp_path / "other"))
     try:
-        done = M.evict_to(other, budget)
-        assert [k for k, _ in done] == [k for k, _ in plan]
-        assert sum(r["_frees"] for _, r in done) == total - other.index.total_bytes()
+        done = evict_to(other, budget)
+        assert [r.key for r in done] == [r.key for r in plan]
+        assert sum(r.freed for r in done) == total - other.index.total_bytes()
         assert other.index.total_bytes() <= budget
-        assert M.verify(other, tmp_age=0, blob_age=0) == []
+        assert M.verify(other, blob_age=0) == []
     finally:
         other.close()
     # LRU with the pinned entry (R) last: P (5 days), then Q, S, R
-    order = [k for k, _ in M.lru_order(disk.index.entries())]
+    snap = scan(disk.index, full=False)
+    order = [k for k, _ in lru_order(snap.entries.items())]
     t = tmpl["keys"]
     assert order == [t["P"], t["Q"], t["S"], t["R"]]
 
@@ -345,27 +383,34 @@ def test_gc_rules(tmpl, disk):
     total = disk.index.total_bytes()
     res = M.gc(disk, max_age=DAY)
     assert [(r["key"], r["reason"]) for r in res.removed] == [(t["P"].hex(), "max_age")]
-    assert res.freed == total - disk.index.total_bytes() > 0  # P's tail only: Q shares its chunks
-    assert disk.index.entry(t["P"]) is None and res.removed[0]["bytes"] == res.freed
+    # P's pack also holds the three chunks Q uses: it stays (its tail is dead space until Q goes)
+    assert res.freed == total - disk.index.total_bytes() == 0 and res.removed[0]["bytes"] == 0
+    assert disk.index.entry(t["P"]) is None
     # --max-bytes: unpinned first, LRU; the pinned entry only when nothing else is left
     res = M.gc(disk, max_bytes=1)
     assert [r["key"] for r in res.removed] == [t["Q"].hex(), t["S"].hex(), t["R"].hex()]
+    assert res.freed == total and res.bytes_left == 0 and res.entries_left == 0
     assert disk.index.total_bytes() == 0 and disk.index.counts()["chunks"] == 0
     assert not [f for f in disk.blob_root.rglob("*") if f.is_file()]
 
 
 def test_gc_identities_missing_models_and_dry_run(tmpl, disk):
+    from kvstore.records import IdentityRecord
+
     ident = tmpl["ident"]
     snap_files = {str(f): f.stat().st_size for f in disk.root.rglob("*") if f.is_file() and f.name != "lock.mdb"}
+    total = disk.index.total_bytes()
     res = M.gc(disk, identities=[ident.hex[:8]], dry_run=True)
     assert {r["key"] for r in res.removed} == {k.hex() for k in tmpl["keys"].values()}
-    assert res.freed == disk.index.total_bytes()
+    assert res.freed == total and (res.bytes_left, res.entries_left) == (0, 0)
     assert {str(f): f.stat().st_size for f in disk.root.rglob("*") if f.is_file() and f.name != "lock.mdb"} == snap_files
+    res = M.gc(disk, max_bytes=total // 2, dry_run=True)  # what would be left, not today's totals
+    assert 0 < res.bytes_left <= total // 2 and res.entries_left == 4 - len(res.removed)
     # the model dir exists: --missing-models leaves it alone
     assert M.gc(disk, missing_models=True).removed == []
     # now point the identity at a directory that is gone
-    info = dict(disk.index.identities()[ident.hex], path="/nonexistent/model")
-    raw_put(disk, "identities", ident.digest, json.dumps(info).encode())
+    info = dict(disk.index.identities()[ident.hex].info, path="/nonexistent/model")
+    raw_put(disk, "identities", ident.digest, IdentityRecord(info).to_bytes())
     res = M.gc(disk, missing_models=True)
     assert len(res.removed) == 4 and {r["reason"] for r in res.removed} == {"missing_model"}
     assert disk.index.counts()["entries"] == 0 and disk.index.total_bytes() == 0
@@ -376,36 +421,36 @@ def test_gc_skips_an_entry_pinned_meanwhile(tmpl, disk):
     after gc read the index wins."""
     t = tmpl["keys"]
     rec = disk.index.entry(t["P"])
-    disk.index.update_entry(t["P"], lambda r: dict(r, pinned=True))
-    assert MG._remove_many(disk, [(t["P"], rec)]) == set()
+    set_entry(disk, t["P"], pinned=True)
+    assert remove_unchanged(disk, [(t["P"], rec)]) == set()
     assert disk.index.entry(t["P"]) is not None
     # a use after the read saves it from --max-age (its guard re-checks the age) ...
-    disk.index.update_entry(t["P"], lambda r: dict(r, pinned=False, last_used=time.time()))
+    set_entry(disk, t["P"], pinned=False, last_used=time.time())
     cutoff = time.time() - DAY
-    assert MG._remove_many(disk, [(t["P"], rec)], guard=lambda cur: cur.get("last_used", 0) < cutoff) == set()
+    assert remove_unchanged(disk, [(t["P"], rec)], guard=lambda cur: cur.last_used < cutoff) == set()
     assert disk.index.entry(t["P"]) is not None
-    # ... but not from a size budget
-    # and in a batch, only the entry whose pin changed is kept
+    # ... but not from a size budget; in a batch, only the entry whose pin changed is kept
     q = disk.index.entry(t["Q"])
-    disk.index.update_entry(t["Q"], lambda r: dict(r, pinned=True))
-    assert MG._remove_many(disk, [(t["P"], rec), (t["Q"], q)]) == {t["P"]}
+    set_entry(disk, t["Q"], pinned=True)
+    assert remove_unchanged(disk, [(t["P"], rec), (t["Q"], q)]) == {t["P"]}
     assert disk.index.entry(t["P"]) is None and disk.index.entry(t["Q"]) is not None
 
 
-def test_blob_helpers(tmpl, disk):
+def test_segment_check(tmpl, disk):
     rec = disk.index.entry(tmpl["keys"]["P"])
-    path = disk.blob_root / rec["blob"]
-    assert M.check_blob(path, rec["size"], rec["checksum"]) is None
-    assert M.check_blob(path, rec["size"] + 1, rec["checksum"])[0] == "truncated"
-    assert M.check_blob(path, rec["size"], "0" * 32)[0] == "bad_checksum"
-    assert M.check_blob(path, rec["size"], "0" * 32, checksums=False) is None
-    assert M.check_blob(path.with_name("nope"), 1, None)[0] == "missing_blob"
-    header = M.blob_header(path)
-    assert header["__metadata__"]["kvstore.key"] == tmpl["keys"]["P"].hex()
-    assert M.kv_dtype(rec["layout"], header) == "float32"
-    assert M.kv_dtype([{"class": "QuantizedKVCache", "bits": 4, "group_size": 64}]) == "4-bit (group 64)"
-    assert M.kv_dtype([{"class": "CacheList", "sub": [{"class": "QuantizedKVCache", "bits": 8,
-                                                       "group_size": 32}]}]) == "8-bit (group 32)"
+    seg = rec.tail
+    packs = {seg.pack: disk.index.pack(seg.pack)}
+    with M.SegmentCheck(disk, packs) as check:
+        assert check.problem(seg) is None
+        assert check.problem(replace(seg, checksum=b"\0" * 16))[0] == "bad_checksum"
+        assert check.problem(replace(seg, pack=b"\1" * 16))[0] == "missing_pack"
+    with M.SegmentCheck(disk, packs, checksums=False) as check:
+        assert check.problem(replace(seg, checksum=b"\0" * 16)) is None
+    with M.SegmentCheck(disk, {seg.pack: replace(packs[seg.pack], size=packs[seg.pack].size + 1)}) as check:
+        assert check.problem(seg)[0] == "truncated"
+    os.unlink(pack_file(disk, seg))
+    with M.SegmentCheck(disk, packs) as check:
+        assert check.problem(seg)[0] == "missing_blob"
 
 
 def test_damaged_index_is_reported_and_rebuilt(tmpl, disk, monkeypatch):
@@ -413,7 +458,7 @@ def test_damaged_index_is_reported_and_rebuilt(tmpl, disk, monkeypatch):
     --fix rebuilds it from its readable records and the store serves again."""
     import lmdb
 
-    real = MV.snapshot  # what verify calls
+    real = MV.scan  # what verify calls
     fail = {"n": 0}
 
     def flaky(*a, **k):
@@ -422,49 +467,47 @@ def test_damaged_index_is_reported_and_rebuilt(tmpl, disk, monkeypatch):
             raise lmdb.PageNotFoundError("mdb_cursor_get: MDB_PAGE_NOTFOUND: Requested page not found")
         return real(*a, **k)
 
-    monkeypatch.setattr(MV, "snapshot", flaky)
-    monkeypatch.setattr(MG, "snapshot", flaky)
+    monkeypatch.setattr(MV, "scan", flaky)
+    monkeypatch.setattr(MG, "scan", flaky)
     fail["n"] = 1
     got = M.verify(disk)
     assert [p.kind for p in got] == ["corrupt_index"] and not got[0].fixed and "--fix" in got[0].detail
     fail["n"] = 1
     old_index = disk.index
-    got = M.verify(disk, fix=True, tmp_age=0, blob_age=0)
+    got = M.verify(disk, fix=True, blob_age=0)
     assert [p.kind for p in got] == ["corrupt_index"] and got[0].fixed, [p.to_dict() for p in got]
     assert list(disk.root.glob("index.corrupt-*"))
     assert disk.index.env is not old_index.env  # the new files, not the shared old environment
     assert disk.index.env.info()["last_txnid"] < old_index.env.info()["last_txnid"]
-    assert M.verify(disk, tmp_age=0, blob_age=0) == []
+    assert M.verify(disk, blob_age=0) == []
     assert disk.index.counts()["entries"] == 4
     root = disk.root
+    fail["n"] = 10
+    with pytest.raises(lmdb.Error):  # gc's own rules do raise; the CLI says so
+        M.gc(disk)
     disk.close()
     got = served(tmpl, root)
     assert all(got[n] == len(t) for n, t in tmpl["prompts"].items()), got
-    fail["n"] = 10
-    with pytest.raises(lmdb.Error):  # budgets (gc, the store's evict_to) do raise; the CLI says so
-        M.gc(None)
+
+
+def _damage_root_page(disk, db: str, how: str) -> None:
+    path, psize = disk.index.path / "data.mdb", disk.index.env.stat()["psize"]
+    root = db_roots(path)[db]
+    with open(path, "r+b") as f:
+        f.seek(root * psize)
+        f.write((root + 7).to_bytes(8, "little") if how == "renumber" else bytes(psize))
 
 
 def test_damaged_pages_are_found_without_lmdb_and_salvaged(tmpl, disk):
     """A page that is not what its parent says (here: the identities database's root page
     claims another page number) is a corrupt_index problem found by walking the pages
     (LMDB itself would abort() on some such pages); --fix salvages every intact record."""
-    import struct
-
-    path, psize = disk.index.path / "data.mdb", disk.index.env.stat()["psize"]
-    pages = MP._Pages(path, psize, None)
-    subs = {}
-    pages.walk(pages.main, lambda k, v, f: subs.__setitem__(k.decode(), struct.unpack("<IHHQQQQQ", v)), [], "main")
-    pages.close()
-    root = subs["identities"][7]
-    with open(path, "r+b") as f:
-        f.seek(root * psize)
-        f.write((root + 7).to_bytes(8, "little"))
+    _damage_root_page(disk, "identities", "renumber")
     got = M.verify(disk)
     assert [p.kind for p in got] == ["corrupt_index"] and "identities" in got[0].detail
-    got = M.verify(disk, fix=True, tmp_age=0, blob_age=0)
+    got = M.verify(disk, fix=True, blob_age=0)
     assert got[0].kind == "corrupt_index" and got[0].fixed and "skipped 1 damaged" in got[0].detail
-    assert M.verify(disk, tmp_age=0, blob_age=0) == []
+    assert M.verify(disk, blob_age=0) == []
     assert disk.index.counts()["entries"] == 4 and disk.index.identities() == {}
     root_dir = disk.root
     disk.close()
@@ -476,17 +519,7 @@ def test_damaged_index_at_open_keeps_its_readable_records(tmpl, disk, caplog):
     """An index found damaged when a store opens it is moved aside and a new one starts
     with every record still readable (here all entries: the damage is in the identities
     database), so the entries keep serving; the aside copy stays for inspection."""
-    import struct
-
-    path, psize = disk.index.path / "data.mdb", disk.index.env.stat()["psize"]
-    pages = MP._Pages(path, psize, None)
-    subs = {}
-    pages.walk(pages.main, lambda k, v, f: subs.__setitem__(k.decode(), struct.unpack("<IHHQQQQQ", v)), [], "main")
-    pages.close()
-    root = subs["identities"][7]
-    with open(path, "r+b") as f:  # zeroed: LMDB reports MDB_CORRUPTED reading it
-        f.seek(root * psize)
-        f.write(bytes(psize))
+    _damage_root_page(disk, "identities", "zero")  # zeroed: LMDB reports MDB_CORRUPTED reading it
     root_dir = disk.root
     disk.close()
     with caplog.at_level("WARNING", logger="kvstore"):
@@ -499,6 +532,6 @@ def test_damaged_index_at_open_keeps_its_readable_records(tmpl, disk, caplog):
     d = DiskTier(root_dir, chunk_tokens=CHUNK)
     try:
         assert d.index.counts()["entries"] == 4
-        assert [p.kind for p in M.verify(d, tmp_age=0, blob_age=0)] == []
+        assert [p.kind for p in M.verify(d, blob_age=0)] == []
     finally:
         d.close()

@@ -521,24 +521,10 @@ def _corruption_store(d: Path) -> dict:
             s.insert(kv, t, synth(t))
         s.insert(snap, S, synth(S, snapshot=True))
         assert s.flush()
-        blobs_of = {"A": U.entry_blobs(s, A, kv), "A2": U.entry_blobs(s, A2, kv),
-                    "B": U.entry_blobs(s, B, kv), "S": U.entry_blobs(s, S, snap)}
-    assert len(blobs_of["A"]) == 3 and blobs_of["A"][0] == blobs_of["A2"][0] and len(blobs_of["S"]) == 1
-    return dict(A=A, A2=A2, B=B, S=S, kv=kv, snap=snap, blobs=blobs_of)
-
-
-def _damage(path: Path, how: str) -> None:
-    if how == "flip":
-        data = bytearray(path.read_bytes())
-        data[len(data) // 2] ^= 0x40
-        path.write_bytes(bytes(data))
-    elif how == "truncate":
-        with open(path, "r+b") as f:
-            f.truncate(path.stat().st_size // 2)
-    elif how == "delete":
-        path.unlink()
-    else:
-        raise AssertionError(how)
+        segs = {"A": U.entry_segments(s, A, kv), "A2": U.entry_segments(s, A2, kv),
+                "B": U.entry_segments(s, B, kv), "S": U.entry_segments(s, S, snap)}
+    assert len(segs["A"]) == 3 and segs["A"][0] == segs["A2"][0] and len(segs["S"]) == 1
+    return dict(A=A, A2=A2, B=B, S=S, kv=kv, snap=snap, segs=segs)
 
 
 def _fetch_ok_or_shorter(s, who, toks, *, snapshot=False) -> int:
@@ -561,11 +547,11 @@ def test_damaged_blob_is_a_miss_and_the_rest_works(tmp_path, target, how):
     st = _corruption_store(tmp_path)
     name, _, part = target.partition("-")
     idx = {"tail": -1, "chunk0": 0, "chunk1": 1, "": 0}[part]
-    _damage(st["blobs"][name][idx], how)
+    bad = st["segs"][name][idx]
+    U.damage_segment(bad, how)
     A, A2, B, S, kv, snap = (st[k] for k in ("A", "A2", "B", "S", "kv", "snap"))
-    needs_bad = {"A": True, "A2": target == "A-chunk0", "B": False, "S": False}
-    if name == "S":
-        needs_bad = {"A": False, "A2": False, "B": False, "S": True}
+    needs_bad = {who: any(U.damaged_by(bad, how, seg) for seg in segs) for who, segs in st["segs"].items()}
+    assert needs_bad[name] and not needs_bad["B"]
 
     with KVStore(tmp_path) as s:
         for _ in range(2):  # and again: the damage was dealt with the first time
@@ -607,31 +593,31 @@ def test_damaged_middle_chunk_fails_the_whole_restore(tmp_path):
     with KVStore(tmp_path, chunk_tokens=C) as s:
         s.insert(who, toks, synth(toks))
         assert s.flush()
-        files = U.entry_blobs(s, toks, who)
-    assert len(files) == 7
-    _damage(files[3], "flip")
+        segs = U.entry_segments(s, toks, who)
+    assert len(segs) == 7 and len({seg.path for seg in segs}) == 1  # one pack per persist
+    U.damage_segment(segs[3], "flip")
     with KVStore(tmp_path) as s:
         plan = s.disk.plan(who, toks)
         assert plan.n == len(toks) and len(plan.chunks) == 6
         with pytest.raises(blobs.BlobError, match="checksum") as e:
-            s.disk.restore(plan)
+            s.disk.restore(plan, who)
         assert e.value.record == ("chunk", plan.chunks[3])
         assert not [t for t in threading.enumerate() if t.name.startswith("kvstore-restore")]
         n = _fetch_ok_or_shorter(s, who, toks)
         assert n <= 3 * C and s.stats()["corrupt"] == 1
 
 
-def test_stray_temp_files_are_ignored(tmp_path):
-    """Leftovers of a writer that died mid-write (temp files, never indexed): the entry it
-    was writing is a miss, everything else hits, and the entry can be written later."""
+def test_stray_files_are_ignored(tmp_path):
+    """Leftovers of a writer that died mid-write (a half-written pack, never indexed) and
+    files kvstore did not write: the entry being written is a miss, everything else hits,
+    nothing is counted as corrupt, and the entry can be written later."""
     st = _corruption_store(tmp_path)
     A, B, kv = st["A"], st["B"], st["kv"]
     lost = rand_tokens(120, seed=35)
-    tail = st["blobs"]["A"][-1]
-    # a half-written blob for `lost` next to real ones, and one directly under blobs/
-    junk = tail.read_bytes()[: tail.stat().st_size // 2]
-    (tail.parent / f"{tail.name}.4242.deadbeef{blobs.TMP_SUFFIX}").write_bytes(junk)
-    (tmp_path / "blobs" / f"ff.safetensors.1.cafe0000{blobs.TMP_SUFFIX}").write_bytes(b"\0" * 100)
+    tail = st["segs"]["A"][-1]
+    junk = tail.path.read_bytes()[: tail.offset + tail.length // 2]
+    (tail.path.parent / ("ab" * 16 + ".kvpack")).write_bytes(junk)  # a pack no record names
+    (tmp_path / "blobs" / "notes.txt").write_bytes(b"not kvstore's")
     with KVStore(tmp_path) as s:
         assert _fetch_ok_or_shorter(s, kv, lost) == 0
         assert _fetch_ok_or_shorter(s, kv, A) == len(A)
@@ -644,16 +630,16 @@ def test_stray_temp_files_are_ignored(tmp_path):
 
 @pytest.mark.parametrize("where", ["blob", "index"])
 def test_failed_write_leaves_no_entry_and_no_file(tmp_path, monkeypatch, where):
-    """A write that fails (the blob's rename, or the index commit: a full disk) costs that
-    entry only: counted in write_errors, nothing indexed, no blob or temp file left, no
-    exception to the caller. (Regression: an index failure, lmdb.Error, was not counted.)"""
+    """A write that fails (the pack's sync, or the index commit: a full disk) costs that
+    entry only: counted in write_errors, nothing indexed, no pack file left, no exception
+    to the caller. (Regression: an index failure, lmdb.Error, was not counted.)"""
     import lmdb
 
-    from kvstore.index import Index
+    from kvstore import disk as D
 
     who = ident("failwrite")
     good, bad = rand_tokens(100, seed=41), rand_tokens(100, seed=42)
-    real = os.replace if where == "blob" else Index.commit_entry
+    real = blobs.PackWriter.seal if where == "blob" else D._commit
 
     def flaky(*a, **k):
         if flaky.fail:
@@ -664,9 +650,9 @@ def test_failed_write_leaves_no_entry_and_no_file(tmp_path, monkeypatch, where):
 
     flaky.fail = False
     if where == "blob":
-        monkeypatch.setattr(blobs.os, "replace", flaky)
+        monkeypatch.setattr(blobs.PackWriter, "seal", flaky)
     else:
-        monkeypatch.setattr(Index, "commit_entry", flaky)
+        monkeypatch.setattr(D, "_commit", flaky)
     with KVStore(tmp_path, chunk_tokens=C) as s:
         s.insert(who, good, synth(good))
         s.flush()
@@ -677,9 +663,8 @@ def test_failed_write_leaves_no_entry_and_no_file(tmp_path, monkeypatch, where):
         assert s.stats()["write_errors"] == 1
         assert s.fetch(who, bad).source == "memory"
         files = U.blob_files(tmp_path)
-    assert not [p for p in files if p.name.endswith(blobs.TMP_SUFFIX)]
     with KVStore(tmp_path) as s:
-        assert sorted(files) == sorted(U.entry_blobs(s, good, who))  # nothing of `bad` left
+        assert sorted(files) == sorted({seg.path for seg in U.entry_segments(s, good, who)})  # nothing of `bad`
         assert s.fetch(who, bad).cache is None
         assert s.fetch(who, good).n == len(good)
 
@@ -690,11 +675,11 @@ WARM_SCRIPT = r"""
 import json, sys
 import kvstore.blobs
 reads = []
-real = kvstore.blobs.Blob.__init__
-def counting(self, path, size, checksum):  # every blob read opens one Blob
+real = kvstore.blobs.open_own
+def counting(path):  # every pack file read is opened through open_own
     reads.append(str(path))
-    real(self, path, size, checksum)
-kvstore.blobs.Blob.__init__ = counting
+    return real(path)
+kvstore.blobs.open_own = counting
 
 from kvstore import KVStore
 from kvstore.identity import Identity
@@ -716,22 +701,22 @@ print(json.dumps(out))
 
 
 def test_warm_start_reads_no_blob_until_a_restore(tmp_path):
-    """A new process finds every entry through the index alone (zero blob reads); the first
-    restore reads exactly that entry's blobs (its chunks and its tail), each once."""
+    """A new process finds every entry through the index alone (zero pack files opened);
+    the first restore opens exactly that entry's pack file (its chunks and its tail), once."""
     entries = [("warm", rand_tokens(n, seed=50 + n)) for n in (40, 64, 150, 200, 260)]
     entries.append(("warm-snap", rand_tokens(90, seed=60)))
     with KVStore(tmp_path, chunk_tokens=C) as s:
         for name, t in entries:
             s.insert(ident(name), t, synth(t, snapshot=name.endswith("snap")))
         assert s.flush()
-        expected = {i: sorted(str(p) for p in U.entry_blobs(s, t, ident(name)))
+        expected = {i: sorted({str(seg.path) for seg in U.entry_segments(s, t, ident(name))})
                     for i, (name, t) in enumerate(entries)}
     which = 3  # the 200-token entry: 3 chunks + a tail
     out = U.run_py(WARM_SCRIPT, {"dir": str(tmp_path), "entries": entries, "fetch": which})
     assert out["plans"] == [len(t) for _, t in entries]
     assert out["reads_before"] == 0
     assert out["fetched"] == [200, "disk"]
-    assert out["reads_after"] == expected[which] and len(expected[which]) == 4
+    assert out["reads_after"] == expected[which] and len(expected[which]) == 1
 
 
 # --------------------------------------------------------------------------- write-behind

@@ -52,6 +52,10 @@ def add_cache_dir(parser: argparse.ArgumentParser) -> None:
         "--cache-dir", metavar="DIR", type=Path, default=None,
         help="the cache directory (default: $KVSTORE_DIR if set, else the user cache dir, "
              "e.g. ~/.cache/kvstore/cache on Linux, ~/Library/Caches/kvstore/cache on macOS)")
+    parser.add_argument(
+        "--shared-dir", action="store_true",
+        help="the directory is shared by a group on purpose: accept it group-writable or owned by "
+             "another member (without it, a directory another user could write is refused)")
 
 
 def add_json(parser: argparse.ArgumentParser) -> None:
@@ -68,8 +72,7 @@ def cache_dir(args: argparse.Namespace) -> Path:
 
 def open_disk(args: argparse.Namespace, *, write: bool = False):
     """The cache directory's DiskTier: read-only unless ``write``. Raises CLIError."""
-    from ..disk import DiskTier
-    from ..keys import FORMAT_VERSION
+    from ..store import StoreOpenError, open_disk as open_store_disk
 
     root = cache_dir(args)
     hint = "pass --cache-dir DIR (or set KVSTORE_DIR) naming the directory your servers use"
@@ -80,16 +83,10 @@ def open_disk(args: argparse.Namespace, *, write: bool = False):
     if not (root / "index" / "data.mdb").is_file():
         raise CLIError(f"{root} is not a kvstore cache directory (it has no index/data.mdb): {hint}")
     try:
-        disk = DiskTier(root, readonly=not write)
-    except Exception as e:  # lmdb.Error, IndexError_, PermissionError
+        return open_store_disk(root, shared_dir=getattr(args, "shared_dir", False), readonly=not write)
+    except StoreOpenError as e:
         extra = "" if write else " (read-only commands still need write access to index/lock.mdb)"
-        raise CLIError(f"cannot open the index in {root}: {e}{extra}") from None
-    fmt = disk.index.read(lambda t: t.get(b"format", db=disk.index._db["meta"]))
-    if fmt is not None and int(fmt) != FORMAT_VERSION:
-        disk.close()
-        raise CLIError(f"{root} holds a format-{int(fmt)} cache; this kvstore reads format "
-                       f"{FORMAT_VERSION}: use a matching kvstore version or another --cache-dir")
-    return disk
+        raise CLIError(f"{e}{extra if 'lock.mdb' in str(e) or 'Permission' in str(e) else ''}") from None
 
 
 # ----------------------------------------------------------------------------- entries
@@ -99,37 +96,38 @@ def short_id(key: bytes | str) -> str:
     return (key.hex() if isinstance(key, bytes) else key)[:ENTRY_ID_CHARS]
 
 
-def resolve_entry(disk, prefix: str) -> tuple[bytes, dict]:
-    """The one entry whose key (hex) starts with ``prefix``. Raises CLIError."""
+def resolve_entry(disk, prefix: str) -> tuple[bytes, Any]:
+    """The one entry whose key (hex) starts with ``prefix``, and its record. Raises
+    CLIError (no match, several, or a record kvstore did not write)."""
+    from ..records import RecordError
+
     p = prefix.strip().lower()
     if not p or not re.fullmatch(r"[0-9a-f]+", p):
         raise CLIError(f"ENTRY must be a hex prefix of an entry id (as `kvstore ls` shows), got {prefix!r}")
     start = bytes.fromhex(p[: len(p) // 2 * 2])
-    db = disk.index._db["entries"]
 
-    def run(txn: Any) -> list[bytes]:
+    def run(r: Any) -> list[bytes]:
         out = []
-        cur = txn.cursor(db=db)
-        if not cur.set_range(start):
-            return out
-        for k in cur.iternext(keys=True, values=False):
-            hx = bytes(k).hex()
-            if not hx.startswith(p[: len(start) * 2]):
+        for k in r.keys_from("entries", start):
+            if not k.hex().startswith(p[: len(start) * 2]):
                 break
-            if hx.startswith(p):
-                out.append(bytes(k))
+            if k.hex().startswith(p):
+                out.append(k)
                 if len(out) > 10:
                     break
         return out
 
-    keys = disk.index.read(run)
+    keys = disk.index.view(run)
     if not keys:
         raise CLIError(f"no entry matches {prefix!r} in {disk.root}: run `kvstore ls` to see the entry ids")
     if len(keys) > 1:
         shown = ", ".join(short_id(k) for k in keys[:10])
         raise CLIError(f"{prefix!r} matches several entries ({shown}{', ...' if len(keys) > 10 else ''}): "
                        "give more hex digits")
-    rec = disk.index.entry(keys[0])
+    try:
+        rec = disk.index.entry(keys[0])
+    except RecordError as e:
+        raise CLIError(f"entry {short_id(keys[0])} has a damaged record ({e}): run `kvstore verify --fix`") from None
     if rec is None:  # removed between the two reads
         raise CLIError(f"entry {short_id(keys[0])} was just removed by another process")
     return keys[0], rec
@@ -146,6 +144,81 @@ def resolve_identity(identities: dict[str, dict], prefix: str) -> str:
         raise CLIError(f"{prefix!r} matches {len(hits)} identities ({', '.join(h[:12] for h in hits)}): "
                        "give more hex digits")
     return hits[0]
+
+
+# ----------------------------------------------------------------------------- describing entries
+
+
+def entry_bytes(rec: Any, chunks: dict[bytes, Any]) -> int:
+    """An entry's footprint: its own segment plus every chunk it uses (shared chunks
+    counted in full; unknown chunks as 0)."""
+    total = sum(s.length for s in rec.segments)
+    for ck in rec.chunks:
+        c = chunks.get(ck)
+        total += c.segment.length if c else 0
+    return total
+
+
+def segment_header(disk: Any, seg: Any) -> Any:
+    """The (unverified) header of a segment, or None if it cannot be read. Opens only
+    kvstore's own files (``blobs.open_own``)."""
+    from .. import blobs
+
+    try:
+        fd = blobs.open_own(blobs.pack_path(disk.blob_root, seg.pack))
+    except blobs.BlobError:
+        return None
+    try:
+        return blobs.read_header(fd, seg)
+    except (blobs.BlobError, OSError):
+        return None
+    finally:
+        os.close(fd)
+
+
+_ST_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+              "U32": "uint32", "I8": "int8", "U8": "uint8"}
+
+
+def header_layout(header: Any) -> list:
+    """The layout a segment header's metadata records ([] if none or unreadable)."""
+    try:
+        got = json.loads((header.meta if header else {}).get("kvstore.layout", "[]"))
+    except (ValueError, RecursionError):
+        return []
+    return got if isinstance(got, list) else []
+
+
+def kv_dtype(header: Any) -> str | None:
+    """How KV is stored, from a segment header: ``"8-bit (group 64)"`` for quantised
+    layers, else the dtype of its first key tensor (``"float16"``...)."""
+    if header is None:
+        return None
+    q = [m for m in header_layout(header) if isinstance(m, dict) and m.get("class") == "QuantizedKVCache"]
+    if q:
+        return f"{q[0].get('bits')}-bit (group {q[0].get('group_size')})"
+    names = sorted(header.specs)
+    pick = next((k for k in names if k.endswith(".k")), names[0] if names else None)
+    if pick is None:
+        return None
+    st = header.specs[pick][0]
+    return _ST_DTYPES.get(st, st)
+
+
+def first_segment(disk: Any, rec: Any) -> Any:
+    """A segment of an entry to read its header from: its tail / snapshot, else its first
+    chunk's (None if neither is readable)."""
+    from ..records import RecordError
+
+    if rec.tail is not None:
+        return rec.tail
+    if rec.chunks:
+        try:
+            c = disk.index.chunk(rec.chunks[0])
+        except RecordError:
+            return None
+        return c.segment if c else None
+    return None
 
 
 # ----------------------------------------------------------------------------- units
@@ -235,10 +308,12 @@ def print_json(obj: Any) -> None:
     sys.stdout.write("\n")
 
 
-def identity_name(hx: str, info: dict | None) -> str:
-    return str((info or {}).get("name") or f"identity {hx[:12]}")
+def identity_name(hx: str, info: Any) -> str:
+    """A model name for display (``info``: an IdentityRecord or a dict with "name")."""
+    name = info.get("name") if info is not None else None
+    return str(name or f"identity {hx[:12]}")
 
 
-def model_present(info: dict | None) -> bool | None:
-    p = (info or {}).get("path")
-    return None if not p else os.path.isdir(p)
+def model_present(info: Any) -> bool | None:
+    p = info.get("path") if info is not None else None
+    return None if not isinstance(p, str) or not p else os.path.isdir(p)

@@ -1,4 +1,4 @@
-"""``kvstore gc``: budgets, dropped models, orphans and stale temp files."""
+"""``kvstore gc``: budgets, dropped models, orphan pack files and broken records."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from . import common
 
 
 def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from ..maintenance import ORPHAN_BLOB_SECONDS, STALE_TMP_SECONDS
+    from ..maintenance import ORPHAN_BLOB_SECONDS
 
     p = subparsers.add_parser(
         "gc", help="enforce size and age budgets, drop models, remove orphans and temp files",
@@ -18,7 +18,7 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "--identity or whose model directory is gone (--missing-models; pinned "
                     "entries too), unused for longer than --max-age (never pinned ones), then "
                     "until the blobs fit --max-bytes (pinned ones only when nothing else is "
-                    "left). Orphan blobs, stale temp files and broken records are always "
+                    "left). Orphan pack files and broken records are always "
                     "removed (as `kvstore verify --fix --no-checksums` does). Safe while servers "
                     "use the directory. --dry-run lists what would go and changes nothing.")
     p.add_argument("--max-bytes", type=common.parse_size, metavar="SIZE",
@@ -33,10 +33,8 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="do not look for orphan blobs, temp files and broken records")
     p.add_argument("--dry-run", "-n", action="store_true",
                    help="list what would be removed and the bytes it would free; change nothing")
-    p.add_argument("--tmp-age", type=common.seconds, default=STALE_TMP_SECONDS, metavar="SECONDS",
-                   help=f"temp files older than this are stale (default {STALE_TMP_SECONDS})")
     p.add_argument("--blob-age", type=common.seconds, default=ORPHAN_BLOB_SECONDS, metavar="SECONDS",
-                   help=f"unindexed blob files older than this are orphans (default {ORPHAN_BLOB_SECONDS})")
+                   help=f"pack files no record names older than this are orphans (default {ORPHAN_BLOB_SECONDS})")
     common.add_cache_dir(p)
     common.add_json(p)
     return p
@@ -52,15 +50,13 @@ def run(args: argparse.Namespace) -> int:
         chosen = [common.resolve_identity(idents, p) for p in args.identity]
         res = M.gc(disk, max_bytes=args.max_bytes, max_age=args.max_age, identities=chosen,
                    missing_models=args.missing_models, orphans=not args.keep_orphans,
-                   dry_run=args.dry_run, tmp_age=args.tmp_age, blob_age=args.blob_age)
-        left = disk.index.total_bytes()
-        counts = disk.index.counts()
+                   dry_run=args.dry_run, blob_age=args.blob_age)
     finally:
         disk.close()
-    unfixed = [p for p in res.problems if not p.fixed] if not args.dry_run else []
+    unfixed = [p for p in res.problems if not p.fixed and p.kind not in M.NOT_OURS] if not args.dry_run else []
     if args.json:
         out = res.to_dict()
-        out.update(cache_dir=str(disk.root), blob_bytes_left=left, entries_left=counts["entries"])
+        out.update(cache_dir=str(disk.root), blob_bytes_left=res.bytes_left)
         common.print_json(out)
         return 1 if unfixed else 0
     verb = "would remove" if args.dry_run else "removed"
@@ -78,10 +74,11 @@ def run(args: argparse.Namespace) -> int:
     summary = (f"{'would free' if args.dry_run else 'freed'} {common.human_bytes(res.freed)}: "
                f"{P(len(res.removed), 'entry', 'entries')}, {P(files, 'stray file')}, "
                f"{P(len(res.problems) - files, 'broken record')}")
+    left = f"{common.human_bytes(res.bytes_left)} in {P(res.entries_left, 'entry', 'entries')}"
     if args.dry_run:
-        print(f"{summary} (dry run: nothing changed)")
+        print(f"{summary}; {left} would be left (dry run: nothing changed)")
     else:
-        print(f"{summary}; {common.human_bytes(left)} in {P(counts['entries'], 'entry', 'entries')} left")
+        print(f"{summary}; {left} left")
     if unfixed:
         print(f"{len(unfixed)} problem(s) could not be fixed now: run `kvstore verify --fix`")
         return 1

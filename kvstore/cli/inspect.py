@@ -53,61 +53,72 @@ def decode_prompt(model_path: str | None, tokens: list[int]) -> tuple[str | None
     return None, f"could not load a tokenizer from {model_path} ({'; '.join(errors)})"
 
 
-def collect(disk, key: bytes, rec: dict, *, prompt: bool = True, with_tokens: bool = False) -> dict[str, Any]:
-    from .. import maintenance as M
-    from ..keys import decode_tokens
+def _pieces(disk, key: bytes, rec: Any, check: Any) -> list[dict[str, Any]]:
+    """The entry's chunks and own segment, each with its state (as verify checks it)."""
+    from ..records import RecordError
 
-    info = disk.index.identities().get(rec.get("identity", ""), {})
+    C = rec.chunk
+    pieces = []
+    for i, ck in enumerate(rec.chunks):
+        piece: dict[str, Any] = {"piece": "chunk", "key": ck.hex(), "tokens": [i * C, (i + 1) * C]}
+        try:
+            crec = disk.index.chunk(ck)
+        except RecordError as e:
+            crec, piece["detail"] = None, str(e)
+        if crec is None:
+            piece.update(bytes=0, refs=None, pack=None, state="missing_chunk",
+                         detail=piece.get("detail") or "chunk record does not exist")
+        else:
+            pieces.append(piece)
+            piece.update(_segment_state(check, crec.segment), refs=crec.refs)
+            continue
+        pieces.append(piece)
+    for seg in rec.segments:
+        k0 = len(rec.chunks) * C if rec.chunked else 0
+        pieces.append({"piece": "tail" if rec.chunked else "snapshot", "key": key.hex(), "tokens": [k0, rec.n],
+                       "refs": None, **_segment_state(check, seg)})
+    return pieces
+
+
+def _segment_state(check: Any, seg: Any) -> dict[str, Any]:
+    bad = check.problem(seg)
+    return {"bytes": seg.length, "pack": seg.pack.hex(), "offset": seg.offset, "checksum": seg.checksum.hex(),
+            "state": bad[0] if bad else "ok", "detail": bad[1] if bad else None}
+
+
+def collect(disk, key: bytes, rec: Any, *, prompt: bool = True, with_tokens: bool = False) -> dict[str, Any]:
+    from ..keys import decode_tokens
+    from ..maintenance import SegmentCheck
+
+    info = disk.index.identities().get(rec.identity.hex())
     raw = disk.index.tokens(key)
     tokens = decode_tokens(bytes(raw)) if raw is not None else None
-    pieces = []
-    C = int(rec.get("chunk") or disk.chunk)
-    header = None
-    for i, ck in enumerate(rec.get("chunks", [])):
-        crec = disk.index.chunk(bytes.fromhex(ck))
-        piece: dict[str, Any] = {"piece": "chunk", "key": ck, "tokens": [i * C, (i + 1) * C]}
-        if crec is None:
-            piece.update(bytes=0, refs=None, blob=None, state="missing_chunk",
-                         detail="chunk record does not exist")
-        else:
-            bad = M.check_blob(disk.blob_root / crec["blob"], int(crec["size"]), crec.get("checksum"))
-            piece.update(bytes=int(crec["size"]), refs=crec.get("refs"), blob=crec["blob"],
-                         checksum=crec.get("checksum"), state=bad[0] if bad else "ok",
-                         detail=bad[1] if bad else None)
-        pieces.append(piece)
-    if rec.get("blob"):
-        k0 = len(rec.get("chunks", [])) * C if rec.get("kind") == "chunked" else 0
-        bad = M.check_blob(disk.blob_root / rec["blob"], int(rec["size"]), rec.get("checksum"))
-        pieces.append({"piece": "tail" if rec.get("kind") == "chunked" else "snapshot", "key": key.hex(),
-                       "tokens": [k0, rec.get("n")], "bytes": int(rec["size"]), "refs": None,
-                       "blob": rec["blob"], "checksum": rec.get("checksum"),
-                       "state": bad[0] if bad else "ok", "detail": bad[1] if bad else None})
-    tensors: dict[str, Any] = {}
-    for pc in pieces:
-        if pc["state"] in ("ok", "bad_checksum") and pc.get("blob"):
-            try:
-                header = M.blob_header(disk.blob_root / pc["blob"])
-            except Exception:
-                continue
-            tensors = {k: {"dtype": v.get("dtype"), "shape": v.get("shape")}
-                       for k, v in header.items() if k != "__metadata__"}
-            break
+    packs = {s.pack: disk.index.pack(s.pack) for s in rec.segments}
+    for ck in rec.chunks:
+        c = disk.index.chunk(ck)
+        if c is not None:
+            packs[c.segment.pack] = disk.index.pack(c.segment.pack)
+    with SegmentCheck(disk, packs) as check:
+        pieces = _pieces(disk, key, rec, check)
+    seg = common.first_segment(disk, rec)
+    header = common.segment_header(disk, seg) if seg is not None else None
+    tensors = {k: {"dtype": st, "shape": list(shape)} for k, (st, shape) in (header.specs if header else {}).items()}
     text, why = (None, "not requested (--no-prompt)")
     if prompt and tokens is not None:
-        text, why = decode_prompt(info.get("path"), tokens)
+        text, why = decode_prompt(info.path if info else None, tokens)
     elif tokens is None:
         why = "no token ids stored for this entry"
-    layers = [{"index": i, **m} for i, m in enumerate(rec.get("layout", []))]
+    layers = [{"index": i, **m} for i, m in enumerate(common.header_layout(header))]
     out = {
-        "id": common.short_id(key), "key": key.hex(), "identity": rec.get("identity"),
-        "model": {"name": info.get("name"), "path": info.get("path"), "model_type": info.get("model_type"),
-                  "present": common.model_present(info), "versions": info.get("versions")},
-        "tokens": rec.get("n"), "kind": rec.get("kind"), "cache_type": rec.get("cache_type"),
-        "chunk_tokens": C, "trimmable": rec.get("trimmable"),
-        "created": rec.get("created"), "last_used": rec.get("last_used"), "hits": rec.get("hits", 0),
-        "pinned": bool(rec.get("pinned")),
-        "bytes": sum(p["bytes"] for p in pieces), "own_bytes": int(rec.get("size") or 0),
-        "kv_dtype": M.kv_dtype(rec.get("layout"), header), "tensors": tensors,
+        "id": common.short_id(key), "key": key.hex(), "identity": rec.identity.hex(),
+        "model": {"name": info.name if info else None, "path": info.path if info else None,
+                  "model_type": info.get("model_type") if info else None,
+                  "present": common.model_present(info), "versions": info.get("versions") if info else None},
+        "tokens": rec.n, "kind": "chunked" if rec.chunked else "snapshot", "cache_type": rec.cache_type,
+        "chunk_tokens": rec.chunk, "trimmable": rec.trimmable,
+        "created": rec.created, "last_used": rec.last_used, "hits": rec.hits, "pinned": rec.pinned,
+        "bytes": sum(p["bytes"] for p in pieces), "own_bytes": sum(s.length for s in rec.segments),
+        "kv_dtype": common.kv_dtype(header), "tensors": tensors,
         "layers": layers, "pieces": pieces,
         "checksums_ok": all(p["state"] == "ok" for p in pieces),
         "prompt": text, "prompt_error": None if text is not None else why,

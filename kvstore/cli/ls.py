@@ -23,30 +23,27 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def collect(disk) -> dict[str, Any]:
     """The listing as plain data (what --json prints)."""
-    from .. import maintenance as M
+    from ..index import scan
 
-    snap = M.snapshot(disk, full=False)
-    groups: dict[str, list[tuple[bytes, dict]]] = {}
+    snap = scan(disk.index, full=False)
+    groups: dict[str, list[tuple[bytes, Any]]] = {}
     for key, rec in snap.entries.items():
         if rec is not None:
-            groups.setdefault(rec.get("identity", "?"), []).append((key, rec))
+            groups.setdefault(rec.identity.hex(), []).append((key, rec))
     out = []
     for hx, items in groups.items():
-        info = snap.identities.get(hx, {})
-        items.sort(key=lambda kr: kr[1].get("last_used", 0), reverse=True)
-        entries = []
-        for key, rec in items:
-            entries.append({
-                "id": common.short_id(key), "key": key.hex(), "tokens": rec.get("n"),
-                "bytes": M.entry_bytes(rec, snap.chunks), "own_bytes": int(rec.get("size") or 0),
-                "chunks": len(rec.get("chunks", [])), "kind": rec.get("kind"),
-                "cache_type": rec.get("cache_type"), "created": rec.get("created"),
-                "last_used": rec.get("last_used"), "hits": rec.get("hits", 0),
-                "pinned": bool(rec.get("pinned")),
-            })
+        info = snap.identities.get(hx)
+        items.sort(key=lambda kr: kr[1].last_used, reverse=True)
+        entries = [{
+            "id": common.short_id(key), "key": key.hex(), "tokens": rec.n,
+            "bytes": common.entry_bytes(rec, snap.chunks), "own_bytes": sum(s.length for s in rec.segments),
+            "chunks": len(rec.chunks), "kind": "chunked" if rec.chunked else "snapshot",
+            "cache_type": rec.cache_type, "created": rec.created, "last_used": rec.last_used,
+            "hits": rec.hits, "pinned": rec.pinned,
+        } for key, rec in items]
         out.append({
-            "identity": hx, "name": info.get("name"), "path": info.get("path"),
-            "model_type": info.get("model_type"), "model_present": common.model_present(info),
+            "identity": hx, "name": info.name if info else None, "path": info.path if info else None,
+            "model_type": info.get("model_type") if info else None, "model_present": common.model_present(info),
             "kv_dtype": _dtype(disk, items, info),
             "entries": entries,
         })
@@ -55,25 +52,14 @@ def collect(disk) -> dict[str, Any]:
             "n_entries": sum(len(g["entries"]) for g in out), "identities": out}
 
 
-def _dtype(disk, items: list[tuple[bytes, dict]], info: dict) -> str | None:
-    """KV dtype of an identity: quantisation from the layout, else the dtype of a key
-    tensor in the header of its most recent entry's blob (or first chunk)."""
-    from .. import maintenance as M
-
-    if info.get("kv_bits"):
-        return f"{info['kv_bits']}-bit"
+def _dtype(disk, items: list[tuple[bytes, Any]], info: Any) -> str | None:
+    """KV dtype of an identity: its KV quantisation, else the dtype of a key tensor in the
+    header of one of its most recent entries' segments."""
+    if info is not None and info.get("kv_bits"):
+        return f"{info.get('kv_bits')}-bit"
     for _key, rec in items[:3]:
-        rel = rec.get("blob")
-        if not rel and rec.get("chunks"):
-            c = disk.index.chunk(bytes.fromhex(rec["chunks"][0]))
-            rel = c.get("blob") if c else None
-        header = None
-        if rel:
-            try:
-                header = M.blob_header(disk.blob_root / rel)
-            except Exception:
-                header = None
-        got = M.kv_dtype(rec.get("layout"), header)
+        seg = common.first_segment(disk, rec)
+        got = common.kv_dtype(common.segment_header(disk, seg)) if seg is not None else None
         if got:
             return got
     return None

@@ -19,18 +19,28 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..records import RecordError
+
     flag = args.command == "pin"
     disk = common.open_disk(args, write=True)
+
+    def set_pin(t) -> Any:
+        try:
+            cur = t.entry(key)
+        except RecordError:
+            return None
+        if cur is not None:
+            t.set_entry(key, cur.pinned_as(flag))
+        return cur
+
     try:
         key, rec = common.resolve_entry(disk, args.entry)
-        new = disk.index.update_entry(key, lambda r: dict(r, pinned=flag))
-        ident = disk.index.identities().get(rec.get("identity", ""), {})
+        new = disk.index.transact(set_pin)
+        ident = disk.index.identities().get(rec.identity.hex())
     finally:
         disk.close()
     if new is None:
         raise common.CLIError(f"entry {common.short_id(key)} was removed by another process meanwhile")
-    was = bool(rec.get("pinned"))
-    state = ("already " if was == flag else "") + ("pinned" if flag else "unpinned")
-    print(f"{state} {common.short_id(key)}  ({common.identity_name(rec.get('identity', ''), ident)}, "
-          f"{rec.get('n')} tokens)")
+    state = ("already " if rec.pinned == flag else "") + ("pinned" if flag else "unpinned")
+    print(f"{state} {common.short_id(key)}  ({common.identity_name(rec.identity.hex(), ident)}, {rec.n} tokens)")
     return 0

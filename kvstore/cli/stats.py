@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 from typing import Any
 
@@ -26,15 +25,16 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def collect(disk) -> dict[str, Any]:
-    from .. import maintenance as M
+    from .. import blobs
+    from ..index import scan
 
-    snap = M.snapshot(disk, full=False)
+    snap = scan(disk.index, full=False)
     by: dict[str, dict[str, Any]] = {}
 
     def row(hx: str) -> dict[str, Any]:
         if hx not in by:
-            info = snap.identities.get(hx, {})
-            by[hx] = {"identity": hx, "name": info.get("name"), "path": info.get("path"),
+            info = snap.identities.get(hx)
+            by[hx] = {"identity": hx, "name": info.name if info else None, "path": info.path if info else None,
                       "model_present": common.model_present(info),
                       "entries": 0, "chunks": 0, "bytes": 0, "tokens": 0, "hits": 0, "pinned": 0}
         return by[hx]
@@ -42,42 +42,34 @@ def collect(disk) -> dict[str, Any]:
     for rec in snap.entries.values():
         if rec is None:
             continue
-        r = row(rec.get("identity", "?"))
+        r = row(rec.identity.hex())
         r["entries"] += 1
-        r["bytes"] += int(rec.get("size") or 0)
-        r["tokens"] += int(rec.get("n") or 0)
-        r["hits"] += int(rec.get("hits") or 0)
-        r["pinned"] += bool(rec.get("pinned"))
-    for rec in snap.chunks.values():
-        if rec is None:
+        r["bytes"] += sum(s.length for s in rec.segments)
+        r["tokens"] += rec.n
+        r["hits"] += rec.hits
+        r["pinned"] += rec.pinned
+    for crec in snap.chunks.values():
+        if crec is None:
             continue
-        r = row(rec.get("identity", "?"))
+        r = row(crec.identity.hex())
         r["chunks"] += 1
-        r["bytes"] += int(rec.get("size") or 0)
-    files = on_disk = 0
-    for dirpath, _dirs, names in os.walk(disk.blob_root):
-        for n in names:
-            try:
-                on_disk += os.stat(os.path.join(dirpath, n)).st_size
-                files += 1
-            except FileNotFoundError:
-                pass
+        r["bytes"] += crec.segment.length
+    files, _foreign = blobs.own_packs(disk.blob_root)
+    live = sum(p.live for p in snap.packs.values() if p)
     usage = shutil.disk_usage(disk.root)
-    stored = disk.index.meta_setdefault(b"chunk_tokens", b"") if disk.index.readonly else str(disk.chunk).encode()
-    chunk = int(stored) if stored else next(
-        (int(r["chunk"]) for r in snap.entries.values() if r and r.get("chunk")), None)
     idents = sorted(by.values(), key=lambda r: (str(r["name"] or ""), r["identity"]))
     return {
         "cache_dir": str(disk.root),
-        "chunk_tokens": chunk,
+        "chunk_tokens": disk.chunk,
         "disk": {
             "entries": sum(r["entries"] for r in idents),
             "chunks": sum(r["chunks"] for r in idents),
             "identities": len(snap.identities),
             "pinned": sum(r["pinned"] for r in idents),
             "blob_bytes": snap.meta_bytes,
-            "blob_bytes_on_disk": on_disk,
-            "blob_files": files,
+            "live_bytes": live,
+            "blob_bytes_on_disk": sum(f.st.st_size for f in files),
+            "blob_files": len(files),
             "index_bytes": disk.index.file_bytes(),
         },
         "memory": None,
@@ -104,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
     P = common.plural
     print(f"disk tier     {P(d['entries'], 'entry', 'entries')}, {P(d['chunks'], 'chunk')}, "
           f"{P(d['identities'], 'identity', 'identities')}, {d['pinned']} pinned")
-    print(f"blob bytes    {hb(d['blob_bytes'])} in {P(d['blob_files'], 'file')}{drift}")
+    dead = d["blob_bytes"] - d["live_bytes"]
+    print(f"blob bytes    {hb(d['blob_bytes'])} in {P(d['blob_files'], 'pack file')}{drift}"
+          + (f"; {hb(dead)} of it no longer used (freed with the last user of each pack)" if dead > 0 else ""))
     print(f"index bytes   {hb(d['index_bytes'])} (index/data.mdb)")
     print(f"hits          {s['hits']} (sum of entries' hit counters)")
     print(f"free space    {hb(fs['free_bytes'])} of {hb(fs['total_bytes'])} on this filesystem")

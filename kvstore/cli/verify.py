@@ -10,29 +10,26 @@ from . import common
 
 
 def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from ..maintenance import ORPHAN_BLOB_SECONDS, STALE_TMP_SECONDS
+    from ..maintenance import ORPHAN_BLOB_SECONDS
 
     p = subparsers.add_parser(
         "verify", help="check every record against its blobs and every blob against the index",
         description="Check that every index record has its blob files with the right size and "
                     "xxh3-128 checksum, that every blob file has a record, and that chunk "
                     "refcounts, trie edges and byte counters agree. Each problem is reported "
-                    "with a kind: missing_blob, truncated, bad_checksum, orphan_blob, "
-                    "stale_tmp, missing_chunk, orphan_chunk, dangling_bound, missing_bound, "
-                    "orphan_tokens, bad_record, bytes_drift, corrupt_index. Safe while servers use the directory. Exit 0: "
+                    "with a kind: corrupt_index, bad_record, missing_chunk, missing_pack, missing_blob, "
+                    "truncated, bad_checksum, orphan_chunk, orphan_pack, dangling_bound, missing_bound, "
+                    "orphan_tokens, bytes_drift, orphan_blob, foreign_file (a file kvstore did not "
+                    "write: reported, never touched). Safe while servers use the directory. Exit 0: "
                     "clean (or, with --fix, every problem repaired); 1: problems remain.")
     p.add_argument("--fix", action="store_true",
-                   help="repair: remove broken entries (refcounts kept right), orphan blobs, stale "
-                        "temp files, orphan chunks and dangling records; fix refcount drift")
+                   help="repair: remove broken entries (refcounts kept right), orphan pack files, "
+                        "unused chunks and dangling records; fix refcount drift")
     p.add_argument("--no-checksums", action="store_true",
                    help="check blob sizes only (fast: does not read the blobs)")
-    p.add_argument("--tmp-age", type=common.seconds, default=STALE_TMP_SECONDS, metavar="SECONDS",
-                   help=f"temp files older than this are stale (default {STALE_TMP_SECONDS}; "
-                        "a live writer's temp file is younger)")
     p.add_argument("--blob-age", type=common.seconds, default=ORPHAN_BLOB_SECONDS, metavar="SECONDS",
-                   help=f"unindexed blob files older than this are orphans (default {ORPHAN_BLOB_SECONDS}: "
-                        "a live writer commits a blob within moments of writing it; use 0 only "
-                        "when nothing is writing)")
+                   help=f"pack files no record names older than this are orphans (default "
+                        f"{ORPHAN_BLOB_SECONDS}); a live writer's uncommitted pack is never removed")
     common.add_cache_dir(p)
     common.add_json(p)
     return p
@@ -40,7 +37,7 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def describe(p) -> str:
     what = {"entry": "entry", "chunk": "chunk", "bound": "edge", "tokens": "tokens",
-            "meta": "index", "file": "file"}.get(p.record, p.record)
+            "meta": "index", "file": "file", "pack": "pack"}.get(p.record, p.record)
     where = p.path if p.record == "file" else (common.short_id(p.key) if p.key else "")
     if p.record != "file" and p.path:
         where += f" ({p.path})"
@@ -52,30 +49,34 @@ def run(args: argparse.Namespace) -> int:
 
     disk = common.open_disk(args, write=args.fix)
     try:
-        problems = M.verify(disk, fix=args.fix, checksums=not args.no_checksums,
-                            tmp_age=args.tmp_age, blob_age=args.blob_age)
+        problems = M.verify(disk, fix=args.fix, checksums=not args.no_checksums, blob_age=args.blob_age)
         n_entries, n_chunks = disk.index.counts()["entries"], disk.index.counts()["chunks"]
     finally:
         disk.close()
-    left = [p for p in problems if not (args.fix and p.fixed)]
+    left = [p for p in problems if not (args.fix and p.fixed) and p.kind not in M.NOT_OURS]
     if args.json:
         common.print_json({"cache_dir": str(disk.root), "fix": args.fix, "ok": not left,
                            "counts": dict(Counter(p.kind for p in problems)),
                            "problems": [p.to_dict() for p in problems],
                            "entries": n_entries, "chunks": n_chunks})
         return 1 if left else 0
+    P = common.plural
+    foreign = [p for p in problems if p.kind in M.NOT_OURS]
+    if not left and not args.fix:
+        print(f"ok: {P(n_entries, 'entry', 'entries')} and {P(n_chunks, 'chunk')} verified in {disk.root}")
     for p in problems:
         print(describe(p))
-    P = common.plural
-    if not problems:
-        print(f"ok: {P(n_entries, 'entry', 'entries')} and {P(n_chunks, 'chunk')} verified in {disk.root}")
-        return 0
-    counts = ", ".join(f"{n} {k}" for k, n in Counter(p.kind for p in problems).items())
+    if foreign:
+        print(f"note: {P(len(foreign), 'file')} kvstore did not write, left alone (remove by hand if unwanted)")
     if not args.fix:
-        print(f"{P(len(problems), 'problem')} found ({counts}): run `kvstore verify --fix` to repair")
-        return 1
-    fixed = len(problems) - len(left)
-    print(f"{P(len(problems), 'problem')} found ({counts}), {fixed} fixed; "
+        if left:
+            counts = ", ".join(f"{n} {k}" for k, n in Counter(p.kind for p in left).items())
+            print(f"{P(len(left), 'problem')} found ({counts}): run `kvstore verify --fix` to repair")
+            return 1
+        return 0
+    ours = [p for p in problems if p.kind not in M.NOT_OURS]
+    counts = ", ".join(f"{n} {k}" for k, n in Counter(p.kind for p in ours).items()) or "none"
+    print(f"{P(len(ours), 'problem')} found ({counts}), {len(ours) - len(left)} fixed; "
           f"{P(n_entries, 'entry', 'entries')} and {P(n_chunks, 'chunk')} remain")
     if left:
         print(f"{len(left)} could not be fixed now (a writer may be using them): run `kvstore verify --fix` again")

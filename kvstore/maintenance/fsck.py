@@ -1,71 +1,95 @@
 """``verify`` (fsck) and its repairs, and ``rebuild_index`` for an index LMDB cannot read.
 
-``verify`` is modelled on python-diskcache's ``check(fix=True)``: it returns typed
-``Problem`` records and repairs them when asked. Repairs re-check their condition inside
-the write transaction that applies them, so a record a server commits between the scan and
-the repair is never dropped by mistake. Files are only judged by age: a blob a live writer
-has renamed into place but not yet committed looks exactly like an orphan, so blob files
-younger than ``blob_age`` (and temp files younger than ``tmp_age``) are left alone.
+Modelled on python-diskcache's ``check(fix=True)``: ``verify`` returns typed ``Problem``
+records and repairs them when asked, through the index's public ``WriteTxn`` only. Every
+repair re-checks its condition inside the write transaction that applies it, so a record
+a server commits between the scan and the repair is never dropped by mistake; a pack file
+no record names is removed only inside a write transaction that finds no record for it,
+which is the same lock a writer holds when it checks that its new pack is still there.
+Files that are not kvstore's (``blobs.own_packs``) are reported and never touched.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import lmdb
 
 from .. import blobs
-from ..index import chunk_edges, drop_edges, entry_edges
-from ..keys import KEY_BYTES
-from .pages import _walk_all
-from .records import (BLOB_KINDS, KINDS, ORPHAN_BLOB_SECONDS, STALE_TMP_SECONDS, Problem, Snapshot, _chunk_mismatch,
-                      _chunk_ok, _entry_mismatch, _entry_ok, _parse, _refcounts, check_blob, snapshot)
+from ..index import DBS, Index, Snapshot, WriteTxn, scan
+from ..index.pages import walk_all
+from ..index.trie import chunk_edges, entry_edges
+from ..keys import KEY_BYTES, boundaries, chunk_key, entry_key, root_key
+from ..records import ChunkRecord, EntryRecord, Kind, PackRecord, RecordError, Segment
 
 if TYPE_CHECKING:  # maintenance needs no MLX itself; DiskTier is only a type here
     from ..disk import DiskTier
 
-def _files(disk: DiskTier) -> list[tuple[Path, os.stat_result]]:
-    """Every regular file under blobs/, plus temp files at the top of the cache dir."""
-    out = []
-    if disk.blob_root.is_dir():
-        for dirpath, _dirs, names in os.walk(disk.blob_root):
-            for n in names:
-                p = Path(dirpath) / n
-                try:
-                    st = p.stat()
-                except FileNotFoundError:
-                    continue
-                out.append((p, st))
-    try:
-        for p in disk.root.iterdir():
-            if p.name.endswith(blobs.TMP_SUFFIX) and p.is_file():
-                out.append((p, p.stat()))
-    except (FileNotFoundError, NotADirectoryError):
-        pass
-    return out
+ORPHAN_BLOB_SECONDS = 60  # a pack file older than this that no record names is an orphan
+
+# Problem kinds, in the order verify reports them.
+KINDS = (
+    "corrupt_index",   # the LMDB index itself cannot be read
+    "bad_record",      # a record kvstore did not write, or that disagrees with its token ids
+    "missing_chunk",   # an entry names a chunk record that does not exist
+    "missing_pack",    # a segment names a pack no pack record describes
+    "missing_blob",    # a pack file does not exist (or is not a regular file of kvstore's)
+    "truncated",       # a pack file has another size than its record says
+    "bad_checksum",    # a segment's bytes do not hash to its checksum
+    "orphan_chunk",    # a chunk no entry references, or whose refcount drifted
+    "orphan_pack",     # a pack record whose segment count or live bytes drifted, or unused
+    "dangling_bound",  # a trie edge pointing at no record (or at the wrong parent)
+    "missing_bound",   # a record without its trie edge: lookups cannot reach it (re-added)
+    "orphan_tokens",   # token ids stored for a key that is neither entry nor chunk
+    "bytes_drift",     # the index's byte counter disagrees with its pack records
+    "orphan_blob",     # a pack file no record names (older than the grace period)
+    "foreign_file",    # a file under blobs/ kvstore did not write: reported, never touched
+)
+BLOB_KINDS = ("missing_pack", "missing_blob", "truncated", "bad_checksum")
+NOT_OURS = ("foreign_file",)  # reported only: never repaired, never a failure of verify
+
+
+@dataclass
+class Problem:
+    """One thing wrong with a cache directory.
+
+    ``key``: entry / chunk / pack key (hex) the problem is about, if any; ``path``: the
+    file (relative to the cache directory) if any; ``record``: "entry", "chunk", "pack",
+    "bound", "tokens", "meta" or "file"; ``bytes``: bytes the repair frees (files)."""
+
+    kind: str
+    key: str | None = None
+    path: str | None = None
+    detail: str = ""
+    record: str = "file"
+    bytes: int = 0
+    fixed: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------- verify
 
 
 def verify(disk: DiskTier, *, fix: bool = False, checksums: bool = True,
-           tmp_age: float = STALE_TMP_SECONDS, blob_age: float = ORPHAN_BLOB_SECONDS,
-           now: float | None = None) -> list[Problem]:
-    """Check every record against its blob files and every file against the index.
-
-    With ``fix``, repair each problem (``Problem.fixed`` says which were): broken entries
-    are removed through ``DiskTier.remove`` (refcounts stay right), broken chunks are
-    dropped together with the entries built on them, refcounts are recounted, dangling
-    trie edges and orphan token records deleted, orphan blobs and stale temp files
-    unlinked. ``checksums=False`` checks sizes only (cheap; ``gc`` uses it).
+           blob_age: float = ORPHAN_BLOB_SECONDS, now: float | None = None) -> list[Problem]:
+    """Check every record against its token ids and pack files, and every file against the
+    index. With ``fix``, repair each problem (``Problem.fixed`` says which were): broken
+    entries are removed, broken chunks dropped with the entries built on them, reference
+    and segment counts recounted, dangling trie edges and orphan token ids deleted, orphan
+    pack files removed. ``checksums=False`` checks sizes only (``gc`` uses it).
 
     Never raises for a damaged directory: an index LMDB cannot read (or whose B-tree no
-    longer finds its own keys) is reported as one ``corrupt_index`` problem; ``fix``
-    rebuilds it from its readable records (``rebuild_index``) and then verifies the result.
-    """
-    kw = dict(checksums=checksums, tmp_age=tmp_age, blob_age=blob_age, now=now)
+    longer finds its own keys) is one ``corrupt_index`` problem; ``fix`` rebuilds it from
+    its readable records (``rebuild_index``) and then verifies the result."""
+    now = time.time() if now is None else now
     try:
-        return _verify(disk, fix=fix, **kw)  # type: ignore[arg-type]
+        return _verify(disk, fix, checksums, blob_age, now)
     except lmdb.Error as e:
         bad = Problem("corrupt_index", None, str(Path("index") / "data.mdb"),
                       f"the index is damaged ({type(e).__name__}: {e})", "meta")
@@ -81,9 +105,385 @@ def verify(disk: DiskTier, *, fix: bool = False, checksums: bool = True,
     bad.fixed = True
     bad.detail += f"; rebuilt from its readable records ({how}): restart the servers using this directory"
     try:
-        return [bad] + _verify(disk, fix=True, **kw)  # type: ignore[arg-type]
+        return [bad] + _verify(disk, True, checksums, blob_age, now)
     except lmdb.Error as e:
         return [bad, Problem("corrupt_index", None, bad.path, f"still unreadable after the rebuild: {e}", "meta")]
+
+
+def _verify(disk: DiskTier, fix: bool, checksums: bool, blob_age: float, now: float) -> list[Problem]:
+    files, foreign = blobs.own_packs(disk.blob_root)  # before the index: a pack committed in
+    snap = scan(disk.index, check=True)                # between is seen as named, not orphan
+    seg_check = SegmentCheck(disk, snap.packs, checksums)
+    with seg_check:
+        problems = _entry_problems(snap, seg_check, disk.chunk) + _chunk_problems(snap, seg_check)
+    bad = {bytes.fromhex(p.key) for p in problems if p.kind == "bad_record" and p.key}  # their edges go with them
+    problems += (_pack_problems(snap) + _edge_problems(snap, bad) + _count_problems(snap)
+                 + _file_problems(disk, snap, files, foreign, blob_age, now))
+    problems.sort(key=lambda p: KINDS.index(p.kind))
+    if fix:
+        _fix(disk, problems, snap, blob_age)
+    return problems
+
+
+def _rel(disk: DiskTier, path: Path) -> str:
+    return str(path.relative_to(disk.root))
+
+
+class SegmentCheck:
+    """Segments against their pack files (``packs``: pack id -> its record, None if
+    unreadable): each file opened once, kvstore's own files only (``blobs.open_own``)."""
+
+    def __init__(self, disk: DiskTier, packs: dict[bytes, PackRecord | None], checksums: bool = True) -> None:
+        self.disk, self.packs, self.checksums = disk, packs, checksums
+        self.fds: dict[bytes, int | blobs.BlobError] = {}
+
+    def problem(self, seg: Segment) -> tuple[str, str, str | None] | None:
+        """(kind, detail, file) when ``seg`` cannot be read back as written, else None."""
+        path = blobs.pack_path(self.disk.blob_root, seg.pack)
+        rel = _rel(self.disk, path)
+        prec = self.packs.get(seg.pack)
+        if prec is None:
+            return "missing_pack", f"pack {seg.pack.hex()[:12]} has no (readable) record", rel
+        fd = self._fd(seg.pack, path)
+        if isinstance(fd, blobs.BlobError):
+            return "missing_blob", str(fd), rel
+        size = os.fstat(fd).st_size
+        if size != prec.size or seg.end > size:
+            return "truncated", f"pack file is {size} bytes, its record says {prec.size}", rel
+        if self.checksums and blobs.hash_segment(fd, seg) != seg.checksum:
+            return "bad_checksum", f"segment at {seg.offset} does not match its xxh3-128", rel
+        return None
+
+    def _fd(self, pack: bytes, path: Path) -> int | blobs.BlobError:
+        if pack not in self.fds:
+            try:
+                self.fds[pack] = blobs.open_own(path)
+            except blobs.BlobError as e:
+                self.fds[pack] = e
+        return self.fds[pack]
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            if isinstance(fd, int):
+                os.close(fd)
+
+    def __enter__(self) -> "SegmentCheck":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def entry_mismatch(key: bytes, rec: EntryRecord, toks: bytes | None, chunk: int) -> str | None:
+    """Why an entry record disagrees with its own token ids (every key is a hash of them),
+    or None. A record that fails this can never be hit, or would restore the wrong thing."""
+    if toks is None:
+        return "no token ids stored"
+    if len(toks) != 4 * rec.n:
+        return f"token ids hold {len(toks) // 4} tokens, record says {rec.n}"
+    if rec.chunk != chunk:
+        return f"chunk size {rec.chunk}, the directory's is {chunk}"
+    b = boundaries(root_key(rec.identity), toks, rec.chunk)
+    if entry_key(b[-1], toks[(len(b) - 1) * rec.chunk * 4 :]) != key:
+        return "token ids do not hash to the entry key"
+    if b[-1] != rec.boundary:
+        return "boundary does not match the token ids"
+    if rec.chunks != (tuple(b[1:]) if rec.chunked else ()):
+        return "chunk list does not match the token ids"
+    return None
+
+
+def chunk_mismatch(key: bytes, rec: ChunkRecord, toks: bytes | None) -> str | None:
+    if toks is None:
+        return "no token ids stored"
+    if len(toks) != 4 * rec.n:
+        return f"token ids hold {len(toks) // 4} tokens, record says {rec.n}"
+    if chunk_key(rec.parent, toks) != key:
+        return "token ids do not hash to the chunk key"
+    return None
+
+
+def _entry_problems(snap: Snapshot, segs: SegmentCheck, chunk: int) -> list[Problem]:
+    out = []
+    edges = {edge: v for _, _, v, edge in snap.bounds}
+    for key, rec in snap.entries.items():
+        hx = key.hex()
+        if rec is None:
+            out.append(Problem("bad_record", hx, None, "entry record is not one kvstore writes", "entry"))
+            continue
+        why = entry_mismatch(key, rec, snap.tokens.get(key), chunk)
+        if why:
+            out.append(Problem("bad_record", hx, None, why, "entry"))
+            continue
+        if _missing_edge(entry_edges(key, rec, snap.tokens.get(key)), edges, Kind.ENTRY):
+            out.append(Problem("missing_bound", hx, None, f"entry {hx[:12]} lacks a trie edge: lookups cannot reach it", "bound"))
+        missing = [ck for ck in rec.chunks if ck not in snap.chunks]
+        if missing:
+            out.append(Problem("missing_chunk", hx, None, f"{len(missing)} of {len(rec.chunks)} chunk records "
+                               f"missing (first {missing[0].hex()[:12]})", "entry"))
+            continue
+        for seg in rec.segments:
+            bad = segs.problem(seg)
+            if bad:
+                out.append(Problem(bad[0], hx, bad[2], bad[1], "entry"))
+    return out
+
+
+def _chunk_problems(snap: Snapshot, segs: SegmentCheck) -> list[Problem]:
+    out = []
+    edges = {edge: v for _, _, v, edge in snap.bounds}
+    refs = _refcounts(snap.entries.values())
+    for key, rec in snap.chunks.items():
+        hx = key.hex()
+        if rec is None:
+            out.append(Problem("bad_record", hx, None, "chunk record is not one kvstore writes", "chunk"))
+            continue
+        why = chunk_mismatch(key, rec, snap.tokens.get(key))
+        if why:
+            out.append(Problem("bad_record", hx, None, why, "chunk"))
+            continue
+        bad = segs.problem(rec.segment)
+        if bad:
+            out.append(Problem(bad[0], hx, bad[2], bad[1], "chunk"))
+            continue
+        if _missing_edge(chunk_edges(key, rec, snap.tokens.get(key)), edges, Kind.CHUNK):
+            out.append(Problem("missing_bound", hx, None,
+                               f"chunk {hx[:12]} lacks a trie edge: entries built on it cannot be reached", "bound"))
+        want = refs.get(key, 0)
+        if want == 0:
+            out.append(Problem("orphan_chunk", hx, None, f"refs={rec.refs} but no entry references it", "chunk"))
+        elif rec.refs != want:
+            out.append(Problem("orphan_chunk", hx, None, f"refcount drift: refs={rec.refs}, {want} entries use it", "chunk"))
+    return out
+
+
+def _pack_problems(snap: Snapshot) -> list[Problem]:
+    out = []
+    use = snap.pack_use()
+    for pack, rec in snap.packs.items():
+        hx = pack.hex()
+        if rec is None:
+            out.append(Problem("bad_record", hx, None, "pack record is not one kvstore writes", "pack"))
+            continue
+        n, live = use.get(pack, (0, 0))
+        if (rec.segments, rec.live) != (n, live):
+            out.append(Problem("orphan_pack", hx, None, f"record counts {rec.segments} segments ({rec.live} B), "
+                               f"{n} used ({live} B)", "pack", rec.size if n == 0 else 0))
+    return out
+
+
+def _edge_problems(snap: Snapshot, bad: set[bytes]) -> list[Problem]:
+    """Edges leading nowhere or not where their record says; a bad record's own edges
+    are part of it (reported with it, removed with it)."""
+    out = []
+    for b, c, v, edge in snap.bounds:
+        target = snap.entries.get(c, False) if v == Kind.ENTRY.value else (
+            snap.chunks.get(c, False) if v == Kind.CHUNK.value else False)
+        why = None
+        if v not in (Kind.ENTRY.value, Kind.CHUNK.value):
+            why = f"unknown edge kind {v!r}"
+        elif target is False:
+            why = f"points at {'entry' if v == Kind.ENTRY.value else 'chunk'} {c.hex()[:12]}, which does not exist"
+        elif target is not None and c not in bad and edge not in (_edges_of(c, target, snap.tokens.get(c)) or [edge]):
+            why = f"edge from {b.hex()[:12]} to {c.hex()[:12]} is not one its record and token ids make"
+        if why:
+            out.append(Problem("dangling_bound", edge.hex(), None, why, "bound"))
+    return out
+
+
+def _count_problems(snap: Snapshot) -> list[Problem]:
+    out = [Problem("orphan_tokens", k.hex(), None, "token ids of no entry or chunk", "tokens")
+           for k in snap.tokens if k not in snap.entries and k not in snap.chunks]
+    counted = sum(r.size for r in snap.packs.values() if r)
+    if counted != snap.meta_bytes:
+        out.append(Problem("bytes_drift", None, None, f"index counts {snap.meta_bytes} bytes, its pack records "
+                           f"{counted}", "meta"))
+    return out
+
+
+def _file_problems(disk: DiskTier, snap: Snapshot, files: list[blobs.OwnFile], foreign: list[Path],
+                   blob_age: float, now: float) -> list[Problem]:
+    out = []
+    for f in files:
+        age = now - min(f.st.st_mtime, now)  # a future mtime (another host's clock) is now
+        if f.pack not in snap.packs and age >= blob_age:
+            out.append(Problem("orphan_blob", f.pack.hex(), _rel(disk, f.path),
+                               f"no record names this pack file ({age:.0f}s old)", "file", f.st.st_size))
+    for p in foreign:
+        out.append(Problem("foreign_file", None, _rel(disk, p) if p != disk.blob_root else "blobs",
+                           "not a file kvstore writes (or not a regular file / directory): left alone", "file"))
+    return out
+
+
+def _edges_of(key: bytes, rec: Any, tokens: bytes | None) -> list[bytes] | None:
+    """The trie edges a record should have (None: unknown, its token ids are damaged)."""
+    return entry_edges(key, rec, tokens) if isinstance(rec, EntryRecord) else chunk_edges(key, rec, tokens)
+
+
+def _missing_edge(want: list[bytes] | None, have: dict[bytes, bytes], kind: Kind) -> bool:
+    return want is None or any(have.get(e) != kind.value for e in want)
+
+
+def _refcounts(entries: Any) -> dict[bytes, int]:
+    refs: dict[bytes, int] = {}
+    for rec in entries:
+        for ck in (rec.chunks if rec else ()):
+            refs[ck] = refs.get(ck, 0) + 1
+    return refs
+
+
+# ----------------------------------------------------------------------------- repairs
+
+
+def _fix(disk: DiskTier, problems: list[Problem], snap: Snapshot, blob_age: float) -> None:
+    broken = {(p.record, p.key) for p in problems if p.record in ("entry", "chunk", "pack")
+              and p.kind in BLOB_KINDS + ("bad_record", "missing_chunk")}
+    if broken:
+        gone = disk.index.transact(lambda t: _drop_broken(t, snap, broken))
+        for p in problems:
+            if (p.record, p.key) in broken:
+                p.fixed = (p.record, p.key) in gone
+    for p in (p for p in problems if p.kind == "orphan_blob"):
+        p.fixed = remove_orphan(disk, bytes.fromhex(p.key), blob_age)  # type: ignore[arg-type]
+    if any(p.record not in ("file",) for p in problems):
+        disk.index.transact(_sweep)
+        for p in problems:
+            if p.kind in ("orphan_chunk", "orphan_pack", "dangling_bound", "missing_bound", "orphan_tokens",
+                          "bytes_drift"):
+                p.fixed = True
+
+
+def _drop_broken(t: WriteTxn, snap: Snapshot, broken: set[tuple[str, str | None]]) -> set[tuple[str, str]]:
+    """Remove the broken records that are still as scanned, and every entry built on a
+    broken chunk. Returns the (record, key hex) removed."""
+    gone: set[tuple[str, str]] = set()
+    db = {"entry": "entries", "chunk": "chunks", "pack": "packs"}
+    bad_chunks: set[bytes] = set()
+    for kind, hx in sorted(broken, key=lambda x: ("chunk", "pack", "entry").index(x[0])):
+        key = bytes.fromhex(hx or "")
+        was = getattr(snap, db[kind])[key] if key in getattr(snap, db[kind]) else None
+        try:
+            now = t.entry(key) if kind == "entry" else t.chunk(key) if kind == "chunk" else t.pack(key)
+        except RecordError:
+            now = None
+        if now != was:
+            continue  # rewritten meanwhile: not the record judged
+        if now is None:
+            t.drop_raw(db[kind], key)
+            if kind == "pack":
+                t.unlink_after_commit(blobs.pack_path(t.blob_root, key))
+            elif kind == "chunk":
+                bad_chunks.add(key)
+        elif kind == "chunk":
+            t.remove_chunk(key, now)
+            bad_chunks.add(key)
+        elif kind == "entry":
+            t.remove_entry(key)
+        else:
+            t.drop_pack(key, now.size)
+        gone.add((kind, hx or ""))
+    bad_packs = {bytes.fromhex(hx) for kind, hx in gone if kind == "pack"}
+    for ck, crec in _readable(t, "chunks").items():  # chunks whose pack went too
+        if crec.segment.pack in bad_packs:
+            t.remove_chunk(ck, crec)
+            bad_chunks.add(ck)
+    for ek, rec in _readable(t, "entries").items():
+        if bad_chunks.intersection(rec.chunks) or any(s.pack in bad_packs for s in rec.segments):
+            t.remove_entry(ek)
+    return gone
+
+
+def remove_orphan(disk: DiskTier, pack: bytes, blob_age: float = ORPHAN_BLOB_SECONDS) -> bool:
+    """Unlink pack file ``pack`` if no record names it and it is older than ``blob_age``,
+    deciding inside a write transaction: a writer checks, under the same lock, that its new
+    pack is still there before naming it, so a slow writer never loses its entry. True if
+    the file is gone."""
+    path = blobs.pack_path(disk.blob_root, pack)
+
+    def run(t: WriteTxn) -> bool:
+        if t.raw("packs", pack) is not None:
+            return False  # a writer committed it after all
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return True
+        now = time.time()
+        if now - min(st.st_mtime, now) < blob_age:  # a future mtime counts as now
+            return False
+        os.unlink(path)
+        return True
+
+    try:
+        return disk.index.transact(run)
+    except OSError:
+        return False
+
+
+def _sweep(t: WriteTxn) -> None:
+    """In one write transaction, re-reading everything in it: recount chunk references
+    (dropping unused chunks) and pack segments (dropping unused packs, files unlinked after
+    commit), delete trie edges and token ids that lead nowhere, re-add missing edges, and
+    recompute the byte counter. A concurrent writer's commit is either fully seen or not."""
+    entries = _readable(t, "entries")
+    refs = _refcounts(entries.values())
+    for ck, crec in _readable(t, "chunks").items():
+        want = refs.get(ck, 0)
+        if want == 0:
+            t.remove_chunk(ck, crec)
+        elif crec.refs != want:
+            t.set_chunk(ck, crec.with_refs(want))
+    chunks = _readable(t, "chunks")
+    use: dict[bytes, list[int]] = {}
+    for s in [s for r in entries.values() for s in r.segments] + [r.segment for r in chunks.values()]:
+        u = use.setdefault(s.pack, [0, 0])
+        u[0], u[1] = u[0] + 1, u[1] + s.length
+    total = 0
+    for pack in t.keys("packs"):
+        try:
+            prec = t.pack(pack)
+        except RecordError:
+            prec = None
+        n, live = use.get(pack, (0, 0))
+        if prec is None or n == 0:
+            t.drop_raw("packs", pack)
+            t.unlink_after_commit(blobs.pack_path(t.blob_root, pack))
+        else:
+            if (prec.segments, prec.live) != (n, live):
+                t.put_raw("packs", pack, PackRecord(prec.size, n, min(live, prec.size), prec.created).to_bytes())
+            total += prec.size
+    _sweep_edges(t, entries, chunks)
+    for k in t.keys("tokens"):
+        if k not in entries and k not in chunks and t.raw("entries", k) is None and t.raw("chunks", k) is None:
+            t.delete_raw("tokens", k)
+    t.set_meta(b"bytes", str(total).encode())
+
+
+def _sweep_edges(t: WriteTxn, entries: dict[bytes, EntryRecord], chunks: dict[bytes, ChunkRecord]) -> None:
+    for k in t.keys("bounds"):
+        v, c = t.raw("bounds", k), k[-KEY_BYTES:]
+        rec = entries.get(c) if v == Kind.ENTRY.value else chunks.get(c) if v == Kind.CHUNK.value else None
+        if rec is None or k not in (_edges_of(c, rec, t.tokens(c)) or ()):
+            t.delete_raw("bounds", k)
+    for key, rec in list(entries.items()) + list(chunks.items()):  # every record reachable again
+        kind = Kind.ENTRY if isinstance(rec, EntryRecord) else Kind.CHUNK
+        for edge in _edges_of(key, rec, t.tokens(key)) or ():
+            if t.raw("bounds", edge) != kind.value:
+                t.put_raw("bounds", edge, kind.value)
+
+
+def _readable(t: WriteTxn, db: str) -> dict[bytes, Any]:
+    out = {}
+    for k in t.keys(db):
+        try:
+            rec = t.entry(k) if db == "entries" else t.chunk(k)
+        except RecordError:
+            continue
+        if rec is not None:
+            out[k] = rec
+    return out
+
+
+# ----------------------------------------------------------------------------- rebuild
 
 
 def rebuild_index(disk: DiskTier) -> str:
@@ -91,408 +491,48 @@ def rebuild_index(disk: DiskTier) -> str:
     damaged one (kept as ``index.corrupt-<time>``) and point ``disk`` at it.
 
     The copy re-inserts keys, so a B-tree whose keys were out of order comes back ordered;
-    records on unreadable pages are lost (their blobs become orphans ``verify --fix``
+    records on unreadable pages are lost (their pack files become orphans ``verify --fix``
     removes). Processes that still have the old index open keep reading it safely, but what
-    they write from then on is not seen by the new one: restart them.
-    """
-    from ..index import _DBS, Index
-
+    they write from then on is not seen by the new one: restart them."""
     old = disk.index
     path = old.path
     psize = old.env.stat()["psize"]
     for _ in range(20):  # read the pages ourselves: LMDB would abort on a damaged one
         try:
             with old.env.begin() as txn:  # pins the snapshot while its pages are read
-                lost, salvaged = _walk_all(path / "data.mdb", psize, txn.id(), collect=True)
+                lost, salvaged = walk_all(path / "data.mdb", psize, txn.id(), collect=True)
             break
         except LookupError:
             continue
     else:
-        lost, salvaged = _walk_all(path / "data.mdb", psize, None, collect=True)
-    salvaged = {name: salvaged.get(name, []) for name in _DBS}
+        lost, salvaged = walk_all(path / "data.mdb", psize, None, collect=True)
     stamp = f"{int(time.time())}-{os.getpid()}"
     tmp = path.with_name(f"{path.name}.rebuild-{stamp}")
-    new = Index(tmp)
+    os.mkdir(tmp, 0o700)
+    new = Index(disk.root, path=tmp, mode=old.mode)
 
-    def copy(txn: Any) -> int:
+    def copy(t: WriteTxn) -> int:
         n = 0
-        for name, got in salvaged.items():
-            for k, v in got:
+        for name in DBS:
+            for k, v in salvaged.get(name, []):
                 if name == "meta" and k == b"format":
                     continue  # the fresh index wrote its own
                 try:
-                    txn.put(k, v, db=new._db[name])
+                    t.put_raw(name, k, v)
                     n += 1
                 except lmdb.Error:  # a key LMDB cannot hold (damaged length)
                     pass
         return n
 
-    kept = new.write(copy)
+    kept = new.transact(copy)
     new.close()
     aside = path.with_name(f"{path.name}.corrupt-{stamp}")
     os.replace(path, aside)
     os.replace(tmp, path)
     # The old environment is left open, not closed: another thread or Index of this process
-    # (a KVStore's writer) may be inside a transaction on it. It is only taken out of the
-    # index module's per-process registry, so that opening the path again maps the new files.
-    _forget_shared(old)
-    disk.index = Index(path)
+    # (a KVStore's writer) may be inside a transaction on it. It only leaves the per-process
+    # registry, so that opening the path again maps the new files.
+    old.forget()
+    disk.index = Index(disk.root, mode=old.mode)
     skipped = f"; skipped {len(lost)} damaged part(s), first: {lost[0]}" if lost else ""
     return f"{kept} records kept{skipped}; old index in {aside.name}"
-
-
-def _verify(disk: DiskTier, *, fix: bool, checksums: bool, tmp_age: float, blob_age: float,
-            now: float | None) -> list[Problem]:
-    now = time.time() if now is None else now
-    files = _files(disk)  # list files before reading the index: a blob committed in
-    snap = snapshot(disk, check=True)  # between is then seen as indexed, not as an orphan
-    problems: list[Problem] = []
-    bounds = {edge: kind for _, _, kind, edge in snap.bounds}
-    rel_root = disk.root
-
-    def relpath(rel_blob: str) -> str:
-        return str(Path(disk.blob_root.relative_to(rel_root)) / rel_blob)
-
-    def still(kind: str, key: bytes, rec: dict) -> bool:
-        """The record still exists as scanned (a concurrent gc did not just drop it)."""
-        cur = disk.index.entry(key) if kind == "entry" else disk.index.chunk(key)
-        return cur is not None and cur.get("blob") == rec.get("blob")
-
-    # entries
-    for key, rec in snap.entries.items():
-        hx = key.hex()
-        if rec is None:
-            problems.append(Problem("bad_record", hx, None, "entry record is unreadable (not JSON, or fields missing)", "entry"))
-            continue
-        toks = snap.tokens.get(key)
-        why = _entry_mismatch(key, rec, toks)
-        if why:
-            problems.append(Problem("bad_record", hx, None, why, "entry"))
-            continue
-        gone = _missing_edge(entry_edges(key, rec, toks), bounds, b"e")
-        if gone is not None:
-            problems.append(Problem("missing_bound", (gone or key).hex(), None,
-                                    f"entry {hx[:12]} lacks a trie edge: lookups cannot reach it", "bound"))
-        missing = [ck for ck in rec.get("chunks", []) if bytes.fromhex(ck) not in snap.chunks]
-        if missing:
-            problems.append(Problem("missing_chunk", hx, None,
-                                    f"{len(missing)} of {len(rec.get('chunks', []))} chunk records missing "
-                                    f"(first {missing[0][:12]})", "entry"))
-            continue
-        if rec.get("blob"):
-            bad = check_blob(disk.blob_root / rec["blob"], int(rec.get("size", -1)), rec.get("checksum"),
-                             checksums=checksums)
-            if bad is not None and still("entry", key, rec):
-                problems.append(Problem(bad[0], hx, relpath(rec["blob"]), bad[1], "entry"))
-
-    # chunks
-    actual_refs = _refcounts(snap.entries.values())
-    for key, rec in snap.chunks.items():
-        hx = key.hex()
-        if rec is None:
-            problems.append(Problem("bad_record", hx, None, "chunk record is unreadable (not JSON, or fields missing)", "chunk"))
-            continue
-        why = _chunk_mismatch(key, rec, snap.tokens.get(key))
-        if why:
-            problems.append(Problem("bad_record", hx, None, why, "chunk"))
-            continue
-        bad = check_blob(disk.blob_root / rec.get("blob", ""), int(rec.get("size", -1)), rec.get("checksum"),
-                         checksums=checksums)
-        if bad is not None and still("chunk", key, rec):
-            problems.append(Problem(bad[0], hx, relpath(rec.get("blob", "")), bad[1], "chunk"))
-            continue
-        gone = _missing_edge(chunk_edges(key, rec, snap.tokens.get(key)), bounds, b"c")
-        if gone is not None:
-            problems.append(Problem("missing_bound", (gone or key).hex(), None,
-                                    f"chunk {hx[:12]} lacks a trie edge: entries built on it cannot be reached",
-                                    "bound"))
-        have, want = rec.get("refs", 0), actual_refs.get(key, 0)
-        if want == 0:
-            problems.append(Problem("orphan_chunk", hx, relpath(rec["blob"]),
-                                    f"refs={have} but no entry references it", "chunk", int(rec.get("size", 0))))
-        elif have != want:
-            problems.append(Problem("orphan_chunk", hx, None,
-                                    f"refcount drift: refs={have}, {want} entries reference it", "chunk"))
-
-    # trie edges
-    bad_records = {p.key for p in problems if p.kind == "bad_record"}  # their edges follow them
-    for b, c, kind, edge in snap.bounds:
-        target = snap.entries.get(c, False) if kind == b"e" else snap.chunks.get(c, False) if kind == b"c" else False
-        why = None
-        if kind not in (b"e", b"c"):
-            why = f"unknown edge kind {kind!r}"
-        elif target is False:
-            why = f"points at {'entry' if kind == b'e' else 'chunk'} {c.hex()[:12]}, which does not exist"
-        elif target is not None and c.hex() not in bad_records:  # a bad record's edges go with it
-            want = _edges_of(c, kind, target, snap.tokens.get(c))
-            if want is not None and edge not in want:
-                why = (f"edge from {b.hex()[:12]} to {c.hex()[:12]} is not one the record's boundary and "
-                       "token ids make: lookups seek past it")
-        if why:
-            problems.append(Problem("dangling_bound", edge.hex(), None, why, "bound"))
-
-    for key in snap.tokens:
-        if key not in snap.entries and key not in snap.chunks:
-            problems.append(Problem("orphan_tokens", key.hex(), None, "token ids of no entry or chunk", "tokens"))
-
-    counted = sum(int((r or {}).get("size") or 0) for r in snap.entries.values())
-    counted += sum(int((r or {}).get("size") or 0) for r in snap.chunks.values())
-    if counted != snap.meta_bytes:
-        problems.append(Problem("bytes_drift", None, None,
-                                f"index counts {snap.meta_bytes} blob bytes, its records hold {counted}", "meta"))
-
-    # files
-    named = {rec["blob"] for rec in list(snap.entries.values()) + list(snap.chunks.values())
-             if rec and rec.get("blob")}
-    for path, st in files:
-        age = now - st.st_mtime
-        rel = str(path.relative_to(rel_root))
-        if path.name.endswith(blobs.TMP_SUFFIX):
-            if age >= tmp_age:
-                problems.append(Problem("stale_tmp", None, rel, f"temp file {age:.0f}s old", "file", st.st_size))
-            continue
-        if path.parent == disk.root:
-            continue
-        if str(path.relative_to(disk.blob_root)) not in named and age >= blob_age:
-            problems.append(Problem("orphan_blob", _key_of_file(path), rel,
-                                    f"no record names this file ({age:.0f}s old)", "file", st.st_size))
-
-    problems.sort(key=lambda p: KINDS.index(p.kind))
-    if fix:
-        _fix(disk, problems, snap, tmp_age=tmp_age, blob_age=blob_age)
-    return problems
-
-
-def _key_of_file(path: Path) -> str | None:
-    stem = path.name.split("-", 1)[0]
-    try:
-        return bytes.fromhex(stem).hex() if len(stem) == 2 * KEY_BYTES else None
-    except ValueError:
-        return None
-
-
-# ----------------------------------------------------------------------------- repairs
-
-
-def _unlink(path: Path) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-
-
-def _fix(disk: DiskTier, problems: list[Problem], snap: Snapshot, *, tmp_age: float, blob_age: float) -> None:
-    idx = disk.index
-    db = idx._db
-    by_kind: dict[str, list[Problem]] = {}
-    for p in problems:
-        by_kind.setdefault(p.kind, []).append(p)
-
-    broken_entries = [p for p in problems if p.record == "entry"]
-    raw_entries = [bytes.fromhex(p.key) for p in broken_entries if snap.entries.get(bytes.fromhex(p.key)) is None]
-
-    # 1. broken chunks: drop the record (unlink after commit), then every entry built on it
-    raw_chunks: list[bytes] = []  # unreadable chunk records dropped (blobs found by name)
-    bad_chunks = {bytes.fromhex(p.key): p for p in problems if p.record == "chunk" and p.kind in BLOB_KINDS + ("bad_record",)}
-    if bad_chunks:
-        def drop_chunks(txn: Any) -> tuple[list[str], list[bytes]]:
-            unlink: list[str] = []
-            freed = 0
-            for ck, p in bad_chunks.items():
-                raw = txn.get(ck, db=db["chunks"])
-                if raw is None:
-                    continue
-                crec = _chunk_ok(_parse(raw))
-                orig = snap.chunks.get(ck)
-                if crec is not None and orig is not None and crec.get("blob") != orig.get("blob"):
-                    continue  # rewritten meanwhile: not the record we judged
-                if crec is None:
-                    _drop_raw(txn, db, {ck}, "chunks")
-                    raw_chunks.append(ck)
-                    continue
-                if crec.get("parent"):
-                    drop_edges(txn, db["bounds"], bytes.fromhex(crec["parent"]), ck,
-                               chunk_edges(ck, crec, txn.get(ck, db=db["tokens"])))
-                txn.delete(ck, db=db["chunks"])
-                txn.delete(ck, db=db["tokens"])
-                unlink.append(crec.get("blob", ""))
-                freed += int(crec.get("size", 0))
-            idx._add_bytes(txn, -freed)
-            hexes = {ck.hex() for ck in bad_chunks}
-            users = [bytes(k) for k, v in txn.cursor(db=db["entries"])
-                     if hexes.intersection((_entry_ok(_parse(v)) or {}).get("chunks", []))]
-            return unlink, users
-        unlink, users = idx.write(drop_chunks)
-        disk._unlink([u for u in unlink if u])
-        _unlink_named(disk, raw_chunks)
-        if users:
-            _safe_remove(disk, users)
-        for ck, p in bad_chunks.items():
-            p.fixed = idx.read(lambda t, ck=ck: t.get(ck, db=db["chunks"])) is None
-
-    # 2. broken entries: removed through the normal path (chunk refcounts stay right)
-    good_json = [p for p in broken_entries if snap.entries.get(bytes.fromhex(p.key)) is not None]
-    for p in good_json:
-        key = bytes.fromhex(p.key)
-        orig = snap.entries[key]
-        assert orig is not None
-        _safe_remove(disk, [key], only_if=lambda _, r, o=orig: r.get("blob") == o.get("blob")
-                     and r.get("chunks") == o.get("chunks"))
-        p.fixed = idx.entry(key) is None
-    if raw_entries:
-        idx.write(lambda txn: _drop_raw(txn, db, set(raw_entries), "entries"))
-        _unlink_named(disk, raw_entries)
-        for p in broken_entries:
-            if bytes.fromhex(p.key) in raw_entries:
-                p.fixed = True
-
-    # 3. files: orphans re-checked against the index just before unlinking
-    now = time.time()
-    for p in by_kind.get("orphan_blob", []):
-        path = disk.root / p.path  # type: ignore[operator]
-        rel = str(path.relative_to(disk.blob_root))
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            p.fixed = True
-            continue
-        if now - st.st_mtime < blob_age:
-            continue
-        if p.key is not None and _names(disk, bytes.fromhex(p.key), rel):
-            continue  # a writer committed it after all
-        p.fixed = _unlink(path)
-    for p in by_kind.get("stale_tmp", []):
-        p.fixed = _unlink(disk.root / p.path)  # type: ignore[operator]
-
-    # 4. one sweep, re-read inside its write transaction: orphan chunks (refcounts recounted),
-    # dangling trie edges, orphan token ids and the byte counter. It also cleans up after
-    # steps 1-2 where a damaged record misled the removal (a wrong parent or chunk list).
-    if any(p.record != "file" for p in problems):
-        disk._unlink(idx.write(lambda txn: _sweep(txn, idx)))
-        for kind in ("orphan_chunk", "dangling_bound", "missing_bound", "orphan_tokens", "bytes_drift"):
-            for p in by_kind.get(kind, []):
-                p.fixed = True
-
-
-def _sweep(txn: Any, idx: Any) -> list[str]:
-    """In one write transaction: drop chunks no entry references (blobs returned for the
-    caller to unlink after the commit), set drifted refcounts, delete trie edges and token
-    ids that point at nothing, and recompute the byte counter. Everything is re-read inside
-    the transaction, so a concurrent writer's commit is either fully seen or not at all."""
-    db = idx._db
-    entries = {bytes(k): _entry_ok(_parse(v)) for k, v in txn.cursor(db=db["entries"])}
-    chunks = {bytes(k): _chunk_ok(_parse(v)) for k, v in txn.cursor(db=db["chunks"])}
-    refs = _refcounts(entries.values())
-    unlink: list[str] = []
-    for ck, crec in list(chunks.items()):
-        if crec is None:
-            continue
-        want = refs.get(ck, 0)
-        if want == 0:
-            txn.delete(ck, db=db["chunks"])
-            unlink.append(crec["blob"])
-            del chunks[ck]
-        elif crec["refs"] != want:
-            txn.put(ck, _dump(dict(crec, refs=want)), db=db["chunks"])
-    dead = []
-    for k, v in txn.cursor(db=db["bounds"]):
-        k, v = bytes(k), bytes(v)
-        c = k[-KEY_BYTES:]
-        rec = entries.get(c) if v == b"e" else chunks.get(c) if v == b"c" else None
-        want = _edges_of(c, v, rec, txn.get(c, db=db["tokens"])) if rec is not None else None
-        if rec is None or k not in (want or ()):
-            dead.append(k)
-    for k in dead:
-        txn.delete(k, db=db["bounds"])
-    for key, rec in list(entries.items()) + list(chunks.items()):  # every record reachable again
-        kind = b"e" if key in entries else b"c"
-        for edge in (_edges_of(key, kind, rec, txn.get(key, db=db["tokens"])) if rec is not None else None) or []:
-            if txn.get(edge, db=db["bounds"]) != kind:
-                txn.put(edge, kind, db=db["bounds"])
-    stale = [bytes(k) for k in txn.cursor(db=db["tokens"]).iternext(keys=True, values=False)
-             if bytes(k) not in entries and bytes(k) not in chunks]
-    for k in stale:
-        txn.delete(k, db=db["tokens"])
-    total = sum(int(r.get("size") or 0) for r in entries.values() if r)
-    total += sum(int(r.get("size") or 0) for r in chunks.values() if r)
-    txn.put(b"bytes", str(total).encode(), db=db["meta"])
-    return unlink
-
-
-def _edges_of(key: bytes, kind: bytes, rec: dict, tokens: bytes | None) -> list[bytes] | None:
-    """The trie edges a record should have (None: unknown, its token ids are damaged)."""
-    return entry_edges(key, rec, tokens) if kind == b"e" else chunk_edges(key, rec, tokens)
-
-
-def _missing_edge(want: list[bytes] | None, have: dict[bytes, bytes], kind: bytes) -> bytes | None:
-    """The first edge of ``want`` not in the index (b"" if ``want`` is unknown), or None."""
-    if want is None:
-        return b""
-    return next((e for e in want if have.get(e) != kind), None)
-
-
-def _forget_shared(old: Any) -> None:
-    """Drop ``old``'s environment from ``kvstore.index``'s per-process registry (which hands
-    every Index on one path the same environment) without closing it."""
-    from .. import index as I
-
-    shared, lock = getattr(I, "_SHARED", None), getattr(I, "_SHARED_LOCK", None)
-    if shared is None or lock is None:
-        return
-    with lock:
-        for key, got in list(shared.items()):
-            if got[0] is old.env:
-                del shared[key]
-
-
-def _safe_remove(disk: DiskTier, keys: list[bytes], only_if: Callable[[bytes, dict], bool] | None = None) -> bool:
-    """DiskTier.remove, except that a malformed record in the way (which remove_entries
-    cannot read) leaves the entry for the next repair instead of raising."""
-    try:
-        disk.remove(keys, only_if=only_if)
-        return True
-    except (ValueError, KeyError, TypeError):
-        return False
-
-
-def _names(disk: DiskTier, key: bytes, rel: str) -> bool:
-    """Whether the entry or chunk record under ``key`` names blob ``rel`` (raw read: an
-    unreadable record names nothing)."""
-    db = disk.index._db
-
-    def run(txn: Any) -> bool:
-        for name in ("entries", "chunks"):
-            rec = _parse(txn.get(key, db=db[name]) or b"null")
-            if rec is not None and rec.get("blob") == rel:
-                return True
-        return False
-
-    return disk.index.read(run)
-
-
-def _unlink_named(disk: DiskTier, keys: list[bytes]) -> None:
-    """After dropping unparsable records: their blobs, found by the key in the file name
-    (``<key hex>-<rand>.safetensors``), unless a record names the file again."""
-    for key in keys:
-        hx = key.hex()
-        for path in (disk.blob_root / hx[:2]).glob(f"{hx}-*{blobs.BLOB_SUFFIX}"):
-            if not _names(disk, key, str(path.relative_to(disk.blob_root))):
-                _unlink(path)
-
-
-def _drop_raw(txn: Any, db: dict, keys: set[bytes], name: str) -> None:
-    """Delete unparsable records, their token ids and every trie edge to them."""
-    for key in keys:
-        txn.delete(key, db=db[name])
-        txn.delete(key, db=db["tokens"])
-    dead = [bytes(k) for k, _ in txn.cursor(db=db["bounds"]) if bytes(k[-KEY_BYTES:]) in keys]
-    for k in dead:
-        txn.delete(k, db=db["bounds"])
-
-
-def _dump(rec: dict) -> bytes:
-    import json
-    return json.dumps(rec, separators=(",", ":")).encode()

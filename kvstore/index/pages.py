@@ -14,12 +14,9 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import lmdb
-
-if TYPE_CHECKING:  # maintenance needs no MLX itself; DiskTier is only a type here
-    from ..disk import DiskTier
 
 _P_BRANCH, _P_LEAF, _P_OVERFLOW = 0x01, 0x02, 0x04
 _F_BIGDATA, _F_SUBDATA, _F_DUPDATA = 0x01, 0x02, 0x04
@@ -49,7 +46,7 @@ class _Pages:
         pick = [mb for mb in metas if mb[0] == txnid] if txnid is not None else sorted(metas)[-1:]
         if not pick:
             raise LookupError("the read transaction's meta page was overwritten meanwhile")
-        b = pick[0][1]
+        self.txnid, b = pick[0]
         self.last_pg = int.from_bytes(b[136:144], "little")
         self.main = struct.unpack_from("<IHHQQQQQ", b, 40 + 48)
 
@@ -140,7 +137,7 @@ class _Pages:
         visit(root, 1, None, None)
 
 
-def _walk_all(path: Path, psize: int, txnid: int | None, *, collect: bool
+def walk_all(path: Path, psize: int, txnid: int | None, *, collect: bool
               ) -> tuple[list[str], dict[str, list[tuple[bytes, bytes]]]]:
     """Walk the main tree and every named database in it. Returns (damage found, records
     by database name when ``collect``)."""
@@ -164,25 +161,57 @@ def _walk_all(path: Path, psize: int, txnid: int | None, *, collect: bool
     return errors, out
 
 
+def db_roots(data: Path) -> dict[str, int]:
+    """Each named database's root page number (tests damage a database on purpose)."""
+    pages = _Pages(data, page_size(data), None)
+    subs: dict[str, int] = {}
+    try:
+        def sink(key: bytes, value: bytes, flags: int) -> None:
+            if flags & _F_SUBDATA and len(value) == 48:
+                subs[key.decode(errors="replace")] = struct.unpack("<IHHQQQQQ", value)[7]
+        pages.walk(pages.main, sink, [], "main")
+    finally:
+        pages.close()
+    return subs
+
+
+def page_size(data: Path) -> int:
+    """The page size the file records in its first meta page (FREE_DBI's md_pad), so a
+    file made on a 16 KiB-page Mac reads right anywhere; the system's if implausible."""
+    with open(data, "rb") as f:
+        head = f.read(48)
+    psize = int.from_bytes(head[40:44], "little") if len(head) >= 44 else 0
+    if psize < 512 or psize > 65536 or psize & (psize - 1):
+        psize = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    return psize
+
+
+def last_txnid(data: Path) -> int | None:
+    """The newest transaction id the data file's meta pages record (two preads), or None."""
+    try:
+        pages = _Pages(data, page_size(data), None)
+    except (OSError, _Damaged, struct.error):
+        return None
+    try:
+        return pages.txnid
+    finally:
+        pages.close()
+
+
 def salvage(data: Path) -> tuple[list[str], dict[str, list[tuple[bytes, bytes]]]]:
     """Every record still readable in a (damaged) LMDB data file, by database name, and
-    the damage met. The page size is the one the file records in its first meta page
-    (FREE_DBI's md_pad), so a file made on a 16 KiB-page Mac reads right anywhere."""
+    the damage met."""
     try:
-        with open(data, "rb") as f:
-            head = f.read(48)
-        psize = int.from_bytes(head[40:44], "little") if len(head) >= 44 else 0
-        if psize < 512 or psize > 65536 or psize & (psize - 1):
-            psize = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-        return _walk_all(data, psize, None, collect=True)
+        return walk_all(data, page_size(data), None, collect=True)
     except (OSError, _Damaged, struct.error) as e:
         return [str(e)], {}
 
 
-def check_pages(disk: DiskTier, txn: Any) -> None:
-    """Raise lmdb.CorruptedError if any page of ``txn``'s snapshot is damaged, before a
-    cursor steps on it (see above). LookupError if the snapshot's meta page was reused."""
-    errors, _ = _walk_all(disk.index.path / "data.mdb", disk.index.env.stat()["psize"], txn.id(), collect=False)
+def check_pages(data: Path, psize: int, txn: Any) -> None:
+    """Raise lmdb.CorruptedError if any page of ``txn``'s snapshot of the data file
+    ``data`` is damaged, before a cursor steps on it (see above). LookupError if the
+    snapshot's meta page was reused meanwhile."""
+    errors, _ = walk_all(data, psize, txn.id(), collect=False)
     if errors:
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise lmdb.CorruptedError(f"damaged pages: {errors[0]}{more}")

@@ -1,0 +1,113 @@
+"""The disk budget: least recently used entries go first, pinned ones last.
+
+Used by the writer thread after each persist (``KVStore(max_disk_bytes=...)``) and by
+``kvstore gc --max-bytes``. Bytes are pack-file bytes on disk: removing an entry frees a
+pack file only when no record uses any of its segments any more (a shared chunk, or a
+chunk another entry still needs, keeps its pack), so eviction works in batches and
+re-reads the index's byte counter between them rather than trusting a prediction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from .index import Snapshot, scan
+from .records import EntryRecord
+
+if TYPE_CHECKING:  # the budget needs no MLX; DiskTier is only a type here
+    from .disk import DiskTier
+
+BATCH = 256  # entries removed per transaction (one sync each)
+
+
+@dataclass(frozen=True)
+class Removed:
+    """An entry a budget removed (or, in a dry run, would remove) and the bytes that freed."""
+
+    key: bytes
+    record: EntryRecord
+    freed: int
+
+
+def lru_order(records: Iterable[tuple[bytes, EntryRecord]]) -> list[tuple[bytes, EntryRecord]]:
+    """Eviction order: unpinned before pinned, least recently used first (``last_used`` is
+    clamped to now when read, so a future timestamp cannot keep an entry first forever)."""
+    return sorted(records, key=lambda kr: (kr[1].pinned, kr[1].last_used))
+
+
+class Sim:
+    """What removing entries frees, chunk references and pack segments counted from the
+    records themselves (not from counters a damaged record may have let drift), without
+    removing anything (dry runs, and the size of each real batch)."""
+
+    def __init__(self, snap: Snapshot) -> None:
+        self.total = max(snap.meta_bytes, 0)
+        self.refs: dict[bytes, int] = {}
+        for r in snap.entries.values():
+            for ck in (r.chunks if r else ()):
+                self.refs[ck] = self.refs.get(ck, 0) + 1
+        self.chunk_seg = {k: r.segment for k, r in snap.chunks.items() if r}
+        use = snap.pack_use()
+        self.packs = {k: [use.get(k, (0, 0))[0], r.size] for k, r in snap.packs.items() if r}
+        self.gone: set[bytes] = set()
+
+    def _release(self, pack: bytes) -> int:
+        p = self.packs.get(pack)
+        if p is None or p[0] <= 0:
+            return 0
+        p[0] -= 1
+        return p[1] if p[0] == 0 else 0
+
+    def remove(self, key: bytes, rec: EntryRecord) -> int:
+        """Count ``rec`` as removed; returns the bytes that frees."""
+        if key in self.gone:
+            return 0
+        self.gone.add(key)
+        freed = sum(self._release(s.pack) for s in rec.segments)
+        for ck in rec.chunks:
+            if ck in self.refs:
+                self.refs[ck] -= 1
+                if self.refs[ck] == 0 and ck in self.chunk_seg:
+                    freed += self._release(self.chunk_seg[ck].pack)
+        self.total -= freed
+        return freed
+
+
+def remove_unchanged(disk: DiskTier, batch: list[tuple[bytes, EntryRecord]],
+                     guard: Callable[[EntryRecord], bool] | None = None) -> set[bytes]:
+    """Remove entries in one transaction, each unless it was pinned or unpinned since its
+    record was read, or ``guard`` rejects its current record (checked in the transaction).
+    A use since then does not save it from a size budget (a busy server touches everything
+    all the time), only from an age rule (whose guard re-checks the age). Returns the keys
+    removed."""
+    pinned = {k: r.pinned for k, r in batch}
+    return set(disk.remove([k for k, _ in batch],
+                           only_if=lambda k, cur: cur.pinned == pinned[k] and (guard is None or guard(cur))))
+
+
+def evict_to(disk: DiskTier, max_bytes: int, *, dry_run: bool = False,
+             snap: Snapshot | None = None, sim: Sim | None = None) -> list[Removed]:
+    """Drop least recently used entries (pinned last) until the pack files fit
+    ``max_bytes``, a batch per transaction; ``dry_run`` only counts. Returns what went."""
+    if not dry_run and snap is None and disk.index.total_bytes() <= max_bytes:
+        return []
+    snap = snap or scan(disk.index, full=False)
+    sim = sim or Sim(snap)
+    order = [kr for kr in lru_order((k, r) for k, r in snap.entries.items() if r) if kr[0] not in sim.gone]
+    gone: list[Removed] = []
+    i = 0
+    while i < len(order):
+        total = sim.total if dry_run else disk.index.total_bytes()
+        if total <= max_bytes:
+            break
+        batch: list[Removed] = []
+        freed = 0
+        while i < len(order) and len(batch) < BATCH and freed < total - max_bytes:
+            key, rec = order[i]
+            i += 1
+            batch.append(Removed(key, rec, sim.remove(key, rec)))
+            freed += batch[-1].freed
+        done = {r.key for r in batch} if dry_run else remove_unchanged(disk, [(r.key, r.record) for r in batch])
+        gone += [r for r in batch if r.key in done]
+    return gone

@@ -1,0 +1,14 @@
+"""The index of a cache directory: one LMDB environment, read and written in records.
+
+``core`` opens it (shared per process, checked unless a clean stamp vouches for it,
+salvaged when damaged) and runs transactions; ``txn`` reads and writes records inside one
+(``Reader``, ``WriteTxn``); ``trie`` is the trie over token prefixes the lookup walks;
+``pages`` walks LMDB's pages without LMDB, for damaged files; ``scan`` reads every record
+in one transaction.
+"""
+
+from .core import CORRUPTION, Index, IndexOpenError
+from .scan import Snapshot, scan
+from .txn import DBS, Reader, WriteTxn
+
+__all__ = ["CORRUPTION", "DBS", "Index", "IndexOpenError", "Reader", "Snapshot", "WriteTxn", "scan"]

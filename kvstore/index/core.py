@@ -1,0 +1,469 @@
+"""The index: one LMDB environment naming every entry, chunk and pack file of a directory.
+
+An LMDB commit is the only thing that makes an entry exist: pack files are written and
+synced before the transaction that names them, and unlinked only after the transaction
+that drops them (``WriteTxn``). LMDB gives one writer at a time across threads and
+processes and lock-free readers, so several servers and the CLI share a cache directory.
+
+What protects a process from a damaged index. LMDB has no page checksums: a damaged page
+that a cursor steps on can fault (SIGBUS, SIGSEGV) or fail an assertion (abort) in the
+process reading it. So an index is read by kvstore only in a state that was checked or
+that kvstore's own LMDB code produced from a checked state:
+- a ``clean`` stamp next to the data file records its device, inode, size, mtime, ctime
+  and last transaction id, written after a check passed and at every clean close of a
+  writer (a process that saw damage writes none). An open whose data file matches the
+  stamp skips the check: it costs a stat and one meta page, whatever the index holds.
+- any other state (a writer killed, the file edited, replaced, copied in from elsewhere:
+  each changes ctime or inode) is checked before this process maps it: a child process
+  reads every record (and, for a writer, probes a write), so a damaged page kills the
+  child, not the server. A damaged index is moved aside and its readable records
+  salvaged (``pages.salvage``, which reads pages itself, without LMDB).
+Damage that reaches a file without going through the filesystem (bit rot under an
+unchanged ctime) is not caught at open; ``kvstore verify`` walks every page.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import lmdb
+
+from ..keys import FORMAT_VERSION
+from ..records import IdentityRecord, RecordError, parse
+from .pages import last_txnid
+from .txn import DBS, Reader, WriteTxn, count
+
+log = logging.getLogger("kvstore")
+T = TypeVar("T")
+
+_INITIAL_MAP = 64 << 20
+_PROBE_KEY = b"\x00kvstore-open-probe"  # main database; never committed
+_LOCK_BYTES = 64 << 10  # lock.mdb: LMDB's reader table for max_readers=512 needs ~33 KiB
+STAMP = "clean"
+
+# Errors that mean the data file itself is damaged: only these move an index aside.
+CORRUPTION = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
+              lmdb.VersionMismatchError, lmdb.PanicError)
+CHECK_AT_OPEN = True  # tests turn it off to reach a damaged page on purpose
+_FATAL = {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE}
+_WALK = r"""
+import sys, lmdb
+path, ro, size = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
+try:
+    env = lmdb.open(path, readonly=ro, lock=True, max_dbs=64, subdir=True, readahead=False,
+                    max_readers=512, map_size=size, create=False)
+except lmdb.Error:
+    sys.exit(0)  # the parent's own open reports what is wrong
+DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError)
+bad = []
+try:
+    with env.begin() as txn:
+        names = [bytes(k) for k, _ in txn.cursor()]
+    for name in names:  # one transaction each: an error spoils the transaction it happens in
+        try:
+            db = env.open_db(name, create=False)
+            with env.begin(db=db, buffers=True) as txn:
+                for k, v in txn.cursor():
+                    if len(v):  # first and last byte: a value running past the file faults
+                        v[0], v[len(v) - 1]
+        except DAMAGE as e:
+            bad.append(f"{name.decode(errors='replace')}: {e}")
+        except lmdb.Error:
+            pass
+    if not ro:
+        with env.begin(write=True) as txn:
+            txn.put(b"\x00kvstore-open-probe", b"")
+            txn.delete(b"\x00kvstore-open-probe")
+except DAMAGE as e:
+    bad.append(str(e))
+except lmdb.Error:
+    pass
+if bad:  # a damaged B-tree: the next read of it may fault instead of failing
+    print("; ".join(bad), file=sys.stderr)
+    sys.exit(3)
+"""
+@dataclass
+class _Shared:
+    """One environment of this process, with the handles using it and the data file's
+    state as this process last left it (checked at open, or after its own commit)."""
+
+    env: lmdb.Environment
+    readonly: bool
+    refs: int
+    state: dict[str, Any] | None = None
+
+
+_SHARED: dict[tuple[int, str], _Shared] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+class IndexOpenError(RuntimeError):
+    """The index cannot be opened or used; the message says what to do."""
+
+
+class Index:
+    """The LMDB index of one cache directory (``root/index``; its packs under
+    ``root/blobs``). Safe to share between threads; open one per process (after fork).
+    Every method is one short transaction."""
+
+    def __init__(self, root: Path, *, readonly: bool = False, mode: int = 0o600, path: Path | None = None) -> None:
+        self.root = Path(root)
+        self.path = Path(path) if path is not None else self.root / "index"
+        self.blob_root = self.root / "blobs"
+        self.readonly = readonly
+        self.mode = mode
+        self.damaged = False  # set by a caller that met damage: no clean stamp at close
+        self._shared: _Shared | None = None
+        self.env = self._shared_open()
+        self._db = {name: self.env.open_db(name.encode(), create=not readonly) for name in DBS}
+        self._check_format()
+
+    # -- environment -------------------------------------------------------------------
+
+    def _shared_open(self) -> lmdb.Environment:
+        """LMDB forbids opening one environment twice in a process, so every Index on the
+        same directory in this process shares one (a writable one serves read-only users
+        too). Keyed by pid: a forked child opens its own, as LMDB requires."""
+        key = (os.getpid(), os.path.realpath(self.path))
+        with _SHARED_LOCK:
+            got = _SHARED.get(key)
+            if got is not None and (self.readonly or not got.readonly):
+                got.refs += 1
+                self._shared = got
+                return got.env
+            if got is not None:  # open read-only so far; a writer needs its own handle
+                raise IndexOpenError(f"index {self.path} is already open read-only in this process; "
+                                     "open the writable store first")
+            env = self._open()
+            self._shared = _SHARED[key] = _Shared(env, self.readonly, 1, self._state())
+            return env
+
+    def _open(self) -> lmdb.Environment:
+        try:
+            if not self.readonly:
+                self._allocate_lock_file()
+            checked = not self._stamp_matches()
+            if checked:
+                damage = self._check_in_child()
+                if damage:
+                    raise lmdb.CorruptedError(damage)
+            env = self._open_env(probe=checked)
+            if checked:
+                self._write_stamp()
+            return env
+        except lmdb.Error as e:
+            if self.readonly or not isinstance(e, CORRUPTION):
+                raise IndexOpenError(f"cannot open index {self.path}: {e}") from None
+            return self._replace_damaged(e)
+
+    def _replace_damaged(self, e: Exception) -> lmdb.Environment:
+        """Keep a damaged data file for inspection and start a new index holding every
+        record still readable from it (read page by page, without LMDB). Lookups check
+        token ids and checksums as always; packs of lost records become orphans that
+        ``kvstore verify --fix`` / ``gc`` remove."""
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+        os.replace(self.path, aside)
+        os.mkdir(self.path, 0o700 if self.mode == 0o600 else 0o770)
+        self._allocate_lock_file()
+        env = self._open_env(probe=False)
+        kept = salvage_into(env, aside / "data.mdb")
+        self._write_stamp()
+        log.warning("kvstore: index %s is unreadable (%s); moved aside to %s, new index kept "
+                    "%d readable records", self.path, e, aside, kept)
+        return env
+
+    def _open_env(self, *, probe: bool) -> lmdb.Environment:
+        data = self.path / "data.mdb"
+        size = max(_INITIAL_MAP, data.stat().st_size if data.exists() else 0)
+        env = lmdb.open(str(self.path), map_size=size, max_dbs=len(DBS) + 2, subdir=True,
+                        readonly=self.readonly, lock=True, readahead=False, max_readers=512,
+                        mode=self.mode)
+        try:
+            with env.begin() as txn:  # a truncated / foreign file fails here, at open
+                txn.stat()
+            # LMDB reads pages through a memory map: a page past the end of a truncated file
+            # is a SIGBUS, not an error. The meta page names the last page in use.
+            need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+            have = data.stat().st_size if data.exists() else 0
+            if have < need:
+                raise lmdb.CorruptedError(f"{data} is truncated: {have} bytes, its pages need {need}")
+            if probe and not self.readonly:
+                # LMDB reads its free-page list only when a write allocates a page: probe one
+                # now, so a damaged list is found at open (and recovered from), not by the
+                # first write of a running server. Nothing is left behind.
+                with env.begin(write=True) as txn:
+                    txn.put(_PROBE_KEY, b"")
+                    txn.delete(_PROBE_KEY)
+        except BaseException:
+            env.close()
+            raise
+        return env
+
+    def _state(self) -> dict[str, int] | None:
+        """What the stamp records of the data file (its stat and last transaction id, read
+        from its meta pages), or None if it cannot be read."""
+        data = self.path / "data.mdb"
+        try:
+            st = os.stat(data, follow_symlinks=False)
+        except OSError:
+            return None
+        return {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                "ctime_ns": st.st_ctime_ns, "txnid": last_txnid(data)}
+
+    def _stamp_matches(self) -> bool:
+        """The data file is as a check or a clean close of kvstore left it."""
+        try:
+            stamp = json.loads((self.path / STAMP).read_text())
+        except (OSError, ValueError, RecursionError):
+            return False
+        state = self._state()
+        return isinstance(stamp, dict) and state is not None and state["txnid"] is not None and stamp == state
+
+    def _write_stamp(self) -> None:
+        """Record that the data file, as it is now, is one kvstore checked or wrote. Best
+        effort: without a stamp the next open checks the file."""
+        state = self._state()
+        if state is None or self.damaged:
+            return
+        tmp = self.path / f"{STAMP}.{os.getpid()}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, self.mode)
+            with os.fdopen(fd, "w") as f:
+                json.dump(state, f)
+            os.replace(tmp, self.path / STAMP)
+        except OSError:
+            pass
+
+    def _drop_stamp(self) -> None:
+        try:
+            os.unlink(self.path / STAMP)
+        except OSError:
+            pass
+
+    def _check_in_child(self) -> str | None:
+        """Why the index would crash a process reading it, or None. A check that cannot
+        run, takes too long or is killed from outside checks nothing."""
+        data = self.path / "data.mdb"
+        try:
+            size = data.stat().st_size
+        except OSError:
+            return None
+        if not CHECK_AT_OPEN or not sys.executable or size == 0:
+            return None
+        timeout = 30 + size / (20 << 20)
+        cmd = [sys.executable, "-c", _WALK, str(self.path), "1" if self.readonly else "0",
+               str(max(_INITIAL_MAP, size))]
+        try:
+            p = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("kvstore: checking index %s took over %.0fs; opening it unchecked", self.path, timeout)
+            return None
+        except OSError:
+            return None
+        why = p.stderr.decode(errors="replace").strip().splitlines()
+        if p.returncode == 3:
+            return f"reading {data} fails: {why[-1] if why else 'damaged'}"
+        if p.returncode < 0 and -p.returncode in _FATAL:
+            return (f"reading {data} kills the process ({signal.Signals(-p.returncode).name}"
+                    + (f": {why[-1]}" if why else "") + ")")
+        return None
+
+    def _allocate_lock_file(self) -> None:
+        """Give ``lock.mdb`` real blocks before LMDB maps it: LMDB extends the file sparse
+        and writes its reader table through the map, which is a SIGBUS on a full disk.
+        ``posix_fallocate`` never changes existing bytes (safe next to live processes); a
+        full disk makes it raise ENOSPC, a clear error at open."""
+        if not hasattr(os, "posix_fallocate"):
+            return
+        fd = os.open(self.path / "lock.mdb", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, self.mode)
+        try:
+            os.posix_fallocate(fd, 0, _LOCK_BYTES)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+        finally:
+            os.close(fd)
+
+    def _check_format(self) -> None:
+        have = self.meta(b"format")
+        if have is None and self.readonly:
+            return
+        if have is None:
+            self.transact(lambda t: t.meta(b"format") or t.set_meta(b"format", str(FORMAT_VERSION).encode()))
+            return
+        try:
+            fmt = int(have)
+        except ValueError:
+            fmt = -1
+        if fmt != FORMAT_VERSION:
+            raise IndexOpenError(f"index {self.path} has format {fmt}, this kvstore reads "
+                                 f"{FORMAT_VERSION}: use another --cache-dir, or remove {self.root} "
+                                 "(its cache is rebuilt as requests come)")
+
+    def close(self) -> None:
+        """Release this handle; the environment closes with the last one in the process.
+        A writer's last handle leaves a clean stamp if the data file is as this process
+        last left it (see the module docstring); otherwise it removes the stamp."""
+        key = (os.getpid(), os.path.realpath(self.path))
+        with _SHARED_LOCK:
+            got = _SHARED.get(key)
+            if got is None or got is not self._shared:
+                got = None
+            elif got.refs > 1:
+                got.refs -= 1
+                return
+            else:
+                del _SHARED[key]
+        if got is not None and not got.readonly:
+            if not self.damaged and got.state is not None and self._state() == got.state:
+                self._write_stamp()
+            else:
+                self._drop_stamp()  # damage seen, or someone else wrote after this process
+        self.env.close()
+
+    def forget(self) -> None:
+        """Take this environment out of the per-process registry without closing it (the
+        index was replaced on disk; threads may still be inside a transaction on it)."""
+        with _SHARED_LOCK:
+            for key, got in list(_SHARED.items()):
+                if got.env is self.env:
+                    del _SHARED[key]
+
+    # -- transactions ------------------------------------------------------------------
+
+    def transact(self, fn: Callable[[WriteTxn], T]) -> T:
+        """Run ``fn`` in one write transaction and commit; then unlink the files it
+        scheduled (``WriteTxn.unlink_after_commit``). An exception in ``fn`` aborts the
+        transaction and unlinks nothing. The map grows and ``fn`` runs again when full."""
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    w = WriteTxn(txn, self._db, self.blob_root)
+                    out = fn(w)
+                break
+            except lmdb.MapFullError:
+                new = self.env.info()["map_size"] * 2
+                log.info("kvstore: index map full, growing to %d MiB", new >> 20)
+                self.env.set_mapsize(new)
+            except lmdb.MapResizedError:
+                self.env.set_mapsize(0)
+        if self._shared is not None and not self.readonly:
+            self._shared.state = self._state()  # the data file as this process left it
+        for path in w.unlink:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("kvstore: could not remove %s: %s", path.name, e)
+        return out
+
+    def view(self, fn: Callable[[Reader], T]) -> T:
+        """Run ``fn`` on a ``Reader`` over one read transaction (one consistent snapshot)."""
+        while True:
+            try:
+                with self.env.begin() as txn:
+                    return fn(Reader(txn, self._db, self.blob_root))
+            except lmdb.MapResizedError:
+                self.env.set_mapsize(0)
+
+    # -- one-record reads (each its own transaction) -------------------------------------
+
+    def entry(self, key: bytes) -> Any:
+        return self.view(lambda r: r.entry(key))
+
+    def chunk(self, key: bytes) -> Any:
+        return self.view(lambda r: r.chunk(key))
+
+    def pack(self, pack: bytes) -> Any:
+        return self.view(lambda r: r.pack(pack))
+
+    def tokens(self, key: bytes) -> bytes | None:
+        return self.view(lambda r: r.tokens(key))
+
+    def meta(self, key: bytes) -> bytes | None:
+        return self.view(lambda r: r.meta(key))
+
+    def total_bytes(self) -> int:
+        return self.view(lambda r: r.total_bytes())
+
+    def counts(self) -> dict[str, int]:
+        return self.view(lambda r: {n: r.txn.stat(r.db[n])["entries"] for n in ("entries", "chunks", "packs", "identities")})
+
+    def file_bytes(self) -> int:
+        return (self.path / "data.mdb").stat().st_size
+
+    def identities(self) -> dict[str, IdentityRecord]:
+        """Every identity description by hex digest (an unreadable one as an empty one)."""
+        def run(r: Reader) -> dict[str, IdentityRecord]:
+            out = {}
+            for k, v in r.txn.cursor(db=r.db["identities"]):
+                try:
+                    out[bytes(k).hex()] = parse("identities", v)
+                except RecordError:
+                    out[bytes(k).hex()] = IdentityRecord({})
+            return out
+        return self.view(run)
+
+    def put_identity(self, digest: bytes, info: dict[str, Any]) -> None:
+        rec = IdentityRecord(info)
+        if self.view(lambda r: r.raw("identities", digest)) is None:
+            self.transact(lambda t: t.put_identity(digest, rec))
+
+    def meta_setdefault(self, key: bytes, value: bytes) -> bytes | None:
+        """The ``meta`` value under ``key``, storing ``value`` first when there is none
+        (a read-only index stores nothing and returns None then)."""
+        have = self.meta(key)
+        if have is not None or self.readonly:
+            return have
+
+        def run(t: WriteTxn) -> bytes:
+            cur = t.meta(key)
+            if cur is None:
+                t.set_meta(key, value)
+                return value
+            return cur
+
+        return self.transact(run)
+
+
+def salvage_into(env: lmdb.Environment, data: Path) -> int:
+    """Copy the readable records of a damaged data file into a new environment, the byte
+    counter recomputed from the pack records kept. Returns the number of records kept."""
+    from .pages import salvage
+
+    _, found = salvage(data)
+    kept, total = 0, 0
+    with env.begin(write=True) as txn:
+        for name in DBS:
+            db = env.open_db(name.encode(), txn=txn)
+            for k, v in found.get(name, []):
+                if name == "meta" and k == b"bytes":
+                    continue
+                if name == "packs":
+                    try:
+                        total += parse("packs", v).size
+                    except RecordError:
+                        pass  # unreadable: verify reports it
+                try:
+                    txn.put(k, v, db=db)
+                    kept += 1
+                except lmdb.Error:  # a key LMDB cannot hold (damaged length)
+                    pass
+        txn.put(b"bytes", str(total).encode(), db=env.open_db(b"meta", txn=txn))
+    return kept
+
+
+__all__ = ["CHECK_AT_OPEN", "CORRUPTION", "Index", "IndexOpenError", "count", "salvage_into"]
