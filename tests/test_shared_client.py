@@ -8,6 +8,7 @@ assertions use generous but real bounds: a 0.1 s command timeout must give up we
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -243,6 +244,7 @@ def test_acl_credentials_never_shown(redis_acl_server: RedisServer, monkeypatch,
     monkeypatch.delenv("KVSTORE_SHARED_PASSWORD")
 
     anonymous = SharedClient(f"redis://127.0.0.1:{server.port}/0", **FAST)
+    # the wrong password contains the right one: a leak of either fails the checks below
     wrong = SharedClient(f"redis://{server.username}:not-{password}@127.0.0.1:{server.port}/0",
                          **FAST)
     for bad in (anonymous, wrong):
@@ -279,10 +281,13 @@ def test_killed_server_fails_fast_then_recovers(redis_server: RedisServer,
     assert s["breaker_opens"] == 1 and s["skipped_calls"] == 2
     assert sum("unavailable" in r.getMessage() for r in caplog.records) == 1
 
-    for _ in range(50):  # open: no I/O, so no time
-        got, took = timed(c.pipeline_get, [k])
-        assert got is None and took < 0.005
+    start = time.monotonic()
+    for _ in range(50):  # open: skipped without I/O
+        assert c.pipeline_get([k]) is None
+    assert list(c.scan_iter(f"{c.config.prefix}:*")) == [] and c.delete_many([k]) is None
+    assert time.monotonic() - start < 0.1
     assert c.stats()["calls"] == s["calls"]  # nothing went out
+    assert c.stats()["skipped_calls"] == s["skipped_calls"] + 52
 
     wait_for(lambda: c.breaker_state != "open" or c.stats()["breaker_retry_in"] == 0, 1.0)
     assert c.pipeline_get([k]) is None  # the probe fails: open again, backoff doubled
@@ -294,6 +299,40 @@ def test_killed_server_fails_fast_then_recovers(redis_server: RedisServer,
     assert took <= 0.4 + 0.3  # within the backoff, plus slack
     assert c.breaker_state == "closed"
     assert c.set_many({k: b"again"}) and c.pipeline_get([k]) == [b"again"]
+
+
+def test_threads_share_one_client(redis_server: RedisServer) -> None:
+    c = SharedClient(redis_server.url, breaker_backoff=5.0, breaker_backoff_max=5.0)
+    errors: list[BaseException] = []
+
+    def work(n: int) -> None:
+        try:
+            for i in range(40):
+                key = c.key("t", n, i, tag=f"thread{n}")
+                assert c.set_many({key: f"{n}/{i}"})
+                assert c.pipeline_get([key]) == [f"{n}/{i}".encode()]
+        except BaseException as e:  # reported below: assertions in threads are not seen
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    s = c.stats()
+    assert s["calls"] == s["round_trips"] == 4 * 40 * 2 and s["errors"] == 0
+
+    redis_server.kill()  # failing together: no exception escapes, the breaker opens once
+    threads = [threading.Thread(target=lambda: [c.pipeline_get(["kvstore:x"]) for _ in range(50)])
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    s = c.stats()
+    assert s["breaker_opens"] == 1 and s["calls"] + s["skipped_calls"] == 4 * 40 * 2 + 200
+    assert s["errors_connection"] >= 3
 
 
 def test_paused_server_times_out_within_command_timeout(redis_server: RedisServer) -> None:
@@ -309,8 +348,8 @@ def test_paused_server_times_out_within_command_timeout(redis_server: RedisServe
             assert 0.09 <= took < 1.0, took  # it did wait for the timeout, and no longer
         s = c.stats()
         assert s["errors_timeout"] == 3 and s["breaker_state"] == "open"
-        got, took = timed(c.set_many, {k: b"w"})
-        assert got is False and took < 0.005 and c.stats()["skipped_calls"] == 1
+        got, took = timed(c.set_many, {k: b"w"})  # a real call would wait 0.1 s
+        assert got is False and took < 0.05 and c.stats()["skipped_calls"] == 1
     finally:
         redis_server.resume()
     wait_for(lambda: c.pipeline_get([k]) == [b"v"], timeout=2.0)
