@@ -177,7 +177,7 @@ class SharedClient:
         got = self._call("set", lambda c: self._pipelined(c, ops, atomic=atomic))
         if isinstance(got, _Unavailable):
             return False
-        ok = all(not self._item_error(r) and bool(r) for r in got)
+        ok = all([not self._item_error(r) and bool(r) for r in got])  # count every error
         if ok:
             self._count("bytes_out", sum(_size(v) for _, v in pairs))
         return ok
@@ -199,7 +199,7 @@ class SharedClient:
                                                           atomic=px is not None))
         if isinstance(got, _Unavailable):
             return False
-        ok = not any(self._item_error(r) for r in got)
+        ok = not any([self._item_error(r) for r in got])
         if ok:
             self._count("bytes_out", sum(_size(v) for v in data.values()))
         return ok
