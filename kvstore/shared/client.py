@@ -1,0 +1,494 @@
+"""The shared tier's Redis client: redis-py behind timeouts, a circuit breaker and counters.
+
+``SharedClient`` talks to one Redis / Valkey server (``redis.Redis``) or a Redis Cluster
+(``redis.cluster.RedisCluster``). It knows nothing about kvstore's storage format: it moves
+bytes under keys built by ``key()``.
+
+Guarantees:
+
+* Bounded time per call. Every socket operation has ``connect_timeout`` /
+  ``command_timeout`` and redis-py's own retries are off, so a call to a dead or stopped
+  server returns after about ``connect_timeout + command_timeout`` per node it touches (a
+  live server streaming a large reply can take longer: the timeout bounds each read).
+  Cluster pipelines are sent per node here, never replayed command by command.
+* Never raises for server failures. Connection errors, timeouts, failed authentication,
+  cluster errors and error replies are caught, counted in ``stats()`` and returned as
+  ``None`` (reads, "unavailable") or ``False`` (writes). ``ValueError`` is raised only for
+  bad arguments; an exception from a callable given to ``run()`` that is not a Redis error
+  propagates unchanged.
+* A breaker: after ``breaker_failures`` consecutive failures every call returns at once,
+  with no I/O, for a backoff (``breaker_backoff`` doubling to ``breaker_backoff_max``);
+  then one probe call goes out and its outcome closes or reopens the breaker.
+* The user name and password never appear in log messages, ``stats()`` or ``repr()``.
+* Thread-safe: redis-py's clients are, and the breaker and counters are locked.
+
+``round_trips`` counts the requests this client sends (one per pipeline per node, one per
+SCAN step); connection handshakes and cluster topology discovery are not counted.
+``bytes_in`` / ``bytes_out`` count value bytes read and written, not wire bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.client import Pipeline
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import (AskError, AuthenticationError, AuthorizationError, ClusterError,
+                              RedisClusterException, RedisError, TryAgainError)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from .breaker import Breaker
+from .config import SharedConfig
+from .keys import key_slot, make_key
+
+__all__ = ["SharedClient", "SharedConfig", "ERROR_KINDS"]
+
+log = logging.getLogger("kvstore.shared")
+
+T = TypeVar("T")
+Value = bytes | str | int | float
+Items = Mapping[str, Value] | Iterable[tuple[str, Value]]
+RedisClient = redis.Redis | RedisCluster
+Op = tuple[str, Callable[[Pipeline], object]]  # (key, queue the command on a pipeline)
+
+ERROR_KINDS = ("timeout", "connection", "auth", "cluster", "other")
+_BREAKER_KINDS = frozenset({"timeout", "connection", "auth", "cluster"})
+_CAUGHT = (RedisError, RedisClusterException, OSError)
+_REDIRECTS = (AskError, TryAgainError)  # AskError covers MovedError
+_COUNTERS = ("calls", "round_trips", "skipped_calls", "bytes_in", "bytes_out",
+             *(f"errors_{k}" for k in ERROR_KINDS))
+
+
+class _Unavailable:
+    """The result of a call that failed or was skipped (never returned to callers)."""
+
+
+_UNAVAILABLE = _Unavailable()
+
+
+class SharedClient:
+    """A fail-soft Redis client for the shared tier (see the module docstring)."""
+
+    def __init__(self, config: SharedConfig | str, **overrides: Any) -> None:
+        if isinstance(config, str):
+            config = SharedConfig.from_url(config, **overrides)
+        elif overrides:
+            config = config.with_options(**overrides)
+        self.config = config
+        self._breaker = Breaker(config.breaker_failures, config.breaker_backoff,
+                                config.breaker_backoff_max)
+        self._lock = threading.Lock()
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._client: RedisClient | None = None
+        self._secrets = tuple(s for s in (config.password, config.username) if s)
+
+    def __repr__(self) -> str:
+        return f"SharedClient({self.config.redacted()!r}, breaker={self._breaker.state})"
+
+    def __enter__(self) -> SharedClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- keys ------------------------------------------------------------------------
+
+    def key(self, *parts: str | int, tag: str | None = None) -> str:
+        """``prefix:{tag}:part:...``: keys with the same ``tag`` share a cluster slot."""
+        return make_key(self.config.prefix, *parts, tag=tag)
+
+    # -- reads -----------------------------------------------------------------------
+
+    def pipeline_get(self, keys: Sequence[str]) -> list[bytes | None] | None:
+        """GET every key in one round trip (per cluster node). None = unavailable."""
+        _check_keys(keys)
+        if not keys:
+            return []
+        got = self._call("get", lambda c: self._pipelined(c, [(k, _get(k)) for k in keys]))
+        if isinstance(got, _Unavailable):
+            return None
+        values = [None if self._item_error(r) else r for r in got]
+        self._count("bytes_in", sum(len(v) for v in values if v is not None))
+        return values
+
+    def pipeline_hgetall(self, keys: Sequence[str]) -> list[dict[bytes, bytes]] | None:
+        """HGETALL every key in one round trip (per node); a missing key gives ``{}``."""
+        _check_keys(keys)
+        if not keys:
+            return []
+        got = self._call("hgetall",
+                         lambda c: self._pipelined(c, [(k, _hgetall(k)) for k in keys]))
+        if isinstance(got, _Unavailable):
+            return None
+        hashes = [{} if self._item_error(r) else r for r in got]
+        self._count("bytes_in", sum(len(v) for h in hashes for v in h.values()))
+        return hashes
+
+    def scan_iter(self, match: str, count: int = 1000) -> Iterator[str]:
+        """Keys matching ``match`` (which must start with ``prefix:``), on every primary.
+
+        Each SCAN step is one guarded call; on a failure the iteration just ends (counted).
+        """
+        if not isinstance(match, str) or not match.startswith(self.config.prefix + ":"):
+            raise ValueError(f"scan pattern must start with {self.config.prefix + ':'!r}")
+        if count < 1:
+            raise ValueError("count must be >= 1")
+        return self._scan(match, count)
+
+    # -- writes ----------------------------------------------------------------------
+
+    def set_nx_many(self, items: Items, ttl: float | None = None) -> list[bool] | None:
+        """SET NX each item (one round trip per node): True where this call wrote the key.
+
+        ``ttl`` in seconds; None uses the config's ttl (None there: no expiry).
+        """
+        pairs = _pairs(items)
+        if not pairs:
+            return []
+        px = self._ttl_ms(ttl)
+        ops = [(k, _set(k, v, px, nx=True)) for k, v in pairs]
+        got = self._call("set_nx", lambda c: self._pipelined(c, ops))
+        if isinstance(got, _Unavailable):
+            return None
+        written = [not self._item_error(r) and bool(r) for r in got]
+        self._count("bytes_out", sum(_size(v) for (_, v), w in zip(pairs, written) if w))
+        return written
+
+    def set_many(self, items: Items, ttl: float | None = None, atomic: bool = False) -> bool:
+        """SET each item; True if every one was written.
+
+        ``atomic=True`` wraps them in MULTI/EXEC and needs every key in one hash slot (give
+        them the same ``tag``), checked here in single-server mode too.
+        """
+        pairs = _pairs(items)
+        if not pairs:
+            return True
+        if atomic:
+            _check_one_slot([k for k, _ in pairs])
+        px = self._ttl_ms(ttl)
+        ops = [(k, _set(k, v, px)) for k, v in pairs]
+        got = self._call("set", lambda c: self._pipelined(c, ops, atomic=atomic))
+        if isinstance(got, _Unavailable):
+            return False
+        ok = all([not self._item_error(r) and bool(r) for r in got])  # count every error
+        if ok:
+            self._count("bytes_out", sum(_size(v) for _, v in pairs))
+        return ok
+
+    def hset(self, key: str, mapping: Mapping[str, Value], ttl: float | None = None) -> bool:
+        """HSET the fields (and PEXPIRE, in the same MULTI/EXEC, when a ttl applies)."""
+        _check_keys([key])
+        fields = _pairs(mapping)
+        if not fields:
+            raise ValueError("hset needs at least one field")
+        px = self._ttl_ms(ttl)
+        data: dict[Any, Value] = dict(fields)
+
+        def queue(p: Pipeline) -> object:
+            p.hset(key, mapping=data)
+            return p.pexpire(key, px) if px is not None else None
+
+        got = self._call("hset", lambda c: self._pipelined(c, [(key, queue)],
+                                                          atomic=px is not None))
+        if isinstance(got, _Unavailable):
+            return False
+        ok = not any([self._item_error(r) for r in got])
+        if ok:
+            self._count("bytes_out", sum(_size(v) for v in data.values()))
+        return ok
+
+    def delete_many(self, keys: Sequence[str]) -> int | None:
+        """UNLINK the keys (one round trip per node); the number removed, None = unavailable."""
+        _check_keys(keys)
+        if not keys:
+            return 0
+        got = self._call("delete",
+                         lambda c: self._pipelined(c, [(k, _unlink(k)) for k in keys]))
+        if isinstance(got, _Unavailable):
+            return None
+        return sum(int(r) for r in got if not self._item_error(r))
+
+    # -- generic ---------------------------------------------------------------------
+
+    def run(self, fn: Callable[[RedisClient], T], round_trips: int = 1) -> T | None:
+        """``fn(redis_client)`` behind the breaker and counters; None if unavailable.
+
+        ``fn`` gets a ``redis.Redis`` or a ``RedisCluster`` configured with this client's
+        timeouts and no retries. Redis errors it raises are caught and counted; any other
+        exception propagates. (A RedisCluster may refresh its topology inside ``fn``.)
+        """
+        if round_trips < 0:
+            raise ValueError("round_trips must be >= 0")
+
+        def call(client: RedisClient) -> T:
+            self._count("round_trips", round_trips)
+            return fn(client)
+
+        got = self._call("run", call)
+        return None if isinstance(got, _Unavailable) else got
+
+    def ping(self) -> bool:
+        """True if the server (every cluster primary) answered PING."""
+        return bool(self.run(lambda c: c.ping()))
+
+    # -- state -----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (ints), errors by kind, breaker state; the server address is redacted."""
+        with self._lock:
+            s: dict[str, Any] = dict(self._counters)
+        s["errors"] = sum(s[f"errors_{k}"] for k in ERROR_KINDS)
+        s["breaker_state"] = self._breaker.state
+        s["breaker_opens"] = self._breaker.opens
+        s["breaker_retry_in"] = round(self._breaker.retry_in(), 3)
+        s["server"] = self.config.redacted()
+        return s
+
+    @property
+    def breaker_state(self) -> str:
+        """``closed``, ``open`` or ``half-open``."""
+        return self._breaker.state
+
+    def close(self) -> None:
+        """Drop the connections (a later call reconnects)."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            _close_quietly(client)
+
+    # -- internals -------------------------------------------------------------------
+
+    def _call(self, op: str, fn: Callable[[RedisClient], T]) -> T | _Unavailable:
+        """Run ``fn`` with the breaker and counters; ``_UNAVAILABLE`` if skipped or failed."""
+        if not self._breaker.allow():
+            self._count("skipped_calls")
+            return _UNAVAILABLE
+        self._count("calls")
+        try:
+            result = fn(self._redis())
+        except _CAUGHT as e:
+            self._failed(op, e)
+            return _UNAVAILABLE
+        except BaseException:
+            self._breaker.abandon()
+            raise
+        if self._breaker.success():
+            log.info("shared tier %s answers again", self.config.redacted())
+        return result
+
+    def _redis(self) -> RedisClient:
+        """The redis-py client, built on first use (a RedisCluster discovers its nodes)."""
+        with self._lock:
+            client = self._client
+        if client is None:
+            client = _build(self.config)
+            with self._lock:
+                if self._client is None:
+                    self._client = client
+                else:  # another thread built one first
+                    _close_quietly(client)
+                    client = self._client
+        return client
+
+    def _pipelined(self, client: RedisClient, ops: list[Op], atomic: bool = False) -> list[Any]:
+        """Queue ``ops`` on one pipeline per node, send each once; results in ``ops`` order.
+
+        A cluster redirect or CLUSTERDOWN in any result fails the whole call.
+        """
+        if isinstance(client, RedisCluster):
+            groups: dict[str, tuple[redis.Redis, list[int]]] = {}
+            for i, (key, _) in enumerate(ops):
+                node = client.get_node_from_key(key)
+                if node.name not in groups:
+                    groups[node.name] = (client.get_redis_connection(node), [])
+                groups[node.name][1].append(i)
+        else:
+            groups = {"": (client, list(range(len(ops))))}
+        results: list[Any] = [None] * len(ops)
+        for node_client, indexes in groups.values():
+            pipe = node_client.pipeline(transaction=atomic)
+            spans = []
+            for i in indexes:
+                before = len(pipe)
+                ops[i][1](pipe)
+                spans.append((i, before, len(pipe)))
+            self._count("round_trips")
+            replies = pipe.execute(raise_on_error=False)
+            for reply in replies:
+                if isinstance(reply, (ClusterError, *_REDIRECTS)):
+                    raise reply
+            for i, start, end in spans:  # an op may queue several commands: keep the first
+                results[i] = replies[start] if end - start == 1 else replies[start:end]
+        return results
+
+    def _scan(self, match: str, count: int) -> Iterator[str]:
+        targets = self._call("scan", _scan_targets)
+        if isinstance(targets, _Unavailable):
+            return
+        for node in targets:
+            cursor = 0
+            while True:
+                def step(_: RedisClient, node: redis.Redis = node, cursor: int = cursor) -> Any:
+                    self._count("round_trips")
+                    return node.scan(cursor, match=match, count=count)
+
+                got = self._call("scan", step)
+                if isinstance(got, _Unavailable):
+                    return
+                cursor, keys = got
+                for k in keys:
+                    yield k.decode("utf-8", "backslashreplace") if isinstance(k, bytes) else k
+                if cursor == 0:
+                    break
+
+    def _failed(self, op: str, error: BaseException) -> None:
+        kind = error_kind(error)
+        self._count(f"errors_{kind}")
+        detail = self._scrub(f"{type(error).__name__}: {error}")
+        log.debug("shared %s on %s failed (%s): %s", op, self.config.redacted(), kind, detail)
+        if self.config.cluster and kind in ("timeout", "connection", "cluster"):
+            with self._lock:  # rediscover the topology on the next call; calls in flight
+                self._client = None  # keep the old client, closed when it is collected
+        if kind not in _BREAKER_KINDS:
+            self._breaker.success()  # the server answered, with an error
+            return
+        if self._breaker.failure():
+            log.warning("shared tier %s unavailable (%s); not asking it for %.1f s",
+                        self.config.redacted(), detail, self._breaker.retry_in())
+
+    def _item_error(self, reply: Any) -> bool:
+        """Count an error reply inside a pipeline (WRONGTYPE, OOM, NOPERM...)."""
+        if isinstance(reply, list):
+            return any([self._item_error(r) for r in reply])
+        if isinstance(reply, BaseException):
+            self._count(f"errors_{error_kind(reply)}")
+            log.debug("shared command failed: %s", self._scrub(f"{type(reply).__name__}: {reply}"))
+            return True
+        return False
+
+    def _ttl_ms(self, ttl: float | None) -> int | None:
+        ttl = self.config.ttl if ttl is None else ttl
+        if ttl is None:
+            return None
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not (
+                math.isfinite(ttl) and ttl > 0):
+            raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+        return max(1, round(ttl * 1000))
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+
+def error_kind(error: BaseException) -> str:
+    """``timeout``, ``auth``, ``cluster``, ``connection`` or ``other`` (see ERROR_KINDS)."""
+    if isinstance(error, (RedisTimeoutError, TimeoutError)):
+        return "timeout"
+    if isinstance(error, (AuthenticationError, AuthorizationError)):
+        return "auth"
+    if isinstance(error, (ClusterError, RedisClusterException, *_REDIRECTS)):
+        return "cluster"
+    if isinstance(error, (RedisConnectionError, OSError)):
+        return "connection"
+    return "other"
+
+
+def client_kwargs(config: SharedConfig) -> dict[str, Any]:
+    """redis-py connection arguments for ``config``: timeouts, credentials, TLS."""
+    kw: dict[str, Any] = {
+        "username": config.username,
+        "password": config.password,
+        "socket_connect_timeout": config.connect_timeout,
+        "socket_timeout": config.command_timeout,
+        "socket_keepalive": True,
+    }
+    if config.tls:
+        kw["ssl"] = True
+        kw["ssl_cert_reqs"] = "required"
+        if config.tls_ca_file is not None:
+            kw["ssl_ca_certs"] = config.tls_ca_file
+    return kw
+
+
+def _build(config: SharedConfig) -> RedisClient:
+    """A redis-py client with no retries of its own (the breaker decides when to retry)."""
+    no_retry = Retry(NoBackoff(), 0)
+    if config.cluster:
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in config.hosts],
+                            retry=no_retry, require_full_coverage=False,
+                            **client_kwargs(config))
+    return redis.Redis(host=config.host, port=config.port, db=config.db, retry=no_retry,
+                       **client_kwargs(config))
+
+
+def _scan_targets(client: RedisClient) -> list[redis.Redis]:
+    if isinstance(client, RedisCluster):
+        return [client.get_redis_connection(n) for n in client.get_primaries()]
+    return [client]
+
+
+def _close_quietly(client: RedisClient) -> None:
+    try:
+        client.close()
+    except Exception:  # closing a broken connection must not fail the caller
+        pass
+
+
+def _get(key: str) -> Callable[[Pipeline], object]:
+    return lambda p: p.get(key)
+
+
+def _hgetall(key: str) -> Callable[[Pipeline], object]:
+    return lambda p: p.hgetall(key)
+
+
+def _unlink(key: str) -> Callable[[Pipeline], object]:
+    return lambda p: p.unlink(key)
+
+
+def _set(key: str, value: Value, px: int | None, nx: bool = False) -> Callable[[Pipeline], object]:
+    return lambda p: p.set(key, value, px=px, nx=nx)
+
+
+def _check_keys(keys: Sequence[str]) -> None:
+    if isinstance(keys, (str, bytes)):
+        raise ValueError("keys must be a sequence of strings, not one string")
+    for k in keys:
+        if not isinstance(k, str) or not k:
+            raise ValueError(f"keys must be non-empty strings, got {k!r}")
+
+
+def _pairs(items: Items) -> list[tuple[str, Value]]:
+    pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise ValueError(f"items must be (key, value) pairs, got {type(pair).__name__}")
+        key, value = pair
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"keys must be non-empty strings, got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (bytes, str, int, float)):
+            raise ValueError(f"values must be bytes, str, int or float, "
+                             f"got {type(value).__name__} for {key!r}")
+    return pairs
+
+
+def _size(value: Value) -> int:
+    return len(value) if isinstance(value, (bytes, str)) else len(str(value))
+
+
+def _check_one_slot(keys: list[str]) -> None:
+    if len({key_slot(k) for k in keys}) > 1:
+        raise ValueError("atomic writes need all keys in one hash slot: build them with the "
+                         "same tag (SharedClient.key(..., tag=...))")

