@@ -1,0 +1,342 @@
+"""Judging a store after a fault: the check, store inspection and the per-kind tally."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .common import CHUNK, Emit, LogCapture, _decode, exc_info
+
+if TYPE_CHECKING:
+    from .harness import Ctx
+    from .synth import Zoo
+
+
+def cache_digest(cache: list) -> str:
+    import numpy as np
+    import xxhash
+    from kvstore import codec
+    tensors, layout = codec.encode_cache(cache)
+    h = xxhash.xxh3_128()
+    h.update(json.dumps(layout, sort_keys=True).encode())
+    for k in sorted(tensors):
+        a = tensors[k]
+        if "bfloat16" in str(a.dtype):
+            import mlx.core as mx
+            a = a.view(mx.uint16)
+        arr = np.ascontiguousarray(np.array(a))
+        h.update(f"{k}:{arr.dtype}:{arr.shape}".encode())
+        h.update(arr.tobytes())
+    return h.hexdigest()
+
+
+def raw_entries(store: Any) -> list[tuple[bytes, dict | None, bytes | None]]:
+    """(key, parsed record or None, token bytes) of every entry record, one read txn."""
+    idx = store.disk.index
+    db = idx._db
+
+    def run(txn: Any) -> list:
+        out = []
+        for k, v in txn.cursor(db=db["entries"]):
+            k = bytes(k)
+            try:
+                rec = json.loads(bytes(v))
+                rec = rec if isinstance(rec, dict) else None
+            except ValueError:
+                rec = None
+            t = txn.get(k, db=db["tokens"])
+            out.append((k, rec, bytes(t) if t is not None else None))
+        return out
+    return idx.read(run)
+
+
+def logical_dump(store: Any) -> dict:
+    """Every key/value of every index database plus blob files (name -> xxh3): the
+    store's persistent state, independent of LMDB page layout."""
+    import xxhash
+    idx = store.disk.index
+    state: dict[str, Any] = {}
+
+    def run(txn: Any) -> dict:
+        return {name: sorted((bytes(k).hex(), xxhash.xxh3_64_hexdigest(bytes(v))) for k, v in txn.cursor(db=db))
+                for name, db in idx._db.items()}
+    state["index"] = idx.read(run)
+    files = {}
+    for p in sorted(Path(store.disk.root).rglob("*")):
+        if p.is_file() and "index" not in p.relative_to(store.disk.root).parts and p.name != "file-digests.json":
+            files[str(p.relative_to(store.disk.root))] = xxhash.xxh3_64_hexdigest(p.read_bytes())
+    state["files"] = files
+    return state
+
+
+def blob_users(store: Any) -> dict[str, set[str]]:
+    """blob path (relative to blobs/) -> entry keys (hex) that need it."""
+    idx = store.disk.index
+    users: dict[str, set[str]] = defaultdict(set)
+    chunks = {}
+    for k, rec in idx.chunks():
+        chunks[k.hex()] = rec
+    for k, rec, _ in raw_entries(store):
+        if rec is None:
+            continue
+        if rec.get("blob"):
+            users[rec["blob"]].add(k.hex())
+        for ck in rec.get("chunks", []):
+            c = chunks.get(ck)
+            if c and c.get("blob"):
+                users[c["blob"]].add(k.hex())
+    return users
+
+
+def _entry_key(store: Any, zoo: Zoo, name: str, tokens: list[int]) -> str | None:
+    from kvstore.keys import encode_tokens, key_of, root_key
+    ident = store.identity(zoo.model_arg(name))
+    return key_of(root_key(ident.digest), encode_tokens(tokens), CHUNK).hex() if ident else None
+
+
+def check_store(zoo: Zoo, cache_dir: str, *, known: list | None = None, targets: set | None = None,
+                committed: set | None = None, fix: bool = True, reopen: bool = True,
+                max_fetch: int | None = None) -> dict:
+    """Open ``cache_dir`` fresh and judge it (see the module docstring).
+
+    ``known``: [(model, tokens)] the directory should serve (fetched too; a hit must pass);
+    ``targets``: entry keys (hex) the fault damaged or legitimately removed (their misses
+    are explained); ``committed``: entry keys that must still be served in full.
+    """
+    from kvstore import KVStore, StoreOpenError
+    from kvstore import maintenance as mt
+    targets = set(targets or ())
+    committed = set(committed or ())
+    res: dict[str, Any] = dict(open="ok", escaped=[], wrong=[], claimed=0, full=0, partial=0, miss=0,
+                               unexplained=[], lost=[], verify={}, verify_after_fix=None, verify_errors=[],
+                               post_fix_misses=0, logs=[], aside=False, aside_logged=None, foreign=0,
+                               known_hits=0, known=0, unparsable=0)
+    asides_before = set(glob.glob(os.path.join(cache_dir, "index.corrupt-*")))
+    cap = LogCapture()
+    with cap:
+        try:
+            store = KVStore(cache_dir, chunk_tokens=CHUNK, max_entries=100_000)
+        except StoreOpenError as e:
+            res["open"] = "open_error"
+            res["open_error"] = str(e)
+            res["logs"] = cap.records[-5:]
+            return res
+        except Exception as e:
+            res["open"] = "exception"
+            res["escaped"].append(exc_info("KVStore()", e))
+            return res
+        asides = set(glob.glob(os.path.join(cache_dir, "index.corrupt-*"))) - asides_before
+        if asides:
+            res["aside"] = True
+            res["open"] = "recovered"
+            res["aside_logged"] = cap.has("moved aside")
+        if store.disk is None:
+            res["open"] = "memory_only"
+        try:
+            _judge(zoo, store, res, known or [], targets, committed, max_fetch)
+            if store.disk is not None:
+                if fix:
+                    try:
+                        mt.verify(store.disk, fix=True, tmp_age=0, blob_age=0)
+                        left = mt.verify(store.disk, tmp_age=0, blob_age=0)
+                        res["verify_after_fix"] = dict(Counter(p.kind for p in left))
+                        res["verify_after_fix_detail"] = [f"{p.kind} {p.key} {p.detail}" for p in left[:5]]
+                    except Exception as e:
+                        res["verify_errors"].append(exc_info("verify(fix=True)", e))
+        finally:
+            try:
+                store.close()
+            except Exception as e:
+                res["escaped"].append(exc_info("close()", e))
+        if fix and reopen and res["open"] in ("ok", "recovered") and not res["verify_errors"]:
+            try:
+                store = KVStore(cache_dir, chunk_tokens=CHUNK, max_entries=100_000)
+            except Exception as e:
+                res["escaped"].append(exc_info("KVStore() after verify --fix", e))
+            else:
+                try:
+                    names = zoo.ident_map(store)
+                    for k, rec, toks in raw_entries(store):
+                        if rec is None or toks is None or rec.get("identity") not in names:
+                            continue
+                        tokens = _decode(toks)
+                        name = names[rec["identity"]]
+                        f = store.fetch(zoo.model_arg(name), tokens)
+                        if f.n != len(tokens):
+                            res["post_fix_misses"] += 1
+                        elif f.cache is not None:
+                            ok, why = zoo.check(name, tokens, f.cache, f.n)
+                            if not ok:
+                                res["wrong"].append({"key": k.hex(), "model": name, "n": f.n, "after_fix": True,
+                                                     "detail": why})
+                except Exception as e:
+                    res["escaped"].append(exc_info("fetch after verify --fix", e))
+                finally:
+                    try:
+                        store.close()
+                    except Exception as e:
+                        res["escaped"].append(exc_info("close()", e))
+        res["logs"] = cap.records[-8:]
+    return res
+
+
+def _judge(zoo: Zoo, store: Any, res: dict, known: list, targets: set, committed: set,
+           max_fetch: int | None) -> None:
+    from kvstore import maintenance as mt
+    claimed: list[tuple[str, str, list[int], dict]] = []
+    problem_keys: set[str] = set()
+    if store.disk is not None:
+        names = zoo.ident_map(store)
+        try:
+            for k, rec, toks in raw_entries(store):
+                if rec is None or toks is None:
+                    res["unparsable"] += 1
+                    continue
+                name = names.get(rec.get("identity"))
+                if name is None:
+                    res["foreign"] += 1
+                    continue
+                claimed.append((k.hex(), name, _decode(toks), rec))
+        except Exception as e:
+            res["enumerate_error"] = f"{type(e).__name__}: {e}"[:300]
+        try:
+            problems = mt.verify(store.disk, tmp_age=0, blob_age=0)
+            res["verify"] = dict(Counter(p.kind for p in problems))
+            problem_keys = {p.key for p in problems if p.key}
+        except Exception as e:
+            res["verify_errors"].append(exc_info("verify()", e))
+    res["claimed"] = len(claimed)
+    lengths = {c[0]: len(c[2]) for c in claimed}
+    if max_fetch is not None and len(claimed) > max_fetch:
+        random.Random(len(claimed)).shuffle(claimed)
+        claimed = claimed[:max_fetch]
+    served: dict[str, int] = {}
+    for hx, name, tokens, rec in claimed:
+        try:
+            f = store.fetch(zoo.model_arg(name), tokens)
+        except Exception as e:
+            res["escaped"].append(exc_info("fetch()", e))
+            continue
+        n = f.n
+        served[hx] = n
+        if f.cache is not None and n > 0:
+            ok, why = zoo.check(name, tokens, f.cache, n)
+            if not ok:
+                res["wrong"].append({"key": hx, "model": name, "n": n, "of": len(tokens), "source": f.source,
+                                     "detail": why})
+        if n == len(tokens):
+            res["full"] += 1
+            continue
+        res["partial" if n else "miss"] += 1
+        explained = hx in problem_keys or hx in targets or any(ck in problem_keys for ck in rec.get("chunks", []))
+        if not explained:
+            res["unexplained"].append({"key": hx, "model": name, "n": n, "of": len(tokens)})
+    for hx in sorted(committed - targets):
+        if hx not in lengths:
+            res["lost"].append(hx)       # committed, and the index no longer names it
+        elif hx in served and served[hx] != lengths[hx]:
+            res["lost"].append(hx)       # named, but not served in full
+    for name, tokens in known:
+        res["known"] += 1
+        try:
+            f = store.fetch(zoo.model_arg(name), tokens)
+        except Exception as e:
+            res["escaped"].append(exc_info("fetch()", e))
+            continue
+        if f.cache is not None and f.n > 0:
+            res["known_hits"] += f.n == len(tokens)
+            ok, why = zoo.check(name, tokens, f.cache, f.n)
+            if not ok:
+                res["wrong"].append({"model": name, "n": f.n, "of": len(tokens), "source": f.source,
+                                     "detail": why, "known": True})
+    try:
+        store.stats()
+    except Exception as e:
+        res["escaped"].append(exc_info("stats()", e))
+    try:
+        store.flush(30)
+    except Exception as e:
+        res["escaped"].append(exc_info("flush()", e))
+
+
+def op_check(zoo: Zoo, msg: dict, emit: Emit) -> dict:
+    return check_store(zoo, msg["dir"], known=[tuple(x) for x in msg.get("known", [])],
+                       targets=set(msg.get("targets", [])), committed=set(msg.get("committed", [])),
+                       fix=msg.get("fix", True), reopen=msg.get("reopen", True), max_fetch=msg.get("max_fetch"))
+
+
+class Tally:
+    FIELDS = ("trials", "wrong_restores", "escaped_exceptions", "crashes", "entries_lost",
+              "unexplained_misses", "verify_unclean", "verify_errors", "post_fix_misses", "failed_cases")
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.c: dict[str, Any] = {f: 0 for f in self.FIELDS}
+        self.outcomes: Counter = Counter()
+        self.failures: list[dict] = []
+        self.info: dict[str, Any] = {}
+        self.t0 = time.time()
+        self.skipped: list[str] = []
+
+    def fail(self, what: str, **detail: Any) -> None:
+        if len(self.failures) < 60:
+            self.failures.append({"what": what, **detail})
+
+    def add_check(self, res: dict, **ctx: Any) -> None:
+        if res.get("crashed"):
+            self.c["crashes"] += 1
+            self.fail("checker process died" if not res.get("hang") else "checker hung", **ctx,
+                      signal=res.get("signal"), stderr=res.get("stderr", "")[-800:])
+            return
+        if res.get("harness_error"):
+            self.fail("harness error", **ctx, error=res["harness_error"])
+            return
+        for w in res.get("wrong", []):
+            self.c["wrong_restores"] += 1
+            self.fail("wrong restore", **ctx, detail=w)
+        for e in res.get("escaped", []):
+            self.c["escaped_exceptions"] += 1
+            self.fail("escaped exception", **ctx, exception=e)
+        for e in res.get("verify_errors", []):
+            self.c["verify_errors"] += 1
+            self.c["escaped_exceptions"] += 1
+            self.fail("verify raised", **ctx, exception=e)
+        self.c["unexplained_misses"] += len(res.get("unexplained", []))
+        for u in res.get("unexplained", [])[:3]:
+            self.fail("unexplained miss", **ctx, entry=u, verify=res.get("verify"))
+        self.c["entries_lost"] += len(res.get("lost", []))
+        if res.get("lost"):
+            self.fail("entries lost", **ctx, keys=res["lost"][:5], n=len(res["lost"]), verify=res.get("verify"))
+        if res.get("verify_after_fix"):
+            self.c["verify_unclean"] += 1
+            self.fail("verify not clean after --fix", **ctx, left=res["verify_after_fix"],
+                      detail=res.get("verify_after_fix_detail"))
+        self.c["post_fix_misses"] += res.get("post_fix_misses", 0)
+        if res.get("post_fix_misses"):
+            self.fail("entries not served after verify --fix", **ctx, n=res["post_fix_misses"])
+        if res.get("aside") and not res.get("aside_logged"):
+            self.fail("index moved aside without a log message", **ctx)
+
+    def result(self) -> dict:
+        out = dict(self.c)
+        out["seconds"] = round(time.time() - self.t0, 1)
+        out["outcomes"] = dict(sorted(self.outcomes.items()))
+        out.update(self.info)
+        if self.skipped:
+            out["skipped"] = self.skipped
+        out["failures"] = self.failures
+        return out
+
+
+def _progress(ctx: Ctx, t: Tally, i: int, n: int) -> None:
+    if (i + 1) % max(1, n // 10) == 0 or i + 1 == n:
+        c = t.c
+        ctx.say(f"  {t.kind}: {i + 1}/{n}  wrong={c['wrong_restores']} escaped={c['escaped_exceptions']} "
+                f"crashes={c['crashes']} lost={c['entries_lost']} unexplained={c['unexplained_misses']} "
+                f"unclean={c['verify_unclean']}  ({time.time() - t.t0:.0f}s)")
