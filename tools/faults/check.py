@@ -9,9 +9,9 @@ import random
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
-from .common import CHUNK, Emit, LogCapture, _decode, exc_info
+from .common import CHUNK, Emit, LogCapture, _decode, _guard, exc_info
 
 if TYPE_CHECKING:
     from .harness import Ctx
@@ -103,119 +103,173 @@ def _entry_key(store: Any, zoo: Zoo, name: str, tokens: list[int]) -> str | None
 def check_store(zoo: Zoo, cache_dir: str, *, known: list | None = None, targets: set | None = None,
                 committed: set | None = None, fix: bool = True, reopen: bool = True,
                 max_fetch: int | None = None) -> dict:
-    """Open ``cache_dir`` fresh and judge it (see the module docstring).
+    """Open ``cache_dir`` fresh and judge it (see the package docstring).
 
     ``known``: [(model, tokens)] the directory should serve (fetched too; a hit must pass);
     ``targets``: entry keys (hex) the fault damaged or legitimately removed (their misses
     are explained); ``committed``: entry keys that must still be served in full.
     """
-    from kvstore import KVStore, StoreOpenError
-    from kvstore import maintenance as mt
     targets = set(targets or ())
     committed = set(committed or ())
     res: dict[str, Any] = dict(open="ok", escaped=[], wrong=[], claimed=0, full=0, partial=0, miss=0,
                                unexplained=[], lost=[], verify={}, verify_after_fix=None, verify_errors=[],
                                post_fix_misses=0, logs=[], aside=False, aside_logged=None, foreign=0,
                                known_hits=0, known=0, unparsable=0)
-    asides_before = set(glob.glob(os.path.join(cache_dir, "index.corrupt-*")))
     cap = LogCapture()
     with cap:
-        try:
-            store = KVStore(cache_dir, chunk_tokens=CHUNK, max_entries=100_000)
-        except StoreOpenError as e:
-            res["open"] = "open_error"
-            res["open_error"] = str(e)
-            res["logs"] = cap.records[-5:]
+        store = _open_judged(cache_dir, res, cap)
+        if store is None:
             return res
-        except Exception as e:
-            res["open"] = "exception"
-            res["escaped"].append(exc_info("KVStore()", e))
-            return res
-        asides = set(glob.glob(os.path.join(cache_dir, "index.corrupt-*"))) - asides_before
-        if asides:
-            res["aside"] = True
-            res["open"] = "recovered"
-            res["aside_logged"] = cap.has("moved aside")
-        if store.disk is None:
-            res["open"] = "memory_only"
         try:
             _judge(zoo, store, res, known or [], targets, committed, max_fetch)
-            if store.disk is not None:
-                if fix:
-                    try:
-                        mt.verify(store.disk, fix=True, tmp_age=0, blob_age=0)
-                        left = mt.verify(store.disk, tmp_age=0, blob_age=0)
-                        res["verify_after_fix"] = dict(Counter(p.kind for p in left))
-                        res["verify_after_fix_detail"] = [f"{p.kind} {p.key} {p.detail}" for p in left[:5]]
-                    except Exception as e:
-                        res["verify_errors"].append(exc_info("verify(fix=True)", e))
+            if store.disk is not None and fix:
+                _verify_fix(store, res)
         finally:
-            try:
-                store.close()
-            except Exception as e:
-                res["escaped"].append(exc_info("close()", e))
+            _guard("close()", res["escaped"], store.close)
         if fix and reopen and res["open"] in ("ok", "recovered") and not res["verify_errors"]:
-            try:
-                store = KVStore(cache_dir, chunk_tokens=CHUNK, max_entries=100_000)
-            except Exception as e:
-                res["escaped"].append(exc_info("KVStore() after verify --fix", e))
-            else:
-                try:
-                    names = zoo.ident_map(store)
-                    for k, rec, toks in raw_entries(store):
-                        if rec is None or toks is None or rec.get("identity") not in names:
-                            continue
-                        tokens = _decode(toks)
-                        name = names[rec["identity"]]
-                        f = store.fetch(zoo.model_arg(name), tokens)
-                        if f.n != len(tokens):
-                            res["post_fix_misses"] += 1
-                        elif f.cache is not None:
-                            ok, why = zoo.check(name, tokens, f.cache, f.n)
-                            if not ok:
-                                res["wrong"].append({"key": k.hex(), "model": name, "n": f.n, "after_fix": True,
-                                                     "detail": why})
-                except Exception as e:
-                    res["escaped"].append(exc_info("fetch after verify --fix", e))
-                finally:
-                    try:
-                        store.close()
-                    except Exception as e:
-                        res["escaped"].append(exc_info("close()", e))
+            _check_after_fix(zoo, cache_dir, res)
         res["logs"] = cap.records[-8:]
     return res
 
 
+def _open_judged(cache_dir: str, res: dict, cap: LogCapture) -> Any:
+    """Open the store for the check and record how it opened in ``res["open"]`` (ok,
+    recovered: the index was moved aside, memory_only, open_error, exception); None when
+    it did not open."""
+    from kvstore import KVStore, StoreOpenError
+    asides_before = set(glob.glob(os.path.join(cache_dir, "index.corrupt-*")))
+    try:
+        store = KVStore(cache_dir, chunk_tokens=CHUNK, max_entries=100_000)
+    except StoreOpenError as e:
+        res["open"] = "open_error"
+        res["open_error"] = str(e)
+        res["logs"] = cap.records[-5:]
+        return None
+    except Exception as e:
+        res["open"] = "exception"
+        res["escaped"].append(exc_info("KVStore()", e))
+        return None
+    asides = set(glob.glob(os.path.join(cache_dir, "index.corrupt-*"))) - asides_before
+    if asides:
+        res["aside"] = True
+        res["open"] = "recovered"
+        res["aside_logged"] = cap.has("moved aside")
+    if store.disk is None:
+        res["open"] = "memory_only"
+    return store
+
+
+def _verify_fix(store: Any, res: dict) -> None:
+    """``verify(fix=True)``, then ``verify`` again: what is left goes to ``res["verify_after_fix"]``."""
+    from kvstore import maintenance as mt
+    try:
+        mt.verify(store.disk, fix=True, tmp_age=0, blob_age=0)
+        left = mt.verify(store.disk, tmp_age=0, blob_age=0)
+        res["verify_after_fix"] = dict(Counter(p.kind for p in left))
+        res["verify_after_fix_detail"] = [f"{p.kind} {p.key} {p.detail}" for p in left[:5]]
+    except Exception as e:
+        res["verify_errors"].append(exc_info("verify(fix=True)", e))
+
+
+def _check_after_fix(zoo: Zoo, cache_dir: str, res: dict) -> None:
+    """Reopened after ``verify --fix``, the store serves every entry it names in full
+    (``post_fix_misses`` otherwise), and correctly."""
+    from kvstore import KVStore
+    try:
+        store = KVStore(cache_dir, chunk_tokens=CHUNK, max_entries=100_000)
+    except Exception as e:
+        res["escaped"].append(exc_info("KVStore() after verify --fix", e))
+        return
+    try:
+        for hx, name, tokens, _ in known_entries(store, zoo.ident_map(store)):
+            f = store.fetch(zoo.model_arg(name), tokens)
+            if f.n != len(tokens):
+                res["post_fix_misses"] += 1
+                continue
+            why = hit_problem(zoo, name, tokens, f)
+            if why is not None:
+                res["wrong"].append({"key": hx, "model": name, "n": f.n, "after_fix": True, "detail": why})
+    except Exception as e:
+        res["escaped"].append(exc_info("fetch after verify --fix", e))
+    finally:
+        _guard("close()", res["escaped"], store.close)
+
+
+def known_entries(store: Any, names: dict[str, str], res: dict | None = None,
+                  ) -> Iterator[tuple[str, str, list[int], dict]]:
+    """(key hex, model name, tokens, record) of each entry record whose identity is in
+    ``names`` (``Zoo.ident_map``); the others are counted in ``res["unparsable"]`` (no
+    record or token ids) and ``res["foreign"]`` (another identity) when ``res`` is given."""
+    for k, rec, toks in raw_entries(store):
+        if rec is None or toks is None:
+            if res is not None:
+                res["unparsable"] += 1
+            continue
+        name = names.get(rec.get("identity"))
+        if name is None:
+            if res is not None:
+                res["foreign"] += 1
+            continue
+        yield k.hex(), name, _decode(toks), rec
+
+
+def hit_problem(zoo: Zoo, name: str, tokens: list[int], f: Any) -> str | None:
+    """Why the hit of a fetch result ``f`` for ``tokens`` is wrong (``Zoo.check``); None
+    for a correct hit, a miss, or no result at all."""
+    if f is None or f.cache is None or not f.n:
+        return None
+    ok, why = zoo.check(name, tokens, f.cache, f.n)
+    return None if ok else why
+
+
 def _judge(zoo: Zoo, store: Any, res: dict, known: list, targets: set, committed: set,
            max_fetch: int | None) -> None:
-    from kvstore import maintenance as mt
-    claimed: list[tuple[str, str, list[int], dict]] = []
-    problem_keys: set[str] = set()
-    if store.disk is not None:
-        names = zoo.ident_map(store)
-        try:
-            for k, rec, toks in raw_entries(store):
-                if rec is None or toks is None:
-                    res["unparsable"] += 1
-                    continue
-                name = names.get(rec.get("identity"))
-                if name is None:
-                    res["foreign"] += 1
-                    continue
-                claimed.append((k.hex(), name, _decode(toks), rec))
-        except Exception as e:
-            res["enumerate_error"] = f"{type(e).__name__}: {e}"[:300]
-        try:
-            problems = mt.verify(store.disk, tmp_age=0, blob_age=0)
-            res["verify"] = dict(Counter(p.kind for p in problems))
-            problem_keys = {p.key for p in problems if p.key}
-        except Exception as e:
-            res["verify_errors"].append(exc_info("verify()", e))
+    """Fetch every claimed entry (at most ``max_fetch``) and every ``known`` prompt: hits
+    must pass, misses must be explained, committed entries must be served in full."""
+    claimed, problem_keys = _claimed(zoo, store, res)
     res["claimed"] = len(claimed)
     lengths = {c[0]: len(c[2]) for c in claimed}
     if max_fetch is not None and len(claimed) > max_fetch:
         random.Random(len(claimed)).shuffle(claimed)
         claimed = claimed[:max_fetch]
+    served = _fetch_claimed(zoo, store, res, claimed, problem_keys, targets)
+    for hx in sorted(committed - targets):
+        if hx not in lengths:
+            res["lost"].append(hx)       # committed, and the index no longer names it
+        elif hx in served and served[hx] != lengths[hx]:
+            res["lost"].append(hx)       # named, but not served in full
+    _fetch_known(zoo, store, res, known)
+    _guard("stats()", res["escaped"], store.stats)
+    _guard("flush()", res["escaped"], store.flush, 30)
+
+
+def _claimed(zoo: Zoo, store: Any, res: dict) -> tuple[list[tuple[str, str, list[int], dict]], set[str]]:
+    """The entries the index claims and the keys ``verify`` reports (``res["verify"]``)."""
+    from kvstore import maintenance as mt
+    claimed: list[tuple[str, str, list[int], dict]] = []
+    problem_keys: set[str] = set()
+    if store.disk is None:
+        return claimed, problem_keys
+    names = zoo.ident_map(store)
+    try:
+        for entry in known_entries(store, names, res):
+            claimed.append(entry)
+    except Exception as e:
+        res["enumerate_error"] = f"{type(e).__name__}: {e}"[:300]
+    try:
+        problems = mt.verify(store.disk, tmp_age=0, blob_age=0)
+        res["verify"] = dict(Counter(p.kind for p in problems))
+        problem_keys = {p.key for p in problems if p.key}
+    except Exception as e:
+        res["verify_errors"].append(exc_info("verify()", e))
+    return claimed, problem_keys
+
+
+def _fetch_claimed(zoo: Zoo, store: Any, res: dict, claimed: list, problem_keys: set[str],
+                   targets: set[str]) -> dict[str, int]:
+    """Fetch each claimed entry: a hit must pass, a miss or partial hit must be explained
+    (verify reports the entry or one of its chunks, or the fault targeted the entry).
+    Returns key -> tokens served."""
     served: dict[str, int] = {}
     for hx, name, tokens, rec in claimed:
         try:
@@ -225,11 +279,10 @@ def _judge(zoo: Zoo, store: Any, res: dict, known: list, targets: set, committed
             continue
         n = f.n
         served[hx] = n
-        if f.cache is not None and n > 0:
-            ok, why = zoo.check(name, tokens, f.cache, n)
-            if not ok:
-                res["wrong"].append({"key": hx, "model": name, "n": n, "of": len(tokens), "source": f.source,
-                                     "detail": why})
+        why = hit_problem(zoo, name, tokens, f)
+        if why is not None:
+            res["wrong"].append({"key": hx, "model": name, "n": n, "of": len(tokens), "source": f.source,
+                                 "detail": why})
         if n == len(tokens):
             res["full"] += 1
             continue
@@ -237,11 +290,12 @@ def _judge(zoo: Zoo, store: Any, res: dict, known: list, targets: set, committed
         explained = hx in problem_keys or hx in targets or any(ck in problem_keys for ck in rec.get("chunks", []))
         if not explained:
             res["unexplained"].append({"key": hx, "model": name, "n": n, "of": len(tokens)})
-    for hx in sorted(committed - targets):
-        if hx not in lengths:
-            res["lost"].append(hx)       # committed, and the index no longer names it
-        elif hx in served and served[hx] != lengths[hx]:
-            res["lost"].append(hx)       # named, but not served in full
+    return served
+
+
+def _fetch_known(zoo: Zoo, store: Any, res: dict, known: list) -> None:
+    """Fetch each prompt the directory should serve: a hit must pass (``known_hits``
+    counts the full ones)."""
     for name, tokens in known:
         res["known"] += 1
         try:
@@ -251,18 +305,10 @@ def _judge(zoo: Zoo, store: Any, res: dict, known: list, targets: set, committed
             continue
         if f.cache is not None and f.n > 0:
             res["known_hits"] += f.n == len(tokens)
-            ok, why = zoo.check(name, tokens, f.cache, f.n)
-            if not ok:
-                res["wrong"].append({"model": name, "n": f.n, "of": len(tokens), "source": f.source,
-                                     "detail": why, "known": True})
-    try:
-        store.stats()
-    except Exception as e:
-        res["escaped"].append(exc_info("stats()", e))
-    try:
-        store.flush(30)
-    except Exception as e:
-        res["escaped"].append(exc_info("flush()", e))
+        why = hit_problem(zoo, name, tokens, f)
+        if why is not None:
+            res["wrong"].append({"model": name, "n": f.n, "of": len(tokens), "source": f.source,
+                                 "detail": why, "known": True})
 
 
 def op_check(zoo: Zoo, msg: dict, emit: Emit) -> dict:
