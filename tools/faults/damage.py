@@ -167,6 +167,30 @@ def damage_lmdb_case(cdir: Path, rng: random.Random, mode: str) -> str:
     return "data.mdb: " + damage_file(data, mode, rng)
 
 
+def damage_open_file(path: Path, rng: random.Random) -> list[str]:
+    """1-6 bit flips and zeroed ranges written in place through a descriptor (what a
+    store that has the file open and mapped sees change under it); returns descriptions."""
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDWR)
+    descs = []
+    try:
+        for _ in range(rng.randint(1, 6)):
+            if rng.random() < 0.3:
+                page = rng.randrange(2, max(3, size // 4096))
+                a, b = page * 4096 + rng.randrange(4096), 0
+                b = min(size, a + rng.randint(16, 1024))
+                os.pwrite(fd, bytes(b - a), a)
+                descs.append(f"zero [{a},{b})")
+            else:
+                off = rng.randrange(size)
+                cur = os.pread(fd, 1, off)
+                os.pwrite(fd, bytes([cur[0] ^ (1 << rng.randrange(8))]), off)
+                descs.append(f"flip {off}")
+    finally:
+        os.close(fd)
+    return descs
+
+
 def _fill(path: Path, nbytes: int) -> int:
     """Write up to ``nbytes`` into ``path`` (stops at ENOSPC); returns bytes written."""
     done = 0

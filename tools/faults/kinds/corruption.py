@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..check import Tally, _entry_key, _progress, blob_users
+from ..check import Tally, _entry_key, _progress, blob_users, hit_problem
 from ..common import CHUNK, Emit, LogCapture, _guard, exc_info
-from ..damage import BLOB_MODES, LMDB_MODES, damage_blob_case, damage_lmdb_case
+from ..damage import BLOB_MODES, LMDB_MODES, damage_blob_case, damage_lmdb_case, damage_open_file
 from ..synth import SYSTEM_PROMPTS, Zoo, random_prompt
 
 if TYPE_CHECKING:
@@ -63,59 +62,10 @@ def op_live(zoo: Zoo, msg: dict, emit: Emit) -> dict:
     with cap:
         store = KVStore(msg["dir"], chunk_tokens=CHUNK, max_entries=1000)
         known = [tuple(x) for x in msg["known"]]
-        for name, toks in known:  # warm the memory tier from disk
-            f = _guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), toks)
-            if f is not None and f.cache is not None and f.n:
-                ok, why = zoo.check(name, toks, f.cache, f.n)
-                if not ok:
-                    res["wrong"].append({"model": name, "n": f.n, "detail": why, "phase": "before"})
-        store.flush()
-        baseline = {}  # what the memory tier serves before the damage (second pass: memory only)
-        for name, toks in known:
-            f = _guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), toks)
-            if f is not None and f.source == "memory":
-                baseline[(name, tuple(toks))] = f.n
-        store.flush()
-        data = Path(msg["dir"]) / "index" / "data.mdb"
-        size = data.stat().st_size
-        fd = os.open(data, os.O_RDWR)
-        descs = []
-        try:
-            for _ in range(rng.randint(1, 6)):
-                if rng.random() < 0.3:
-                    page = rng.randrange(2, max(3, size // 4096))
-                    a, b = page * 4096 + rng.randrange(4096), 0
-                    b = min(size, a + rng.randint(16, 1024))
-                    os.pwrite(fd, bytes(b - a), a)
-                    descs.append(f"zero [{a},{b})")
-                else:
-                    off = rng.randrange(size)
-                    cur = os.pread(fd, 1, off)
-                    os.pwrite(fd, bytes([cur[0] ^ (1 << rng.randrange(8))]), off)
-                    descs.append(f"flip {off}")
-        finally:
-            os.close(fd)
-        res["damage"] = descs
-        for name, toks in known:
-            res["known"] += 1
-            f = _guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), toks)
-            if f is None:
-                continue
-            want = baseline.get((name, tuple(toks)), 0)
-            if f.n >= want:
-                res["memory_served"] += 1
-            if f.cache is not None and f.n:
-                ok, why = zoo.check(name, toks, f.cache, f.n)
-                if not ok:
-                    res["wrong"].append({"model": name, "n": f.n, "detail": why, "phase": "after"})
-        for i in range(2):
-            toks = random_prompt(rng, 20, 90)
-            n_esc = len(res["escaped"])
-            _guard("insert()", res["escaped"], store.insert, zoo.model_arg("llama"), toks, zoo.prefill("llama", toks))
-            if len(res["escaped"]) == n_esc:
-                f = _guard("fetch()", res["escaped"], store.fetch, zoo.model_arg("llama"), toks)
-                if f is not None and f.n == len(toks):
-                    res["inserts_after"] += 1
+        baseline = _warm_memory(zoo, store, known, res)
+        res["damage"] = damage_open_file(Path(msg["dir"]) / "index" / "data.mdb", rng)
+        _serve_after_damage(zoo, store, known, baseline, res)
+        _insert_after_damage(zoo, store, rng, res)
         _guard("flush()", res["escaped"], store.flush, 30)
         _guard("stats()", res["escaped"], store.stats)
         res["write_errors"] = store._stats["write_errors"]
@@ -129,39 +79,68 @@ def op_live(zoo: Zoo, msg: dict, emit: Emit) -> dict:
     return res
 
 
+def _fetch_checked(zoo: Zoo, store: Any, name: str, toks: list[int], res: dict, phase: str) -> Any:
+    """Fetch (an exception goes to ``res["escaped"]``, and None is returned); a wrong hit
+    goes to ``res["wrong"]``."""
+    f = _guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), toks)
+    why = hit_problem(zoo, name, toks, f)
+    if why is not None:
+        res["wrong"].append({"model": name, "n": f.n, "detail": why, "phase": phase})
+    return f
+
+
+def _warm_memory(zoo: Zoo, store: Any, known: list[tuple], res: dict) -> dict[tuple, int]:
+    """Fetch every known prompt from disk (a hit must pass) into the memory tier; returns
+    what a second pass serves from memory: (model, tokens) -> tokens served."""
+    for name, toks in known:
+        _fetch_checked(zoo, store, name, toks, res, "before")
+    store.flush()
+    baseline = {}
+    for name, toks in known:
+        f = _guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), toks)
+        if f is not None and f.source == "memory":
+            baseline[(name, tuple(toks))] = f.n
+    store.flush()
+    return baseline
+
+
+def _serve_after_damage(zoo: Zoo, store: Any, known: list[tuple], baseline: dict[tuple, int], res: dict) -> None:
+    """After the damage every known prompt is still served as far as memory served it
+    (``memory_served``), and correctly."""
+    for name, toks in known:
+        res["known"] += 1
+        f = _fetch_checked(zoo, store, name, toks, res, "after")
+        if f is not None and f.n >= baseline.get((name, tuple(toks)), 0):
+            res["memory_served"] += 1
+
+
+def _insert_after_damage(zoo: Zoo, store: Any, rng: random.Random, res: dict) -> None:
+    """Two inserts after the damage: each must be served back in full (``inserts_after``)."""
+    for i in range(2):
+        toks = random_prompt(rng, 20, 90)
+        n_esc = len(res["escaped"])
+        _guard("insert()", res["escaped"], store.insert, zoo.model_arg("llama"), toks, zoo.prefill("llama", toks))
+        if len(res["escaped"]) == n_esc:
+            f = _guard("fetch()", res["escaped"], store.fetch, zoo.model_arg("llama"), toks)
+            if f is not None and f.n == len(toks):
+                res["inserts_after"] += 1
+
+
 def run_corruption(ctx: Ctx) -> dict:
+    """Blob, index and live-index damage cases on copies of a few template directories."""
     size = ctx.size
     t = Tally("corruption")
     base = ctx.work / "corruption"
     shutil.rmtree(base, ignore_errors=True)
     (base / "cases").mkdir(parents=True)
-    templates = []
-    for j in range(size["templates"]):
-        d = base / f"template-{j}"
-        info = ctx.checker.call({"op": "build_template", "dir": str(d), "seed": ctx.seed * 31 + j}, timeout=900)
-        if "entries" not in info:
-            raise RuntimeError(f"template build failed: {info}")
-        info["dir"] = d
-        info["known"] = [[e["model"], e["tokens"]] for e in info["entries"]]
-        info["keys"] = {e["key"] for e in info["entries"]}
-        templates.append(info)
-        # control: an undamaged copy must pass completely
-        c = base / "cases" / "control"
-        shutil.copytree(d, c)
-        res = ctx.checker.call({"op": "check", "dir": str(c), "known": info["known"],
-                                "committed": sorted(info["keys"]), "fix": True})
-        shutil.rmtree(c, ignore_errors=True)
-        t.add_check(res, case=f"control-{j}")
-        if res.get("full") != len(info["entries"]):
-            t.fail("control: undamaged template not served in full", template=j, full=res.get("full"),
-                   claimed=res.get("claimed"))
+    templates = [_template(ctx, t, base, j) for j in range(size["templates"])]
     t.info["template"] = {"entries": len(templates[0]["entries"]), "blobs": len(templates[0]["blob_users"]),
                           "data_mdb_bytes": templates[0]["data_mdb"],
                           "models": dict(Counter(e["model"] for e in templates[0]["entries"]))}
     plan = ([("blob", i) for i in range(size["blob"])] + [("lmdb", i) for i in range(size["lmdb"])]
             + [("live", i) for i in range(size["lmdb_live"])])
     random.Random(ctx.seed).shuffle(plan)
-    per_kind = Counter()
+    per_mode: Counter = Counter()
     for k, (where, i) in enumerate(plan):
         rng = random.Random(f"{ctx.seed}-{where}-{i}")
         tpl = templates[i % len(templates)]
@@ -169,47 +148,11 @@ def run_corruption(ctx: Ctx) -> dict:
         shutil.copytree(tpl["dir"], cdir)
         ctx_info: dict[str, Any] = {"case": f"{where}-{i}", "seed": ctx.seed}
         if where == "blob":
-            mode = BLOB_MODES[i % len(BLOB_MODES)]
-            desc, targets = damage_blob_case(cdir, tpl, rng, mode)
-            ctx_info.update(mode=mode, damage=desc)
-            res = ctx.checker.call({"op": "check", "dir": str(cdir), "known": tpl["known"],
-                                    "targets": sorted(targets), "committed": sorted(tpl["keys"] - targets),
-                                    "fix": True})
-            t.add_check(res, **ctx_info)
-            t.outcomes[f"blob:{mode}:{'full' if res.get('full') == len(tpl['keys']) else 'degraded'}"] += 1
+            res = _blob_case(ctx, t, cdir, tpl, rng, BLOB_MODES[i % len(BLOB_MODES)], ctx_info)
         elif where == "lmdb":
-            mode = LMDB_MODES[i % len(LMDB_MODES)]
-            desc = damage_lmdb_case(cdir, rng, mode)
-            ctx_info.update(mode=mode, damage=desc)
-            res = ctx.checker.call({"op": "check", "dir": str(cdir), "known": tpl["known"],
-                                    "targets": sorted(tpl["keys"]), "fix": True})
-            t.add_check(res, **ctx_info)
-            if res.get("crashed"):
-                outcome = f"crash:{res.get('signal')}"
-            elif res.get("open") != "ok":
-                outcome = res.get("open")
-            elif res.get("known_hits") == len(tpl["keys"]) and not res.get("verify"):
-                outcome = "undetected_harmless"
-            else:
-                outcome = "degraded_to_misses"
-            t.outcomes[f"lmdb:{outcome}"] += 1
-            per_kind[f"lmdb:{mode}:{outcome}"] += 1
-            if res.get("open") == "open_error" and len(t.info.setdefault("open_errors", [])) < 10:
-                t.info["open_errors"].append({**ctx_info, "message": res.get("open_error")})
+            res = _lmdb_case(ctx, t, cdir, tpl, rng, LMDB_MODES[i % len(LMDB_MODES)], ctx_info, per_mode)
         else:
-            res = ctx.checker.call({"op": "live", "dir": str(cdir), "known": tpl["known"],
-                                    "seed": rng.randrange(1 << 30)})
-            ctx_info["mode"] = "live"
-            t.add_check(res, **ctx_info)
-            if not res.get("crashed"):
-                ctx_info["damage"] = res.get("damage")
-                served = res.get("memory_served", 0) == res.get("known")
-                t.outcomes[f"live:{'memory_served' if served else 'not_served'}"] += 1
-                if not served:
-                    t.fail("live damage: memory tier stopped serving", **ctx_info, res={
-                        k: res.get(k) for k in ("memory_served", "known", "logs")})
-            else:
-                t.outcomes[f"live:crash:{res.get('signal')}"] += 1
+            res = _live_case(ctx, t, cdir, tpl, rng, ctx_info)
         t.c["trials"] += 1
         ctx.debug(f"{ctx_info.get('case')} {ctx_info.get('mode')} {ctx_info.get('damage')} -> open={res.get('open')} "
                   f"full={res.get('full')} verify={res.get('verify')} wrong={len(res.get('wrong', []))} "
@@ -217,6 +160,79 @@ def run_corruption(ctx: Ctx) -> dict:
         shutil.rmtree(cdir, ignore_errors=True)
         _progress(ctx, t, k, len(plan))
     t.info["cases"] = {"blob": size["blob"], "lmdb": size["lmdb"], "lmdb_live": size["lmdb_live"]}
-    t.info["lmdb_outcomes_by_mode"] = dict(sorted(per_kind.items()))
+    t.info["lmdb_outcomes_by_mode"] = dict(sorted(per_mode.items()))
     shutil.rmtree(base, ignore_errors=True)
     return t.result()
+
+
+def _template(ctx: Ctx, t: Tally, base: Path, j: int) -> dict:
+    """Build template ``j`` and check an undamaged copy (the control): it must be served in full."""
+    d = base / f"template-{j}"
+    info = ctx.checker.call({"op": "build_template", "dir": str(d), "seed": ctx.seed * 31 + j}, timeout=900)
+    if "entries" not in info:
+        raise RuntimeError(f"template build failed: {info}")
+    info["dir"] = d
+    info["known"] = [[e["model"], e["tokens"]] for e in info["entries"]]
+    info["keys"] = {e["key"] for e in info["entries"]}
+    c = base / "cases" / "control"
+    shutil.copytree(d, c)
+    res = ctx.checker.call({"op": "check", "dir": str(c), "known": info["known"],
+                            "committed": sorted(info["keys"]), "fix": True})
+    shutil.rmtree(c, ignore_errors=True)
+    t.add_check(res, case=f"control-{j}")
+    if res.get("full") != len(info["entries"]):
+        t.fail("control: undamaged template not served in full", template=j, full=res.get("full"),
+               claimed=res.get("claimed"))
+    return info
+
+
+def _blob_case(ctx: Ctx, t: Tally, cdir: Path, tpl: dict, rng: random.Random, mode: str, ctx_info: dict) -> dict:
+    """Damage one blob: every entry that does not use it must still be served in full."""
+    desc, targets = damage_blob_case(cdir, tpl, rng, mode)
+    ctx_info.update(mode=mode, damage=desc)
+    res = ctx.checker.call({"op": "check", "dir": str(cdir), "known": tpl["known"],
+                            "targets": sorted(targets), "committed": sorted(tpl["keys"] - targets),
+                            "fix": True})
+    t.add_check(res, **ctx_info)
+    t.outcomes[f"blob:{mode}:{'full' if res.get('full') == len(tpl['keys']) else 'degraded'}"] += 1
+    return res
+
+
+def _lmdb_case(ctx: Ctx, t: Tally, cdir: Path, tpl: dict, rng: random.Random, mode: str, ctx_info: dict,
+               per_mode: Counter) -> dict:
+    """Damage the index: a clear error, a logged recovery or misses; never a wrong hit."""
+    desc = damage_lmdb_case(cdir, rng, mode)
+    ctx_info.update(mode=mode, damage=desc)
+    res = ctx.checker.call({"op": "check", "dir": str(cdir), "known": tpl["known"],
+                            "targets": sorted(tpl["keys"]), "fix": True})
+    t.add_check(res, **ctx_info)
+    if res.get("crashed"):
+        outcome = f"crash:{res.get('signal')}"
+    elif res.get("open") != "ok":
+        outcome = res.get("open")
+    elif res.get("known_hits") == len(tpl["keys"]) and not res.get("verify"):
+        outcome = "undetected_harmless"
+    else:
+        outcome = "degraded_to_misses"
+    t.outcomes[f"lmdb:{outcome}"] += 1
+    per_mode[f"lmdb:{mode}:{outcome}"] += 1
+    if res.get("open") == "open_error" and len(t.info.setdefault("open_errors", [])) < 10:
+        t.info["open_errors"].append({**ctx_info, "message": res.get("open_error")})
+    return res
+
+
+def _live_case(ctx: Ctx, t: Tally, cdir: Path, tpl: dict, rng: random.Random, ctx_info: dict) -> dict:
+    """Damage the index under an open store (``op_live``): the memory tier keeps serving."""
+    res = ctx.checker.call({"op": "live", "dir": str(cdir), "known": tpl["known"], "seed": rng.randrange(1 << 30)})
+    ctx_info["mode"] = "live"
+    t.add_check(res, **ctx_info)
+    if res.get("crashed"):
+        t.outcomes[f"live:crash:{res.get('signal')}"] += 1
+        return res
+    ctx_info["damage"] = res.get("damage")
+    served = res.get("memory_served", 0) == res.get("known")
+    t.outcomes[f"live:{'memory_served' if served else 'not_served'}"] += 1
+    if not served:
+        t.fail("live damage: memory tier stopped serving", **ctx_info, res={
+            k: res.get(k) for k in ("memory_served", "known", "logs")})
+    return res
