@@ -318,6 +318,9 @@ def op_check(zoo: Zoo, msg: dict, emit: Emit) -> dict:
 
 
 class Tally:
+    """The figures of one fault kind: counters (``FIELDS``), outcomes, up to 60 failures
+    with their context, extra ``info``, and what was skipped."""
+
     FIELDS = ("trials", "wrong_restores", "escaped_exceptions", "crashes", "entries_lost",
               "unexplained_misses", "verify_unclean", "verify_errors", "post_fix_misses", "failed_cases")
 
@@ -334,7 +337,20 @@ class Tally:
         if len(self.failures) < 60:
             self.failures.append({"what": what, **detail})
 
+    def add_wrong(self, wrong: list, what: str = "wrong restore", **ctx: Any) -> None:
+        """Count each wrong restore and record it as a failure."""
+        for w in wrong:
+            self.c["wrong_restores"] += 1
+            self.fail(what, **ctx, detail=w)
+
+    def add_escaped(self, escaped: list, what: str = "escaped exception", **ctx: Any) -> None:
+        """Count each exception that reached a caller and record it as a failure."""
+        for e in escaped:
+            self.c["escaped_exceptions"] += 1
+            self.fail(what, **ctx, exception=e)
+
     def add_check(self, res: dict, **ctx: Any) -> None:
+        """Count what a check (``check_store``, or a worker that died) found."""
         if res.get("crashed"):
             self.c["crashes"] += 1
             self.fail("checker process died" if not res.get("hang") else "checker hung", **ctx,
@@ -343,12 +359,8 @@ class Tally:
         if res.get("harness_error"):
             self.fail("harness error", **ctx, error=res["harness_error"])
             return
-        for w in res.get("wrong", []):
-            self.c["wrong_restores"] += 1
-            self.fail("wrong restore", **ctx, detail=w)
-        for e in res.get("escaped", []):
-            self.c["escaped_exceptions"] += 1
-            self.fail("escaped exception", **ctx, exception=e)
+        self.add_wrong(res.get("wrong", []), **ctx)
+        self.add_escaped(res.get("escaped", []), **ctx)
         for e in res.get("verify_errors", []):
             self.c["verify_errors"] += 1
             self.c["escaped_exceptions"] += 1
@@ -381,6 +393,7 @@ class Tally:
 
 
 def _progress(ctx: Ctx, t: Tally, i: int, n: int) -> None:
+    """A progress line after every tenth of the ``n`` trials."""
     if (i + 1) % max(1, n // 10) == 0 or i + 1 == n:
         c = t.c
         ctx.say(f"  {t.kind}: {i + 1}/{n}  wrong={c['wrong_restores']} escaped={c['escaped_exceptions']} "

@@ -387,11 +387,9 @@ def _tally_events(t: Tally, events: list[dict], committed: set[str], excused: se
         elif kind == "excuse":
             excused.update(ev["keys"])
         elif kind == "escaped":
-            t.c["escaped_exceptions"] += 1
-            t.fail("escaped exception (worker)", trial=i, phase=phase, exception=ev)
+            t.add_escaped([ev], "escaped exception (worker)", trial=i, phase=phase)
         elif kind == "wrong":
-            t.c["wrong_restores"] += 1
-            t.fail("wrong restore (worker)", trial=i, phase=phase, detail=ev)
+            t.add_wrong([ev], "wrong restore (worker)", trial=i, phase=phase)
         elif kind == "end" and ev.get("op") == "cli_verify" and ev.get("rc") not in (0, 1):
             t.fail("cli verify failed", trial=i, rc=ev.get("rc"), stderr=ev.get("stderr"))
 
