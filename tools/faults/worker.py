@@ -150,21 +150,31 @@ class Worker:
         except (BrokenPipeError, OSError):
             raise WorkerDied(self) from None
 
-    def call(self, msg: dict, timeout: float = 900) -> dict:
-        self.wait_ready()
-        self.send(msg)
+    def wait_result(self, timeout: float) -> dict | None:
+        """The result of the command sent last (the events before it are dropped); None
+        if the worker's output ends first. Raises queue.Empty after ``timeout`` seconds."""
         end = time.time() + timeout
         while True:
-            try:
-                ev = self.next(end - time.time())
-            except queue.Empty:
-                self.kill()
-                raise TimeoutError(f"{self.role} worker: {msg.get('op')} took longer than {timeout}s") from None
+            ev = self.next(end - time.time())
             if ev is None:
-                self.p.wait()
-                raise WorkerDied(self)
+                return None
             if ev.get("ev") == "result":
                 return ev["result"]
+
+    def call(self, msg: dict, timeout: float = 900) -> dict:
+        """Send a command and wait for its result; a worker that takes longer than
+        ``timeout`` is killed (TimeoutError), one that dies raises WorkerDied."""
+        self.wait_ready()
+        self.send(msg)
+        try:
+            res = self.wait_result(timeout)
+        except queue.Empty:
+            self.kill()
+            raise TimeoutError(f"{self.role} worker: {msg.get('op')} took longer than {timeout}s") from None
+        if res is None:
+            self.p.wait()
+            raise WorkerDied(self)
+        return res
 
     def kill(self) -> None:
         self.killed = True
