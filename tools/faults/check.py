@@ -9,7 +9,7 @@ import random
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from .common import CHUNK, Emit, LogCapture, _decode, _guard, exc_info
 
@@ -67,12 +67,19 @@ def logical_dump(store: Any) -> dict:
         return {name: sorted((bytes(k).hex(), xxhash.xxh3_64_hexdigest(bytes(v))) for k, v in txn.cursor(db=db))
                 for name, db in idx._db.items()}
     state["index"] = idx.read(run)
-    files = {}
-    for p in sorted(Path(store.disk.root).rglob("*")):
-        if p.is_file() and "index" not in p.relative_to(store.disk.root).parts and p.name != "file-digests.json":
-            files[str(p.relative_to(store.disk.root))] = xxhash.xxh3_64_hexdigest(p.read_bytes())
-    state["files"] = files
+    root = Path(store.disk.root)
+    state["files"] = dict(file_digests(root, lambda p: "index" in p.relative_to(root).parts
+                                       or p.name == "file-digests.json"))
     return state
+
+
+def file_digests(root: Path, skip: Callable[[Path], bool]) -> Iterator[tuple[str, str]]:
+    """(path relative to ``root``, xxh3) of every file below ``root`` that ``skip`` does
+    not exclude, in path order."""
+    import xxhash
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and not skip(p):
+            yield str(p.relative_to(root)), xxhash.xxh3_64_hexdigest(p.read_bytes())
 
 
 def blob_users(store: Any) -> dict[str, set[str]]:
