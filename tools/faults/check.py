@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 
 def cache_digest(cache: list) -> str:
+    """xxh3-128 of a cache's encoded arrays and layout: equal digests, bit-identical caches."""
     import numpy as np
     import xxhash
     from kvstore import codec
@@ -102,6 +103,7 @@ def blob_users(store: Any) -> dict[str, set[str]]:
 
 
 def _entry_key(store: Any, zoo: Zoo, name: str, tokens: list[int]) -> str | None:
+    """The key (hex) the store files ``tokens`` of model ``name`` under (None: no identity)."""
     from kvstore.keys import encode_tokens, key_of, root_key
     ident = store.identity(zoo.model_arg(name))
     return key_of(root_key(ident.digest), encode_tokens(tokens), CHUNK).hex() if ident else None
@@ -279,10 +281,8 @@ def _fetch_claimed(zoo: Zoo, store: Any, res: dict, claimed: list, problem_keys:
     Returns key -> tokens served."""
     served: dict[str, int] = {}
     for hx, name, tokens, rec in claimed:
-        try:
-            f = store.fetch(zoo.model_arg(name), tokens)
-        except Exception as e:
-            res["escaped"].append(exc_info("fetch()", e))
+        f = _guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), tokens)
+        if f is None:
             continue
         n = f.n
         served[hx] = n
@@ -305,10 +305,8 @@ def _fetch_known(zoo: Zoo, store: Any, res: dict, known: list) -> None:
     counts the full ones)."""
     for name, tokens in known:
         res["known"] += 1
-        try:
-            f = store.fetch(zoo.model_arg(name), tokens)
-        except Exception as e:
-            res["escaped"].append(exc_info("fetch()", e))
+        f = _guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), tokens)
+        if f is None:
             continue
         if f.cache is not None and f.n > 0:
             res["known_hits"] += f.n == len(tokens)
@@ -319,6 +317,7 @@ def _fetch_known(zoo: Zoo, store: Any, res: dict, known: list) -> None:
 
 
 def op_check(zoo: Zoo, msg: dict, emit: Emit) -> dict:
+    """Worker command ``check``: ``check_store`` on ``msg["dir"]``."""
     return check_store(zoo, msg["dir"], known=[tuple(x) for x in msg.get("known", [])],
                        targets=set(msg.get("targets", [])), committed=set(msg.get("committed", [])),
                        fix=msg.get("fix", True), reopen=msg.get("reopen", True), max_fetch=msg.get("max_fetch"))

@@ -68,6 +68,7 @@ def worker_main(role: str) -> int:
 
 
 class WorkerDied(Exception):
+    """A worker process ended (or stopped reading) before answering; carries its exit code and log tail."""
     def __init__(self, worker: "Worker") -> None:
         self.returncode = worker.p.poll()
         self.stderr_tail = worker.stderr_tail()
@@ -75,6 +76,7 @@ class WorkerDied(Exception):
 
 
 def _drop_to_nobody() -> None:
+    """preexec_fn: run the worker as nobody (where setpriv is missing)."""
     os.setgroups([])
     os.setgid(65534)
     os.setuid(65534)
@@ -130,17 +132,22 @@ class Worker:
         """The next event (None at EOF); raises queue.Empty on timeout."""
         return self.q.get(timeout=max(0.0, timeout))
 
-    def wait_ready(self, timeout: float = 600) -> None:
-        if self.ready:
-            return
+    def _wait_for(self, kind: str, timeout: float) -> dict | None:
+        """The next event of ``kind`` (the events before it are dropped); None if the
+        worker's output ends first. Raises queue.Empty after ``timeout`` seconds."""
         end = time.time() + timeout
         while True:
             ev = self.next(end - time.time())
-            if ev is None:
-                raise WorkerDied(self)
-            if ev.get("ev") == "ready":
-                self.ready = True
-                return
+            if ev is None or ev.get("ev") == kind:
+                return ev
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        """Wait until the worker has loaded its models; WorkerDied if it dies first."""
+        if self.ready:
+            return
+        if self._wait_for("ready", timeout) is None:
+            raise WorkerDied(self)
+        self.ready = True
 
     def send(self, msg: dict) -> None:
         try:
@@ -151,15 +158,10 @@ class Worker:
             raise WorkerDied(self) from None
 
     def wait_result(self, timeout: float) -> dict | None:
-        """The result of the command sent last (the events before it are dropped); None
-        if the worker's output ends first. Raises queue.Empty after ``timeout`` seconds."""
-        end = time.time() + timeout
-        while True:
-            ev = self.next(end - time.time())
-            if ev is None:
-                return None
-            if ev.get("ev") == "result":
-                return ev["result"]
+        """The result of the command sent last; None if the worker's output ends first.
+        Raises queue.Empty after ``timeout`` seconds."""
+        ev = self._wait_for("result", timeout)
+        return None if ev is None else ev["result"]
 
     def call(self, msg: dict, timeout: float = 900) -> dict:
         """Send a command and wait for its result; a worker that takes longer than
@@ -216,6 +218,7 @@ class Checker:
 
 
 def _signame(rc: int | None) -> str | None:
+    """The signal that ended a process (its negative return code), by name."""
     if rc is None or rc >= 0:
         return None
     try:
