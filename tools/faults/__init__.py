@@ -1,11 +1,7 @@
 """Fault harness: a crash, a damaged file, a full disk or a bad call costs kvstore at most a miss.
 
-Usage::
-
-    python -m tools.faults                    # full size (the figures in tools/faults_results/)
-    python -m tools.faults --quick            # a small run (a few minutes)
-    python -m tools.faults --json FILE        # also write the figures as JSON
-    python -m tools.faults --only crash,bad_input --seed 3 -v
+Run it as ``python -m tools.faults [--quick|--ci] [--json F] [--only KIND,...]`` (``__main__.py``);
+the figures of a full run are in ``tools/faults_results/``.
 
 Every fault kind counts, per trial, ``wrong_restores`` (a fetch hit whose cache fails the
 oracle), ``escaped_exceptions`` (an exception that reached the caller of a KVStore method, or
@@ -27,38 +23,20 @@ opens the directory fresh):
   then ``verify`` again, which must be clean (``verify_unclean`` otherwise); a reopened
   store must then serve every remaining entry in full from disk (``post_fix_misses``).
 
-Fault kinds:
-- ``crash``: kill -9 of a worker process at a random moment inside insert+flush, inside a
-  write-behind flush, inside gc and inside ``verify --fix`` (the API, and the CLI when it is
-  installed), plus mixed sequences. Directories live for several trials, so crash residue
-  accumulates. An entry whose insert+flush returned before the kill must survive (entries
-  gc chose to evict and entries the trial damaged on purpose are excused).
-- ``corruption``: byte flips, truncation, deletion, zeroed ranges, swaps and stray files
-  in blobs; flips, zeroed pages, truncation, deletion and garbage in ``index/data.mdb`` and
-  ``lock.mdb``; single bit flips written through LMDB into one stored value (an entry or
-  chunk record, token ids, a trie edge, a counter: what a flip LMDB cannot detect looks
-  like); and ``live`` flips of data.mdb under an open store that must keep serving from
-  memory. An entry whose blobs were not damaged must survive a blob fault. A damaged index
-  may give a clear error (StoreOpenError), be moved aside at open (the documented
-  recovery, which must be logged) or degrade to misses, never a crash or a wrong hit.
-- ``full_disk``: the cache directory on a 4 MiB tmpfs mounted by the harness, filled by a
-  filler file of random size and then by the store itself: serving continues from memory,
-  every failed write is counted in ``stats()["write_errors"]``, nothing half-written is
-  indexed, and writes resume once the filler is removed.
-- ``permissions``: missing directory, a file in the way, read-only mounts, no permission
-  (a worker running as ``nobody``), unusable ``index/`` or ``blobs/``: a clear
-  ``StoreOpenError`` naming the problem, or (``on_disk_error="memory"``, and the
-  LRUPromptCache drop-in) a warning and memory-only serving.
-- ``concurrency``: 4 processes x 4 threads inserting, fetching, gc-ing and verifying one
-  directory (synthetic caches checked bit for bit on every hit, tiny-llama caches through the
-  oracle), then the check.
-- ``bad_input``: empty, non-integer, negative, out-of-range and out-of-vocabulary token
-  lists, enormous token lists, caches of the wrong length or classes, caches from another
-  model (other layer classes, or the same classes with other KV heads, head_dim or dtype):
-  a ValueError/TokenError naming the problem, a documented miss, or (a cache that does not
-  fit the model) a documented refusal: counted in ``stats()["unpersistable"]``, warned, kept
-  in memory only. The store (index records, blob files; the memory tier too for errors and
-  misses) is unchanged.
+Fault kinds, one module each in ``kinds/`` (what each does and must survive is in its
+docstring), each holding both halves: the ``op_*`` commands a worker process runs and the
+parent's ``run_<kind>(ctx)``:
+- ``crash``: kill -9 inside insert+flush, a write-behind flush, gc and ``verify --fix``;
+- ``corruption``: damaged blobs and index files, offline and under an open store;
+- ``full_disk``: the cache directory on a small tmpfs that fills up;
+- ``permissions``: unusable paths and permissions;
+- ``concurrency``: processes x threads on one directory;
+- ``bad_input``: bad tokens and caches passed to fetch and insert.
+
+The rest: ``worker`` (the JSON-lines worker processes), ``check`` (the check and the
+tallies), ``synth`` (synthetic caches, prompts, the tiny models and the oracle),
+``damage`` (damaging files, filling a disk), ``harness`` (running the kinds, the table),
+``common`` (sizes and shared helpers).
 
 The harness needs root for tmpfs mounts and for dropping to ``nobody``; without it those
 cases are reported as skipped.

@@ -24,6 +24,7 @@ from .worker import worker_main
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (``--help``); exits 1 if any wrong restore, escaped exception, crash or lost entry, or a harness error."""
     ap = argparse.ArgumentParser(prog="python -m tools.faults", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small run (minutes)")
     ap.add_argument("--ci", action="store_true", help="the CI subset (what tests/test_faults.py runs)")

@@ -36,10 +36,8 @@ SIZES: dict[str, dict[str, Any]] = {
 KINDS = ("crash", "corruption", "full_disk", "permissions", "concurrency", "bad_input")
 
 
-log = logging.getLogger("kvfaults")
-
-
 def exc_info(where: str, e: BaseException) -> dict:
+    """An exception as JSON: where, type, message and the end of its traceback."""
     return {"where": where, "type": type(e).__name__, "msg": str(e)[:500],
             "tb": "".join(traceback.format_exception(type(e), e, e.__traceback__))[-3000:]}
 
@@ -79,6 +77,7 @@ Emit = Callable[[dict], None]
 
 
 def _guard(where: str, escaped: list, fn: Callable, *a: Any, **kw: Any) -> Any:
+    """``fn(*a, **kw)``; an exception is appended to ``escaped`` (as ``exc_info``) and None returned."""
     try:
         return fn(*a, **kw)
     except Exception as e:
@@ -87,5 +86,6 @@ def _guard(where: str, escaped: list, fn: Callable, *a: Any, **kw: Any) -> Any:
 
 
 def _decode(b: bytes) -> list[int]:
+    """Token ids as the index stores them -> a list."""
     from kvstore.keys import decode_tokens
     return decode_tokens(b)

@@ -66,6 +66,8 @@ LMDB_MODES = ("flip", "flip", "flip", "flips", "flips", "flip_meta", "flip_page_
 
 
 def damage_blob_case(cdir: Path, tpl: dict, rng: random.Random, mode: str) -> tuple[str, set[str]]:
+    """Damage one random blob of the case directory as ``mode`` (one of ``BLOB_MODES``) says;
+    returns a description and the entry keys whose misses the damage explains."""
     blobs_root = cdir / "blobs"
     users = tpl["blob_users"]
     blob = rng.choice(sorted(users))
@@ -119,6 +121,8 @@ def flip_record(idx: Path, rng: random.Random, dbname: str | None = None) -> str
 
 
 def damage_lmdb_case(cdir: Path, rng: random.Random, mode: str) -> str:
+    """Damage the case directory's index as ``mode`` (one of ``LMDB_MODES``) says; returns
+    a description."""
     idx = cdir / "index"
     data, lock = idx / "data.mdb", idx / "lock.mdb"
     size = data.stat().st_size
@@ -222,4 +226,5 @@ def _mount_tmpfs(path: Path, size: str = "4m") -> str | None:
 
 
 def _umount(path: Path) -> None:
+    """Lazy unmount (a worker may still hold a file open)."""
     subprocess.run(["umount", "-l", str(path)], capture_output=True)

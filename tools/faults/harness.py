@@ -18,6 +18,8 @@ from .worker import Checker
 
 
 class Ctx:
+    """What a kind's runner gets: the work directory, seed and sizes, and the two
+    long-lived worker processes (``checker``, ``misc``), started when first used."""
     def __init__(self, work: Path, seed: int, size: dict, verbose: bool) -> None:
         self.work, self.seed, self.size, self.verbose = work, seed, size, verbose
         self.logdir = work / "logs"
@@ -55,6 +57,7 @@ TOTAL_FIELDS = ("trials", "wrong_restores", "escaped_exceptions", "crashes", "en
 
 
 def environment() -> dict:
+    """Python, platform, CPU count, root, versions of mlx, mlx_lm and lmdb, and the kvstore commit."""
     env = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
            "root": os.geteuid() == 0}
     for mod in ("mlx", "mlx_lm", "lmdb"):
@@ -107,6 +110,7 @@ def run(size_name: str = "full", *, seed: int = 0, only: tuple[str, ...] = KINDS
 
 
 def table(out: dict) -> str:
+    """The figures of a run, one row per kind and a total, as aligned text."""
     cols = ("trials", "wrong_restores", "escaped_exceptions", "crashes", "entries_lost", "unexplained_misses",
             "verify_unclean", "failed_cases", "seconds")
     short = ("trials", "wrong", "escaped", "crashes", "lost", "unexpl.", "unclean", "failed", "secs")

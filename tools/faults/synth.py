@@ -5,16 +5,21 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .check import cache_digest
 from .common import EXTRA_TOKEN, N_GEN, VOCAB
 
+if TYPE_CHECKING:
+    import numpy as np
+
+    from kvstore.identity import Identity
 
 M64 = (1 << 64) - 1
 
 
 def _splitmix(x: int) -> int:
+    """splitmix64: a well-mixed 64-bit hash of ``x``."""
     x = (x + 0x9E3779B97F4A7C15) & M64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
@@ -28,7 +33,8 @@ def _splitmix(x: int) -> int:
 SYN_LAYERS, SYN_HEADS, SYN_DIM = 2, 2, 8
 
 
-def _prefix_hashes(tokens: list[int]):
+def _prefix_hashes(tokens: list[int]) -> np.ndarray:
+    """uint64 array: element i hashes ``tokens[:i + 1]`` (a rolling hash)."""
     import numpy as np
     out = np.empty(len(tokens), dtype=np.uint64)
     h = 0x243F6A8885A308D3
@@ -38,7 +44,7 @@ def _prefix_hashes(tokens: list[int]):
     return out
 
 
-def _syn_values(tokens: list[int]):
+def _syn_values(tokens: list[int]) -> np.ndarray:
     """float32 array (SYN_LAYERS, 2, 1, SYN_HEADS, n, SYN_DIM): exact 16-bit fractions."""
     import numpy as np
     n = len(tokens)
@@ -50,7 +56,8 @@ def _syn_values(tokens: list[int]):
     return np.ascontiguousarray(vals.transpose(1, 2, 3, 0, 4)[:, :, None])
 
 
-def _syn_state(tokens: list[int]):
+def _syn_state(tokens: list[int]) -> np.ndarray:
+    """The synthetic recurrent state (1 x 4 float32) after ``tokens``."""
     import numpy as np
     h = int(_prefix_hashes(tokens)[-1]) if tokens else 0
     return np.array([[((h >> s) & 0xFFFF) / 65536.0 for s in (0, 13, 26, 39)]], dtype=np.float32)
@@ -78,7 +85,8 @@ def syn_cache(kind: str, tokens: list[int]) -> list:
     return layers
 
 
-def syn_identity(kind: str):
+def syn_identity(kind: str) -> Identity:
+    """The store identity of synthetic caches of ``kind`` (``kv`` or ``snap``)."""
     from kvstore.identity import Identity, layout_of
     return Identity.from_components({"synthetic": f"kvfaults-{kind}-v1", "layout": layout_of(syn_cache(kind, []))},
                                     name=f"synthetic-{kind}")

@@ -1,4 +1,15 @@
-"""Damaged blobs and index, offline and under an open store."""
+"""``corruption``: byte flips, truncation, deletion, zeroed ranges, swaps and stray files in
+blobs; flips, zeroed pages, truncation, deletion and garbage in ``index/data.mdb`` and
+``lock.mdb``; single bit flips written through LMDB into one stored value (an entry or
+chunk record, token ids, a trie edge, a counter: what a flip LMDB cannot detect looks
+like); and ``live`` flips of data.mdb under an open store that must keep serving from
+memory. An entry whose blobs were not damaged must survive a blob fault. A damaged index
+may give a clear error (StoreOpenError), be moved aside at open (the documented
+recovery, which must be logged) or degrade to misses, never a crash or a wrong hit.
+
+Worker half: ``op_build_template`` (a populated directory to copy for each case) and
+``op_live``; the offline cases are judged by the check. Parent half: ``run_corruption``
+damages a copy per case (``damage.py``) and tallies the outcomes."""
 
 from __future__ import annotations
 

@@ -34,11 +34,13 @@ if TYPE_CHECKING:
 
 
 def _pick_model(rng: random.Random, weights: tuple = (0.7, 0.22)) -> str:
+    """tiny-llama, tiny-gemma3 or tiny-qwen3next, by ``weights``."""
     r = rng.random()
     return "llama" if r < weights[0] else "gemma" if r < weights[0] + weights[1] else "qwen"
 
 
 def _prompt_for(rng: random.Random, name: str, bases: list[list[int]]) -> list[int]:
+    """A prompt for model ``name``, often sharing a prefix with ``bases``."""
     if name == "qwen":  # the recurrent model prefills slowly on CPU: keep it short
         return random_prompt(rng, 6, 40, None)[:48]
     return random_prompt(rng, 8, 160, bases)[:220]
@@ -202,6 +204,7 @@ def _phase_mixed(w: CrashWork) -> None:
 
 
 def _run_phase(w: CrashWork, phase: str) -> None:
+    """The steps of ``phase``: insert, flush, gc, verify / cli_verify, or mixed."""
     if phase == "insert":
         for i in range(8):
             w.insert(i, True)
@@ -345,6 +348,7 @@ class KillTrial:
 
 
 def cli_verify_available() -> bool:
+    """Is there a ``kvstore verify`` CLI to kill too?"""
     return (ROOT / "kvstore" / "cli" / "verify.py").exists()
 
 
