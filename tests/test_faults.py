@@ -1,4 +1,4 @@
-"""The fault harness's CI subset: ``python tools/faults.py --ci``, one test per fault kind.
+"""The fault harness's CI subset: ``python -m tools.faults --ci``, one test per fault kind.
 
 Each kind runs a few trials of what the full harness runs hundreds of (kill -9 mid-write,
 damaged blobs and index, a full tmpfs, unusable directories, 4 processes x 4 threads, bad

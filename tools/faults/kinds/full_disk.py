@@ -1,0 +1,298 @@
+"""``full_disk``: the cache directory on a 4 MiB tmpfs mounted by the harness, filled by a
+filler file of random size and then by the store itself: serving continues from memory,
+every failed write is counted in ``stats()["write_errors"]``, nothing half-written is
+indexed, and writes resume once the filler is removed. Also: opening a store on a disk
+that is already full.
+
+Worker half: ``op_full_disk`` (``FullDiskTrial``) and ``op_open_full``. Parent half:
+``run_full_disk`` mounts the tmpfs for each trial and judges what the worker reports."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from ..check import Tally, _entry_key, _progress, cache_digest, raw_entries
+from ..common import CHUNK, Emit, LogCapture, _decode, _guard, exc_info
+from ..damage import _fill, _mount_tmpfs, _umount
+from ..synth import Zoo, random_prompt
+from .permissions import _open_modes
+
+if TYPE_CHECKING:
+    from ..harness import Ctx
+
+
+# ======================================================================= worker half
+
+
+@contextlib.contextmanager
+def _patched_kvstore(msg: dict, mnt: Path) -> Iterator[dict]:
+    """kvstore as the trial needs it, restored afterwards: with ``small_map`` a 64 KiB
+    first LMDB map (to reach MDB_MAP_FULL and the map growth path on the small disk);
+    with ``fill_between`` the disk fills right after a blob write, before its index
+    commit, whenever the yielded ``armed["on"]`` is set (it disarms itself)."""
+    import kvstore.blobs as kblobs
+    import kvstore.index as kindex
+    saved_map = kindex._INITIAL_MAP
+    if msg.get("small_map"):
+        kindex._INITIAL_MAP = 64 << 10
+    real_write = kblobs.write_blob
+    armed = {"on": False}
+
+    def write_then_fill(path: Any, tensors: Any, metadata: Any) -> Any:
+        """The disk fills between a blob write and the index commit (the LMDB write fails)."""
+        out = real_write(path, tensors, metadata)
+        if armed["on"]:
+            armed["on"] = False
+            _fill(mnt / "filler2", 1 << 30)
+        return out
+
+    if msg.get("fill_between"):
+        kblobs.write_blob = write_then_fill
+    try:
+        yield armed
+    finally:
+        kindex._INITIAL_MAP = saved_map
+        kblobs.write_blob = real_write
+
+
+class FullDiskTrial:
+    """One store on the small disk and what was inserted into it (with the digest of
+    each cache, to compare what comes back bit for bit)."""
+
+    def __init__(self, zoo: Zoo, store: Any, rng: random.Random, res: dict) -> None:
+        self.zoo, self.store, self.rng, self.res = zoo, store, rng, res
+        self.digests: dict[str, str] = {}   # entry key -> cache digest
+        self.inserted: list[tuple[str, list[int], str]] = []
+
+    def insert(self, toks: list[int], name: str) -> bool | None:
+        """Insert and flush: True if the entry is on disk, False if not, None if an
+        exception escaped. A failed write that ``write_errors`` did not count is counted
+        in ``uncounted_failures``."""
+        zoo, store, res = self.zoo, self.store, self.res
+        cache = zoo.make_cache(name, toks)
+        dg = cache_digest(cache)
+        k = _entry_key(store, zoo, name, toks)
+        we, failed = store._stats["write_errors"], store.writer.failed
+        n_esc = len(res["escaped"])
+        _guard("insert()", res["escaped"], store.insert, zoo.model_arg(name), toks, cache)
+        _guard("flush()", res["escaped"], store.flush)
+        if len(res["escaped"]) != n_esc:
+            return None
+        self.inserted.append((name, toks, dg))
+        self.digests[k] = dg
+        ok = _guard("index.entry()", res["escaped"], store.disk.index.entry, bytes.fromhex(k)) is not None
+        if not ok and store._stats["write_errors"] == we:
+            res["uncounted_failures"] += 1
+        res["writer_failed"] += store.writer.failed - failed
+        return ok
+
+    def fill_up(self, msg: dict, mnt: Path, armed: dict) -> None:
+        """A few entries, then a filler leaving ``leave`` bytes, then inserts until four
+        in a row fail (or ``max_inserts``)."""
+        rng, res = self.rng, self.res
+        for _ in range(msg.get("pre_entries", 0)):
+            self.insert(random_prompt(rng, 30, 150), "llama")
+        st = os.statvfs(mnt)
+        free = st.f_bavail * st.f_frsize
+        res["filler"] = _fill(mnt / "filler", max(0, free - msg["leave"]))
+        fails = 0
+        for i in range(msg.get("max_inserts", 60)):
+            armed["on"] = bool(msg.get("fill_between")) and i == 0
+            r = rng.random()  # small synthetic entries fill the last bytes (the index's own pages)
+            name = "llama" if r < 0.55 else "gemma" if r < 0.7 else "syn-kv"
+            ok = self.insert(random_prompt(rng, 30, 200), name)
+            res["inserts"] += 1
+            if ok:
+                res["persisted"] += 1
+                fails = 0
+            else:
+                res["failed_writes"] += 1
+                fails += 1
+                if fails >= 4:
+                    break
+        res["write_errors"] = self.store._stats["write_errors"]
+
+    def serve_from_memory(self) -> None:
+        """Every insert is still a full, correct hit (``memory_misses`` otherwise)."""
+        zoo, store, res = self.zoo, self.store, self.res
+        for name, toks, dg in self.inserted:
+            f = _guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), toks)
+            if f is None or f.n != len(toks) or f.cache is None:
+                res["memory_misses"] += 1
+            elif cache_digest(f.cache) != dg:
+                ok, why = zoo.check(name, toks, f.cache, f.n)
+                if not ok:
+                    res["wrong"].append({"model": name, "n": f.n, "detail": why})
+
+    def verify_and_close(self) -> None:
+        """Nothing half-written is indexed, and nothing is left behind (``verify_problems``)."""
+        from kvstore import maintenance as mt
+        store, res = self.store, self.res
+        _guard("stats()", res["escaped"], store.stats)
+        try:
+            probs = mt.verify(store.disk, tmp_age=0, blob_age=0)
+            res["verify_problems"] = dict(Counter(p.kind for p in probs))
+            res["verify_detail"] = [f"{p.kind} {p.path} {p.detail}" for p in probs[:5]]
+        except Exception as e:
+            res["escaped"].append(exc_info("verify()", e))
+        _guard("close()", res["escaped"], store.close)
+
+    def reopen(self, cdir: Path) -> None:
+        """A fresh store serves every indexed entry in full from disk, bit-identical to
+        what was inserted (``reopen_misses`` otherwise)."""
+        from kvstore import KVStore
+        zoo, res = self.zoo, self.res
+        store = self.store = KVStore(cdir, chunk_tokens=CHUNK, max_entries=100_000)
+        names = zoo.ident_map(store)
+        for k, rec, toks in raw_entries(store):
+            tokens = _decode(toks)
+            name = names.get(rec.get("identity"))
+            f = _guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), tokens)
+            res["reopen_checked"] += 1
+            if f is None or f.n != len(tokens) or f.source != "disk":
+                res["reopen_misses"] += 1
+            elif cache_digest(f.cache) != self.digests.get(k.hex()):
+                res["wrong"].append({"key": k.hex(), "detail": "disk entry differs from what was inserted"})
+
+    def resume(self, msg: dict, mnt: Path) -> None:
+        """Space comes back (the fillers go): writing resumes (``resumed``)."""
+        (mnt / "filler").unlink()
+        with contextlib.suppress(FileNotFoundError):
+            (mnt / "filler2").unlink()
+        for i in range(msg.get("resume_inserts", 4)):
+            ok = self.insert(random_prompt(self.rng, 30, 120), "llama")
+            self.res["resumed" if ok else "resume_failures"] += 1
+
+
+def op_full_disk(zoo: Zoo, msg: dict, emit: Emit) -> dict:
+    """The cache directory on a small tmpfs (mounted by the parent) that fills up."""
+    from kvstore import KVStore
+    mnt = Path(msg["mnt"])
+    res: dict[str, Any] = dict(escaped=[], wrong=[], inserts=0, persisted=0, failed_writes=0,
+                               uncounted_failures=0, memory_misses=0, verify_problems={}, reopen_misses=0,
+                               reopen_checked=0, resumed=0, resume_failures=0, writer_failed=0,
+                               error_messages=[], map=msg.get("small_map", False))
+    cap = LogCapture()
+    with _patched_kvstore(msg, mnt) as armed, cap:
+        trial = FullDiskTrial(zoo, KVStore(mnt / "cache", chunk_tokens=CHUNK, max_entries=100_000),
+                              random.Random(msg["seed"]), res)
+        trial.fill_up(msg, mnt, armed)
+        trial.serve_from_memory()
+        trial.verify_and_close()
+        trial.reopen(mnt / "cache")
+        trial.resume(msg, mnt)
+        store = trial.store
+        res["stats"] = {k: v for k, v in (_guard("stats()", res["escaped"], store.stats) or {}).items()
+                        if k in ("write_errors", "writes", "dropped_writes", "disk_entries", "disk_bytes")}
+        _guard("close()", res["escaped"], store.close)
+        res["error_messages"] = sorted({r for r in cap.records if "WARNING" in r or "ERROR" in r})[:8]
+        res["map_grown"] = sum("map full" in r for r in cap.records)
+        res["index_enospc"] = sum("mdb_txn_commit" in r for r in cap.records)
+    return res
+
+
+def op_open_full(zoo: Zoo, msg: dict, emit: Emit) -> dict:
+    """Open a store on a filesystem that is already full."""
+    return _open_modes(msg["dir"])
+
+
+# ======================================================================= parent half
+
+LEAVES = [0, 60 << 10, 200 << 10, 500 << 10, 1000 << 10, 1800 << 10, 2800 << 10]   # bytes the filler leaves
+
+
+def run_full_disk(ctx: Ctx) -> dict:
+    """``full_disk`` trials, each on its own tmpfs, then one open on a full disk."""
+    t = Tally("full_disk")
+    base = ctx.work / "fulldisk"
+    n = ctx.size["full_disk"]
+    for i in range(n + 1):
+        mnt = base / f"m{i}"
+        err = _mount_tmpfs(mnt)
+        if err:
+            t.skipped.append(err)
+            break
+        rng = random.Random(f"{ctx.seed}-full-{i}")
+        try:
+            if i == n:
+                _open_on_full_disk(ctx, t, mnt)
+                continue
+            msg = {"op": "full_disk", "mnt": str(mnt), "seed": rng.randrange(1 << 30),
+                   "leave": LEAVES[i % len(LEAVES)] + rng.randrange(40 << 10), "pre_entries": rng.randint(0, 3),
+                   "small_map": i % 3 == 2, "fill_between": i % 3 == 1, "max_inserts": 120}
+            res = ctx.misc.call(msg, timeout=1200)
+        finally:
+            _umount(mnt)
+        _judge_full_disk(t, res, msg, {"trial": i, "leave": msg["leave"], "small_map": msg["small_map"]})
+        t.c["trials"] += 1
+        if not (res.get("crashed") or res.get("harness_error")):
+            _progress(ctx, t, i, n + 1)
+    shutil.rmtree(base, ignore_errors=True)
+    return t.result()
+
+
+def _open_on_full_disk(ctx: Ctx, t: Tally, mnt: Path) -> None:
+    """Open a store on a disk that is already full, the three ways: the memory tier serves."""
+    _fill(mnt / "filler", 8 << 20)
+    res = ctx.misc.call({"op": "open_full", "dir": str(mnt / "cache")})
+    t.c["trials"] += 1
+    if res.get("crashed") or res.get("harness_error"):
+        t.add_check(res, trial="open on a full disk")
+        return
+    t.info["open_on_full_disk"] = {m: {k: v for k, v in r.items() if k != "escaped"} for m, r in res.items()}
+    for m, r in res.items():
+        t.add_escaped(r.get("escaped", []), "escaped exception (open on a full disk)", mode=m)
+        if m != "raise" and not r.get("served"):
+            t.c["failed_cases"] += 1
+            t.fail("open on a full disk: memory tier did not serve", mode=m, res=r)
+
+
+def _full_disk_problems(res: dict) -> list[str]:
+    """What went wrong in one trial, in words (empty: the trial passed)."""
+    bad = []
+    if res["failed_writes"] == 0:
+        bad.append("the disk never filled")
+    if res["uncounted_failures"]:
+        bad.append(f"{res['uncounted_failures']} failed writes not counted in write_errors")
+    if res["memory_misses"]:
+        bad.append(f"{res['memory_misses']} inserts not served from memory")
+    if res["verify_problems"]:
+        bad.append(f"verify after the failures: {res['verify_problems']}")
+    if res["reopen_misses"]:
+        bad.append(f"{res['reopen_misses']} indexed entries not served after reopening")
+    if res["resume_failures"]:
+        bad.append(f"{res['resume_failures']} writes failed after space was freed")
+    return bad
+
+
+def _judge_full_disk(t: Tally, res: dict, msg: dict, ctx_info: dict) -> None:
+    """Tally one trial: wrong restores, escaped exceptions, problems, outcomes, and a
+    summary of the run in ``info["runs"]``."""
+    if res.get("crashed") or res.get("harness_error"):
+        t.add_check(res, **ctx_info)
+        return
+    t.add_wrong(res["wrong"], **ctx_info)
+    t.add_escaped(res["escaped"], **ctx_info)
+    bad = _full_disk_problems(res)
+    if bad:
+        t.c["failed_cases"] += 1
+        t.fail("full disk: " + "; ".join(bad), **ctx_info,
+               res={k: res.get(k) for k in ("inserts", "persisted", "failed_writes", "write_errors",
+                                            "writer_failed", "uncounted_failures", "verify_detail",
+                                            "error_messages", "stats")})
+    t.outcomes["served_from_memory" if not res["memory_misses"] else "memory_misses"] += 1
+    t.outcomes["writes_resumed" if res["resumed"] and not res["resume_failures"] else "writes_not_resumed"] += 1
+    t.outcomes["failures_counted" if not res["uncounted_failures"] else "failures_uncounted"] += 1
+    t.info.setdefault("runs", []).append({
+        "leave_bytes": msg["leave"], "small_map": msg["small_map"], "fill_between": msg["fill_between"],
+        "map_grown": res.get("map_grown"), "index_enospc": res.get("index_enospc"), "inserts": res["inserts"],
+        "persisted": res["persisted"], "failed_writes": res["failed_writes"],
+        "write_errors": res.get("write_errors"), "writer_failed": res["writer_failed"],
+        "reopen_checked": res["reopen_checked"], "resumed": res["resumed"],
+        "errors": res["error_messages"][:4]})
