@@ -8,6 +8,7 @@ the chart read, and that the chart and summary were drawn.
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -58,6 +59,9 @@ def test_expected_medians(quick_run):
                 assert m[f"{state}_{method}_gbps"] > 0
         assert m["all_reads_ok"]
         assert m["write_kvstore_gbps"] > 0 and m["write_mlx_lm_gbps"] > 0
+        assert m["running_kvstore_gbps"] > 0 and m["kvstore_open_s"] > 0
+        if shutil.which("strace"):  # sync calls per persisted entry: one pack, its directory, one commit
+            assert 0 < m["syncs_per_entry"] <= 6, m["syncs_per_entry"]
     agent = load("agent_loop")["medians"]
     assert agent["storage"]["write_amp_median_turns_2_20"] > 0
     assert agent["storage"]["restart_turn_source"] == "disk"
