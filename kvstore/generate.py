@@ -93,36 +93,14 @@ def stream_generate(
     if not prompt:
         raise ValueError("prompt is empty: a forward pass needs at least one token")
     sampler = sampler or (lambda logits: mx.argmax(logits, axis=-1))
-
-    got = store.fetch(model_key, prompt)
-    cache, n, source = got.cache, got.n, got.source
-    if cache is not None and n == len(prompt):  # keep one token for the model
-        if codec.trimmable(cache):
-            for c in cache:
-                c.trim(1)
-            n -= 1
-        else:
-            got = store.fetch(model_key, prompt[:-1])
-            cache, n, source = got.cache, got.n, got.source
-    if cache is None:
-        cache, n, source = make_prompt_cache(model), 0, None
-
-    trimmable_family = codec.trimmable(make_prompt_cache(model))
-    marks = sorted((c, kind) for c, kind in checkpoints if n < c < len(prompt)) if not trimmable_family else []
-    pos = n
-    for mark, kind in marks:
-        _prefill(model, cache, prompt[pos:mark], prefill_step)
-        store.insert(model_key, prompt[:mark], cache, cache_type=kind)
-        pos = mark
-    logits = _prefill(model, cache, prompt[pos:], prefill_step)
-    store.insert(model_key, prompt, cache, cache_type=cache_type)  # after prefill, prompt only
-
-    detok = tokenizer.detokenizer
-    detok.reset()
-    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    cache, n, source = _restored(store, model, model_key, prompt)
+    logits = _prefill_and_insert(store, model, model_key, prompt, cache, n, checkpoints, prefill_step, cache_type)
     y = sampler(logits[:, -1, :])
     mx.eval(y)
     ttft = time.perf_counter() - t0
+    detok = tokenizer.detokenizer
+    detok.reset()
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
     for i in range(max_tokens):
         tok = int(y.item())
         finish = "stop" if tok in eos else ("length" if i == max_tokens - 1 else None)
@@ -135,3 +113,37 @@ def stream_generate(
             return
         logits = model(y.reshape(1, 1), cache=cache)
         y = sampler(logits[:, -1, :])
+
+
+def _restored(store: KVStore, model: Any, model_key: Any, prompt: list[int]) -> tuple[list[Any], int, str | None]:
+    """The cache to start from: the nearest stored prefix, keeping at least one prompt
+    token to feed (a forward pass needs one), else a fresh cache. (cache, n, tier)."""
+    got = store.fetch(model_key, prompt)
+    cache, n, source = got.cache, got.n, got.source
+    if cache is not None and n == len(prompt):  # keep one token for the model
+        if codec.trimmable(cache):
+            for c in cache:
+                c.trim(1)
+            n -= 1
+        else:
+            got = store.fetch(model_key, prompt[:-1])
+            cache, n, source = got.cache, got.n, got.source
+    if cache is None:
+        return make_prompt_cache(model), 0, None
+    return cache, n, source
+
+
+def _prefill_and_insert(store: KVStore, model: Any, model_key: Any, prompt: list[int], cache: list[Any], n: int,
+                        checkpoints: Sequence[tuple[int, str]], step: int, cache_type: str) -> mx.array:
+    """Prefill ``prompt[n:]``, snapshotting at the checkpoints (caches that cannot be
+    trimmed only) and inserting the prompt-only cache after prefill; returns the logits."""
+    trimmable_family = codec.trimmable(make_prompt_cache(model))
+    marks = sorted((c, kind) for c, kind in checkpoints if n < c < len(prompt)) if not trimmable_family else []
+    pos = n
+    for mark, kind in marks:
+        _prefill(model, cache, prompt[pos:mark], step)
+        store.insert(model_key, prompt[:mark], cache, cache_type=kind)
+        pos = mark
+    logits = _prefill(model, cache, prompt[pos:], step)
+    store.insert(model_key, prompt, cache, cache_type=cache_type)  # after prefill, prompt only
+    return logits

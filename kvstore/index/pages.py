@@ -67,74 +67,94 @@ class _Pages:
         page numbers, flags, bounds, depth and key order; ``sink(key, value, node_flags)``.
         A damaged subtree is recorded in ``errors`` and skipped."""
         depth, root = db[2], db[7]
-        if root == _P_INVALID:
-            return
-        seen: set[int] = set()
-        last: list[bytes] = []
+        if root != _P_INVALID:
+            _Walk(self, depth, sink, errors, name).visit(root, 1, None, None)
 
-        def visit(pgno: int, level: int, lo: bytes | None, hi: bytes | None) -> None:
-            try:
-                if pgno in seen:
-                    raise _Damaged(f"page {pgno} is reachable twice")
-                seen.add(pgno)
-                b = self.page(pgno)
-                flags, lower, upper = struct.unpack_from("<HHH", b, 10)
-                kind = flags & (_P_BRANCH | _P_LEAF | _P_OVERFLOW)
-                want = _P_LEAF if level == depth else _P_BRANCH
-                if kind != want:
-                    raise _Damaged(f"page {pgno} has flags {flags:#x}, its parent expects "
-                                   f"a {'leaf' if want == _P_LEAF else 'branch'}")
-                if not (_HDR <= lower <= upper <= self.psize) or (lower - _HDR) % 2:
-                    raise _Damaged(f"page {pgno} has bad bounds {lower}/{upper}")
-                n = (lower - _HDR) // 2
-                if n == 0 and want == _P_BRANCH:
-                    raise _Damaged(f"branch page {pgno} holds no nodes")
-                nodes = []
-                for i in range(n):
-                    off = int.from_bytes(b[_HDR + 2 * i : _HDR + 2 * i + 2], "little")
-                    if not upper <= off <= self.psize - _NODE:
-                        raise _Damaged(f"page {pgno} node {i} is out of bounds")
-                    mlo, mhi, mflags, ksize = struct.unpack_from("<HHHH", b, off)
-                    kend = off + _NODE + ksize
-                    if kend > self.psize:
-                        raise _Damaged(f"page {pgno} node {i} key runs past the page")
-                    nodes.append((off, mlo | (mhi << 16), mflags, bytes(b[off + _NODE : kend]), kend))
-                if want == _P_BRANCH:
-                    # separator i (node 0's key is implicit) bounds child i: [key_i, key_i+1)
-                    keys = [nd[3] for nd in nodes]
-                    for i in range(1, n):
-                        if ((i > 1 and keys[i] <= keys[i - 1]) or (lo is not None and keys[i] < lo)
-                                or (hi is not None and keys[i] >= hi)):
-                            raise _Damaged(f"page {pgno} branch keys are out of order")
-                    for i, (_, lohi, mflags, _key, _) in enumerate(nodes):
-                        visit(lohi | (mflags << 32), level + 1, lo if i == 0 else keys[i],
-                              keys[i + 1] if i + 1 < n else hi)
-                    return
-                for i, (off, dsize, mflags, key, kend) in enumerate(nodes):
-                    if (lo is not None and key < lo) or (hi is not None and key >= hi) or (last and key <= last[0]):
-                        raise _Damaged(f"page {pgno} leaf keys are out of order")
-                    last[:] = [key]
-                    if mflags & _F_DUPDATA:
-                        raise _Damaged(f"page {pgno} has a duplicate-sorted node (kvstore has none)")
-                    if mflags & _F_BIGDATA:
-                        if kend + 8 > self.psize:
-                            raise _Damaged(f"page {pgno} node {i} overflow pointer runs past the page")
-                        ov = int.from_bytes(b[kend : kend + 8], "little")
-                        head = self.page(ov)
-                        oflags, count = struct.unpack_from("<H", head, 10)[0], int.from_bytes(head[12:16], "little")
-                        if not oflags & _P_OVERFLOW or count < 1 or dsize > count * self.psize - _HDR:
-                            raise _Damaged(f"overflow page {ov} does not hold {dsize} bytes")
-                        value = self.page(ov, count)[_HDR : _HDR + dsize]
-                    else:
-                        if kend + dsize > self.psize:
-                            raise _Damaged(f"page {pgno} node {i} value runs past the page")
-                        value = bytes(b[kend : kend + dsize])
-                    if sink is not None:
-                        sink(key, value, mflags)
-            except _Damaged as e:
-                errors.append(f"{name}: {e}")
+    def nodes(self, pgno: int, b: bytes, want: int) -> list[tuple[int, int, int, bytes, int]]:
+        """The nodes of page ``pgno`` (bytes ``b``) that must be a leaf or a branch
+        (``want``): (offset, data size or child low bits, flags, key, key end)."""
+        flags, lower, upper = struct.unpack_from("<HHH", b, 10)
+        if flags & (_P_BRANCH | _P_LEAF | _P_OVERFLOW) != want:
+            raise _Damaged(f"page {pgno} has flags {flags:#x}, its parent expects "
+                           f"a {'leaf' if want == _P_LEAF else 'branch'}")
+        if not (_HDR <= lower <= upper <= self.psize) or (lower - _HDR) % 2:
+            raise _Damaged(f"page {pgno} has bad bounds {lower}/{upper}")
+        n = (lower - _HDR) // 2
+        if n == 0 and want == _P_BRANCH:
+            raise _Damaged(f"branch page {pgno} holds no nodes")
+        out = []
+        for i in range(n):
+            off = int.from_bytes(b[_HDR + 2 * i : _HDR + 2 * i + 2], "little")
+            if not upper <= off <= self.psize - _NODE:
+                raise _Damaged(f"page {pgno} node {i} is out of bounds")
+            mlo, mhi, mflags, ksize = struct.unpack_from("<HHHH", b, off)
+            kend = off + _NODE + ksize
+            if kend > self.psize:
+                raise _Damaged(f"page {pgno} node {i} key runs past the page")
+            out.append((off, mlo | (mhi << 16), mflags, bytes(b[off + _NODE : kend]), kend))
+        return out
 
-        visit(root, 1, None, None)
+    def value(self, pgno: int, b: bytes, i: int, dsize: int, mflags: int, kend: int) -> bytes:
+        """The value of leaf node ``i`` of page ``pgno``: inline or on overflow pages."""
+        if mflags & _F_DUPDATA:
+            raise _Damaged(f"page {pgno} has a duplicate-sorted node (kvstore has none)")
+        if not mflags & _F_BIGDATA:
+            if kend + dsize > self.psize:
+                raise _Damaged(f"page {pgno} node {i} value runs past the page")
+            return bytes(b[kend : kend + dsize])
+        if kend + 8 > self.psize:
+            raise _Damaged(f"page {pgno} node {i} overflow pointer runs past the page")
+        ov = int.from_bytes(b[kend : kend + 8], "little")
+        head = self.page(ov)
+        oflags, count = struct.unpack_from("<H", head, 10)[0], int.from_bytes(head[12:16], "little")
+        if not oflags & _P_OVERFLOW or count < 1 or dsize > count * self.psize - _HDR:
+            raise _Damaged(f"overflow page {ov} does not hold {dsize} bytes")
+        return self.page(ov, count)[_HDR : _HDR + dsize]
+
+
+class _Walk:
+    """One walk of one tree: pages seen, the last key, where damage goes."""
+
+    def __init__(self, pages: _Pages, depth: int, sink: Callable[[bytes, bytes, int], None] | None,
+                 errors: list[str], name: str) -> None:
+        self.pages, self.depth, self.sink, self.errors, self.name = pages, depth, sink, errors, name
+        self.seen: set[int] = set()
+        self.last: bytes | None = None
+
+    def visit(self, pgno: int, level: int, lo: bytes | None, hi: bytes | None) -> None:
+        try:
+            if pgno in self.seen:
+                raise _Damaged(f"page {pgno} is reachable twice")
+            self.seen.add(pgno)
+            b = self.pages.page(pgno)
+            if level < self.depth:
+                self.branch(pgno, b, level, lo, hi)
+            else:
+                self.leaf(pgno, b, lo, hi)
+        except _Damaged as e:
+            self.errors.append(f"{self.name}: {e}")
+
+    def branch(self, pgno: int, b: bytes, level: int, lo: bytes | None, hi: bytes | None) -> None:
+        nodes = self.pages.nodes(pgno, b, _P_BRANCH)
+        # separator i (node 0's key is implicit) bounds child i: [key_i, key_i+1)
+        keys = [nd[3] for nd in nodes]
+        for i in range(1, len(nodes)):
+            if ((i > 1 and keys[i] <= keys[i - 1]) or (lo is not None and keys[i] < lo)
+                    or (hi is not None and keys[i] >= hi)):
+                raise _Damaged(f"page {pgno} branch keys are out of order")
+        for i, (_, lohi, mflags, _key, _) in enumerate(nodes):
+            self.visit(lohi | (mflags << 32), level + 1, lo if i == 0 else keys[i],
+                       keys[i + 1] if i + 1 < len(nodes) else hi)
+
+    def leaf(self, pgno: int, b: bytes, lo: bytes | None, hi: bytes | None) -> None:
+        for i, (_off, dsize, mflags, key, kend) in enumerate(self.pages.nodes(pgno, b, _P_LEAF)):
+            if (lo is not None and key < lo) or (hi is not None and key >= hi) or (
+                    self.last is not None and key <= self.last):
+                raise _Damaged(f"page {pgno} leaf keys are out of order")
+            self.last = key
+            value = self.pages.value(pgno, b, i, dsize, mflags, kend)
+            if self.sink is not None:
+                self.sink(key, value, mflags)
 
 
 def walk_all(path: Path, psize: int, txnid: int | None, *, collect: bool
