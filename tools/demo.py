@@ -82,9 +82,9 @@ def main() -> None:
     p.add_argument("--cache-dir", default=None, help="store directory (default: a new temp dir)")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    from tools import blas
+    from kvstore import blas
 
-    blas.reexec_with_openblas()
+    blas.preload_openblas()
     if args.tokens is None:
         args.tokens = 4000 if blas.in_use() != "reference" else 2000
     if args.child is not None:
