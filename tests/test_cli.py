@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -642,3 +643,62 @@ def test_warm_then_fetch_in_a_new_process(built, tmp_path):
                  "--cache-dir", str(cache_dir)]) == 1
     assert main(["warm", "--model", str(tmp_path / "no-model"), "--system-file", str(tmp_path / "system.txt"),
                  "--cache-dir", str(cache_dir)]) == 1
+
+
+def on_terminal(args: list[Any], timeout: float = 300) -> tuple[int, str, str]:
+    """Run ``python -m kvstore.cli ARGS`` with stderr on a pseudo-terminal (100x24), as a
+    user at a shell sees it: (return code, stdout, what the terminal received)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    p = subprocess.Popen([sys.executable, "-m", "kvstore.cli", *map(str, args)], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=slave, env=_env(), cwd=str(ROOT))
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed its end
+            break
+        if not data:
+            break
+        seen += data
+    out, _ = p.communicate(timeout=timeout)
+    os.close(master)
+    return p.returncode, out.decode(), seen.decode(errors="replace")
+
+
+def test_warm_reports_each_step(built, tmp_path):
+    """Not on a terminal: one line per step, exact token counts, tok/s for prefill. On a
+    terminal: tqdm bars (carriage returns, a rate) with the same labels."""
+    tok, mdir = built["tok"], built["model_dir"]
+    system = "You keep the storage team's runbook short and exact. " * 5
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Where do blobs live?"}]
+    (tmp_path / "system.txt").write_text(system)
+    (tmp_path / "chat.json").write_text(json.dumps(msgs))
+    n_sys = len(list(tok.apply_chat_template(msgs[:1], tokenize=True, add_generation_prompt=False)))
+    n_chat = len(list(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=False)))
+    cache_dir = tmp_path / "cache"
+
+    p = cli("warm", "--model", mdir, "--system-file", tmp_path / "system.txt", "--step", 64, cache_dir=cache_dir)
+    assert p.returncode == 0, p.stderr
+    lines = p.stderr.splitlines()
+    print(p.stderr)
+    assert "\r" not in p.stderr and len(lines) == 5, lines
+    assert lines[0].startswith("kvstore: BLAS:")
+    assert lines[1].startswith(f"load model {mdir}: ")
+    assert lines[2].startswith(f"look up {n_sys:,} prompt tokens: ") and lines[2].endswith("(no stored prefix)")
+    assert re.fullmatch(rf"prefill {n_sys:,} of {n_sys:,} prompt tokens: \d+\.\d s, [\d,]+ tok/s", lines[3]), lines[3]
+    assert lines[4].startswith(f"write {n_sys:,} tokens' KV to disk (write-behind flush): ")
+
+    rc, out, seen = on_terminal(["warm", "--model", mdir, "--messages-file", tmp_path / "chat.json",
+                                 "--step", 16, "--cache-dir", cache_dir])
+    assert rc == 0 and "warmed" in out, (out, seen)
+    print(seen)
+    assert f"restore {n_sys:,} of {n_chat:,} prompt tokens from disk" in seen
+    assert f"prefill {n_chat - n_sys:,} of {n_chat:,} prompt tokens" in seen
+    assert "\r" in seen and "tok/s" in seen and f"{n_chat}/{n_chat}" in seen
