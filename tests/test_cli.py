@@ -248,12 +248,23 @@ def test_stats(built, store_dir):
 
 def test_inspect(built, store_dir):
     key = built["keys"]["A2"]
+    toks = built["prompts"]["A2"]
+    head, text = built["tok"].decode(toks[:32]), built["tok"].decode(toks)
+    assert len(text) > len(head) + 100
+    # by default: token counts and the first 32 tokens' text, never the rest of the prompt
     p = cli("inspect", key[:7], cache_dir=store_dir)
     assert p.returncode == 0, p.stderr
-    text = built["tok"].decode(built["prompts"]["A2"])
-    assert text[:60] in p.stdout and "KVCache" in p.stdout and "float32" in p.stdout
+    assert "tokens      380" in p.stdout and "first 32 of 380 tokens" in p.stdout and "--prompt" in p.stdout
+    assert head in p.stdout and text[-60:] not in p.stdout
+    assert "KVCache" in p.stdout and "float32" in p.stdout
     info = cli_json("inspect", key[:9], cache_dir=store_dir)
-    assert info["key"] == key and info["tokens"] == 380 and info["prompt"] == text
+    assert info["key"] == key and info["tokens"] == 380
+    assert info["prompt_head"] == head and info["prompt_head_tokens"] == 32 and info["prompt"] is None
+    assert text[-60:] not in json.dumps(info)
+    # --prompt: the whole prompt, in the text and in the JSON
+    p = cli("inspect", key[:7], "--prompt", cache_dir=store_dir)
+    assert p.returncode == 0 and text in p.stdout and "all 380 tokens" in p.stdout, p.stdout + p.stderr
+    assert main_json("inspect", key[:9], "--prompt", cache_dir=store_dir)["prompt"] == text
     assert [pc["piece"] for pc in info["pieces"]] == ["chunk"] * 5 + ["tail"]
     assert info["pieces"][-1]["tokens"] == [320, 380]
     assert all(pc["state"] == "ok" for pc in info["pieces"]) and info["checksums_ok"]
@@ -269,7 +280,9 @@ def test_inspect(built, store_dir):
     assert [pc["state"] for pc in bad["pieces"]] == ["ok"] * 4 + ["bad_checksum", "ok"]
     # the gone model: no tokenizer, said softly
     gone = main_json("inspect", built["keys"]["D"][:12], cache_dir=store_dir)
-    assert gone["prompt"] is None and "no longer exists" in gone["prompt_error"]
+    assert gone["prompt"] is None and gone["prompt_head"] is None and "no longer exists" in gone["prompt_error"]
+    assert "prompt      150 tokens (not decoded: model directory" in main_text("inspect", built["keys"]["D"][:12],
+                                                                              cache_dir=store_dir)
 
 
 def test_entry_prefix_errors(built, store_dir, capsys):
@@ -691,7 +704,7 @@ def test_warm_reports_each_step(built, tmp_path):
     assert "\r" not in p.stderr and len(lines) == 5, lines
     assert lines[0].startswith("kvstore: BLAS:")
     assert lines[1].startswith(f"load model {mdir}: ")
-    assert lines[2].startswith(f"look up {n_sys:,} prompt tokens: ") and lines[2].endswith("(no stored prefix)")
+    assert lines[2].startswith(f"look up {n_sys:,} prompt tokens: ") and lines[2].endswith("(nothing stored)")
     assert re.fullmatch(rf"prefill {n_sys:,} of {n_sys:,} prompt tokens: \d+\.\d s, [\d,]+ tok/s", lines[3]), lines[3]
     assert lines[4].startswith(f"write {n_sys:,} tokens' KV to disk (write-behind flush): ")
 
@@ -699,6 +712,6 @@ def test_warm_reports_each_step(built, tmp_path):
                                  "--step", 16, "--cache-dir", cache_dir])
     assert rc == 0 and "warmed" in out, (out, seen)
     print(seen)
-    assert f"restore {n_sys:,} of {n_chat:,} prompt tokens from disk" in seen
+    assert f"restore {n_sys:,} of {n_chat:,} prompt tokens" in seen
     assert f"prefill {n_chat - n_sys:,} of {n_chat:,} prompt tokens" in seen
     assert "\r" in seen and "tok/s" in seen and f"{n_chat}/{n_chat}" in seen
