@@ -87,3 +87,41 @@ def _isatty(f: TextIO) -> bool:
         return f.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+class PromptSteps:
+    """A prompt's lookup (and restore) then its prefill, as two steps labelled with exact
+    token counts. Callable as ``kvstore.generate.stream_generate``'s ``progress``:
+    ``("restore", restored, total)`` ends the lookup and starts the prefill,
+    ``("prefill", done, total)`` advances it; it ends when ``done == total``."""
+
+    def __init__(self, total: int, *, file: TextIO | None = None) -> None:
+        self.file = file
+        self.lookup = Progress(f"look up {total:,} prompt tokens", file=file)
+        self.prefill: Progress | None = None
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if stage == "restore":
+            if done:
+                self.lookup.close(f"restore {done:,} of {total:,} prompt tokens")
+            else:
+                self.lookup.close(note="nothing stored")
+            self.prefill = Progress(f"prefill {total - done:,} of {total:,} prompt tokens",
+                                    total=total, initial=done, file=self.file)
+        elif self.prefill is not None:
+            self.prefill.update_to(done)
+        if self.prefill is not None and done >= total:
+            self.prefill.close()
+
+    def __enter__(self) -> "PromptSteps":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for step in (self.lookup, self.prefill):
+            if step is not None:
+                step.__exit__(*exc)
+
+
+def write_behind(tokens: int, *, file: TextIO | None = None) -> Progress:
+    """The step that waits for the write-behind queue to put ``tokens`` tokens' KV on disk."""
+    return Progress(f"write {tokens:,} tokens' KV to disk (write-behind flush)", file=file)

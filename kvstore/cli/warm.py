@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     from mlx_lm.models.cache import make_prompt_cache
 
     from ..store import KVStore, StoreOpenError
-    from .progress import Progress
+    from .progress import Progress, PromptSteps, write_behind
 
     try:
         with Progress(f"load model {model_dir}"):
@@ -128,24 +128,19 @@ def run(args: argparse.Namespace) -> int:
             print(f"already warm: {len(tokens)} tokens for {ident.name} (identity {ident.hex[:12]}), "
                   f"entry {common.short_id(key)}")
             return 0
-        with Progress(f"look up {len(tokens):,} prompt tokens") as look:
+        with PromptSteps(len(tokens)) as steps:
             got = store.fetch(model_dir, tokens)  # a stored prefix (say, an older prompt version)
             cache, start = (got.cache, got.n) if got.cache is not None and got.n < len(tokens) else (make_prompt_cache(model), 0)
-            if start:
-                look.close(f"restore {start:,} of {len(tokens):,} prompt tokens from {got.source}")
-            else:
-                look.close(note="no stored prefix")
-        with Progress(f"prefill {len(tokens) - start:,} of {len(tokens):,} prompt tokens",
-                      total=len(tokens), initial=start) as bar:
+            steps("restore", start, len(tokens))
             for i in range(start, len(tokens), args.step):
                 piece = tokens[i : i + args.step]
                 model(mx.array([piece]), cache=cache)
                 mx.eval([c.state for c in cache])
-                bar.update_to(i + len(piece))
+                steps("prefill", i + len(piece), len(tokens))
         if args.kv_bits is not None:  # what mlx-lm's generate_step does to the server's cache
             from mlx_lm.generate import maybe_quantize_kv_cache
             maybe_quantize_kv_cache(cache, args.quantized_kv_start, args.kv_group_size, args.kv_bits)
-        with Progress(f"write {len(tokens):,} tokens' KV to disk (write-behind flush)"):
+        with write_behind(len(tokens)):
             store.insert(model_dir, tokens, cache, cache_type="system")
             store.flush()
         stats = store.stats()
