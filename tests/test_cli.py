@@ -460,9 +460,36 @@ def test_gc_dry_run_changes_nothing(built, store_dir):
     assert res["removed"][-1]["pinned"] is True  # pinned last
     assert res["freed_bytes"] > 0
     assert {"orphan_blob", "stale_tmp"} <= {p["kind"] for p in res["problems"]}
+    # every entry would go; broken records make the projected bytes an upper bound
+    assert res["entries_left"] == 0 and res["blob_bytes_left_exact"] is False
     text = main_text("gc", "--dry-run", "--max-bytes", "1", "--tmp-age", "0", "--blob-age", "0", cache_dir=store_dir)
     assert "would remove" in text and "nothing changed" in text
     assert files_snapshot(store_dir) == before
+
+
+def test_gc_dry_run_totals_are_what_the_real_run_leaves(built, store_dir):
+    """--dry-run's blob_bytes_left / entries_left are the totals after the run it
+    describes (not today's), and match what the same gc then leaves."""
+    from kvstore.disk import DiskTier
+
+    disk = DiskTier(store_dir, readonly=True)
+    try:
+        before, n_before = disk.index.total_bytes(), disk.index.counts()["entries"]
+    finally:
+        disk.close()
+    args = ["gc", "--max-age", "2d", "--max-bytes", str(before // 2), "--missing-models"]
+    dry = cli_json(*args, "--dry-run", cache_dir=store_dir)
+    assert len(dry["removed"]) >= 3 and dry["blob_bytes_left_exact"] is True
+    assert dry["blob_bytes_left"] == before - dry["freed_bytes"] <= before // 2
+    assert dry["entries_left"] == n_before - len(dry["removed"])
+    from kvstore.cli.common import human_bytes, plural
+
+    text = main_text(*args, "--dry-run", cache_dir=store_dir)
+    left = f"{human_bytes(dry['blob_bytes_left'])} in {plural(dry['entries_left'], 'entry', 'entries')}"
+    assert f"would leave {left} (dry run: nothing changed)" in text, text
+    real = cli_json(*args, cache_dir=store_dir)
+    assert [r["key"] for r in real["removed"]] == [r["key"] for r in dry["removed"]]
+    assert (real["blob_bytes_left"], real["entries_left"]) == (dry["blob_bytes_left"], dry["entries_left"])
 
 
 def test_gc_age_and_missing_models(built, store_dir):

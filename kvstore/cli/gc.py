@@ -42,6 +42,17 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def left_after(res: Any, blob_bytes: int, entries: int) -> tuple[int, int, bool]:
+    """(blob bytes, entries, exact) once ``res``'s removals are done, from the totals before:
+    less every removed entry and its bytes, less the broken entry records the orphan pass
+    removes. Exact unless broken records were found (what their repair frees is not known
+    before it runs; the figures are then upper bounds)."""
+    gone = {r["key"] for r in res.removed}
+    broken = {p.key for p in res.problems if p.record == "entry" and p.key} - gone
+    exact = not any(p.record != "file" for p in res.problems)
+    return blob_bytes - sum(r["bytes"] for r in res.removed), entries - len(gone) - len(broken), exact
+
+
 def run(args: argparse.Namespace) -> int:
     from .. import maintenance as M
     from .verify import describe
@@ -53,14 +64,17 @@ def run(args: argparse.Namespace) -> int:
         res = M.gc(disk, max_bytes=args.max_bytes, max_age=args.max_age, identities=chosen,
                    missing_models=args.missing_models, orphans=not args.keep_orphans,
                    dry_run=args.dry_run, tmp_age=args.tmp_age, blob_age=args.blob_age)
-        left = disk.index.total_bytes()
-        counts = disk.index.counts()
+        left, n_left, exact = disk.index.total_bytes(), disk.index.counts()["entries"], True
+        if args.dry_run:  # nothing was removed: what would be left
+            left, n_left, exact = left_after(res, left, n_left)
     finally:
         disk.close()
     unfixed = [p for p in res.problems if not p.fixed] if not args.dry_run else []
     if args.json:
         out = res.to_dict()
-        out.update(cache_dir=str(disk.root), blob_bytes_left=left, entries_left=counts["entries"])
+        out.update(cache_dir=str(disk.root), blob_bytes_left=left, entries_left=n_left)
+        if args.dry_run:
+            out["blob_bytes_left_exact"] = exact
         common.print_json(out)
         return 1 if unfixed else 0
     verb = "would remove" if args.dry_run else "removed"
@@ -78,10 +92,11 @@ def run(args: argparse.Namespace) -> int:
     summary = (f"{'would free' if args.dry_run else 'freed'} {common.human_bytes(res.freed)}: "
                f"{P(len(res.removed), 'entry', 'entries')}, {P(files, 'stray file')}, "
                f"{P(len(res.problems) - files, 'broken record')}")
+    remains = f"{'' if exact else 'at most '}{common.human_bytes(left)} in {P(n_left, 'entry', 'entries')}"
     if args.dry_run:
-        print(f"{summary} (dry run: nothing changed)")
+        print(f"{summary}; would leave {remains} (dry run: nothing changed)")
     else:
-        print(f"{summary}; {common.human_bytes(left)} in {P(counts['entries'], 'entry', 'entries')} left")
+        print(f"{summary}; {remains} left")
     if unfixed:
         print(f"{len(unfixed)} problem(s) could not be fixed now: run `kvstore verify --fix`")
         return 1
