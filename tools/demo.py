@@ -238,7 +238,8 @@ def main() -> None:
     else:
         print("\nThe second process restored nothing from disk: see the lines above for why.")
     kv, where = kvstore_command(), shlex.quote(str(cache_dir))
-    print(f"\nThe store is kept in {cache_dir} (`python tools/demo.py --clean` removes it). Look at it:")
+    again = f" --cache-dir {where}" if args.cache_dir else ""
+    print(f"\nThe store is kept in {cache_dir} (`python tools/demo.py --clean{again}` removes it). Look at it:")
     print(f"  {kv} ls --cache-dir {where}")
     if warm["entry"]:
         print(f"  {kv} inspect {warm['entry']} --cache-dir {where}")
