@@ -60,7 +60,7 @@ def message_boundaries(tokenizer: Any, messages: Sequence[dict], prompt: Sequenc
     return out
 
 
-Progress = Callable[[str, int, int], None]
+ProgressFn = Callable[[str, int, int], None]
 """``progress(stage, done, total)``: see ``stream_generate``."""
 
 
@@ -87,7 +87,7 @@ def stream_generate(
     checkpoints: Sequence[tuple[int, str]] = (),
     prefill_step: int = 512,
     cache_type: str = "assistant",
-    progress: Progress | None = None,
+    progress: ProgressFn | None = None,
 ) -> Iterator[Step]:
     """Generate from ``prompt`` (token ids) reusing and feeding ``store``.
 
