@@ -9,7 +9,7 @@ Each benchmark writes ``<out>/<name>.json`` (machine, BLAS, versions, settings, 
 medians, headline numbers) and prints a short table; ``<out>/chart.png`` plots TTFT and
 restore bandwidth; ``<out>/summary.md`` holds the headline table of every JSON in ``<out>``.
 On Linux the run re-executes itself with Debian's OpenBLAS preloaded when it is installed
-(tools/blas.py; float32 prefill is ~15x faster with it); the JSON records the BLAS in use.
+(kvstore/blas.py; float32 prefill is ~15x faster with it); the JSON records the BLAS in use.
 """
 
 from __future__ import annotations
@@ -99,9 +99,9 @@ def write_summary(out: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from tools import blas
+    from kvstore import blas
 
-    blas.reexec_with_openblas()  # before mlx is imported; a no-op when not installed
+    blas.preload_openblas()  # before mlx is imported; a no-op when not installed
     from benchmarks import common
 
     if args.child:

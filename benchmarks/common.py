@@ -113,7 +113,7 @@ def _git() -> dict[str, Any]:
 
 
 def blas_in_use() -> str:
-    from tools import blas
+    from kvstore import blas
     return blas.in_use()
 
 

@@ -60,11 +60,18 @@ def message_boundaries(tokenizer: Any, messages: Sequence[dict], prompt: Sequenc
     return out
 
 
-def _prefill(model: Any, cache: list[Any], tokens: Sequence[int], step: int) -> mx.array | None:
+ProgressFn = Callable[[str, int, int], None]
+"""``progress(stage, done, total)``: see ``stream_generate``."""
+
+
+def _prefill(model: Any, cache: list[Any], tokens: Sequence[int], step: int,
+             on_step: Callable[[int], None] | None = None) -> mx.array | None:
     logits = None
     for i in range(0, len(tokens), step):
         logits = model(mx.array([list(tokens[i : i + step])]), cache=cache)
         mx.eval(logits)
+        if on_step is not None:
+            on_step(min(i + step, len(tokens)))
     return logits
 
 
@@ -80,6 +87,7 @@ def stream_generate(
     checkpoints: Sequence[tuple[int, str]] = (),
     prefill_step: int = 512,
     cache_type: str = "assistant",
+    progress: ProgressFn | None = None,
 ) -> Iterator[Step]:
     """Generate from ``prompt`` (token ids) reusing and feeding ``store``.
 
@@ -87,6 +95,11 @@ def stream_generate(
     ``(path, adapter, draft)``). ``checkpoints`` are extra prefix lengths to snapshot on
     the way (only used for caches that cannot be trimmed). The prompt-only cache is
     inserted once prefill is complete; generated tokens are never stored.
+
+    ``progress(stage, done, total)``, if given, is called with ``total`` = prompt tokens:
+    once with stage ``"restore"`` when the lookup (and restore) is over, ``done`` = prompt
+    tokens restored (0 on a miss); then with ``"prefill"`` after every prefill step,
+    ``done`` = prompt tokens in the cache so far (the last call has ``done == total``).
     """
     t0 = time.perf_counter()
     prompt = list(prompt)
@@ -94,7 +107,10 @@ def stream_generate(
         raise ValueError("prompt is empty: a forward pass needs at least one token")
     sampler = sampler or (lambda logits: mx.argmax(logits, axis=-1))
     cache, n, source = _restored(store, model, model_key, prompt)
-    logits = _prefill_and_insert(store, model, model_key, prompt, cache, n, checkpoints, prefill_step, cache_type)
+    if progress is not None:
+        progress("restore", n, len(prompt))
+    logits = _prefill_and_insert(store, model, model_key, prompt, cache, n, checkpoints, prefill_step, cache_type,
+                                 progress)
     y = sampler(logits[:, -1, :])
     mx.eval(y)
     ttft = time.perf_counter() - t0
@@ -134,16 +150,21 @@ def _restored(store: KVStore, model: Any, model_key: Any, prompt: list[int]) -> 
 
 
 def _prefill_and_insert(store: KVStore, model: Any, model_key: Any, prompt: list[int], cache: list[Any], n: int,
-                        checkpoints: Sequence[tuple[int, str]], step: int, cache_type: str) -> mx.array:
+                        checkpoints: Sequence[tuple[int, str]], step: int, cache_type: str,
+                        progress: ProgressFn | None = None) -> mx.array:
     """Prefill ``prompt[n:]``, snapshotting at the checkpoints (caches that cannot be
     trimmed only) and inserting the prompt-only cache after prefill; returns the logits."""
     trimmable_family = codec.trimmable(make_prompt_cache(model))
     marks = sorted((c, kind) for c, kind in checkpoints if n < c < len(prompt)) if not trimmable_family else []
     pos = n
+
+    def prefilled(start: int) -> Callable[[int], None] | None:
+        return None if progress is None else lambda k: progress("prefill", start + k, len(prompt))
+
     for mark, kind in marks:
-        _prefill(model, cache, prompt[pos:mark], step)
+        _prefill(model, cache, prompt[pos:mark], step, prefilled(pos))
         store.insert(model_key, prompt[:mark], cache, cache_type=kind)
         pos = mark
-    logits = _prefill(model, cache, prompt[pos:], step)
+    logits = _prefill(model, cache, prompt[pos:], step, prefilled(pos))
     store.insert(model_key, prompt, cache, cache_type=cache_type)  # after prefill, prompt only
     return logits

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -253,12 +254,23 @@ def test_stats(built, store_dir):
 
 def test_inspect(built, store_dir):
     key = built["keys"]["A2"]
+    toks = built["prompts"]["A2"]
+    head, text = built["tok"].decode(toks[:32]), built["tok"].decode(toks)
+    assert len(text) > len(head) + 100
+    # by default: token counts and the first 32 tokens' text, never the rest of the prompt
     p = cli("inspect", key[:7], cache_dir=store_dir)
     assert p.returncode == 0, p.stderr
-    text = built["tok"].decode(built["prompts"]["A2"])
-    assert text[:60] in p.stdout and "KVCache" in p.stdout and "float32" in p.stdout
+    assert "tokens      380" in p.stdout and "first 32 of 380 tokens" in p.stdout and "--prompt" in p.stdout
+    assert head in p.stdout and text[-60:] not in p.stdout
+    assert "KVCache" in p.stdout and "float32" in p.stdout
     info = cli_json("inspect", key[:9], cache_dir=store_dir)
-    assert info["key"] == key and info["tokens"] == 380 and info["prompt"] == text
+    assert info["key"] == key and info["tokens"] == 380
+    assert info["prompt_head"] == head and info["prompt_head_tokens"] == 32 and info["prompt"] is None
+    assert text[-60:] not in json.dumps(info)
+    # --prompt: the whole prompt, in the text and in the JSON
+    p = cli("inspect", key[:7], "--prompt", cache_dir=store_dir)
+    assert p.returncode == 0 and text in p.stdout and "all 380 tokens" in p.stdout, p.stdout + p.stderr
+    assert main_json("inspect", key[:9], "--prompt", cache_dir=store_dir)["prompt"] == text
     assert [pc["piece"] for pc in info["pieces"]] == ["chunk"] * 5 + ["tail"]
     assert info["pieces"][-1]["tokens"] == [320, 380]
     assert all(pc["state"] == "ok" for pc in info["pieces"]) and info["checksums_ok"]
@@ -271,7 +283,9 @@ def test_inspect(built, store_dir):
     assert [pc["state"] for pc in bad["pieces"]] == ["ok"] * 4 + ["bad_checksum", "ok"]
     # the gone model: no tokenizer, said softly
     gone = main_json("inspect", built["keys"]["D"][:12], cache_dir=store_dir)
-    assert gone["prompt"] is None and "no longer exists" in gone["prompt_error"]
+    assert gone["prompt"] is None and gone["prompt_head"] is None and "no longer exists" in gone["prompt_error"]
+    assert "prompt      150 tokens (not decoded: model directory" in main_text("inspect", built["keys"]["D"][:12],
+                                                                              cache_dir=store_dir)
 
 
 def test_entry_prefix_errors(built, store_dir, capsys):
@@ -444,10 +458,36 @@ def test_gc_dry_run_changes_nothing(built, store_dir):
     assert res["removed"][-1]["pinned"] is True  # pinned last
     assert res["freed_bytes"] > 0
     assert {"orphan_blob", "foreign_file"} <= {p["kind"] for p in res["problems"]}
-    assert res["bytes_left"] == 0 and res["entries_left"] == 0  # what would be left, not today's totals
+    # every entry would go; broken records make the projected bytes an upper bound
+    assert res["entries_left"] == 0 and res["blob_bytes_left_exact"] is False
     text = main_text("gc", "--dry-run", "--max-bytes", "1", "--blob-age", "0", cache_dir=store_dir)
     assert "would remove" in text and "nothing changed" in text
     assert files_snapshot(store_dir) == before
+
+
+def test_gc_dry_run_totals_are_what_the_real_run_leaves(built, store_dir):
+    """--dry-run's blob_bytes_left / entries_left are the totals after the run it
+    describes (not today's), and match what the same gc then leaves."""
+    from kvstore.disk import DiskTier
+
+    disk = DiskTier(store_dir, readonly=True)
+    try:
+        before, n_before = disk.index.total_bytes(), disk.index.counts()["entries"]
+    finally:
+        disk.close()
+    args = ["gc", "--max-age", "2d", "--max-bytes", str(before // 2), "--missing-models"]
+    dry = cli_json(*args, "--dry-run", cache_dir=store_dir)
+    assert len(dry["removed"]) >= 3 and dry["blob_bytes_left_exact"] is True
+    assert dry["blob_bytes_left"] == before - dry["freed_bytes"] <= before // 2
+    assert dry["entries_left"] == n_before - len(dry["removed"])
+    from kvstore.cli.common import human_bytes, plural
+
+    text = main_text(*args, "--dry-run", cache_dir=store_dir)
+    left = f"{human_bytes(dry['blob_bytes_left'])} in {plural(dry['entries_left'], 'entry', 'entries')}"
+    assert f"would leave {left} (dry run: nothing changed)" in text, text
+    real = cli_json(*args, cache_dir=store_dir)
+    assert [r["key"] for r in real["removed"]] == [r["key"] for r in dry["removed"]]
+    assert (real["blob_bytes_left"], real["entries_left"]) == (dry["blob_bytes_left"], dry["entries_left"])
 
 
 def test_gc_age_and_missing_models(built, store_dir):
@@ -638,3 +678,62 @@ def test_warm_then_fetch_in_a_new_process(built, tmp_path):
                  "--cache-dir", str(cache_dir)]) == 1
     assert main(["warm", "--model", str(tmp_path / "no-model"), "--system-file", str(tmp_path / "system.txt"),
                  "--cache-dir", str(cache_dir)]) == 1
+
+
+def on_terminal(args: list[Any], timeout: float = 300) -> tuple[int, str, str]:
+    """Run ``python -m kvstore.cli ARGS`` with stderr on a pseudo-terminal (100x24), as a
+    user at a shell sees it: (return code, stdout, what the terminal received)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    p = subprocess.Popen([sys.executable, "-m", "kvstore.cli", *map(str, args)], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=slave, env=_env(), cwd=str(ROOT))
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed its end
+            break
+        if not data:
+            break
+        seen += data
+    out, _ = p.communicate(timeout=timeout)
+    os.close(master)
+    return p.returncode, out.decode(), seen.decode(errors="replace")
+
+
+def test_warm_reports_each_step(built, tmp_path):
+    """Not on a terminal: one line per step, exact token counts, tok/s for prefill. On a
+    terminal: tqdm bars (carriage returns, a rate) with the same labels."""
+    tok, mdir = built["tok"], built["model_dir"]
+    system = "You keep the storage team's runbook short and exact. " * 5
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Where do blobs live?"}]
+    (tmp_path / "system.txt").write_text(system)
+    (tmp_path / "chat.json").write_text(json.dumps(msgs))
+    n_sys = len(list(tok.apply_chat_template(msgs[:1], tokenize=True, add_generation_prompt=False)))
+    n_chat = len(list(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=False)))
+    cache_dir = tmp_path / "cache"
+
+    p = cli("warm", "--model", mdir, "--system-file", tmp_path / "system.txt", "--step", 64, cache_dir=cache_dir)
+    assert p.returncode == 0, p.stderr
+    lines = p.stderr.splitlines()
+    print(p.stderr)
+    assert "\r" not in p.stderr and len(lines) == 5, lines
+    assert lines[0].startswith("kvstore: BLAS:")
+    assert lines[1].startswith(f"load model {mdir}: ")
+    assert lines[2].startswith(f"look up {n_sys:,} prompt tokens: ") and lines[2].endswith("(nothing stored)")
+    assert re.fullmatch(rf"prefill {n_sys:,} of {n_sys:,} prompt tokens: \d+\.\d s, [\d,]+ tok/s", lines[3]), lines[3]
+    assert lines[4].startswith(f"write {n_sys:,} tokens' KV to disk (write-behind flush): ")
+
+    rc, out, seen = on_terminal(["warm", "--model", mdir, "--messages-file", tmp_path / "chat.json",
+                                 "--step", 16, "--cache-dir", cache_dir])
+    assert rc == 0 and "warmed" in out, (out, seen)
+    print(seen)
+    assert f"restore {n_sys:,} of {n_chat:,} prompt tokens" in seen
+    assert f"prefill {n_chat - n_sys:,} of {n_chat:,} prompt tokens" in seen
+    assert "\r" in seen and "tok/s" in seen and f"{n_chat}/{n_chat}" in seen

@@ -186,3 +186,34 @@ def test_restart_reuses_disk_cache(model_dir: Path, tmp_path: Path, baselines: B
     print(f"\n{mode}/{signal.Signals(stop).name}: turn1 prompt_tokens={r1['usage']['prompt_tokens']} "
           f"turn2 prompt_tokens={r2['usage']['prompt_tokens']} cached_tokens={cached_tokens(r2)} "
           f"hits_disk={st['hits_disk']} disk_entries={stored['disk_entries']} reply_ids={reply(r2)[1]}")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the OpenBLAS preload is Linux-only (Metal on macOS)")
+@pytest.mark.parametrize("opt_out", [False, True], ids=["default", "KVSTORE_NO_OPENBLAS"])
+def test_serve_names_its_blas_once(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                   opt_out: bool) -> None:
+    """`kvstore serve` logs the BLAS it runs with once, at start. Where Debian's OpenBLAS is
+    installed the server process (same pid, re-executed) has it mapped, unless
+    KVSTORE_NO_OPENBLAS is set; where it is not, the line says how to install it."""
+    from kvstore.blas import OPT_OUT, openblas_path
+    from tests.server_util import CLI_COMMAND
+
+    if serve_command() != CLI_COMMAND:
+        pytest.skip("the OpenBLAS preload belongs to the `kvstore` command's entry point")
+    if opt_out:
+        monkeypatch.setenv(OPT_OUT, "1")
+    else:
+        monkeypatch.delenv(OPT_OUT, raising=False)
+    installed = openblas_path().exists()
+    with Server(model_dir, tmp_path / "cache", tmp_path / "server.log") as s:
+        mapped = str(openblas_path()) in Path(f"/proc/{s.proc.pid}/maps").read_text()
+        assert s.stop(signal.SIGTERM) == 0, s.log()
+        lines = [line for line in s.log().splitlines() if line.startswith("kvstore: BLAS:")]
+    assert len(lines) == 1, s.log()
+    assert mapped == (installed and not opt_out), (lines, installed)
+    if mapped:
+        assert "OpenBLAS" in lines[0] and OPT_OUT in lines[0]
+    elif opt_out:
+        assert "reference" in lines[0] and f"{OPT_OUT} is set" in lines[0]
+    else:
+        assert "apt-get install libopenblas0-pthread" in lines[0]

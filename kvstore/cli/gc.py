@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         out = res.to_dict()
         out.update(cache_dir=str(disk.root), blob_bytes_left=res.bytes_left)
+        if args.dry_run:
+            out["blob_bytes_left_exact"] = res.exact
         common.print_json(out)
         return 1 if unfixed else 0
     verb = "would remove" if args.dry_run else "removed"
@@ -74,11 +76,12 @@ def run(args: argparse.Namespace) -> int:
     summary = (f"{'would free' if args.dry_run else 'freed'} {common.human_bytes(res.freed)}: "
                f"{P(len(res.removed), 'entry', 'entries')}, {P(files, 'stray file')}, "
                f"{P(len(res.problems) - files, 'broken record')}")
-    left = f"{common.human_bytes(res.bytes_left)} in {P(res.entries_left, 'entry', 'entries')}"
+    remains = (f"{'' if res.exact else 'at most '}{common.human_bytes(res.bytes_left)} in "
+               f"{P(res.entries_left, 'entry', 'entries')}")
     if args.dry_run:
-        print(f"{summary}; {left} would be left (dry run: nothing changed)")
+        print(f"{summary}; would leave {remains} (dry run: nothing changed)")
     else:
-        print(f"{summary}; {left} left")
+        print(f"{summary}; {remains} left")
     if unfixed:
         print(f"{len(unfixed)} problem(s) could not be fixed now: run `kvstore verify --fix`")
         return 1

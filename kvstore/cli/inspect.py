@@ -5,28 +5,35 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from . import common
 
 
+HEAD_TOKENS = 32  # tokens of the prompt shown by default: prompts are the sensitive part of a cache
+
+
 def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "inspect", help="show one entry in full: prompt, chunks, layers, dtype, checksums",
-        description="Show one entry: token count, the prompt decoded with the model's "
-                    "tokenizer (when its directory still exists), its chunks and tail, cache "
+        "inspect", help="show one entry in full: token counts, prompt start, chunks, layers, dtype, checksums",
+        description="Show one entry: token counts, the text of its first "
+                    f"{HEAD_TOKENS} tokens decoded with the model's tokenizer (when its directory "
+                    "still exists; --prompt for the whole prompt), its chunks and tail, cache "
                     "layers and classes, KV dtype, bytes, and whether every blob's size and "
                     "checksum match the index (exit 1 if one does not).")
     p.add_argument("entry", metavar="ENTRY", help="entry id or any unique hex prefix of it (see `kvstore ls`)")
-    p.add_argument("--no-prompt", action="store_true", help="do not load the tokenizer to decode the prompt")
+    shown = p.add_mutually_exclusive_group()
+    shown.add_argument("--prompt", action="store_true",
+                       help="print the whole prompt (and put it in --json), not just its start")
+    shown.add_argument("--no-prompt", action="store_true", help="do not load the tokenizer to decode the prompt")
     p.add_argument("--tokens", action="store_true", help="also print the token ids")
     common.add_cache_dir(p)
     common.add_json(p)
     return p
 
 
-def decode_prompt(model_path: str | None, tokens: list[int]) -> tuple[str | None, str | None]:
-    """(text, None), or (None, why not). Never raises: a tokenizer that cannot be found or
+def load_decoder(model_path: str | None) -> tuple[Callable[[list[int]], str] | None, str | None]:
+    """(decode, None), or (None, why not). Never raises: a tokenizer that cannot be found or
     loaded only costs the decoded prompt."""
     if not model_path:
         return None, "the identity records no model path"
@@ -41,13 +48,15 @@ def decode_prompt(model_path: str | None, tokens: list[int]) -> tuple[str | None
             from mlx_lm.utils import load_tokenizer
         except ImportError:
             from mlx_lm.tokenizer_utils import load_tokenizer  # type: ignore[no-redef]
-        return str(load_tokenizer(Path(model_path)).decode(tokens)), None
+        tok = load_tokenizer(Path(model_path))
+        return lambda ids: str(tok.decode(ids)), None
     except Exception as e:
         errors.append(f"mlx_lm: {e}")
     try:
         from transformers import AutoTokenizer
 
-        return str(AutoTokenizer.from_pretrained(model_path, local_files_only=True).decode(tokens)), None
+        hf = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        return lambda ids: str(hf.decode(ids)), None
     except Exception as e:
         errors.append(f"transformers: {e}")
     return None, f"could not load a tokenizer from {model_path} ({'; '.join(errors)})"
@@ -86,7 +95,10 @@ def _segment_state(check: Any, seg: Any) -> dict[str, Any]:
             "state": bad[0] if bad else "ok", "detail": bad[1] if bad else None}
 
 
-def collect(disk, key: bytes, rec: Any, *, prompt: bool = True, with_tokens: bool = False) -> dict[str, Any]:
+def collect(disk, key: bytes, rec: Any, *, prompt: str = "head", with_tokens: bool = False) -> dict[str, Any]:
+    """Everything about one entry. ``prompt``: "head" decodes the first HEAD_TOKENS tokens
+    (``prompt_head``), "full" the whole prompt too (``prompt``; None otherwise), "none"
+    loads no tokenizer."""
     from ..keys import decode_tokens
     from ..maintenance import SegmentCheck
 
@@ -103,11 +115,15 @@ def collect(disk, key: bytes, rec: Any, *, prompt: bool = True, with_tokens: boo
     seg = common.first_segment(disk, rec)
     header = common.segment_header(disk, seg) if seg is not None else None
     tensors = {k: {"dtype": st, "shape": list(shape)} for k, (st, shape) in (header.specs if header else {}).items()}
-    text, why = (None, "not requested (--no-prompt)")
-    if prompt and tokens is not None:
-        text, why = decode_prompt(info.path if info else None, tokens)
-    elif tokens is None:
+    head = text = None
+    why: str | None = "not requested (--no-prompt)"
+    if tokens is None:
         why = "no token ids stored for this entry"
+    elif prompt != "none":
+        decode, why = load_decoder(info.path if info else None)
+        if decode is not None:
+            head = decode(tokens[:HEAD_TOKENS])
+            text = decode(tokens) if prompt == "full" else None
     layers = [{"index": i, **m} for i, m in enumerate(common.header_layout(header))]
     out = {
         "id": common.short_id(key), "key": key.hex(), "identity": rec.identity.hex(),
@@ -121,7 +137,8 @@ def collect(disk, key: bytes, rec: Any, *, prompt: bool = True, with_tokens: boo
         "kv_dtype": common.kv_dtype(header), "tensors": tensors,
         "layers": layers, "pieces": pieces,
         "checksums_ok": all(p["state"] == "ok" for p in pieces),
-        "prompt": text, "prompt_error": None if text is not None else why,
+        "prompt_head": head, "prompt_head_tokens": min(HEAD_TOKENS, len(tokens)) if head is not None else 0,
+        "prompt": text, "prompt_error": why,
     }
     if with_tokens:
         out["token_ids"] = tokens
@@ -149,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
     disk = common.open_disk(args)
     try:
         key, rec = common.resolve_entry(disk, args.entry)
-        info = collect(disk, key, rec, prompt=not args.no_prompt, with_tokens=args.tokens)
+        shown = "none" if args.no_prompt else "full" if args.prompt else "head"
+        info = collect(disk, key, rec, prompt=shown, with_tokens=args.tokens)
     finally:
         disk.close()
     if args.json:
@@ -175,11 +193,16 @@ def run(args: argparse.Namespace) -> int:
              "" if p["refs"] is None else p["refs"], p["state"] + (f": {p['detail']}" if p.get("detail") else "")]
             for p in info["pieces"]]
     print(common.table(rows, ["PIECE", "TOKENS", "KEY", "BYTES", "REFS", "CHECKSUM"], right=(3, 4), indent="  "))
+    n, shown = info["tokens"], info["prompt_head_tokens"]
     if info["prompt"] is not None:
-        print("prompt:")
+        print(f"prompt      all {n} tokens:")
         print(info["prompt"])
+    elif info["prompt_head"] is not None:
+        rest = f"; `--prompt` prints all {n}" if shown < (n or 0) else ""
+        print(f"prompt      first {shown} of {n} tokens{rest}:")
+        print(info["prompt_head"] + (" [...]" if shown < (n or 0) else ""))
     else:
-        print(f"prompt      (not decoded: {info['prompt_error']})")
+        print(f"prompt      {n} tokens (not decoded: {info['prompt_error']})")
     if args.tokens:
         print(f"token ids   {info['token_ids']}")
     return 0 if info["checksums_ok"] else 1

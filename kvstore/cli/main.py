@@ -28,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "unpin": ("pin", "make a pinned entry evictable again"),
     "serve": ("serve", "run an mlx-lm server backed by the store"),
 }
+# commands that run a model: as a process's entry point they preload OpenBLAS (kvstore.blas)
+MODEL_COMMANDS = {"serve", "warm"}
 
 DESCRIPTION = ("Manage a kvstore cache directory: a persistent, disk-backed KV-cache tier for "
                "MLX inference. Every command works while servers are using the directory.")
@@ -65,8 +67,17 @@ def _command(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. ``argv=None`` means this is the process's entry point (the
+    ``kvstore`` script, ``python -m kvstore.cli``): only then may ``serve`` and ``warm``
+    re-execute the process with OpenBLAS preloaded."""
+    entry = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     name = _command(argv)
+    if entry and name in MODEL_COMMANDS and not {"-h", "--help"} & set(argv):
+        from .. import blas
+
+        blas.preload_openblas()  # returns only when there is nothing to preload
+        blas.announce()
     module = None
     if name in COMMANDS:
         modname = f"{__package__}.{COMMANDS[name][0]}"

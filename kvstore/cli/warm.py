@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -105,13 +104,13 @@ def run(args: argparse.Namespace) -> int:
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.models.cache import make_prompt_cache
-    from tqdm import tqdm
 
-    from ..keys import encode_tokens, key_of, root_key
     from ..store import KVStore, StoreOpenError
+    from .progress import Progress, PromptSteps, write_behind
 
     try:
-        model, tokenizer = mlx_lm.load(str(model_dir))
+        with Progress(f"load model {model_dir}"):
+            model, tokenizer = mlx_lm.load(str(model_dir))
     except Exception as e:
         raise common.CLIError(f"cannot load model {model_dir}: {e}") from None
     tokens = tokenize(tokenizer, messages)
@@ -124,27 +123,26 @@ def run(args: argparse.Namespace) -> int:
         raise common.CLIError(str(e)) from None
     try:
         ident = store.identity(model_dir)
-        if ident is None or store.disk is None:
-            raise common.CLIError(f"cannot derive a store identity for {model_dir}")
-        key = key_of(root_key(ident.digest), encode_tokens(tokens), store.disk.chunk)
+        key = common.entry_key(store, model_dir, tokens)
         if store.disk.index.entry(key) is not None:
             print(f"already warm: {len(tokens)} tokens for {ident.name} (identity {ident.hex[:12]}), "
                   f"entry {common.short_id(key)}")
             return 0
-        got = store.fetch(model_dir, tokens)  # a stored prefix (say, an older prompt version)
-        cache, start = (got.cache, got.n) if got.cache is not None and got.n < len(tokens) else (make_prompt_cache(model), 0)
-        with tqdm(total=len(tokens), initial=start, unit="tok", desc="prefill",
-                  disable=not sys.stderr.isatty()) as bar:
+        with PromptSteps(len(tokens)) as steps:
+            got = store.fetch(model_dir, tokens)  # a stored prefix (say, an older prompt version)
+            cache, start = (got.cache, got.n) if got.cache is not None and got.n < len(tokens) else (make_prompt_cache(model), 0)
+            steps("restore", start, len(tokens))
             for i in range(start, len(tokens), args.step):
                 piece = tokens[i : i + args.step]
                 model(mx.array([piece]), cache=cache)
                 mx.eval([c.state for c in cache])
-                bar.update(len(piece))
+                steps("prefill", i + len(piece), len(tokens))
         if args.kv_bits is not None:  # what mlx-lm's generate_step does to the server's cache
             from mlx_lm.generate import maybe_quantize_kv_cache
             maybe_quantize_kv_cache(cache, args.quantized_kv_start, args.kv_group_size, args.kv_bits)
-        store.insert(model_dir, tokens, cache, cache_type="system")
-        store.flush()
+        with write_behind(len(tokens)):
+            store.insert(model_dir, tokens, cache, cache_type="system")
+            store.flush()
         stats = store.stats()
         stored = store.disk.index.entry(key) is not None
     finally:

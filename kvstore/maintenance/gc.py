@@ -27,13 +27,19 @@ class GcResult:
     entries_left: int = 0
 
     @property
+    def exact(self) -> bool:
+        """Whether ``bytes_left`` is exact: a dry run that found broken records can only
+        bound what their repair frees (then ``bytes_left`` is at most that)."""
+        return not (self.dry_run and any(p.record != "file" for p in self.problems))
+
+    @property
     def freed(self) -> int:
         return sum(r["bytes"] for r in self.removed) + sum(
             p.bytes for p in self.problems if (p.fixed or self.dry_run) and p.kind not in NOT_OURS)
 
     def to_dict(self) -> dict[str, Any]:
         return {"dry_run": self.dry_run, "freed_bytes": self.freed, "bytes_left": self.bytes_left,
-                "entries_left": self.entries_left, "removed": self.removed,
+                "entries_left": self.entries_left, "exact": self.exact, "removed": self.removed,
                 "problems": [p.to_dict() for p in self.problems]}
 
 
