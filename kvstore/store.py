@@ -148,7 +148,7 @@ class KVStore:
         try:
             parts = list(model) if isinstance(model, (tuple, list)) else [model]
             parts += [None] * (3 - len(parts))
-            path, adapter, draft = (_local_path(p) if p is not None else None for p in parts[:3])
+            path, adapter, draft = (local_model_dir(p) if p is not None else None for p in parts[:3])
             if path is not None:
                 dirs = (path, adapter, draft)
                 stamp = watch(*dirs)
@@ -589,7 +589,7 @@ def open_disk(path: Path, chunk_tokens: int = 256, *, shared_dir: bool = False, 
         raise StoreOpenError(f"cannot open index in {path}: {e}") from None
 
 
-def _local_path(p: Any) -> Path | None:
+def local_model_dir(p: Any) -> Path | None:
     """A model key as a local directory: a path, or a hub repo id already in the local
     hub cache (never downloaded); None otherwise."""
     path = Path(str(p)).expanduser()

@@ -64,18 +64,13 @@ def _messages(args: argparse.Namespace) -> list[dict[str, str]]:
 
 
 def _model_dir(model: str) -> Path:
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    try:  # a hub repo id already in the local hub cache (as mlx_lm.load would find it)
-        from huggingface_hub import snapshot_download
-        got = Path(snapshot_download(model, local_files_only=True))
-        if got.is_dir():
-            return got
-    except Exception:
-        pass
-    raise common.CLIError(f"model {model!r} is not a directory (nor a repo in the local Hugging Face "
-                          "cache): pass --model DIR, the model directory your servers load")
+    from ..store import local_model_dir
+
+    got = local_model_dir(model)
+    if got is None:
+        raise common.CLIError(f"model {model!r} is not a directory (nor a repo in the local Hugging Face "
+                              "cache): pass --model DIR, the model directory your servers load")
+    return got
 
 
 def tokenize(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -100,27 +95,11 @@ def run(args: argparse.Namespace) -> int:
     model_dir = _model_dir(args.model)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     t0 = time.perf_counter()
-
-    import mlx.core as mx
-    import mlx_lm
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from ..store import KVStore, StoreOpenError
-    from .progress import Progress, PromptSteps, write_behind
-
-    try:
-        with Progress(f"load model {model_dir}"):
-            model, tokenizer = mlx_lm.load(str(model_dir))
-    except Exception as e:
-        raise common.CLIError(f"cannot load model {model_dir}: {e}") from None
+    model, tokenizer = _load(model_dir)
     tokens = tokenize(tokenizer, messages)
     if not tokens:
         raise common.CLIError("the chat template produced no tokens")
-    try:
-        store = KVStore(common.cache_dir(args), chunk_tokens=args.chunk_tokens, max_entries=1,
-                        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
-    except StoreOpenError as e:
-        raise common.CLIError(str(e)) from None
+    store = _open_store(args)
     try:
         ident = store.identity(model_dir)
         key = common.entry_key(store, model_dir, tokens)
@@ -128,21 +107,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"already warm: {len(tokens)} tokens for {ident.name} (identity {ident.hex[:12]}), "
                   f"entry {common.short_id(key)}")
             return 0
-        with PromptSteps(len(tokens)) as steps:
-            got = store.fetch(model_dir, tokens)  # a stored prefix (say, an older prompt version)
-            cache, start = (got.cache, got.n) if got.cache is not None and got.n < len(tokens) else (make_prompt_cache(model), 0)
-            steps("restore", start, len(tokens))
-            for i in range(start, len(tokens), args.step):
-                piece = tokens[i : i + args.step]
-                model(mx.array([piece]), cache=cache)
-                mx.eval([c.state for c in cache])
-                steps("prefill", i + len(piece), len(tokens))
-        if args.kv_bits is not None:  # what mlx-lm's generate_step does to the server's cache
-            from mlx_lm.generate import maybe_quantize_kv_cache
-            maybe_quantize_kv_cache(cache, args.quantized_kv_start, args.kv_group_size, args.kv_bits)
-        with write_behind(len(tokens)):
-            store.insert(model_dir, tokens, cache, cache_type="system")
-            store.flush()
+        start = _prefill_and_store(args, store, model, model_dir, tokens)
         stats = store.stats()
         stored = store.disk.index.entry(key) is not None
     finally:
@@ -157,3 +122,52 @@ def run(args: argparse.Namespace) -> int:
     print(f"warmed {len(tokens)} tokens for {ident.name} (identity {ident.hex[:12]}) in "
           f"{time.perf_counter() - t0:.1f}s{reused}: entry {common.short_id(key)}")
     return 0
+
+
+def _load(model_dir: Path) -> tuple[Any, Any]:
+    import mlx_lm
+
+    from .progress import Progress
+
+    try:
+        with Progress(f"load model {model_dir}"):
+            return mlx_lm.load(str(model_dir))
+    except Exception as e:
+        raise common.CLIError(f"cannot load model {model_dir}: {e}") from None
+
+
+def _open_store(args: argparse.Namespace) -> Any:
+    from ..store import KVStore, StoreOpenError
+
+    try:
+        return KVStore(common.cache_dir(args), chunk_tokens=args.chunk_tokens, max_entries=1,
+                       kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                       shared_dir=getattr(args, "shared_dir", False))
+    except StoreOpenError as e:
+        raise common.CLIError(str(e)) from None
+
+
+def _prefill_and_store(args: argparse.Namespace, store: Any, model: Any, model_dir: Path, tokens: list[int]) -> int:
+    """Prefill ``tokens`` (from the longest stored prefix, say an older prompt version),
+    insert the cache and wait until it is on disk; returns the tokens reused."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .progress import PromptSteps, write_behind
+
+    with PromptSteps(len(tokens)) as steps:
+        got = store.fetch(model_dir, tokens)
+        cache, start = (got.cache, got.n) if got.cache is not None and got.n < len(tokens) else (make_prompt_cache(model), 0)
+        steps("restore", start, len(tokens))
+        for i in range(start, len(tokens), args.step):
+            piece = tokens[i : i + args.step]
+            model(mx.array([piece]), cache=cache)
+            mx.eval([c.state for c in cache])
+            steps("prefill", i + len(piece), len(tokens))
+    if args.kv_bits is not None:  # what mlx-lm's generate_step does to the server's cache
+        from mlx_lm.generate import maybe_quantize_kv_cache
+        maybe_quantize_kv_cache(cache, args.quantized_kv_start, args.kv_group_size, args.kv_bits)
+    with write_behind(len(tokens)):
+        store.insert(model_dir, tokens, cache, cache_type="system")
+        store.flush()
+    return start

@@ -1,0 +1,38 @@
+"""The package's shape (issue 13): imports only point down, no cycle, no module uses
+another's private names (``tools/layers.py``), and no function runs past 60 lines outside
+the CLI's argument tables."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tools import layers
+
+PACKAGE = Path(layers.__file__).resolve().parent.parent / "kvstore"
+
+
+def test_imports_point_down_without_cycles_or_private_names():
+    edges, private = layers.graph()
+    assert edges["kvstore.store"] and "kvstore.disk" in edges["kvstore.store"]  # the graph is read
+    assert layers.check(edges) + private == []
+
+
+def test_the_checker_sees_an_upward_import_a_cycle_and_a_private_name():
+    edges, _ = layers.graph()
+    edges = {k: set(v) for k, v in edges.items()}
+    edges["kvstore.records"].add("kvstore.store")
+    problems = layers.check(edges)
+    assert any("upward" in p and p.startswith("kvstore.records") for p in problems)
+    assert any(p.startswith("cycle:") for p in problems)
+
+
+def test_no_function_over_60_lines():
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name != "setup_arg_parser":
+                n = node.end_lineno - node.lineno + 1
+                if n > 60:
+                    long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({n} lines)")
+    assert long == []
