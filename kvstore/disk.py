@@ -561,8 +561,16 @@ def _commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: blobs.PackWriter,
     meanwhile: checked here, under the write lock gc also takes to remove files)."""
     if t.raw("entries", job.key) is not None:
         return "exists"
-    if (w.size and not w.still_there()) or any(t.raw("chunks", ck) is None for ck in have):
+    if w.size and not w.still_there():
         return "retry"
+    shared = {}
+    for ck in have:
+        try:
+            shared[ck] = t.chunk(ck)
+        except RecordError:
+            shared[ck] = None  # unreadable now: write it ourselves (the record is overwritten)
+        if shared[ck] is None:
+            return "retry"
     segments, live = 0, 0
     for ck, (crec, toks) in new.items():
         try:
@@ -574,8 +582,7 @@ def _commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: blobs.PackWriter,
         else:
             t.put_chunk(ck, crec, toks)
             segments, live = segments + 1, live + crec.segment.length
-    for ck in have:
-        old = t.chunk(ck)
+    for ck, old in shared.items():
         t.set_chunk(ck, old.with_refs(old.refs + 1))
     if rec.tail is not None:
         segments, live = segments + 1, live + rec.tail.length
