@@ -81,6 +81,18 @@ class Trie(PromptTrie):
             longer = tokens[:index] + _shortest_extension(current)
         return PromptTrieResult(model, None, shorter, longer, index)
 
+    def holds_prefix(self, model: Any, tokens: list[int]) -> bool:
+        """Whether a strict prefix of ``tokens`` is stored: what ``pop_prefixes`` (inserting
+        a trimmable ``tokens``) would drop."""
+        node = self._trie.get(model)
+        for tok in tokens:
+            if node is None:
+                return False
+            if "__value__" in node:
+                return True
+            node = node.get(tok)
+        return False
+
 
 def _shortest_extension(node: dict) -> list[int]:
     """Tokens from ``node`` to its nearest stored value (mlx-lm's tie-breaking)."""
@@ -164,22 +176,31 @@ class MemoryTier:
         """Every snapshot held, in no particular order."""
         return [self._trie.get(model, list(tokens)) for lru in self._lrus.values() for model, tokens in lru]
 
+    def holds_prefix(self, model: Hashable, tokens: list[int]) -> bool:
+        """Whether a strict prefix of ``tokens`` is stored: inserting a trimmable snapshot
+        of ``tokens`` would drop it (mlx-lm's rule)."""
+        return self._trie.holds_prefix(model, tokens)
+
     def get(self, model: Hashable, tokens: list[int]) -> Snapshot | None:
         try:
             return self._trie.get(model, tokens)
         except KeyError:
             return None
 
-    def insert(self, model: Hashable, tokens: list[int], snap: Snapshot) -> list[tuple[Hashable, list[int], Snapshot]]:
+    def insert(self, model: Hashable, tokens: list[int], snap: Snapshot, *,
+               recent: bool = True) -> list[tuple[Hashable, list[int], Snapshot]]:
         """Store a snapshot; returns what was evicted by the limits (the store persists
         those not yet on disk). Prefixes dropped because ``snap`` covers them are not
-        returned: ``snap`` itself will be persisted."""
+        returned: ``snap`` itself will be persisted. ``recent=False`` files it as the least
+        recently used of its list (first to go), e.g. a snapshot nobody asked for yet."""
         key: Key = (model, tuple(tokens))
         prev = self._trie.add(model, tokens, snap)
         if prev is not None:
             self._bytes_by_type[prev.cache_type] -= prev.nbytes
             self._forget(key)
         self._lrus[snap.cache_type][key] = None
+        if not recent:
+            self._lrus[snap.cache_type].move_to_end(key, last=False)
         self._bytes_by_type[snap.cache_type] += snap.nbytes
 
         evicted: list[tuple[Hashable, list[int], Snapshot]] = []

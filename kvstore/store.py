@@ -21,6 +21,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Hashable
@@ -467,6 +468,7 @@ class KVStore:
                 self._index_damaged(e)
             if self._disk_off:
                 s["disk_off"] = self._disk_off
+        s.update((self._preloaded or Preloaded()).as_stats())
         return s
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -533,6 +535,126 @@ class KVStore:
         self._warned.add(kind)
         log.warning(msg, *args)
 
+    # -- preload -----------------------------------------------------------------------
+
+    _preloaded: "Preloaded | None" = None  # the last preload's report (stats() shows it)
+
+    def preload(self, model: Any, how: int | str = "auto", *, max_bytes: int | None = None,
+                progress: Callable[[int, int], None] | None = None,
+                stop: threading.Event | None = None) -> "Preloaded":
+        """Restore ``model``'s entries from disk into the memory tier, ahead of traffic.
+
+        Order: pinned entries first, then by value, ``(1 + hits) x tokens`` (an entry's write
+        counts as its first use), the most recently used first on ties. ``how``: "pinned"
+        (pinned entries only), "auto" (all of them), or an int N (the first N).
+        Guarantees: nothing already in memory is evicted or replaced. An entry goes in only
+        if it fits the room left (``max_entries``, the memory tier's ``max_bytes``, and
+        ``max_bytes`` here) and its insertion drops no stored prefix (mlx-lm's rule for a
+        trimmable entry); the first entry that does not fit ends the preload (its bytes
+        are known once read, so that one entry may be read for nothing). A preloaded
+        entry is an ordinary memory entry (same LRU lists, limits, byte accounting) filed
+        least recently used, so live inserts outrank it. No hit is credited on disk; a
+        damaged entry is dropped and counted as ``fetch`` does; nothing is raised.
+        Thread-safe: may run beside live traffic; ``stop`` ends it between two entries.
+        ``progress(done, total)`` is called once the candidates are known, then after each."""
+        report = self._preloaded = Preloaded(running=True)
+        t0 = time.perf_counter()
+        try:
+            ident = self.identity(model)
+            order = self._preload_order(ident, how)
+            report.candidates = len(order)
+            if not self._disk_on(ident):
+                report.stopped = "no disk tier for this model"
+            if progress is not None and order:
+                progress(0, len(order))
+            for done, (key, rec) in enumerate(order, 1):
+                if stop is not None and stop.is_set():
+                    report.stopped = "stopped"
+                    break
+                got = self._preload_one(ident, key, rec, max_bytes)  # type: ignore[arg-type]
+                if got == "full":
+                    report.stopped = "budget"
+                    break
+                report.add(rec.n, got.nbytes if isinstance(got, Snapshot) else None)
+                if progress is not None:
+                    progress(done, len(order))
+            else:
+                report.stopped = report.stopped or ("done" if order else "nothing stored")
+        finally:
+            report.seconds = time.perf_counter() - t0
+            report.running = False
+        return report
+
+    def _preload_order(self, ident: Identity | None, how: int | str) -> list[tuple[bytes, Any]]:
+        """The entries ``preload`` tries, in order (none without a disk tier)."""
+        if not self._disk_on(ident):
+            return []
+        from .index import scan
+
+        try:
+            entries = scan(self.disk.index, full=False).entries  # type: ignore[union-attr]
+        except lmdb.Error as e:
+            if not self._index_damaged(e):
+                self._warn_once("preload", "kvstore: cannot list entries to preload (%s)", e)
+            return []
+        return preload_order(entries, ident.digest, how)  # type: ignore[union-attr]
+
+    def _preload_one(self, ident: Identity, key: bytes, rec: Any, max_bytes: int | None) -> "Snapshot | str | None":
+        """Put one entry into memory: its Snapshot, None (skipped: already held, would drop a
+        held prefix, gone or unreadable) or "full" (it does not fit the room left)."""
+        enc = self.disk.index.view(lambda r: r.tokens(key))  # type: ignore[union-attr]
+        if enc is None or len(enc) != rec.n * 4:
+            return None
+        tokens = decode_tokens(enc)
+        with self._lock:
+            why = self._preload_room(ident.digest, tokens, rec.trimmable, 0, max_bytes)
+        if why is not None:
+            return why
+        got = self._preload_read(ident, enc)
+        if got is None:
+            return None
+        snap = Snapshot(got.tensors, got.layout, None, codec.cache_nbytes(got.tensors), codec.trimmable(got.cache),
+                        rec.cache_type if rec.cache_type in self.memory.stats_by_type() else "assistant",
+                        persisted=True, disk_key=key)
+        with self._lock:
+            why = self._preload_room(ident.digest, tokens, snap.trimmable, snap.nbytes, max_bytes)
+            if why is None:
+                self.memory.insert(ident.digest, tokens, snap, recent=False)  # fits: evicts nothing
+        return snap if why is None else why
+
+    def _preload_room(self, mem_key: Hashable, tokens: list[int], trimmable: bool, nbytes: int,
+                      max_bytes: int | None) -> str | None:
+        """None if a snapshot of ``tokens`` (``nbytes``) can go into memory now without
+        evicting or dropping anything; "full" if it does not fit, "skip" if it is held
+        or would drop a held prefix. Called under the lock."""
+        mem = self.memory
+        if mem.get(mem_key, tokens) is not None or (trimmable and mem.holds_prefix(mem_key, tokens)):
+            return "skip"
+        limit = min(mem.max_bytes, max_bytes if max_bytes is not None else mem.max_bytes)
+        if len(mem) + 1 > mem.max_entries or mem.nbytes + nbytes > limit:
+            return "full"
+        return None
+
+    def _preload_read(self, ident: Identity, enc: bytes) -> Restored | None:
+        """Read one entry's whole token list from disk, or None (a miss, handled as in fetch)."""
+        assert self.disk is not None
+        try:
+            plan = self.disk.plan(ident, enc)
+        except Exception as e:
+            if not self._index_damaged(e):
+                self._warn_once("plan", "kvstore: disk lookup failed (%s); treating as a miss", e)
+            return None
+        if plan is None or plan.n != len(enc) // 4:
+            return None
+        try:
+            return self.disk.restore(plan, ident, lambda specs, layout: layout_problem(ident, specs, layout))
+        except (blobs.BlobError, codec.Unsupported, KeyError, ValueError, OSError) as e:
+            self._damaged(plan, e)
+        except Exception as e:  # a defect, not damage: skipped, never a crash
+            if not self._index_damaged(e):
+                self._warn_once("preload", "kvstore: could not preload an entry (%s); skipped", e)
+        return None
+
 
 def _token_list(tokens: Any) -> list:
     try:
@@ -552,6 +674,51 @@ def _check_cache(cache: Any) -> None:
     why = codec.check_holds(cache)
     if why:
         raise ValueError(f"cache {why}")
+
+
+@dataclass
+class Preloaded:
+    """What ``KVStore.preload`` put in the memory tier: ``entries`` holding ``tokens`` and
+    ``nbytes``, out of ``candidates`` tried in order; ``skipped`` were held already, would
+    have dropped a held prefix, or could not be read; ``stopped``: "done", "budget" (the
+    next one did not fit), "stopped", "nothing stored"."""
+
+    entries: int = 0
+    tokens: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    candidates: int = 0
+    skipped: int = 0
+    stopped: str = ""
+    running: bool = False
+
+    def add(self, tokens: int, nbytes: int | None) -> None:
+        """Count one candidate: preloaded (``nbytes`` given) or skipped (None)."""
+        if nbytes is None:
+            self.skipped += 1
+            return
+        self.entries += 1
+        self.tokens += tokens
+        self.nbytes += nbytes
+
+    def as_stats(self) -> dict[str, Any]:
+        return {"preloaded_entries": self.entries, "preloaded_tokens": self.tokens,
+                "preloaded_bytes": self.nbytes, "preload_seconds": round(self.seconds, 3),
+                "preload_skipped": self.skipped, "preload_running": self.running}
+
+
+def preload_order(entries: dict[bytes, Any], identity: bytes, how: int | str) -> list[tuple[bytes, Any]]:
+    """``(key, EntryRecord)`` of ``identity`` in the order ``KVStore.preload`` tries them:
+    pinned first, then by ``(1 + hits) x n``, then most recently used. ``how`` "pinned"
+    keeps the pinned ones, "auto" all, an int N the first N. Unreadable records (None) are
+    left out."""
+    if not (how in ("pinned", "auto") or (isinstance(how, int) and how >= 0)):
+        raise ValueError(f"preload must be 'pinned', 'auto' or a number of entries >= 0, got {how!r}")
+    mine = [(k, r) for k, r in entries.items() if r is not None and r.identity == identity]
+    mine.sort(key=lambda kr: (not kr[1].pinned, -(1 + kr[1].hits) * kr[1].n, -kr[1].last_used, kr[0]))
+    if how == "pinned":
+        return [(k, r) for k, r in mine if r.pinned]
+    return mine if how == "auto" else mine[:how]
 
 
 def open_disk(path: Path, chunk_tokens: int = 256, *, shared_dir: bool = False, readonly: bool = False) -> DiskTier:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..store import KVStore
+from ..store import KVStore, Preloaded
 
 
 class LRUPromptCache:
@@ -90,6 +90,11 @@ class LRUPromptCache:
     def stats(self) -> dict[str, Any]:
         """The store's counters (hits by tier, bytes, dropped writes, ...)."""
         return self.store.stats()
+
+    def preload(self, model: Any, how: int | str = "auto", **options: Any) -> Preloaded:
+        """Restore ``model``'s stored entries into the memory tier ahead of traffic
+        (``KVStore.preload``: pinned first, never evicting what is already in memory)."""
+        return self.store.preload(model, how, **options)
 
     def close(self) -> None:
         """Flush the write-behind queue and close the index."""
