@@ -71,6 +71,13 @@ _STAT_KEYS = ("hits_memory", "hits_disk", "misses", "tokens_saved", "bytes_read"
 _INDEX_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.InvalidError)
 
 
+# A disk hit replaces a shorter memory hit only when it holds more than this many tokens
+# more: restoring a whole prefix to save the prefill of a chat template's role header
+# costs more than it saves (after a restart with a preloaded system prompt, every
+# conversation on disk extends that prompt by its user header's few tokens).
+MIN_DISK_GAIN = 16
+
+
 class KVStore:
     """A two-tier prefix cache for mlx-lm prompt caches.
 
@@ -197,7 +204,9 @@ class KVStore:
     # -- fetch -------------------------------------------------------------------------
 
     def fetch(self, model: Any, tokens: list[int]) -> Fetched:
-        """The longest reusable prefix of ``tokens`` in memory or on disk.
+        """The longest reusable prefix of ``tokens`` in memory or on disk; a longer disk
+        prefix replaces a memory hit only when it holds all of ``tokens`` or more than
+        ``MIN_DISK_GAIN`` tokens more (``worth_restoring``).
 
         Raises ValueError (``keys.TokenError``) for token lists that are not token ids.
         """
@@ -239,7 +248,7 @@ class KVStore:
         if n < len(tokens) and self._disk_on(ident) and tokens:
             try:
                 plan = self.disk.plan(ident, enc)  # type: ignore[union-attr,arg-type]
-                n = max(n, plan.n if plan is not None else 0)
+                n = plan.n if plan is not None and worth_restoring(plan.n, n, len(tokens)) else n
             except Exception:  # a disk problem is a miss, as in fetch
                 pass
         return n
@@ -253,7 +262,7 @@ class KVStore:
                 if not self._index_damaged(e):
                     self._warn_once("plan", "kvstore: disk lookup failed (%s); treating as a miss", e)
                 return None
-            if plan is None or plan.n <= better_than:
+            if plan is None or not worth_restoring(plan.n, better_than, len(enc) // 4):
                 return None
             t0 = time.perf_counter()
             try:
@@ -705,6 +714,13 @@ class Preloaded:
         return {"preloaded_entries": self.entries, "preloaded_tokens": self.tokens,
                 "preloaded_bytes": self.nbytes, "preload_seconds": round(self.seconds, 3),
                 "preload_skipped": self.skipped, "preload_running": self.running}
+
+
+def worth_restoring(disk_n: int, memory_n: int, wanted: int) -> bool:
+    """Whether a disk hit of ``disk_n`` of ``wanted`` tokens beats a memory hit of
+    ``memory_n``: it must be longer, and either memory has nothing, or the disk holds all
+    ``wanted`` tokens, or more than ``MIN_DISK_GAIN`` tokens more than memory."""
+    return disk_n > memory_n and (memory_n == 0 or disk_n >= wanted or disk_n - memory_n > MIN_DISK_GAIN)
 
 
 def preload_order(entries: dict[bytes, Any], identity: bytes, how: int | str) -> list[tuple[bytes, Any]]:

@@ -17,7 +17,7 @@ from test_store import assert_synth, ident, rand_tokens, synth
 
 from kvstore import KVStore
 from kvstore.keys import encode_tokens, key_of, root_key
-from kvstore.store import preload_order
+from kvstore.store import MIN_DISK_GAIN, preload_order
 
 C = U.CHUNK
 WHO = ident("preload")
@@ -187,3 +187,25 @@ def test_stop_ends_a_preload_between_entries(tmp_path: Path) -> None:
     with KVStore(tmp_path) as s:
         r = s.preload(WHO, "auto", stop=stop, progress=lambda done, total: done == 2 and stop.set())
         assert (r.entries, r.stopped) == (2, "stopped") and not r.running
+
+
+def test_a_few_more_tokens_on_disk_do_not_beat_a_memory_hit(tmp_path: Path) -> None:
+    """After a preload the memory holds the system prompt, while the disk holds the last
+    conversations, which extend it by a user header's few tokens: restoring the whole
+    prefix for those costs more than it saves. More than MIN_DISK_GAIN more tokens, or
+    the whole query, still come from disk."""
+    system = rand_tokens(150, seed=80)
+    header = rand_tokens(MIN_DISK_GAIN, seed=81)
+    longer = system + header + rand_tokens(60, seed=82)
+    make_store(tmp_path, {"chat": (system + header + rand_tokens(30, seed=83), {}), "long": (longer, {})})
+    with KVStore(tmp_path) as s:
+        s.insert(WHO, system, synth(system))
+        query = system + header + rand_tokens(20, seed=84)
+        assert s.peek(WHO, query) == len(system)
+        got = s.fetch(WHO, query)
+        assert (got.source, got.n) == ("memory", len(system))
+        query = longer[: len(system) + MIN_DISK_GAIN + 1] + [3]
+        assert s.peek(WHO, query) == len(system) + MIN_DISK_GAIN + 1
+        got = s.fetch(WHO, query)
+        assert (got.source, got.n) == ("disk", len(system) + MIN_DISK_GAIN + 1)
+        assert_synth(got.cache, query[:-1])
