@@ -26,6 +26,7 @@ import sys
 from typing import Any
 from urllib.parse import unquote
 
+from . import startup
 from .mlx_lm import LRUPromptCache
 
 log = logging.getLogger("kvstore")
@@ -82,7 +83,11 @@ def _install_routes(server_mod: Any) -> None:
 
     def do_GET(self: Any) -> None:
         path = self.path.split("?")[0]
-        if path == "/v1/cache/stats":
+        if path == "/health":  # 503 until loaded, warmed up and preloaded (kvstore.adapters.startup)
+            _send_json(self, *startup.health(self.response_generator))
+        elif (path == "/v1/models" or path.startswith("/v1/models/")) and not startup.STATE.ready.is_set():
+            _send_json(self, 503, startup.not_ready_error())
+        elif path == "/v1/cache/stats":
             _send_json(self, 200, [s.stats() for s in _STORES][0] if _STORES else {})
         elif path == "/v1/models" or path.startswith("/v1/models/"):
             _models(self, path)
@@ -96,6 +101,7 @@ def _install_routes(server_mod: Any) -> None:
 def _sigterm(signum: int, frame: Any) -> None:
     # once: a second SIGTERM must not interrupt the flush the first one started
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    startup.STATE.stop.set()  # a preload under way stops after its current entry
     raise KeyboardInterrupt
 
 
@@ -107,17 +113,20 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--write-queue", type=int, default=16, help="write-behind queue length (default 16)")
 
 
-def main(argv: list[str] | None = None, *, exit_process: bool = True) -> int:
+def main(argv: list[str] | None = None, *, exit_process: bool = True,
+         progress: startup.ProgressFactory | None = None) -> int:
     """Run the server until SIGTERM / Ctrl-C, then flush and close the store.
 
     With ``exit_process`` (the default: this is a process entry point) a server that ran
     ends the process itself with status 0 once the store is closed (see ``_exit_now``);
-    ``--help`` and usage errors raise SystemExit as argparse does."""
+    ``--help`` and usage errors raise SystemExit as argparse does. ``progress``: the
+    progress-bar factory for the preload (the CLI passes ``kvstore.cli.progress.Progress``)."""
     parser = argparse.ArgumentParser(
         prog="kvstore serve", add_help=False,  # -h / --help: ours, then mlx_lm.server's
         description="mlx_lm.server with a persistent kvstore prompt cache. "
                     "All mlx_lm.server flags are accepted (e.g. --model, --host, --port).")
     setup_arg_parser(parser)
+    startup.add_arguments(parser)
     ours, rest = parser.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         parser.print_help()
@@ -133,6 +142,7 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True) -> int:
         options.update(kv_bits=int(kv_bits), kv_group_size=int(_flag(rest, "--kv-group-size") or 64))
     server_mod.LRUPromptCache = bind_prompt_cache(**options)
     _install_routes(server_mod)
+    startup.install(server_mod, startup.options(ours), _STORES, progress)
     signal.signal(signal.SIGTERM, _sigterm)
     sys.argv = ["mlx_lm.server", *rest]
     try:
@@ -140,6 +150,7 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        startup.shutdown()
         for s in _STORES:
             s.close()
         log.info("kvstore: store flushed and closed")

@@ -15,5 +15,6 @@ def setup_arg_parser(subparsers: "argparse._SubParsersAction") -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..adapters.server import main
+    from .progress import Progress
 
-    return main(args.args)
+    return main(args.args, progress=Progress)

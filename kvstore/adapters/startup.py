@@ -1,0 +1,207 @@
+"""Warm start for ``kvstore serve``: a warm-up pass and a preload before the server is ready.
+
+mlx_lm.server loads its model on its generation thread while the HTTP socket already
+listens. ``install`` gives it a ``ModelProvider`` whose ``load_default`` (run on that
+thread before it takes any request) then
+
+1. runs one forward pass of a few tokens on a scratch cache (``kvstore.generate.warm_up``),
+   so the first request does not pay the first call's cost (weights read in, kernels and
+   BLAS set up); ``--no-warmup`` skips it;
+2. restores this model's pinned entries, then the most valuable others, into the memory
+   tier (``--preload pinned | auto | N``: ``KVStore.preload``); ``--preload-background``
+   runs it on its own thread once the server is ready, beside live traffic (a live insert
+   always wins: the preload never evicts, and stops at the first entry that does not fit);
+3. marks the server ready and logs ``kvstore: ready: ...``.
+
+Readiness: until step 3, ``GET /health`` and ``GET /v1/models`` answer 503, /health with
+``{"status": "starting", "phase": "loading model" | "warming up" | "preloading"}``. The
+socket accepts requests meanwhile, but a chat or completion request sent early waits in
+mlx-lm's queue behind the start and is served once the server is ready: never cold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+log = logging.getLogger("kvstore")
+
+ProgressFactory = Callable[..., Any]
+"""``factory(label, total=, unit=)`` -> an object with ``update_to(done)`` and
+``close(label=None, note="")``: ``kvstore.cli.progress.Progress``."""
+
+
+@dataclass
+class Options:
+    """What the warm-start flags asked for."""
+
+    preload: int | str | None = None  # "pinned", "auto", N entries, or None (off)
+    background: bool = False
+    warmup: bool = True
+
+
+@dataclass
+class State:
+    """Where this process is in its start. ``ready`` is set once; ``stop`` ends a
+    background preload (shutdown)."""
+
+    phase: str = "loading model"
+    started: float = field(default_factory=time.monotonic)
+    ready: threading.Event = field(default_factory=threading.Event)
+    stop: threading.Event = field(default_factory=threading.Event)
+    info: dict[str, Any] = field(default_factory=dict)
+    thread: threading.Thread | None = None
+
+
+STATE = State()
+
+
+def preload_how(text: str) -> int | str:
+    """``--preload``'s value: "pinned", "auto" or a number of entries."""
+    if text in ("pinned", "auto"):
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected pinned, auto or a number of entries >= 0, got {text!r}")
+    return n
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("kvstore warm start")
+    g.add_argument("--preload", type=preload_how, nargs="?", const="auto", default=None, metavar="N|pinned|auto",
+                   help="before reporting ready, restore this model's stored entries into memory: pinned ones "
+                        "first (`kvstore pin`), then (auto, or up to N) the most valuable others while they "
+                        "fit --prompt-cache-size / --prompt-cache-bytes (default: off; alone: auto)")
+    g.add_argument("--preload-background", action="store_true",
+                   help="report ready first and preload beside live traffic (a live insert always wins)")
+    g.add_argument("--no-warmup", action="store_true",
+                   help="skip the one short forward pass that takes the first request's first-call cost")
+
+
+def options(ns: argparse.Namespace) -> Options:
+    return Options(preload=ns.preload, background=ns.preload_background, warmup=not ns.no_warmup)
+
+
+def install(server_mod: Any, opts: Options, stores: list[Any], progress: ProgressFactory | None = None) -> None:
+    """Give ``server_mod`` (mlx_lm.server) a ModelProvider that warms up and preloads after
+    loading its default model, then marks this process ready. ``stores``: the server's
+    prompt caches (filled as mlx_lm.server creates them)."""
+    STATE.started = time.monotonic()
+
+    class WarmStartProvider(server_mod.ModelProvider):
+        def load_default(self) -> None:
+            t0 = time.perf_counter()
+            super().load_default()
+            STATE.info["load_seconds"] = round(time.perf_counter() - t0, 3)
+            start(self, opts, stores[0] if stores else None, progress)
+
+    server_mod.ModelProvider = WarmStartProvider
+
+
+def start(provider: Any, opts: Options, cache: Any, progress: ProgressFactory | None) -> None:
+    """Steps 1-3 of the module docstring, on the generation thread."""
+    from ..generate import warm_up
+
+    model = provider.model
+    if opts.warmup and model is not None:
+        STATE.phase = "warming up"
+        seconds = warm_up(model)
+        if provider.draft_model is not None:
+            seconds += warm_up(provider.draft_model)
+        STATE.info["warmup_seconds"] = round(seconds, 3)
+    run = None
+    if opts.preload is not None and cache is not None and model is not None:
+        budget = getattr(provider.cli_args, "prompt_cache_bytes", None)
+
+        def run() -> None:
+            preload(cache, provider.model_key, opts, budget, progress)
+
+        if not opts.background:
+            STATE.phase = "preloading"
+            run()
+            run = None
+    if STATE.stop.is_set():  # SIGTERM during the start: shutting down, never ready
+        return
+    mark_ready(opts)
+    if run is not None:
+        STATE.thread = threading.Thread(target=run, name="kvstore-preload", daemon=True)
+        STATE.thread.start()
+
+
+def preload(cache: Any, model_key: Any, opts: Options, max_bytes: int | None,
+            progress: ProgressFactory | None) -> Any:
+    """``cache.preload`` with a progress bar (when a factory is given) and a summary line;
+    None if it failed (logged: the server then starts without it)."""
+    bars: list[Any] = []
+
+    def step(done: int, total: int) -> None:
+        if progress is not None and not bars:
+            bars.append(progress(f"preload {entries(total)} ({opts.preload})", total=total, unit="entry"))
+        if bars:
+            bars[0].update_to(done)
+
+    STATE.info["preload"] = {"how": opts.preload, "running": True}
+    try:
+        report = cache.preload(model_key, opts.preload, max_bytes=max_bytes, progress=step, stop=STATE.stop)
+    except Exception as e:  # a defect: the server still starts, from disk as before
+        log.exception("kvstore: preload failed (a kvstore bug: please report); serving without it")
+        STATE.info["preload"] = {"how": opts.preload, "running": False, "error": f"{type(e).__name__}: {e}"}
+        return None
+    summary = (f"preloaded {report.entries} of {entries(report.candidates)} ({report.tokens:,} tokens, "
+               f"{report.nbytes / 1e9:.2f} GB) in {report.seconds:.2f} s")
+    for bar in bars:
+        bar.close(f"preload: {entries(report.entries)}, {report.tokens:,} tokens")
+    STATE.info["preload"] = {"how": opts.preload, **report.as_stats(), "stopped": report.stopped}
+    log.info("kvstore: %s (--preload %s%s; stopped: %s, %d skipped)", summary, opts.preload,
+             " in the background" if opts.background else "", report.stopped, report.skipped)
+    return report
+
+
+def entries(n: int) -> str:
+    return f"{n} entr{'y' if n == 1 else 'ies'}"
+
+
+def mark_ready(opts: Options) -> None:
+    STATE.info["ready_seconds"] = round(time.monotonic() - STATE.started, 3)
+    STATE.phase = "ready"
+    STATE.ready.set()
+    parts = [f"model loaded in {STATE.info.get('load_seconds', 0):.1f} s"]
+    warm = STATE.info.get("warmup_seconds")
+    parts.append(f"warm-up {warm:.2f} s" if warm is not None else "no warm-up")
+    pre = STATE.info.get("preload")
+    if pre and "preloaded_entries" in pre:
+        parts.append(f"{entries(pre['preloaded_entries'])} ({pre['preloaded_tokens']:,} tokens) preloaded")
+    elif opts.preload is not None:
+        parts.append(f"preload ({opts.preload}) continues in the background")
+    log.info("kvstore: ready: %s; %.1f s after start", ", ".join(parts), STATE.info["ready_seconds"])
+
+
+def health(generator: Any) -> tuple[int, dict[str, Any]]:
+    """``GET /health``: 200 once ready, 503 while starting (with the phase) or when the
+    generation thread died (mlx_lm.server's own rule)."""
+    alive = generator is None or generator.generation_available()
+    if not alive:
+        return 503, {"status": "unavailable"}
+    if not STATE.ready.is_set():
+        return 503, {"status": "starting", "phase": STATE.phase}
+    return 200, {"status": "ok", "phase": STATE.phase, **STATE.info}
+
+
+def not_ready_error() -> dict[str, Any]:
+    """The body of a 503 for a route that waits for readiness (``GET /v1/models``)."""
+    return {"error": {"message": f"kvstore serve is starting ({STATE.phase}); GET /health says when it is ready",
+                      "type": "server_starting", "param": None, "code": "starting"}}
+
+
+def shutdown(timeout: float = 60.0) -> None:
+    """Stop a background preload between two entries and wait for it."""
+    STATE.stop.set()
+    if STATE.thread is not None:
+        STATE.thread.join(timeout)
