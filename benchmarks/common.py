@@ -453,12 +453,11 @@ def load_model(name: str):
 
 
 def warm_up(model: Any, n: int = 16) -> None:
-    """One short forward pass on a throwaway cache (first-call costs out of the way)."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
+    """One short forward pass on a throwaway cache (first-call costs out of the way):
+    ``kvstore.generate.warm_up``, what ``kvstore serve`` runs before it is ready."""
+    from kvstore.generate import warm_up as forward_once
 
-    c = make_prompt_cache(model)
-    mx.eval(model(mx.array([list(range(1, n + 1))]), cache=c))
+    forward_once(model, n)
 
 
 def prefault_memory(quick: bool = False) -> dict[str, Any]:

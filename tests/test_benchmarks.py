@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-NAMES = ("ttft", "bandwidth", "agent_loop", "overhead", "scale")
+NAMES = ("ttft", "bandwidth", "agent_loop", "overhead", "scale", "server")
 TOP_KEYS = {"benchmark", "schema", "quick", "machine", "settings", "raw", "medians", "headline", "notes", "seconds"}
 MACHINE_KEYS = {"cpu", "cores", "ram_bytes", "os", "blas", "versions", "loadavg"}
 
@@ -73,12 +73,18 @@ def test_expected_medians(quick_run):
     assert scale["dropped_writes"] == 0
     assert scale["persisted_per_s"] > 0 and scale["lookup_present_p50_s"] > 0 and scale["open_warm_s"] > 0
     assert scale["gc_s"] > 0
+    for m in load("server")["medians"].values():  # real `kvstore serve` processes
+        assert m["memory_ttft"] > 0 and m["restart_ttft"] > 0 and m["preload_ttft"] > 0
+        assert m["sources"] == {"memory": ["memory"], "preload": ["memory"], "restart": ["disk"],
+                                "restart_no_warmup": ["disk"]}, m["sources"]
+        assert m["cached_tokens"]["preload"] > 1000 and m["preloaded_entries"] == [1, 1]
+        assert m["preload_seconds_in_server"] > 0 and m["warmup_seconds_in_server"] > 0
 
 
 def test_chart_and_summary(quick_run):
     out, stdout = quick_run
     assert (out / "chart.png").stat().st_size > 10_000
     summary = (out / "summary.md").read_text()
-    assert "Headline numbers" in summary and "ttft" in summary and "scale" in summary
+    assert "Headline numbers" in summary and "ttft" in summary and "scale" in summary and "server" in summary
     run = json.loads((out / "run.json").read_text())
     assert run["failed"] == [] and set(run["seconds"]) == set(NAMES)
