@@ -182,7 +182,7 @@ def started(ctx: C.Context, model_dir: Path, cache_dir: Path, tag: str, flags: l
 def row_memory(ctx: C.Context, model_dir: Path, cache_dir: Path, system: str, qs: list[str]) -> dict[str, Any]:
     """Row 1: a server that never stopped; the first request (from disk) is not timed as a
     memory hit, the next ``MEMORY_HITS`` questions are."""
-    server, info = started(ctx, model_dir, cache_dir, "memory", [], drop=False)
+    server, info = started(ctx, model_dir, cache_dir, f"{model_dir.name}-memory", [], drop=False)
     try:
         first = chat(server, system, qs[0])
         hits = [chat(server, system, q) for q in qs[1: 1 + MEMORY_HITS]]
@@ -204,28 +204,34 @@ def row_restart(ctx: C.Context, model_dir: Path, cache_dir: Path, system: str, q
     return info
 
 
-def run_model(ctx: C.Context, name: str, system_tokens: int) -> dict[str, Any]:
-    """All rows for one model, the preload row first: the first processes of a run meet
-    memory the VM host has not backed yet, which makes them slower, never faster."""
+def prepare(ctx: C.Context, name: str, system_tokens: int) -> dict[str, Any]:
+    """The model's system prompt and questions, and its store: ``kvstore warm`` + ``pin``."""
     from tools.models import model_path
 
     model_dir = model_path(name)
     d = ctx.scratch(f"server-{name}")
-    cache_dir = d / "cache"
     system, qs = prompts(model_dir, system_tokens, 2 * RESTARTS + 2 + MEMORY_HITS)
     (d / "system.txt").write_text(system)
-    ctx.log(f"  {name}: kvstore warm (cold prefill of the system prompt) + pin ...")
-    warm = warm_and_pin(model_dir, cache_dir, d / "system.txt")
-    ctx.log(f"    {warm['system_tokens']} tokens in {warm['warm_s']:.1f} s")
-    q = iter(qs)
+    warm = warm_and_pin(model_dir, d / "cache", d / "system.txt")
+    ctx.log(f"  {name}: {warm['system_tokens']} tokens warmed in {warm['warm_s']:.1f} s")
+    return {"name": name, "model_dir": model_dir, "cache_dir": d / "cache", "system": system, "qs": qs, "warm": warm}
+
+
+def run_model(ctx: C.Context, prep: dict[str, Any]) -> dict[str, Any]:
+    """All rows for one model, the preload row first: the first processes of a run meet
+    memory the VM host has not backed yet, which makes them slower, never faster."""
+    name, model_dir, cache_dir, system = prep["name"], prep["model_dir"], prep["cache_dir"], prep["system"]
+    q = iter(prep["qs"])
     rows: dict[str, Any] = {}
     for tag, flags, runs in (("preload", ["--preload", "pinned"], RESTARTS), ("restart", [], RESTARTS),
                              ("restart_no_warmup", ["--no-warmup"], 1)):
-        ctx.log(f"    {tag}: {runs} x (page cache dropped, kvstore serve {' '.join(flags)}, first request) ...")
-        rows[tag] = [row_restart(ctx, model_dir, cache_dir, system, next(q), f"{tag}-{i}", flags) for i in range(runs)]
-    ctx.log("    memory: a server that never stops, a first request, then memory hits ...")
+        ctx.log(f"  {name} {tag}: {runs} x (page cache dropped, kvstore serve {' '.join(flags)}, first request) ...")
+        rows[tag] = [row_restart(ctx, model_dir, cache_dir, system, next(q), f"{name}-{tag}-{i}", flags)
+                     for i in range(runs)]
+    ctx.log(f"  {name} memory: a server that never stops, a first request, then memory hits ...")
     rows["memory"] = row_memory(ctx, model_dir, cache_dir, system, [next(q) for _ in range(1 + MEMORY_HITS)])
-    row = {"model": name, "system_tokens": warm["system_tokens"], "question_tokens": QUESTION, "warm": warm, **rows}
+    row = {"model": name, "system_tokens": prep["warm"]["system_tokens"], "question_tokens": QUESTION,
+           "warm": prep["warm"], **rows}
     row["medians"] = medians(row)
     m = row["medians"]
     ctx.log(f"    memory hit {C.fmt(m['memory_ttft'], 's')}, restart {C.fmt(m['restart_ttft'], 's')} "
@@ -262,7 +268,12 @@ def medians(row: dict[str, Any]) -> dict[str, Any]:
 def run(ctx: C.Context) -> dict[str, Any]:
     started_at = time.perf_counter()
     models = QUICK if ctx.quick else DEFAULT
-    rows = [run_model(ctx, name, n) for name, n in models]
+    from concurrent.futures import ThreadPoolExecutor
+
+    ctx.log(f"  kvstore warm + pin for {', '.join(n for n, _ in models)}, concurrently (cold prefills) ...")
+    with ThreadPoolExecutor(len(models)) as pool:  # each cold prefill keeps about one core busy
+        prepared = list(pool.map(lambda m: prepare(ctx, *m), models))
+    rows = [run_model(ctx, prep) for prep in prepared]
     medians_ = {f"{r['model']}/{r['system_tokens']}": r["medians"] for r in rows}
     headline = {k: {"memory_s": v["memory_ttft"], "restart_s": v["restart_ttft"], "preload_s": v["preload_ttft"],
                     "preload_vs_memory": v["preload_vs_memory"], "preload_startup_s": v["preload_startup_s"]}
@@ -276,7 +287,8 @@ def run(ctx: C.Context) -> dict[str, Any]:
         "preloads it); requests are streamed chat completions at temperature 0; TTFT is send -> first "
         "content chunk, measured by the client.",
         "The system prompt is prefilled once by `kvstore warm --system-file` and pinned by `kvstore pin`; "
-        "warm.warm_s is that cold prefill (a separate process, not a server request).",
+        "warm.warm_s is that cold prefill (a separate process, not a server request; the models' warms run "
+        "concurrently, each keeps about one core busy, so they slow each other somewhat).",
         "Ready time is Popen -> first 200 from GET /health; preload_startup_s = ready with --preload pinned "
         "minus ready without (both after the page cache was dropped).",
         "Restart rows are the median of RESTARTS runs (each a fresh process after a page-cache drop; "
