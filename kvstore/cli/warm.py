@@ -24,7 +24,8 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "derived from its files)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--system-file", type=Path, metavar="FILE",
-                     help="a text file holding the system prompt")
+                     help="a text file holding the system prompt (stored as mlx_lm.server caches it: with the "
+                        "header of the user turn that follows)")
     src.add_argument("--messages-file", type=Path, metavar="FILE",
                      help='a JSON file holding a list of {"role": ..., "content": ...} messages')
     p.add_argument("--step", type=int, default=512, metavar="TOKENS",
@@ -73,17 +74,31 @@ def _model_dir(model: str) -> Path:
     return got
 
 
-def tokenize(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def tokenize(tokenizer: Any, messages: list[dict[str, str]], *, generation_prompt: bool = False) -> list[int]:
     if not getattr(tokenizer, "chat_template", None) and not getattr(tokenizer, "has_chat_template", False):
         raise common.CLIError("the model's tokenizer has no chat template, so the prompt a server would "
                               "build is unknown: add a chat template to the model directory")
-    toks = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
+    toks = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
     if isinstance(toks, dict) or hasattr(toks, "input_ids"):  # transformers BatchEncoding
         toks = toks["input_ids"]
     toks = list(toks)
     if toks and isinstance(toks[0], (list, tuple)):
         toks = list(toks[0])
     return [int(t) for t in toks]
+
+
+def server_system_prefix(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """System messages as mlx_lm.server caches them (its "system" segment): rendered up to
+    where a user turn's text starts, so with the user turn's header. That boundary is the
+    server's own rule: the first token where the template of the system messages plus an
+    empty user turn differs from a real prompt. A restarted server that has exactly this
+    in memory (``--preload``) prefills a new question and nothing else. Falls back to the
+    plain rendering of ``messages`` when the template gives no such boundary."""
+    plain = tokenize(tokenizer, messages)
+    empty = tokenize(tokenizer, messages + [{"role": "user", "content": ""}])
+    probe = tokenize(tokenizer, messages + [{"role": "user", "content": "Hello"}], generation_prompt=True)
+    end = next((i for i, (a, b) in enumerate(zip(empty, probe)) if a != b), 0)
+    return probe[:end] if len(plain) <= end < len(probe) and probe[: len(plain)] == plain else plain
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     t0 = time.perf_counter()
     model, tokenizer = _load(model_dir)
-    tokens = tokenize(tokenizer, messages)
+    tokens = server_system_prefix(tokenizer, messages) if args.system_file is not None else tokenize(tokenizer, messages)
     if not tokens:
         raise common.CLIError("the chat template produced no tokens")
     store = _open_store(args)
