@@ -444,3 +444,72 @@ def test_env_url_prefix_and_ttl(tmp_path, redis_server: RedisServer, monkeypatch
         assert rest == [1] and lru.stats()["hits_shared"] == 1
     finally:
         lru.close()
+
+
+# --------------------------------------------------------------------------- maintenance CLI
+
+
+def _cli(capsys, *argv: str) -> tuple[int, dict]:
+    import json
+
+    from kvstore.cli.main import main
+
+    code = main(list(argv) + ["--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_cli_stats_ls_gc_with_shared(tmp_path, redis_server: RedisServer, capsys):
+    a, b = ident("cli-a"), ident("cli-b")
+    url = redis_server.url
+    publish(tmp_path / "a", url, a, [ENTRY, ENTRY[:100]])  # 3 chunks + 2 entries
+    publish(tmp_path / "b", url, b, [rand_tokens(130, 61)])  # 2 chunks + 1 entry
+    code, s = _cli(capsys, "stats", "--shared", url)
+    assert code == 0 and (s["entries"], s["chunks"]) == (3, 5) and s["unreadable"] == 0
+    rows = {r["identity"]: r for r in s["by_identity"]}
+    assert (rows[a.hex]["entries"], rows[a.hex]["chunks"], rows[a.hex]["tokens"]) == (2, 3, 300)
+    assert rows[a.hex]["bytes"] == sum(len(redis_server.client().get(k)) for k in
+                                       redis_server.client().scan_iter(f"kvstore:*:[ce]1:{a.hex}"))
+    assert s["server_memory"]["used_memory"] > 0
+    code, ls = _cli(capsys, "ls", "--shared", url)
+    assert code == 0 and ls["n_entries"] == 3
+    assert sorted(e["tokens"] for g in ls["identities"] for e in g["entries"]) == [100, 130, 200]
+
+    code, dry = _cli(capsys, "gc", "--shared", url, "--identity", b.hex[:8], "--dry-run")
+    assert code == 0 and (dry["entries"], dry["chunks"], dry["hashes"]) == (1, 2, 1)
+    assert _cli(capsys, "stats", "--shared", url)[1]["entries"] == 3  # a dry run changes nothing
+    code, gone = _cli(capsys, "gc", "--shared", url, "--identity", b.hex[:8])
+    assert code == 0 and gone["entries"] == 1 and gone["bytes"] > 0
+    assert not list(redis_server.client().scan_iter(f"*:{b.hex}"))  # every name of b is gone
+
+    time.sleep(1.1)
+    publish(tmp_path / "a2", url, a, [ENTRY[:70]])  # a newer entry sharing chunk 1
+    code, aged = _cli(capsys, "gc", "--shared", url, "--max-age", "1s")
+    assert code == 0 and aged["entries"] == 2 and aged["chunks"] == 2  # chunk 1 is still used
+    with store(tmp_path / "c", url) as c:
+        f = c.fetch(a, ENTRY + [1])
+        assert (f.n, f.source) == (70, "shared")  # the 200- and 100-token entries are gone
+        exact(f, ENTRY + [1])
+    assert _cli(capsys, "stats", "--shared", url)[1]["entries"] == 1
+
+
+def test_cli_shared_errors_are_clear(capsys):
+    from kvstore.cli.main import main
+
+    assert main(["stats", "--shared", "redis://127.0.0.1:1/0"]) == 1
+    assert "does not answer" in capsys.readouterr().err
+    assert main(["gc", "--shared", "redis://127.0.0.1:1/0"]) == 2
+    assert "--identity" in capsys.readouterr().err
+
+
+def test_serve_shared_flags():
+    import argparse
+
+    from kvstore.adapters.server import setup_arg_parser, shared_config
+
+    p = argparse.ArgumentParser()
+    setup_arg_parser(p)
+    ours, rest = p.parse_known_args(["--shared", "rediss://u:pw@h:7000/1", "--shared-prefix", "team",
+                                     "--shared-ttl", "600", "--shared-timeout", "250", "--model", "m"])
+    c = shared_config(ours)
+    assert (c.tls, c.db, c.prefix, c.ttl, c.command_timeout) == (True, 1, "team", 600.0, 0.25)
+    assert rest == ["--model", "m"] and shared_config(p.parse_known_args([])[0]) is None
