@@ -159,6 +159,8 @@ def run_bandwidth(ctx: C.Context, url: str, shape: str, n: int, reps: int) -> di
            "round_trips_per_lookup": C.median([r["round_trips"] for r in shared]),
            "all_shared_hits": all(r["source"] == "shared" and r["n"] == n for r in shared),
            "all_local_hits": all(r["source"] == "disk" and r["n"] == n for r in local)}
+    if not (med["all_shared_hits"] and med["all_local_hits"]):  # never report a miss's timing as a restore
+        raise RuntimeError(f"a restore missed: shared {shared}, local {local}")
     for k in ("shared_restore", "local_restore", "redis_get", "file_read"):
         med[f"{k}_gbps"] = C.gb(payload) / med[f"{k}_s"] if med[f"{k}_s"] else None
     return {"shape": shape, "tokens": n, "publish": pub, "shared": shared, "local": local, "plain": plain,

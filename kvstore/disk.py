@@ -145,13 +145,7 @@ class DiskTier:
         pieces = self.index.view(lambda r: _pieces(r, plan))
         with _Packs(self.blob_root) as packs:
             heads = [_header(packs, p) for p in pieces]
-            layout = _check_pieces(pieces, heads, ident, plan, self.chunk)
-            specs = _final_specs(heads[0], plan) if plan.chunked else heads[0].specs
-            if check is not None:
-                with _blame(*pieces[-1].record):
-                    why = check({n: ArraySpec(s, _mx_dtype(st)) for n, (st, s) in specs.items()}, layout)
-                    if why:
-                        raise blobs.BlobError(f"stored cache does not fit the model: {why}")
+            layout, specs = _checked(pieces, heads, ident, plan, self.chunk, check)
             arrays, hosts = blobs.alloc(specs)
             _read_all(packs, pieces, heads, hosts, self.chunk if plan.chunked else None)
         tensors = {name: blobs.finish(specs[name][0], a) for name, a in arrays.items()}
@@ -258,13 +252,7 @@ class DiskTier:
             with _blame(*p.record):
                 heads.append(blobs.parse_header(d, len(d)))
         if pieces:
-            layout = _check_pieces(pieces, heads, ident, plan, C)
-            specs = _final_specs(heads[0], plan) if plan.chunked else heads[0].specs
-            if check is not None:
-                with _blame(*pieces[-1].record):
-                    why = check({n: ArraySpec(s, _mx_dtype(st)) for n, (st, s) in specs.items()}, layout)
-                    if why:
-                        raise blobs.BlobError(f"stored cache does not fit the model: {why}")
+            _checked(pieces, heads, ident, plan, C, check)
         have = set(rec.chunks) - {ck for ck, *_ in chunks}
         now = time.time()
         job = PersistJob(ident, tokens, key, {}, [], rec.cache_type, now)
@@ -550,6 +538,20 @@ def _check_pieces(pieces: list[_Piece], heads: list[blobs.Header], ident: Identi
             if plan.chunked and not codec.is_chunkable(got, p.hi - p.lo):
                 raise blobs.BlobError("a chunked piece holds a layout that cannot be chunked")
     return layout  # type: ignore[return-value]
+
+
+def _checked(pieces: list[_Piece], heads: list[blobs.Header], ident: Identity, plan: Plan, C: int,
+             check: LayoutCheck | None) -> tuple[list, blobs.Specs]:
+    """The stored layout and the restored arrays' specs, once ``_check_pieces`` and
+    ``check`` (the identity's layout check, on the specs) accept the pieces."""
+    layout = _check_pieces(pieces, heads, ident, plan, C)
+    specs = _final_specs(heads[0], plan) if plan.chunked else heads[0].specs
+    if check is not None:
+        with _blame(*pieces[-1].record):
+            why = check({n: ArraySpec(s, _mx_dtype(st)) for n, (st, s) in specs.items()}, layout)
+            if why:
+                raise blobs.BlobError(f"stored cache does not fit the model: {why}")
+    return layout, specs
 
 
 def _final_specs(first: blobs.Header, plan: Plan) -> blobs.Specs:

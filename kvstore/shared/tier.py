@@ -30,7 +30,10 @@ field in its boundary hash. A reader that sees a field therefore finds its entry
 unless they were evicted or deleted since, which it handles like any missing key.
 
 Never raises for a server failure: ``SharedClient`` returns None / False, counted here and
-there; local serving goes on. Needs no DiskTier or KVStore (the store glues them).
+there; local serving goes on. Round trip 1 uses the configured timeouts; moving values
+(round trip 2, publishing) uses a second client whose per-operation timeout is
+``max(BULK_TIMEOUT, 10 x command_timeout)``, since a many-MB reply takes longer than a
+small one before its first byte. Needs no DiskTier or KVStore (the store glues them).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ log = logging.getLogger("kvstore.shared")
 MAX_VALUE_BYTES = 512 << 20  # Redis' own string limit (proto-max-bulk-len default)
 MAX_FIELDS = 4096            # fields of one boundary hash considered per lookup
 PUBLISH_BATCH_BYTES = 32 << 20  # chunk bytes per SET NX pipeline
+BULK_TIMEOUT = 1.0           # seconds per socket operation when moving values
 COUNTERS = ("lookups", "lookup_hits", "rejected", "bad_fields", "too_large", "deleted",
             "published", "publish_skipped", "publish_failed", "chunks_published")
 
@@ -103,7 +107,10 @@ class SharedTier:
     def __init__(self, config: SharedConfig | str, *, queue_size: int = 16,
                  max_value_bytes: int = MAX_VALUE_BYTES, max_fields: int = MAX_FIELDS) -> None:
         self.client = SharedClient(config)
-        self.prefix = self.client.config.prefix
+        cfg = self.client.config  # values (round trip 2, publishing) may be many MB: a longer
+        # per-operation timeout than the quick round trip 1 and its breaker
+        self.bulk = SharedClient(cfg.with_options(command_timeout=max(BULK_TIMEOUT, 10 * cfg.command_timeout)))
+        self.prefix = cfg.prefix
         self.max_value_bytes = int(max_value_bytes)
         self.max_fields = int(max_fields)
         self.publisher = Writer(queue_size, name="kvstore-publisher")
@@ -185,7 +192,7 @@ class SharedTier:
         cmds = [("GETRANGE", self.name("chunk", bounds[j], identity), 0, self.max_value_bytes - 1) for j in wanted]
         if best.key is not None:
             cmds.append(("GETRANGE", self.name("entry", best.key, identity), 0, self.max_value_bytes - 1))
-        got = self.client.pipeline_read(cmds)
+        got = self.bulk.pipeline_read(cmds)
         if got is None:
             return None
         fetched = dict(zip(wanted, got))
@@ -263,14 +270,14 @@ class SharedTier:
         self._count("rejected")
         log.debug("shared value %s rejected: %s", name, err)
         if len(data) < self.max_value_bytes:
-            self.publisher.submit(lambda: self._count("deleted", self.client.delete_many([name]) or 0))
+            self.publisher.submit(lambda: self._count("deleted", self.bulk.delete_many([name]) or 0))
 
     def drop(self, kind: str, key: bytes, identity: bytes) -> None:
         """Delete one value the caller found unusable after ``lookup`` (e.g. a segment
         whose header does not fit the model), off the caller's thread."""
         name = self.name(kind, key, identity)
         self._count("rejected")
-        self.publisher.submit(lambda: self._count("deleted", self.client.delete_many([name]) or 0))
+        self.publisher.submit(lambda: self._count("deleted", self.bulk.delete_many([name]) or 0))
 
     # -- publish -----------------------------------------------------------------------
 
@@ -286,7 +293,7 @@ class SharedTier:
         hname = self.name("bounds", rec.boundary, ident)
         cnames = [self.name("chunk", ck, ident) for ck, _, _ in item.chunks]
         field = item.key.hex()
-        got = self.client.pipeline_read([("EXISTS", ename), ("HEXISTS", hname, field)]
+        got = self.bulk.pipeline_read([("EXISTS", ename), ("HEXISTS", hname, field)]
                                         + [("EXISTS", c) for c in cnames])
         if got is None:
             return self._published(False)
@@ -302,12 +309,12 @@ class SharedTier:
                 tail = item.read(rec.tail) if rec.tail is not None else b""
                 clean = EntryRecord(rec.identity, rec.n, rec.chunk, rec.chunked, rec.trimmable, rec.boundary,
                                     rec.chunks, rec.tail, rec.cache_type, rec.created, rec.created)
-                if not self.client.set_many([(ename, V.entry_value(clean, item.tokens, tail, now))]):
+                if not self.bulk.set_many([(ename, V.entry_value(clean, item.tokens, tail, now))]):
                     return self._published(False)
         except Exception as e:  # a local segment that cannot be read (gc'd, damaged)
             log.debug("shared publish of %s skipped: %s", item.key.hex()[:12], e)
             return self._published(False)
-        ok = self.client.hset(hname, {field: V.field_value(rec, residual(item.tokens, rec.chunk))})
+        ok = self.bulk.hset(hname, {field: V.field_value(rec, residual(item.tokens, rec.chunk))})
         return self._published(ok)
 
     def _put_chunks(self, missing: list[tuple[str, tuple[bytes, ChunkRecord, bytes]]],
@@ -320,7 +327,7 @@ class SharedTier:
             batch.append((cname, value))
             size += len(value)
             if size >= PUBLISH_BATCH_BYTES or i == len(missing) - 1:
-                wrote = self.client.set_nx_many(batch)
+                wrote = self.bulk.set_nx_many(batch)
                 if wrote is None:
                     return False
                 self._count("chunks_published", sum(wrote))
@@ -338,10 +345,12 @@ class SharedTier:
         breaker), and the publisher's queue (dropped publishes). No credentials."""
         with self._lock:
             s = {f"shared_{k}": v for k, v in self._counts.items()}
-        c = self.client.stats()
-        for k in ("round_trips", "calls", "skipped_calls", "bytes_in", "bytes_out", "errors",
-                  "breaker_state", "breaker_opens", "server"):
-            s[f"shared_{k}"] = c[k]
+        c, b = self.client.stats(), self.bulk.stats()
+        for k in ("round_trips", "calls", "skipped_calls", "bytes_in", "bytes_out", "errors", "breaker_opens"):
+            s[f"shared_{k}"] = c[k] + b[k]
+        states = {c["breaker_state"], b["breaker_state"]}
+        s["shared_breaker_state"] = next((x for x in ("open", "half-open") if x in states), "closed")
+        s["shared_server"] = c["server"]
         s["shared_publish_dropped"] = self.publisher.dropped
         s["shared_publish_queue"] = self.publisher.depth
         return s
@@ -354,6 +363,7 @@ class SharedTier:
         """Run the queued publishes, stop the publisher, drop the connections."""
         self.publisher.close(timeout)
         self.client.close()
+        self.bulk.close()
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
