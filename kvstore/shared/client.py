@@ -48,7 +48,7 @@ from .breaker import Breaker
 from .config import SharedConfig
 from .keys import key_slot, make_key
 
-__all__ = ["SharedClient", "SharedConfig", "ERROR_KINDS"]
+__all__ = ["SharedClient", "SharedConfig", "ERROR_KINDS", "READ_COMMANDS"]
 
 log = logging.getLogger("kvstore.shared")
 
@@ -130,6 +130,30 @@ class SharedClient:
         hashes = [{} if self._item_error(r) else r for r in got]
         self._count("bytes_in", sum(len(v) for h in hashes for v in h.values()))
         return hashes
+
+    def pipeline_read(self, commands: Sequence[tuple[Any, ...]]) -> list[Any] | None:
+        """Mixed read commands in one round trip (per cluster node), replies in order.
+
+        Each command is ``(name, key, *args)`` with ``name`` one of ``READ_COMMANDS``
+        (``("GETRANGE", k, 0, 1023)``, ``("STRLEN", k)``, ``("HGETALL", k)``...). An error
+        reply to one command gives None in its place (counted); None for the whole call
+        means unavailable.
+        """
+        ops: list[Op] = []
+        for cmd in commands:
+            if not (isinstance(cmd, tuple) and len(cmd) >= 2 and cmd[0] in READ_COMMANDS):
+                raise ValueError(f"commands must be (name, key, *args) with name in "
+                                 f"{sorted(READ_COMMANDS)}, got {cmd!r}")
+            _check_keys([cmd[1]])
+            ops.append((cmd[1], _command(*cmd)))
+        if not ops:
+            return []
+        got = self._call("read", lambda c: self._pipelined(c, ops))
+        if isinstance(got, _Unavailable):
+            return None
+        replies = [None if self._item_error(r) else r for r in got]
+        self._count("bytes_in", sum(_reply_size(r) for r in replies))
+        return replies
 
     def scan_iter(self, match: str, count: int = 1000) -> Iterator[str]:
         """Keys matching ``match`` (which must start with ``prefix:``), on every primary.
@@ -460,6 +484,22 @@ def _unlink(key: str) -> Callable[[Pipeline], object]:
 
 def _set(key: str, value: Value, px: int | None, nx: bool = False) -> Callable[[Pipeline], object]:
     return lambda p: p.set(key, value, px=px, nx=nx)
+
+
+# read commands ``pipeline_read`` sends, as redis-py pipeline methods
+READ_COMMANDS = frozenset({"GET", "GETRANGE", "STRLEN", "EXISTS", "HEXISTS", "HGETALL", "HLEN"})
+
+
+def _command(name: str, key: str, *args: Any) -> Callable[[Pipeline], object]:
+    return lambda p: getattr(p, name.lower())(key, *args)
+
+
+def _reply_size(reply: Any) -> int:
+    if isinstance(reply, bytes):
+        return len(reply)
+    if isinstance(reply, dict):
+        return sum(len(v) for v in reply.values() if isinstance(v, bytes))
+    return 0
 
 
 def _check_keys(keys: Sequence[str]) -> None:
