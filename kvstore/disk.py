@@ -114,6 +114,7 @@ class DiskTier:
             log.info("kvstore: %s uses chunk_tokens=%d (asked for %d)", self.root, self.chunk, chunk_tokens)
 
     def close(self) -> None:
+        """Release the index (see ``Index.close``)."""
         self.index.close()
 
     # -- lookup ------------------------------------------------------------------------

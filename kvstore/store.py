@@ -517,6 +517,8 @@ class KVStore:
     # -- limits, stats, lifecycle ------------------------------------------------------
 
     def trim_to(self, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        """Shrink the memory tier to at most ``n_sequences`` entries / ``n_bytes`` (mlx-lm's
+        order); what goes and never reached disk is queued for it."""
         with self._lock:
             evicted = self.memory.trim_to(n_sequences, n_bytes)
         self._persist_evicted(evicted)
