@@ -195,12 +195,11 @@ def test_snapshot_entries_and_a_shorter_query(tmp_path, redis_server: RedisServe
         assert (f.n, f.source) == (196, "shared")
         exact(f, q)
     with store(tmp_path / "b2", redis_server.url) as b:
-        # diverges inside the entry's last chunk, at a boundary the query does not reach:
-        # the shared tier gives the chain of whole chunks (the local trie would trim the
-        # chunk too; the shared tier files entries only, see README)
+        # diverges inside the entry's last chunk, whose boundary the query does not reach:
+        # that chunk (filed under its parent's hash) is trimmed back to the common prefix
         q = kv[:170] + [3, 1, 4]
         f = b.fetch(who, q)
-        assert (f.n, f.source) == (128, "shared")
+        assert (f.n, f.source) == (170, "shared") and b.stats()["shared_trim_hits"] == 1
         exact(f, q)
 
 
@@ -475,7 +474,8 @@ def test_cli_stats_ls_gc_with_shared(tmp_path, redis_server: RedisServer, capsys
     assert sorted(e["tokens"] for g in ls["identities"] for e in g["entries"]) == [100, 130, 200]
 
     code, dry = _cli(capsys, "gc", "--shared", url, "--identity", b.hex[:8], "--dry-run")
-    assert code == 0 and (dry["entries"], dry["chunks"], dry["hashes"]) == (1, 2, 1)
+    # hashes: the entry's boundary, and the parents of its 2 chunks (their chunk fields)
+    assert code == 0 and (dry["entries"], dry["chunks"], dry["hashes"]) == (1, 2, 3)
     assert _cli(capsys, "stats", "--shared", url)[1]["entries"] == 3  # a dry run changes nothing
     code, gone = _cli(capsys, "gc", "--shared", url, "--identity", b.hex[:8])
     assert code == 0 and gone["entries"] == 1 and gone["bytes"] > 0
