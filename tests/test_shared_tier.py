@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 import store_util as U
-from test_store import TINY_FAMILIES, rand_tokens, store_kwargs, synth
+from test_store import TINY_FAMILIES, TRIMMABLE, rand_tokens, store_kwargs, synth
 
 from kvstore import KVStore
 from kvstore.identity import Identity
-from kvstore.keys import boundaries, encode_tokens, key_of, root_key
+from kvstore.keys import boundaries, common_tokens, encode_tokens, key_of, root_key
 from kvstore.shared import SharedConfig
 from kvstore.shared import values as V
 
@@ -65,6 +65,10 @@ def rt(s: KVStore) -> int:
     return s.stats()["shared_round_trips"]
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return common_tokens(encode_tokens(a), encode_tokens(b))
+
+
 # --------------------------------------------------------------------------- two machines, every family
 
 MACHINE_A = r"""
@@ -97,7 +101,7 @@ import json, sys
 import store_util as U
 from kvstore import KVStore
 from tools.models import MODELS, load_model, model_path
-from tools.oracle import check_restore
+from tools.oracle import check_restore, prefill
 
 job = json.loads(sys.argv[1])
 out = {}
@@ -109,9 +113,12 @@ for fam, P in job["prompts"].items():
         f = s.fetch(model_path(fam), P)
         st = s.stats()
         res = {"n": f.n, "source": f.source, "round_trips": st["shared_round_trips"] - rt0,
-               "hits_shared": st["hits_shared"], "corrupt": st["corrupt"], "rejected": st["shared_rejected"]}
+               "hits_shared": st["hits_shared"], "corrupt": st["corrupt"], "rejected": st["shared_rejected"],
+               "trim_hits": st["shared_trim_hits"]}
         if f.cache is not None:
             res["digest"] = U.cache_digest(f.cache)
+            if job.get("cold"):  # a cold prefill of exactly the tokens the hit claims
+                res["cold"] = U.cache_digest(prefill(model, P[: f.n], **kv))
             if job["oracle"]:
                 r = check_restore(model, P, f.cache, f.n, n_gen=8, **kv)
                 res.update(ok=bool(r.ok), detail=r.detail)
@@ -146,6 +153,46 @@ def test_two_machines_restore_equals_cold_on_every_family(tmp_path, redis_server
         assert (r["n"], r["source"], r["hits_shared"]) == (150, "disk", 0), (f, r)
         assert r["digest"] == a[f]["digest"]
         assert r["round_trips"] == 1  # asked for more than the disk holds: nothing longer
+
+
+def test_new_question_under_a_shared_system_prompt_gets_the_common_prefix(tmp_path, redis_server: RedisServer):
+    """Machine A stores ONLY one whole conversation, system prompt S (150 tokens, not
+    chunk-aligned) + question 1 (90 tokens), on every cache family; machine B (a fresh
+    process, empty directory) asks S + question 2. Trimmable families get exactly the
+    common prefix from the shared tier (A's chunk 3 trimmed, not just chunks 1-2),
+    bit-identical to a cold prefill of those tokens and oracle-ok, in 2 round trips; B's
+    next process has it on disk. Non-trimmable families (snapshots, never chunked, never
+    trimmed) get nothing from an entry the query leaves."""
+    kw = {f: store_kwargs(f) for f in TINY_FAMILIES}
+    a = U.run_py(MACHINE_A, {"families": TINY_FAMILIES, "dir": str(tmp_path / "a"), "url": redis_server.url,
+                             "L": 240, "Ls": 240, "kw": kw})
+    prompts, common = {}, {}
+    for f in TINY_FAMILIES:
+        assert a[f]["published"] == 1 and a[f]["errors"] == 0, (f, a[f])
+        p1 = a[f]["P"]  # S = p1[:150], question 1 = p1[150:]
+        prompts[f] = p1[:150] + p1[160:220]  # question 2: other text
+        common[f] = common_prefix(p1, prompts[f])
+        assert 150 <= common[f] < 3 * C  # inside A's chunk 3, which B's query does not complete
+    job = {"prompts": prompts, "dir": str(tmp_path / "b"), "url": redis_server.url, "kw": kw, "oracle": True,
+           "cold": True}
+    b = U.run_py(MACHINE_B, job)
+    b2 = U.run_py(MACHINE_B, dict(job, oracle=False, cold=False))
+    for f in TINY_FAMILIES:
+        r, r2 = b[f], b2[f]
+        assert r["corrupt"] == r["rejected"] == 0, (f, r)
+        if f not in TRIMMABLE:
+            assert (r["n"], r["hits_shared"], r["trim_hits"], r["round_trips"]) == (0, 0, 0, 1), (f, r)
+            assert r2["n"] == 0, (f, r2)
+            continue
+        assert (r["n"], r["source"], r["hits_shared"], r["trim_hits"]) == (common[f], "shared", 1, 1), (f, r)
+        assert r["round_trips"] == 2, (f, r)
+        assert r["digest"] == r["cold"], f"{f}: the trimmed hit is not a cold prefill's KV bit for bit"
+        assert r["ok"], f"{f}: {r['detail']}"
+        assert (r2["n"], r2["source"], r2["hits_shared"]) == (common[f], "disk", 0), (f, r2)
+        assert r2["digest"] == r["digest"] and r2["round_trips"] == 1
+    with redis_server.client() as rc:  # snapshot families published no chunk, so no chunk field
+        fields = [f for h in rc.scan_iter("kvstore:*:h1:*") for f in rc.hkeys(h)]
+    assert sum(V.is_chunk_field(f) for f in fields) == 2 * 3  # tiny-llama and -q: 3 chunks each
 
 
 # --------------------------------------------------------------------------- round trips, identities
@@ -195,13 +242,128 @@ def test_snapshot_entries_and_a_shorter_query(tmp_path, redis_server: RedisServe
         assert (f.n, f.source) == (196, "shared")
         exact(f, q)
     with store(tmp_path / "b2", redis_server.url) as b:
-        # diverges inside the entry's last chunk, at a boundary the query does not reach:
-        # the shared tier gives the chain of whole chunks (the local trie would trim the
-        # chunk too; the shared tier files entries only, see README)
+        # diverges inside the entry's last chunk, whose boundary the query does not reach:
+        # that chunk (filed under its parent's hash) is trimmed back to the common prefix
         q = kv[:170] + [3, 1, 4]
         f = b.fetch(who, q)
-        assert (f.n, f.source) == (128, "shared")
+        assert (f.n, f.source) == (170, "shared") and b.stats()["shared_trim_hits"] == 1
         exact(f, q)
+
+
+# --------------------------------------------------------------------------- a chunk trimmed where the chain ends
+
+
+def conversation(system: int, q1: int, q2: int, seed: int) -> tuple[list[int], list[int], int]:
+    """(S + question 1, S + question 2, their common prefix) for a system prompt S."""
+    s = rand_tokens(system, seed)
+    a, b = s + rand_tokens(q1, seed + 1), s + rand_tokens(q2, seed + 2)
+    return a, b, common_prefix(a, b)
+
+
+@pytest.mark.parametrize("system", [40, 150, 1000])  # inside chunk 1 (the root's), 3, 16
+def test_trimmed_chunk_in_two_round_trips_whatever_the_length(tmp_path, redis_server: RedisServer, system):
+    who = ident(f"trim-{system}")
+    stored, q, common = conversation(system, 90, 60, system)
+    publish(tmp_path / "a", redis_server.url, who, [stored])
+    with store(tmp_path / "b", redis_server.url) as b:
+        f = b.fetch(who, q)
+        assert (f.n, f.source, rt(b)) == (common, "shared", 2)
+        exact(f, q)
+        s = b.stats()
+        assert (s["shared_trim_hits"], s["shared_missing"], s["shared_rejected"]) == (1, 0, 0)
+        assert b.fetch(who, q[: common + 1]).n == common  # never the whole query: one token to feed
+    with store(tmp_path / "b", redis_server.url) as b:  # B's next process: its own disk
+        f = b.fetch(who, q)
+        assert (f.n, f.source, rt(b)) == (common, "disk", 1)
+        exact(f, q)
+
+
+def test_a_trim_never_reaches_the_whole_query(tmp_path, redis_server: RedisServer):
+    who = ident("trim-whole")
+    stored = rand_tokens(200, 71)
+    publish(tmp_path / "a", redis_server.url, who, [stored])
+    with store(tmp_path / "b", redis_server.url) as b:
+        q = stored[:150]  # all of it inside the stored chunk 3: 149 restored, 1 to feed
+        f = b.fetch(who, q)
+        assert (f.n, f.source) == (149, "shared")
+        exact(f, q)
+
+
+TRIM_DAMAGE = {  # what is done to the chunk B would trim -> (rejected, missing, bad fields)
+    "evicted": (0, 1, 0),
+    "bit flip": (1, 0, 0),
+    "another chunk's value": (1, 0, 0),
+    "field lies about its tokens": (0, 0, 1),
+}
+
+
+@pytest.mark.parametrize("damage", list(TRIM_DAMAGE))
+def test_a_missing_or_rejected_chunk_to_trim_gives_the_whole_chunks(tmp_path, redis_server: RedisServer, damage):
+    """B's query shares 150 tokens with A's stored conversation: chunks 1-2 whole and 22
+    tokens of chunk 3. Whatever happened to chunk 3, B gets the verified chunks 1-2,
+    counted; an evicted chunk's field is removed, and A publishing again restores both."""
+    who = ident("trim-damage")
+    stored, q, common = conversation(150, 90, 60, 81)
+    publish(tmp_path / "a", redis_server.url, who, [stored])
+    r = redis_server.client()
+    b_ = boundaries(root_key(who.digest), encode_tokens(stored), C)
+    name = V.name("kvstore", "chunk", b_[3], who.digest)
+    hname, field = V.name("kvstore", "bounds", b_[2], who.digest), V.chunk_field_name(b_[3])
+    if damage == "evicted":
+        r.delete(name)
+    elif damage == "bit flip":
+        _flip(r, name, "segment")
+    elif damage == "another chunk's value":
+        r.set(name, r.get(V.name("kvstore", "chunk", b_[2], who.digest)))
+    else:
+        toks = bytearray(r.hget(hname, field))
+        toks[22 * 4 : 26 * 4] = encode_tokens(q[150:151]) * 4  # claims a token more in common
+        r.hset(hname, field, bytes(toks))
+    rejected, missing, bad = TRIM_DAMAGE[damage]
+    with store(tmp_path / "b", redis_server.url) as b:
+        f = b.fetch(who, q)
+        assert (f.n, f.source) == (2 * C, "shared")
+        exact(f, q)
+        s = b.stats()
+        assert (s["shared_rejected"], s["shared_missing"], s["shared_bad_fields"], s["shared_trim_hits"]) \
+            == (rejected, missing, bad, 0), s
+        assert s["corrupt"] == 0
+        b.flush(10)
+    assert r.hexists(hname, field) == (damage != "evicted")  # an evicted chunk's field goes too
+    assert r.exists(name) == (damage == "field lies about its tokens")  # rejected values are deleted
+    if damage != "field lies about its tokens":  # A writes chunk 3 (and its field) again
+        publish(tmp_path / "a2", redis_server.url, who, [stored])
+        with store(tmp_path / "b2", redis_server.url) as b:
+            f = b.fetch(who, q)
+            assert (f.n, b.stats()["shared_trim_hits"]) == (common, 1)
+            exact(f, q)
+
+
+def test_publish_writes_chunk_fields_in_one_pipeline(tmp_path, redis_server: RedisServer):
+    """An entry of 23 chunks publishes in 4 round trips (existence, chunk values, entry
+    value, every field), its chunk fields in their parents' hashes; fields missing from
+    the hashes are written again by the next publisher, and nothing else is."""
+    who = ident("fields")
+    toks = rand_tokens(1500, 91)
+    with store(tmp_path / "a", redis_server.url) as a:
+        a.insert(who, toks, synth(toks))
+        assert a.flush(30)
+        s = a.stats()
+        assert (s["shared_published"], s["shared_chunks_published"], s["shared_round_trips"]) == (1, 23, 4)
+    b_ = boundaries(root_key(who.digest), encode_tokens(toks), C)
+    r = redis_server.client()
+    for k in range(23):
+        got = r.hget(V.name("kvstore", "bounds", b_[k], who.digest), V.chunk_field_name(b_[k + 1]))
+        assert got == encode_tokens(toks[k * C : (k + 1) * C])
+        with pytest.raises(V.ValueFormatError):  # a reader predating chunk fields skips them by name
+            V.parse_field(V.chunk_field_name(b_[k + 1]).encode(), got, C)
+    r.hdel(V.name("kvstore", "bounds", b_[5], who.digest), V.chunk_field_name(b_[6]))
+    publish(tmp_path / "a2", redis_server.url, who, [toks])
+    assert r.hexists(V.name("kvstore", "bounds", b_[5], who.digest), V.chunk_field_name(b_[6]))
+    with store(tmp_path / "a3", redis_server.url) as a:
+        a.insert(who, toks, synth(toks))
+        assert a.flush(30)
+        assert (a.stats()["shared_publish_skipped"], a.stats()["shared_bytes_out"]) == (1, 0)
 
 
 # --------------------------------------------------------------------------- damage under B
@@ -406,6 +568,28 @@ def test_cluster_a_publishes_b_restores(tmp_path, redis_cluster: RedisCluster):
             assert rt(b) - before <= 2 * 3  # two pipelines, one per node holding keys
 
 
+def test_cluster_trims_a_chunk_and_every_hash_expires(tmp_path, redis_cluster: RedisCluster):
+    """Chunk fields go to their parents' hashes on whatever nodes hold them, in one
+    pipeline per node (not one MULTI: the hashes are in different slots), each hash
+    with its expiry; a trimmed hit still takes two pipelines per node."""
+    who = ident("cluster-trim")
+    stored, q, common = conversation(700, 90, 60, 33)
+    url = redis_cluster.url + "?ttl=60"
+    publish(tmp_path / "a", url, who, [stored])
+    hashes = 0
+    for srv in redis_cluster.servers:
+        with srv.client() as c:
+            for k in c.scan_iter(f"kvstore:*:{who.hex}"):
+                assert 0 < c.pttl(k) <= 60_000, k
+                hashes += k.split(b":")[2] == b"h1"
+    assert hashes == len(stored) // C + 1  # every chunk's parent, and the entry's boundary
+    with store(tmp_path / "b", url) as b:
+        f = b.fetch(who, q)
+        assert (f.n, f.source, b.stats()["shared_trim_hits"]) == (common, "shared", 1)
+        exact(f, q)
+        assert rt(b) <= 2 * 3
+
+
 def test_acl_credentials_work_and_never_show(tmp_path, redis_acl_server: RedisServer, caplog):
     caplog.set_level(logging.DEBUG)
     who = ident("acl")
@@ -475,7 +659,8 @@ def test_cli_stats_ls_gc_with_shared(tmp_path, redis_server: RedisServer, capsys
     assert sorted(e["tokens"] for g in ls["identities"] for e in g["entries"]) == [100, 130, 200]
 
     code, dry = _cli(capsys, "gc", "--shared", url, "--identity", b.hex[:8], "--dry-run")
-    assert code == 0 and (dry["entries"], dry["chunks"], dry["hashes"]) == (1, 2, 1)
+    # hashes: the entry's boundary, and the parents of its 2 chunks (their chunk fields)
+    assert code == 0 and (dry["entries"], dry["chunks"], dry["hashes"]) == (1, 2, 3)
     assert _cli(capsys, "stats", "--shared", url)[1]["entries"] == 3  # a dry run changes nothing
     code, gone = _cli(capsys, "gc", "--shared", url, "--identity", b.hex[:8])
     assert code == 0 and gone["entries"] == 1 and gone["bytes"] > 0

@@ -208,24 +208,36 @@ class SharedClient:
 
     def hset(self, key: str, mapping: Mapping[str, Value], ttl: float | None = None) -> bool:
         """HSET the fields (and PEXPIRE, in the same MULTI/EXEC, when a ttl applies)."""
-        _check_keys([key])
-        fields = _pairs(mapping)
-        if not fields:
-            raise ValueError("hset needs at least one field")
+        return self.hset_many({key: mapping}, ttl)
+
+    def hset_many(self, hashes: Mapping[str, Mapping[str, Value]], ttl: float | None = None) -> bool:
+        """HSET fields into several hashes in one round trip per node (each hash followed
+        by its PEXPIRE when a ttl applies); True if every command succeeded.
+
+        With a ttl, the whole call is one MULTI/EXEC when the hashes share a slot (one hash,
+        or any number on one server); across cluster slots each PEXPIRE follows its HSET in
+        the node's pipeline, not atomically (a lost connection may leave a hash's previous
+        expiry)."""
+        keys = list(hashes)
+        _check_keys(keys)
+        data = {k: dict(_pairs(hashes[k])) for k in keys}
+        if not keys or not all(data.values()):
+            raise ValueError("hset needs at least one field per hash")
         px = self._ttl_ms(ttl)
-        data: dict[Any, Value] = dict(fields)
+        atomic = px is not None and (not self.config.cluster or len({key_slot(k) for k in keys}) == 1)
 
-        def queue(p: Pipeline) -> object:
-            p.hset(key, mapping=data)
-            return p.pexpire(key, px) if px is not None else None
+        def queue(key: str) -> Callable[[Pipeline], object]:
+            def put(p: Pipeline) -> object:
+                p.hset(key, mapping=data[key])
+                return p.pexpire(key, px) if px is not None else None
+            return put
 
-        got = self._call("hset", lambda c: self._pipelined(c, [(key, queue)],
-                                                          atomic=px is not None))
+        got = self._call("hset", lambda c: self._pipelined(c, [(k, queue(k)) for k in keys], atomic=atomic))
         if isinstance(got, _Unavailable):
             return False
         ok = not any([self._item_error(r) for r in got])
         if ok:
-            self._count("bytes_out", sum(_size(v) for v in data.values()))
+            self._count("bytes_out", sum(_size(v) for m in data.values() for v in m.values()))
         return ok
 
     def delete_many(self, keys: Sequence[str]) -> int | None:

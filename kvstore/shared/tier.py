@@ -10,24 +10,34 @@ length:
    locally. Candidates are chosen by comparing each field's residual token ids with the
    query; a chunked entry needs every chunk up to its boundary (local or present and not
    too large); the chain of present chunks alone is a candidate too (trimmed, as locally).
-2. one pipeline: ``GETRANGE 0 max_value_bytes-1`` of the chosen entry and of the chunks it
-   needs that are not held locally (a value never makes the reader allocate more than the
-   bound).
+   At the boundary where that chain ends, the chunk fields (every chunk published after
+   that boundary, with its token ids) are candidates as well: the one sharing the most
+   tokens with the query (0 < m < chunk) serves k*C + m of them (never the whole query),
+   as the local plan trims a chunk at the end of its chain.
+2. one pipeline: ``GETRANGE 0 max_value_bytes-1`` of the chosen entry (or chunk to trim)
+   and of the chunks it needs that are not held locally (a value never makes the reader
+   allocate more than the bound).
 
 Everything read is verified before it is returned (``values`` parses it; here: the
 identity, every key re-derived from the token ids, stored token ids compared with the
 query, each chunk's parent). A missing or rejected chunk cuts the chain there: the result
-is the verified chain before it (a shorter hit) or None, never a partial cache. A value
-that fails verification is counted and deleted (off the request path, by the publisher
-thread), so the next publisher of that content writes it again: chunks are written
-``SET NX`` and would otherwise stay damaged for the whole fleet.
+is the verified chain before it (a shorter hit) or None, never a partial cache. A chunk to
+trim is verified like any chunk of the chain (its key re-derived from its own token ids,
+which are the publisher's) and is returned with the chain as one entry of whole chunks:
+the store imports it and its local plan trims it, so only trimmable KV is ever cut. A
+value that fails verification is counted and deleted (off the request path, by the
+publisher thread), so the next publisher of that content writes it again: chunks are
+written ``SET NX`` and would otherwise stay damaged for the whole fleet. A value gone
+since its field was read is counted (``missing``) and its field removed the same way.
 
 ``SharedTier.submit`` hands a locally committed entry to the publisher thread (its own
 bounded queue: a full queue drops and counts, never blocks). ``publish`` writes, in this
 order, each step only after the one before succeeded: the chunks the server lacks
-(``SET NX``: content-addressed, never overwritten), the entry value, and last the entry's
-field in its boundary hash. A reader that sees a field therefore finds its entry and chunks
-unless they were evicted or deleted since, which it handles like any missing key.
+(``SET NX``: content-addressed, never overwritten), the entry value, and last, in one
+pipeline (``hset_many``), the entry's field in its boundary hash and each of its chunks'
+fields the hashes lack in its parent boundary's hash. A reader that sees a field
+therefore finds its entry and chunks unless they were evicted or deleted since, which it
+handles like any missing key.
 
 Never raises for a server failure: ``SharedClient`` returns None / False, counted here and
 there; local serving goes on. Round trip 1 uses the configured timeouts; moving values
@@ -57,8 +67,8 @@ MAX_VALUE_BYTES = 512 << 20  # Redis' own string limit (proto-max-bulk-len defau
 MAX_FIELDS = 4096            # fields of one boundary hash considered per lookup
 PUBLISH_BATCH_BYTES = 32 << 20  # chunk bytes per SET NX pipeline
 BULK_TIMEOUT = 1.0           # seconds per socket operation when moving values
-COUNTERS = ("lookups", "lookup_hits", "rejected", "bad_fields", "too_large", "deleted",
-            "published", "publish_skipped", "publish_failed", "chunks_published")
+COUNTERS = ("lookups", "lookup_hits", "trim_hits", "rejected", "missing", "bad_fields", "too_large",
+            "deleted", "published", "publish_skipped", "publish_failed", "chunks_published")
 
 ChunkPiece = tuple[bytes, ChunkRecord, bytes, bytes]  # key, record, token ids, segment bytes
 
@@ -95,8 +105,26 @@ class PublishItem:
 class _Candidate:
     n: int                  # query tokens it would serve
     k: int                  # boundary it is filed under (chain: chunks it needs)
-    key: bytes | None       # entry key; None: the chain of chunks alone
+    key: bytes | None       # entry key (trim: the chunk's); None: the chain of chunks alone
     chunked: bool = True    # what the entry's field says (its value must agree)
+    trim: bool = False      # key is a chunk after boundary k, to be trimmed to the query
+
+
+def _better(a: _Candidate, b: _Candidate | None) -> bool:
+    """More query tokens; at equal length an entry over a chunk to trim over the chain."""
+    def rank(c: _Candidate) -> int:
+        return 0 if c.key is None else 1 if c.trim else 2
+    return b is None or a.n > b.n or (a.n == b.n and rank(a) > rank(b))
+
+
+def _whole(identity: bytes, chunks: list[bytes], tokens: bytes, C: int, pieces: list[ChunkPiece],
+           n: int) -> Found:
+    """A hit made of whole chunks (``chunks``, the chain's keys in order, holding
+    ``tokens``), filed as an entry with no tail at the last one; serves ``n`` tokens."""
+    now = time.time()
+    rec = EntryRecord(identity, len(chunks) * C, C, True, True, chunks[-1], tuple(chunks), None,
+                      "assistant", now, now)
+    return Found(entry_key(chunks[-1], b""), rec, tokens, pieces, b"", n)
 
 
 class SharedTier:
@@ -146,7 +174,7 @@ class SharedTier:
         chain = 0
         while chain < K and (chain + 1 not in sizes or _fits(sizes[chain + 1], self.max_value_bytes)):
             chain += 1
-        best = self._choose(tokens, C, levels, got[: len(levels)], chain, better_than)
+        best = self._choose(tokens, bounds, C, levels, got[: len(levels)], chain, better_than)
         if best is None:
             return None
         found = self._fetch(identity, tokens, bounds, C, held, best, better_than)
@@ -154,10 +182,10 @@ class SharedTier:
             self._count("lookup_hits")
         return found
 
-    def _choose(self, tokens: bytes, C: int, levels: list[int], hashes: list[Any], chain: int,
-                better_than: int) -> _Candidate | None:
-        """The best candidate from round trip 1: most query tokens, an entry before the
-        chain of chunks alone at equal length."""
+    def _choose(self, tokens: bytes, bounds: list[bytes], C: int, levels: list[int], hashes: list[Any],
+                chain: int, better_than: int) -> _Candidate | None:
+        """The best candidate from round trip 1: most query tokens; at equal length an
+        entry, then a chunk to trim, then the chain of chunks alone."""
         n_q = len(tokens) // 4
         best: _Candidate | None = None
         if chain:
@@ -167,80 +195,127 @@ class SharedTier:
         for k, fields in zip(levels, hashes):
             if not isinstance(fields, dict):
                 continue
-            after = tokens[k * C * 4 :]
             for i, (fname, fvalue) in enumerate(fields.items()):
                 if i >= self.max_fields:
                     break
-                try:
-                    f = V.parse_field(fname, fvalue, C)
-                except V.ValueFormatError:
-                    self._count("bad_fields")
-                    continue
-                m, r = common_tokens(f.residual, after), len(f.residual) // 4
-                n = k * C + r if m == r else (min(k * C + m, n_q - 1) if f.trimmable else 0)
-                if n <= better_than or k * C + r == 0 or (f.chunked and k > chain):
-                    continue
-                if best is None or n > best.n or (n == best.n and best.key is None):
-                    best = _Candidate(n, k, f.key, f.chunked)
+                got = self._field(tokens, bounds, C, k, chain, fname, fvalue)
+                if got is not None and got.n > better_than and _better(got, best):
+                    best = got
         return best
+
+    def _field(self, tokens: bytes, bounds: list[bytes], C: int, k: int, chain: int, fname: bytes,
+               fvalue: bytes) -> _Candidate | None:
+        """What one field of boundary ``k``'s hash offers the query, or None; a field that
+        is not kvstore's is counted. A chunk field counts only where the chain ends (below,
+        the chain itself is longer; beyond, its parent is out of reach) and only for a chunk
+        that leaves the query inside it: 0 < m < C shared tokens, trimmed to k*C + m."""
+        n_q, after = len(tokens) // 4, tokens[k * C * 4 :]
+        try:
+            if V.is_chunk_field(fname):
+                if k != chain:
+                    return None
+                cf = V.parse_chunk_field(fname, fvalue, C)
+                if chunk_key(bounds[k], cf.tokens) != cf.key:
+                    raise V.ValueFormatError("chunk field's key does not follow from its token ids")
+                m = common_tokens(cf.tokens, after)
+                return _Candidate(min(k * C + m, n_q - 1), k, cf.key, trim=True) if 0 < m < C else None
+            f = V.parse_field(fname, fvalue, C)
+        except V.ValueFormatError:
+            self._count("bad_fields")
+            return None
+        m, r = common_tokens(f.residual, after), len(f.residual) // 4
+        if k * C + r == 0 or (f.chunked and k > chain):
+            return None
+        n = k * C + r if m == r else (min(k * C + m, n_q - 1) if f.trimmable else 0)
+        return _Candidate(n, k, f.key, f.chunked)
 
     def _fetch(self, identity: bytes, tokens: bytes, bounds: list[bytes], C: int, held: set[bytes],
                best: _Candidate, better_than: int) -> Found | None:
-        """Round trip 2: the candidate's values, verified; a rejected entry falls back to
-        the verified chain of chunks, a rejected chunk cuts the chain."""
+        """Round trip 2: the candidate's values, verified; a rejected or missing entry or
+        chunk to trim falls back to the verified chain of chunks, a rejected chunk cuts
+        the chain."""
         wanted = [j for j in range(1, best.k + 1) if bounds[j] not in held] if best.chunked else []
-        cmds = [("GETRANGE", self.name("chunk", bounds[j], identity), 0, self.max_value_bytes - 1) for j in wanted]
+        names = [self.name("chunk", bounds[j], identity) for j in wanted]
         if best.key is not None:
-            cmds.append(("GETRANGE", self.name("entry", best.key, identity), 0, self.max_value_bytes - 1))
-        got = self.bulk.pipeline_read(cmds)
+            names.append(self.name("chunk" if best.trim else "entry", best.key, identity))
+        got = self.bulk.pipeline_read([("GETRANGE", nm, 0, self.max_value_bytes - 1) for nm in names])
         if got is None:
             return None
-        fetched = dict(zip(wanted, got))
-        pieces: list[ChunkPiece] = []
-        chain = 0
-        for j in range(1, best.k + 1):
-            if bounds[j] not in held:
-                piece = self._chunk(identity, tokens, bounds, C, j, fetched[j]) if j in fetched else None
-                if piece is None:
-                    break
-                pieces.append(piece)
-            chain = j
+        pieces, chain = self._chain(identity, tokens, bounds, C, best.k, dict(zip(wanted, got)), held)
         if best.key is not None and (chain == best.k or not best.chunked):
-            found = self._entry(identity, tokens, bounds, C, best, got[-1], pieces, better_than)
+            if best.trim:
+                found = self._trimmed(identity, tokens, bounds, C, best, got[-1], pieces, better_than)
+            else:
+                found = self._entry(identity, tokens, bounds, C, best, got[-1], pieces, better_than)
             if found is not None:
                 return found
+            if got[-1] == b"":  # its field outlived it: lookups would keep choosing it
+                self._forget(identity, bounds[best.k], best)
         n = chain * C - (chain * C == len(tokens) // 4)
         if chain == 0 or n <= better_than or not pieces:
             return None
-        now = time.time()
-        rec = EntryRecord(identity, chain * C, C, True, True, bounds[chain], tuple(bounds[1 : chain + 1]),
-                          None, "assistant", now, now)
-        return Found(entry_key(bounds[chain], b""), rec, tokens[: chain * C * 4], pieces, b"", n)
+        return _whole(identity, bounds[1 : chain + 1], tokens[: chain * C * 4], C, pieces, n)
 
-    def _chunk(self, identity: bytes, tokens: bytes, bounds: list[bytes], C: int, j: int,
+    def _chain(self, identity: bytes, tokens: bytes, bounds: list[bytes], C: int, k: int,
+               fetched: dict[int, Any], held: set[bytes]) -> tuple[list[ChunkPiece], int]:
+        """The verified chain up to boundary ``k``: its chunks not held locally, read in
+        round trip 2, and the boundary where it ends (before the first missing or rejected
+        chunk)."""
+        pieces: list[ChunkPiece] = []
+        for j in range(1, k + 1):
+            if bounds[j] in held:
+                continue
+            want = tokens[(j - 1) * C * 4 : j * C * 4]
+            piece = self._chunk(identity, C, bounds[j - 1], bounds[j], want, fetched[j]) if j in fetched else None
+            if piece is None:
+                return pieces, j - 1
+            pieces.append(piece)
+        return pieces, k
+
+    def _chunk(self, identity: bytes, C: int, parent: bytes, key: bytes, want: bytes | None,
                data: Any) -> ChunkPiece | None:
-        """Chunk ``j`` of the query's chain from its value, or None (missing or rejected)."""
-        name = self.name("chunk", bounds[j], identity)
-        if not isinstance(data, bytes) or not data:
-            return None  # evicted or deleted since round trip 1
+        """Chunk ``key`` after boundary ``parent`` from its value, or None (missing or
+        rejected, counted): this identity's, C tokens whose chained key is ``key``, and
+        (``want``) exactly the query's token ids, or any (a chunk to trim: the publisher's)."""
+        name = self.name("chunk", key, identity)
+        if not self._present(data):
+            return None
         try:
             v = V.parse_chunk(data)
             rec = v.record
-            want = tokens[(j - 1) * C * 4 : j * C * 4]
-            if not isinstance(rec, ChunkRecord) or rec.identity != identity or rec.parent != bounds[j - 1] \
-                    or rec.n != C or v.tokens != want or chunk_key(rec.parent, v.tokens) != bounds[j]:
-                raise V.ValueFormatError("chunk is not the query's chunk (identity, parent or token ids)")
+            if not isinstance(rec, ChunkRecord) or rec.identity != identity or rec.parent != parent \
+                    or rec.n != C or (want is not None and v.tokens != want) or chunk_key(parent, v.tokens) != key:
+                raise V.ValueFormatError("chunk is not the one asked for (identity, parent or token ids)")
         except V.ValueFormatError as e:
             self._reject(name, data, e)
             return None
-        return bounds[j], rec, v.tokens, v.segment
+        return key, rec, v.tokens, v.segment
+
+    def _trimmed(self, identity: bytes, tokens: bytes, bounds: list[bytes], C: int, best: _Candidate,
+                 data: Any, pieces: list[ChunkPiece], better_than: int) -> Found | None:
+        """The verified chain up to boundary ``best.k`` and the chunk to trim after it, as
+        one entry of whole chunks holding the publisher's token ids (the local plan trims
+        it to the common prefix); None if the chunk is missing, rejected or shares too
+        little with the query. Its length is re-derived from the value's token ids."""
+        assert best.key is not None
+        k = best.k
+        piece = self._chunk(identity, C, bounds[k], best.key, None, data)
+        if piece is None:
+            return None
+        m = common_tokens(piece[2], tokens[k * C * 4 :])
+        n = min(k * C + m, len(tokens) // 4 - 1)
+        if m == 0 or n <= better_than:
+            return None
+        self._count("trim_hits")
+        return _whole(identity, [*bounds[1 : k + 1], best.key], tokens[: k * C * 4] + piece[2], C,
+                      [*pieces, piece], n)
 
     def _entry(self, identity: bytes, tokens: bytes, bounds: list[bytes], C: int, best: _Candidate,
                data: Any, pieces: list[ChunkPiece], better_than: int) -> Found | None:
         """The chosen entry from its value, or None (missing or rejected)."""
         assert best.key is not None
         name = self.name("entry", best.key, identity)
-        if not isinstance(data, bytes) or not data:
+        if not self._present(data):
             return None
         try:
             v = V.parse_entry(data)
@@ -263,6 +338,23 @@ class SharedTier:
         if n <= better_than:
             return None
         return Found(best.key, rec, v.tokens, pieces if rec.chunked else [], v.segment, n)
+
+    def _present(self, data: Any) -> bool:
+        """A value asked for in round trip 2 is there; one gone since it was named (evicted
+        or deleted) is counted as missing."""
+        if isinstance(data, bytes) and data:
+            return True
+        if data == b"":
+            self._count("missing")
+        return False
+
+    def _forget(self, identity: bytes, boundary: bytes, best: _Candidate) -> None:
+        """Remove the field of a candidate whose value is gone, off the caller's thread (a
+        later publish of the value writes the field again)."""
+        assert best.key is not None
+        hname = self.name("bounds", boundary, identity)
+        field = V.chunk_field_name(best.key) if best.trim else best.key.hex()
+        self.publisher.submit(lambda: self.bulk.run(lambda r: r.hdel(hname, field)))
 
     def _reject(self, name: str, data: bytes, err: Exception) -> None:
         """A value that failed verification: counted, and deleted by the publisher thread
@@ -290,19 +382,19 @@ class SharedTier:
         holds it afterwards; False if a step failed (counted; nothing is retried)."""
         rec, ident = item.record, item.identity
         ename = self.name("entry", item.key, ident)
-        hname = self.name("bounds", rec.boundary, ident)
         cnames = [self.name("chunk", ck, ident) for ck, _, _ in item.chunks]
-        field = item.key.hex()
-        got = self.bulk.pipeline_read([("EXISTS", ename), ("HEXISTS", hname, field)]
-                                        + [("EXISTS", c) for c in cnames])
+        fields = _fields(self.prefix, item)
+        got = self.bulk.pipeline_read([("EXISTS", ename)] + [("EXISTS", c) for c in cnames]
+                                        + [("HEXISTS", h, f) for h, f, _ in fields])
         if got is None:
             return self._published(False)
-        if got[0] and got[1] and all(got[2:]):
+        chunks_there, fields_there = got[1 : 1 + len(cnames)], got[1 + len(cnames) :]
+        if got[0] and all(chunks_there) and all(fields_there):
             self._count("publish_skipped")
             return True
         now = time.time()
         try:
-            missing = [(c, piece) for c, piece, there in zip(cnames, item.chunks, got[2:]) if not there]
+            missing = [(c, piece) for c, piece, there in zip(cnames, item.chunks, chunks_there) if not there]
             if not self._put_chunks(missing, item.read, now):
                 return self._published(False)
             if not got[0]:
@@ -314,8 +406,11 @@ class SharedTier:
         except Exception as e:  # a local segment that cannot be read (gc'd, damaged)
             log.debug("shared publish of %s skipped: %s", item.key.hex()[:12], e)
             return self._published(False)
-        ok = self.bulk.hset(hname, {field: V.field_value(rec, residual(item.tokens, rec.chunk))})
-        return self._published(ok)
+        hashes: dict[str, dict[str, bytes]] = {}  # chunks' fields where absent, the entry's always
+        for (h, f, value), there in zip(fields, [*fields_there[:-1], False]):
+            if not there:
+                hashes.setdefault(h, {})[f] = value
+        return self._published(self.bulk.hset_many(hashes))
 
     def _put_chunks(self, missing: list[tuple[str, tuple[bytes, ChunkRecord, bytes]]],
                     read: Callable[[Segment], bytes], now: float) -> bool:
@@ -368,6 +463,17 @@ class SharedTier:
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counts[name] += n
+
+
+def _fields(prefix: str, item: PublishItem) -> list[tuple[str, str, bytes]]:
+    """(hash name, field, value) of every field an entry publishes: each of its chunks
+    under its parent boundary (token ids), then the entry under its boundary."""
+    ident, rec = item.identity, item.record
+    out = [(V.name(prefix, "bounds", crec.parent, ident), V.chunk_field_name(ck), toks)
+           for ck, crec, toks in item.chunks]
+    out.append((V.name(prefix, "bounds", rec.boundary, ident), item.key.hex(),
+                V.field_value(rec, residual(item.tokens, rec.chunk))))
+    return out
 
 
 def _fits(size: Any, limit: int) -> bool:

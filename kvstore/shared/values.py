@@ -5,7 +5,9 @@ Names (``prefix`` from the config; hex digests, lower case)::
     prefix:{<chunk key>}:c1:<identity>     a chunk: the KV of C tokens after its parent
     prefix:{<entry key>}:e1:<identity>     an entry: its record, token ids, tail / snapshot
     prefix:{<boundary>}:h1:<identity>      hash: entry key hex -> ``field_value``, for every
-                                           entry filed under that chunk boundary
+                                           entry filed under that chunk boundary, and
+                                           "c:" + chunk key hex -> the chunk's token ids,
+                                           for every chunk whose parent is that boundary
 
 Keys are ``keys.py``'s chained xxh3-128 digests, rooted in the identity, so two models
 never share a name; the hash tag is the digest itself, so in Redis Cluster chunks and
@@ -14,7 +16,10 @@ slot (nothing is written atomically across keys: see ``tier.publish`` for the or
 replaces atomicity). The identity in the name is for maintenance (``SCAN`` by identity);
 readers never trust it: the value's record names its identity, and every key is
 re-derived from token ids. ``1`` in ``c1``/``e1``/``h1`` is the value format version: a
-later format uses other names, so readers of either never see the other's values.
+later format uses other names, so readers of either never see the other's values. Chunk
+fields were added to ``h1`` without a new version: their names are not entry keys, so a
+reader that predates them rejects each by its name (``parse_field``: a bad field, skipped)
+and never reads its value as anything.
 
 A chunk or entry value is one Redis string::
 
@@ -49,7 +54,9 @@ FRAME = struct.Struct("<4sB3xdIIQ")
 MAGIC = {"chunk": b"KVSc", "entry": b"KVSe"}
 NO_PACK = b"\0" * KEY
 FIELD_TAG = b"F\x01"
+CHUNK_FIELD = "c:"  # a chunk field's name: this + the chunk key's hex (an entry field's: the hex alone)
 _HEX = re.compile(rb"[0-9a-f]{32}")
+_CHUNK_HEX = re.compile(rb"c:[0-9a-f]{32}")
 _NAME = re.compile(r"(?P<prefix>[^:]+):\{(?P<key>[0-9a-f]{32})\}:(?P<kind>[a-z]\d):(?P<identity>[0-9a-f]{32})")
 
 
@@ -236,3 +243,32 @@ def parse_field(field_name: bytes, value: bytes, chunk: int) -> Field:
     if len(residual) % 4 or len(residual) >= 4 * min(chunk, MAX_CHUNK):
         raise ValueFormatError(f"hash field residual of {len(residual)} bytes")
     return Field(bytes.fromhex(field_name.decode()), bool(value[2] & 1), bool(value[2] & 2), residual)
+
+
+@dataclass(frozen=True)
+class ChunkField:
+    """One chunk field: a chunk filed under its parent boundary, and its token ids (what a
+    lookup compares with the query to choose a chunk to trim)."""
+
+    key: bytes
+    tokens: bytes
+
+
+def chunk_field_name(key: bytes) -> str:
+    """The name of chunk ``key``'s field in its parent boundary's hash."""
+    return CHUNK_FIELD + key.hex()
+
+
+def is_chunk_field(field_name: bytes) -> bool:
+    """Whether a hash field's name is a chunk field's (its value may still be bad)."""
+    return field_name[:2] == CHUNK_FIELD.encode()
+
+
+def parse_chunk_field(field_name: bytes, value: bytes, chunk: int) -> ChunkField:
+    """A chunk field (``"c:" + chunk key hex -> token ids``) holding exactly ``chunk`` token
+    ids, or ValueFormatError. Whether the key follows from them is the caller's check."""
+    if not _CHUNK_HEX.fullmatch(field_name):
+        raise ValueFormatError("hash field name is not a chunk key")
+    if len(value) != 4 * chunk or not 0 < chunk <= MAX_CHUNK:
+        raise ValueFormatError(f"chunk field of {len(value)} bytes for chunks of {chunk} tokens")
+    return ChunkField(bytes.fromhex(field_name[2:].decode()), bytes(value))
