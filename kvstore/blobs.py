@@ -371,6 +371,19 @@ class PackWriter:
         self._write(batch, h)
         return Segment(self.pack, start, self.size - start, h.digest())
 
+    def add_framed(self, data: bytes | memoryview, checksum: bytes) -> Segment:
+        """Append one segment already framed elsewhere (a shared tier's copy of a segment
+        some writer ``add``-ed); BlobError, with nothing appended past it that a record
+        names, unless its bytes hash to ``checksum``."""
+        h = xxhash.xxh3_128()
+        start = self.size
+        view = memoryview(data)
+        for batch in _batches([view[i : i + _PIECE] for i in range(0, len(view), _PIECE)]):
+            self._write(batch, h)
+        if h.digest() != checksum:
+            raise BlobError("segment checksum mismatch")
+        return Segment(self.pack, start, self.size - start, checksum)
+
     def _write(self, views: list[memoryview], h: Any = None) -> None:
         while views:
             n = os.writev(self.fd, views)

@@ -23,16 +23,18 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
+import xxhash
 
 from . import blobs
 from .identity import ArraySpec, Identity
 from .index import Index, Reader, WriteTxn
 from .keys import boundaries, chunk_key, encode_tokens, entry_key, root_key
+from .keys import common_tokens as _common
 from .records import ChunkRecord, EntryRecord, Kind, PackRecord, RecordError, Segment
 
 log = logging.getLogger("kvstore")
@@ -112,6 +114,7 @@ class DiskTier:
             log.info("kvstore: %s uses chunk_tokens=%d (asked for %d)", self.root, self.chunk, chunk_tokens)
 
     def close(self) -> None:
+        """Release the index (see ``Index.close``)."""
         self.index.close()
 
     # -- lookup ------------------------------------------------------------------------
@@ -143,13 +146,7 @@ class DiskTier:
         pieces = self.index.view(lambda r: _pieces(r, plan))
         with _Packs(self.blob_root) as packs:
             heads = [_header(packs, p) for p in pieces]
-            layout = _check_pieces(pieces, heads, ident, plan, self.chunk)
-            specs = _final_specs(heads[0], plan) if plan.chunked else heads[0].specs
-            if check is not None:
-                with _blame(*pieces[-1].record):
-                    why = check({n: ArraySpec(s, _mx_dtype(st)) for n, (st, s) in specs.items()}, layout)
-                    if why:
-                        raise blobs.BlobError(f"stored cache does not fit the model: {why}")
+            layout, specs = _checked(pieces, heads, ident, plan, self.chunk, check)
             arrays, hosts = blobs.alloc(specs)
             _read_all(packs, pieces, heads, hosts, self.chunk if plan.chunked else None)
         tensors = {name: blobs.finish(specs[name][0], a) for name, a in arrays.items()}
@@ -207,6 +204,112 @@ class DiskTier:
             have = set()  # "retry": a reused chunk or this pack vanished under a gc: write all
         raise OSError("could not commit entry: its files kept vanishing under a concurrent gc")
 
+    # -- segments from elsewhere (a shared tier) ------------------------------------------
+
+    def held_chunks(self, bounds: list[bytes], tokens: bytes) -> set[bytes]:
+        """The chunk keys of ``bounds[1:]`` (a query's chain) indexed here with exactly
+        the query's token ids (one read transaction; unreadable records are not held)."""
+        C = self.chunk
+
+        def run(r: Reader) -> set[bytes]:
+            return {bounds[k] for k in range(1, len(bounds)) if _record(r, Kind.CHUNK, bounds[k]) is not None
+                    and r.tokens(bounds[k]) == tokens[(k - 1) * C * 4 : k * C * 4]}
+
+        return self.index.view(run)
+
+    def import_entry(self, ident: Identity, key: bytes, rec: EntryRecord, tokens: bytes,
+                     chunks: list[tuple[bytes, ChunkRecord, bytes, bytes]], tail: bytes,
+                     check: LayoutCheck | None = None) -> str:
+        """File segments framed elsewhere (another machine's, from a shared tier) as entry
+        ``key`` of ``tokens``: ``rec`` its record (its tail segment's place is ignored),
+        ``chunks`` the (key, record, token ids, segment bytes) of its chunks not indexed
+        here, ``tail`` its tail or snapshot bytes (b"" for none). Every chunk of ``rec``
+        not given must be indexed here.
+
+        Before anything is written, every segment is checked as ``restore`` checks it: its
+        header's metadata names this record, identity and token range, all share one
+        layout, and ``check`` accepts it. Then, as ``persist`` does: one new pack,
+        checksums verified as it is written, synced, and one transaction (``_commit``:
+        chunks indexed meanwhile are shared, the pack re-checked). Returns "ok",
+        "exists" or "retry" (a gc removed what it needed; nothing is indexed). Raises
+        BlobError naming the failing record; OSError on a failed write."""
+        C = self.chunk
+        if rec.chunk != C or rec.identity != ident.digest:
+            raise _blamed(("entry", key), "not an entry of this directory's identity and chunk size")
+        plan = Plan(rec.n, rec.chunks, None, rec.n, rec.chunked)
+        at = {ck: k for k, ck in enumerate(rec.chunks)}
+        pieces, data = [], []
+        for ck, crec, _toks, seg in chunks:
+            if ck not in at or crec.n != C:
+                raise _blamed(("chunk", ck), "not a chunk of the entry")
+            pieces.append(_Piece(("chunk", ck), "chunk", crec.segment, at[ck] * C, (at[ck] + 1) * C))
+            data.append(seg)
+        if rec.tail is not None:
+            lo = len(rec.chunks) * C if rec.chunked else 0
+            pieces.append(_Piece(("entry", key), "tail" if rec.chunked else "snapshot", rec.tail, lo, rec.n))
+            data.append(tail)
+        heads = []
+        for p, d in zip(pieces, data):
+            with _blame(*p.record):
+                heads.append(blobs.parse_header(d, len(d)))
+        if pieces:
+            _checked(pieces, heads, ident, plan, C, check)
+        have = set(rec.chunks) - {ck for ck, *_ in chunks}
+        now = time.time()
+        job = PersistJob(ident, tokens, key, {}, [], rec.cache_type, now)
+        writer = blobs.PackWriter(self.blob_root, mode=self.file_mode, dir_mode=self.dir_mode)
+        try:
+            segs = []
+            for p, d in zip(pieces, data):
+                with _blame(*p.record):
+                    segs.append(writer.add_framed(d, p.segment.checksum))
+            if writer.size:
+                writer.seal()
+            new = {ck: (replace(crec, refs=1, segment=seg), toks)
+                   for (ck, crec, toks, _), seg in zip(chunks, segs)}
+            local = replace(rec, tail=segs[-1] if rec.tail is not None else None, created=now,
+                            last_used=now, hits=0, pinned=False)
+            status = self.index.transact(lambda t: _commit(t, job, local, writer, new, have))
+        except BaseException:
+            writer.discard()
+            raise
+        writer.close()
+        if status != "ok":
+            writer.discard()
+        return status
+
+    def export_entry(self, key: bytes) -> tuple[EntryRecord, bytes, list[tuple[bytes, ChunkRecord, bytes]]] | None:
+        """Entry ``key``'s record and token ids, and (key, record, token ids) of each of
+        its chunks, from one read transaction; None if any is missing or unreadable."""
+        def run(r: Reader) -> Any:
+            rec, toks = r.entry(key), r.tokens(key)
+            if rec is None or toks is None:
+                return None
+            out = []
+            for ck in rec.chunks:
+                crec, ctoks = r.chunk(ck), r.tokens(ck)
+                if crec is None or ctoks is None:
+                    return None
+                out.append((ck, crec, ctoks))
+            return rec, toks, out
+
+        try:
+            return self.index.view(run)
+        except RecordError:
+            return None
+
+    def segment_bytes(self, seg: Segment) -> bytes:
+        """A segment's bytes as its pack file holds them, verified against its checksum
+        (kvstore's own files only); BlobError otherwise."""
+        fd = blobs.open_own(blobs.pack_path(self.blob_root, seg.pack))
+        try:
+            data = os.pread(fd, seg.length, seg.offset)
+        finally:
+            os.close(fd)
+        if len(data) != seg.length or xxhash.xxh3_128_digest(data) != seg.checksum:
+            raise blobs.BlobError(f"pack {seg.pack.hex()[:12]}: segment is short or does not match its checksum")
+        return data
+
     # -- removal -----------------------------------------------------------------------
 
     def remove(self, keys: list[bytes], *, only_if: Callable[[bytes, EntryRecord], bool] | None = None) -> list[bytes]:
@@ -257,21 +360,6 @@ class DiskTier:
 
 
 # ----------------------------------------------------------------------------- planning
-
-
-def _common(a: bytes, b: bytes) -> int:
-    """Common prefix length, in tokens, of two encoded token strings."""
-    n = min(len(a), len(b)) // 4
-    if a[: n * 4] == b[: n * 4]:
-        return n
-    lo, hi = 0, n  # binary search on equal prefixes (bytes compare is fast)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[: mid * 4] == b[: mid * 4]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def _record(r: Reader, kind: Kind, key: bytes) -> Any:
@@ -451,6 +539,20 @@ def _check_pieces(pieces: list[_Piece], heads: list[blobs.Header], ident: Identi
             if plan.chunked and not codec.is_chunkable(got, p.hi - p.lo):
                 raise blobs.BlobError("a chunked piece holds a layout that cannot be chunked")
     return layout  # type: ignore[return-value]
+
+
+def _checked(pieces: list[_Piece], heads: list[blobs.Header], ident: Identity, plan: Plan, C: int,
+             check: LayoutCheck | None) -> tuple[list, blobs.Specs]:
+    """The stored layout and the restored arrays' specs, once ``_check_pieces`` and
+    ``check`` (the identity's layout check, on the specs) accept the pieces."""
+    layout = _check_pieces(pieces, heads, ident, plan, C)
+    specs = _final_specs(heads[0], plan) if plan.chunked else heads[0].specs
+    if check is not None:
+        with _blame(*pieces[-1].record):
+            why = check({n: ArraySpec(s, _mx_dtype(st)) for n, (st, s) in specs.items()}, layout)
+            if why:
+                raise blobs.BlobError(f"stored cache does not fit the model: {why}")
+    return layout, specs
 
 
 def _final_specs(first: blobs.Header, plan: Plan) -> blobs.Specs:

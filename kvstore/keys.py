@@ -70,6 +70,21 @@ def _h(*parts: bytes) -> bytes:
     return x.digest()
 
 
+def common_tokens(a: bytes, b: bytes) -> int:
+    """Common prefix length, in tokens, of two encoded token strings."""
+    n = min(len(a), len(b)) // 4
+    if a[: n * 4] == b[: n * 4]:
+        return n
+    lo, hi = 0, n  # binary search on equal prefixes (bytes compare is fast)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[: mid * 4] == b[: mid * 4]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def root_key(identity_digest: bytes) -> bytes:
     """Key of the empty prefix for one identity and this format version."""
     return _h(b"kvstore/root/v%d/" % FORMAT_VERSION, identity_digest)

@@ -1,7 +1,15 @@
 """KVStore: one lookup over the memory tier and the disk tier.
 
 ``fetch`` returns the longest reusable prefix from either tier as fresh cache objects;
-``insert`` keeps a snapshot in memory and queues it for the disk (write-behind). A disk
+``insert`` keeps a snapshot in memory and queues it for the disk (write-behind).
+
+With ``shared=`` (or ``$KVSTORE_SHARED``) a third tier sits behind the disk: a Redis that
+machines share (``kvstore.shared.tier``). When memory and disk give fewer tokens than the
+prompt, ``fetch`` asks it for a longer prefix (at most two round trips); a hit is verified,
+written into the disk tier and restored from there, so the next request is a disk hit.
+After an entry is committed to disk the writer thread hands it to the shared tier's
+publisher. Nothing on the request path writes to Redis, and a shared-tier failure of any
+kind is a counted miss. A disk
 problem of any kind (missing, truncated, corrupt or foreign file, a failed write, a full
 disk) costs at most a miss: it is counted, logged once per kind, and never raised to the
 caller. Bad *input* (tokens that are not token ids, a cache longer than its tokens) raises
@@ -24,7 +32,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Hashable
+from typing import TYPE_CHECKING, Any, Hashable
 
 import lmdb
 import mlx.core as mx
@@ -34,10 +42,14 @@ from .budget import evict_to
 from .disk import DiskTier, PersistJob, Plan, Restored
 from .identity import DigestMemo, Identity, layout_problem, model_identity, watch
 from .index import CORRUPTION, IndexOpenError
-from .keys import TokenError, decode_tokens, encode_tokens, key_of, root_key
+from .keys import TokenError, boundaries, decode_tokens, encode_tokens, key_of, root_key
 from .memory import MemoryTier, Snapshot
 from .records import Kind
 from .writer import Writer
+
+if TYPE_CHECKING:
+    from .shared import SharedConfig
+    from .shared.tier import SharedTier
 
 log = logging.getLogger("kvstore")
 
@@ -62,10 +74,10 @@ class Fetched:
 
     cache: list[Any] | None
     n: int
-    source: str | None  # "memory", "disk" or None
+    source: str | None  # "memory", "disk", "shared" or None
 
 
-_STAT_KEYS = ("hits_memory", "hits_disk", "misses", "tokens_saved", "bytes_read",
+_STAT_KEYS = ("hits_memory", "hits_disk", "hits_shared", "misses", "tokens_saved", "bytes_read",
               "bytes_written", "restore_seconds", "restores", "write_seconds", "writes",
               "corrupt", "races", "write_errors", "unpersistable", "warnings_suppressed")
 _INDEX_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.InvalidError)
@@ -88,6 +100,9 @@ class KVStore:
     ``shared_dir``: the directory is shared by a group on purpose (else it must be this
     user's alone). ``on_disk_error="memory"``: a directory that cannot be used is warned
     about and the store serves from memory, instead of raising ``StoreOpenError``.
+    ``shared``: the shared tier, a ``redis://[user:pass@]host:port/db`` URL (``rediss://``,
+    ``redis+cluster://``: see ``SharedConfig.from_url``) or a ``SharedConfig``; None (the
+    default) reads ``$KVSTORE_SHARED``, False turns it off. It needs the disk tier.
     """
 
     def __init__(
@@ -105,6 +120,7 @@ class KVStore:
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         shared_dir: bool = False,
+        shared: "str | SharedConfig | None | bool" = None,
     ) -> None:
         self.memory = MemoryTier(max_entries, max_bytes, touch_on_hit=touch_on_hit)
         self.max_disk_bytes = max_disk_bytes
@@ -129,7 +145,10 @@ class KVStore:
                     raise
                 log.warning("kvstore: %s; serving from memory only", e)
         self.memo = DigestMemo(self.cache_dir / "file-digests.json" if self.disk else None)
+        self.shared = _open_shared(shared, queue_size) if self.disk else None
         self.writer = Writer(queue_size) if self.disk else None
+        if self.disk is None and shared:
+            log.warning("kvstore: the shared tier needs the disk tier (it restores through it); off")
         _open_stores.add(self)
 
     # -- identity ----------------------------------------------------------------------
@@ -228,7 +247,8 @@ class KVStore:
             self._hit("memory", n, snap)
             return Fetched(cache, n, "memory")
         if self._disk_on(ident) and tokens:
-            got = self._fetch_disk(ident, enc, better_than=n)  # type: ignore[arg-type]
+            shared = self.shared is not None and self._from_shared(ident, enc, n)  # type: ignore[arg-type]
+            got = self._fetch_disk(ident, enc, better_than=n, source="shared" if shared else "disk")  # type: ignore[arg-type]
             if got is not None:
                 return got
         if cache is not None:
@@ -253,7 +273,43 @@ class KVStore:
                 pass
         return n
 
-    def _fetch_disk(self, ident: Identity, enc: bytes, better_than: int) -> Fetched | None:
+    def _from_shared(self, ident: Identity, enc: bytes, better_than: int) -> bool:
+        """Ask the shared tier for more than the local tiers hold and write what it gives
+        into the disk tier; True if a longer prefix is now indexed there. Never raises."""
+        assert self.shared is not None and self.disk is not None
+        disk, n_q = self.disk, len(enc) // 4
+        found = None
+        try:
+            plan = disk.plan(ident, enc)
+            local = max(better_than, plan.n if plan is not None else 0)
+            if local >= n_q:
+                return False
+            bounds = boundaries(root_key(ident.digest), enc, disk.chunk)
+            found = self.shared.lookup(ident.digest, enc, bounds, disk.chunk, disk.held_chunks(bounds, enc), local)
+            if found is None:
+                return False
+            status = disk.import_entry(ident, found.key, found.record, found.tokens, found.chunks, found.tail,
+                                       lambda specs, layout: layout_problem(ident, specs, layout))
+        except blobs.BlobError as e:  # verified bytes that do not fit this model or directory
+            kind, key = getattr(e, "record", None) or ("entry", found.key if found else b"")
+            self.shared.drop(kind, key, ident.digest)
+            self._warn_once("shared-reject", "kvstore: dropping a shared entry: %s", e)
+            return False
+        except (OSError, lmdb.Error) as e:
+            self._stats["write_errors"] += 1
+            if not self._index_damaged(e):
+                self._warn_once("shared-write", "kvstore: could not keep a shared hit on disk (%s)", e)
+            return False
+        except Exception:  # a defect: a miss, never a crash
+            if "shared-bug" not in self._warned:
+                self._warned.add("shared-bug")
+                log.exception("kvstore: unexpected error in a shared-tier lookup (a kvstore bug: please report)")
+            return False
+        if status == "retry":
+            self._stats["races"] += 1
+        return status != "retry"
+
+    def _fetch_disk(self, ident: Identity, enc: bytes, better_than: int, source: str = "disk") -> Fetched | None:
         assert self.disk is not None
         for _ in range(4):  # each failure drops a record; the next plan may still hit
             try:
@@ -282,19 +338,20 @@ class KVStore:
             self._stats["restore_seconds"] += time.perf_counter() - t0
             self._stats["restores"] += 1
             self._stats["bytes_read"] += got.nbytes
-            return self._promote(ident, enc, plan, got)
+            return self._promote(ident, enc, plan, got, source)
         return None
 
-    def _promote(self, ident: Identity, enc: bytes, plan: Plan, got: Restored) -> Fetched:
-        """Keep a disk hit hot (marked as already on disk) and hand out its cache."""
+    def _promote(self, ident: Identity, enc: bytes, plan: Plan, got: Restored, source: str = "disk") -> Fetched:
+        """Keep a disk hit hot (marked as already on disk) and hand out its cache;
+        ``source`` ("disk" | "shared") is where it came from for this request."""
         ctype = plan.cache_type if plan.cache_type in self.memory.stats_by_type() else "assistant"
         snap = Snapshot(got.tensors, got.layout, None, codec.cache_nbytes(got.tensors),
                         codec.trimmable(got.cache), ctype, persisted=True, disk_key=plan.entry)
         with self._lock:
             evicted = self.memory.insert(ident.digest, decode_tokens(enc[: got.n * 4]), snap)
         self._persist_evicted(evicted)
-        self._hit("disk", got.n, snap)
-        return Fetched(got.cache, got.n, "disk")
+        self._hit(source, got.n, snap)
+        return Fetched(got.cache, got.n, source)
 
     def _damaged(self, plan: Plan, err: Exception) -> None:
         """A restore failed: a record whose file vanished because a gc removed the record
@@ -445,6 +502,22 @@ class KVStore:
         self._stats["write_seconds"] += time.perf_counter() - t0
         self._stats["writes"] += 1
         self._stats["bytes_written"] += written
+        if self.shared is not None:  # its own thread and queue: a full queue drops, counted
+            self.shared.submit(lambda: self._publish(job))
+
+    def _publish(self, job: PersistJob) -> None:
+        """The publisher thread's job: the committed entry, read back from its pack files
+        (still in the page cache), published to the shared tier."""
+        from .shared.tier import PublishItem
+
+        disk, shared = self.disk, self.shared
+        if disk is None or shared is None or self._disk_off:
+            return
+        got = disk.export_entry(job.key)
+        if got is None:  # evicted or removed meanwhile
+            return
+        rec, tokens, chunks = got
+        shared.publish(PublishItem(job.identity.digest, job.key, rec, tokens, chunks, disk.segment_bytes))
 
     def _persist_evicted(self, evicted: list) -> None:
         for _, _, snap in evicted:
@@ -454,6 +527,8 @@ class KVStore:
     # -- limits, stats, lifecycle ------------------------------------------------------
 
     def trim_to(self, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        """Shrink the memory tier to at most ``n_sequences`` entries / ``n_bytes`` (mlx-lm's
+        order); what goes and never reached disk is queued for it."""
         with self._lock:
             evicted = self.memory.trim_to(n_sequences, n_bytes)
         self._persist_evicted(evicted)
@@ -467,6 +542,8 @@ class KVStore:
             s["queue_depth"] = self.writer.depth
             s["pending_writes"] = self.writer.pending
             s["dropped_writes"] = self.writer.dropped
+        if self.shared is not None:
+            s.update(self.shared.stats())
         if self.disk is not None:
             s["cache_dir"] = str(self.cache_dir)
             try:
@@ -488,6 +565,8 @@ class KVStore:
         if self._touches:
             self.writer.submit(self._flush_touches)
             ok = self.writer.flush(timeout) and ok
+        if self.shared is not None:  # after the writer: its commits queue the publishes
+            ok = self.shared.flush(timeout) and ok
         return ok
 
     def close(self, timeout: float | None = None) -> None:
@@ -497,6 +576,9 @@ class KVStore:
             self.flush(timeout)
             self.writer.close(timeout)
             self.writer = None
+        if self.shared is not None:  # publishes read the disk tier: close it after them
+            self.shared.close(timeout)
+            self.shared = None
         if self.disk is not None:
             self.disk.close()
             self.disk = None
@@ -770,6 +852,23 @@ def open_disk(path: Path, chunk_tokens: int = 256, *, shared_dir: bool = False, 
         raise StoreOpenError(f"cannot open index in {path}: {e}") from None
     except lmdb.Error as e:
         raise StoreOpenError(f"cannot open index in {path}: {e}") from None
+
+
+def _open_shared(shared: Any, queue_size: int) -> "SharedTier | None":
+    """The shared tier named by ``shared`` (see ``KVStore``), or None. A URL that does not
+    parse raises ValueError (a configuration error, said at start-up); a server that does
+    not answer is not an error here: every call is then a counted miss."""
+    from .shared import SharedConfig
+
+    if shared is False:
+        return None
+    config = SharedConfig.from_env() if shared is None or shared is True else (
+        shared if isinstance(shared, SharedConfig) else SharedConfig.from_url(str(shared)))
+    if config is None:
+        return None
+    from .shared.tier import SharedTier
+
+    return SharedTier(config, queue_size=queue_size)
 
 
 def local_model_dir(p: Any) -> Path | None:

@@ -24,6 +24,8 @@ class LRUPromptCache:
 
     ``model`` is mlx-lm's ``(model path, adapter path, draft model path)`` key; it maps to
     the identity digest of those files, so entries survive restarts and never cross models.
+    ``shared``: a shared tier behind the disk (a Redis URL or ``SharedConfig``; None reads
+    ``$KVSTORE_SHARED``, False turns it off; see ``KVStore``).
     """
 
     def __init__(
@@ -39,12 +41,13 @@ class LRUPromptCache:
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         store: KVStore | None = None,
+        shared: Any = None,
     ) -> None:
         self.store = store or KVStore(
             cache_dir, max_entries=max_size, max_bytes=max_bytes, max_disk_bytes=max_disk_bytes,
             chunk_tokens=chunk_tokens, queue_size=queue_size, touch_on_hit=False,
             memory_only=not disk, on_disk_error="memory", kv_bits=kv_bits,
-            kv_group_size=kv_group_size,
+            kv_group_size=kv_group_size, shared=shared,
         )
 
     @property

@@ -111,6 +111,14 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-disk-bytes", type=_size, default=None, help="disk budget, e.g. 20G (LRU eviction)")
     g.add_argument("--chunk-tokens", type=int, default=256, help="tokens per stored chunk (default 256)")
     g.add_argument("--write-queue", type=int, default=16, help="write-behind queue length (default 16)")
+    g.add_argument("--shared", metavar="URL", default=None,
+                   help="shared tier behind the disk: redis://[user:pass@]host:port/db, rediss://, "
+                        "redis+cluster://h1:p1,h2:p2 (default: $KVSTORE_SHARED)")
+    g.add_argument("--shared-prefix", metavar="P", default=None, help="key prefix in the shared tier (default kvstore)")
+    g.add_argument("--shared-ttl", metavar="SECONDS", type=float, default=None,
+                   help="expire shared values after this long (default: never; use maxmemory + allkeys-lru)")
+    g.add_argument("--shared-timeout", metavar="MS", type=float, default=None,
+                   help="per-command timeout of the shared tier in milliseconds (default 100)")
 
 
 def main(argv: list[str] | None = None, *, exit_process: bool = True,
@@ -138,6 +146,9 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
         "cache_dir": ours.cache_dir, "max_disk_bytes": ours.max_disk_bytes,
         "chunk_tokens": ours.chunk_tokens, "queue_size": ours.write_queue,
     }
+    shared = shared_config(ours)
+    if shared is not None:
+        options["shared"] = shared
     if kv_bits is not None:  # entries of a --kv-bits server get their own identity
         options.update(kv_bits=int(kv_bits), kv_group_size=int(_flag(rest, "--kv-group-size") or 64))
     server_mod.LRUPromptCache = bind_prompt_cache(**options)
@@ -179,6 +190,22 @@ def _exit_now(code: int) -> None:
         except Exception:
             pass
     os._exit(code)
+
+
+def shared_config(ours: argparse.Namespace) -> Any:
+    """The SharedConfig of ``--shared`` and its options (``$KVSTORE_SHARED`` when only the
+    options are given), or None: the store then reads ``$KVSTORE_SHARED`` itself."""
+    timeout = ours.shared_timeout / 1000 if ours.shared_timeout is not None else None
+    over = {k: v for k, v in (("prefix", ours.shared_prefix), ("ttl", ours.shared_ttl),
+                              ("command_timeout", timeout)) if v is not None}
+    if ours.shared is None and not over:
+        return None
+    from ..shared import SharedConfig
+
+    config = SharedConfig.from_url(ours.shared, **over) if ours.shared else SharedConfig.from_env(**over)
+    if config is None:
+        raise SystemExit("kvstore serve: --shared-* options need --shared URL (or $KVSTORE_SHARED)")
+    return config
 
 
 def _flag(argv: list[str], name: str) -> str | None:

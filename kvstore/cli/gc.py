@@ -6,7 +6,7 @@ import argparse
 import time
 from typing import Any
 
-from . import common
+from . import common, shared_tier
 
 
 def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -37,10 +37,13 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"pack files no record names older than this are orphans (default {ORPHAN_BLOB_SECONDS})")
     common.add_cache_dir(p)
     common.add_json(p)
+    shared_tier.add_shared(p)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.shared is not None:  # a shared tier, not a cache directory
+        return shared_tier.run_gc(args)
     from .. import maintenance as M
     from .verify import describe
 

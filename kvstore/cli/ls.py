@@ -6,7 +6,7 @@ import argparse
 import time
 from typing import Any
 
-from . import common
+from . import common, shared_tier
 
 
 def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -18,6 +18,7 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "other commands accept any unique prefix.")
     common.add_cache_dir(p)
     common.add_json(p)
+    shared_tier.add_shared(p)
     return p
 
 
@@ -66,6 +67,8 @@ def _dtype(disk, items: list[tuple[bytes, Any]], info: Any) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.shared is not None:  # a shared tier, not a cache directory
+        return shared_tier.run_ls(args)
     disk = common.open_disk(args)
     try:
         data = collect(disk)

@@ -382,27 +382,35 @@ class Index:
     # -- one-record reads (each its own transaction) -------------------------------------
 
     def entry(self, key: bytes) -> Any:
+        """``Reader.entry`` in a transaction of its own (None absent; RecordError damaged)."""
         return self.view(lambda r: r.entry(key))
 
     def chunk(self, key: bytes) -> Any:
+        """``Reader.chunk`` in a transaction of its own."""
         return self.view(lambda r: r.chunk(key))
 
     def pack(self, pack: bytes) -> Any:
+        """``Reader.pack`` in a transaction of its own."""
         return self.view(lambda r: r.pack(pack))
 
     def tokens(self, key: bytes) -> bytes | None:
+        """``Reader.tokens`` in a transaction of its own."""
         return self.view(lambda r: r.tokens(key))
 
     def meta(self, key: bytes) -> bytes | None:
+        """``Reader.meta`` in a transaction of its own."""
         return self.view(lambda r: r.meta(key))
 
     def total_bytes(self) -> int:
+        """The pack files' total size as the index counts it."""
         return self.view(lambda r: r.total_bytes())
 
     def counts(self) -> dict[str, int]:
+        """Records per database (entries, chunks, packs, identities), from LMDB's stats."""
         return self.view(lambda r: {n: r.txn.stat(r.db[n])["entries"] for n in ("entries", "chunks", "packs", "identities")})
 
     def file_bytes(self) -> int:
+        """The index data file's size on disk. OSError if it is gone."""
         return (self.path / "data.mdb").stat().st_size
 
     def identities(self) -> dict[str, IdentityRecord]:
@@ -418,6 +426,8 @@ class Index:
         return self.view(run)
 
     def put_identity(self, digest: bytes, info: dict[str, Any]) -> None:
+        """Describe identity ``digest`` (once: an existing description is kept).
+        RecordError if ``info`` is not a description kvstore can store."""
         rec = IdentityRecord(info)
         if self.view(lambda r: r.raw("identities", digest)) is None:
             self.transact(lambda t: t.put_identity(digest, rec))

@@ -43,28 +43,37 @@ class Reader:
         self.txn, self.db, self.blob_root = txn, dbs, blob_root
 
     def raw(self, db: str, key: bytes) -> bytes | None:
+        """The bytes stored under ``key`` in database ``db`` (None if absent), unparsed."""
         v = self.txn.get(key, db=self.db[db])
         return None if v is None else bytes(v)
 
     def entry(self, key: bytes) -> EntryRecord | None:
+        """Entry ``key``; None if absent; RecordError if not a record kvstore writes."""
         return parse("entries", self.txn.get(key, db=self.db["entries"]))
 
     def chunk(self, key: bytes) -> ChunkRecord | None:
+        """Chunk ``key``; None if absent; RecordError if not a record kvstore writes."""
         return parse("chunks", self.txn.get(key, db=self.db["chunks"]))
 
     def pack(self, pack: bytes) -> PackRecord | None:
+        """Pack ``pack``'s record; None if absent; RecordError if not one kvstore writes."""
         return parse("packs", self.txn.get(pack, db=self.db["packs"]))
 
     def identity(self, digest: bytes) -> IdentityRecord | None:
+        """Identity ``digest``'s description; None if absent; RecordError if unreadable."""
         return parse("identities", self.txn.get(digest, db=self.db["identities"]))
 
     def tokens(self, key: bytes) -> bytes | None:
+        """The exact token ids (uint32 LE) of entry or chunk ``key``, unchecked (callers
+        compare them with what they expect, and with the key they hash to)."""
         return self.raw("tokens", key)
 
     def meta(self, key: bytes) -> bytes | None:
+        """A ``meta`` value (format, chunk_tokens, bytes), unparsed."""
         return self.raw("meta", key)
 
     def total_bytes(self) -> int:
+        """The pack files' total size as the index counts it (0 if the counter is damaged)."""
         return count(self.txn.get(b"bytes", db=self.db["meta"]))
 
     def edges(self, boundary: bytes, after: bytes) -> Iterator[trie.Edge]:
@@ -72,6 +81,7 @@ class Reader:
         return trie.edges(self.txn, self.db["bounds"], boundary, after)
 
     def keys(self, db: str) -> list[bytes]:
+        """Every key of ``db``, in order (a full scan: maintenance and repairs)."""
         return [bytes(k) for k in self.txn.cursor(db=self.db[db]).iternext(keys=True, values=False)]
 
     def keys_from(self, db: str, start: bytes) -> Iterator[bytes]:
@@ -81,6 +91,7 @@ class Reader:
             yield from (bytes(k) for k in cur.iternext(keys=True, values=False))
 
     def pack_path(self, pack: bytes) -> Path:
+        """The one path pack ``pack`` may have (``blobs.pack_path``)."""
         return blobs.pack_path(self.blob_root, pack)
 
 
@@ -107,21 +118,26 @@ class WriteTxn(Reader):
         return self._delete(db, key)
 
     def unlink_after_commit(self, path: Path) -> None:
+        """Remove ``path`` once this transaction committed (never if it aborts)."""
         self.unlink.append(path)
 
     def add_bytes(self, n: int) -> None:
+        """Move the pack-bytes counter by ``n`` (never below 0)."""
         self._put("meta", b"bytes", str(max(0, self.total_bytes() + n)).encode())
 
     def set_meta(self, key: bytes, value: bytes) -> None:
+        """Store a ``meta`` value."""
         self._put("meta", key, value)
 
     # -- records -----------------------------------------------------------------------
 
     def put_identity(self, digest: bytes, rec: IdentityRecord) -> None:
+        """Describe identity ``digest`` unless it is described already."""
         if self.txn.get(digest, db=self.db["identities"]) is None:
             self._put("identities", digest, rec.to_bytes())
 
     def set_identity(self, digest: bytes, rec: IdentityRecord) -> None:
+        """Describe identity ``digest``, replacing what was there."""
         self._put("identities", digest, rec.to_bytes())
 
     def put_pack(self, pack: bytes, rec: PackRecord) -> None:
@@ -148,6 +164,7 @@ class WriteTxn(Reader):
             self._put("bounds", e, Kind.CHUNK.value)
 
     def set_chunk(self, key: bytes, rec: ChunkRecord) -> None:
+        """Replace a chunk's record (its reference count); edges and tokens unchanged."""
         self._put("chunks", key, rec.to_bytes())
 
     # -- removal -----------------------------------------------------------------------

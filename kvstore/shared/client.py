@@ -48,7 +48,7 @@ from .breaker import Breaker
 from .config import SharedConfig
 from .keys import key_slot, make_key
 
-__all__ = ["SharedClient", "SharedConfig", "ERROR_KINDS"]
+__all__ = ["SharedClient", "SharedConfig", "ERROR_KINDS", "READ_COMMANDS"]
 
 log = logging.getLogger("kvstore.shared")
 
@@ -131,6 +131,30 @@ class SharedClient:
         self._count("bytes_in", sum(len(v) for h in hashes for v in h.values()))
         return hashes
 
+    def pipeline_read(self, commands: Sequence[tuple[Any, ...]]) -> list[Any] | None:
+        """Mixed read commands in one round trip (per cluster node), replies in order.
+
+        Each command is ``(name, key, *args)`` with ``name`` one of ``READ_COMMANDS``
+        (``("GETRANGE", k, 0, 1023)``, ``("STRLEN", k)``, ``("HGETALL", k)``...). An error
+        reply to one command gives None in its place (counted); None for the whole call
+        means unavailable.
+        """
+        ops: list[Op] = []
+        for cmd in commands:
+            if not (isinstance(cmd, tuple) and len(cmd) >= 2 and cmd[0] in READ_COMMANDS):
+                raise ValueError(f"commands must be (name, key, *args) with name in "
+                                 f"{sorted(READ_COMMANDS)}, got {cmd!r}")
+            _check_keys([cmd[1]])
+            ops.append((cmd[1], _command(*cmd)))
+        if not ops:
+            return []
+        got = self._call("read", lambda c: self._pipelined(c, ops))
+        if isinstance(got, _Unavailable):
+            return None
+        replies = [None if self._item_error(r) else r for r in got]
+        self._count("bytes_in", sum(_reply_size(r) for r in replies))
+        return replies
+
     def scan_iter(self, match: str, count: int = 1000) -> Iterator[str]:
         """Keys matching ``match`` (which must start with ``prefix:``), on every primary.
 
@@ -184,24 +208,36 @@ class SharedClient:
 
     def hset(self, key: str, mapping: Mapping[str, Value], ttl: float | None = None) -> bool:
         """HSET the fields (and PEXPIRE, in the same MULTI/EXEC, when a ttl applies)."""
-        _check_keys([key])
-        fields = _pairs(mapping)
-        if not fields:
-            raise ValueError("hset needs at least one field")
+        return self.hset_many({key: mapping}, ttl)
+
+    def hset_many(self, hashes: Mapping[str, Mapping[str, Value]], ttl: float | None = None) -> bool:
+        """HSET fields into several hashes in one round trip per node (each hash followed
+        by its PEXPIRE when a ttl applies); True if every command succeeded.
+
+        With a ttl, the whole call is one MULTI/EXEC when the hashes share a slot (one hash,
+        or any number on one server); across cluster slots each PEXPIRE follows its HSET in
+        the node's pipeline, not atomically (a lost connection may leave a hash's previous
+        expiry)."""
+        keys = list(hashes)
+        _check_keys(keys)
+        data = {k: dict(_pairs(hashes[k])) for k in keys}
+        if not keys or not all(data.values()):
+            raise ValueError("hset needs at least one field per hash")
         px = self._ttl_ms(ttl)
-        data: dict[Any, Value] = dict(fields)
+        atomic = px is not None and (not self.config.cluster or len({key_slot(k) for k in keys}) == 1)
 
-        def queue(p: Pipeline) -> object:
-            p.hset(key, mapping=data)
-            return p.pexpire(key, px) if px is not None else None
+        def queue(key: str) -> Callable[[Pipeline], object]:
+            def put(p: Pipeline) -> object:
+                p.hset(key, mapping=data[key])
+                return p.pexpire(key, px) if px is not None else None
+            return put
 
-        got = self._call("hset", lambda c: self._pipelined(c, [(key, queue)],
-                                                          atomic=px is not None))
+        got = self._call("hset", lambda c: self._pipelined(c, [(k, queue(k)) for k in keys], atomic=atomic))
         if isinstance(got, _Unavailable):
             return False
         ok = not any([self._item_error(r) for r in got])
         if ok:
-            self._count("bytes_out", sum(_size(v) for v in data.values()))
+            self._count("bytes_out", sum(_size(v) for m in data.values() for v in m.values()))
         return ok
 
     def delete_many(self, keys: Sequence[str]) -> int | None:
@@ -460,6 +496,22 @@ def _unlink(key: str) -> Callable[[Pipeline], object]:
 
 def _set(key: str, value: Value, px: int | None, nx: bool = False) -> Callable[[Pipeline], object]:
     return lambda p: p.set(key, value, px=px, nx=nx)
+
+
+# read commands ``pipeline_read`` sends, as redis-py pipeline methods
+READ_COMMANDS = frozenset({"GET", "GETRANGE", "STRLEN", "EXISTS", "HEXISTS", "HGETALL", "HLEN"})
+
+
+def _command(name: str, key: str, *args: Any) -> Callable[[Pipeline], object]:
+    return lambda p: getattr(p, name.lower())(key, *args)
+
+
+def _reply_size(reply: Any) -> int:
+    if isinstance(reply, bytes):
+        return len(reply)
+    if isinstance(reply, dict):
+        return sum(len(v) for v in reply.values() if isinstance(v, bytes))
+    return 0
 
 
 def _check_keys(keys: Sequence[str]) -> None:

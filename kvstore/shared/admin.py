@@ -1,0 +1,175 @@
+"""Maintenance of a shared tier: what it holds per identity, and removing entries.
+
+``listing`` scans the prefix's names (``SCAN``, never ``KEYS``) and reads each entry's
+frame and record with bounded ``GETRANGE`` reads (never a whole value) and each chunk's
+size, in pipelines of ``BATCH`` names. ``collect_garbage`` removes every name of some
+identities, or entries published longer ago than an age: their boundary-hash fields
+first (so no reader is sent to them), then the values, then chunks no remaining entry
+uses and published before the same age (a chunk written just now for an entry not yet
+published is younger than that, so a running publisher is never undercut).
+
+The server's own eviction (``maxmemory`` + ``allkeys-lru``, or a TTL) is the budget; this
+is for removing a model's entries, or old ones, on purpose.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from ..records import EntryRecord, RecordError
+from . import values as V
+from .client import SharedClient
+
+BATCH = 500
+
+
+@dataclass
+class EntryInfo:
+    key: bytes
+    identity: bytes
+    tokens: int
+    bytes: int
+    chunks: tuple[bytes, ...]
+    boundary: bytes
+    cache_type: str
+    created: float
+    published: float
+
+
+@dataclass
+class Listing:
+    """What a scan found: entries (readable ones), chunks (name -> (size, published)),
+    hashes, and names that are not kvstore's format (counted, never touched)."""
+
+    entries: list[EntryInfo] = field(default_factory=list)
+    chunks: dict[str, tuple[bytes, int, float]] = field(default_factory=dict)  # name -> (identity, size, published)
+    hashes: list[str] = field(default_factory=list)
+    unreadable: list[str] = field(default_factory=list)
+    complete: bool = True  # False: the server failed during the scan
+
+    def by_identity(self) -> list[dict[str, Any]]:
+        rows: dict[str, dict[str, Any]] = {}
+
+        def row(ident: bytes) -> dict[str, Any]:
+            return rows.setdefault(ident.hex(), {"identity": ident.hex(), "entries": 0, "chunks": 0,
+                                                 "tokens": 0, "bytes": 0, "newest": 0.0})
+        for e in self.entries:
+            r = row(e.identity)
+            r["entries"] += 1
+            r["tokens"] += e.tokens
+            r["bytes"] += e.bytes
+            r["newest"] = max(r["newest"], e.published)
+        for ident, size, _ in self.chunks.values():
+            r = row(ident)
+            r["chunks"] += 1
+            r["bytes"] += size
+        return sorted(rows.values(), key=lambda r: r["identity"])
+
+
+def listing(client: SharedClient, identity: str | None = None) -> Listing:
+    """Every kvstore name under the client's prefix (of identities whose hex starts with
+    ``identity``), entries with their records, chunks with size and publish time."""
+    prefix = client.config.prefix
+    out = Listing()
+    names: dict[str, V.Name] = {}
+    for text in client.scan_iter(V.pattern(prefix, None, identity)):
+        parsed = V.parse_name(prefix, text)
+        if parsed is None:
+            out.unreadable.append(text)
+        else:
+            names[text] = parsed
+    for batch in _batches([n for n, p in names.items() if p.kind != "bounds"]):
+        heads = client.pipeline_read([("GETRANGE", n, 0, V.FRAME.size - 1) for n in batch])
+        sizes = client.pipeline_read([("STRLEN", n) for n in batch])
+        if heads is None or sizes is None:
+            out.complete = False
+            break
+        frames: dict[str, V.Frame] = {}
+        for n, head, size in zip(batch, heads, sizes):
+            try:
+                f = V.parse_frame(head or b"")
+                if f.size != size or f.kind != names[n].kind:
+                    raise V.ValueFormatError("frame does not match the value")
+                frames[n] = f
+            except V.ValueFormatError:
+                out.unreadable.append(n)
+        entries = [n for n in frames if frames[n].kind == "entry"]
+        for n in frames:
+            if frames[n].kind == "chunk":
+                out.chunks[n] = (names[n].identity, frames[n].size, frames[n].published)
+        recs = client.pipeline_read([("GETRANGE", n, 0, V.FRAME.size + frames[n].record - 1) for n in entries])
+        if recs is None:
+            out.complete = False
+            break
+        for n, data in zip(entries, recs):
+            try:
+                f, rec = V.parse_record(data or b"")
+            except RecordError:
+                out.unreadable.append(n)
+                continue
+            if not isinstance(rec, EntryRecord) or rec.identity != names[n].identity:
+                out.unreadable.append(n)
+                continue
+            out.entries.append(EntryInfo(names[n].key, rec.identity, rec.n, f.size, rec.chunks, rec.boundary,
+                                         rec.cache_type, rec.created, f.published))
+    out.hashes = [n for n, p in names.items() if p.kind == "bounds"]
+    return out
+
+
+@dataclass
+class GcResult:
+    entries: list[EntryInfo]
+    chunks: int
+    hashes: int
+    bytes: int
+    dry_run: bool
+    complete: bool
+
+
+def collect_garbage(client: SharedClient, *, identities: list[str] = (), max_age: float | None = None,
+                    dry_run: bool = False, now: float | None = None) -> GcResult:
+    """Remove every value of ``identities`` (full hex digests), and entries published more
+    than ``max_age`` seconds ago with the chunks nothing else uses (see the module
+    docstring). ``dry_run``: report only."""
+    now = time.time() if now is None else now
+    found = listing(client)
+    prefix = client.config.prefix
+    doomed_ids = {bytes.fromhex(h) for h in identities}
+    old = now - max_age if max_age is not None else None
+    gone = [e for e in found.entries if e.identity in doomed_ids or (old is not None and e.published < old)]
+    gone_keys = {e.key for e in gone}
+    used = {ck for e in found.entries if e.key not in gone_keys for ck in e.chunks}
+    chunks = [n for n, (ident, _, published) in found.chunks.items()
+              if ident in doomed_ids or (old is not None and published < old
+                                         and V.parse_name(prefix, n).key not in used)]  # type: ignore[union-attr]
+    hashes = [n for n in found.hashes if V.parse_name(prefix, n).identity in doomed_ids]  # type: ignore[union-attr]
+    freed = sum(e.bytes for e in gone) + sum(found.chunks[n][1] for n in chunks)
+    if not dry_run:
+        fields: dict[str, list[str]] = {}
+        for e in gone:
+            if e.identity not in doomed_ids:
+                fields.setdefault(V.name(prefix, "bounds", e.boundary, e.identity), []).append(e.key.hex())
+        for hname, keys in fields.items():  # readers are no longer sent to them
+            client.run(lambda r, h=hname, k=keys: r.hdel(h, *k))
+        for batch in _batches(hashes + [V.name(prefix, "entry", e.key, e.identity) for e in gone] + chunks):
+            client.delete_many(batch)
+    return GcResult(gone, len(chunks), len(hashes), freed, dry_run, found.complete)
+
+
+def server_memory(client: SharedClient) -> dict[str, Any] | None:
+    """used_memory, maxmemory and maxmemory_policy of the server (summed over cluster
+    primaries), or None if it does not answer."""
+    def read(r: Any) -> dict[str, Any]:
+        info = r.info("memory")
+        nodes = list(info.values()) if info and all(isinstance(v, dict) for v in info.values()) else [info]
+        return {"used_memory": sum(int(n.get("used_memory", 0)) for n in nodes),
+                "maxmemory": sum(int(n.get("maxmemory", 0)) for n in nodes),
+                "maxmemory_policy": sorted({str(n.get("maxmemory_policy")) for n in nodes})}
+    return client.run(read)
+
+
+def _batches(items: list[str]) -> Iterator[list[str]]:
+    for i in range(0, len(items), BATCH):
+        yield items[i : i + BATCH]

@@ -1,0 +1,481 @@
+"""The shared tier: prefix lookups in two round trips, and a publisher, over SharedClient.
+
+``SharedTier.lookup`` finds, for a query whose local tiers gave fewer tokens than it could
+use, the longest prefix other machines published, in at most TWO round trips (per Redis
+Cluster node holding the keys; one when nothing longer exists), whatever the prompt's
+length:
+
+1. one pipeline: ``HGETALL`` of the boundary hash of every chunk boundary of the query that
+   could file a longer entry, and ``STRLEN`` of every chunk of the query's chain not held
+   locally. Candidates are chosen by comparing each field's residual token ids with the
+   query; a chunked entry needs every chunk up to its boundary (local or present and not
+   too large); the chain of present chunks alone is a candidate too (trimmed, as locally).
+   At the boundary where that chain ends, the chunk fields (every chunk published after
+   that boundary, with its token ids) are candidates as well: the one sharing the most
+   tokens with the query (0 < m < chunk) serves k*C + m of them (never the whole query),
+   as the local plan trims a chunk at the end of its chain.
+2. one pipeline: ``GETRANGE 0 max_value_bytes-1`` of the chosen entry (or chunk to trim)
+   and of the chunks it needs that are not held locally (a value never makes the reader
+   allocate more than the bound).
+
+Everything read is verified before it is returned (``values`` parses it; here: the
+identity, every key re-derived from the token ids, stored token ids compared with the
+query, each chunk's parent). A missing or rejected chunk cuts the chain there: the result
+is the verified chain before it (a shorter hit) or None, never a partial cache. A chunk to
+trim is verified like any chunk of the chain (its key re-derived from its own token ids,
+which are the publisher's) and is returned with the chain as one entry of whole chunks:
+the store imports it and its local plan trims it, so only trimmable KV is ever cut. A
+value that fails verification is counted and deleted (off the request path, by the
+publisher thread), so the next publisher of that content writes it again: chunks are
+written ``SET NX`` and would otherwise stay damaged for the whole fleet. A value gone
+since its field was read is counted (``missing``) and its field removed the same way.
+
+``SharedTier.submit`` hands a locally committed entry to the publisher thread (its own
+bounded queue: a full queue drops and counts, never blocks). ``publish`` writes, in this
+order, each step only after the one before succeeded: the chunks the server lacks
+(``SET NX``: content-addressed, never overwritten), the entry value, and last, in one
+pipeline (``hset_many``), the entry's field in its boundary hash and each of its chunks'
+fields the hashes lack in its parent boundary's hash. A reader that sees a field
+therefore finds its entry and chunks unless they were evicted or deleted since, which it
+handles like any missing key.
+
+Never raises for a server failure: ``SharedClient`` returns None / False, counted here and
+there; local serving goes on. Round trip 1 uses the configured timeouts; moving values
+(round trip 2, publishing) uses a second client whose per-operation timeout is
+``max(BULK_TIMEOUT, 10 x command_timeout)``, since a many-MB reply takes longer than a
+small one before its first byte. Needs no DiskTier or KVStore (the store glues them).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..keys import boundaries, chunk_key, common_tokens, entry_key, key_of, residual
+from ..records import ChunkRecord, EntryRecord, Segment
+from ..writer import Writer
+from . import values as V
+from .client import SharedClient
+from .config import SharedConfig
+
+log = logging.getLogger("kvstore.shared")
+
+MAX_VALUE_BYTES = 512 << 20  # Redis' own string limit (proto-max-bulk-len default)
+MAX_FIELDS = 4096            # fields of one boundary hash considered per lookup
+PUBLISH_BATCH_BYTES = 32 << 20  # chunk bytes per SET NX pipeline
+BULK_TIMEOUT = 1.0           # seconds per socket operation when moving values
+COUNTERS = ("lookups", "lookup_hits", "trim_hits", "rejected", "missing", "bad_fields", "too_large",
+            "deleted", "published", "publish_skipped", "publish_failed", "chunks_published")
+
+ChunkPiece = tuple[bytes, ChunkRecord, bytes, bytes]  # key, record, token ids, segment bytes
+
+
+@dataclass(frozen=True)
+class Found:
+    """A verified shared hit, ready for ``DiskTier.import_entry``: entry ``key`` holding
+    ``tokens`` (``record``; an entry of whole chunks made from a chain has no tail),
+    ``chunks`` of it not held locally, ``tail`` its tail or snapshot bytes (b"" for none),
+    and ``n``, the query tokens it serves."""
+
+    key: bytes
+    record: EntryRecord
+    tokens: bytes
+    chunks: list[ChunkPiece]
+    tail: bytes
+    n: int
+
+
+@dataclass(frozen=True)
+class PublishItem:
+    """A locally committed entry to publish: its record and token ids, its chunks as
+    (key, record, token ids), and ``read(segment) -> bytes`` (verified local bytes)."""
+
+    identity: bytes
+    key: bytes
+    record: EntryRecord
+    tokens: bytes
+    chunks: list[tuple[bytes, ChunkRecord, bytes]]
+    read: Callable[[Segment], bytes]
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    n: int                  # query tokens it would serve
+    k: int                  # boundary it is filed under (chain: chunks it needs)
+    key: bytes | None       # entry key (trim: the chunk's); None: the chain of chunks alone
+    chunked: bool = True    # what the entry's field says (its value must agree)
+    trim: bool = False      # key is a chunk after boundary k, to be trimmed to the query
+
+
+def _better(a: _Candidate, b: _Candidate | None) -> bool:
+    """More query tokens; at equal length an entry over a chunk to trim over the chain."""
+    def rank(c: _Candidate) -> int:
+        return 0 if c.key is None else 1 if c.trim else 2
+    return b is None or a.n > b.n or (a.n == b.n and rank(a) > rank(b))
+
+
+def _whole(identity: bytes, chunks: list[bytes], tokens: bytes, C: int, pieces: list[ChunkPiece],
+           n: int) -> Found:
+    """A hit made of whole chunks (``chunks``, the chain's keys in order, holding
+    ``tokens``), filed as an entry with no tail at the last one; serves ``n`` tokens."""
+    now = time.time()
+    rec = EntryRecord(identity, len(chunks) * C, C, True, True, chunks[-1], tuple(chunks), None,
+                      "assistant", now, now)
+    return Found(entry_key(chunks[-1], b""), rec, tokens, pieces, b"", n)
+
+
+class SharedTier:
+    """Lookup and publish against one shared store (see the module docstring).
+
+    ``max_value_bytes`` bounds every value read; ``queue_size`` the publisher's queue."""
+
+    def __init__(self, config: SharedConfig | str, *, queue_size: int = 16,
+                 max_value_bytes: int = MAX_VALUE_BYTES, max_fields: int = MAX_FIELDS) -> None:
+        self.client = SharedClient(config)
+        cfg = self.client.config  # values (round trip 2, publishing) may be many MB: a longer
+        # per-operation timeout than the quick round trip 1 and its breaker
+        self.bulk = SharedClient(cfg.with_options(command_timeout=max(BULK_TIMEOUT, 10 * cfg.command_timeout)))
+        self.prefix = cfg.prefix
+        self.max_value_bytes = int(max_value_bytes)
+        self.max_fields = int(max_fields)
+        self.publisher = Writer(queue_size, name="kvstore-publisher")
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(COUNTERS, 0)
+
+    def name(self, kind: str, key: bytes, identity: bytes) -> str:
+        return V.name(self.prefix, kind, key, identity)
+
+    # -- lookup ------------------------------------------------------------------------
+
+    def lookup(self, identity: bytes, tokens: bytes, bounds: list[bytes], chunk: int,
+               held: set[bytes], better_than: int) -> Found | None:
+        """The longest verified prefix of ``tokens`` (encoded) longer than ``better_than``
+        tokens, or None; at most two round trips (see the module docstring). ``bounds``:
+        the query's chain (``keys.boundaries`` from the identity's root, ``chunk`` tokens
+        per chunk); ``held``: its chunk keys indexed locally (read from there)."""
+        n_q, C, K = len(tokens) // 4, chunk, len(bounds) - 1
+        levels = [k for k in range(K + 1) if min((k + 1) * C - 1, n_q) > better_than]
+        if not levels or n_q == 0:
+            return None
+        self._count("lookups")
+        need = [k for k in range(1, K + 1) if bounds[k] not in held]
+        cmds = [("HGETALL", self.name("bounds", bounds[k], identity)) for k in levels]
+        cmds += [("STRLEN", self.name("chunk", bounds[k], identity)) for k in need]
+        got = self.client.pipeline_read(cmds)
+        if got is None:
+            return None
+        sizes = dict(zip(need, got[len(levels):]))
+        for k, size in sizes.items():
+            if isinstance(size, int) and size > self.max_value_bytes:
+                self._count("too_large")
+        chain = 0
+        while chain < K and (chain + 1 not in sizes or _fits(sizes[chain + 1], self.max_value_bytes)):
+            chain += 1
+        best = self._choose(tokens, bounds, C, levels, got[: len(levels)], chain, better_than)
+        if best is None:
+            return None
+        found = self._fetch(identity, tokens, bounds, C, held, best, better_than)
+        if found is not None:
+            self._count("lookup_hits")
+        return found
+
+    def _choose(self, tokens: bytes, bounds: list[bytes], C: int, levels: list[int], hashes: list[Any],
+                chain: int, better_than: int) -> _Candidate | None:
+        """The best candidate from round trip 1: most query tokens; at equal length an
+        entry, then a chunk to trim, then the chain of chunks alone."""
+        n_q = len(tokens) // 4
+        best: _Candidate | None = None
+        if chain:
+            n = chain * C - (chain * C == n_q)
+            if n > better_than:
+                best = _Candidate(n, chain, None)
+        for k, fields in zip(levels, hashes):
+            if not isinstance(fields, dict):
+                continue
+            for i, (fname, fvalue) in enumerate(fields.items()):
+                if i >= self.max_fields:
+                    break
+                got = self._field(tokens, bounds, C, k, chain, fname, fvalue)
+                if got is not None and got.n > better_than and _better(got, best):
+                    best = got
+        return best
+
+    def _field(self, tokens: bytes, bounds: list[bytes], C: int, k: int, chain: int, fname: bytes,
+               fvalue: bytes) -> _Candidate | None:
+        """What one field of boundary ``k``'s hash offers the query, or None; a field that
+        is not kvstore's is counted. A chunk field counts only where the chain ends (below,
+        the chain itself is longer; beyond, its parent is out of reach) and only for a chunk
+        that leaves the query inside it: 0 < m < C shared tokens, trimmed to k*C + m."""
+        n_q, after = len(tokens) // 4, tokens[k * C * 4 :]
+        try:
+            if V.is_chunk_field(fname):
+                if k != chain:
+                    return None
+                cf = V.parse_chunk_field(fname, fvalue, C)
+                if chunk_key(bounds[k], cf.tokens) != cf.key:
+                    raise V.ValueFormatError("chunk field's key does not follow from its token ids")
+                m = common_tokens(cf.tokens, after)
+                return _Candidate(min(k * C + m, n_q - 1), k, cf.key, trim=True) if 0 < m < C else None
+            f = V.parse_field(fname, fvalue, C)
+        except V.ValueFormatError:
+            self._count("bad_fields")
+            return None
+        m, r = common_tokens(f.residual, after), len(f.residual) // 4
+        if k * C + r == 0 or (f.chunked and k > chain):
+            return None
+        n = k * C + r if m == r else (min(k * C + m, n_q - 1) if f.trimmable else 0)
+        return _Candidate(n, k, f.key, f.chunked)
+
+    def _fetch(self, identity: bytes, tokens: bytes, bounds: list[bytes], C: int, held: set[bytes],
+               best: _Candidate, better_than: int) -> Found | None:
+        """Round trip 2: the candidate's values, verified; a rejected or missing entry or
+        chunk to trim falls back to the verified chain of chunks, a rejected chunk cuts
+        the chain."""
+        wanted = [j for j in range(1, best.k + 1) if bounds[j] not in held] if best.chunked else []
+        names = [self.name("chunk", bounds[j], identity) for j in wanted]
+        if best.key is not None:
+            names.append(self.name("chunk" if best.trim else "entry", best.key, identity))
+        got = self.bulk.pipeline_read([("GETRANGE", nm, 0, self.max_value_bytes - 1) for nm in names])
+        if got is None:
+            return None
+        pieces, chain = self._chain(identity, tokens, bounds, C, best.k, dict(zip(wanted, got)), held)
+        if best.key is not None and (chain == best.k or not best.chunked):
+            if best.trim:
+                found = self._trimmed(identity, tokens, bounds, C, best, got[-1], pieces, better_than)
+            else:
+                found = self._entry(identity, tokens, bounds, C, best, got[-1], pieces, better_than)
+            if found is not None:
+                return found
+            if got[-1] == b"":  # its field outlived it: lookups would keep choosing it
+                self._forget(identity, bounds[best.k], best)
+        n = chain * C - (chain * C == len(tokens) // 4)
+        if chain == 0 or n <= better_than or not pieces:
+            return None
+        return _whole(identity, bounds[1 : chain + 1], tokens[: chain * C * 4], C, pieces, n)
+
+    def _chain(self, identity: bytes, tokens: bytes, bounds: list[bytes], C: int, k: int,
+               fetched: dict[int, Any], held: set[bytes]) -> tuple[list[ChunkPiece], int]:
+        """The verified chain up to boundary ``k``: its chunks not held locally, read in
+        round trip 2, and the boundary where it ends (before the first missing or rejected
+        chunk)."""
+        pieces: list[ChunkPiece] = []
+        for j in range(1, k + 1):
+            if bounds[j] in held:
+                continue
+            want = tokens[(j - 1) * C * 4 : j * C * 4]
+            piece = self._chunk(identity, C, bounds[j - 1], bounds[j], want, fetched[j]) if j in fetched else None
+            if piece is None:
+                return pieces, j - 1
+            pieces.append(piece)
+        return pieces, k
+
+    def _chunk(self, identity: bytes, C: int, parent: bytes, key: bytes, want: bytes | None,
+               data: Any) -> ChunkPiece | None:
+        """Chunk ``key`` after boundary ``parent`` from its value, or None (missing or
+        rejected, counted): this identity's, C tokens whose chained key is ``key``, and
+        (``want``) exactly the query's token ids, or any (a chunk to trim: the publisher's)."""
+        name = self.name("chunk", key, identity)
+        if not self._present(data):
+            return None
+        try:
+            v = V.parse_chunk(data)
+            rec = v.record
+            if not isinstance(rec, ChunkRecord) or rec.identity != identity or rec.parent != parent \
+                    or rec.n != C or (want is not None and v.tokens != want) or chunk_key(parent, v.tokens) != key:
+                raise V.ValueFormatError("chunk is not the one asked for (identity, parent or token ids)")
+        except V.ValueFormatError as e:
+            self._reject(name, data, e)
+            return None
+        return key, rec, v.tokens, v.segment
+
+    def _trimmed(self, identity: bytes, tokens: bytes, bounds: list[bytes], C: int, best: _Candidate,
+                 data: Any, pieces: list[ChunkPiece], better_than: int) -> Found | None:
+        """The verified chain up to boundary ``best.k`` and the chunk to trim after it, as
+        one entry of whole chunks holding the publisher's token ids (the local plan trims
+        it to the common prefix); None if the chunk is missing, rejected or shares too
+        little with the query. Its length is re-derived from the value's token ids."""
+        assert best.key is not None
+        k = best.k
+        piece = self._chunk(identity, C, bounds[k], best.key, None, data)
+        if piece is None:
+            return None
+        m = common_tokens(piece[2], tokens[k * C * 4 :])
+        n = min(k * C + m, len(tokens) // 4 - 1)
+        if m == 0 or n <= better_than:
+            return None
+        self._count("trim_hits")
+        return _whole(identity, [*bounds[1 : k + 1], best.key], tokens[: k * C * 4] + piece[2], C,
+                      [*pieces, piece], n)
+
+    def _entry(self, identity: bytes, tokens: bytes, bounds: list[bytes], C: int, best: _Candidate,
+               data: Any, pieces: list[ChunkPiece], better_than: int) -> Found | None:
+        """The chosen entry from its value, or None (missing or rejected)."""
+        assert best.key is not None
+        name = self.name("entry", best.key, identity)
+        if not self._present(data):
+            return None
+        try:
+            v = V.parse_entry(data)
+            rec = v.record
+            if not isinstance(rec, EntryRecord) or rec.identity != identity or rec.chunk != C \
+                    or rec.chunked != best.chunked:
+                raise V.ValueFormatError("entry of another identity or chunk size, or not as filed")
+            eb = boundaries(bounds[0], v.tokens, C)
+            if key_of(bounds[0], v.tokens, C) != best.key or rec.boundary != eb[-1] \
+                    or len(eb) - 1 != best.k or eb[-1] != bounds[best.k] \
+                    or rec.chunks != (tuple(eb[1:]) if rec.chunked else ()):
+                raise V.ValueFormatError("entry keys do not follow from its token ids")
+            if v.tokens[: best.k * C * 4] != tokens[: best.k * C * 4]:
+                raise V.ValueFormatError("entry token ids differ from the query's before its boundary")
+        except V.ValueFormatError as e:
+            self._reject(name, data, e)
+            return None
+        n_q, m = len(tokens) // 4, common_tokens(v.tokens, tokens)
+        n = rec.n if m == rec.n else (min(m, n_q - 1) if rec.trimmable else 0)
+        if n <= better_than:
+            return None
+        return Found(best.key, rec, v.tokens, pieces if rec.chunked else [], v.segment, n)
+
+    def _present(self, data: Any) -> bool:
+        """A value asked for in round trip 2 is there; one gone since it was named (evicted
+        or deleted) is counted as missing."""
+        if isinstance(data, bytes) and data:
+            return True
+        if data == b"":
+            self._count("missing")
+        return False
+
+    def _forget(self, identity: bytes, boundary: bytes, best: _Candidate) -> None:
+        """Remove the field of a candidate whose value is gone, off the caller's thread (a
+        later publish of the value writes the field again)."""
+        assert best.key is not None
+        hname = self.name("bounds", boundary, identity)
+        field = V.chunk_field_name(best.key) if best.trim else best.key.hex()
+        self.publisher.submit(lambda: self.bulk.run(lambda r: r.hdel(hname, field)))
+
+    def _reject(self, name: str, data: bytes, err: Exception) -> None:
+        """A value that failed verification: counted, and deleted by the publisher thread
+        unless it may just be cut short by our own read bound."""
+        self._count("rejected")
+        log.debug("shared value %s rejected: %s", name, err)
+        if len(data) < self.max_value_bytes:
+            self.publisher.submit(lambda: self._count("deleted", self.bulk.delete_many([name]) or 0))
+
+    def drop(self, kind: str, key: bytes, identity: bytes) -> None:
+        """Delete one value the caller found unusable after ``lookup`` (e.g. a segment
+        whose header does not fit the model), off the caller's thread."""
+        name = self.name(kind, key, identity)
+        self._count("rejected")
+        self.publisher.submit(lambda: self._count("deleted", self.bulk.delete_many([name]) or 0))
+
+    # -- publish -----------------------------------------------------------------------
+
+    def submit(self, job: Callable[[], None]) -> bool:
+        """Queue a publish job on the publisher thread; False (counted) if the queue is full."""
+        return self.publisher.submit(job)
+
+    def publish(self, item: PublishItem) -> bool:
+        """Publish one entry (see the module docstring for the order). True if the store
+        holds it afterwards; False if a step failed (counted; nothing is retried)."""
+        rec, ident = item.record, item.identity
+        ename = self.name("entry", item.key, ident)
+        cnames = [self.name("chunk", ck, ident) for ck, _, _ in item.chunks]
+        fields = _fields(self.prefix, item)
+        got = self.bulk.pipeline_read([("EXISTS", ename)] + [("EXISTS", c) for c in cnames]
+                                        + [("HEXISTS", h, f) for h, f, _ in fields])
+        if got is None:
+            return self._published(False)
+        chunks_there, fields_there = got[1 : 1 + len(cnames)], got[1 + len(cnames) :]
+        if got[0] and all(chunks_there) and all(fields_there):
+            self._count("publish_skipped")
+            return True
+        now = time.time()
+        try:
+            missing = [(c, piece) for c, piece, there in zip(cnames, item.chunks, chunks_there) if not there]
+            if not self._put_chunks(missing, item.read, now):
+                return self._published(False)
+            if not got[0]:
+                tail = item.read(rec.tail) if rec.tail is not None else b""
+                clean = EntryRecord(rec.identity, rec.n, rec.chunk, rec.chunked, rec.trimmable, rec.boundary,
+                                    rec.chunks, rec.tail, rec.cache_type, rec.created, rec.created)
+                if not self.bulk.set_many([(ename, V.entry_value(clean, item.tokens, tail, now))]):
+                    return self._published(False)
+        except Exception as e:  # a local segment that cannot be read (gc'd, damaged)
+            log.debug("shared publish of %s skipped: %s", item.key.hex()[:12], e)
+            return self._published(False)
+        hashes: dict[str, dict[str, bytes]] = {}  # chunks' fields where absent, the entry's always
+        for (h, f, value), there in zip(fields, [*fields_there[:-1], False]):
+            if not there:
+                hashes.setdefault(h, {})[f] = value
+        return self._published(self.bulk.hset_many(hashes))
+
+    def _put_chunks(self, missing: list[tuple[str, tuple[bytes, ChunkRecord, bytes]]],
+                    read: Callable[[Segment], bytes], now: float) -> bool:
+        """SET NX the chunks, in pipelines of about PUBLISH_BATCH_BYTES; True if sent."""
+        batch: list[tuple[str, bytes]] = []
+        size = 0
+        for i, (cname, (_ck, crec, toks)) in enumerate(missing):
+            value = V.chunk_value(crec.with_refs(1), toks, read(crec.segment), now)
+            batch.append((cname, value))
+            size += len(value)
+            if size >= PUBLISH_BATCH_BYTES or i == len(missing) - 1:
+                wrote = self.bulk.set_nx_many(batch)
+                if wrote is None:
+                    return False
+                self._count("chunks_published", sum(wrote))
+                batch, size = [], 0
+        return True
+
+    def _published(self, ok: bool) -> bool:
+        self._count("published" if ok else "publish_failed")
+        return ok
+
+    # -- state -------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """``shared_*`` counters: this tier's, the client's (round trips, bytes, errors,
+        breaker), and the publisher's queue (dropped publishes). No credentials."""
+        with self._lock:
+            s = {f"shared_{k}": v for k, v in self._counts.items()}
+        c, b = self.client.stats(), self.bulk.stats()
+        for k in ("round_trips", "calls", "skipped_calls", "bytes_in", "bytes_out", "errors", "breaker_opens"):
+            s[f"shared_{k}"] = c[k] + b[k]
+        states = {c["breaker_state"], b["breaker_state"]}
+        s["shared_breaker_state"] = next((x for x in ("open", "half-open") if x in states), "closed")
+        s["shared_server"] = c["server"]
+        s["shared_publish_dropped"] = self.publisher.dropped
+        s["shared_publish_queue"] = self.publisher.depth
+        return s
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued publish has run."""
+        return self.publisher.flush(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Run the queued publishes, stop the publisher, drop the connections."""
+        self.publisher.close(timeout)
+        self.client.close()
+        self.bulk.close()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+
+def _fields(prefix: str, item: PublishItem) -> list[tuple[str, str, bytes]]:
+    """(hash name, field, value) of every field an entry publishes: each of its chunks
+    under its parent boundary (token ids), then the entry under its boundary."""
+    ident, rec = item.identity, item.record
+    out = [(V.name(prefix, "bounds", crec.parent, ident), V.chunk_field_name(ck), toks)
+           for ck, crec, toks in item.chunks]
+    out.append((V.name(prefix, "bounds", rec.boundary, ident), item.key.hex(),
+                V.field_value(rec, residual(item.tokens, rec.chunk))))
+    return out
+
+
+def _fits(size: Any, limit: int) -> bool:
+    return isinstance(size, int) and 0 < size <= limit
+

@@ -1,0 +1,700 @@
+"""The shared tier end to end, against REAL redis-server processes (tests/support), real
+LMDB directories and real models: no mocks.
+
+"Machines" are KVStores with different cache directories sharing one Redis: separate
+processes (store_util.run_py) for the model test, two stores in this process elsewhere.
+Synthetic caches (test_store.synth) hold KV that is a pure function of each position's
+token id, so every hit is checked bit for bit against what it must be; the model test
+runs the restored-equals-cold oracle on every cache family.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+import resource
+from typing import TYPE_CHECKING
+
+import pytest
+import store_util as U
+from test_store import TINY_FAMILIES, TRIMMABLE, rand_tokens, store_kwargs, synth
+
+from kvstore import KVStore
+from kvstore.identity import Identity
+from kvstore.keys import boundaries, common_tokens, encode_tokens, key_of, root_key
+from kvstore.shared import SharedConfig
+from kvstore.shared import values as V
+
+if TYPE_CHECKING:
+    from tests.support.redis_servers import RedisCluster, RedisServer
+
+pytest_plugins = ("tests.support.redis_servers",)
+
+C = U.CHUNK
+FAST = {"breaker_failures": 2, "breaker_backoff": 0.2, "breaker_backoff_max": 0.4}
+
+
+def ident(name: str) -> Identity:
+    return Identity.from_components({"test": name}, name=name)
+
+
+def store(path, url: str, **kw) -> KVStore:
+    return KVStore(path, chunk_tokens=C, shared=SharedConfig.from_url(url, **FAST), **kw)
+
+
+def publish(path, url: str, who: Identity, entries: list[list[int]], **kw) -> None:
+    """Machine A: insert synthetic caches and wait until they are published."""
+    snapshot = kw.pop("snapshot", False)
+    with store(path, url, **kw) as a:
+        for toks in entries:
+            a.insert(who, toks, synth(toks, snapshot=snapshot))
+        assert a.flush(30)
+        s = a.stats()
+        assert s["shared_published"] + s["shared_publish_skipped"] == len(entries), s
+
+
+def exact(f, q: list[int], *, snapshot: bool = False) -> None:
+    """A fetch result holds exactly the synthetic cache of the prefix it claims."""
+    assert f.cache is not None and f.n > 0
+    assert U.cache_digest(f.cache) == U.cache_digest(synth(q[: f.n], snapshot=snapshot)), f"wrong KV for n={f.n}"
+
+
+def rt(s: KVStore) -> int:
+    return s.stats()["shared_round_trips"]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return common_tokens(encode_tokens(a), encode_tokens(b))
+
+
+# --------------------------------------------------------------------------- two machines, every family
+
+MACHINE_A = r"""
+import json, sys
+import store_util as U
+from conftest import text_prompt
+from kvstore import KVStore
+from tools.models import MODELS, load_model, model_path
+from tools.oracle import prefill
+
+job = json.loads(sys.argv[1])
+out = {}
+for fam in job["families"]:
+    model, tok = load_model(fam)
+    kv = MODELS[fam].cache_kwargs
+    P = text_prompt(tok, job["L"], seed=len(fam))
+    S = P[: job["Ls"]]
+    cache = prefill(model, S, **kv)
+    with KVStore(job["dir"] + "/" + fam, chunk_tokens=U.CHUNK, shared=job["url"], **job["kw"][fam]) as s:
+        s.insert(model_path(fam), S, cache)
+        s.flush(60)
+        st = s.stats()
+    out[fam] = {"P": P, "digest": U.cache_digest(cache), "published": st["shared_published"],
+                "errors": st["shared_errors"]}
+print(json.dumps(out))
+"""
+
+MACHINE_B = r"""
+import json, sys
+import store_util as U
+from kvstore import KVStore
+from tools.models import MODELS, load_model, model_path
+from tools.oracle import check_restore, prefill
+
+job = json.loads(sys.argv[1])
+out = {}
+for fam, P in job["prompts"].items():
+    model, _ = load_model(fam)
+    kv = MODELS[fam].cache_kwargs
+    with KVStore(job["dir"] + "/" + fam, chunk_tokens=U.CHUNK, shared=job["url"], **job["kw"][fam]) as s:
+        rt0 = s.stats()["shared_round_trips"]
+        f = s.fetch(model_path(fam), P)
+        st = s.stats()
+        res = {"n": f.n, "source": f.source, "round_trips": st["shared_round_trips"] - rt0,
+               "hits_shared": st["hits_shared"], "corrupt": st["corrupt"], "rejected": st["shared_rejected"],
+               "trim_hits": st["shared_trim_hits"]}
+        if f.cache is not None:
+            res["digest"] = U.cache_digest(f.cache)
+            if job.get("cold"):  # a cold prefill of exactly the tokens the hit claims
+                res["cold"] = U.cache_digest(prefill(model, P[: f.n], **kv))
+            if job["oracle"]:
+                r = check_restore(model, P, f.cache, f.n, n_gen=8, **kv)
+                res.update(ok=bool(r.ok), detail=r.detail)
+    out[fam] = res
+print(json.dumps(out))
+"""
+
+
+def test_two_machines_restore_equals_cold_on_every_family(tmp_path, redis_server: RedisServer):
+    """Machine A (a process) prefills a 150-token prefix of a 200-token prompt on every
+    cache family and inserts it; machine B (a fresh process, empty cache directory)
+    fetches the whole prompt: 150 tokens from the shared tier, bit-identical to A's cache,
+    and continuing from it generates what a cold prefill generates. B's next process finds
+    the same prefix on its own disk."""
+    kw = {f: store_kwargs(f) for f in TINY_FAMILIES}
+    a = U.run_py(MACHINE_A, {"families": TINY_FAMILIES, "dir": str(tmp_path / "a"), "url": redis_server.url,
+                             "L": 200, "Ls": 150, "kw": kw})
+    prompts = {f: a[f]["P"] for f in TINY_FAMILIES}
+    for f in TINY_FAMILIES:
+        assert a[f]["published"] == 1 and a[f]["errors"] == 0, (f, a[f])
+    job = {"prompts": prompts, "dir": str(tmp_path / "b"), "url": redis_server.url, "kw": kw, "oracle": True}
+    b = U.run_py(MACHINE_B, job)
+    for f in TINY_FAMILIES:
+        r = b[f]
+        assert (r["n"], r["source"], r["hits_shared"]) == (150, "shared", 1), (f, r)
+        assert r["digest"] == a[f]["digest"], f"{f}: the shared hit is not A's cache bit for bit"
+        assert r["ok"], f"{f}: {r['detail']}"
+        assert r["round_trips"] == 2 and r["corrupt"] == r["rejected"] == 0, (f, r)
+    b2 = U.run_py(MACHINE_B, dict(job, oracle=False))
+    for f in TINY_FAMILIES:
+        r = b2[f]
+        assert (r["n"], r["source"], r["hits_shared"]) == (150, "disk", 0), (f, r)
+        assert r["digest"] == a[f]["digest"]
+        assert r["round_trips"] == 1  # asked for more than the disk holds: nothing longer
+
+
+def test_new_question_under_a_shared_system_prompt_gets_the_common_prefix(tmp_path, redis_server: RedisServer):
+    """Machine A stores ONLY one whole conversation, system prompt S (150 tokens, not
+    chunk-aligned) + question 1 (90 tokens), on every cache family; machine B (a fresh
+    process, empty directory) asks S + question 2. Trimmable families get exactly the
+    common prefix from the shared tier (A's chunk 3 trimmed, not just chunks 1-2),
+    bit-identical to a cold prefill of those tokens and oracle-ok, in 2 round trips; B's
+    next process has it on disk. Non-trimmable families (snapshots, never chunked, never
+    trimmed) get nothing from an entry the query leaves."""
+    kw = {f: store_kwargs(f) for f in TINY_FAMILIES}
+    a = U.run_py(MACHINE_A, {"families": TINY_FAMILIES, "dir": str(tmp_path / "a"), "url": redis_server.url,
+                             "L": 240, "Ls": 240, "kw": kw})
+    prompts, common = {}, {}
+    for f in TINY_FAMILIES:
+        assert a[f]["published"] == 1 and a[f]["errors"] == 0, (f, a[f])
+        p1 = a[f]["P"]  # S = p1[:150], question 1 = p1[150:]
+        prompts[f] = p1[:150] + p1[160:220]  # question 2: other text
+        common[f] = common_prefix(p1, prompts[f])
+        assert 150 <= common[f] < 3 * C  # inside A's chunk 3, which B's query does not complete
+    job = {"prompts": prompts, "dir": str(tmp_path / "b"), "url": redis_server.url, "kw": kw, "oracle": True,
+           "cold": True}
+    b = U.run_py(MACHINE_B, job)
+    b2 = U.run_py(MACHINE_B, dict(job, oracle=False, cold=False))
+    for f in TINY_FAMILIES:
+        r, r2 = b[f], b2[f]
+        assert r["corrupt"] == r["rejected"] == 0, (f, r)
+        if f not in TRIMMABLE:
+            assert (r["n"], r["hits_shared"], r["trim_hits"], r["round_trips"]) == (0, 0, 0, 1), (f, r)
+            assert r2["n"] == 0, (f, r2)
+            continue
+        assert (r["n"], r["source"], r["hits_shared"], r["trim_hits"]) == (common[f], "shared", 1, 1), (f, r)
+        assert r["round_trips"] == 2, (f, r)
+        assert r["digest"] == r["cold"], f"{f}: the trimmed hit is not a cold prefill's KV bit for bit"
+        assert r["ok"], f"{f}: {r['detail']}"
+        assert (r2["n"], r2["source"], r2["hits_shared"]) == (common[f], "disk", 0), (f, r2)
+        assert r2["digest"] == r["digest"] and r2["round_trips"] == 1
+    with redis_server.client() as rc:  # snapshot families published no chunk, so no chunk field
+        fields = [f for h in rc.scan_iter("kvstore:*:h1:*") for f in rc.hkeys(h)]
+    assert sum(V.is_chunk_field(f) for f in fields) == 2 * 3  # tiny-llama and -q: 3 chunks each
+
+
+# --------------------------------------------------------------------------- round trips, identities
+
+
+def test_round_trips_are_bounded_whatever_the_prompt_length(tmp_path, redis_server: RedisServer):
+    who = ident("rt")
+    short, long_ = rand_tokens(150, 1), rand_tokens(1500, 2)  # 2 and 23 chunks of 64
+    publish(tmp_path / "a", redis_server.url, who, [short, long_])
+    with store(tmp_path / "b", redis_server.url) as b:
+        for toks in (short, long_):
+            q = toks + rand_tokens(20, 3)
+            before = rt(b)
+            f = b.fetch(who, q)
+            assert (f.n, f.source) == (len(toks), "shared") and rt(b) - before == 2
+            exact(f, q)
+        before = rt(b)
+        assert b.fetch(who, rand_tokens(900, 4)).n == 0 and rt(b) - before == 1  # a miss: one
+        before = rt(b)
+        assert b.fetch(who, short).source == "memory" and rt(b) == before  # whole locally: none
+        assert b.stats()["hits_shared"] == 2
+
+
+def test_another_models_entries_never_hit(tmp_path, redis_server: RedisServer):
+    toks = rand_tokens(200, 5)
+    publish(tmp_path / "a", redis_server.url, ident("model-a"), [toks])
+    with store(tmp_path / "b", redis_server.url) as b:
+        f = b.fetch(ident("model-b"), toks + [1, 2, 3])
+        assert f.cache is None and b.stats()["shared_round_trips"] == 1
+        assert b.stats()["shared_rejected"] == 0  # not even read: its keys are rooted elsewhere
+        exact(b.fetch(ident("model-a"), toks + [1, 2, 3]), toks + [1, 2, 3])
+
+
+def test_snapshot_entries_and_a_shorter_query(tmp_path, redis_server: RedisServer):
+    """History-dependent caches are one snapshot, reusable only at their own length; a
+    trimmable entry longer than the query is trimmed back to it."""
+    who = ident("snap")
+    snap, kv = rand_tokens(150, 6), rand_tokens(200, 7)
+    publish(tmp_path / "a", redis_server.url, who, [snap], snapshot=True)
+    publish(tmp_path / "a2", redis_server.url, who, [kv])
+    with store(tmp_path / "b", redis_server.url) as b:
+        q = snap + [9, 9]
+        exact(b.fetch(who, q), q, snapshot=True)
+        assert b.fetch(who, snap[:140] + [5]).cache is None  # a snapshot is never trimmed here
+        q = kv[:196] + [3, 1, 4]  # diverges inside the entry's tail: trimmed to 196
+        f = b.fetch(who, q)
+        assert (f.n, f.source) == (196, "shared")
+        exact(f, q)
+    with store(tmp_path / "b2", redis_server.url) as b:
+        # diverges inside the entry's last chunk, whose boundary the query does not reach:
+        # that chunk (filed under its parent's hash) is trimmed back to the common prefix
+        q = kv[:170] + [3, 1, 4]
+        f = b.fetch(who, q)
+        assert (f.n, f.source) == (170, "shared") and b.stats()["shared_trim_hits"] == 1
+        exact(f, q)
+
+
+# --------------------------------------------------------------------------- a chunk trimmed where the chain ends
+
+
+def conversation(system: int, q1: int, q2: int, seed: int) -> tuple[list[int], list[int], int]:
+    """(S + question 1, S + question 2, their common prefix) for a system prompt S."""
+    s = rand_tokens(system, seed)
+    a, b = s + rand_tokens(q1, seed + 1), s + rand_tokens(q2, seed + 2)
+    return a, b, common_prefix(a, b)
+
+
+@pytest.mark.parametrize("system", [40, 150, 1000])  # inside chunk 1 (the root's), 3, 16
+def test_trimmed_chunk_in_two_round_trips_whatever_the_length(tmp_path, redis_server: RedisServer, system):
+    who = ident(f"trim-{system}")
+    stored, q, common = conversation(system, 90, 60, system)
+    publish(tmp_path / "a", redis_server.url, who, [stored])
+    with store(tmp_path / "b", redis_server.url) as b:
+        f = b.fetch(who, q)
+        assert (f.n, f.source, rt(b)) == (common, "shared", 2)
+        exact(f, q)
+        s = b.stats()
+        assert (s["shared_trim_hits"], s["shared_missing"], s["shared_rejected"]) == (1, 0, 0)
+        assert b.fetch(who, q[: common + 1]).n == common  # never the whole query: one token to feed
+    with store(tmp_path / "b", redis_server.url) as b:  # B's next process: its own disk
+        f = b.fetch(who, q)
+        assert (f.n, f.source, rt(b)) == (common, "disk", 1)
+        exact(f, q)
+
+
+def test_a_trim_never_reaches_the_whole_query(tmp_path, redis_server: RedisServer):
+    who = ident("trim-whole")
+    stored = rand_tokens(200, 71)
+    publish(tmp_path / "a", redis_server.url, who, [stored])
+    with store(tmp_path / "b", redis_server.url) as b:
+        q = stored[:150]  # all of it inside the stored chunk 3: 149 restored, 1 to feed
+        f = b.fetch(who, q)
+        assert (f.n, f.source) == (149, "shared")
+        exact(f, q)
+
+
+TRIM_DAMAGE = {  # what is done to the chunk B would trim -> (rejected, missing, bad fields)
+    "evicted": (0, 1, 0),
+    "bit flip": (1, 0, 0),
+    "another chunk's value": (1, 0, 0),
+    "field lies about its tokens": (0, 0, 1),
+}
+
+
+@pytest.mark.parametrize("damage", list(TRIM_DAMAGE))
+def test_a_missing_or_rejected_chunk_to_trim_gives_the_whole_chunks(tmp_path, redis_server: RedisServer, damage):
+    """B's query shares 150 tokens with A's stored conversation: chunks 1-2 whole and 22
+    tokens of chunk 3. Whatever happened to chunk 3, B gets the verified chunks 1-2,
+    counted; an evicted chunk's field is removed, and A publishing again restores both."""
+    who = ident("trim-damage")
+    stored, q, common = conversation(150, 90, 60, 81)
+    publish(tmp_path / "a", redis_server.url, who, [stored])
+    r = redis_server.client()
+    b_ = boundaries(root_key(who.digest), encode_tokens(stored), C)
+    name = V.name("kvstore", "chunk", b_[3], who.digest)
+    hname, field = V.name("kvstore", "bounds", b_[2], who.digest), V.chunk_field_name(b_[3])
+    if damage == "evicted":
+        r.delete(name)
+    elif damage == "bit flip":
+        _flip(r, name, "segment")
+    elif damage == "another chunk's value":
+        r.set(name, r.get(V.name("kvstore", "chunk", b_[2], who.digest)))
+    else:
+        toks = bytearray(r.hget(hname, field))
+        toks[22 * 4 : 26 * 4] = encode_tokens(q[150:151]) * 4  # claims a token more in common
+        r.hset(hname, field, bytes(toks))
+    rejected, missing, bad = TRIM_DAMAGE[damage]
+    with store(tmp_path / "b", redis_server.url) as b:
+        f = b.fetch(who, q)
+        assert (f.n, f.source) == (2 * C, "shared")
+        exact(f, q)
+        s = b.stats()
+        assert (s["shared_rejected"], s["shared_missing"], s["shared_bad_fields"], s["shared_trim_hits"]) \
+            == (rejected, missing, bad, 0), s
+        assert s["corrupt"] == 0
+        b.flush(10)
+    assert r.hexists(hname, field) == (damage != "evicted")  # an evicted chunk's field goes too
+    assert r.exists(name) == (damage == "field lies about its tokens")  # rejected values are deleted
+    if damage != "field lies about its tokens":  # A writes chunk 3 (and its field) again
+        publish(tmp_path / "a2", redis_server.url, who, [stored])
+        with store(tmp_path / "b2", redis_server.url) as b:
+            f = b.fetch(who, q)
+            assert (f.n, b.stats()["shared_trim_hits"]) == (common, 1)
+            exact(f, q)
+
+
+def test_publish_writes_chunk_fields_in_one_pipeline(tmp_path, redis_server: RedisServer):
+    """An entry of 23 chunks publishes in 4 round trips (existence, chunk values, entry
+    value, every field), its chunk fields in their parents' hashes; fields missing from
+    the hashes are written again by the next publisher, and nothing else is."""
+    who = ident("fields")
+    toks = rand_tokens(1500, 91)
+    with store(tmp_path / "a", redis_server.url) as a:
+        a.insert(who, toks, synth(toks))
+        assert a.flush(30)
+        s = a.stats()
+        assert (s["shared_published"], s["shared_chunks_published"], s["shared_round_trips"]) == (1, 23, 4)
+    b_ = boundaries(root_key(who.digest), encode_tokens(toks), C)
+    r = redis_server.client()
+    for k in range(23):
+        got = r.hget(V.name("kvstore", "bounds", b_[k], who.digest), V.chunk_field_name(b_[k + 1]))
+        assert got == encode_tokens(toks[k * C : (k + 1) * C])
+        with pytest.raises(V.ValueFormatError):  # a reader predating chunk fields skips them by name
+            V.parse_field(V.chunk_field_name(b_[k + 1]).encode(), got, C)
+    r.hdel(V.name("kvstore", "bounds", b_[5], who.digest), V.chunk_field_name(b_[6]))
+    publish(tmp_path / "a2", redis_server.url, who, [toks])
+    assert r.hexists(V.name("kvstore", "bounds", b_[5], who.digest), V.chunk_field_name(b_[6]))
+    with store(tmp_path / "a3", redis_server.url) as a:
+        a.insert(who, toks, synth(toks))
+        assert a.flush(30)
+        assert (a.stats()["shared_publish_skipped"], a.stats()["shared_bytes_out"]) == (1, 0)
+
+
+# --------------------------------------------------------------------------- damage under B
+
+ENTRY = rand_tokens(200, 11)   # 3 chunks of 64 + an 8-token tail
+QUERY = ENTRY + rand_tokens(20, 12)
+
+
+def _names(who: Identity, prefix: str = "kvstore") -> dict[str, str]:
+    enc = encode_tokens(ENTRY)
+    b = boundaries(root_key(who.digest), enc, C)
+    out = {f"chunk{k}": V.name(prefix, "chunk", b[k], who.digest) for k in (1, 2, 3)}
+    out["entry"] = V.name(prefix, "entry", key_of(b[0], enc, C), who.digest)
+    out["bounds"] = V.name(prefix, "bounds", b[3], who.digest)
+    return out
+
+
+def _flip(r, key: str, where: str) -> None:
+    data = bytearray(r.get(key))
+    frame = V.parse_frame(bytes(data))
+    at = {"tokens": V.FRAME.size + frame.record + 4,
+          "segment": V.FRAME.size + frame.record + frame.tokens + frame.segment // 2,
+          "record": V.FRAME.size + 20}[where]
+    data[at] ^= 0x10
+    r.set(key, bytes(data))
+
+
+DAMAGE = {  # what is done to the published entry -> (tokens B gets, values rejected)
+    "chunk2 deleted": (64, 0),
+    "entry deleted": (192, 0),
+    "entry and chunk3 deleted": (128, 0),
+    "chunk2 bit flip": (64, 1),
+    "chunk1 is chunk2's value": (0, 1),
+    "entry tokens flipped": (192, 1),
+    "entry segment flipped": (192, 1),
+    "entry record flipped": (192, 1),
+    "entry claims 10 GB": (192, 1),
+    "hash field garbage": (200, 0),
+    "everything deleted": (0, 0),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_or_missing_values_give_a_shorter_hit_or_a_miss(tmp_path, redis_server: RedisServer, damage):
+    who = ident("damage")
+    publish(tmp_path / "a", redis_server.url, who, [ENTRY])
+    r, n = redis_server.client(), _names(who)
+    if damage == "chunk2 deleted":
+        r.delete(n["chunk2"])
+    elif damage == "entry deleted":
+        r.delete(n["entry"])
+    elif damage == "entry and chunk3 deleted":
+        r.delete(n["entry"], n["chunk3"])
+    elif damage == "chunk2 bit flip":
+        _flip(r, n["chunk2"], "segment")
+    elif damage == "chunk1 is chunk2's value":
+        r.set(n["chunk1"], r.get(n["chunk2"]))
+    elif damage.startswith("entry") and "flip" in damage:
+        _flip(r, n["entry"], damage.split()[1])
+    elif damage == "entry claims 10 GB":
+        data = bytearray(r.get(n["entry"]))
+        struct.pack_into("<Q", data, V.FRAME.size - 8, 10 << 30)
+        r.set(n["entry"], bytes(data))
+    elif damage == "hash field garbage":
+        r.hset(n["bounds"], mapping={"zz" * 16: b"junk", "ab" * 16: b"F\x01\x03" + b"\0" * 5})
+    elif damage == "everything deleted":
+        r.flushdb()
+    want, rejected = DAMAGE[damage]
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB, a high-water mark
+    with store(tmp_path / "b", redis_server.url) as b:
+        f = b.fetch(who, QUERY)
+        grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) << 10
+        assert f.n == want, (damage, f.n, b.stats())
+        if want:
+            assert f.source == "shared"
+            exact(f, QUERY)
+        assert grew < 256 << 20  # nothing sized by a value's claims
+        assert b.stats()["shared_rejected"] == rejected and b.stats()["corrupt"] == 0
+        if damage == "hash field garbage":
+            assert b.stats()["shared_bad_fields"] == 2
+        b.flush(10)
+        assert b.stats()["shared_deleted"] == rejected  # a rejected value is removed for its next writer
+        again = b.fetch(who, QUERY)  # the verified part is on B's disk now
+        assert again.n == want
+    if rejected:  # A writes the entry again: B gets all of it
+        publish(tmp_path / "a2", redis_server.url, who, [ENTRY])
+        with store(tmp_path / "b2", redis_server.url) as b:
+            exact(b.fetch(who, QUERY), QUERY)
+            assert b.fetch(who, QUERY).n == 200
+
+
+def test_values_larger_than_the_bound_are_not_read(tmp_path, redis_server: RedisServer):
+    who = ident("big")
+    publish(tmp_path / "a", redis_server.url, who, [ENTRY])
+    with store(tmp_path / "b", redis_server.url) as b:
+        b.shared.max_value_bytes = 1000  # every chunk value here is ~5 KB
+        assert b.fetch(who, QUERY).cache is None
+        s = b.stats()
+        assert s["shared_too_large"] == 3 and s["shared_bytes_in"] < 1000
+
+
+# --------------------------------------------------------------------------- servers failing
+
+
+def _queries(n: int) -> list[list[int]]:
+    return [rand_tokens(130 + 7 * i, 100 + i) for i in range(n)]
+
+
+def test_killed_paused_and_restarted_server_never_fails_a_request(tmp_path, redis_server: RedisServer):
+    """Fetches and publishes run while the server is killed, restarted, paused (SIGSTOP)
+    and resumed: every request returns in bounded time with exact KV or less, nothing
+    raises, and failures are counted."""
+    who = ident("faults")
+    entries = _queries(12)
+    publish(tmp_path / "a", redis_server.url, who, entries[:6])
+    errors: list[BaseException] = []
+    slowest = [0.0]
+    got_hits = [0]
+    stop = threading.Event()
+
+    def reader() -> None:
+        i = 0
+        try:
+            while not stop.is_set():
+                with store(tmp_path / f"b{i}", redis_server.url) as b:  # an empty machine each time
+                    for q in entries:
+                        q = q + [7, 7]
+                        t0 = time.monotonic()
+                        f = b.fetch(who, q)
+                        slowest[0] = max(slowest[0], time.monotonic() - t0)
+                        if f.cache is not None:
+                            exact(f, q)
+                            got_hits[0] += 1
+                i += 1
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    with store(tmp_path / "w", redis_server.url) as w:  # a writer publishing throughout
+        for step, action in enumerate(["kill", "restart", "pause", "resume", "kill", "restart"]):
+            time.sleep(0.4)
+            getattr(redis_server, action)()
+            toks = entries[6 + step]
+            t0 = time.monotonic()
+            w.insert(who, toks, synth(toks))
+            assert time.monotonic() - t0 < 0.5  # insert never waits for the shared tier
+        time.sleep(0.4)
+        assert w.flush(30)
+        ws = w.stats()
+    stop.set()
+    t.join(60)
+    assert not t.is_alive() and not errors, errors
+    assert slowest[0] < 2.0, f"a fetch took {slowest[0]:.2f} s"
+    assert got_hits[0] > 0
+    assert ws["shared_publish_failed"] + ws["shared_published"] + ws["shared_publish_skipped"] == 6
+    assert ws["writes"] == 6  # the local tier took every entry whatever Redis did
+    assert ws["shared_publish_failed"] >= 1 and ws["shared_errors"] + ws["shared_skipped_calls"] >= 1
+    # the server is back: a new entry publishes and another machine restores it
+    publish(tmp_path / "a2", redis_server.url, who, [entries[0]])
+    with store(tmp_path / "c", redis_server.url) as c:
+        exact(c.fetch(who, entries[0] + [1]), entries[0] + [1])
+
+
+def test_unreachable_server_costs_a_counted_miss(tmp_path):
+    with KVStore(tmp_path, chunk_tokens=C, shared="redis://127.0.0.1:1/0") as s:
+        toks = rand_tokens(150, 21)
+        s.insert(ident("x"), toks, synth(toks))
+        assert s.flush(10)
+        s.trim_to(0)
+        f = s.fetch(ident("x"), toks + [1])  # local disk still serves
+        assert (f.n, f.source) == (150, "disk")
+        assert s.fetch(ident("x"), rand_tokens(100, 22)).cache is None
+        st = s.stats()
+        assert st["shared_errors"] >= 1 and st["shared_publish_failed"] == 1 and st["corrupt"] == 0
+
+
+# --------------------------------------------------------------------------- cluster, ACL, options
+
+
+def test_cluster_a_publishes_b_restores(tmp_path, redis_cluster: RedisCluster):
+    who = ident("cluster")
+    entries = [rand_tokens(700, 31), rand_tokens(300, 32)]
+    publish(tmp_path / "a", redis_cluster.url, who, entries)
+    from kvstore.shared.keys import key_slot
+
+    nodes = set()
+    for srv in redis_cluster.servers:
+        with srv.client() as c:
+            keys = list(c.scan_iter("kvstore:*"))
+            if keys:
+                nodes.add(srv.port)
+            assert all(redis_cluster.node_for_slot(key_slot(k)) is srv for k in keys)
+    assert len(nodes) == 3  # 20+ chunks spread over every node by their own key
+    with store(tmp_path / "b", redis_cluster.url) as b:
+        for toks in entries:
+            q = toks + [5]
+            before = rt(b)
+            f = b.fetch(who, q)
+            assert (f.n, f.source) == (len(toks), "shared")
+            exact(f, q)
+            assert rt(b) - before <= 2 * 3  # two pipelines, one per node holding keys
+
+
+def test_cluster_trims_a_chunk_and_every_hash_expires(tmp_path, redis_cluster: RedisCluster):
+    """Chunk fields go to their parents' hashes on whatever nodes hold them, in one
+    pipeline per node (not one MULTI: the hashes are in different slots), each hash
+    with its expiry; a trimmed hit still takes two pipelines per node."""
+    who = ident("cluster-trim")
+    stored, q, common = conversation(700, 90, 60, 33)
+    url = redis_cluster.url + "?ttl=60"
+    publish(tmp_path / "a", url, who, [stored])
+    hashes = 0
+    for srv in redis_cluster.servers:
+        with srv.client() as c:
+            for k in c.scan_iter(f"kvstore:*:{who.hex}"):
+                assert 0 < c.pttl(k) <= 60_000, k
+                hashes += k.split(b":")[2] == b"h1"
+    assert hashes == len(stored) // C + 1  # every chunk's parent, and the entry's boundary
+    with store(tmp_path / "b", url) as b:
+        f = b.fetch(who, q)
+        assert (f.n, f.source, b.stats()["shared_trim_hits"]) == (common, "shared", 1)
+        exact(f, q)
+        assert rt(b) <= 2 * 3
+
+
+def test_acl_credentials_work_and_never_show(tmp_path, redis_acl_server: RedisServer, caplog):
+    caplog.set_level(logging.DEBUG)
+    who = ident("acl")
+    toks = rand_tokens(150, 41)
+    publish(tmp_path / "a", redis_acl_server.url, who, [toks])
+    with KVStore(tmp_path / "b", chunk_tokens=C, shared=redis_acl_server.url) as b:
+        exact(b.fetch(who, toks + [1]), toks + [1])
+        shown = repr(b.stats()) + caplog.text
+    assert redis_acl_server.password not in shown and "kvstore-test" not in shown
+    bad = redis_acl_server.url.replace(redis_acl_server.password, "wrong-password")
+    with KVStore(tmp_path / "c", chunk_tokens=C, shared=bad) as c:
+        assert c.fetch(who, toks + [1]).cache is None
+        assert c.stats()["shared_errors"] >= 1
+        assert "wrong-password" not in repr(c.stats())
+
+
+def test_env_url_prefix_and_ttl(tmp_path, redis_server: RedisServer, monkeypatch):
+    who = ident("env")
+    toks = rand_tokens(150, 51)
+    monkeypatch.setenv("KVSTORE_SHARED", redis_server.url + "?prefix=team-a&ttl=60")
+    with KVStore(tmp_path / "a", chunk_tokens=C) as a:  # no shared= given: the environment's
+        a.insert(who, toks, synth(toks))
+        assert a.flush(10) and a.stats()["shared_published"] == 1
+    r = redis_server.client()
+    keys = list(r.scan_iter("*"))
+    assert keys and all(k.startswith(b"team-a:") for k in keys)
+    assert all(0 < r.pttl(k) <= 60_000 for k in keys)
+    with KVStore(tmp_path / "b", chunk_tokens=C, shared=False) as b:  # off, whatever the environment says
+        assert b.shared is None and b.fetch(who, toks + [1]).cache is None
+    monkeypatch.delenv("KVSTORE_SHARED")
+    from kvstore import LRUPromptCache
+
+    lru = LRUPromptCache(cache_dir=tmp_path / "c", chunk_tokens=C, shared=redis_server.url + "?prefix=team-a")
+    try:
+        cache, rest = lru.fetch_nearest_cache(who, toks + [1])
+        assert rest == [1] and lru.stats()["hits_shared"] == 1
+    finally:
+        lru.close()
+
+
+# --------------------------------------------------------------------------- maintenance CLI
+
+
+def _cli(capsys, *argv: str) -> tuple[int, dict]:
+    import json
+
+    from kvstore.cli.main import main
+
+    code = main(list(argv) + ["--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_cli_stats_ls_gc_with_shared(tmp_path, redis_server: RedisServer, capsys):
+    a, b = ident("cli-a"), ident("cli-b")
+    url = redis_server.url
+    publish(tmp_path / "a", url, a, [ENTRY, ENTRY[:100]])  # 3 chunks + 2 entries
+    publish(tmp_path / "b", url, b, [rand_tokens(130, 61)])  # 2 chunks + 1 entry
+    code, s = _cli(capsys, "stats", "--shared", url)
+    assert code == 0 and (s["entries"], s["chunks"]) == (3, 5) and s["unreadable"] == 0
+    rows = {r["identity"]: r for r in s["by_identity"]}
+    assert (rows[a.hex]["entries"], rows[a.hex]["chunks"], rows[a.hex]["tokens"]) == (2, 3, 300)
+    assert rows[a.hex]["bytes"] == sum(len(redis_server.client().get(k)) for k in
+                                       redis_server.client().scan_iter(f"kvstore:*:[ce]1:{a.hex}"))
+    assert s["server_memory"]["used_memory"] > 0
+    code, ls = _cli(capsys, "ls", "--shared", url)
+    assert code == 0 and ls["n_entries"] == 3
+    assert sorted(e["tokens"] for g in ls["identities"] for e in g["entries"]) == [100, 130, 200]
+
+    code, dry = _cli(capsys, "gc", "--shared", url, "--identity", b.hex[:8], "--dry-run")
+    # hashes: the entry's boundary, and the parents of its 2 chunks (their chunk fields)
+    assert code == 0 and (dry["entries"], dry["chunks"], dry["hashes"]) == (1, 2, 3)
+    assert _cli(capsys, "stats", "--shared", url)[1]["entries"] == 3  # a dry run changes nothing
+    code, gone = _cli(capsys, "gc", "--shared", url, "--identity", b.hex[:8])
+    assert code == 0 and gone["entries"] == 1 and gone["bytes"] > 0
+    assert not list(redis_server.client().scan_iter(f"*:{b.hex}"))  # every name of b is gone
+
+    time.sleep(1.1)
+    publish(tmp_path / "a2", url, a, [ENTRY[:70]])  # a newer entry sharing chunk 1
+    code, aged = _cli(capsys, "gc", "--shared", url, "--max-age", "1s")
+    assert code == 0 and aged["entries"] == 2 and aged["chunks"] == 2  # chunk 1 is still used
+    with store(tmp_path / "c", url) as c:
+        f = c.fetch(a, ENTRY + [1])
+        assert (f.n, f.source) == (70, "shared")  # the 200- and 100-token entries are gone
+        exact(f, ENTRY + [1])
+    assert _cli(capsys, "stats", "--shared", url)[1]["entries"] == 1
+
+
+def test_cli_shared_errors_are_clear(capsys):
+    from kvstore.cli.main import main
+
+    assert main(["stats", "--shared", "redis://127.0.0.1:1/0"]) == 1
+    assert "does not answer" in capsys.readouterr().err
+    assert main(["gc", "--shared", "redis://127.0.0.1:1/0"]) == 2
+    assert "--identity" in capsys.readouterr().err
+
+
+def test_serve_shared_flags():
+    import argparse
+
+    from kvstore.adapters.server import setup_arg_parser, shared_config
+
+    p = argparse.ArgumentParser()
+    setup_arg_parser(p)
+    ours, rest = p.parse_known_args(["--shared", "rediss://u:pw@h:7000/1", "--shared-prefix", "team",
+                                     "--shared-ttl", "600", "--shared-timeout", "250", "--model", "m"])
+    c = shared_config(ours)
+    assert (c.tls, c.db, c.prefix, c.ttl, c.command_timeout) == (True, 1, "team", 600.0, 0.25)
+    assert rest == ["--model", "m"] and shared_config(p.parse_known_args([])[0]) is None
