@@ -225,7 +225,7 @@ class KVStore:
     def fetch(self, model: Any, tokens: list[int]) -> Fetched:
         """The longest reusable prefix of ``tokens`` in memory or on disk; a longer disk
         prefix replaces a memory hit only when it holds all of ``tokens`` or more than
-        ``MIN_DISK_GAIN`` tokens more (``worth_restoring``).
+        ``MIN_DISK_GAIN`` tokens more (``restore_floor``).
 
         Raises ValueError (``keys.TokenError``) for token lists that are not token ids.
         """
@@ -247,8 +247,9 @@ class KVStore:
             self._hit("memory", n, snap)
             return Fetched(cache, n, "memory")
         if self._disk_on(ident) and tokens:
-            shared = self.shared is not None and self._from_shared(ident, enc, n)  # type: ignore[arg-type]
-            got = self._fetch_disk(ident, enc, better_than=n, source="shared" if shared else "disk")  # type: ignore[arg-type]
+            floor = restore_floor(n, len(tokens))  # what a disk or shared hit must beat
+            shared = self.shared is not None and self._from_shared(ident, enc, floor)  # type: ignore[arg-type]
+            got = self._fetch_disk(ident, enc, better_than=floor, source="shared" if shared else "disk")  # type: ignore[arg-type]
             if got is not None:
                 return got
         if cache is not None:
@@ -268,7 +269,7 @@ class KVStore:
         if n < len(tokens) and self._disk_on(ident) and tokens:
             try:
                 plan = self.disk.plan(ident, enc)  # type: ignore[union-attr,arg-type]
-                n = plan.n if plan is not None and worth_restoring(plan.n, n, len(tokens)) else n
+                n = plan.n if plan is not None and plan.n > restore_floor(n, len(tokens)) else n
             except Exception:  # a disk problem is a miss, as in fetch
                 pass
         return n
@@ -312,33 +313,46 @@ class KVStore:
     def _fetch_disk(self, ident: Identity, enc: bytes, better_than: int, source: str = "disk") -> Fetched | None:
         assert self.disk is not None
         for _ in range(4):  # each failure drops a record; the next plan may still hit
-            try:
-                plan = self.disk.plan(ident, enc)
-            except Exception as e:
-                if not self._index_damaged(e):
-                    self._warn_once("plan", "kvstore: disk lookup failed (%s); treating as a miss", e)
-                return None
-            if plan is None or not worth_restoring(plan.n, better_than, len(enc) // 4):
+            plan = self._disk_plan(ident, enc)
+            if plan is None or plan.n <= better_than:
                 return None
             t0 = time.perf_counter()
-            try:
-                got = self.disk.restore(plan, ident, lambda specs, layout: layout_problem(ident, specs, layout))
-            except (blobs.BlobError, codec.Unsupported, KeyError, ValueError, OSError) as e:
-                self._damaged(plan, e)
-                continue
-            except Exception as e:  # a defect, not damage: still a miss, never a crash
-                if self._index_damaged(e):
+            got = self._restore(ident, plan)
+            if got is None:
+                if self._disk_off:
                     return None
-                self._stats["corrupt"] += 1
-                if "bug" not in self._warned:
-                    self._warned.add("bug")
-                    log.exception("kvstore: unexpected error restoring an entry (a kvstore bug: please report)")
-                self._drop(plan, e)
                 continue
             self._stats["restore_seconds"] += time.perf_counter() - t0
             self._stats["restores"] += 1
             self._stats["bytes_read"] += got.nbytes
             return self._promote(ident, enc, plan, got, source)
+        return None
+
+    def _disk_plan(self, ident: Identity, enc: bytes) -> Plan | None:
+        """The disk tier's plan for ``enc``: None when it has none or the lookup failed (a
+        miss, logged once; a damaged index switches the disk tier off)."""
+        try:
+            return self.disk.plan(ident, enc)  # type: ignore[union-attr]
+        except Exception as e:
+            if not self._index_damaged(e):
+                self._warn_once("plan", "kvstore: disk lookup failed (%s); treating as a miss", e)
+            return None
+
+    def _restore(self, ident: Identity, plan: Plan) -> Restored | None:
+        """Read ``plan`` from disk; None if that failed. A damaged record is dropped (a file
+        a concurrent gc removed is a counted race) and a defect logged once, so a new plan
+        may still hit, unless the index itself is damaged (the disk tier is then off)."""
+        try:
+            return self.disk.restore(plan, ident, lambda specs, layout: layout_problem(ident, specs, layout))  # type: ignore[union-attr]
+        except (blobs.BlobError, codec.Unsupported, KeyError, ValueError, OSError) as e:
+            self._damaged(plan, e)
+        except Exception as e:  # a defect, not damage: still a miss, never a crash
+            if not self._index_damaged(e):
+                self._stats["corrupt"] += 1
+                if "bug" not in self._warned:
+                    self._warned.add("bug")
+                    log.exception("kvstore: unexpected error restoring an entry (a kvstore bug: please report)")
+                self._drop(plan, e)
         return None
 
     def _promote(self, ident: Identity, enc: bytes, plan: Plan, got: Restored, source: str = "disk") -> Fetched:
@@ -728,23 +742,8 @@ class KVStore:
 
     def _preload_read(self, ident: Identity, enc: bytes) -> Restored | None:
         """Read one entry's whole token list from disk, or None (a miss, handled as in fetch)."""
-        assert self.disk is not None
-        try:
-            plan = self.disk.plan(ident, enc)
-        except Exception as e:
-            if not self._index_damaged(e):
-                self._warn_once("plan", "kvstore: disk lookup failed (%s); treating as a miss", e)
-            return None
-        if plan is None or plan.n != len(enc) // 4:
-            return None
-        try:
-            return self.disk.restore(plan, ident, lambda specs, layout: layout_problem(ident, specs, layout))
-        except (blobs.BlobError, codec.Unsupported, KeyError, ValueError, OSError) as e:
-            self._damaged(plan, e)
-        except Exception as e:  # a defect, not damage: skipped, never a crash
-            if not self._index_damaged(e):
-                self._warn_once("preload", "kvstore: could not preload an entry (%s); skipped", e)
-        return None
+        plan = self._disk_plan(ident, enc)
+        return self._restore(ident, plan) if plan is not None and plan.n == len(enc) // 4 else None
 
 
 def _token_list(tokens: Any) -> list:
@@ -798,11 +797,11 @@ class Preloaded:
                 "preload_skipped": self.skipped, "preload_running": self.running}
 
 
-def worth_restoring(disk_n: int, memory_n: int, wanted: int) -> bool:
-    """Whether a disk hit of ``disk_n`` of ``wanted`` tokens beats a memory hit of
-    ``memory_n``: it must be longer, and either memory has nothing, or the disk holds all
-    ``wanted`` tokens, or more than ``MIN_DISK_GAIN`` tokens more than memory."""
-    return disk_n > memory_n and (memory_n == 0 or disk_n >= wanted or disk_n - memory_n > MIN_DISK_GAIN)
+def restore_floor(memory_n: int, wanted: int) -> int:
+    """The tokens a disk or shared hit must exceed to replace a memory hit of ``memory_n``
+    of ``wanted`` tokens: any hit beats none; otherwise it must hold all ``wanted`` tokens
+    or more than ``MIN_DISK_GAIN`` tokens more than memory."""
+    return min(memory_n + MIN_DISK_GAIN, wanted - 1) if memory_n > 0 else memory_n
 
 
 def preload_order(entries: dict[bytes, Any], identity: bytes, how: int | str) -> list[tuple[bytes, Any]]:
