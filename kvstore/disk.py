@@ -167,6 +167,12 @@ class DiskTier:
         why = codec.check_holds(cache, plan.n)
         if why:
             raise _blamed(pieces[-1].record, f"restored cache: {why}")
+        # Evaluated here: MLX streams are per thread, and a lazy slice or view made on this
+        # thread cannot be evaluated on another (the caller's generation thread, or another
+        # request thread hitting the memory copy of this restore).
+        import mlx.core as mx
+
+        mx.eval(list(tensors.values()) + [a for c in cache for a in codec.layer_arrays(c)])
         return Restored(cache, tensors, layout, plan.n, nbytes)
 
     # -- persist -----------------------------------------------------------------------

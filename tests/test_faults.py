@@ -44,3 +44,47 @@ def test_synthetic_caches_are_a_function_of_the_prefix() -> None:
         assert (a.keys[..., :33, :] == b.keys).all().item()
     other = faults.syn_cache("kv", toks[:32] + [8])
     assert not faults.syn_check("kv", toks, other, 33)[0]
+
+
+def test_disk_hit_is_usable_from_another_thread(tmp_path) -> None:
+    """Found by the concurrency kind ("There is no Stream(cpu, N) in current thread"): a
+    disk hit trimmed to a shorter prefix came back as unevaluated MLX ops bound to the
+    fetching thread's stream, so the same cache handed to another thread, or its memory
+    copy hit from another thread (a server's request threads), could not be evaluated."""
+    import threading
+
+    import numpy as np
+    from store_util import synth_kv_cache
+
+    from kvstore import KVStore
+    from kvstore.identity import Identity, layout_of
+
+    ident = Identity.from_components({"test": "threads", "layout": layout_of(synth_kv_cache(2, 2, 1, 8))},
+                                     name="threads")
+    toks = list(range(100))
+    with KVStore(tmp_path, chunk_tokens=32) as s:
+        s.insert(ident, toks, synth_kv_cache(2, 2, 100, 8, seed=3))
+    query = toks[:70] + [300, 301]  # a prefix of the stored entry: its chunks, trimmed
+    want = np.array(synth_kv_cache(2, 2, 100, 8, seed=3)[0].keys)[..., :70, :]
+    got: dict = {}
+
+    def in_thread(name: str, fn) -> None:
+        def run() -> None:
+            try:
+                got[name] = fn()
+            except Exception as e:  # what the other thread's caller would have seen
+                got[name] = repr(e)
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+
+    with KVStore(tmp_path, chunk_tokens=32) as s:
+        in_thread("disk", lambda: s.fetch(ident, query))
+        assert got["disk"].source == "disk" and got["disk"].n == 70
+        in_thread("handed_off", lambda: np.array(got["disk"].cache[0].keys))
+        in_thread("memory", lambda: (s.fetch(ident, query).source, np.array(s.fetch(ident, query).cache[0].keys)))
+    assert isinstance(got["handed_off"], np.ndarray), got["handed_off"]
+    np.testing.assert_array_equal(got["handed_off"], want)
+    assert not isinstance(got["memory"], str), got["memory"]
+    assert got["memory"][0] == "memory"
+    np.testing.assert_array_equal(got["memory"][1], want)
