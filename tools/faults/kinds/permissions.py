@@ -211,12 +211,14 @@ def case_lock_root(base: Path, populate: Callable[[Path], None]) -> tuple[Path, 
 
 
 def case_blobs_root(base: Path, populate: Callable[[Path], None]) -> tuple[Path, str, bool]:
+    """blobs/ belongs to another user (root): refused at open (another user could plant
+    pack files), not merely failing writes."""
     d = base / "blobs-root"
     populate(d)
     _chown_tree(d)
     for p in [d / "blobs", *(d / "blobs").rglob("*")]:
         os.lchown(p, 0, 0)
-    return d, "writes_fail", True
+    return d, "error", True
 
 
 # (name, setup, needs root)
@@ -234,7 +236,7 @@ CASES: list[tuple[str, Setup, bool]] = [
     ("no permission to create (root-owned parent, run as nobody)", case_noperm_parent, True),
     ("index/data.mdb not readable (run as nobody)", case_datamdb_root, True),
     ("index/lock.mdb not writable (run as nobody)", case_lock_root, True),
-    ("blobs/ not writable (run as nobody)", case_blobs_root, True),
+    ("blobs/ owned by another user (run as nobody)", case_blobs_root, True),
 ]
 
 
