@@ -9,14 +9,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from store_util import CHUNK, run_py
+from store_util import CHUNK, ROOT, run_py, synth_kv_cache
 
 from kvstore import KVStore
-from kvstore.identity import code_digest, model_identity
+from kvstore.identity import Identity, code_digest, layout_of, model_identity
+from tools.faults import craft
 from tools.models import model_path
 from tools.oracle import prefill
 
@@ -107,3 +109,84 @@ def test_code_component_is_in_the_identity():
     comps = model_identity(model_path("tiny-llama")).info["components"]
     cfg = json.loads((model_path("tiny-llama") / "config.json").read_text())
     assert comps["code"] == code_digest(cfg, comps["layout"]) is not None
+
+
+# -- helpers for the findings below: synthetic entries, the CLI and fetches in new processes
+
+
+SYN = Identity.from_components({"test": "trust", "layout": layout_of(synth_kv_cache(2, 2, 1, 8))},
+                               name="trust-synthetic")
+FETCH = """
+    import json, sys
+    from kvstore import KVStore
+    from kvstore.identity import Identity
+    a = json.loads(sys.argv[1])
+    ident = Identity(bytes.fromhex(a["digest"]), a["info"])
+    try:
+        s = KVStore(a["cache"], chunk_tokens=a["chunk"], shared_dir=a.get("shared", False))
+    except Exception as e:
+        print(json.dumps({"error": type(e).__name__, "message": str(e)}))
+        raise SystemExit(0)
+    with s:
+        got = [s.fetch(ident, t).n for t in a["prompts"]]
+        if a.get("model"):  # a model directory: its identity reads the digest memo
+            got.append(s.fetch(a["model"], [1, 2, 3]).n)
+        st = s.stats()
+    print(json.dumps({"n": got, "disk": s.disk is not None or st.get("disk_off") is None,
+                      "stats": {k: st[k] for k in ("corrupt", "races", "warnings_suppressed", "misses")}}))
+"""
+
+
+def _synthetic_store(cache_dir: Path, n: int = 1, length: int = 100) -> list[list[int]]:
+    """A store holding ``n`` synthetic entries of ``length`` tokens (each its own pack);
+    returns their prompts."""
+    prompts = [[(7 * i + j) % 200 for j in range(length)] for i in range(n)]
+    with KVStore(cache_dir, chunk_tokens=CHUNK) as s:
+        for i, toks in enumerate(prompts):
+            s.insert(SYN, toks, synth_kv_cache(2, 2, length, 8, seed=i))
+            s.flush()
+    return prompts
+
+
+def _fetch_in_new_process(cache_dir: Path, prompts: list[list[int]], timeout: float = 60, **more: object) -> dict:
+    """Fetch each prompt (synthetic identity) in a new process: tokens served and counters
+    (or the exception opening the store raised: ``error`` and ``message``)."""
+    try:
+        return run_py(FETCH, {"cache": str(cache_dir), "digest": SYN.digest.hex(), "info": SYN.info,
+                              "prompts": prompts, "chunk": CHUNK, **more}, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"opening the store and fetching hung (over {timeout:.0f} s)")
+
+
+def _cli(cache_dir: Path, *args: str, timeout: float = 20) -> subprocess.CompletedProcess:
+    """``kvstore ARGS --cache-dir DIR`` in a new process, which must finish within
+    ``timeout`` seconds with exit 0 or 1 and no traceback."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    try:
+        p = subprocess.run([sys.executable, "-m", "kvstore.cli", *args, "--cache-dir", str(cache_dir)],
+                           capture_output=True, text=True, timeout=timeout, env=env, cwd=str(ROOT))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"`kvstore {' '.join(args)}` hung (over {timeout:.0f} s)")
+    assert p.returncode in (0, 1) and "Traceback" not in p.stderr, (args, p.returncode, p.stderr[-3000:])
+    return p
+
+
+# -- finding: a symlinked fan-out directory is followed --------------------------------
+
+
+def test_symlinked_fanout_dir_is_not_followed(tmp_path):
+    """blobs/<2 hex>/ replaced by a symlink to someone's directory that holds a file under
+    the pack's name: a restore must not read it, and gc must not delete it."""
+    cache = tmp_path / "cache"
+    prompts = _synthetic_store(cache)
+    pack = craft.packs(cache)[0]
+    user = tmp_path / "user-files"
+    before = craft.user_files(user, [pack])
+    shutil.rmtree(pack.parent)
+    os.symlink(user, pack.parent)
+    got = _fetch_in_new_process(cache, prompts)
+    assert got["n"] == [0], "the KV was read from a file outside blobs/"
+    _cli(cache, "gc", "--max-bytes", "0", "--blob-age", "0")
+    _cli(cache, "verify", "--fix", "--blob-age", "0")
+    assert craft.tree_state(user) == before, "a file outside the cache directory was changed"
+    assert os.path.islink(pack.parent)  # reported as foreign, left alone

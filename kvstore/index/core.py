@@ -39,6 +39,7 @@ from typing import Any, Callable, TypeVar
 
 import lmdb
 
+from .. import blobs
 from ..keys import FORMAT_VERSION
 from ..records import IdentityRecord, RecordError, parse
 from .pages import last_txnid
@@ -363,9 +364,7 @@ class Index:
             self._shared.state = self._state()  # the data file as this process left it
         for path in w.unlink:
             try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+                blobs.unlink_own(path)  # kvstore's own pack files only: never through a symlink
             except OSError as e:
                 log.warning("kvstore: could not remove %s: %s", path.name, e)
         return out

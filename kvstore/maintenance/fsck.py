@@ -404,14 +404,17 @@ def remove_orphan(disk: DiskTier, pack: bytes, blob_age: float = ORPHAN_BLOB_SEC
         if t.raw("packs", pack) is not None:
             return False  # a writer committed it after all
         try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return True
+            fd = blobs.open_own(path)  # kvstore's own file only: never through a symlink
+        except blobs.BlobError:
+            return not os.path.lexists(path)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
         now = time.time()
         if now - min(st.st_mtime, now) < blob_age:  # a future mtime counts as now
             return False
-        os.unlink(path)
-        return True
+        return blobs.unlink_own(path)
 
     try:
         return disk.index.transact(run)
