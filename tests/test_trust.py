@@ -190,3 +190,30 @@ def test_symlinked_fanout_dir_is_not_followed(tmp_path):
     _cli(cache, "verify", "--fix", "--blob-age", "0")
     assert craft.tree_state(user) == before, "a file outside the cache directory was changed"
     assert os.path.islink(pack.parent)  # reported as foreign, left alone
+
+
+# -- finding: a FIFO where kvstore reads a file blocks it forever -----------------------
+
+
+@pytest.mark.parametrize("where", ["pack", "index/clean", "file-digests.json", "index/data.mdb"])
+def test_fifo_in_place_of_a_file_never_blocks(tmp_path, where):
+    """A FIFO with no writer where kvstore expects one of its files: every fetch and
+    command returns within 20 s (a clear error or a miss) instead of waiting forever, and
+    a FIFO among the pack files is left where it is."""
+    cache = tmp_path / "cache"
+    prompts = _synthetic_store(cache)
+    with KVStore(cache, chunk_tokens=CHUNK) as s:
+        s.identity(str(model_path("tiny-llama")))  # writes the digest memo
+    target = craft.packs(cache)[0] if where == "pack" else cache / where
+    assert target.is_file()
+    target.unlink()
+    os.mkfifo(target, 0o600)
+    got = _fetch_in_new_process(cache, prompts, timeout=20, model=str(model_path("tiny-llama")))
+    if where == "index/data.mdb":
+        assert got.get("error") == "StoreOpenError" and "data.mdb" in got["message"], got
+    else:
+        assert got["n"][0] == (0 if where == "pack" else len(prompts[0])), got
+    for cmd in (["ls"], ["stats"], ["verify"], ["verify", "--fix", "--blob-age", "0"], ["gc", "--blob-age", "0"]):
+        _cli(cache, *cmd, timeout=20)
+    if where == "pack":
+        assert craft.tree_state(target.parent)[target.name] == "fifo", "a file kvstore did not write was removed"

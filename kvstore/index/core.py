@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -150,7 +151,23 @@ class Index:
             self._shared = _SHARED[key] = _Shared(env, self.readonly, 1, self._state())
             return env
 
+    def _own_files(self) -> None:
+        """IndexOpenError unless ``data.mdb`` and ``lock.mdb`` are regular files (or
+        absent): LMDB would block reading a FIFO, and write through a symlink into a
+        file outside the cache directory."""
+        for name in ("data.mdb", "lock.mdb"):
+            try:
+                st = os.lstat(self.path / name)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise IndexOpenError(f"cannot use index file {self.path / name}: {e.strerror}") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise IndexOpenError(f"index file {self.path / name} is not a regular file (a symlink, FIFO or "
+                                     f"device kvstore did not make): remove it, or use another cache directory")
+
     def _open(self) -> lmdb.Environment:
+        self._own_files()
         try:
             if not self.readonly:
                 self._allocate_lock_file()
@@ -225,7 +242,12 @@ class Index:
     def _stamp_matches(self) -> bool:
         """The data file is as a check or a clean close of kvstore left it."""
         try:
-            stamp = json.loads((self.path / STAMP).read_text())
+            fd = blobs.open_regular(self.path / STAMP)  # a FIFO there must not block the open
+        except blobs.BlobError:
+            return False
+        try:
+            with os.fdopen(fd, "rb") as f:
+                stamp = json.loads(f.read(1 << 16))
         except (OSError, ValueError, RecursionError):
             return False
         state = self._state()
