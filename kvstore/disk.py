@@ -31,9 +31,9 @@ import numpy as np
 
 from . import blobs
 from .identity import ArraySpec, Identity
-from .index import Index, Reader, WriteTxn
+from .index import Index, IndexOpenError, Reader, WriteTxn
 from .keys import boundaries, chunk_key, encode_tokens, entry_key, root_key
-from .records import ChunkRecord, EntryRecord, Kind, PackRecord, RecordError, Segment
+from .records import MAX_CHUNK, ChunkRecord, EntryRecord, Kind, PackRecord, RecordError, Segment
 
 log = logging.getLogger("kvstore")
 
@@ -107,7 +107,11 @@ class DiskTier:
         # The chunk size is part of the directory's format (it places every key boundary):
         # the first opener fixes it, later openers use it whatever they ask for.
         stored = self.index.meta_setdefault(b"chunk_tokens", str(int(chunk_tokens)).encode())
-        self.chunk = int(stored) if stored else int(chunk_tokens)
+        try:
+            self.chunk = _chunk_size(stored, chunk_tokens, self.index.path)
+        except IndexOpenError:
+            self.index.close()
+            raise
         if self.chunk != chunk_tokens:
             log.info("kvstore: %s uses chunk_tokens=%d (asked for %d)", self.root, self.chunk, chunk_tokens)
 
@@ -260,6 +264,22 @@ class DiskTier:
                     t.set_entry(key, rec.touched(when, n))
 
         self.index.transact(run)
+
+
+def _chunk_size(stored: bytes | None, asked: int, where: Path) -> int:
+    """The directory's chunk size: the stored one (``asked`` if none is stored yet);
+    IndexOpenError if it is not one kvstore writes (a damaged or crafted record)."""
+    if stored is None:
+        return int(asked)
+    try:
+        n = int(stored)
+    except ValueError:
+        n = 0
+    if not 0 < n <= MAX_CHUNK:
+        raise IndexOpenError(f"index {where} records chunk_tokens={stored[:24]!r}, which kvstore never writes "
+                             "(a damaged or foreign index): use another cache directory, or remove this one "
+                             "(its cache is rebuilt as requests come)")
+    return n
 
 
 # ----------------------------------------------------------------------------- planning

@@ -217,3 +217,23 @@ def test_fifo_in_place_of_a_file_never_blocks(tmp_path, where):
         _cli(cache, *cmd, timeout=20)
     if where == "pack":
         assert craft.tree_state(target.parent)[target.name] == "fifo", "a file kvstore did not write was removed"
+
+
+# -- finding: crafted records with out-of-range fields ----------------------------------
+
+
+@pytest.mark.parametrize("value", [b"s2", b"0", b"-5", b"99999999999", b"\xff" * 40],
+                         ids=["letters", "zero", "negative", "huge", "binary"])
+def test_crafted_chunk_size_record_is_refused_clearly(tmp_path, value):
+    """The index's chunk size (meta ``chunk_tokens``, which places every key boundary)
+    replaced by one kvstore never writes: opening the store is a StoreOpenError naming
+    it (not a ValueError from int(), and not a store that divides by zero or keys every
+    prompt under a chunk of 10**11 tokens), and the CLI says so instead of a traceback."""
+    cache = tmp_path / "cache"
+    prompts = _synthetic_store(cache)
+    craft.put_raw(cache, "meta", b"chunk_tokens", value)
+    got = _fetch_in_new_process(cache, prompts)
+    assert got.get("error") == "StoreOpenError" and "chunk_tokens" in got["message"], got
+    for cmd in (["ls"], ["verify"], ["gc"]):
+        p = _cli(cache, *cmd)
+        assert p.returncode == 1 and "chunk_tokens" in p.stderr, (cmd, p.stderr)
