@@ -237,3 +237,34 @@ def test_crafted_chunk_size_record_is_refused_clearly(tmp_path, value):
     for cmd in (["ls"], ["verify"], ["gc"]):
         p = _cli(cache, *cmd)
         assert p.returncode == 1 and "chunk_tokens" in p.stderr, (cmd, p.stderr)
+
+
+# -- finding: a crafted record that names what another entry owns ----------------------
+
+
+@pytest.mark.parametrize("how", ["verify --fix", "gc --max-age"])
+def test_record_with_another_entrys_chunk_list_costs_only_itself(tmp_path, how):
+    """A chunked entry's chunk list replaced by another entry's (same count): removing
+    the liar (``verify --fix`` finds it inconsistent; ``gc --max-age`` finds it old) must
+    not take the other entry's chunks with it (their reference count went to 0 and they
+    were removed, so the other entry was lost)."""
+    from dataclasses import replace
+
+    cache = tmp_path / "cache"
+    prompts = [[(7 * i + j) % 200 for j in range(2 * CHUNK + 10)] for i in range(2)]
+    with KVStore(cache, chunk_tokens=CHUNK) as s:
+        for i, toks in enumerate(prompts):
+            s.insert(SYN, toks, synth_kv_cache(2, 2, len(toks), 8, seed=i))
+            s.flush()
+    recs = craft.records(cache, "entries")
+    (k_liar, liar), (k_owner, owner) = sorted(recs.items(), key=lambda kr: kr[1].created)
+    assert len(liar.chunks) == len(owner.chunks) == 2
+    craft.put_raw(cache, "entries", k_liar, replace(liar, chunks=owner.chunks, last_used=1.0).to_bytes())
+    if how == "verify --fix":
+        _cli(cache, "verify", "--fix", "--blob-age", "0")
+    else:
+        assert "removed" in _cli(cache, "gc", "--max-age", "1h", "--keep-orphans").stdout
+    assert _fetch_in_new_process(cache, [prompts[1]])["n"] == [len(prompts[1])], "the other entry was lost"
+    _cli(cache, "verify", "--fix", "--blob-age", "0")
+    assert _cli(cache, "verify").returncode == 0
+    assert _fetch_in_new_process(cache, [prompts[1]])["n"] == [len(prompts[1])]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .. import blobs
+from ..keys import boundaries, entry_key, root_key
 from ..records import (ChunkRecord, EntryRecord, IdentityRecord, Kind, PackRecord, RecordError, Segment,
                        parse)
 from . import trie
@@ -33,6 +34,19 @@ def count(v: bytes | memoryview | None) -> int:
         return max(0, int(bytes(v))) if v else 0
     except ValueError:
         return 0
+
+
+def own_chunks(key: bytes, rec: EntryRecord, tokens: bytes | None) -> tuple[bytes, ...]:
+    """The chunks entry ``key`` is built on: those its token ids make, when they also make
+    its key; none otherwise. A chunk list damaged or crafted to name other entries'
+    chunks must not release them (their entries would lose them); the references of one
+    whose token ids do not make its key are left to ``verify --fix``, which recounts."""
+    if not rec.chunked or tokens is None or len(tokens) != 4 * rec.n:
+        return ()
+    b = boundaries(root_key(rec.identity), bytes(tokens), rec.chunk)
+    if entry_key(b[-1], bytes(tokens)[(len(b) - 1) * rec.chunk * 4 :]) != key:
+        return ()
+    return tuple(b[1:])
 
 
 class Reader:
@@ -175,17 +189,19 @@ class WriteTxn(Reader):
 
     def remove_entry(self, key: bytes) -> EntryRecord | None:
         """Drop an entry with its edges and token ids, release its segment, and drop every
-        chunk it was the last user of. Returns the removed record (None if absent).
+        chunk it was the last user of: the chunks its token ids make (``own_chunks``),
+        not whatever its chunk list says. Returns the removed record (None if absent).
         RecordError if the record is unreadable (``drop_raw`` removes such a record)."""
         rec = self.entry(key)
         if rec is None:
             return None
-        self._drop_edges(rec.boundary, key, trie.entry_edges(key, rec, self.tokens(key)))
+        tokens = self.tokens(key)
+        self._drop_edges(rec.boundary, key, trie.entry_edges(key, rec, tokens))
         self._delete("entries", key)
         self._delete("tokens", key)
         for seg in rec.segments:
             self.release(seg)
-        for ck in rec.chunks:
+        for ck in own_chunks(key, rec, tokens):
             self.unref_chunk(ck)
         return rec
 
