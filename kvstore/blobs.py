@@ -67,6 +67,9 @@ class BlobError(Exception):
 
     # set by the disk tier's restore: ("entry" | "chunk", key) of the record that failed
     record: tuple[str, bytes] | None = None
+    # set when the segment's own header names another record: the record lies about it,
+    # so dropping the record must not release the segment (another record owns it)
+    foreign: bool = False
 
 
 # ----------------------------------------------------------------------------- files

@@ -219,10 +219,12 @@ class DiskTier:
 
     # -- removal -----------------------------------------------------------------------
 
-    def remove(self, keys: list[bytes], *, only_if: Callable[[bytes, EntryRecord], bool] | None = None) -> list[bytes]:
+    def remove(self, keys: list[bytes], *, only_if: Callable[[bytes, EntryRecord], bool] | None = None,
+               release: bool = True) -> list[bytes]:
         """Drop entries (and the chunks and pack files no longer used) in one transaction;
         ``only_if(key, record)`` is asked inside it. Files go after the commit. Returns the
-        keys removed; unreadable records are left to ``verify --fix``."""
+        keys removed; unreadable records are left to ``verify --fix``. ``release=False``:
+        their own segments are not theirs (``BlobError.foreign``) and are not released."""
         def run(t: WriteTxn) -> list[bytes]:
             out = []
             for key in keys:
@@ -231,15 +233,16 @@ class DiskTier:
                 except RecordError:
                     continue
                 if rec is not None and (only_if is None or only_if(key, rec)):
-                    t.remove_entry(key)
+                    t.remove_entry(key, release=release)
                     out.append(key)
             return out
 
         return self.index.transact(run)
 
-    def drop_chunk_and_users(self, key: bytes) -> None:
+    def drop_chunk_and_users(self, key: bytes, *, release: bool = True) -> None:
         """Drop a damaged chunk and every entry built on it (none of them can be restored),
-        so rewriting one of those entries stores it whole again."""
+        so rewriting one of those entries stores it whole again. ``release=False``: the
+        chunk's segment is not its own (``BlobError.foreign``) and is not released."""
         def run(t: WriteTxn) -> None:
             for ek in t.keys("entries"):
                 try:
@@ -248,7 +251,7 @@ class DiskTier:
                     continue
                 if rec is not None and key in rec.chunks:
                     t.remove_entry(ek)
-            t.remove_chunk(key)
+            t.remove_chunk(key, release=release)
 
         self.index.transact(run)
 
@@ -465,7 +468,9 @@ def _check_pieces(pieces: list[_Piece], heads: list[blobs.Header], ident: Identi
                     "kvstore.tokens": f"{p.lo}-{p.hi}"}
             bad = [k for k, v in want.items() if m.get(k) != v]
             if bad or m.get("kvstore.format") != FORMAT_TAG:
-                raise blobs.BlobError(f"the segment is not what its record says ({', '.join(bad) or 'format'})")
+                err = blobs.BlobError(f"the segment is not what its record says ({', '.join(bad) or 'format'})")
+                err.foreign = "kvstore.key" in bad and isinstance(m.get("kvstore.key"), str)
+                raise err
             try:
                 got = codec.check_layout(json.loads(m.get("kvstore.layout", "")))
             except (ValueError, RecursionError) as e:

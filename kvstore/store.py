@@ -313,10 +313,11 @@ class KVStore:
         try:
             if bad is None:
                 return
+            own = not getattr(err, "foreign", False)  # a segment another record owns stays
             if bad[0] == "entry":
-                self.disk.remove([bad[1]])
+                self.disk.remove([bad[1]], release=own)
             else:
-                self.disk.drop_chunk_and_users(bad[1])
+                self.disk.drop_chunk_and_users(bad[1], release=own)
         except Exception as e:
             if not self._index_damaged(e):
                 self._warn_once("drop", "kvstore: could not drop damaged record: %s", e)

@@ -242,6 +242,56 @@ def test_crafted_chunk_size_record_is_refused_clearly(tmp_path, value):
 # -- finding: a crafted record that names what another entry owns ----------------------
 
 
+def _snapshot_cache(n: int, seed: int) -> list:
+    """A snapshot-only cache (recurrent state + KV): one segment, one pack per entry."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache
+
+    a = ArraysCache(1)
+    a.cache[0] = mx.full((1, 4), float(seed))
+    return [a] + synth_kv_cache(1, 2, n, 8, seed=seed)
+
+
+SNAP = Identity.from_components({"test": "trust-snapshots", "layout": layout_of(_snapshot_cache(1, 0))},
+                                name="trust-snapshots")
+
+
+def test_record_naming_another_entrys_segment_costs_only_itself(tmp_path):
+    """An entry record rewritten to name another entry's segment (a real one, whose
+    checksum verifies): fetching it is a miss and drops it, and the other entry, alone in
+    its pack file, is still served: the drop must not release a segment the record
+    does not own (it did, and the other entry's pack file was unlinked)."""
+    from dataclasses import replace
+
+    from kvstore.keys import encode_tokens, key_of, root_key
+
+    cache = tmp_path / "cache"
+    liar, owner = list(range(40)), list(range(100, 150))
+    with KVStore(cache, chunk_tokens=CHUNK) as s:
+        for i, toks in enumerate((liar, owner)):
+            s.insert(SNAP, toks, _snapshot_cache(len(toks), i + 1))
+            s.flush()
+    k_liar, k_owner = (key_of(root_key(SNAP.digest), encode_tokens(t), CHUNK) for t in (liar, owner))
+    recs = craft.records(cache, "entries")
+    craft.put_raw(cache, "entries", k_liar, replace(recs[k_liar], tail=recs[k_owner].tail).to_bytes())
+    code = """
+        import json, sys
+        from kvstore import KVStore
+        from kvstore.identity import Identity
+        a = json.loads(sys.argv[1])
+        ident = Identity(bytes.fromhex(a["digest"]), a["info"])
+        with KVStore(a["cache"], chunk_tokens=a["chunk"]) as s:
+            got = [s.fetch(ident, t).n for t in a["prompts"]]
+        print(json.dumps(got))
+    """
+    args = {"cache": str(cache), "digest": SNAP.digest.hex(), "info": SNAP.info, "chunk": CHUNK}
+    assert run_py(code, dict(args, prompts=[liar])) == [0]
+    assert run_py(code, dict(args, prompts=[owner])) == [len(owner)], "the other entry's pack file was removed"
+    _cli(cache, "verify", "--fix", "--blob-age", "0")
+    assert _cli(cache, "verify").returncode == 0
+    assert run_py(code, dict(args, prompts=[owner])) == [len(owner)]
+
+
 @pytest.mark.parametrize("how", ["verify --fix", "gc --max-age"])
 def test_record_with_another_entrys_chunk_list_costs_only_itself(tmp_path, how):
     """A chunked entry's chunk list replaced by another entry's (same count): removing

@@ -187,8 +187,9 @@ class WriteTxn(Reader):
             self.add_bytes(-size)
         self.unlink_after_commit(self.pack_path(pack))
 
-    def remove_entry(self, key: bytes) -> EntryRecord | None:
-        """Drop an entry with its edges and token ids, release its segment, and drop every
+    def remove_entry(self, key: bytes, *, release: bool = True) -> EntryRecord | None:
+        """Drop an entry with its edges and token ids, release its segment (unless
+        ``release`` is False: a segment proven to be another record's), and drop every
         chunk it was the last user of: the chunks its token ids make (``own_chunks``),
         not whatever its chunk list says. Returns the removed record (None if absent).
         RecordError if the record is unreadable (``drop_raw`` removes such a record)."""
@@ -199,7 +200,7 @@ class WriteTxn(Reader):
         self._drop_edges(rec.boundary, key, trie.entry_edges(key, rec, tokens))
         self._delete("entries", key)
         self._delete("tokens", key)
-        for seg in rec.segments:
+        for seg in rec.segments if release else ():
             self.release(seg)
         for ck in own_chunks(key, rec, tokens):
             self.unref_chunk(ck)
@@ -218,16 +219,18 @@ class WriteTxn(Reader):
         else:
             self.set_chunk(key, crec.with_refs(crec.refs - 1))
 
-    def remove_chunk(self, key: bytes, crec: ChunkRecord | None = None) -> None:
+    def remove_chunk(self, key: bytes, crec: ChunkRecord | None = None, *, release: bool = True) -> None:
         """Drop a chunk record with its edges and token ids and release its segment
-        (entries built on it are the caller's business)."""
+        (unless ``release`` is False, as for ``remove_entry``; entries built on it are the
+        caller's business)."""
         crec = crec or self.chunk(key)
         if crec is None:
             return
         self._drop_edges(crec.parent, key, trie.chunk_edges(key, crec, self.tokens(key)))
         self._delete("chunks", key)
         self._delete("tokens", key)
-        self.release(crec.segment)
+        if release:
+            self.release(crec.segment)
 
     def drop_raw(self, db: str, key: bytes) -> None:
         """Delete an unreadable record with its token ids and every edge to it (a scan of
