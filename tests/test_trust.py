@@ -318,3 +318,32 @@ def test_record_with_another_entrys_chunk_list_costs_only_itself(tmp_path, how):
     _cli(cache, "verify", "--fix", "--blob-age", "0")
     assert _cli(cache, "verify").returncode == 0
     assert _fetch_in_new_process(cache, [prompts[1]])["n"] == [len(prompts[1])]
+
+
+def test_refused_index_is_refused_the_same_way_every_time(tmp_path):
+    """An index claiming another format is refused naming the format, and again on the
+    next open in the same process, read-only or not (a server retrying, or the CLI's
+    read-only then writable opens): the refused open left its environment registered,
+    and every later open said the index was "already open read-only in this process"."""
+    cache = tmp_path / "cache"
+    _synthetic_store(cache)
+    craft.put_raw(cache, "meta", b"format", b"2")
+    got = run_py("""
+        import json, sys
+        from pathlib import Path
+        from kvstore import KVStore, StoreOpenError
+        from kvstore.store import open_disk
+        a = json.loads(sys.argv[1])
+        out = []
+        for how in ("readonly", "write", "store", "store"):
+            try:
+                if how == "store":
+                    KVStore(a["cache"]).close()
+                else:
+                    open_disk(Path(a["cache"]), readonly=how == "readonly").close()
+                out.append("opened")
+            except StoreOpenError as e:
+                out.append(str(e))
+        print(json.dumps(out))
+    """, {"cache": str(cache)})
+    assert all("has format 2" in m for m in got), got

@@ -128,8 +128,12 @@ class Index:
         self.damaged = False  # set by a caller that met damage: no clean stamp at close
         self._shared: _Shared | None = None
         self.env = self._shared_open()
-        self._db = {name: self.env.open_db(name.encode(), create=not readonly) for name in DBS}
-        self._check_format()
+        try:
+            self._db = {name: self.env.open_db(name.encode(), create=not readonly) for name in DBS}
+            self._check_format()
+        except BaseException:
+            self.close()  # a refused index must not stay registered in this process
+            raise
 
     # -- environment -------------------------------------------------------------------
 
