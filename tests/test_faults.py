@@ -1,10 +1,13 @@
 """The fault harness's CI subset: ``python -m tools.faults --ci``, one test per fault kind.
 
 Each kind runs a few trials of what the full harness runs hundreds of (kill -9 mid-write,
-damaged blobs and index, a full tmpfs, unusable directories, 4 processes x 4 threads, bad
-calls) and must end with no wrong restore, no exception reaching a caller, no crashed
-process, no committed entry lost, every miss explained by ``verify`` and ``verify --fix``
-leaving a clean directory. The figures of a full run are in ``tools/faults_results/``.
+damaged segments, pack files and index, a full tmpfs, unusable directories, 4 processes x
+4 threads, bad calls, hostile directories: crafted records, planted symlinks and FIFOs,
+swapped weights, foreign owners, skewed clocks) and must end with no wrong restore, no
+exception reaching a caller, no crashed process, no committed entry lost, every miss
+explained by ``verify`` and ``verify --fix`` leaving a clean directory, nothing outside
+the cache directory changed and no hang. The figures of a full run are in
+``tools/faults_results/``.
 
 Mounting a tmpfs and dropping to ``nobody`` need root; without it those cases are skipped.
 """
@@ -13,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -46,7 +51,7 @@ def test_synthetic_caches_are_a_function_of_the_prefix() -> None:
     assert not faults.syn_check("kv", toks, other, 33)[0]
 
 
-def test_disk_hit_is_usable_from_another_thread(tmp_path) -> None:
+def test_disk_hit_is_usable_from_another_thread(tmp_path: Path) -> None:
     """Found by the concurrency kind ("There is no Stream(cpu, N) in current thread"): a
     disk hit trimmed to a shorter prefix came back as unevaluated MLX ops bound to the
     fetching thread's stream, so the same cache handed to another thread, or its memory
@@ -68,7 +73,7 @@ def test_disk_hit_is_usable_from_another_thread(tmp_path) -> None:
     want = np.array(synth_kv_cache(2, 2, 100, 8, seed=3)[0].keys)[..., :70, :]
     got: dict = {}
 
-    def in_thread(name: str, fn) -> None:
+    def in_thread(name: str, fn: Callable[[], object]) -> None:
         def run() -> None:
             try:
                 got[name] = fn()

@@ -34,15 +34,18 @@ parent's ``run_<kind>(ctx)``:
 - ``full_disk``: the cache directory on a small tmpfs that fills up;
 - ``permissions``: unusable paths and permissions;
 - ``concurrency``: processes x threads on one directory;
-- ``bad_input``: bad tokens and caches passed to fetch and insert.
+- ``bad_input``: bad tokens and caches passed to fetch and insert;
+- ``hostile``: a directory someone else crafted records in, planted symlinks, FIFOs and
+  foreign files in, whose model weights were swapped, that others can write, or whose
+  timestamps come from a skewed clock (``hostile_cases`` crafts them, with ``craft``).
 
 The rest: ``worker`` (the JSON-lines worker processes), ``check`` (the check and the
 tallies), ``synth`` (synthetic caches, prompts, the tiny models and the oracle),
-``damage`` (damaging files, filling a disk), ``harness`` (running the kinds, the table),
-``common`` (sizes and shared helpers).
+``damage`` (damaging files, filling a disk), ``craft`` (hostile records and files),
+``harness`` (running the kinds, the table), ``common`` (sizes and shared helpers).
 
-The harness needs root for tmpfs mounts and for dropping to ``nobody``; without it those
-cases are reported as skipped.
+The harness needs root for tmpfs mounts, for dropping to ``nobody`` and for chown; without
+it those cases are reported as skipped.
 """
 
 from __future__ import annotations

@@ -88,3 +88,84 @@ def user_files(where: Path, like: list[Path]) -> dict[str, str]:
 def packs(cache_dir: Path) -> list[Path]:
     """kvstore's pack files under ``cache_dir/blobs`` (regular files, in path order)."""
     return sorted(p for p in (Path(cache_dir) / "blobs").glob("*/*.kvpack") if p.is_file() and not p.is_symlink())
+
+
+def records(cache_dir: Path, db: str) -> dict[bytes, Any]:
+    """Every record of database ``db`` parsed as kvstore parses it (None: one kvstore
+    would not read)."""
+    from kvstore.records import RecordError, parse
+    out: dict[bytes, Any] = {}
+    for k, v in read_raw(cache_dir, db).items():
+        try:
+            out[k] = parse(db, v)
+        except RecordError:
+            out[k] = None
+    return out
+
+
+def frame_of(data: bytes) -> tuple[dict, bytes]:
+    """A segment's bytes split into its parsed safetensors header and its data."""
+    import json
+    import struct
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def reframed(header: dict, body: bytes) -> bytes:
+    """A segment from a header (JSON object) and its data, padded as kvstore pads."""
+    import json
+    import struct
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    return struct.pack("<Q", len(hb)) + hb + body
+
+
+def new_pack(cache_dir: Path, segments: list[bytes], created: float) -> list[Any]:
+    """Write a pack file holding ``segments`` back to back under a new random name, the
+    way kvstore lays one out, and index it (a PackRecord written with lmdb). Returns
+    the ``Segment`` of each, with its true xxh3-128: a pack kvstore would accept byte
+    for byte, whatever its headers say."""
+    from kvstore.blobs import pack_path
+    from kvstore.records import PackRecord, Segment
+    pack = os.urandom(16)
+    path = pack_path(Path(cache_dir) / "blobs", pack)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    out, offset = [], 0
+    for data in segments:
+        out.append(Segment(pack, offset, len(data), xxhash.xxh3_128_digest(data)))
+        offset += len(data)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(b"".join(segments))
+    size = sum(len(d) for d in segments)
+    put_raw(cache_dir, "packs", pack, PackRecord(size, len(segments), size, created).to_bytes())
+    return out
+
+
+def segment_bytes(cache_dir: Path, seg: Any) -> bytes:
+    """The bytes of segment ``seg`` as they are in its pack file."""
+    from kvstore.blobs import pack_path
+    with open(pack_path(Path(cache_dir) / "blobs", seg.pack), "rb") as f:
+        f.seek(seg.offset)
+        return f.read(seg.length)
+
+
+def swap_tensors_keep_stat(weights: Path, a: str, b: str) -> None:
+    """Exchange the data of tensors ``a`` and ``b`` (same shape and dtype) of a
+    safetensors file in place: different weights of the same size, with the file's old
+    atime / mtime put back (what ``cp -p``, ``rsync -a`` and ``touch -r`` do)."""
+    import json
+    import struct
+    st = weights.stat()
+    raw = bytearray(weights.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    (a0, a1), (b0, b1) = (header[t]["data_offsets"] for t in (a, b))
+    assert a1 - a0 == b1 - b0 and header[a]["shape"] == header[b]["shape"], (a, b)
+    base = 8 + n
+    ta, tb = bytes(raw[base + a0 : base + a1]), bytes(raw[base + b0 : base + b1])
+    assert ta != tb, "the two tensors are equal: swapping them changes nothing"
+    raw[base + a0 : base + a1], raw[base + b0 : base + b1] = tb, ta
+    with open(weights, "r+b") as f:  # in place: same inode, same size
+        f.write(raw)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))

@@ -137,7 +137,8 @@ def damage_pack_case(cdir: Path, segs: list[Seg], rng: random.Random, mode: str
         new = cdir / "blobs" / _new_pack_name(rng)
         new.parent.mkdir(mode=0o700, exist_ok=True)
         (os.replace if mode == "rename" else shutil.copyfile)(path, new)
-        return f"{seg['pack']} {mode}: now also at {new.relative_to(cdir)}", _users(pack) if mode == "rename" else set(), {}
+        targets = _users(pack) if mode == "rename" else set()
+        return f"{seg['pack']} {mode}: now also at {new.relative_to(cdir)}", targets, {}
     if mode in ("stray_tmp", "misplaced_pack"):
         return _plant_stray(cdir, seg, path, rng, mode)
     return f"{seg['pack']}: {damage_file(path, mode, rng)}", _users(pack), {}

@@ -34,9 +34,10 @@ def _open_modes(cdir: str, modes: tuple = ("raise", "memory", "lru")) -> dict:
 
 
 def _open_and_use(cdir: str, mode: str, ident: Any, toks: list[int]) -> dict:
-    """Open ``cdir`` as ``mode`` says (``on_disk_error`` raise or memory, or the
-    LRUPromptCache drop-in), insert a synthetic cache and fetch it back: the outcome of
-    the open, whether the fetch ``served`` it, write errors and the warnings logged."""
+    """Open ``cdir`` as ``mode`` says (``on_disk_error`` raise or memory, ``shared``:
+    raise with ``shared_dir=True``, or the LRUPromptCache drop-in), insert a synthetic
+    cache and fetch it back: the outcome of the open, whether the fetch ``served`` it,
+    write errors and the warnings logged."""
     from kvstore import KVStore, LRUPromptCache, StoreOpenError
     r: dict[str, Any] = {"escaped": []}
     cap = LogCapture()
@@ -45,8 +46,9 @@ def _open_and_use(cdir: str, mode: str, ident: Any, toks: list[int]) -> dict:
             if mode == "lru":
                 lru = LRUPromptCache(cache_dir=cdir, chunk_tokens=CHUNK)
                 store = lru.store
-            else:
-                store = KVStore(cdir, chunk_tokens=CHUNK, on_disk_error=mode)
+            else:  # "shared": a directory a group shares on purpose (errors raise)
+                store = KVStore(cdir, chunk_tokens=CHUNK, on_disk_error="raise" if mode == "shared" else mode,
+                                shared_dir=mode == "shared")
         except StoreOpenError as e:
             r["outcome"] = "StoreOpenError"
             r["message"] = str(e)
