@@ -48,6 +48,7 @@ class _Pages:
             raise LookupError("the read transaction's meta page was overwritten meanwhile")
         self.txnid, b = pick[0]
         self.last_pg = int.from_bytes(b[136:144], "little")
+        self.free = struct.unpack_from("<IHHQQQQQ", b, 40)  # LMDB's free-page list (FREE_DBI)
         self.main = struct.unpack_from("<IHHQQQQQ", b, 40 + 48)
 
     def close(self) -> None:
@@ -62,17 +63,19 @@ class _Pages:
         return b
 
     def walk(self, db: tuple, sink: Callable[[bytes, bytes, int], None] | None, errors: list[str],
-             name: str) -> None:
+             name: str, *, intkeys: bool = False) -> None:
         """Every leaf record of the tree ``db`` (an MDB_db tuple), in key order, checking
         page numbers, flags, bounds, depth and key order; ``sink(key, value, node_flags)``.
-        A damaged subtree is recorded in ``errors`` and skipped."""
+        A damaged subtree is recorded in ``errors`` and skipped. ``intkeys``: keys are
+        native integers (the free-page list), ordered as numbers."""
+        order: Callable[[bytes], Any] = (lambda k: int.from_bytes(k, "little")) if intkeys else (lambda k: k)
         depth, root = db[2], db[7]
         if root == _P_INVALID:
             return
         seen: set[int] = set()
-        last: list[bytes] = []
+        last: list[Any] = []
 
-        def visit(pgno: int, level: int, lo: bytes | None, hi: bytes | None) -> None:
+        def visit(pgno: int, level: int, lo: Any, hi: Any) -> None:
             try:
                 if pgno in seen:
                     raise _Damaged(f"page {pgno} is reachable twice")
@@ -101,7 +104,7 @@ class _Pages:
                     nodes.append((off, mlo | (mhi << 16), mflags, bytes(b[off + _NODE : kend]), kend))
                 if want == _P_BRANCH:
                     # separator i (node 0's key is implicit) bounds child i: [key_i, key_i+1)
-                    keys = [nd[3] for nd in nodes]
+                    keys = [order(nd[3]) for nd in nodes]
                     for i in range(1, n):
                         if ((i > 1 and keys[i] <= keys[i - 1]) or (lo is not None and keys[i] < lo)
                                 or (hi is not None and keys[i] >= hi)):
@@ -111,9 +114,10 @@ class _Pages:
                               keys[i + 1] if i + 1 < n else hi)
                     return
                 for i, (off, dsize, mflags, key, kend) in enumerate(nodes):
-                    if (lo is not None and key < lo) or (hi is not None and key >= hi) or (last and key <= last[0]):
+                    k = order(key)
+                    if (lo is not None and k < lo) or (hi is not None and k >= hi) or (last and k <= last[0]):
                         raise _Damaged(f"page {pgno} leaf keys are out of order")
-                    last[:] = [key]
+                    last[:] = [k]
                     if mflags & _F_DUPDATA:
                         raise _Damaged(f"page {pgno} has a duplicate-sorted node (kvstore has none)")
                     if mflags & _F_BIGDATA:
@@ -139,8 +143,9 @@ class _Pages:
 
 def walk_all(path: Path, psize: int, txnid: int | None, *, collect: bool
               ) -> tuple[list[str], dict[str, list[tuple[bytes, bytes]]]]:
-    """Walk the main tree and every named database in it. Returns (damage found, records
-    by database name when ``collect``)."""
+    """Walk LMDB's free-page list, the main tree and every named database in it. Returns
+    (damage found, records by database name when ``collect``). The free-page list holds
+    no record, but the next write reads it: a damaged page there fails every write."""
     pages = _Pages(path, psize, txnid)
     errors: list[str] = []
     out: dict[str, list[tuple[bytes, bytes]]] = {}
@@ -151,6 +156,7 @@ def walk_all(path: Path, psize: int, txnid: int | None, *, collect: bool
             if flags & _F_SUBDATA and len(value) == 48:
                 subs.append((key.decode(errors="replace"), struct.unpack("<IHHQQQQQ", value)))
 
+        pages.walk(pages.free, None, errors, "free-page list", intkeys=True)
         pages.walk(pages.main, main_sink, errors, "main")
         for name, db in subs:
             got: list[tuple[bytes, bytes]] = []
