@@ -518,8 +518,8 @@ class KVStore:
             return False
         if not self._disk_off:
             self._disk_off = f"{type(e).__name__}: {e}"
-            if self.disk is not None:
-                self.disk.index.damaged = True  # no clean stamp: the next open checks the file
+            if self.disk is not None:  # no clean stamp; verify reports it, the next open salvages
+                self.disk.index.mark_damaged(f"{type(e).__name__}: {e}")
             log.error("kvstore: the index in %s is damaged (%s); the disk tier is off for this process, "
                       "memory keeps serving (`kvstore verify` reports the damage)", self.cache_dir, e)
         return True

@@ -153,3 +153,44 @@ def test_damaged_free_page_list_is_found_and_repaired(tmp_path: Path) -> None:
         st = s.stats()
     assert served > 0 and "disk_off" not in st and st["write_errors"] == 0, (served, st)
     assert subprocess.run(cli, capture_output=True).returncode == 0
+
+
+def test_damaged_free_page_list_met_by_a_store_is_reported_and_salvaged(tmp_path: Path) -> None:
+    """The same damage met by a running store rather than by verify: the open's write
+    probes need not touch the damaged page, and after a few writes it may sit where no
+    page walk reaches it while every write still fails. The store that meets it (its
+    disk tier goes off, memory keeps serving) marks the index: ``verify`` then reports
+    it (as its log message promises), and the next writable open salvages the index,
+    so a new process serves the entries and keeps writing."""
+    import subprocess
+    import sys
+
+    from store_util import synth_kv_cache
+
+    from kvstore import KVStore
+    from kvstore.identity import Identity, layout_of
+
+    ident = Identity.from_components({"test": "free-list", "layout": layout_of(synth_kv_cache(2, 2, 1, 8))},
+                                     name="free-list")
+    prompts = [[(7 * i + j) % 200 for j in range(70)] for i in range(40)]
+    with KVStore(tmp_path, chunk_tokens=32, max_disk_bytes=200_000) as s:
+        for i, toks in enumerate(prompts):
+            s.insert(ident, toks, synth_kv_cache(2, 2, 70, 8, seed=i))
+            s.flush()
+    _damage_free_list(tmp_path)
+
+    def use() -> dict:
+        with KVStore(tmp_path, chunk_tokens=32) as s:
+            served = sum(s.fetch(ident, t).n == len(t) for t in prompts)
+            s.insert(ident, list(range(300, 370)), synth_kv_cache(2, 2, 70, 8))
+            s.flush()
+            return dict(s.stats(), served=served)
+
+    first = use()
+    assert first["served"] > 0 and "disk_off" in first, first  # met at a write: memory keeps serving
+    cli = [sys.executable, "-m", "kvstore.cli", "verify", "--cache-dir", str(tmp_path)]
+    found = subprocess.run(cli, capture_output=True, text=True)
+    assert found.returncode == 1 and "corrupt_index" in found.stdout, found.stdout + found.stderr
+    second = use()
+    assert second["served"] > 0 and "disk_off" not in second and second["write_errors"] == 0, second
+    assert subprocess.run(cli, capture_output=True).returncode == 0

@@ -53,6 +53,7 @@ _INITIAL_MAP = 64 << 20
 _PROBE_KEY = b"\x00kvstore-open-probe"  # main database; never committed
 _LOCK_BYTES = 64 << 10  # lock.mdb: LMDB's reader table for max_readers=512 needs ~33 KiB
 STAMP = "clean"
+DAMAGED = "damaged"  # written by a process that met damage: the next writable open salvages
 
 # Errors that mean the data file itself is damaged: only these move an index aside.
 CORRUPTION = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
@@ -173,6 +174,9 @@ class Index:
     def _open(self) -> lmdb.Environment:
         self._own_files()
         try:
+            why = self.marked_damaged()
+            if why is not None and not self.readonly:
+                raise lmdb.CorruptedError(f"a process met damage in it: {why}")
             if not self.readonly:
                 self._allocate_lock_file()
             checked = not self._stamp_matches()
@@ -271,6 +275,29 @@ class Index:
             os.replace(tmp, self.path / STAMP)
         except OSError:
             pass
+
+    def mark_damaged(self, why: str) -> None:
+        """Record that LMDB reported this index damaged (best effort). Some damage (a page
+        of LMDB's free-page list) shows only when a write reads it, and may have moved
+        out of reach of every page walk by then: the mark makes ``verify`` report it and
+        the next writable open salvage the index, as for damage found at open."""
+        self.damaged = True
+        try:
+            fd = os.open(self.path / DAMAGED, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                         self.mode)
+            with os.fdopen(fd, "w") as f:
+                f.write(why[:500])
+        except OSError:
+            pass
+
+    def marked_damaged(self) -> str | None:
+        """Why a process marked this index damaged (``mark_damaged``), or None."""
+        try:
+            fd = blobs.open_regular(self.path / DAMAGED)
+        except blobs.BlobError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            return f.read(500).decode(errors="replace") or "damaged"
 
     def _drop_stamp(self) -> None:
         try:

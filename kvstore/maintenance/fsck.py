@@ -111,6 +111,9 @@ def verify(disk: DiskTier, *, fix: bool = False, checksums: bool = True,
 
 
 def _verify(disk: DiskTier, fix: bool, checksums: bool, blob_age: float, now: float) -> list[Problem]:
+    marked = disk.index.marked_damaged()  # damage a process met that no page walk may see any more
+    if marked is not None:
+        raise lmdb.CorruptedError(f"a process using it met damage: {marked}")
     files, foreign = blobs.own_packs(disk.blob_root)  # before the index: a pack committed in
     snap = scan(disk.index, check=True)                # between is seen as named, not orphan
     seg_check = SegmentCheck(disk, snap.packs, checksums)
