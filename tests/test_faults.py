@@ -117,6 +117,23 @@ def _damage_free_list(cache_dir: Path) -> None:
         f.write(bytes([b[0] ^ 0x10]))
 
 
+def _store_with_free_list(cache_dir: Path) -> tuple:
+    """A store whose evictions left pages on LMDB's free-page list: (identity, prompts)."""
+    from store_util import synth_kv_cache
+
+    from kvstore import KVStore
+    from kvstore.identity import Identity, layout_of
+
+    ident = Identity.from_components({"test": "free-list", "layout": layout_of(synth_kv_cache(2, 2, 1, 8))},
+                                     name="free-list")
+    prompts = [[(7 * i + j) % 200 for j in range(70)] for i in range(40)]
+    with KVStore(cache_dir, chunk_tokens=32, max_disk_bytes=200_000) as s:
+        for i, toks in enumerate(prompts):
+            s.insert(ident, toks, synth_kv_cache(2, 2, 70, 8, seed=i))
+            s.flush()
+    return ident, prompts
+
+
 def test_damaged_free_page_list_is_found_and_repaired(tmp_path: Path) -> None:
     """The intermittent "lmdb-7: 17 entries not served after verify --fix" of the old
     format: a damaged page of LMDB's free-page list is read by no lookup and no scan,
@@ -131,15 +148,8 @@ def test_damaged_free_page_list_is_found_and_repaired(tmp_path: Path) -> None:
     from store_util import synth_kv_cache
 
     from kvstore import KVStore
-    from kvstore.identity import Identity, layout_of
 
-    ident = Identity.from_components({"test": "free-list", "layout": layout_of(synth_kv_cache(2, 2, 1, 8))},
-                                     name="free-list")
-    prompts = [[(7 * i + j) % 200 for j in range(70)] for i in range(40)]
-    with KVStore(tmp_path, chunk_tokens=32, max_disk_bytes=200_000) as s:  # evictions fill the free list
-        for i, toks in enumerate(prompts):
-            s.insert(ident, toks, synth_kv_cache(2, 2, 70, 8, seed=i))
-            s.flush()
+    ident, prompts = _store_with_free_list(tmp_path)
     _damage_free_list(tmp_path)
     cli = [sys.executable, "-m", "kvstore.cli", "verify", "--cache-dir", str(tmp_path)]
     found = subprocess.run(cli, capture_output=True, text=True)
@@ -168,15 +178,8 @@ def test_damaged_free_page_list_met_by_a_store_is_reported_and_salvaged(tmp_path
     from store_util import synth_kv_cache
 
     from kvstore import KVStore
-    from kvstore.identity import Identity, layout_of
 
-    ident = Identity.from_components({"test": "free-list", "layout": layout_of(synth_kv_cache(2, 2, 1, 8))},
-                                     name="free-list")
-    prompts = [[(7 * i + j) % 200 for j in range(70)] for i in range(40)]
-    with KVStore(tmp_path, chunk_tokens=32, max_disk_bytes=200_000) as s:
-        for i, toks in enumerate(prompts):
-            s.insert(ident, toks, synth_kv_cache(2, 2, 70, 8, seed=i))
-            s.flush()
+    ident, prompts = _store_with_free_list(tmp_path)
     _damage_free_list(tmp_path)
 
     def use() -> dict:
