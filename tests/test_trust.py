@@ -760,3 +760,27 @@ def test_entry_removed_by_gc_during_a_fetch_is_a_race_not_damage(tmp_path: Path)
     assert got["n"] == [0] and not craft.records(cache, "entries")
     assert (got["stats"]["races"], got["stats"]["corrupt"]) == (1, 0), got["stats"]
     assert not any("damaged" in w for w in got["warned"]), got["warned"]
+
+
+def test_broken_record_with_a_future_timestamp_is_repaired(tmp_path: Path) -> None:
+    """A broken entry record (its token ids no longer hash to its key) that also carries
+    a last use in the future: ``verify --fix`` removes it. Timestamps from the future are
+    clamped to now each time a record is read, so the record read by verify's scan and
+    the one re-read in the repair's transaction never compared equal, and --fix skipped
+    it every time as 'rewritten meanwhile' (found by the corruption kind: byte flips
+    that hit a timestamp and the token ids)."""
+    import time
+    from dataclasses import replace
+
+    cache = tmp_path / "cache"
+    prompts = _synthetic_store(cache, n=2)
+    (key, rec), _ = sorted(craft.records(cache, "entries").items())
+    craft.put_raw(cache, "entries", key, replace(rec, last_used=time.time() + 10 * 365 * 86400).to_bytes())
+    toks = bytearray(craft.read_raw(cache, "tokens")[key])
+    toks[0] ^= 1
+    craft.put_raw(cache, "tokens", key, bytes(toks))
+    assert "bad_record" in _cli(cache, "verify").stdout
+    _cli(cache, "verify", "--fix", "--blob-age", "0")
+    left = _cli(cache, "verify")
+    assert left.returncode == 0, left.stdout
+    assert sorted(_fetch_in_new_process(cache, prompts)["n"]) == [0, len(prompts[0])]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -369,7 +369,7 @@ def _drop_broken(t: WriteTxn, snap: Snapshot, broken: set[tuple[str, str | None]
             now = t.entry(key) if kind == "entry" else t.chunk(key) if kind == "chunk" else t.pack(key)
         except RecordError:
             now = None
-        if now != was:
+        if not _same_record(now, was):
             continue  # rewritten meanwhile: not the record judged
         if now is None:
             t.drop_raw(db[kind], key)
@@ -394,6 +394,16 @@ def _drop_broken(t: WriteTxn, snap: Snapshot, broken: set[tuple[str, str | None]
         if bad_chunks.intersection(rec.chunks) or any(s.pack in bad_packs for s in rec.segments):
             t.remove_entry(ek)
     return gone
+
+
+def _same_record(a: Any, b: Any) -> bool:
+    """The same record, read twice: equal but for timestamps, which a record from a
+    skewed clock (a future time) reads as a different "now" each time."""
+    if isinstance(a, EntryRecord) and isinstance(b, EntryRecord):
+        return replace(a, created=0.0, last_used=0.0) == replace(b, created=0.0, last_used=0.0)
+    if isinstance(a, PackRecord) and isinstance(b, PackRecord):
+        return replace(a, created=0.0) == replace(b, created=0.0)
+    return a == b
 
 
 def remove_orphan(disk: DiskTier, pack: bytes, blob_age: float = ORPHAN_BLOB_SECONDS) -> bool:
