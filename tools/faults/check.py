@@ -265,8 +265,10 @@ def _judge(zoo: Zoo, store: Any, res: dict, known: list, targets: set, committed
     for hx in sorted(committed - targets):
         if hx not in lengths:
             res["lost"].append(hx)       # committed, and the index no longer names it
+            res.setdefault("lost_detail", []).append({"key": hx, "named": False})
         elif hx in served and served[hx] != lengths[hx]:
             res["lost"].append(hx)       # named, but not served in full
+            res.setdefault("lost_detail", []).append({"key": hx, "served": served[hx], "of": lengths[hx]})
     _fetch_known(zoo, store, res, known)
     _guard("stats()", res["escaped"], store.stats)
     _guard("flush()", res["escaped"], store.flush, 30)
@@ -289,6 +291,7 @@ def _claimed(zoo: Zoo, store: Any, res: dict) -> tuple[list[tuple[str, str, list
         problems = mt.verify(store.disk, blob_age=0)
         res["verify"] = dict(Counter(p.kind for p in problems))
         problem_keys = {p.key for p in problems if p.key}
+        res["verify_keys"] = [f"{p.kind} {p.record} {p.key}" for p in problems if p.key][:40]
     except Exception as e:
         res["verify_errors"].append(exc_info("verify()", e))
     return claimed, problem_keys
@@ -397,7 +400,8 @@ class Tally:
             self.fail("unexplained miss", **ctx, entry=u, verify=res.get("verify"))
         self.c["entries_lost"] += len(res.get("lost", []))
         if res.get("lost"):
-            self.fail("entries lost", **ctx, keys=res["lost"][:5], n=len(res["lost"]), verify=res.get("verify"))
+            self.fail("entries lost", **ctx, keys=res["lost"][:5], n=len(res["lost"]), verify=res.get("verify"),
+                      detail=res.get("lost_detail", [])[:5], verify_keys=res.get("verify_keys", [])[:12])
         if res.get("verify_after_fix"):
             self.c["verify_unclean"] += 1
             self.fail("verify not clean after --fix", **ctx, left=res["verify_after_fix"],
