@@ -11,7 +11,8 @@ Guarantees:
 - Only kvstore's own files (``pack_path``, ``open_own``, ``own_packs``): a pack's name is
   derived from 16 random bytes, never from a string in a record; kvstore opens, reads and
   unlinks only regular files under ``blobs/<2 hex>/`` named ``<32 hex>.kvpack``, never
-  follows a symlink there (``O_NOFOLLOW``, ``lstat``) and never waits on a FIFO or device
+  follows a symlink there (``blobs/``, the fan-out directory and the file are each reached
+  with ``O_NOFOLLOW``, through directory descriptors) and never waits on a FIFO or device
   (non-blocking open, ``S_ISREG`` checked on the open descriptor). Files are created 0600
   (0660 for a group-shared directory), directories 0700 (0770); a stricter umask wins.
 - ``PackWriter`` writes a new, never reused name (``O_EXCL``): a crash leaves at most an
@@ -66,6 +67,9 @@ class BlobError(Exception):
 
     # set by the disk tier's restore: ("entry" | "chunk", key) of the record that failed
     record: tuple[str, bytes] | None = None
+    # set when the segment's own header names another record: the record lies about it,
+    # so dropping the record must not release the segment (another record owns it)
+    foreign: bool = False
 
 
 # ----------------------------------------------------------------------------- files
@@ -79,12 +83,68 @@ def pack_path(blob_root: Path, pack: bytes) -> Path:
     return blob_root / h[:2] / f"{h}{PACK_SUFFIX}"
 
 
-def open_own(path: Path) -> int:
-    """A read-only descriptor of ``path`` if it is a regular file reached without following
-    a symlink at its last component; BlobError otherwise (missing, a symlink, a FIFO, a
-    device, a directory). Never blocks: the open is non-blocking, the type checked on it."""
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def _fanout_fd(path: Path) -> int:
+    """A descriptor of the fan-out directory of pack path ``path`` (``blobs/<2 hex>/``),
+    reached without following a symlink at ``blobs/`` or at the fan-out directory (a
+    symlink there would lead kvstore to read or remove someone else's files); BlobError
+    otherwise."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        root = os.open(path.parent.parent, _DIR_FLAGS)
+    except FileNotFoundError:
+        raise BlobError(f"{path.name}: blob file is missing") from None
+    except OSError as e:
+        raise BlobError(f"{path.parent.parent}: not kvstore's directory ({e.strerror})") from None
+    try:
+        return os.open(path.parent.name, _DIR_FLAGS, dir_fd=root)
+    except FileNotFoundError:
+        raise BlobError(f"{path.name}: blob file is missing") from None
+    except OSError as e:
+        raise BlobError(f"{path.parent.name}/: not kvstore's directory ({e.strerror})") from None
+    finally:
+        os.close(root)
+
+
+def open_own(path: Path) -> int:
+    """A read-only descriptor of pack file ``path`` if it is a regular file reached without
+    following a symlink anywhere under the cache directory (``blobs/``, its fan-out
+    directory, the file); BlobError otherwise (missing, a symlink, a FIFO, a device, a
+    directory). Never blocks: the open is non-blocking, the type checked on it."""
+    dfd = _fanout_fd(path)
+    try:
+        return open_regular(Path(path.name), dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+def unlink_own(path: Path) -> bool:
+    """Remove pack file ``path`` if it is kvstore's: a regular file reached as ``open_own``
+    reaches one. Anything else there (a symlink, a FIFO, a directory, or a path through a
+    symlinked directory) is left alone. True if no pack file is left at ``path``."""
+    try:
+        dfd = _fanout_fd(path)
+    except BlobError:
+        return not os.path.lexists(path)
+    try:
+        if not stat.S_ISREG(os.stat(path.name, dir_fd=dfd, follow_symlinks=False).st_mode):
+            return False
+        os.unlink(path.name, dir_fd=dfd)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(dfd)
+    return True
+
+
+def open_regular(path: Path, *, dir_fd: int | None = None) -> int:
+    """A read-only descriptor of ``path`` (relative to ``dir_fd`` if given) if it is a
+    regular file reached without following a symlink at its last component; BlobError
+    otherwise. Never blocks on a FIFO or a device: the open is non-blocking, the type
+    checked on the open descriptor."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
     except FileNotFoundError:
         raise BlobError(f"{path.name}: blob file is missing") from None
     except OSError as e:
@@ -347,7 +407,11 @@ class PackWriter:
         self.blob_root = blob_root
         self._new_dir = make_dir(self.path.parent, dir_mode)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-        self.fd = os.open(self.path, flags, mode)
+        dfd = _fanout_fd(self.path)  # created in kvstore's own directory, never through a symlink
+        try:
+            self.fd = os.open(self.path.name, flags, mode, dir_fd=dfd)
+        finally:
+            os.close(dfd)
         self.size = 0
 
     def add(self, tensors: dict[str, tuple[str, Any]], metadata: dict[str, str]) -> Segment:
@@ -422,10 +486,7 @@ class PackWriter:
     def discard(self) -> None:
         """Close and remove the file (nothing names it)."""
         self.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unlink_own(self.path)
 
 
 # ----------------------------------------------------------------------------- reading

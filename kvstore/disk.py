@@ -32,10 +32,10 @@ import xxhash
 
 from . import blobs
 from .identity import ArraySpec, Identity
-from .index import Index, Reader, WriteTxn
+from .index import Index, IndexOpenError, Reader, WriteTxn
 from .keys import boundaries, chunk_key, encode_tokens, entry_key, root_key
 from .keys import common_tokens as _common
-from .records import ChunkRecord, EntryRecord, Kind, PackRecord, RecordError, Segment
+from .records import MAX_CHUNK, ChunkRecord, EntryRecord, Kind, PackRecord, RecordError, Segment
 
 log = logging.getLogger("kvstore")
 
@@ -109,7 +109,11 @@ class DiskTier:
         # The chunk size is part of the directory's format (it places every key boundary):
         # the first opener fixes it, later openers use it whatever they ask for.
         stored = self.index.meta_setdefault(b"chunk_tokens", str(int(chunk_tokens)).encode())
-        self.chunk = int(stored) if stored else int(chunk_tokens)
+        try:
+            self.chunk = _chunk_size(stored, chunk_tokens, self.index.path)
+        except IndexOpenError:
+            self.index.close()
+            raise
         if self.chunk != chunk_tokens:
             log.info("kvstore: %s uses chunk_tokens=%d (asked for %d)", self.root, self.chunk, chunk_tokens)
 
@@ -164,6 +168,12 @@ class DiskTier:
         why = codec.check_holds(cache, plan.n)
         if why:
             raise _blamed(pieces[-1].record, f"restored cache: {why}")
+        # Evaluated here: MLX streams are per thread, and a lazy slice or view made on this
+        # thread cannot be evaluated on another (the caller's generation thread, or another
+        # request thread hitting the memory copy of this restore).
+        import mlx.core as mx
+
+        mx.eval(list(tensors.values()) + [a for c in cache for a in codec.layer_arrays(c)])
         return Restored(cache, tensors, layout, plan.n, nbytes)
 
     # -- persist -----------------------------------------------------------------------
@@ -312,10 +322,12 @@ class DiskTier:
 
     # -- removal -----------------------------------------------------------------------
 
-    def remove(self, keys: list[bytes], *, only_if: Callable[[bytes, EntryRecord], bool] | None = None) -> list[bytes]:
+    def remove(self, keys: list[bytes], *, only_if: Callable[[bytes, EntryRecord], bool] | None = None,
+               release: bool = True) -> list[bytes]:
         """Drop entries (and the chunks and pack files no longer used) in one transaction;
         ``only_if(key, record)`` is asked inside it. Files go after the commit. Returns the
-        keys removed; unreadable records are left to ``verify --fix``."""
+        keys removed; unreadable records are left to ``verify --fix``. ``release=False``:
+        their own segments are not theirs (``BlobError.foreign``) and are not released."""
         def run(t: WriteTxn) -> list[bytes]:
             out = []
             for key in keys:
@@ -324,15 +336,16 @@ class DiskTier:
                 except RecordError:
                     continue
                 if rec is not None and (only_if is None or only_if(key, rec)):
-                    t.remove_entry(key)
+                    t.remove_entry(key, release=release)
                     out.append(key)
             return out
 
         return self.index.transact(run)
 
-    def drop_chunk_and_users(self, key: bytes) -> None:
+    def drop_chunk_and_users(self, key: bytes, *, release: bool = True) -> None:
         """Drop a damaged chunk and every entry built on it (none of them can be restored),
-        so rewriting one of those entries stores it whole again."""
+        so rewriting one of those entries stores it whole again. ``release=False``: the
+        chunk's segment is not its own (``BlobError.foreign``) and is not released."""
         def run(t: WriteTxn) -> None:
             for ek in t.keys("entries"):
                 try:
@@ -341,7 +354,7 @@ class DiskTier:
                     continue
                 if rec is not None and key in rec.chunks:
                     t.remove_entry(ek)
-            t.remove_chunk(key)
+            t.remove_chunk(key, release=release)
 
         self.index.transact(run)
 
@@ -357,6 +370,22 @@ class DiskTier:
                     t.set_entry(key, rec.touched(when, n))
 
         self.index.transact(run)
+
+
+def _chunk_size(stored: bytes | None, asked: int, where: Path) -> int:
+    """The directory's chunk size: the stored one (``asked`` if none is stored yet);
+    IndexOpenError if it is not one kvstore writes (a damaged or crafted record)."""
+    if stored is None:
+        return int(asked)
+    try:
+        n = int(stored)
+    except ValueError:
+        n = 0
+    if not 0 < n <= MAX_CHUNK:
+        raise IndexOpenError(f"index {where} records chunk_tokens={stored[:24]!r}, which kvstore never writes "
+                             "(a damaged or foreign index): use another cache directory, or remove this one "
+                             "(its cache is rebuilt as requests come)")
+    return n
 
 
 # ----------------------------------------------------------------------------- planning
@@ -527,7 +556,9 @@ def _check_pieces(pieces: list[_Piece], heads: list[blobs.Header], ident: Identi
                     "kvstore.tokens": f"{p.lo}-{p.hi}"}
             bad = [k for k, v in want.items() if m.get(k) != v]
             if bad or m.get("kvstore.format") != FORMAT_TAG:
-                raise blobs.BlobError(f"the segment is not what its record says ({', '.join(bad) or 'format'})")
+                err = blobs.BlobError(f"the segment is not what its record says ({', '.join(bad) or 'format'})")
+                err.foreign = "kvstore.key" in bad and isinstance(m.get("kvstore.key"), str)
+                raise err
             try:
                 got = codec.check_layout(json.loads(m.get("kvstore.layout", "")))
             except (ValueError, RecursionError) as e:

@@ -83,8 +83,15 @@ class DigestMemo:
     def _read(self) -> dict[str, Any]:
         if self.path is None:
             return {}
+        from .blobs import BlobError, open_regular
+
         try:
-            memo = json.loads(self.path.read_text())
+            fd = open_regular(self.path)  # a FIFO planted there must not block
+        except BlobError:
+            return {}
+        try:
+            with os.fdopen(fd, "rb") as f:
+                memo = json.loads(f.read())
         except (OSError, ValueError, RecursionError):
             return {}
         return memo if isinstance(memo, dict) else {}

@@ -394,10 +394,11 @@ class KVStore:
         try:
             if bad is None:
                 return
+            own = not getattr(err, "foreign", False)  # a segment another record owns stays
             if bad[0] == "entry":
-                self.disk.remove([bad[1]])
+                self.disk.remove([bad[1]], release=own)
             else:
-                self.disk.drop_chunk_and_users(bad[1])
+                self.disk.drop_chunk_and_users(bad[1], release=own)
         except Exception as e:
             if not self._index_damaged(e):
                 self._warn_once("drop", "kvstore: could not drop damaged record: %s", e)
@@ -624,8 +625,8 @@ class KVStore:
             return False
         if not self._disk_off:
             self._disk_off = f"{type(e).__name__}: {e}"
-            if self.disk is not None:
-                self.disk.index.damaged = True  # no clean stamp: the next open checks the file
+            if self.disk is not None:  # no clean stamp; verify reports it, the next open salvages
+                self.disk.index.mark_damaged(f"{type(e).__name__}: {e}")
             log.error("kvstore: the index in %s is damaged (%s); the disk tier is off for this process, "
                       "memory keeps serving (`kvstore verify` reports the damage)", self.cache_dir, e)
         return True

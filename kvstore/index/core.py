@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -39,6 +40,7 @@ from typing import Any, Callable, TypeVar
 
 import lmdb
 
+from .. import blobs
 from ..keys import FORMAT_VERSION
 from ..records import IdentityRecord, RecordError, parse
 from .pages import last_txnid
@@ -51,6 +53,7 @@ _INITIAL_MAP = 64 << 20
 _PROBE_KEY = b"\x00kvstore-open-probe"  # main database; never committed
 _LOCK_BYTES = 64 << 10  # lock.mdb: LMDB's reader table for max_readers=512 needs ~33 KiB
 STAMP = "clean"
+DAMAGED = "damaged"  # written by a process that met damage: the next writable open salvages
 
 # Errors that mean the data file itself is damaged: only these move an index aside.
 CORRUPTION = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
@@ -126,8 +129,12 @@ class Index:
         self.damaged = False  # set by a caller that met damage: no clean stamp at close
         self._shared: _Shared | None = None
         self.env = self._shared_open()
-        self._db = {name: self.env.open_db(name.encode(), create=not readonly) for name in DBS}
-        self._check_format()
+        try:
+            self._db = {name: self.env.open_db(name.encode(), create=not readonly) for name in DBS}
+            self._check_format()
+        except BaseException:
+            self.close()  # a refused index must not stay registered in this process
+            raise
 
     # -- environment -------------------------------------------------------------------
 
@@ -149,8 +156,27 @@ class Index:
             self._shared = _SHARED[key] = _Shared(env, self.readonly, 1, self._state())
             return env
 
+    def _own_files(self) -> None:
+        """IndexOpenError unless ``data.mdb`` and ``lock.mdb`` are regular files (or
+        absent): LMDB would block reading a FIFO, and write through a symlink into a
+        file outside the cache directory."""
+        for name in ("data.mdb", "lock.mdb"):
+            try:
+                st = os.lstat(self.path / name)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise IndexOpenError(f"cannot use index file {self.path / name}: {e.strerror}") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise IndexOpenError(f"index file {self.path / name} is not a regular file (a symlink, FIFO or "
+                                     f"device kvstore did not make): remove it, or use another cache directory")
+
     def _open(self) -> lmdb.Environment:
+        self._own_files()
         try:
+            why = self.marked_damaged()
+            if why is not None and not self.readonly:
+                raise lmdb.CorruptedError(f"a process met damage in it: {why}")
             if not self.readonly:
                 self._allocate_lock_file()
             checked = not self._stamp_matches()
@@ -224,7 +250,12 @@ class Index:
     def _stamp_matches(self) -> bool:
         """The data file is as a check or a clean close of kvstore left it."""
         try:
-            stamp = json.loads((self.path / STAMP).read_text())
+            fd = blobs.open_regular(self.path / STAMP)  # a FIFO there must not block the open
+        except blobs.BlobError:
+            return False
+        try:
+            with os.fdopen(fd, "rb") as f:
+                stamp = json.loads(f.read(1 << 16))
         except (OSError, ValueError, RecursionError):
             return False
         state = self._state()
@@ -244,6 +275,29 @@ class Index:
             os.replace(tmp, self.path / STAMP)
         except OSError:
             pass
+
+    def mark_damaged(self, why: str) -> None:
+        """Record that LMDB reported this index damaged (best effort). Some damage (a page
+        of LMDB's free-page list) shows only when a write reads it, and may have moved
+        out of reach of every page walk by then: the mark makes ``verify`` report it and
+        the next writable open salvage the index, as for damage found at open."""
+        self.damaged = True
+        try:
+            fd = os.open(self.path / DAMAGED, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                         self.mode)
+            with os.fdopen(fd, "w") as f:
+                f.write(why[:500])
+        except OSError:
+            pass
+
+    def marked_damaged(self) -> str | None:
+        """Why a process marked this index damaged (``mark_damaged``), or None."""
+        try:
+            fd = blobs.open_regular(self.path / DAMAGED)
+        except blobs.BlobError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            return f.read(500).decode(errors="replace") or "damaged"
 
     def _drop_stamp(self) -> None:
         try:
@@ -363,9 +417,7 @@ class Index:
             self._shared.state = self._state()  # the data file as this process left it
         for path in w.unlink:
             try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+                blobs.unlink_own(path)  # kvstore's own pack files only: never through a symlink
             except OSError as e:
                 log.warning("kvstore: could not remove %s: %s", path.name, e)
         return out

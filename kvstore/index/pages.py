@@ -48,6 +48,7 @@ class _Pages:
             raise LookupError("the read transaction's meta page was overwritten meanwhile")
         self.txnid, b = pick[0]
         self.last_pg = int.from_bytes(b[136:144], "little")
+        self.free = struct.unpack_from("<IHHQQQQQ", b, 40)  # LMDB's free-page list (FREE_DBI)
         self.main = struct.unpack_from("<IHHQQQQQ", b, 40 + 48)
 
     def close(self) -> None:
@@ -62,13 +63,15 @@ class _Pages:
         return b
 
     def walk(self, db: tuple, sink: Callable[[bytes, bytes, int], None] | None, errors: list[str],
-             name: str) -> None:
+             name: str, *, intkeys: bool = False) -> None:
         """Every leaf record of the tree ``db`` (an MDB_db tuple), in key order, checking
         page numbers, flags, bounds, depth and key order; ``sink(key, value, node_flags)``.
-        A damaged subtree is recorded in ``errors`` and skipped."""
+        A damaged subtree is recorded in ``errors`` and skipped. ``intkeys``: keys are
+        native integers (the free-page list), ordered as numbers."""
+        order: Callable[[bytes], Any] = (lambda k: int.from_bytes(k, "little")) if intkeys else (lambda k: k)
         depth, root = db[2], db[7]
         if root != _P_INVALID:
-            _Walk(self, depth, sink, errors, name).visit(root, 1, None, None)
+            _Walk(self, depth, sink, errors, name, order).visit(root, 1, None, None)
 
     def nodes(self, pgno: int, b: bytes, want: int) -> list[tuple[int, int, int, bytes, int]]:
         """The nodes of page ``pgno`` (bytes ``b``) that must be a leaf or a branch
@@ -116,12 +119,13 @@ class _Walk:
     """One walk of one tree: pages seen, the last key, where damage goes."""
 
     def __init__(self, pages: _Pages, depth: int, sink: Callable[[bytes, bytes, int], None] | None,
-                 errors: list[str], name: str) -> None:
+                 errors: list[str], name: str, order: Callable[[bytes], Any]) -> None:
         self.pages, self.depth, self.sink, self.errors, self.name = pages, depth, sink, errors, name
+        self.order = order  # keys compare as bytes, or as native integers (free-page list)
         self.seen: set[int] = set()
-        self.last: bytes | None = None
+        self.last: Any = None
 
-    def visit(self, pgno: int, level: int, lo: bytes | None, hi: bytes | None) -> None:
+    def visit(self, pgno: int, level: int, lo: Any, hi: Any) -> None:
         try:
             if pgno in self.seen:
                 raise _Damaged(f"page {pgno} is reachable twice")
@@ -134,10 +138,10 @@ class _Walk:
         except _Damaged as e:
             self.errors.append(f"{self.name}: {e}")
 
-    def branch(self, pgno: int, b: bytes, level: int, lo: bytes | None, hi: bytes | None) -> None:
+    def branch(self, pgno: int, b: bytes, level: int, lo: Any, hi: Any) -> None:
         nodes = self.pages.nodes(pgno, b, _P_BRANCH)
         # separator i (node 0's key is implicit) bounds child i: [key_i, key_i+1)
-        keys = [nd[3] for nd in nodes]
+        keys = [self.order(nd[3]) for nd in nodes]
         for i in range(1, len(nodes)):
             if ((i > 1 and keys[i] <= keys[i - 1]) or (lo is not None and keys[i] < lo)
                     or (hi is not None and keys[i] >= hi)):
@@ -146,12 +150,13 @@ class _Walk:
             self.visit(lohi | (mflags << 32), level + 1, lo if i == 0 else keys[i],
                        keys[i + 1] if i + 1 < len(nodes) else hi)
 
-    def leaf(self, pgno: int, b: bytes, lo: bytes | None, hi: bytes | None) -> None:
+    def leaf(self, pgno: int, b: bytes, lo: Any, hi: Any) -> None:
         for i, (_off, dsize, mflags, key, kend) in enumerate(self.pages.nodes(pgno, b, _P_LEAF)):
-            if (lo is not None and key < lo) or (hi is not None and key >= hi) or (
-                    self.last is not None and key <= self.last):
+            k = self.order(key)
+            if (lo is not None and k < lo) or (hi is not None and k >= hi) or (
+                    self.last is not None and k <= self.last):
                 raise _Damaged(f"page {pgno} leaf keys are out of order")
-            self.last = key
+            self.last = k
             value = self.pages.value(pgno, b, i, dsize, mflags, kend)
             if self.sink is not None:
                 self.sink(key, value, mflags)
@@ -159,8 +164,9 @@ class _Walk:
 
 def walk_all(path: Path, psize: int, txnid: int | None, *, collect: bool
               ) -> tuple[list[str], dict[str, list[tuple[bytes, bytes]]]]:
-    """Walk the main tree and every named database in it. Returns (damage found, records
-    by database name when ``collect``)."""
+    """Walk LMDB's free-page list, the main tree and every named database in it. Returns
+    (damage found, records by database name when ``collect``). The free-page list holds
+    no record, but the next write reads it: a damaged page there fails every write."""
     pages = _Pages(path, psize, txnid)
     errors: list[str] = []
     out: dict[str, list[tuple[bytes, bytes]]] = {}
@@ -171,6 +177,7 @@ def walk_all(path: Path, psize: int, txnid: int | None, *, collect: bool
             if flags & _F_SUBDATA and len(value) == 48:
                 subs.append((key.decode(errors="replace"), struct.unpack("<IHHQQQQQ", value)))
 
+        pages.walk(pages.free, None, errors, "free-page list", intkeys=True)
         pages.walk(pages.main, main_sink, errors, "main")
         for name, db in subs:
             got: list[tuple[bytes, bytes]] = []

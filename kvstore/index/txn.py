@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .. import blobs
+from ..keys import boundaries, entry_key, root_key
 from ..records import (ChunkRecord, EntryRecord, IdentityRecord, Kind, PackRecord, RecordError, Segment,
                        parse)
 from . import trie
@@ -33,6 +34,19 @@ def count(v: bytes | memoryview | None) -> int:
         return max(0, int(bytes(v))) if v else 0
     except ValueError:
         return 0
+
+
+def own_chunks(key: bytes, rec: EntryRecord, tokens: bytes | None) -> tuple[bytes, ...]:
+    """The chunks entry ``key`` is built on: those its token ids make, when they also make
+    its key; none otherwise. A chunk list damaged or crafted to name other entries'
+    chunks must not release them (their entries would lose them); the references of one
+    whose token ids do not make its key are left to ``verify --fix``, which recounts."""
+    if not rec.chunked or tokens is None or len(tokens) != 4 * rec.n:
+        return ()
+    b = boundaries(root_key(rec.identity), bytes(tokens), rec.chunk)
+    if entry_key(b[-1], bytes(tokens)[(len(b) - 1) * rec.chunk * 4 :]) != key:
+        return ()
+    return tuple(b[1:])
 
 
 class Reader:
@@ -190,19 +204,22 @@ class WriteTxn(Reader):
             self.add_bytes(-size)
         self.unlink_after_commit(self.pack_path(pack))
 
-    def remove_entry(self, key: bytes) -> EntryRecord | None:
-        """Drop an entry with its edges and token ids, release its segment, and drop every
-        chunk it was the last user of. Returns the removed record (None if absent).
+    def remove_entry(self, key: bytes, *, release: bool = True) -> EntryRecord | None:
+        """Drop an entry with its edges and token ids, release its segment (unless
+        ``release`` is False: a segment proven to be another record's), and drop every
+        chunk it was the last user of: the chunks its token ids make (``own_chunks``),
+        not whatever its chunk list says. Returns the removed record (None if absent).
         RecordError if the record is unreadable (``drop_raw`` removes such a record)."""
         rec = self.entry(key)
         if rec is None:
             return None
-        self._drop_edges(rec.boundary, key, trie.entry_edges(key, rec, self.tokens(key)))
+        tokens = self.tokens(key)
+        self._drop_edges(rec.boundary, key, trie.entry_edges(key, rec, tokens))
         self._delete("entries", key)
         self._delete("tokens", key)
-        for seg in rec.segments:
+        for seg in rec.segments if release else ():
             self.release(seg)
-        for ck in rec.chunks:
+        for ck in own_chunks(key, rec, tokens):
             self.unref_chunk(ck)
         return rec
 
@@ -219,16 +236,18 @@ class WriteTxn(Reader):
         else:
             self.set_chunk(key, crec.with_refs(crec.refs - 1))
 
-    def remove_chunk(self, key: bytes, crec: ChunkRecord | None = None) -> None:
+    def remove_chunk(self, key: bytes, crec: ChunkRecord | None = None, *, release: bool = True) -> None:
         """Drop a chunk record with its edges and token ids and release its segment
-        (entries built on it are the caller's business)."""
+        (unless ``release`` is False, as for ``remove_entry``; entries built on it are the
+        caller's business)."""
         crec = crec or self.chunk(key)
         if crec is None:
             return
         self._drop_edges(crec.parent, key, trie.chunk_edges(key, crec, self.tokens(key)))
         self._delete("chunks", key)
         self._delete("tokens", key)
-        self.release(crec.segment)
+        if release:
+            self.release(crec.segment)
 
     def drop_raw(self, db: str, key: bytes) -> None:
         """Delete an unreadable record with its token ids and every edge to it (a scan of

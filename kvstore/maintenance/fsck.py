@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -111,6 +111,9 @@ def verify(disk: DiskTier, *, fix: bool = False, checksums: bool = True,
 
 
 def _verify(disk: DiskTier, fix: bool, checksums: bool, blob_age: float, now: float) -> list[Problem]:
+    marked = disk.index.marked_damaged()  # damage a process met that no page walk may see any more
+    if marked is not None:
+        raise lmdb.CorruptedError(f"a process using it met damage: {marked}")
     files, foreign = blobs.own_packs(disk.blob_root)  # before the index: a pack committed in
     snap = scan(disk.index, check=True)                # between is seen as named, not orphan
     seg_check = SegmentCheck(disk, snap.packs, checksums)
@@ -366,7 +369,7 @@ def _drop_broken(t: WriteTxn, snap: Snapshot, broken: set[tuple[str, str | None]
             now = t.entry(key) if kind == "entry" else t.chunk(key) if kind == "chunk" else t.pack(key)
         except RecordError:
             now = None
-        if now != was:
+        if not _same_record(now, was):
             continue  # rewritten meanwhile: not the record judged
         if now is None:
             t.drop_raw(db[kind], key)
@@ -393,6 +396,16 @@ def _drop_broken(t: WriteTxn, snap: Snapshot, broken: set[tuple[str, str | None]
     return gone
 
 
+def _same_record(a: Any, b: Any) -> bool:
+    """The same record, read twice: equal but for timestamps, which a record from a
+    skewed clock (a future time) reads as a different "now" each time."""
+    if isinstance(a, EntryRecord) and isinstance(b, EntryRecord):
+        return replace(a, created=0.0, last_used=0.0) == replace(b, created=0.0, last_used=0.0)
+    if isinstance(a, PackRecord) and isinstance(b, PackRecord):
+        return replace(a, created=0.0) == replace(b, created=0.0)
+    return a == b
+
+
 def remove_orphan(disk: DiskTier, pack: bytes, blob_age: float = ORPHAN_BLOB_SECONDS) -> bool:
     """Unlink pack file ``pack`` if no record names it and it is older than ``blob_age``,
     deciding inside a write transaction: a writer checks, under the same lock, that its new
@@ -404,14 +417,17 @@ def remove_orphan(disk: DiskTier, pack: bytes, blob_age: float = ORPHAN_BLOB_SEC
         if t.raw("packs", pack) is not None:
             return False  # a writer committed it after all
         try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return True
+            fd = blobs.open_own(path)  # kvstore's own file only: never through a symlink
+        except blobs.BlobError:
+            return not os.path.lexists(path)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
         now = time.time()
         if now - min(st.st_mtime, now) < blob_age:  # a future mtime counts as now
             return False
-        os.unlink(path)
-        return True
+        return blobs.unlink_own(path)
 
     try:
         return disk.index.transact(run)

@@ -11,8 +11,8 @@ does not serve in full). All four must be 0.
 
 What is checked after every fault ("the check", run in a separate checker process that
 opens the directory fresh):
-- every entry the index still claims (``Index.entries()``) is fetched by its stored token
-  ids; a hit must pass the restored-equals-cold oracle (``tools/oracle.py``, tiny models,
+- every entry the index still claims (its entry records, read through ``Index.view``) is
+  fetched by its stored token ids; a hit must pass the restored-equals-cold oracle (``tools/oracle.py``, tiny models,
   tolerance mode) *and* match a fresh prefill of the same tokens layer by layer (KV
   layers; synthetic caches are compared bit for bit with their deterministic regeneration);
   a hit whose arrays are bit-identical to a cache that already passed is not re-run;
@@ -20,26 +20,32 @@ opens the directory fresh):
   it (or one of its chunks), or the fault targeted it; otherwise it is an
   ``unexplained_miss``;
 - ``maintenance.verify`` runs before the fetches (what is left), then ``verify(fix=True)``,
-  then ``verify`` again, which must be clean (``verify_unclean`` otherwise); a reopened
-  store must then serve every remaining entry in full from disk (``post_fix_misses``).
+  then ``verify`` again, which must be clean but for files kvstore did not write, which it
+  reports and leaves alone (``verify_unclean`` otherwise); a reopened store must then serve
+  every remaining entry in full from disk (``post_fix_misses``); files the fault planted
+  that kvstore did not write must still be there, unchanged (``failed_cases`` otherwise).
 
 Fault kinds, one module each in ``kinds/`` (what each does and must survive is in its
 docstring), each holding both halves: the ``op_*`` commands a worker process runs and the
 parent's ``run_<kind>(ctx)``:
 - ``crash``: kill -9 inside insert+flush, a write-behind flush, gc and ``verify --fix``;
-- ``corruption``: damaged blobs and index files, offline and under an open store;
+- ``corruption``: damaged segments and pack files, stray files, damaged index files and
+  records, offline and under an open store;
 - ``full_disk``: the cache directory on a small tmpfs that fills up;
 - ``permissions``: unusable paths and permissions;
 - ``concurrency``: processes x threads on one directory;
-- ``bad_input``: bad tokens and caches passed to fetch and insert.
+- ``bad_input``: bad tokens and caches passed to fetch and insert;
+- ``hostile``: a directory someone else crafted records in, planted symlinks, FIFOs and
+  foreign files in, whose model weights were swapped, that others can write, or whose
+  timestamps come from a skewed clock (``hostile_cases`` crafts them, with ``craft``).
 
 The rest: ``worker`` (the JSON-lines worker processes), ``check`` (the check and the
 tallies), ``synth`` (synthetic caches, prompts, the tiny models and the oracle),
-``damage`` (damaging files, filling a disk), ``harness`` (running the kinds, the table),
-``common`` (sizes and shared helpers).
+``damage`` (damaging files, filling a disk), ``craft`` (hostile records and files),
+``harness`` (running the kinds, the table), ``common`` (sizes and shared helpers).
 
-The harness needs root for tmpfs mounts and for dropping to ``nobody``; without it those
-cases are reported as skipped.
+The harness needs root for tmpfs mounts, for dropping to ``nobody`` and for chown; without
+it those cases are reported as skipped.
 """
 
 from __future__ import annotations

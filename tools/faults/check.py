@@ -7,13 +7,16 @@ import json
 import os
 import random
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from .common import CHUNK, Emit, LogCapture, _decode, _guard, exc_info
 
 if TYPE_CHECKING:
+    from kvstore.index import Reader
+    from kvstore.records import EntryRecord
+
     from .harness import Ctx
     from .synth import Zoo
 
@@ -37,37 +40,33 @@ def cache_digest(cache: list) -> str:
     return h.hexdigest()
 
 
-def raw_entries(store: Any) -> list[tuple[bytes, dict | None, bytes | None]]:
-    """(key, parsed record or None, token bytes) of every entry record, one read txn."""
-    idx = store.disk.index
-    db = idx._db
+def raw_entries(store: Any) -> list[tuple[bytes, EntryRecord | None, bytes | None]]:
+    """(key, record or None if kvstore did not write it, token ids) of every entry record,
+    read in one transaction through the index's public reader."""
+    from kvstore.records import RecordError
 
-    def run(txn: Any) -> list:
+    def run(r: Reader) -> list[tuple[bytes, EntryRecord | None, bytes | None]]:
         out = []
-        for k, v in txn.cursor(db=db["entries"]):
-            k = bytes(k)
+        for k in r.keys("entries"):
             try:
-                rec = json.loads(bytes(v))
-                rec = rec if isinstance(rec, dict) else None
-            except ValueError:
+                rec = r.entry(k)
+            except RecordError:
                 rec = None
-            t = txn.get(k, db=db["tokens"])
-            out.append((k, rec, bytes(t) if t is not None else None))
+            out.append((k, rec, r.tokens(k)))
         return out
-    return idx.read(run)
+    return store.disk.index.view(run)
 
 
 def logical_dump(store: Any) -> dict:
-    """Every key/value of every index database plus blob files (name -> xxh3): the
-    store's persistent state, independent of LMDB page layout."""
+    """Every key/value of every index database plus the files under the cache directory
+    (name -> xxh3): the store's persistent state, independent of LMDB page layout."""
     import xxhash
-    idx = store.disk.index
-    state: dict[str, Any] = {}
+    from kvstore.index import DBS
 
-    def run(txn: Any) -> dict:
-        return {name: sorted((bytes(k).hex(), xxhash.xxh3_64_hexdigest(bytes(v))) for k, v in txn.cursor(db=db))
-                for name, db in idx._db.items()}
-    state["index"] = idx.read(run)
+    def run(r: Reader) -> dict:
+        return {name: sorted((k.hex(), xxhash.xxh3_64_hexdigest(r.raw(name, k) or b"")) for k in r.keys(name))
+                for name in DBS}
+    state: dict[str, Any] = {"index": store.disk.index.view(run)}
     root = Path(store.disk.root)
     state["files"] = dict(file_digests(root, lambda p: "index" in p.relative_to(root).parts
                                        or p.name == "file-digests.json"))
@@ -75,31 +74,42 @@ def logical_dump(store: Any) -> dict:
 
 
 def file_digests(root: Path, skip: Callable[[Path], bool]) -> Iterator[tuple[str, str]]:
-    """(path relative to ``root``, xxh3) of every file below ``root`` that ``skip`` does
-    not exclude, in path order."""
+    """(path relative to ``root``, xxh3) of every regular file below ``root`` that ``skip``
+    does not exclude, in path order (symlinks are not followed, FIFOs not opened)."""
+    import stat
+
     import xxhash
-    for p in sorted(root.rglob("*")):
-        if p.is_file() and not skip(p):
+    found = []
+    for d, _dirs, files in os.walk(root):  # never descends into a symlinked directory
+        found += [Path(d) / f for f in files]
+    for p in sorted(found):
+        try:
+            st = p.lstat()
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and not skip(p):
             yield str(p.relative_to(root)), xxhash.xxh3_64_hexdigest(p.read_bytes())
 
 
-def blob_users(store: Any) -> dict[str, set[str]]:
-    """blob path (relative to blobs/) -> entry keys (hex) that need it."""
-    idx = store.disk.index
-    users: dict[str, set[str]] = defaultdict(set)
-    chunks = {}
-    for k, rec in idx.chunks():
-        chunks[k.hex()] = rec
-    for k, rec, _ in raw_entries(store):
+def segment_users(store: Any) -> list[dict]:
+    """Every segment the readable entry records read (their chunks' and their own), with
+    the entry keys (hex) that need it: ``{"pack": path relative to the cache directory,
+    "offset", "length", "users": [key hex]}``, in (pack, offset) order."""
+    from kvstore import blobs
+    from kvstore.index import scan
+    snap = scan(store.disk.index, full=False)
+    root = Path(store.disk.root)
+    segs: dict[tuple[bytes, int], dict] = {}
+    for key, rec in snap.entries.items():
         if rec is None:
             continue
-        if rec.get("blob"):
-            users[rec["blob"]].add(k.hex())
-        for ck in rec.get("chunks", []):
-            c = chunks.get(ck)
-            if c and c.get("blob"):
-                users[c["blob"]].add(k.hex())
-    return users
+        mine = list(rec.segments) + [snap.chunks[c].segment for c in rec.chunks if snap.chunks.get(c)]
+        for s in mine:
+            path = blobs.pack_path(store.disk.blob_root, s.pack).relative_to(root)
+            d = segs.setdefault((s.pack, s.offset), {"pack": str(path), "offset": s.offset, "length": s.length,
+                                                     "users": set()})
+            d["users"].add(key.hex())
+    return [dict(d, users=sorted(d["users"])) for _, d in sorted(segs.items())]
 
 
 def _entry_key(store: Any, zoo: Zoo, name: str, tokens: list[int]) -> str | None:
@@ -111,12 +121,14 @@ def _entry_key(store: Any, zoo: Zoo, name: str, tokens: list[int]) -> str | None
 
 def check_store(zoo: Zoo, cache_dir: str, *, known: list | None = None, targets: set | None = None,
                 committed: set | None = None, fix: bool = True, reopen: bool = True,
-                max_fetch: int | None = None) -> dict:
+                max_fetch: int | None = None, keep: dict[str, str] | None = None) -> dict:
     """Open ``cache_dir`` fresh and judge it (see the package docstring).
 
     ``known``: [(model, tokens)] the directory should serve (fetched too; a hit must pass);
     ``targets``: entry keys (hex) the fault damaged or legitimately removed (their misses
-    are explained); ``committed``: entry keys that must still be served in full.
+    are explained); ``committed``: entry keys that must still be served in full;
+    ``keep``: files kvstore did not write (path relative to ``cache_dir`` -> xxh3) that
+    must still be there, unchanged, after the check (``res["foreign_changed"]`` otherwise).
     """
     targets = set(targets or ())
     committed = set(committed or ())
@@ -138,7 +150,14 @@ def check_store(zoo: Zoo, cache_dir: str, *, known: list | None = None, targets:
         if fix and reopen and res["open"] in ("ok", "recovered") and not res["verify_errors"]:
             _check_after_fix(zoo, cache_dir, res)
         res["logs"] = cap.records[-8:]
+    res["foreign_changed"] = changed_files(Path(cache_dir), keep or {})
     return res
+
+
+def changed_files(root: Path, keep: dict[str, str]) -> list[str]:
+    """The files of ``keep`` (path relative to ``root`` -> xxh3) that are gone or changed."""
+    now = dict(file_digests(root, lambda p: str(p.relative_to(root)) not in keep)) if keep else {}
+    return sorted(rel for rel, digest in keep.items() if now.get(rel) != digest)
 
 
 def _open_judged(cache_dir: str, res: dict, cap: LogCapture) -> Any:
@@ -169,11 +188,12 @@ def _open_judged(cache_dir: str, res: dict, cap: LogCapture) -> Any:
 
 
 def _verify_fix(store: Any, res: dict) -> None:
-    """``verify(fix=True)``, then ``verify`` again: what is left goes to ``res["verify_after_fix"]``."""
+    """``verify(fix=True)``, then ``verify`` again: what is left (but files kvstore did not
+    write, which it reports and never touches) goes to ``res["verify_after_fix"]``."""
     from kvstore import maintenance as mt
     try:
-        mt.verify(store.disk, fix=True, tmp_age=0, blob_age=0)
-        left = mt.verify(store.disk, tmp_age=0, blob_age=0)
+        mt.verify(store.disk, fix=True, blob_age=0)
+        left = [p for p in mt.verify(store.disk, blob_age=0) if p.kind not in mt.NOT_OURS]
         res["verify_after_fix"] = dict(Counter(p.kind for p in left))
         res["verify_after_fix_detail"] = [f"{p.kind} {p.key} {p.detail}" for p in left[:5]]
     except Exception as e:
@@ -205,7 +225,7 @@ def _check_after_fix(zoo: Zoo, cache_dir: str, res: dict) -> None:
 
 
 def known_entries(store: Any, names: dict[str, str], res: dict | None = None,
-                  ) -> Iterator[tuple[str, str, list[int], dict]]:
+                  ) -> Iterator[tuple[str, str, list[int], EntryRecord]]:
     """(key hex, model name, tokens, record) of each entry record whose identity is in
     ``names`` (``Zoo.ident_map``); the others are counted in ``res["unparsable"]`` (no
     record or token ids) and ``res["foreign"]`` (another identity) when ``res`` is given."""
@@ -214,7 +234,7 @@ def known_entries(store: Any, names: dict[str, str], res: dict | None = None,
             if res is not None:
                 res["unparsable"] += 1
             continue
-        name = names.get(rec.get("identity"))
+        name = names.get(rec.identity.hex())
         if name is None:
             if res is not None:
                 res["foreign"] += 1
@@ -245,17 +265,19 @@ def _judge(zoo: Zoo, store: Any, res: dict, known: list, targets: set, committed
     for hx in sorted(committed - targets):
         if hx not in lengths:
             res["lost"].append(hx)       # committed, and the index no longer names it
+            res.setdefault("lost_detail", []).append({"key": hx, "named": False})
         elif hx in served and served[hx] != lengths[hx]:
             res["lost"].append(hx)       # named, but not served in full
+            res.setdefault("lost_detail", []).append({"key": hx, "served": served[hx], "of": lengths[hx]})
     _fetch_known(zoo, store, res, known)
     _guard("stats()", res["escaped"], store.stats)
     _guard("flush()", res["escaped"], store.flush, 30)
 
 
-def _claimed(zoo: Zoo, store: Any, res: dict) -> tuple[list[tuple[str, str, list[int], dict]], set[str]]:
+def _claimed(zoo: Zoo, store: Any, res: dict) -> tuple[list[tuple[str, str, list[int], EntryRecord]], set[str]]:
     """The entries the index claims and the keys ``verify`` reports (``res["verify"]``)."""
     from kvstore import maintenance as mt
-    claimed: list[tuple[str, str, list[int], dict]] = []
+    claimed: list[tuple[str, str, list[int], EntryRecord]] = []
     problem_keys: set[str] = set()
     if store.disk is None:
         return claimed, problem_keys
@@ -266,9 +288,10 @@ def _claimed(zoo: Zoo, store: Any, res: dict) -> tuple[list[tuple[str, str, list
     except Exception as e:
         res["enumerate_error"] = f"{type(e).__name__}: {e}"[:300]
     try:
-        problems = mt.verify(store.disk, tmp_age=0, blob_age=0)
+        problems = mt.verify(store.disk, blob_age=0)
         res["verify"] = dict(Counter(p.kind for p in problems))
         problem_keys = {p.key for p in problems if p.key}
+        res["verify_keys"] = [f"{p.kind} {p.record} {p.key}" for p in problems if p.key][:40]
     except Exception as e:
         res["verify_errors"].append(exc_info("verify()", e))
     return claimed, problem_keys
@@ -294,7 +317,7 @@ def _fetch_claimed(zoo: Zoo, store: Any, res: dict, claimed: list, problem_keys:
             res["full"] += 1
             continue
         res["partial" if n else "miss"] += 1
-        explained = hx in problem_keys or hx in targets or any(ck in problem_keys for ck in rec.get("chunks", []))
+        explained = hx in problem_keys or hx in targets or any(ck.hex() in problem_keys for ck in rec.chunks)
         if not explained:
             res["unexplained"].append({"key": hx, "model": name, "n": n, "of": len(tokens)})
     return served
@@ -320,7 +343,8 @@ def op_check(zoo: Zoo, msg: dict, emit: Emit) -> dict:
     """Worker command ``check``: ``check_store`` on ``msg["dir"]``."""
     return check_store(zoo, msg["dir"], known=[tuple(x) for x in msg.get("known", [])],
                        targets=set(msg.get("targets", [])), committed=set(msg.get("committed", [])),
-                       fix=msg.get("fix", True), reopen=msg.get("reopen", True), max_fetch=msg.get("max_fetch"))
+                       fix=msg.get("fix", True), reopen=msg.get("reopen", True), max_fetch=msg.get("max_fetch"),
+                       keep=msg.get("keep"))
 
 
 class Tally:
@@ -376,7 +400,8 @@ class Tally:
             self.fail("unexplained miss", **ctx, entry=u, verify=res.get("verify"))
         self.c["entries_lost"] += len(res.get("lost", []))
         if res.get("lost"):
-            self.fail("entries lost", **ctx, keys=res["lost"][:5], n=len(res["lost"]), verify=res.get("verify"))
+            self.fail("entries lost", **ctx, keys=res["lost"][:5], n=len(res["lost"]), verify=res.get("verify"),
+                      detail=res.get("lost_detail", [])[:5], verify_keys=res.get("verify_keys", [])[:12])
         if res.get("verify_after_fix"):
             self.c["verify_unclean"] += 1
             self.fail("verify not clean after --fix", **ctx, left=res["verify_after_fix"],
@@ -384,6 +409,9 @@ class Tally:
         self.c["post_fix_misses"] += res.get("post_fix_misses", 0)
         if res.get("post_fix_misses"):
             self.fail("entries not served after verify --fix", **ctx, n=res["post_fix_misses"])
+        if res.get("foreign_changed"):
+            self.c["failed_cases"] += 1
+            self.fail("a file kvstore did not write was changed or removed", **ctx, files=res["foreign_changed"][:5])
         if res.get("aside") and not res.get("aside_logged"):
             self.fail("index moved aside without a log message", **ctx)
 

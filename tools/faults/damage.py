@@ -58,48 +58,120 @@ def damage_file(path: Path, mode: str, rng: random.Random, *, other: Path | None
 
 
 BLOB_MODES = ("flip", "flip", "flip_head", "flips", "zero", "truncate", "empty", "delete", "append", "swap",
-              "rename", "stray_blob", "stray_tmp")
+              "rename", "stray_pack", "stray_tmp", "misplaced_pack")
+IN_SEGMENT = ("flip", "flip_head", "flips", "zero")  # damage inside the bytes of one segment
 LMDB_MODES = ("flip", "flip", "flip", "flips", "flips", "flip_meta", "flip_page_header", "flip_page_header",
               "zero_page", "truncate", "truncate_page", "empty", "delete", "garbage", "lock_flips",
               "lock_delete", "lock_garbage", "index_dir_delete",
-              "value_flip", "value_flip", "value_flip:tokens", "value_flip:entries", "value_flip:chunks")
+              "value_flip", "value_flip", "value_flip:tokens", "value_flip:entries", "value_flip:chunks",
+              "value_flips:entries", "value_flips:chunks", "value_flip:packs", "value_flip:identities",
+              "value_truncate:entries", "value_truncate:chunks", "value_truncate:packs", "value_zero:entries")
+
+Seg = dict  # {"pack": path relative to the cache directory, "offset", "length", "users": [entry key hex]}
 
 
-def damage_blob_case(cdir: Path, tpl: dict, rng: random.Random, mode: str) -> tuple[str, set[str]]:
-    """Damage one random blob of the case directory as ``mode`` (one of ``BLOB_MODES``) says;
-    returns a description and the entry keys whose misses the damage explains."""
-    blobs_root = cdir / "blobs"
-    users = tpl["blob_users"]
-    blob = rng.choice(sorted(users))
-    path = blobs_root / blob
-    targets = set(users[blob])
+def damage_in_segment(path: Path, offset: int, length: int, mode: str, rng: random.Random) -> str:
+    """Damage bytes inside one segment of a pack file, in place (same inode): ``flip`` 1-4
+    bits, ``flip_head`` a bit of its first 64 bytes (header length or JSON header),
+    ``flips`` 8-64 bytes, ``zero`` a range of up to 4 KiB. Every byte of a segment is
+    covered by its checksum, so each of these damages exactly that segment."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if mode == "zero":
+            a = offset + rng.randrange(length)
+            b = min(offset + length, a + rng.randint(1, 4096))
+            if not any(os.pread(fd, b - a, a)):  # already zero: flip one of them instead
+                os.pwrite(fd, b"\x01", a)
+                return f"set byte {a} (of a zero range) in segment @{offset}+{length}"
+            os.pwrite(fd, bytes(b - a), a)
+            return f"zeroed [{a},{b}) in segment @{offset}+{length}"
+        if mode == "flip_head":
+            offs = [offset + rng.randrange(min(length, 64))]
+        elif mode == "flips":
+            offs = sorted({offset + rng.randrange(length) for _ in range(rng.randint(8, 64))})
+        else:
+            offs = sorted({offset + rng.randrange(length) for _ in range(rng.randint(1, 4))})
+        for o in offs:
+            cur = os.pread(fd, 1, o)[0]
+            new = cur ^ (rng.randint(1, 255) if mode == "flips" else 1 << rng.randrange(8))
+            os.pwrite(fd, bytes([new]), o)
+        return f"{mode} at {offs[:6]}{'...' if len(offs) > 6 else ''} in segment @{offset}+{length}"
+    finally:
+        os.close(fd)
+
+
+def _users(segs: list[Seg]) -> set[str]:
+    return {u for s in segs for u in s["users"]}
+
+
+def _new_pack_name(rng: random.Random) -> str:
+    h = "%032x" % rng.getrandbits(128)
+    return f"{h[:2]}/{h}.kvpack"
+
+
+def damage_pack_case(cdir: Path, segs: list[Seg], rng: random.Random, mode: str
+                     ) -> tuple[str, set[str], dict[str, str]]:
+    """Damage the pack files of a case directory as ``mode`` (one of ``BLOB_MODES``) says:
+    inside one segment (``IN_SEGMENT``), or a whole pack (truncated inside a segment,
+    emptied, deleted, appended to, swapped with another, renamed), or stray files added
+    (a copy under a new pack name, ``*.tmp`` files, a pack in the wrong place). Returns a
+    description, the entry keys whose misses the damage explains, and the files kvstore
+    did not write (relative path -> xxh3) that must survive untouched."""
+    seg = rng.choice(segs)
+    path = cdir / seg["pack"]
+    pack = [s for s in segs if s["pack"] == seg["pack"]]
+    if mode in IN_SEGMENT:
+        return damage_in_segment(path, seg["offset"], seg["length"], mode, rng), set(seg["users"]), {}
+    if mode == "truncate":
+        cut = seg["offset"] + rng.randrange(seg["length"])
+        os.truncate(path, cut)
+        return f"{seg['pack']} truncated to {cut}", _users([s for s in pack if s["offset"] + s["length"] > cut]), {}
     if mode == "swap":
-        other = rng.choice([b for b in sorted(users) if b != blob])
-        return f"{blob}: {damage_file(path, 'swap', rng, other=blobs_root / other)}", targets
-    if mode == "rename":
-        new = path.with_name(path.name.split("-")[0] + "-deadbeef.safetensors")
-        os.replace(path, new)
-        return f"{blob}: renamed to {new.name}", targets
-    if mode == "stray_blob":
-        src = path
-        key = "%032x" % rng.getrandbits(128)
-        dst = blobs_root / key[:2] / f"{key}-{rng.getrandbits(32):08x}.safetensors"
-        dst.parent.mkdir(exist_ok=True)
-        shutil.copyfile(src, dst)
-        return f"orphan copy of {blob} at {dst.name}", set()
+        other = rng.choice(sorted({s["pack"] for s in segs} - {seg["pack"]}))
+        tmp = path.with_name("swap-in-progress")
+        os.replace(path, tmp)
+        os.replace(cdir / other, path)
+        os.replace(tmp, cdir / other)
+        return f"{seg['pack']} swapped with {other}", _users(pack) | _users([s for s in segs if s["pack"] == other]), {}
+    if mode in ("rename", "stray_pack"):
+        new = cdir / "blobs" / _new_pack_name(rng)
+        new.parent.mkdir(mode=0o700, exist_ok=True)
+        (os.replace if mode == "rename" else shutil.copyfile)(path, new)
+        targets = _users(pack) if mode == "rename" else set()
+        return f"{seg['pack']} {mode}: now also at {new.relative_to(cdir)}", targets, {}
+    if mode in ("stray_tmp", "misplaced_pack"):
+        return _plant_stray(cdir, seg, path, rng, mode)
+    return f"{seg['pack']}: {damage_file(path, mode, rng)}", _users(pack), {}
+
+
+def _plant_stray(cdir: Path, seg: Seg, path: Path, rng: random.Random, mode: str
+                 ) -> tuple[str, set[str], dict[str, str]]:
+    """Files kvstore did not write, next to its own: a ``*.tmp`` file (in a fan-out
+    directory or the cache root), or a copy of a pack under a pack-like name in the wrong
+    fan-out directory or with another suffix. They are reported and never touched."""
+    import xxhash
     if mode == "stray_tmp":
-        where = rng.choice([cdir, blobs_root / blob.split("/")[0]])
-        tmp = where / f"{path.name}.{rng.randint(100, 99999)}.abcd1234.tmp"
-        tmp.write_bytes(os.urandom(rng.randint(0, 5000)))
-        return f"stray temp file {tmp.relative_to(cdir)}", set()
-    return f"{blob}: {damage_file(path, mode, rng)}", targets
+        where = rng.choice([cdir, path.parent, cdir / "blobs"])
+        stray = where / f"{path.name}.{rng.randint(100, 99999)}.abcd1234.tmp"
+        stray.write_bytes(os.urandom(rng.randint(0, 5000)))
+    else:
+        h = "%032x" % rng.getrandbits(128)
+        wrong_dir = "%02x" % ((int(h[:2], 16) + 1) % 256)
+        stray = rng.choice([cdir / "blobs" / wrong_dir / f"{h}.kvpack", path.with_name(f"{h}.kvpack.bak"),
+                            cdir / "blobs" / f"{h}.kvpack"])
+        stray.parent.mkdir(mode=0o700, exist_ok=True)
+        shutil.copyfile(path, stray)
+    rel = str(stray.relative_to(cdir))
+    return f"stray file {rel}", set(), {rel: xxhash.xxh3_64_hexdigest(stray.read_bytes())}
 
 
-def flip_record(idx: Path, rng: random.Random, dbname: str | None = None) -> str:
-    """A bit flip inside one stored value (a record, token ids, a trie edge), written through
-    LMDB: what a flip LMDB cannot detect looks like to kvstore."""
+def damage_record(idx: Path, rng: random.Random, how: str = "flip", dbname: str | None = None) -> str:
+    """Damage one stored value (a binary record, token ids, a trie edge, a counter),
+    written through LMDB: what damage LMDB cannot detect looks like to kvstore. ``how``:
+    ``flip`` one bit, ``flips`` 2-8 bytes, ``truncate`` the value to a shorter length,
+    ``zero`` a range of it."""
     import lmdb
-    env = lmdb.open(str(idx), max_dbs=16, subdir=True)
+    env = lmdb.open(str(idx), max_dbs=16, subdir=True, map_size=max(64 << 20, 2 * (idx / "data.mdb").stat().st_size))
     try:
         names = [dbname] if dbname else ["entries", "entries", "chunks", "tokens", "tokens", "bounds", "meta"]
         name = rng.choice(names)
@@ -111,13 +183,29 @@ def flip_record(idx: Path, rng: random.Random, dbname: str | None = None) -> str
             k, v = rng.choice(items)
             if not v:
                 return f"{name}: empty value"
-            buf = bytearray(v)
-            off = rng.randrange(len(buf))
-            buf[off] ^= 1 << rng.randrange(8)
+            buf, desc = _damaged_value(bytearray(v), how, rng)
             txn.put(k, bytes(buf), db=db)
-            return f"{name}[{k.hex()[:12]}] byte {off} of {len(buf)}: {v[max(0, off - 12):off + 12]!r} -> {bytes(buf[max(0, off - 12):off + 12])!r}"
+            return f"{name}[{k.hex()[:12]}] {desc} (of {len(v)} bytes)"
     finally:
         env.close()
+
+
+def _damaged_value(buf: bytearray, how: str, rng: random.Random) -> tuple[bytearray, str]:
+    """``buf`` damaged as ``damage_record`` says, and a description."""
+    if how == "truncate":
+        n = rng.randrange(len(buf))
+        return buf[:n], f"truncated to {n}"
+    if how == "zero":
+        a = rng.randrange(len(buf))
+        b = min(len(buf), a + rng.randint(1, 16))
+        buf[a:b] = bytes(b - a)
+        return buf, f"zeroed [{a},{b})"
+    offs = sorted({rng.randrange(len(buf)) for _ in range(rng.randint(2, 8) if how == "flips" else 1)})
+    before = bytes(buf)
+    for off in offs:
+        buf[off] ^= rng.randint(1, 255) if how == "flips" else 1 << rng.randrange(8)
+    o = offs[0]
+    return buf, f"{how} at {offs}: {before[max(0, o - 8):o + 8]!r} -> {bytes(buf[max(0, o - 8):o + 8])!r}"
 
 
 def damage_lmdb_case(cdir: Path, rng: random.Random, mode: str) -> str:
@@ -127,8 +215,9 @@ def damage_lmdb_case(cdir: Path, rng: random.Random, mode: str) -> str:
     data, lock = idx / "data.mdb", idx / "lock.mdb"
     size = data.stat().st_size
     pages = max(1, size // 4096)
-    if mode.startswith("value_flip"):
-        return flip_record(idx, rng, mode.split(":")[1] if ":" in mode else None)
+    if mode.startswith("value_"):
+        how, _, db = mode[len("value_"):].partition(":")
+        return damage_record(idx, rng, how, db or None)
     if mode == "index_dir_delete":
         shutil.rmtree(idx)
         return "index/ removed"

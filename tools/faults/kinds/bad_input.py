@@ -45,14 +45,9 @@ Case = tuple[str, str, Callable[[], Any], str, list[int] | None]
 
 
 def _memory_keys(store: Any) -> list:
-    """Every memory-tier key with the identity of the snapshot it holds (a replaced
-    snapshot under the same tokens is a change)."""
-    out = []
-    for lru in store.memory._lrus.values():
-        for model, toks in lru:
-            snap = store.memory.get(model, list(toks))
-            out.append((repr(model), toks, id(snap)))
-    return sorted(out)
+    """The snapshots the memory tier holds, by identity (an added, dropped or replaced
+    snapshot is a change), and its counts by cache type."""
+    return [sorted(id(s) for s in store.memory.snapshots()), store.memory.stats_by_type()]
 
 
 class BadInputs:

@@ -17,7 +17,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from ..check import Tally
-from ..common import CHUNK, VOCAB, Emit, exc_info
+from ..common import CHUNK, VOCAB, Emit, LogCapture, exc_info
 from ..synth import Zoo, random_prompt, syn_cache, syn_check
 from ..worker import Worker, _signame
 
@@ -91,6 +91,7 @@ class ConcProcess:
     def maint(self, rng: random.Random) -> None:
         """gc, verify, verify --fix, evict, or stats and flush."""
         from kvstore import maintenance as mt
+        from kvstore.budget import evict_to
         store = self.store
         r = rng.random()
         if r < 0.3:
@@ -105,7 +106,7 @@ class ConcProcess:
             mt.verify(store.disk, fix=True)
             self.count("verify_fix")
         elif r < 0.85:
-            mt.evict_to(store.disk, rng.randint(300_000, 3_000_000))
+            evict_to(store.disk, rng.randint(300_000, 3_000_000))
             self.count("evict")
         else:
             store.stats()
@@ -130,19 +131,21 @@ class ConcProcess:
 def op_conc(zoo: Zoo, msg: dict, emit: Emit) -> dict:
     """One of the concurrency processes: ``threads`` threads for ``seconds`` on one directory."""
     from kvstore import KVStore
-    store = KVStore(msg["dir"], chunk_tokens=CHUNK, max_entries=6, max_disk_bytes=msg.get("max_disk_bytes"))
-    proc = ConcProcess(zoo, store, msg)
-    res = proc.res
-    threads = [threading.Thread(target=proc.loop, args=(t,)) for t in range(msg["threads"])]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with LogCapture() as cap:
+        store = KVStore(msg["dir"], chunk_tokens=CHUNK, max_entries=6, max_disk_bytes=msg.get("max_disk_bytes"))
+        proc = ConcProcess(zoo, store, msg)
+        res = proc.res
+        threads = [threading.Thread(target=proc.loop, args=(t,)) for t in range(msg["threads"])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        store.flush(60)
+    res["writer_failed"] = sum("background write failed" in r for r in cap.records)
     try:
         st = store.stats()
-        res["stats"] = {k: st.get(k) for k in ("write_errors", "writes", "dropped_writes", "corrupt",
-                                                 "hits_memory", "hits_disk", "misses")}
-        res["writer_failed"] = store.writer.failed
+        res["stats"] = {k: st.get(k) for k in ("write_errors", "writes", "dropped_writes", "corrupt", "races",
+                                                 "warnings_suppressed", "hits_memory", "hits_disk", "misses")}
         store.close()
     except Exception as e:
         res["escaped"].append(exc_info("stats/close", e))

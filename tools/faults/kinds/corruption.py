@@ -1,9 +1,13 @@
-"""``corruption``: byte flips, truncation, deletion, zeroed ranges, swaps and stray files in
-blobs; flips, zeroed pages, truncation, deletion and garbage in ``index/data.mdb`` and
-``lock.mdb``; single bit flips written through LMDB into one stored value (an entry or
-chunk record, token ids, a trie edge, a counter: what a flip LMDB cannot detect looks
-like); and ``live`` flips of data.mdb under an open store that must keep serving from
-memory. An entry whose blobs were not damaged must survive a blob fault. A damaged index
+"""``corruption``: damaged pack files (bit and byte flips and zeroed ranges inside one
+segment, a pack truncated inside a segment, emptied, deleted, appended to, swapped with
+another or renamed) and stray files next to them (a copy under a new pack name, ``*.tmp``
+files, a pack-like file in the wrong place: reported, never touched, still there after
+the check); flips, zeroed pages, truncation, deletion and garbage in ``index/data.mdb``
+and ``lock.mdb``; damage written through LMDB into one stored value (bit and byte flips
+inside a binary entry / chunk / pack / identity record, a truncated or partly zeroed
+record, token ids, a trie edge, a counter: what damage LMDB cannot detect looks like);
+and ``live`` flips of data.mdb under an open store that must keep serving from memory.
+An entry none of whose segments was damaged must survive a pack fault. A damaged index
 may give a clear error (StoreOpenError), be moved aside at open (the documented
 recovery, which must be logged) or degrade to misses, never a crash or a wrong hit.
 
@@ -19,9 +23,9 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..check import Tally, _entry_key, _progress, blob_users, hit_problem
+from ..check import Tally, _entry_key, _progress, hit_problem, segment_users
 from ..common import CHUNK, Emit, LogCapture, _guard, exc_info
-from ..damage import BLOB_MODES, LMDB_MODES, damage_blob_case, damage_lmdb_case, damage_open_file
+from ..damage import BLOB_MODES, LMDB_MODES, damage_lmdb_case, damage_open_file, damage_pack_case
 from ..synth import SYSTEM_PROMPTS, Zoo, random_prompt
 
 if TYPE_CHECKING:
@@ -54,11 +58,11 @@ def op_build_template(zoo: Zoo, msg: dict, emit: Emit) -> dict:
             store.insert(zoo.model_arg(name), toks, zoo.make_cache(name, toks))
             store.flush()
             entries.append({"model": name, "tokens": toks, "key": _entry_key(store, zoo, name, toks)})
-    users = {b: sorted(u) for b, u in blob_users(store).items()}
+    segments = segment_users(store)
     stats = store.stats()
     store.close()
     data = Path(msg["dir"]) / "index" / "data.mdb"
-    return {"entries": entries, "blob_users": users, "data_mdb": data.stat().st_size,
+    return {"entries": entries, "segments": segments, "data_mdb": data.stat().st_size,
             "write_errors": stats["write_errors"], "disk_entries": stats.get("disk_entries")}
 
 
@@ -78,11 +82,10 @@ def op_live(zoo: Zoo, msg: dict, emit: Emit) -> dict:
         _serve_after_damage(zoo, store, known, baseline, res)
         _insert_after_damage(zoo, store, rng, res)
         _guard("flush()", res["escaped"], store.flush, 30)
-        _guard("stats()", res["escaped"], store.stats)
-        res["write_errors"] = store._stats["write_errors"]
-        res["writer_failed"] = store.writer.failed if store.writer else 0
+        res["write_errors"] = (_guard("stats()", res["escaped"], store.stats) or {}).get("write_errors")
+        res["writer_failed"] = sum("background write failed" in r for r in cap.records)
         try:
-            mt.verify(store.disk, tmp_age=0, blob_age=0)
+            mt.verify(store.disk, blob_age=0)
         except Exception as e:
             res["verify_errors"].append(exc_info("verify()", e))
         _guard("close()", res["escaped"], store.close)
@@ -145,7 +148,8 @@ def run_corruption(ctx: Ctx) -> dict:
     shutil.rmtree(base, ignore_errors=True)
     (base / "cases").mkdir(parents=True)
     templates = [_template(ctx, t, base, j) for j in range(size["templates"])]
-    t.info["template"] = {"entries": len(templates[0]["entries"]), "blobs": len(templates[0]["blob_users"]),
+    t.info["template"] = {"entries": len(templates[0]["entries"]), "segments": len(templates[0]["segments"]),
+                          "packs": len({s["pack"] for s in templates[0]["segments"]}),
                           "data_mdb_bytes": templates[0]["data_mdb"],
                           "models": dict(Counter(e["model"] for e in templates[0]["entries"]))}
     plan = ([("blob", i) for i in range(size["blob"])] + [("lmdb", i) for i in range(size["lmdb"])]
@@ -198,12 +202,13 @@ def _template(ctx: Ctx, t: Tally, base: Path, j: int) -> dict:
 
 
 def _blob_case(ctx: Ctx, t: Tally, cdir: Path, tpl: dict, rng: random.Random, mode: str, ctx_info: dict) -> dict:
-    """Damage one blob: every entry that does not use it must still be served in full."""
-    desc, targets = damage_blob_case(cdir, tpl, rng, mode)
+    """Damage a segment or a pack file: every entry none of whose segments was damaged
+    must still be served in full, and stray files must be left as they are."""
+    desc, targets, keep = damage_pack_case(cdir, tpl["segments"], rng, mode)
     ctx_info.update(mode=mode, damage=desc)
     res = ctx.checker.call({"op": "check", "dir": str(cdir), "known": tpl["known"],
                             "targets": sorted(targets), "committed": sorted(tpl["keys"] - targets),
-                            "fix": True})
+                            "fix": True, "keep": keep})
     t.add_check(res, **ctx_info)
     t.outcomes[f"blob:{mode}:{'full' if res.get('full') == len(tpl['keys']) else 'degraded'}"] += 1
     return res

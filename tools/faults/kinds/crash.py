@@ -23,9 +23,9 @@ import time
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING, Any
 
-from ..check import Tally, _entry_key, _progress, blob_users, hit_problem, raw_entries
+from ..check import Tally, _entry_key, _progress, hit_problem, raw_entries, segment_users
 from ..common import CHUNK, ROOT, VOCAB, Emit, _decode, _guard
-from ..damage import damage_file
+from ..damage import IN_SEGMENT, damage_file, damage_in_segment
 from ..synth import SYSTEM_PROMPTS, Zoo, random_prompt
 from ..worker import Pool, Worker, _signame
 
@@ -61,7 +61,7 @@ class CrashWork:
         try:  # earlier turns of this lineage: prompts share prefixes with them
             names = zoo.ident_map(store)
             for k, rec, toks in raw_entries(store)[:40]:
-                if rec and toks and names.get(rec.get("identity")) == "llama":
+                if rec and toks and names.get(rec.identity.hex()) == "llama":
                     self.bases.append(_decode(toks))
         except Exception:
             pass
@@ -87,18 +87,21 @@ class CrashWork:
         store, zoo = self.store, self.zoo
         name, toks, cache = prepared or self.prepare()
         k = _entry_key(store, zoo, name, toks)
-        we, dropped = store._stats["write_errors"], store.writer.dropped
+        we, dropped = self.write_errors(), store.writer.dropped
         self.ev("begin", op="insert", i=i, key=k, model=name, n=len(toks))
         _guard("insert()", self.escaped, store.insert, zoo.model_arg(name), toks, cache)
         if flush:
             _guard("flush()", self.escaped, store.flush)
-            if store._stats["write_errors"] == we and store.writer.dropped == dropped and self.committed(k):
+            if self.write_errors() == we and store.writer.dropped == dropped and self.committed(k):
                 self.ev("committed", key=k)
             else:
-                self.ev("not_committed", key=k, write_errors=store._stats["write_errors"] - we)
+                self.ev("not_committed", key=k, write_errors=self.write_errors() - we)
         self.ev("end", op="insert", i=i)
         self.flush_escapes()
         return k
+
+    def write_errors(self) -> int:
+        return int(self.store.stats()["write_errors"])
 
     def flush(self, i: int) -> None:
         self.ev("begin", op="flush", i=i)
@@ -108,30 +111,40 @@ class CrashWork:
     def gc(self, i: int) -> None:
         """gc to a random budget; its victims (a dry run first) are excused."""
         from kvstore import maintenance as mt
+        from kvstore.budget import evict_to
         store = self.store
         # pending writes and hit bookkeeping first: a touch committed between the dry run and
         # gc would change the LRU order, and gc would rightly evict another entry
         _guard("flush()", self.escaped, store.flush)
         total = store.disk.index.total_bytes()
         budget = int(total * self.rng.uniform(0.2, 0.9))
-        victims = mt.evict_to(store.disk, budget, dry_run=True)
-        self.ev("excuse", keys=[k.hex() for k, _ in victims], why="gc victims")
+        victims = evict_to(store.disk, budget, dry_run=True)
+        self.ev("excuse", keys=[r.key.hex() for r in victims], why="gc victims")
         self.ev("begin", op="gc", i=i)
-        _guard("gc()", self.escaped, mt.gc, store.disk, max_bytes=budget, tmp_age=0, blob_age=0)
+        _guard("gc()", self.escaped, mt.gc, store.disk, max_bytes=budget, blob_age=0)
         self.ev("end", op="gc", i=i)
         self.flush_escapes()
 
     def damage(self, n: int) -> None:
-        """Damage up to ``n`` blobs (something for verify --fix to do); their users are excused."""
+        """Damage up to ``n`` segments or their pack files (something for verify --fix to
+        do); the entries using what was damaged are excused."""
         rng = self.rng
-        users = blob_users(self.store)
-        if not users:
+        segs = segment_users(self.store)
+        if not segs:
             return
         hit: set[str] = set()
-        for blob in rng.sample(sorted(users), min(n, len(users))):
+        root = self.store.disk.root
+        for seg in rng.sample(segs, min(n, len(segs))):
+            path = root / seg["pack"]
+            if not path.exists():
+                continue  # deleted by an earlier pick: its users are excused already
             mode = rng.choice(["flip", "truncate", "delete", "zero"])
-            damage_file(self.store.disk.blob_root / blob, mode, rng)
-            hit |= users[blob]
+            if mode in IN_SEGMENT:
+                damage_in_segment(path, seg["offset"], seg["length"], mode, rng)
+                hit |= set(seg["users"])
+            else:
+                damage_file(path, mode, rng)
+                hit |= {u for s in segs if s["pack"] == seg["pack"] for u in s["users"]}
         self.ev("excuse", keys=sorted(hit), why="damaged")
 
     def verify_fix(self, i: int) -> None:
@@ -141,7 +154,7 @@ class CrashWork:
             return
         from kvstore import maintenance as mt
         self.ev("begin", op="verify", i=i)
-        _guard("verify(fix=True)", self.escaped, mt.verify, self.store.disk, fix=True, tmp_age=0, blob_age=0)
+        _guard("verify(fix=True)", self.escaped, mt.verify, self.store.disk, fix=True, blob_age=0)
         self.ev("end", op="verify", i=i)
         self.flush_escapes()
 
@@ -149,7 +162,7 @@ class CrashWork:
         """``kvstore verify --fix`` as a child process (its pid goes to the parent, which
         kills it too); an exit code other than 0 or 1 is an escaped exception."""
         cmd = [sys.executable, "-m", "kvstore.cli", "verify", "--cache-dir", self.msg["dir"], "--fix",
-               "--tmp-age", "0", "--blob-age", "0"]
+               "--blob-age", "0"]
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.ev("begin", op="cli_verify", i=i, pid=p.pid)
         _, err = p.communicate()

@@ -34,39 +34,39 @@ if TYPE_CHECKING:
 def _patched_kvstore(msg: dict, mnt: Path) -> Iterator[dict]:
     """kvstore as the trial needs it, restored afterwards: with ``small_map`` a 64 KiB
     first LMDB map (to reach MDB_MAP_FULL and the map growth path on the small disk);
-    with ``fill_between`` the disk fills right after a blob write, before its index
-    commit, whenever the yielded ``armed["on"]`` is set (it disarms itself)."""
+    with ``fill_between`` the disk fills right after a pack file is sealed, before the
+    index commit that names it, whenever the yielded ``armed["on"]`` is set (it disarms
+    itself). These are fault injections at real points of kvstore's write path."""
     import kvstore.blobs as kblobs
-    import kvstore.index as kindex
-    saved_map = kindex._INITIAL_MAP
+    import kvstore.index.core as kcore
+    saved_map = kcore._INITIAL_MAP
     if msg.get("small_map"):
-        kindex._INITIAL_MAP = 64 << 10
-    real_write = kblobs.write_blob
+        kcore._INITIAL_MAP = 64 << 10
+    real_seal = kblobs.PackWriter.seal
     armed = {"on": False}
 
-    def write_then_fill(path: Any, tensors: Any, metadata: Any) -> Any:
-        """The disk fills between a blob write and the index commit (the LMDB write fails)."""
-        out = real_write(path, tensors, metadata)
+    def seal_then_fill(self: Any) -> None:
+        """The disk fills between the pack write and the index commit (the LMDB write fails)."""
+        real_seal(self)
         if armed["on"]:
             armed["on"] = False
             _fill(mnt / "filler2", 1 << 30)
-        return out
 
     if msg.get("fill_between"):
-        kblobs.write_blob = write_then_fill
+        kblobs.PackWriter.seal = seal_then_fill  # type: ignore[method-assign]
     try:
         yield armed
     finally:
-        kindex._INITIAL_MAP = saved_map
-        kblobs.write_blob = real_write
+        kcore._INITIAL_MAP = saved_map
+        kblobs.PackWriter.seal = real_seal  # type: ignore[method-assign]
 
 
 class FullDiskTrial:
     """One store on the small disk and what was inserted into it (with the digest of
     each cache, to compare what comes back bit for bit)."""
 
-    def __init__(self, zoo: Zoo, store: Any, rng: random.Random, res: dict) -> None:
-        self.zoo, self.store, self.rng, self.res = zoo, store, rng, res
+    def __init__(self, zoo: Zoo, store: Any, rng: random.Random, res: dict, cap: LogCapture) -> None:
+        self.zoo, self.store, self.rng, self.res, self.cap = zoo, store, rng, res, cap
         self.digests: dict[str, str] = {}   # entry key -> cache digest
         self.inserted: list[tuple[str, list[int], str]] = []
 
@@ -78,7 +78,7 @@ class FullDiskTrial:
         cache = zoo.make_cache(name, toks)
         dg = cache_digest(cache)
         k = _entry_key(store, zoo, name, toks)
-        we, failed = store._stats["write_errors"], store.writer.failed
+        we, failed = store.stats()["write_errors"], self.writer_failed()
         n_esc = len(res["escaped"])
         _guard("insert()", res["escaped"], store.insert, zoo.model_arg(name), toks, cache)
         _guard("flush()", res["escaped"], store.flush)
@@ -87,10 +87,14 @@ class FullDiskTrial:
         self.inserted.append((name, toks, dg))
         self.digests[k] = dg
         ok = _guard("index.entry()", res["escaped"], store.disk.index.entry, bytes.fromhex(k)) is not None
-        if not ok and store._stats["write_errors"] == we:
+        if not ok and store.stats()["write_errors"] == we:
             res["uncounted_failures"] += 1
-        res["writer_failed"] += store.writer.failed - failed
+        res["writer_failed"] += self.writer_failed() - failed
         return ok
+
+    def writer_failed(self) -> int:
+        """Write jobs that raised inside the writer thread (it logs each one)."""
+        return sum("background write failed" in r for r in self.cap.records)
 
     def fill_up(self, msg: dict, mnt: Path, armed: dict) -> None:
         """A few entries, then a filler leaving ``leave`` bytes, then inserts until four
@@ -116,7 +120,7 @@ class FullDiskTrial:
                 fails += 1
                 if fails >= 4:
                     break
-        res["write_errors"] = self.store._stats["write_errors"]
+        res["write_errors"] = self.store.stats()["write_errors"]
 
     def serve_from_memory(self) -> None:
         """Every insert is still a full, correct hit (``memory_misses`` otherwise)."""
@@ -136,7 +140,7 @@ class FullDiskTrial:
         store, res = self.store, self.res
         _guard("stats()", res["escaped"], store.stats)
         try:
-            probs = mt.verify(store.disk, tmp_age=0, blob_age=0)
+            probs = [p for p in mt.verify(store.disk, blob_age=0) if p.kind not in mt.NOT_OURS]
             res["verify_problems"] = dict(Counter(p.kind for p in probs))
             res["verify_detail"] = [f"{p.kind} {p.path} {p.detail}" for p in probs[:5]]
         except Exception as e:
@@ -151,8 +155,11 @@ class FullDiskTrial:
         store = self.store = KVStore(cdir, chunk_tokens=CHUNK, max_entries=100_000)
         names = zoo.ident_map(store)
         for k, rec, toks in raw_entries(store):
+            name = names.get(rec.identity.hex()) if rec is not None else None
+            if name is None or toks is None:
+                res["reopen_misses"] += 1  # a record the trial did not write
+                continue
             tokens = _decode(toks)
-            name = names.get(rec.get("identity"))
             f = _guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), tokens)
             res["reopen_checked"] += 1
             if f is None or f.n != len(tokens) or f.source != "disk":
@@ -181,7 +188,7 @@ def op_full_disk(zoo: Zoo, msg: dict, emit: Emit) -> dict:
     cap = LogCapture()
     with _patched_kvstore(msg, mnt) as armed, cap:
         trial = FullDiskTrial(zoo, KVStore(mnt / "cache", chunk_tokens=CHUNK, max_entries=100_000),
-                              random.Random(msg["seed"]), res)
+                              random.Random(msg["seed"]), res, cap)
         trial.fill_up(msg, mnt, armed)
         trial.serve_from_memory()
         trial.verify_and_close()

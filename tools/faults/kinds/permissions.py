@@ -34,9 +34,10 @@ def _open_modes(cdir: str, modes: tuple = ("raise", "memory", "lru")) -> dict:
 
 
 def _open_and_use(cdir: str, mode: str, ident: Any, toks: list[int]) -> dict:
-    """Open ``cdir`` as ``mode`` says (``on_disk_error`` raise or memory, or the
-    LRUPromptCache drop-in), insert a synthetic cache and fetch it back: the outcome of
-    the open, whether the fetch ``served`` it, write errors and the warnings logged."""
+    """Open ``cdir`` as ``mode`` says (``on_disk_error`` raise or memory, ``shared``:
+    raise with ``shared_dir=True``, or the LRUPromptCache drop-in), insert a synthetic
+    cache and fetch it back: the outcome of the open, whether the fetch ``served`` it,
+    write errors and the warnings logged."""
     from kvstore import KVStore, LRUPromptCache, StoreOpenError
     r: dict[str, Any] = {"escaped": []}
     cap = LogCapture()
@@ -45,8 +46,9 @@ def _open_and_use(cdir: str, mode: str, ident: Any, toks: list[int]) -> dict:
             if mode == "lru":
                 lru = LRUPromptCache(cache_dir=cdir, chunk_tokens=CHUNK)
                 store = lru.store
-            else:
-                store = KVStore(cdir, chunk_tokens=CHUNK, on_disk_error=mode)
+            else:  # "shared": a directory a group shares on purpose (errors raise)
+                store = KVStore(cdir, chunk_tokens=CHUNK, on_disk_error="raise" if mode == "shared" else mode,
+                                shared_dir=mode == "shared")
         except StoreOpenError as e:
             r["outcome"] = "StoreOpenError"
             r["message"] = str(e)
@@ -211,12 +213,14 @@ def case_lock_root(base: Path, populate: Callable[[Path], None]) -> tuple[Path, 
 
 
 def case_blobs_root(base: Path, populate: Callable[[Path], None]) -> tuple[Path, str, bool]:
+    """blobs/ belongs to another user (root): refused at open (another user could plant
+    pack files), not merely failing writes."""
     d = base / "blobs-root"
     populate(d)
     _chown_tree(d)
     for p in [d / "blobs", *(d / "blobs").rglob("*")]:
         os.lchown(p, 0, 0)
-    return d, "writes_fail", True
+    return d, "error", True
 
 
 # (name, setup, needs root)
@@ -234,7 +238,7 @@ CASES: list[tuple[str, Setup, bool]] = [
     ("no permission to create (root-owned parent, run as nobody)", case_noperm_parent, True),
     ("index/data.mdb not readable (run as nobody)", case_datamdb_root, True),
     ("index/lock.mdb not writable (run as nobody)", case_lock_root, True),
-    ("blobs/ not writable (run as nobody)", case_blobs_root, True),
+    ("blobs/ owned by another user (run as nobody)", case_blobs_root, True),
 ]
 
 
