@@ -677,26 +677,10 @@ def alloc(specs: Specs) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         arrays = mx.load(_Unfilled(specs), format="safetensors")
         hosts = {name: np.asarray(a).view(host_dtype(specs[name][0])) for name, a in arrays.items()}
         if not any(h.flags.owndata or not h.flags.writeable for h in hosts.values()):
-            if os.environ.get("KVSTORE_HUGEPAGES"):
-                for h in hosts.values():
-                    _huge_pages(h)
             return arrays, hosts
         SHARED_MEMORY = False  # a copy would lose the data
     hosts = {name: np.empty(shape, _FROM_ST[st][1]) for name, (st, shape) in specs.items()}
     return dict(hosts), hosts
-
-
-def _huge_pages(a: np.ndarray) -> None:
-    """Ask Linux to back ``a``'s untouched memory with transparent huge pages (one fault
-    per 2 MiB instead of per 4 KiB while the reads fill it). Advice only; a no-op elsewhere."""
-    if not sys.platform.startswith("linux") or a.nbytes < (4 << 20):
-        return
-    import ctypes
-
-    start = (a.ctypes.data + (1 << 21) - 1) & ~((1 << 21) - 1)
-    end = (a.ctypes.data + a.nbytes) & ~((1 << 21) - 1)
-    if end > start:
-        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
 
 
 def finish(st: str, a: Any) -> Any:
