@@ -26,7 +26,9 @@ fetch is a local hit, and a reopened store without the shared tier serves it fro
 for (published, skipped, failed or dropped); a kill or pause B lived through is counted
 in its ``stats()`` (``shared_errors`` / ``shared_skipped_calls``). In ``clean`` trials a
 fetch short of the entry is an ``unexplained_miss``; under faults and damage a shorter
-hit or a miss is allowed (counted in ``outcomes``). Afterwards both directories get the
+hit or a miss is allowed (counted in ``outcomes``), but a pause loses nothing: an empty
+machine fetching once it is over gets every entry in full, and a value whose flip cost
+tokens was counted as rejected. Afterwards both directories get the
 check (``check_store``: every claimed entry served and correct, ``verify`` clean).
 
 Redis itself is a cache without persistence here: what a kill or restart drops is not an
@@ -280,6 +282,7 @@ def fault_of(redis: Redis, action: str, rng: random.Random) -> Callable[[], None
 
     def fault() -> None:
         time.sleep(rng.uniform(0.05, WINDOW / 3))
+        fault.log.append((action, server.port, server.pid, time.time()))  # type: ignore[attr-defined]
         if action == "kill":
             server.kill()
             time.sleep(rng.uniform(0.2, 0.6))
@@ -291,6 +294,8 @@ def fault_of(redis: Redis, action: str, rng: random.Random) -> Callable[[], None
         else:
             server.restart()
         redis.wait_whole()
+        fault.log.append(("over", time.time()))  # type: ignore[attr-defined]
+    fault.log = []  # type: ignore[attr-defined]
     return fault
 
 
@@ -358,7 +363,7 @@ def judge_round(t: Tally, trial: str, rnd: dict, entries: list[list]) -> None:
     for (fam, toks), (n, src), (n2, src2) in zip(entries, rnd["hits"], rnd["again"]):
         what = "full hit" if n >= len(toks) else "shorter hit" if n else "miss"
         t.outcomes[f"{trial}: {what}"] += 1
-        if what != "full hit" and bare(trial) == "clean":
+        if what != "full hit" and bare(trial) in ("clean", "after_pause"):
             t.c["unexplained_misses"] += 1
             t.fail("clean trial: B did not get the whole entry", family=fam, tokens=len(toks), n=n, source=src,
                    stats=rnd["stats"])
@@ -384,10 +389,36 @@ def judge_fetch(t: Tally, trial: str, b: dict, entries: list[list]) -> None:
     counted = sum((r["stats"].get("shared_errors") or 0) + (r["stats"].get("shared_skipped_calls") or 0)
                   for r in b["rounds"])
     t.outcomes[f"{trial}: rounds"] += len(b["rounds"])
-    if bare(trial) in ("fetch_kill", "fetch_pause") and not counted:
+    if bare(trial) in ("fetch_kill", "fetch_pause") and not overlapped(b):
+        t.outcomes[f"{trial}: fault came after B's rounds"] += 1
+    elif bare(trial) in ("fetch_kill", "fetch_pause") and not counted:
         t.c["failed_cases"] += 1
-        t.fail("B lived through a dead server and counted nothing", trial=trial,
-               stats=[r["stats"] for r in b["rounds"]])
+        t.fail("B lived through a dead server and counted nothing", trial=trial, fault=b.get("fault"),
+               rounds=[(r["t0"], r.get("t1")) for r in b["rounds"]], stats=b["rounds"][0]["stats"])
+
+
+def overlapped(b: dict) -> bool:
+    """Did the fault (``b["fault"]``: its start, then ``("over", t)``) overlap a round of B?
+    (A loaded machine can delay the parent past B's window.)"""
+    log = b.get("fault") or []
+    if len(log) < 2:
+        return False
+    start, end = log[0][-1], log[-1][-1]
+    return any(r["t0"] < end and r.get("t1", end) > start for r in b["rounds"])
+
+
+def judge_damage(t: Tally, trial: str, done: list[str], b: dict, entries: list[list]) -> None:
+    """After values were only flipped (nothing deleted), a fetch short of its entry must
+    have counted what it rejected (a flip in a hash field may instead make the field
+    another prompt's: it then fails to match, which no reader can tell from that)."""
+    if not done or any(x != "flipped string" for x in done):
+        return
+    rnd = b["rounds"][0]
+    short = [n for (fam, toks), (n, _) in zip(entries, rnd["hits"]) if n < len(toks)]
+    counted = sum(rnd["stats"].get(k) or 0 for k in ("shared_rejected", "shared_missing", "shared_too_large"))
+    if short and not counted:
+        t.c["unexplained_misses"] += len(short)
+        t.fail("a flipped value cost tokens and nothing was counted", trial=trial, short=short, stats=rnd["stats"])
 
 
 def check_dirs(ctx: Ctx, t: Tally, trial: str, d: Any, entries: list[list], b: dict | None) -> None:
@@ -417,14 +448,22 @@ def one_trial(ctx: Ctx, t: Tally, rng: random.Random, redis: Redis, machines: di
     a = machines["A"].run(t, pub, fault_of(redis, action, rng) if when == "publish" else None)
     if a is not None:
         judge_publish(t, trial, a, n)
-    if when == "damage":
-        t.info.setdefault("damage", Counter()).update(damage_redis(redis, rng))
+    done = damage_redis(redis, rng) if when == "damage" else []
+    t.info.setdefault("damage", Counter()).update(done)
     queries = [[fam, toks + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 3))]] for fam, toks in entries]
     fetch = {"op": "shared_fetch", "dir": str(d / "b"), "url": redis.url, "queries": queries, "bound": FETCH_BOUND,
              "seconds": WINDOW if when == "fetch" else 0.0}
-    b = machines["B"].run(t, fetch, fault_of(redis, action, rng) if when == "fetch" else None)
+    fault = fault_of(redis, action, rng) if when == "fetch" else None
+    b = machines["B"].run(t, fetch, fault)
     if b is not None:
+        b["fault"] = getattr(fault, "log", None)
         judge_fetch(t, trial, b, entries)
+        judge_damage(t, trial, done, b, entries)
+    if bare(trial) == "fetch_pause":  # a pause loses nothing: once it is over, all of it again
+        time.sleep(FAST["breaker_backoff_max"] + 0.1)
+        after = machines["B"].run(t, dict(fetch, dir=str(d / "b-after"), seconds=0.0), None)
+        if after is not None:
+            judge_fetch(t, trial.replace("fetch_pause", "after_pause"), after, entries)
     check_dirs(ctx, t, trial, d, entries, b)
     t.c["trials"] += 1
     shutil.rmtree(d, ignore_errors=True)
