@@ -359,6 +359,8 @@ def judge_publish(t: Tally, trial: str, a: dict, n: int) -> None:
         t.c["failed_cases"] += 1
         t.fail("a publish failed with the server up", trial=trial, stats=st)
     t.outcomes[f"{trial}: publishes failed"] += failed
+    t.info["slowest_insert"] = max(t.info.get("slowest_insert", 0.0), round(a["insert_secs"], 3))
+    t.info["slowest_publish_flush"] = max(t.info.get("slowest_publish_flush", 0.0), a["flush_secs"] or 0.0)
 
 
 def judge_round(t: Tally, trial: str, rnd: dict, entries: list[list]) -> None:
@@ -511,5 +513,6 @@ def run_shared(ctx: Ctx) -> dict:
     if "damage" in t.info:
         t.info["damage"] = dict(t.info["damage"])
     t.info.update({"entries_per_trial": ctx.size["shared_entries"], "fetch_bound": FETCH_BOUND,
+                   "insert_bound": INSERT_BOUND, "publish_bound_per_entry": PUBLISH_BOUND,
                    "server": "redis-server (tests/support/redis_servers.py)"})
     return t.result()
