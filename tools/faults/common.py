@@ -24,16 +24,16 @@ VOCAB = 256          # prompts use the byte tokens of the tiny models
 SIZES: dict[str, dict[str, Any]] = {
     "full": dict(crash=240, crash_lineage=6, blob=720, lmdb=300, lmdb_live=40, full_disk=12,
                  conc_seconds=60, conc_procs=4, conc_threads=4, templates=3, huge_fetch=2_000_000,
-                 huge_insert=100_000, hostile_all=1),
+                 huge_insert=100_000, hostile_all=1, shared_trials=160, shared_cluster_trials=48, shared_entries=8),
     "quick": dict(crash=24, crash_lineage=4, blob=60, lmdb=30, lmdb_live=6, full_disk=3,
                   conc_seconds=15, conc_procs=4, conc_threads=4, templates=2, huge_fetch=2_000_000,
-                  huge_insert=100_000, hostile_all=1),
+                  huge_insert=100_000, hostile_all=1, shared_trials=24, shared_cluster_trials=8, shared_entries=6),
     "ci": dict(crash=8, crash_lineage=4, blob=24, lmdb=16, lmdb_live=2, full_disk=1,
                conc_seconds=8, conc_procs=4, conc_threads=4, templates=1, huge_fetch=200_000,
-               huge_insert=20_000, hostile_all=0),
+               huge_insert=20_000, hostile_all=0, shared_trials=8, shared_cluster_trials=2, shared_entries=4),
 }
 
-KINDS = ("crash", "corruption", "full_disk", "permissions", "concurrency", "bad_input", "hostile")
+KINDS = ("crash", "corruption", "full_disk", "permissions", "concurrency", "bad_input", "hostile", "shared")
 
 
 def exc_info(where: str, e: BaseException) -> dict:

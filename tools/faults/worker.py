@@ -22,7 +22,7 @@ from .synth import Zoo
 
 Op = Callable[[Zoo, dict, Emit], dict]
 ROLE_MODELS = {"crash": ("llama", "gemma", "qwen"), "check": ("llama", "gemma", "qwen"), "perm": (),
-               "conc": ("llama",), "misc": ("llama", "gemma"), "cli": ()}
+               "conc": ("llama",), "misc": ("llama", "gemma"), "cli": (), "shared": ()}
 
 
 def operations() -> dict[str, Op]:

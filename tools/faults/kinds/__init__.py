@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from ..worker import Op
-from . import bad_input, concurrency, corruption, crash, full_disk, hostile, permissions
+from . import bad_input, concurrency, corruption, crash, full_disk, hostile, permissions, shared
 
 if TYPE_CHECKING:
     from ..harness import Ctx
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 RUNNERS: dict[str, Callable[[Ctx], dict]] = {
     "crash": crash.run_crash, "corruption": corruption.run_corruption, "full_disk": full_disk.run_full_disk,
     "permissions": permissions.run_permissions, "concurrency": concurrency.run_concurrency,
-    "bad_input": bad_input.run_bad_input, "hostile": hostile.run_hostile,
+    "bad_input": bad_input.run_bad_input, "hostile": hostile.run_hostile, "shared": shared.run_shared,
 }
 # the worker commands the kinds add to the check (see worker.operations)
 OPS: dict[str, Op] = {
@@ -26,4 +26,5 @@ OPS: dict[str, Op] = {
     "bad_input": bad_input.op_bad_input, "conc": concurrency.op_conc,
     "cli": hostile.op_cli, "owner": hostile.op_owner, "modes": hostile.op_modes, "clock": hostile.op_clock,
     "weights_populate": hostile.op_weights_populate, "weights_fetch": hostile.op_weights_fetch,
+    "shared_publish": shared.op_shared_publish, "shared_fetch": shared.op_shared_fetch,
 }
