@@ -1,4 +1,4 @@
-"""Shared fixtures: the repo root on sys.path, loaded models by name, deterministic prompts.
+"""Shared fixtures: loaded models by name, deterministic prompts.
 
 Models come from tools.models (built once per machine into $KVSTORE_MODELS_DIR or the user
 cache dir) and are loaded offline, once per test session.
@@ -10,13 +10,10 @@ import importlib.util
 import os
 import pathlib
 import random
-import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 # tests/compat runs against the real vllm-mlx, which pins mlx-lm < 0.32: it has its own
 # environment (tools/compat_env.sh). Where vllm-mlx is not installed it is not collected.

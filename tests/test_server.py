@@ -22,11 +22,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from tests.server_util import Server, cached_tokens, reply, serve_command  # noqa: E402
+from tests.server_util import Server, cached_tokens, reply, serve_command
 
 # mode -> (server flags, extra request fields)
 MODES = {

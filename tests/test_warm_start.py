@@ -26,11 +26,9 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from tests.server_util import Server, cached_tokens, reply, serve_command  # noqa: E402
-from tests.test_server import SYSTEM, USER1, USER2  # noqa: E402
+from tests.server_util import Server, cached_tokens, reply, serve_command
+from tests.test_server import SYSTEM, USER1, USER2
 
 FILLER = 60  # unpinned entries that make a preload last long enough to be seen from outside
 

@@ -21,8 +21,6 @@ from typing import Any
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 SYSTEM = "You are a careful assistant who answers briefly and exactly. " * 30
 MAX_TOKENS = 12
