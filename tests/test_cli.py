@@ -23,27 +23,21 @@ from typing import Any
 
 import pytest
 import xxhash
-from store_util import SegRef, damage_segment
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import ROOT
+from tests.support.children import child_env
+from tests.support.stores import SegRef, damage_segment
+
 CHUNK = 64
 DAY = 86400.0
 GONE_COMPONENTS = {"weights": "a model that was deleted", "layout": [{"class": "KVCache"}] * 3}
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    return env
 
 
 def cli(*args: Any, cache_dir: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "kvstore.cli", *map(str, args)]
     if cache_dir is not None:
         cmd += ["--cache-dir", str(cache_dir)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=str(ROOT))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=str(ROOT))
 
 
 def cli_json(*args: Any, cache_dir: Path, code: int = 0) -> Any:
@@ -74,7 +68,7 @@ def run_script(script: str, payload: Any, timeout: float = 300) -> Any:
     """Run ``script`` in a new Python process; it reads ``json.loads(sys.argv[1])`` and
     prints one JSON document as its last line."""
     p = subprocess.run([sys.executable, "-c", textwrap.dedent(script), json.dumps(payload)],
-                       capture_output=True, text=True, timeout=timeout, env=_env(), cwd=str(ROOT))
+                       capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=str(ROOT))
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -108,7 +102,7 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tiny_llama) -> dict[str, Any]:
     """The template store and what is in it."""
-    from conftest import text_prompt
+    from tests.support.prompts import text_prompt
     from kvstore import Identity, KVStore
     from kvstore.disk import DiskTier
     from kvstore.keys import encode_tokens, key_of, root_key
@@ -592,7 +586,7 @@ def test_gc_and_verify_fix_under_a_live_reader(built, store_dir, tmp_path):
                "gone_components": GONE_COMPONENTS, "gone_path": built["gone_path"],
                "stop": str(stop), "ready": str(ready), "max_seconds": 120}
     reader = subprocess.Popen([sys.executable, "-c", textwrap.dedent(READER), json.dumps(payload)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=str(ROOT))
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=str(ROOT))
     try:
         t0 = time.time()
         while not ready.exists():
@@ -693,7 +687,7 @@ def on_terminal(args: list[Any], timeout: float = 300) -> tuple[int, str, str]:
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
     p = subprocess.Popen([sys.executable, "-m", "kvstore.cli", *map(str, args)], stdin=subprocess.DEVNULL,
-                         stdout=subprocess.PIPE, stderr=slave, env=_env(), cwd=str(ROOT))
+                         stdout=subprocess.PIPE, stderr=slave, env=child_env(), cwd=str(ROOT))
     os.close(slave)
     seen = b""
     while True:

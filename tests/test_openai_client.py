@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.server_util import Server
+from tests.support.servers import Server
 
 SYSTEM = " ".join(f"Clause {i}: the archive keeps every ledger for {i + 3} years and lists it by shelf {i * 5 % 17}."
                   for i in range(14))  # ~1,200 characters: ~1,200 tokens for the byte-level tokenizer

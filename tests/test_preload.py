@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import store_util as U
+import tests.support.stores as U
 from test_store import assert_synth, ident, rand_tokens, synth
 
 from kvstore import KVStore

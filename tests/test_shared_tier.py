@@ -2,7 +2,7 @@
 LMDB directories and real models: no mocks.
 
 "Machines" are KVStores with different cache directories sharing one Redis: separate
-processes (store_util.run_py) for the model test, two stores in this process elsewhere.
+processes (tests.support.stores.run_py) for the model test, two stores in this process elsewhere.
 Synthetic caches (test_store.synth) hold KV that is a pure function of each position's
 token id, so every hit is checked bit for bit against what it must be; the model test
 runs the restored-equals-cold oracle on every cache family.
@@ -18,7 +18,7 @@ import resource
 from typing import TYPE_CHECKING
 
 import pytest
-import store_util as U
+import tests.support.stores as U
 from test_store import TINY_FAMILIES, TRIMMABLE, rand_tokens, store_kwargs, synth
 
 from kvstore import KVStore
@@ -73,8 +73,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 MACHINE_A = r"""
 import json, sys
-import store_util as U
-from conftest import text_prompt
+import tests.support.stores as U
+from tests.support.prompts import text_prompt
 from kvstore import KVStore
 from tools.models import MODELS, load_model, model_path
 from tools.oracle import prefill
@@ -98,7 +98,7 @@ print(json.dumps(out))
 
 MACHINE_B = r"""
 import json, sys
-import store_util as U
+import tests.support.stores as U
 from kvstore import KVStore
 from tools.models import MODELS, load_model, model_path
 from tools.oracle import check_restore, prefill

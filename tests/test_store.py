@@ -1,7 +1,7 @@
 """KVStore end to end: restored equals cold, chunking and dedup, corruption, warm start,
 write-behind.
 
-Every store here uses ``chunk_tokens=64`` (store_util.CHUNK), so prompts of 100-300
+Every store here uses ``chunk_tokens=64`` (tests.support.stores.CHUNK), so prompts of 100-300
 tokens span several chunks plus a tail and lookups walk real chains.
 
 Synthetic caches (``synth``) hold keys / values that are a pure function of each position's
@@ -21,8 +21,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-import store_util as U
-from conftest import have_smollm2, requires_smollm2, text_prompt
+import tests.support.stores as U
+from tests.support.models import have_smollm2, requires_smollm2
+from tests.support.prompts import text_prompt
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from kvstore import KVStore, blobs
@@ -227,7 +228,7 @@ def test_restore_from_memory_equals_cold(family, prepared):
 
 DISK_SCRIPT = r"""
 import json, pickle, sys
-import store_util as U
+import tests.support.stores as U
 from kvstore import KVStore
 from tools.models import load_model
 

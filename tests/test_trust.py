@@ -18,7 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from store_util import CHUNK, ROOT, run_py, synth_kv_cache
+from tests.support import ROOT
+from tests.support.children import child_env
+from tests.support.stores import CHUNK, run_py, synth_kv_cache
 
 from kvstore import KVStore
 from kvstore.identity import Identity, code_digest, layout_of, model_identity
@@ -165,7 +167,7 @@ def _fetch_in_new_process(cache_dir: Path, prompts: list[list[int]], timeout: fl
 def _cli(cache_dir: Path, *args: str, timeout: float = 20) -> subprocess.CompletedProcess:
     """``kvstore ARGS --cache-dir DIR`` in a new process, which must finish within
     ``timeout`` seconds with exit 0 or 1 and no traceback."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     try:
         p = subprocess.run([sys.executable, "-m", "kvstore.cli", *args, "--cache-dir", str(cache_dir)],
                            capture_output=True, text=True, timeout=timeout, env=env, cwd=str(ROOT))
@@ -628,7 +630,7 @@ def test_slow_writer_keeps_its_entry_when_gc_runs_before_its_commit(tmp_path: Pa
         import kvstore.blobs as kb
         from kvstore import KVStore
         from kvstore.identity import Identity
-        from store_util import synth_kv_cache
+        from tests.support.stores import synth_kv_cache
         a = json.loads(sys.argv[1])
         real, gcs = kb.PackWriter.seal, []
         def seal_then_gc(self):

@@ -27,7 +27,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from tests.server_util import Server, cached_tokens, reply, serve_command
+from tests.support.servers import Server, cached_tokens, reply, serve_command
 from tests.test_server import SYSTEM, USER1, USER2
 
 FILLER = 60  # unpinned entries that make a preload last long enough to be seen from outside
@@ -58,7 +58,7 @@ def warm_and_pin(model_dir: Path, cache_dir: Path, tmp: Path) -> int:
 
 def fill(model_dir: Path, cache_dir: Path, n_entries: int = FILLER, n_tokens: int = 1500) -> None:
     """``n_entries`` unpinned entries of the model's identity (synthetic KV of its shape)."""
-    import store_util as U
+    import tests.support.stores as U
 
     from kvstore import KVStore
 
