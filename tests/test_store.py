@@ -22,6 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 import tests.support.stores as U
+from tests.support.children import run_module
 from tests.support.models import have_smollm2, requires_smollm2
 from tests.support.prompts import text_prompt
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
@@ -226,34 +227,6 @@ def test_restore_from_memory_equals_cold(family, prepared):
         _check_case(family, prep, case, prep["memory"][case["name"]], "memory")
 
 
-DISK_SCRIPT = r"""
-import json, pickle, sys
-import tests.support.stores as U
-from kvstore import KVStore
-from tools.models import load_model
-
-jobs = json.loads(sys.argv[1])
-out = {}
-for job in jobs:
-    model, _ = load_model(job["family"])
-    ref = pickle.loads(open(job["ref"], "rb").read())
-    for case in job["cases"]:
-        # a plain KVStore(dir) (plus the engine's KV quantisation): chunk size and everything
-        # else come from the directory
-        with KVStore(case["dir"], **job["store_kw"]) as s:
-            assert s.disk.chunk == U.CHUNK
-            f = s.fetch(job["path"], job["P"])
-            res = U.check_fetched(model, f, job["P"], ref, oracle=case["oracle"], trim1=case["trim1"],
-                                kv=job["kv"])
-            if f.cache is not None:
-                again = s.fetch(job["path"], job["P"])
-                res["refetch"] = [again.n, again.source, U.cache_digest(again.cache)]
-            res["stats"] = {k: s.stats()[k] for k in ("hits_disk", "hits_memory", "misses", "corrupt")}
-        out[job["family"] + "/" + case["name"]] = res
-print(json.dumps(out))
-"""
-
-
 def test_restore_from_disk_in_new_process_equals_cold(prepared):
     """Disk tier: a NEW process opens each case's directory with a plain ``KVStore(dir)``,
     fetches P (memory empty: it must come from disk) and runs the oracle; one subprocess
@@ -264,7 +237,7 @@ def test_restore_from_disk_in_new_process_equals_cold(prepared):
                  store_kw=store_kwargs(p["family"]),
                  cases=[{k: c[k] for k in ("name", "dir", "oracle", "trim1")} for c in p["cases"]])
             for p in preps]
-    results = U.run_py(DISK_SCRIPT, jobs)
+    results = run_module("tests.support.programs.store_disk_fetch", jobs)
     for p in preps:
         for case in p["cases"]:
             res = results[f"{p['family']}/{case['name']}"]
@@ -672,34 +645,6 @@ def test_failed_write_leaves_no_entry_and_no_file(tmp_path, monkeypatch, where):
 
 # --------------------------------------------------------------------------- warm start
 
-WARM_SCRIPT = r"""
-import json, sys
-import kvstore.blobs
-reads = []
-real = kvstore.blobs.open_own
-def counting(path):  # every pack file read is opened through open_own
-    reads.append(str(path))
-    return real(path)
-kvstore.blobs.open_own = counting
-
-from kvstore import KVStore
-from kvstore.identity import Identity
-job = json.loads(sys.argv[1])
-out = {"plans": []}
-with KVStore(job["dir"]) as s:
-    s.stats()
-    for name, toks in job["entries"]:
-        who = Identity.from_components({"test": name}, name=name)
-        plan = s.disk.plan(who, toks)
-        out["plans"].append(None if plan is None else plan.n)
-    out["reads_before"] = len(reads)
-    name, toks = job["entries"][job["fetch"]]
-    f = s.fetch(Identity.from_components({"test": name}, name=name), toks)
-    out["fetched"] = [f.n, f.source]
-    out["reads_after"] = sorted(reads)
-print(json.dumps(out))
-"""
-
 
 def test_warm_start_reads_no_blob_until_a_restore(tmp_path):
     """A new process finds every entry through the index alone (zero pack files opened);
@@ -713,7 +658,8 @@ def test_warm_start_reads_no_blob_until_a_restore(tmp_path):
         expected = {i: sorted({str(seg.path) for seg in U.entry_segments(s, t, ident(name))})
                     for i, (name, t) in enumerate(entries)}
     which = 3  # the 200-token entry: 3 chunks + a tail
-    out = U.run_py(WARM_SCRIPT, {"dir": str(tmp_path), "entries": entries, "fetch": which})
+    out = run_module("tests.support.programs.store_warm_start",
+                     {"dir": str(tmp_path), "entries": entries, "fetch": which})
     assert out["plans"] == [len(t) for _, t in entries]
     assert out["reads_before"] == 0
     assert out["fetched"] == [200, "disk"]

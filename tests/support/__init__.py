@@ -1,4 +1,5 @@
-"""Test support code as real modules: prompts, models, stores, servers, Redis servers.
+"""Test support code as real modules: prompts, models, stores, servers, Redis servers, and the
+programs tests run in child processes (``tests/support/programs``).
 
 pytest puts the repo root on ``sys.path`` (``pythonpath`` in pyproject.toml), so tests import
 these as ``tests.support.<module>``; child processes get the root through
