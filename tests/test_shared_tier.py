@@ -4,7 +4,7 @@ LMDB directories and real models: no mocks.
 "Machines" are KVStores with different cache directories sharing one Redis: separate
 processes (tests.support.programs.shared_machine_a / _b) for the model test, two stores in
 this process elsewhere.
-Synthetic caches (test_store.synth) hold KV that is a pure function of each position's
+Synthetic caches (tests.support.caches.synth) hold KV that is a pure function of each position's
 token id, so every hit is checked bit for bit against what it must be; the model test
 runs the restored-equals-cold oracle on every cache family.
 """
@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 import pytest
 import tests.support.stores as U
 from tests.support.children import run_module
-from test_store import TINY_FAMILIES, TRIMMABLE, rand_tokens, store_kwargs, synth
+from tests.support.caches import ident, rand_tokens, synth
+from tests.support.models import TINY_FAMILIES, TRIMMABLE, store_kwargs
 
 from kvstore import KVStore
 from kvstore.identity import Identity
@@ -36,10 +37,6 @@ pytest_plugins = ("tests.support.redis_servers",)
 
 C = U.CHUNK
 FAST = {"breaker_failures": 2, "breaker_backoff": 0.2, "breaker_backoff_max": 0.4}
-
-
-def ident(name: str) -> Identity:
-    return Identity.from_components({"test": name}, name=name)
 
 
 def store(path, url: str, **kw) -> KVStore:

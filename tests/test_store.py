@@ -22,10 +22,11 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 import tests.support.stores as U
+from tests.support.caches import assert_synth, ident, rand_tokens, synth, synth_kv_cache
 from tests.support.children import run_module
-from tests.support.models import have_smollm2, requires_smollm2
+from tests.support.models import TINY_FAMILIES, TRIMMABLE, have_smollm2, requires_smollm2, store_kwargs
 from tests.support.prompts import text_prompt
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from kvstore import KVStore, blobs
 from kvstore.identity import Identity, model_identity
@@ -35,66 +36,20 @@ from tools.oracle import cold_run, prefill
 C = U.CHUNK
 
 
-# --------------------------------------------------------------------------- synthetic caches
-
-
-def synth(tokens: list[int], *, layers: int = 2, snapshot: bool = False) -> list:
-    """A cache whose position i holds keys/values derived from (tokens[i], i) only, so the
-    right content of any prefix is known. ``snapshot=True`` adds a recurrent-state layer
-    (ArraysCache, a function of the whole prefix): such a cache is stored as one snapshot
-    and is only valid at exactly its length."""
-    t = mx.array(tokens, dtype=mx.float32)
-    pos = mx.arange(len(tokens), dtype=mx.float32)
-    base = mx.stack([t, pos, t * 0.5 + 1, pos * 2 + 3], axis=-1)[None, None]  # (1, 1, n, 4)
-    cache = []
-    for layer in range(layers):
-        c = KVCache()
-        c.keys, c.values, c.offset = base + layer, base * 2 - layer, len(tokens)
-        cache.append(c)
-    if snapshot:
-        a = ArraysCache(1)
-        a[0] = mx.array([[float(sum(tokens) % 100003), float(len(tokens))]])
-        cache.insert(0, a)
-    mx.eval([x for c in cache for x in ([c.keys, c.values] if isinstance(c, KVCache) else c.cache)])
-    return cache
-
-
-def assert_synth(cache: list, tokens: list[int], *, snapshot: bool = False) -> None:
-    """``cache`` is exactly what ``synth(tokens)`` builds."""
-    assert cache is not None
-    assert U.cache_digest(cache) == U.cache_digest(synth(tokens, snapshot=snapshot))
-
-
-def ident(name: str) -> Identity:
-    return Identity.from_components({"test": name}, name=name)
-
-
-def rand_tokens(n: int, seed: int, vocab: int = 50000) -> list[int]:
-    r = random.Random(seed)
-    return [r.randrange(vocab) for _ in range(n)]
-
-
 # --------------------------------------------------------------------------- oracle, all families
 
-TRIMMABLE = {"tiny-llama", "tiny-llama-q", "smollm2"}
 # L: the query prompt P; Ls: a stored shorter prefix S; div: where a stored longer entry G
 # leaves P (G = P[:div] + other tokens); tail2: also store P + more (trim inside a tail).
 SHAPES = {
     "tiny": dict(L=200, Ls=150, div=170, g_extra=60, n_gen=16, tail2=True),
     "smollm2": dict(L=110, Ls=100, div=104, g_extra=8, n_gen=4, tail2=False),
 }
-TINY_FAMILIES = ["tiny-llama", "tiny-llama-q", "tiny-gemma3", "tiny-qwen3next", "tiny-cachelist"]
 FAMILIES = TINY_FAMILIES + (["smollm2"] if have_smollm2() else [])
 FAMILY_PARAMS = TINY_FAMILIES + [pytest.param("smollm2", marks=requires_smollm2)]
 
 
 def _shape(family: str) -> dict:
     return SHAPES["smollm2" if family == "smollm2" else "tiny"]
-
-
-def store_kwargs(family: str) -> dict:
-    spec = MODELS[family]
-    return {"kv_bits": spec.kv_bits, "kv_group_size": spec.kv_group_size} if spec.kv_bits else {}
 
 
 def family_cases(family: str) -> list[dict]:
@@ -674,7 +629,7 @@ def test_insert_is_write_behind(tmp_path):
     finishes the writes and a new store finds (and restores) the entry."""
     who = ident("big")
     n, layers = 2048, 10
-    cache = U.synth_kv_cache(layers, 8, n, 128, shared=True)  # every layer: the same 2 arrays
+    cache = synth_kv_cache(layers, 8, n, 128, shared=True)  # every layer: the same 2 arrays
     nbytes = sum(c.keys.nbytes + c.values.nbytes for c in cache)
     assert nbytes > 150e6
     toks = rand_tokens(n, seed=70)
@@ -719,7 +674,7 @@ def test_close_writes_everything_still_in_memory(tmp_path):
 def test_bfloat16_cache_through_the_store(tmp_path):
     who = ident("bf16")
     toks = rand_tokens(150, seed=90)
-    cache = U.synth_kv_cache(2, 2, 150, 32, dtype=mx.bfloat16)
+    cache = synth_kv_cache(2, 2, 150, 32, dtype=mx.bfloat16)
     with KVStore(tmp_path, chunk_tokens=C) as s:
         s.insert(who, toks, cache)
     with KVStore(tmp_path) as s:

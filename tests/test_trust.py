@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 from tests.support import ROOT
 from tests.support.children import child_env, run_module
-from tests.support.stores import CHUNK, run_py, synth_kv_cache
+from tests.support.caches import synth_kv_cache
+from tests.support.stores import CHUNK, run_py
 
 from kvstore import KVStore
 from kvstore.identity import Identity, code_digest, layout_of, model_identity
@@ -592,7 +593,7 @@ def test_slow_writer_keeps_its_entry_when_gc_runs_before_its_commit(tmp_path: Pa
         import kvstore.blobs as kb
         from kvstore import KVStore
         from kvstore.identity import Identity
-        from tests.support.stores import synth_kv_cache
+        from tests.support.caches import synth_kv_cache
         a = json.loads(sys.argv[1])
         real, gcs = kb.PackWriter.seal, []
         def seal_then_gc(self):

@@ -58,7 +58,7 @@ def warm_and_pin(model_dir: Path, cache_dir: Path, tmp: Path) -> int:
 
 def fill(model_dir: Path, cache_dir: Path, n_entries: int = FILLER, n_tokens: int = 1500) -> None:
     """``n_entries`` unpinned entries of the model's identity (synthetic KV of its shape)."""
-    import tests.support.stores as U
+    from tests.support.caches import synth_kv_cache
 
     from kvstore import KVStore
 
@@ -67,7 +67,7 @@ def fill(model_dir: Path, cache_dir: Path, n_entries: int = FILLER, n_tokens: in
     with KVStore(cache_dir, queue_size=n_entries + 1) as s:
         for i in range(n_entries):
             tokens = [rng.randrange(vocab) for _ in range(n_tokens)]
-            s.insert(model_dir, tokens, U.synth_kv_cache(3, 2, n_tokens, 32, seed=i, shared=True))
+            s.insert(model_dir, tokens, synth_kv_cache(3, 2, n_tokens, 32, seed=i, shared=True))
         assert s.flush(120) and s.stats()["writes"] == n_entries
 
 

@@ -1,5 +1,5 @@
 """Shared helpers for the store tests: a subprocess runner, blob-file accounting, cache
-digests and synthetic caches.
+digests and the oracle on a fetch (synthetic caches are in tests.support.caches).
 
 Import as ``import tests.support.stores as U`` (pytest's ``pythonpath`` puts the repo root on
 sys.path; ``run_py`` gives its child processes the root through ``child_env``).
@@ -153,32 +153,6 @@ def offsets(cache: list) -> list[int]:
             if isinstance(getattr(sub, "offset", None), int):
                 out.append(sub.offset)
     return out
-
-
-# --------------------------------------------------------------------------- synthetic caches
-
-
-def synth_kv_cache(layers: int, heads: int, n: int, dim: int, *, dtype=mx.float32, seed: int = 0,
-                   shared: bool = False) -> list:
-    """``layers`` KVCache objects holding ``n`` positions of random keys / values.
-
-    ``shared=True`` makes every layer hold the same two arrays (cheap to build, the same
-    bytes to write as distinct arrays)."""
-    from mlx_lm.models.cache import KVCache
-
-    key = mx.random.key(seed)
-    cache = []
-    k = v = None
-    for i in range(layers):
-        if k is None or not shared:
-            k1, k2, key = mx.random.split(key, 3)
-            k = mx.random.normal((1, heads, n, dim), key=k1).astype(dtype)
-            v = mx.random.normal((1, heads, n, dim), key=k2).astype(dtype)
-            mx.eval(k, v)
-        c = KVCache()
-        c.keys, c.values, c.offset = k, v, n
-        cache.append(c)
-    return cache
 
 
 # --------------------------------------------------------------------------- oracle on a fetch
