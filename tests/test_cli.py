@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import sys
-import textwrap
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -23,27 +22,21 @@ from typing import Any
 
 import pytest
 import xxhash
-from store_util import SegRef, damage_segment
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import ROOT
+from tests.support.children import child_env, run_module
+from tests.support.stores import SegRef, damage_segment
+
 CHUNK = 64
 DAY = 86400.0
 GONE_COMPONENTS = {"weights": "a model that was deleted", "layout": [{"class": "KVCache"}] * 3}
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    return env
 
 
 def cli(*args: Any, cache_dir: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "kvstore.cli", *map(str, args)]
     if cache_dir is not None:
         cmd += ["--cache-dir", str(cache_dir)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=str(ROOT))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=str(ROOT))
 
 
 def cli_json(*args: Any, cache_dir: Path, code: int = 0) -> Any:
@@ -70,45 +63,10 @@ def main_json(*args: Any, cache_dir: Path, code: int = 0) -> Any:
     return json.loads(main_text(*args, "--json", cache_dir=cache_dir, code=code))
 
 
-def run_script(script: str, payload: Any, timeout: float = 300) -> Any:
-    """Run ``script`` in a new Python process; it reads ``json.loads(sys.argv[1])`` and
-    prints one JSON document as its last line."""
-    p = subprocess.run([sys.executable, "-c", textwrap.dedent(script), json.dumps(payload)],
-                       capture_output=True, text=True, timeout=timeout, env=_env(), cwd=str(ROOT))
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
-# The fetcher: a new process opens the store, fetches every prompt (plus a short user turn)
-# and checks each hit with the oracle.
-FETCH = """
-import json, sys
-from pathlib import Path
-from kvstore import KVStore, Identity
-from tools.models import load_model
-from tools.oracle import check_restore
-P = json.loads(sys.argv[1])
-model, tok = load_model("tiny-llama")
-gone = Identity.from_components(P["gone_components"], name="gone-model", path=P["gone_path"])
-out = {}
-with KVStore(P["cache_dir"], chunk_tokens=64, max_entries=0) as store:
-    store.register(gone.digest, gone)
-    for name, toks in P["prompts"].items():
-        who = gone.digest if name in P["gone"] else P["model_dir"]
-        q = toks + P["suffix"]
-        f = store.fetch(who, q)
-        ok = None
-        if f.cache is not None:
-            ok = check_restore(model, q, f.cache, f.n, n_gen=4).ok
-        out[name] = {"n": f.n, "source": f.source, "oracle": ok}
-print(json.dumps(out))
-"""
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tiny_llama) -> dict[str, Any]:
     """The template store and what is in it."""
-    from conftest import text_prompt
+    from tests.support.prompts import text_prompt
     from kvstore import Identity, KVStore
     from kvstore.disk import DiskTier
     from kvstore.keys import encode_tokens, key_of, root_key
@@ -163,9 +121,13 @@ def store_dir(built, tmp_path) -> Path:
 
 def fetch_all(built, cache_dir: Path, names=None) -> dict[str, dict]:
     prompts = {n: t for n, t in built["prompts"].items() if names is None or n in names}
-    return run_script(FETCH, {"cache_dir": str(cache_dir), "prompts": prompts, "gone": ["D"],
-                              "gone_components": GONE_COMPONENTS, "gone_path": built["gone_path"],
-                              "model_dir": str(built["model_dir"]), "suffix": [10, 72, 105, 33, 10]})
+    # a new process opens the store, fetches every prompt (plus a short user turn) and
+    # checks each hit with the oracle
+    return run_module("tests.support.programs.cli_fetch",
+                      {"cache_dir": str(cache_dir), "prompts": prompts, "gone": ["D"],
+                       "gone_components": GONE_COMPONENTS, "gone_path": built["gone_path"],
+                       "model_dir": str(built["model_dir"]), "suffix": [10, 72, 105, 33, 10]},
+                      timeout=300)
 
 
 def files_snapshot(cache_dir: Path) -> dict[str, tuple[int, str]]:
@@ -535,55 +497,6 @@ def test_gc_identity_and_max_bytes(built, store_dir):
 
 # ----------------------------------------------------------------------------- concurrency
 
-READER = """
-import json, sys, time
-from pathlib import Path
-import numpy as np
-from kvstore import KVStore, Identity
-from tools.models import load_model
-from tools.oracle import check_restore, prefill
-P = json.loads(sys.argv[1])
-model, tok = load_model("tiny-llama")
-gone = Identity.from_components(P["gone_components"], name="gone-model", path=P["gone_path"])
-refs = {n: [(np.array(c.keys[..., :len(t), :]), np.array(c.values[..., :len(t), :])) for c in prefill(model, t)]
-        for n, t in P["prompts"].items()}
-res = {"fetches": 0, "hits": 0, "partial": 0, "misses": 0, "errors": [], "wrong": [], "oracle_runs": 0,
-       "rounds": 0, "round_ends": []}
-stop, ready = Path(P["stop"]), Path(P["ready"])
-deadline = time.time() + P["max_seconds"]
-with KVStore(P["cache_dir"], chunk_tokens=64, max_entries=0) as store:
-    store.register(gone.digest, gone)
-    while not stop.exists() and time.time() < deadline:
-        for name, toks in P["prompts"].items():
-            who = gone.digest if name == "D" else P["model_dir"]
-            q = toks + [10, 33]
-            res["fetches"] += 1
-            try:
-                f = store.fetch(who, q)
-                if f.cache is None:
-                    res["misses"] += 1
-                    continue
-                res["hits"] += 1
-                res["partial"] += f.n < len(toks)
-                for layer, (k, v) in zip(f.cache, refs[name]):
-                    if layer.offset != f.n or not (np.allclose(np.array(layer.keys[..., :f.n, :]), k[..., :f.n, :], atol=1e-4)
-                                                   and np.allclose(np.array(layer.values[..., :f.n, :]), v[..., :f.n, :], atol=1e-4)):
-                        res["wrong"].append(f"{name}: restored tensors differ (n={f.n})")
-                        break
-                if res["hits"] % 7 == 1:
-                    res["oracle_runs"] += 1
-                    r = check_restore(model, q, f.cache, f.n, n_gen=3)
-                    if not r.ok:
-                        res["wrong"].append(f"{name}: oracle {r.detail}")
-            except Exception as e:
-                res["errors"].append(f"{name}: {type(e).__name__}: {e}")
-        res["rounds"] += 1
-        res["round_ends"].append(time.time())
-        ready.touch()
-res["stats"] = {k: v for k, v in store.stats().items() if isinstance(v, (int, float))}
-print(json.dumps(res))
-"""
-
 
 def test_gc_and_verify_fix_under_a_live_reader(built, store_dir, tmp_path):
     keys = built["keys"]
@@ -591,8 +504,8 @@ def test_gc_and_verify_fix_under_a_live_reader(built, store_dir, tmp_path):
     payload = {"cache_dir": str(store_dir), "prompts": built["prompts"], "model_dir": str(built["model_dir"]),
                "gone_components": GONE_COMPONENTS, "gone_path": built["gone_path"],
                "stop": str(stop), "ready": str(ready), "max_seconds": 120}
-    reader = subprocess.Popen([sys.executable, "-c", textwrap.dedent(READER), json.dumps(payload)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=str(ROOT))
+    reader = subprocess.Popen([sys.executable, "-m", "tests.support.programs.cli_reader", json.dumps(payload)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=str(ROOT))
     try:
         t0 = time.time()
         while not ready.exists():
@@ -693,7 +606,7 @@ def on_terminal(args: list[Any], timeout: float = 300) -> tuple[int, str, str]:
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
     p = subprocess.Popen([sys.executable, "-m", "kvstore.cli", *map(str, args)], stdin=subprocess.DEVNULL,
-                         stdout=subprocess.PIPE, stderr=slave, env=_env(), cwd=str(ROOT))
+                         stdout=subprocess.PIPE, stderr=slave, env=child_env(), cwd=str(ROOT))
     os.close(slave)
     seen = b""
     while True:

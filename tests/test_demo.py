@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import requires_smollm2
+from tests.support.models import requires_smollm2
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM = r"(\d[\d,]*)"

@@ -60,7 +60,7 @@ def test_disk_hit_is_usable_from_another_thread(tmp_path: Path) -> None:
     import threading
 
     import numpy as np
-    from store_util import synth_kv_cache
+    from tests.support.caches import synth_kv_cache
 
     from kvstore import KVStore
     from kvstore.identity import Identity, layout_of
@@ -120,7 +120,7 @@ def _damage_free_list(cache_dir: Path) -> None:
 
 def _store_with_free_list(cache_dir: Path) -> tuple:
     """A store whose evictions left pages on LMDB's free-page list: (identity, prompts)."""
-    from store_util import synth_kv_cache
+    from tests.support.caches import synth_kv_cache
 
     from kvstore import KVStore
     from kvstore.identity import Identity, layout_of
@@ -146,7 +146,7 @@ def test_damaged_free_page_list_is_found_and_repaired(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from store_util import synth_kv_cache
+    from tests.support.caches import synth_kv_cache
 
     from kvstore import KVStore
 
@@ -176,7 +176,7 @@ def test_damaged_free_page_list_met_by_a_store_is_reported_and_salvaged(tmp_path
     import subprocess
     import sys
 
-    from store_util import synth_kv_cache
+    from tests.support.caches import synth_kv_cache
 
     from kvstore import KVStore
 

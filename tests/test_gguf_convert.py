@@ -6,19 +6,16 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
-import sys
 from typing import Any, Iterator
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+import mlx_lm.utils
 
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-import mlx_lm  # noqa: E402
-import mlx_lm.utils  # noqa: E402
-
-from tools.gguf_convert import convert_smollm2, smollm2_gguf_path  # noqa: E402
+from tools.gguf_convert import convert_smollm2, smollm2_gguf_path
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from store_util import CHUNK, cache_digest
+from tests.support.stores import CHUNK, cache_digest
 
 from kvstore import KVStore, model_identity
 from kvstore.identity import Identity, layout_of

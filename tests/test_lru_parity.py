@@ -33,19 +33,14 @@ mlx-lm's matching rules give a miss (it walks every stored prefix).
 from __future__ import annotations
 
 import pathlib
-import sys
 from typing import Any
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import mlx.core as mx
+from mlx_lm.models import cache as mlc
 
-import mlx.core as mx  # noqa: E402
-from mlx_lm.models import cache as mlc  # noqa: E402
-
-import kvstore  # noqa: E402
+import kvstore
 
 IMPLS = ("mlx_lm", "kvstore_memory", "kvstore_disk")
 TYPES = ("assistant", "user", "system")

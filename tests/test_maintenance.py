@@ -33,7 +33,7 @@ DAY = 86400.0
 
 @pytest.fixture(scope="module")
 def tmpl(tmp_path_factory, tiny_llama) -> dict[str, Any]:
-    from conftest import text_prompt
+    from tests.support.prompts import text_prompt
     from kvstore import KVStore
     from kvstore.disk import DiskTier
     from kvstore.keys import encode_tokens, key_of, root_key

@@ -9,7 +9,8 @@ import sys
 import textwrap
 
 import pytest
-from conftest import ROOT, have_smollm2, requires_smollm2
+from tests.support import ROOT
+from tests.support.models import have_smollm2, requires_smollm2
 
 from tools import models as M
 from tools.oracle import cold_run, make_cache, prefill

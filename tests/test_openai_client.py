@@ -9,17 +9,12 @@ client exposes it (``usage.prompt_tokens_details.cached_tokens``).
 from __future__ import annotations
 
 import signal
-import sys
 from pathlib import Path
 
 import openai
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from tests.server_util import Server  # noqa: E402
+from tests.support.servers import Server
 
 SYSTEM = " ".join(f"Clause {i}: the archive keeps every ledger for {i + 3} years and lists it by shelf {i * 5 % 17}."
                   for i in range(14))  # ~1,200 characters: ~1,200 tokens for the byte-level tokenizer

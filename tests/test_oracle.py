@@ -15,7 +15,8 @@ import functools
 from dataclasses import dataclass
 
 import pytest
-from conftest import have_smollm2, text_prompt
+from tests.support.models import have_smollm2
+from tests.support.prompts import text_prompt
 
 from tools import models as M
 from tools.oracle import (

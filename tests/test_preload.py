@@ -1,7 +1,7 @@
 """``KVStore.preload``: a restarted store's memory tier filled from disk before traffic.
 
 Real stores on real LMDB directories and pack files; synthetic caches whose every position
-is known (``test_store.synth``), so a preloaded entry's content is checked exactly. Pins,
+is known (``tests.support.caches.synth``), so a preloaded entry's content is checked exactly. Pins,
 hits and last use are set on the records as ``kvstore pin`` and the writer's touches do.
 """
 
@@ -12,8 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import store_util as U
-from test_store import assert_synth, ident, rand_tokens, synth
+import tests.support.stores as U
+from tests.support.caches import assert_synth, ident, rand_tokens, synth
 
 from kvstore import KVStore
 from kvstore.keys import encode_tokens, key_of, root_key

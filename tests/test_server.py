@@ -22,11 +22,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from tests.server_util import Server, cached_tokens, reply, serve_command  # noqa: E402
+from tests.support.servers import Server, cached_tokens, reply, serve_command
 
 # mode -> (server flags, extra request fields)
 MODES = {
@@ -196,7 +192,7 @@ def test_serve_names_its_blas_once(model_dir: Path, tmp_path: Path, monkeypatch:
     installed the server process (same pid, re-executed) has it mapped, unless
     KVSTORE_NO_OPENBLAS is set; where it is not, the line says how to install it."""
     from kvstore.blas import OPT_OUT, openblas_path
-    from tests.server_util import CLI_COMMAND
+    from tests.support.servers import CLI_COMMAND
 
     if serve_command() != CLI_COMMAND:
         pytest.skip("the OpenBLAS preload belongs to the `kvstore` command's entry point")

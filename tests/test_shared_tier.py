@@ -2,8 +2,9 @@
 LMDB directories and real models: no mocks.
 
 "Machines" are KVStores with different cache directories sharing one Redis: separate
-processes (store_util.run_py) for the model test, two stores in this process elsewhere.
-Synthetic caches (test_store.synth) hold KV that is a pure function of each position's
+processes (tests.support.programs.shared_machine_a / _b) for the model test, two stores in
+this process elsewhere.
+Synthetic caches (tests.support.caches.synth) hold KV that is a pure function of each position's
 token id, so every hit is checked bit for bit against what it must be; the model test
 runs the restored-equals-cold oracle on every cache family.
 """
@@ -18,8 +19,10 @@ import resource
 from typing import TYPE_CHECKING
 
 import pytest
-import store_util as U
-from test_store import TINY_FAMILIES, TRIMMABLE, rand_tokens, store_kwargs, synth
+import tests.support.stores as U
+from tests.support.children import run_module
+from tests.support.caches import ident, rand_tokens, synth
+from tests.support.models import TINY_FAMILIES, TRIMMABLE, store_kwargs
 
 from kvstore import KVStore
 from kvstore.identity import Identity
@@ -34,10 +37,6 @@ pytest_plugins = ("tests.support.redis_servers",)
 
 C = U.CHUNK
 FAST = {"breaker_failures": 2, "breaker_backoff": 0.2, "breaker_backoff_max": 0.4}
-
-
-def ident(name: str) -> Identity:
-    return Identity.from_components({"test": name}, name=name)
 
 
 def store(path, url: str, **kw) -> KVStore:
@@ -71,61 +70,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 # --------------------------------------------------------------------------- two machines, every family
 
-MACHINE_A = r"""
-import json, sys
-import store_util as U
-from conftest import text_prompt
-from kvstore import KVStore
-from tools.models import MODELS, load_model, model_path
-from tools.oracle import prefill
-
-job = json.loads(sys.argv[1])
-out = {}
-for fam in job["families"]:
-    model, tok = load_model(fam)
-    kv = MODELS[fam].cache_kwargs
-    P = text_prompt(tok, job["L"], seed=len(fam))
-    S = P[: job["Ls"]]
-    cache = prefill(model, S, **kv)
-    with KVStore(job["dir"] + "/" + fam, chunk_tokens=U.CHUNK, shared=job["url"], **job["kw"][fam]) as s:
-        s.insert(model_path(fam), S, cache)
-        s.flush(60)
-        st = s.stats()
-    out[fam] = {"P": P, "digest": U.cache_digest(cache), "published": st["shared_published"],
-                "errors": st["shared_errors"]}
-print(json.dumps(out))
-"""
-
-MACHINE_B = r"""
-import json, sys
-import store_util as U
-from kvstore import KVStore
-from tools.models import MODELS, load_model, model_path
-from tools.oracle import check_restore, prefill
-
-job = json.loads(sys.argv[1])
-out = {}
-for fam, P in job["prompts"].items():
-    model, _ = load_model(fam)
-    kv = MODELS[fam].cache_kwargs
-    with KVStore(job["dir"] + "/" + fam, chunk_tokens=U.CHUNK, shared=job["url"], **job["kw"][fam]) as s:
-        rt0 = s.stats()["shared_round_trips"]
-        f = s.fetch(model_path(fam), P)
-        st = s.stats()
-        res = {"n": f.n, "source": f.source, "round_trips": st["shared_round_trips"] - rt0,
-               "hits_shared": st["hits_shared"], "corrupt": st["corrupt"], "rejected": st["shared_rejected"],
-               "trim_hits": st["shared_trim_hits"]}
-        if f.cache is not None:
-            res["digest"] = U.cache_digest(f.cache)
-            if job.get("cold"):  # a cold prefill of exactly the tokens the hit claims
-                res["cold"] = U.cache_digest(prefill(model, P[: f.n], **kv))
-            if job["oracle"]:
-                r = check_restore(model, P, f.cache, f.n, n_gen=8, **kv)
-                res.update(ok=bool(r.ok), detail=r.detail)
-    out[fam] = res
-print(json.dumps(out))
-"""
-
 
 def test_two_machines_restore_equals_cold_on_every_family(tmp_path, redis_server: RedisServer):
     """Machine A (a process) prefills a 150-token prefix of a 200-token prompt on every
@@ -134,20 +78,21 @@ def test_two_machines_restore_equals_cold_on_every_family(tmp_path, redis_server
     and continuing from it generates what a cold prefill generates. B's next process finds
     the same prefix on its own disk."""
     kw = {f: store_kwargs(f) for f in TINY_FAMILIES}
-    a = U.run_py(MACHINE_A, {"families": TINY_FAMILIES, "dir": str(tmp_path / "a"), "url": redis_server.url,
-                             "L": 200, "Ls": 150, "kw": kw})
+    a = run_module("tests.support.programs.shared_machine_a",
+                   {"families": TINY_FAMILIES, "dir": str(tmp_path / "a"), "url": redis_server.url,
+                    "L": 200, "Ls": 150, "kw": kw})
     prompts = {f: a[f]["P"] for f in TINY_FAMILIES}
     for f in TINY_FAMILIES:
         assert a[f]["published"] == 1 and a[f]["errors"] == 0, (f, a[f])
     job = {"prompts": prompts, "dir": str(tmp_path / "b"), "url": redis_server.url, "kw": kw, "oracle": True}
-    b = U.run_py(MACHINE_B, job)
+    b = run_module("tests.support.programs.shared_machine_b", job)
     for f in TINY_FAMILIES:
         r = b[f]
         assert (r["n"], r["source"], r["hits_shared"]) == (150, "shared", 1), (f, r)
         assert r["digest"] == a[f]["digest"], f"{f}: the shared hit is not A's cache bit for bit"
         assert r["ok"], f"{f}: {r['detail']}"
         assert r["round_trips"] == 2 and r["corrupt"] == r["rejected"] == 0, (f, r)
-    b2 = U.run_py(MACHINE_B, dict(job, oracle=False))
+    b2 = run_module("tests.support.programs.shared_machine_b", dict(job, oracle=False))
     for f in TINY_FAMILIES:
         r = b2[f]
         assert (r["n"], r["source"], r["hits_shared"]) == (150, "disk", 0), (f, r)
@@ -164,8 +109,9 @@ def test_new_question_under_a_shared_system_prompt_gets_the_common_prefix(tmp_pa
     next process has it on disk. Non-trimmable families (snapshots, never chunked, never
     trimmed) get nothing from an entry the query leaves."""
     kw = {f: store_kwargs(f) for f in TINY_FAMILIES}
-    a = U.run_py(MACHINE_A, {"families": TINY_FAMILIES, "dir": str(tmp_path / "a"), "url": redis_server.url,
-                             "L": 240, "Ls": 240, "kw": kw})
+    a = run_module("tests.support.programs.shared_machine_a",
+                   {"families": TINY_FAMILIES, "dir": str(tmp_path / "a"), "url": redis_server.url,
+                    "L": 240, "Ls": 240, "kw": kw})
     prompts, common = {}, {}
     for f in TINY_FAMILIES:
         assert a[f]["published"] == 1 and a[f]["errors"] == 0, (f, a[f])
@@ -175,8 +121,8 @@ def test_new_question_under_a_shared_system_prompt_gets_the_common_prefix(tmp_pa
         assert 150 <= common[f] < 3 * C  # inside A's chunk 3, which B's query does not complete
     job = {"prompts": prompts, "dir": str(tmp_path / "b"), "url": redis_server.url, "kw": kw, "oracle": True,
            "cold": True}
-    b = U.run_py(MACHINE_B, job)
-    b2 = U.run_py(MACHINE_B, dict(job, oracle=False, cold=False))
+    b = run_module("tests.support.programs.shared_machine_b", job)
+    b2 = run_module("tests.support.programs.shared_machine_b", dict(job, oracle=False, cold=False))
     for f in TINY_FAMILIES:
         r, r2 = b[f], b2[f]
         assert r["corrupt"] == r["rejected"] == 0, (f, r)

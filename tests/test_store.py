@@ -1,7 +1,7 @@
 """KVStore end to end: restored equals cold, chunking and dedup, corruption, warm start,
 write-behind.
 
-Every store here uses ``chunk_tokens=64`` (store_util.CHUNK), so prompts of 100-300
+Every store here uses ``chunk_tokens=64`` (tests.support.stores.CHUNK), so prompts of 100-300
 tokens span several chunks plus a tail and lookups walk real chains.
 
 Synthetic caches (``synth``) hold keys / values that are a pure function of each position's
@@ -21,9 +21,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-import store_util as U
-from conftest import have_smollm2, requires_smollm2, text_prompt
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+import tests.support.stores as U
+from tests.support.caches import assert_synth, ident, rand_tokens, synth, synth_kv_cache
+from tests.support.children import run_module
+from tests.support.models import TINY_FAMILIES, TRIMMABLE, have_smollm2, requires_smollm2, store_kwargs
+from tests.support.prompts import text_prompt
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from kvstore import KVStore, blobs
 from kvstore.identity import Identity, model_identity
@@ -33,66 +36,20 @@ from tools.oracle import cold_run, prefill
 C = U.CHUNK
 
 
-# --------------------------------------------------------------------------- synthetic caches
-
-
-def synth(tokens: list[int], *, layers: int = 2, snapshot: bool = False) -> list:
-    """A cache whose position i holds keys/values derived from (tokens[i], i) only, so the
-    right content of any prefix is known. ``snapshot=True`` adds a recurrent-state layer
-    (ArraysCache, a function of the whole prefix): such a cache is stored as one snapshot
-    and is only valid at exactly its length."""
-    t = mx.array(tokens, dtype=mx.float32)
-    pos = mx.arange(len(tokens), dtype=mx.float32)
-    base = mx.stack([t, pos, t * 0.5 + 1, pos * 2 + 3], axis=-1)[None, None]  # (1, 1, n, 4)
-    cache = []
-    for layer in range(layers):
-        c = KVCache()
-        c.keys, c.values, c.offset = base + layer, base * 2 - layer, len(tokens)
-        cache.append(c)
-    if snapshot:
-        a = ArraysCache(1)
-        a[0] = mx.array([[float(sum(tokens) % 100003), float(len(tokens))]])
-        cache.insert(0, a)
-    mx.eval([x for c in cache for x in ([c.keys, c.values] if isinstance(c, KVCache) else c.cache)])
-    return cache
-
-
-def assert_synth(cache: list, tokens: list[int], *, snapshot: bool = False) -> None:
-    """``cache`` is exactly what ``synth(tokens)`` builds."""
-    assert cache is not None
-    assert U.cache_digest(cache) == U.cache_digest(synth(tokens, snapshot=snapshot))
-
-
-def ident(name: str) -> Identity:
-    return Identity.from_components({"test": name}, name=name)
-
-
-def rand_tokens(n: int, seed: int, vocab: int = 50000) -> list[int]:
-    r = random.Random(seed)
-    return [r.randrange(vocab) for _ in range(n)]
-
-
 # --------------------------------------------------------------------------- oracle, all families
 
-TRIMMABLE = {"tiny-llama", "tiny-llama-q", "smollm2"}
 # L: the query prompt P; Ls: a stored shorter prefix S; div: where a stored longer entry G
 # leaves P (G = P[:div] + other tokens); tail2: also store P + more (trim inside a tail).
 SHAPES = {
     "tiny": dict(L=200, Ls=150, div=170, g_extra=60, n_gen=16, tail2=True),
     "smollm2": dict(L=110, Ls=100, div=104, g_extra=8, n_gen=4, tail2=False),
 }
-TINY_FAMILIES = ["tiny-llama", "tiny-llama-q", "tiny-gemma3", "tiny-qwen3next", "tiny-cachelist"]
 FAMILIES = TINY_FAMILIES + (["smollm2"] if have_smollm2() else [])
 FAMILY_PARAMS = TINY_FAMILIES + [pytest.param("smollm2", marks=requires_smollm2)]
 
 
 def _shape(family: str) -> dict:
     return SHAPES["smollm2" if family == "smollm2" else "tiny"]
-
-
-def store_kwargs(family: str) -> dict:
-    spec = MODELS[family]
-    return {"kv_bits": spec.kv_bits, "kv_group_size": spec.kv_group_size} if spec.kv_bits else {}
 
 
 def family_cases(family: str) -> list[dict]:
@@ -225,34 +182,6 @@ def test_restore_from_memory_equals_cold(family, prepared):
         _check_case(family, prep, case, prep["memory"][case["name"]], "memory")
 
 
-DISK_SCRIPT = r"""
-import json, pickle, sys
-import store_util as U
-from kvstore import KVStore
-from tools.models import load_model
-
-jobs = json.loads(sys.argv[1])
-out = {}
-for job in jobs:
-    model, _ = load_model(job["family"])
-    ref = pickle.loads(open(job["ref"], "rb").read())
-    for case in job["cases"]:
-        # a plain KVStore(dir) (plus the engine's KV quantisation): chunk size and everything
-        # else come from the directory
-        with KVStore(case["dir"], **job["store_kw"]) as s:
-            assert s.disk.chunk == U.CHUNK
-            f = s.fetch(job["path"], job["P"])
-            res = U.check_fetched(model, f, job["P"], ref, oracle=case["oracle"], trim1=case["trim1"],
-                                kv=job["kv"])
-            if f.cache is not None:
-                again = s.fetch(job["path"], job["P"])
-                res["refetch"] = [again.n, again.source, U.cache_digest(again.cache)]
-            res["stats"] = {k: s.stats()[k] for k in ("hits_disk", "hits_memory", "misses", "corrupt")}
-        out[job["family"] + "/" + case["name"]] = res
-print(json.dumps(out))
-"""
-
-
 def test_restore_from_disk_in_new_process_equals_cold(prepared):
     """Disk tier: a NEW process opens each case's directory with a plain ``KVStore(dir)``,
     fetches P (memory empty: it must come from disk) and runs the oracle; one subprocess
@@ -263,7 +192,7 @@ def test_restore_from_disk_in_new_process_equals_cold(prepared):
                  store_kw=store_kwargs(p["family"]),
                  cases=[{k: c[k] for k in ("name", "dir", "oracle", "trim1")} for c in p["cases"]])
             for p in preps]
-    results = U.run_py(DISK_SCRIPT, jobs)
+    results = run_module("tests.support.programs.store_disk_fetch", jobs)
     for p in preps:
         for case in p["cases"]:
             res = results[f"{p['family']}/{case['name']}"]
@@ -671,34 +600,6 @@ def test_failed_write_leaves_no_entry_and_no_file(tmp_path, monkeypatch, where):
 
 # --------------------------------------------------------------------------- warm start
 
-WARM_SCRIPT = r"""
-import json, sys
-import kvstore.blobs
-reads = []
-real = kvstore.blobs.open_own
-def counting(path):  # every pack file read is opened through open_own
-    reads.append(str(path))
-    return real(path)
-kvstore.blobs.open_own = counting
-
-from kvstore import KVStore
-from kvstore.identity import Identity
-job = json.loads(sys.argv[1])
-out = {"plans": []}
-with KVStore(job["dir"]) as s:
-    s.stats()
-    for name, toks in job["entries"]:
-        who = Identity.from_components({"test": name}, name=name)
-        plan = s.disk.plan(who, toks)
-        out["plans"].append(None if plan is None else plan.n)
-    out["reads_before"] = len(reads)
-    name, toks = job["entries"][job["fetch"]]
-    f = s.fetch(Identity.from_components({"test": name}, name=name), toks)
-    out["fetched"] = [f.n, f.source]
-    out["reads_after"] = sorted(reads)
-print(json.dumps(out))
-"""
-
 
 def test_warm_start_reads_no_blob_until_a_restore(tmp_path):
     """A new process finds every entry through the index alone (zero pack files opened);
@@ -712,7 +613,8 @@ def test_warm_start_reads_no_blob_until_a_restore(tmp_path):
         expected = {i: sorted({str(seg.path) for seg in U.entry_segments(s, t, ident(name))})
                     for i, (name, t) in enumerate(entries)}
     which = 3  # the 200-token entry: 3 chunks + a tail
-    out = U.run_py(WARM_SCRIPT, {"dir": str(tmp_path), "entries": entries, "fetch": which})
+    out = run_module("tests.support.programs.store_warm_start",
+                     {"dir": str(tmp_path), "entries": entries, "fetch": which})
     assert out["plans"] == [len(t) for _, t in entries]
     assert out["reads_before"] == 0
     assert out["fetched"] == [200, "disk"]
@@ -727,7 +629,7 @@ def test_insert_is_write_behind(tmp_path):
     finishes the writes and a new store finds (and restores) the entry."""
     who = ident("big")
     n, layers = 2048, 10
-    cache = U.synth_kv_cache(layers, 8, n, 128, shared=True)  # every layer: the same 2 arrays
+    cache = synth_kv_cache(layers, 8, n, 128, shared=True)  # every layer: the same 2 arrays
     nbytes = sum(c.keys.nbytes + c.values.nbytes for c in cache)
     assert nbytes > 150e6
     toks = rand_tokens(n, seed=70)
@@ -772,7 +674,7 @@ def test_close_writes_everything_still_in_memory(tmp_path):
 def test_bfloat16_cache_through_the_store(tmp_path):
     who = ident("bf16")
     toks = rand_tokens(150, seed=90)
-    cache = U.synth_kv_cache(2, 2, 150, 32, dtype=mx.bfloat16)
+    cache = synth_kv_cache(2, 2, 150, 32, dtype=mx.bfloat16)
     with KVStore(tmp_path, chunk_tokens=C) as s:
         s.insert(who, toks, cache)
     with KVStore(tmp_path) as s:

@@ -18,7 +18,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from store_util import CHUNK, ROOT, run_py, synth_kv_cache
+from tests.support import ROOT
+from tests.support.children import child_env, run_module
+from tests.support.caches import synth_kv_cache
+from tests.support.stores import CHUNK, run_py
 
 from kvstore import KVStore
 from kvstore.identity import Identity, code_digest, layout_of, model_identity
@@ -120,25 +123,6 @@ def test_code_component_is_in_the_identity():
 
 SYN = Identity.from_components({"test": "trust", "layout": layout_of(synth_kv_cache(2, 2, 1, 8))},
                                name="trust-synthetic")
-FETCH = """
-    import json, sys
-    from kvstore import KVStore
-    from kvstore.identity import Identity
-    a = json.loads(sys.argv[1])
-    ident = Identity(bytes.fromhex(a["digest"]), a["info"])
-    try:
-        s = KVStore(a["cache"], chunk_tokens=a["chunk"], shared_dir=a.get("shared", False))
-    except Exception as e:
-        print(json.dumps({"error": type(e).__name__, "message": str(e)}))
-        raise SystemExit(0)
-    with s:
-        got = [s.fetch(ident, t).n for t in a["prompts"]]
-        if a.get("model"):  # a model directory: its identity reads the digest memo
-            got.append(s.fetch(a["model"], [1, 2, 3]).n)
-        st = s.stats()
-    print(json.dumps({"n": got, "disk": s.disk is not None or st.get("disk_off") is None,
-                      "stats": {k: st[k] for k in ("corrupt", "races", "warnings_suppressed", "misses")}}))
-"""
 
 
 def _synthetic_store(cache_dir: Path, n: int = 1, length: int = 100) -> list[list[int]]:
@@ -156,8 +140,9 @@ def _fetch_in_new_process(cache_dir: Path, prompts: list[list[int]], timeout: fl
     """Fetch each prompt (synthetic identity) in a new process: tokens served and counters
     (or the exception opening the store raised: ``error`` and ``message``)."""
     try:
-        return run_py(FETCH, {"cache": str(cache_dir), "digest": SYN.digest.hex(), "info": SYN.info,
-                              "prompts": prompts, "chunk": CHUNK, **more}, timeout=timeout)
+        return run_module("tests.support.programs.trust_fetch",
+                          {"cache": str(cache_dir), "digest": SYN.digest.hex(), "info": SYN.info,
+                           "prompts": prompts, "chunk": CHUNK, **more}, timeout=timeout)
     except subprocess.TimeoutExpired:
         pytest.fail(f"opening the store and fetching hung (over {timeout:.0f} s)")
 
@@ -165,7 +150,7 @@ def _fetch_in_new_process(cache_dir: Path, prompts: list[list[int]], timeout: fl
 def _cli(cache_dir: Path, *args: str, timeout: float = 20) -> subprocess.CompletedProcess:
     """``kvstore ARGS --cache-dir DIR`` in a new process, which must finish within
     ``timeout`` seconds with exit 0 or 1 and no traceback."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     try:
         p = subprocess.run([sys.executable, "-m", "kvstore.cli", *args, "--cache-dir", str(cache_dir)],
                            capture_output=True, text=True, timeout=timeout, env=env, cwd=str(ROOT))
@@ -527,28 +512,6 @@ def test_arrays_cache_size_in_a_header_is_refused_before_allocating(tmp_path: Pa
 
 # -- finding: a cache directory others can write, or another user's ---------------------
 
-OPEN_WAYS = """
-    import json, logging, sys
-    from kvstore import KVStore, LRUPromptCache, StoreOpenError
-    a = json.loads(sys.argv[1])
-    seen = []
-    Seen = type("Seen", (logging.Handler,), {"emit": lambda s, r: seen.append(r.getMessage())})
-    logging.getLogger("kvstore").addHandler(Seen())
-    out = {}
-    for way in a["ways"]:
-        if way == "lru":
-            lru = LRUPromptCache(cache_dir=a["cache"])
-            out["lru"] = {"disk": lru.store.disk is not None, "warned": seen[-1:]}
-            lru.close()
-            continue
-        try:
-            KVStore(a["cache"], shared_dir=way == "shared").close()
-            out[way] = "opened"
-        except StoreOpenError as e:
-            out[way] = str(e)
-    print(json.dumps(out))
-"""
-
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
 @pytest.mark.parametrize("case", ["group-writable", "world-writable", "index group-writable", "another user"])
@@ -565,7 +528,8 @@ def test_foreign_owner_or_mode_is_refused_naming_the_fix(tmp_path: Path, case: s
                   "another user": (cache, lambda: os.chown(cache, 65534, 65534))}[case]
     fix()
     before = craft.tree_state(cache)
-    got = run_py(OPEN_WAYS, {"cache": str(cache), "ways": ["raise", "lru"]})
+    got = run_module("tests.support.programs.trust_open_ways",
+                     {"cache": str(cache), "ways": ["raise", "lru"]})
     assert craft.tree_state(cache) == before, "a refused open changed the directory"
     words = {"group-writable": ("writable by its group", "chmod 700", "shared_dir"),
              "world-writable": ("writable by every user", "chmod 700"),
@@ -573,7 +537,8 @@ def test_foreign_owner_or_mode_is_refused_naming_the_fix(tmp_path: Path, case: s
              "another user": ("belongs to another user", "shared_dir")}[case]
     assert str(where) in got["raise"] and all(w in got["raise"] for w in words), got["raise"]
     assert got["lru"]["disk"] is False and got["lru"]["warned"], got["lru"]
-    shared = run_py(OPEN_WAYS, {"cache": str(cache), "ways": ["shared"]})["shared"]
+    shared = run_module("tests.support.programs.trust_open_ways",
+                        {"cache": str(cache), "ways": ["shared"]})["shared"]
     if case == "world-writable":
         assert "writable by every user" in shared, shared
     else:
@@ -628,7 +593,7 @@ def test_slow_writer_keeps_its_entry_when_gc_runs_before_its_commit(tmp_path: Pa
         import kvstore.blobs as kb
         from kvstore import KVStore
         from kvstore.identity import Identity
-        from store_util import synth_kv_cache
+        from tests.support.caches import synth_kv_cache
         a = json.loads(sys.argv[1])
         real, gcs = kb.PackWriter.seal, []
         def seal_then_gc(self):
@@ -702,32 +667,6 @@ def test_future_timestamps_count_as_now(tmp_path: Path) -> None:
 # -- finding: warnings about damage are bounded; gc races are not damage -----------------
 
 
-WATCHED_FETCH = """
-    import json, logging, sys
-    from kvstore import KVStore
-    from kvstore.identity import Identity
-    a = json.loads(sys.argv[1])
-    if a.get("gc_between"):  # a gc in another process between a lookup and its restore
-        import subprocess
-        import kvstore.disk as kd
-        real = kd.DiskTier.restore
-        def gc_then_restore(self, *args, **kw):
-            subprocess.run([sys.executable, "-m", "kvstore.cli", "gc", "--max-bytes", "0", "--cache-dir",
-                            a["cache"]], check=True, capture_output=True)
-            return real(self, *args, **kw)
-        kd.DiskTier.restore = gc_then_restore
-    warned = []
-    logging.getLogger("kvstore").addHandler(
-        type("H", (logging.Handler,), {"emit": lambda s, r: warned.append(r.getMessage())})(logging.WARNING))
-    ident = Identity(bytes.fromhex(a["digest"]), a["info"])
-    with KVStore(a["cache"], chunk_tokens=a["chunk"]) as s:
-        n = [s.fetch(ident, t).n for t in a["prompts"]]
-        st = s.stats()
-    counts = {k: st[k] for k in ("corrupt", "races", "warnings_suppressed")}
-    print(json.dumps({"n": n, "warned": warned, "stats": counts}))
-"""
-
-
 def test_many_damaged_entries_warn_once(tmp_path: Path) -> None:
     """Twelve entries whose segments are damaged: a process fetching them all logs one
     warning for the kind, counts the other eleven in ``warnings_suppressed`` and the
@@ -742,8 +681,9 @@ def test_many_damaged_entries_warn_once(tmp_path: Path) -> None:
     for key, rec in craft.records(cache, "entries").items():
         t = rec.tail
         damage_in_segment(pack_path(cache / "blobs", t.pack), t.offset, t.length, "flips", random.Random(key))
-    got = run_py(WATCHED_FETCH, {"cache": str(cache), "digest": SYN.digest.hex(), "info": SYN.info,
-                                 "prompts": prompts, "chunk": CHUNK})
+    got = run_module("tests.support.programs.trust_watched_fetch",
+                     {"cache": str(cache), "digest": SYN.digest.hex(), "info": SYN.info,
+                      "prompts": prompts, "chunk": CHUNK})
     assert got["n"] == [0] * 12
     assert (got["stats"]["corrupt"], got["stats"]["warnings_suppressed"]) == (12, 11), got["stats"]
     assert len(got["warned"]) == 1 and "damaged" in got["warned"][0], got["warned"]
@@ -755,8 +695,9 @@ def test_entry_removed_by_gc_during_a_fetch_is_a_race_not_damage(tmp_path: Path)
     nothing is logged as damage."""
     cache = tmp_path / "cache"
     prompts = _synthetic_store(cache, n=1)
-    got = run_py(WATCHED_FETCH, {"cache": str(cache), "digest": SYN.digest.hex(), "info": SYN.info,
-                                 "prompts": prompts, "chunk": CHUNK, "gc_between": True})
+    got = run_module("tests.support.programs.trust_watched_fetch",
+                     {"cache": str(cache), "digest": SYN.digest.hex(), "info": SYN.info,
+                      "prompts": prompts, "chunk": CHUNK, "gc_between": True})
     assert got["n"] == [0] and not craft.records(cache, "entries")
     assert (got["stats"]["races"], got["stats"]["corrupt"]) == (1, 0), got["stats"]
     assert not any("damaged" in w for w in got["warned"]), got["warned"]

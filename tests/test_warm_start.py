@@ -26,11 +26,9 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from tests.server_util import Server, cached_tokens, reply, serve_command  # noqa: E402
-from tests.test_server import SYSTEM, USER1, USER2  # noqa: E402
+from tests.support.servers import Server, cached_tokens, reply, serve_command
+from tests.test_server import SYSTEM, USER1, USER2
 
 FILLER = 60  # unpinned entries that make a preload last long enough to be seen from outside
 
@@ -60,7 +58,7 @@ def warm_and_pin(model_dir: Path, cache_dir: Path, tmp: Path) -> int:
 
 def fill(model_dir: Path, cache_dir: Path, n_entries: int = FILLER, n_tokens: int = 1500) -> None:
     """``n_entries`` unpinned entries of the model's identity (synthetic KV of its shape)."""
-    import store_util as U
+    from tests.support.caches import synth_kv_cache
 
     from kvstore import KVStore
 
@@ -69,7 +67,7 @@ def fill(model_dir: Path, cache_dir: Path, n_entries: int = FILLER, n_tokens: in
     with KVStore(cache_dir, queue_size=n_entries + 1) as s:
         for i in range(n_entries):
             tokens = [rng.randrange(vocab) for _ in range(n_tokens)]
-            s.insert(model_dir, tokens, U.synth_kv_cache(3, 2, n_tokens, 32, seed=i, shared=True))
+            s.insert(model_dir, tokens, synth_kv_cache(3, 2, n_tokens, 32, seed=i, shared=True))
         assert s.flush(120) and s.stats()["writes"] == n_entries
 
 

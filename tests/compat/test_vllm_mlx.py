@@ -20,9 +20,7 @@ from typing import Any
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from tests.support.children import child_env
 
 SYSTEM = "You are a careful assistant who answers briefly and exactly. " * 30
 MAX_TOKENS = 12
@@ -91,8 +89,7 @@ def _child(args: dict[str, Any]) -> dict[str, Any]:
 def run_child(mode: str, model: str, cache_dir: pathlib.Path, *engines: list[list[dict]]) -> list[dict]:
     """Run ``engines`` (each a list of chats, one engine after the other) in a new process."""
     args = {"mode": mode, "model": model, "cache_dir": str(cache_dir), "engines": list(engines)}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = child_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     p = subprocess.run([sys.executable, __file__, json.dumps(args)], capture_output=True, text=True,
                        env=env, timeout=600)
     assert p.returncode == 0, f"child failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"

@@ -1,8 +1,8 @@
 """Shared helpers for the store tests: a subprocess runner, blob-file accounting, cache
-digests and synthetic caches.
+digests and the oracle on a fetch (synthetic caches are in tests.support.caches).
 
-Import as ``import store_util`` (pytest puts tests/ on sys.path; conftest.py puts the repo
-root there too, so ``tools`` and ``kvstore`` import in tests and in the subprocesses).
+Import as ``import tests.support.stores as U`` (pytest's ``pythonpath`` puts the repo root on
+sys.path; ``run_py`` gives its child processes the root through ``child_env``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import ROOT
+from tests.support.children import child_env
 
 # Chunk size for store tests: prompts of 100-300 tokens then span several chunks plus a tail.
 CHUNK = 64
@@ -36,12 +37,7 @@ def run_py(script: str, payload: Any = None, *, timeout: float = 600, env: dict 
     ``json.loads(sys.argv[1])``); the script must print one JSON document as its last
     stdout line, which is returned. A non-zero exit raises AssertionError with stderr.
     """
-    full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), str(ROOT / "tests")] + [p for p in [full_env.get("PYTHONPATH")] if p])
-    full_env.setdefault("HF_HUB_OFFLINE", "1")
-    full_env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    full_env.update(env or {})
+    full_env = child_env(**(env or {}))
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script), json.dumps(payload)],
         capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(ROOT),
@@ -157,32 +153,6 @@ def offsets(cache: list) -> list[int]:
             if isinstance(getattr(sub, "offset", None), int):
                 out.append(sub.offset)
     return out
-
-
-# --------------------------------------------------------------------------- synthetic caches
-
-
-def synth_kv_cache(layers: int, heads: int, n: int, dim: int, *, dtype=mx.float32, seed: int = 0,
-                   shared: bool = False) -> list:
-    """``layers`` KVCache objects holding ``n`` positions of random keys / values.
-
-    ``shared=True`` makes every layer hold the same two arrays (cheap to build, the same
-    bytes to write as distinct arrays)."""
-    from mlx_lm.models.cache import KVCache
-
-    key = mx.random.key(seed)
-    cache = []
-    k = v = None
-    for i in range(layers):
-        if k is None or not shared:
-            k1, k2, key = mx.random.split(key, 3)
-            k = mx.random.normal((1, heads, n, dim), key=k1).astype(dtype)
-            v = mx.random.normal((1, heads, n, dim), key=k2).astype(dtype)
-            mx.eval(k, v)
-        c = KVCache()
-        c.keys, c.values, c.offset = k, v, n
-        cache.append(c)
-    return cache
 
 
 # --------------------------------------------------------------------------- oracle on a fetch

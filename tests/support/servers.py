@@ -15,6 +15,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from tests.support.children import child_env
+
 HOST = "127.0.0.1"
 
 
@@ -51,7 +53,7 @@ class Server:
         self.log_path = log_path
         args = ["--model", str(model), "--cache-dir", str(cache_dir),
                 "--host", HOST, "--port", str(self.port), *extra]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+        env = child_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(serve_command() + args, stdout=self._log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
