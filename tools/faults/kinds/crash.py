@@ -409,6 +409,11 @@ def _tally_events(t: Tally, events: list[dict], committed: set[str], excused: se
             t.add_wrong([ev], "wrong restore (worker)", trial=i, phase=phase)
         elif kind == "end" and ev.get("op") == "cli_verify" and ev.get("rc") not in (0, 1):
             t.fail("cli verify failed", trial=i, rc=ev.get("rc"), stderr=ev.get("stderr"))
+        elif kind == "result" and (ev.get("result") or {}).get("harness_error"):
+            # the trial's own code failed (not kvstore): what it did before the failure
+            # may have gone unannounced, so this is a failure of the run, never silent
+            t.c["failed_cases"] += 1
+            t.fail("harness error (crash worker)", trial=i, phase=phase, error=ev["result"]["harness_error"])
 
 
 def _check_trial(ctx: Ctx, t: Tally, rng: random.Random, i: int, phase: str, d: Any, committed: set[str],
