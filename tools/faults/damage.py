@@ -7,6 +7,7 @@ import random
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Callable
 
 
 def damage_file(path: Path, mode: str, rng: random.Random, *, other: Path | None = None) -> str:
@@ -102,6 +103,31 @@ def damage_in_segment(path: Path, offset: int, length: int, mode: str, rng: rand
 
 def _users(segs: list[Seg]) -> set[str]:
     return {u for s in segs for u in s["users"]}
+
+
+def damage_segments(cdir: Path, segs: list[Seg], n: int, rng: random.Random,
+                    excuse: Callable[[set[str]], None]) -> None:
+    """Damage up to ``n`` of ``segs`` (``check.segment_users``): flip or zero bytes inside
+    the segment, or truncate or delete its whole pack file. Before each step touches a
+    file, ``excuse`` gets the entry keys (hex) that step can cost: the segment's users, or
+    every user of the pack. So a failure or kill between steps never leaves damage done
+    and unexcused. A segment whose pack an earlier step truncated or deleted is passed
+    over: its users are excused already, and its bytes may no longer exist (flipping a
+    byte past the end of a truncated file raised IndexError in the middle of the damage,
+    and the trial lost the excuses of the steps before it)."""
+    whole: set[str] = set()
+    for seg in rng.sample(segs, min(n, len(segs))):
+        path = cdir / seg["pack"]
+        if seg["pack"] in whole or not path.exists():
+            continue
+        mode = rng.choice(["flip", "truncate", "delete", "zero"])
+        if mode in IN_SEGMENT:
+            excuse(set(seg["users"]))
+            damage_in_segment(path, seg["offset"], seg["length"], mode, rng)
+        else:
+            whole.add(seg["pack"])
+            excuse(_users([s for s in segs if s["pack"] == seg["pack"]]))
+            damage_file(path, mode, rng)
 
 
 def _new_pack_name(rng: random.Random) -> str:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..check import Tally, _entry_key, _progress, hit_problem, raw_entries, segment_users
 from ..common import CHUNK, ROOT, VOCAB, Emit, _decode, _guard
-from ..damage import IN_SEGMENT, damage_file, damage_in_segment
+from ..damage import damage_segments
 from ..synth import SYSTEM_PROMPTS, Zoo, random_prompt
 from ..worker import Pool, Worker, _signame
 
@@ -127,25 +127,11 @@ class CrashWork:
 
     def damage(self, n: int) -> None:
         """Damage up to ``n`` segments or their pack files (something for verify --fix to
-        do); the entries using what was damaged are excused."""
-        rng = self.rng
+        do); the entries using what each step damages are excused before the step."""
         segs = segment_users(self.store)
-        if not segs:
-            return
-        hit: set[str] = set()
-        root = self.store.disk.root
-        for seg in rng.sample(segs, min(n, len(segs))):
-            path = root / seg["pack"]
-            if not path.exists():
-                continue  # deleted by an earlier pick: its users are excused already
-            mode = rng.choice(["flip", "truncate", "delete", "zero"])
-            if mode in IN_SEGMENT:
-                damage_in_segment(path, seg["offset"], seg["length"], mode, rng)
-                hit |= set(seg["users"])
-            else:
-                damage_file(path, mode, rng)
-                hit |= {u for s in segs if s["pack"] == seg["pack"] for u in s["users"]}
-        self.ev("excuse", keys=sorted(hit), why="damaged")
+        if segs:
+            damage_segments(self.store.disk.root, segs, n, self.rng,
+                            lambda keys: self.ev("excuse", keys=sorted(keys), why="damaged"))
 
     def verify_fix(self, i: int) -> None:
         """``verify --fix`` through the API, or the CLI when the trial says so."""
@@ -409,6 +395,11 @@ def _tally_events(t: Tally, events: list[dict], committed: set[str], excused: se
             t.add_wrong([ev], "wrong restore (worker)", trial=i, phase=phase)
         elif kind == "end" and ev.get("op") == "cli_verify" and ev.get("rc") not in (0, 1):
             t.fail("cli verify failed", trial=i, rc=ev.get("rc"), stderr=ev.get("stderr"))
+        elif kind == "result" and (ev.get("result") or {}).get("harness_error"):
+            # the trial's own code failed (not kvstore): what it did before the failure
+            # may have gone unannounced, so this is a failure of the run, never silent
+            t.c["failed_cases"] += 1
+            t.fail("harness error (crash worker)", trial=i, phase=phase, error=ev["result"]["harness_error"])
 
 
 def _check_trial(ctx: Ctx, t: Tally, rng: random.Random, i: int, phase: str, d: Any, committed: set[str],
