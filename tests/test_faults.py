@@ -211,7 +211,7 @@ def test_crash_damage_excuses_every_entry_it_can_cost(tmp_path: Path) -> None:
     import random
     import shutil
 
-    from store_util import synth_kv_cache
+    from tests.support.caches import synth_kv_cache
 
     from kvstore import KVStore
     from kvstore.identity import Identity, layout_of
