@@ -1,4 +1,4 @@
-"""The disk budget: least recently used entries go first, pinned ones last.
+"""The disk budget: least recently used entries that free space go first, pinned ones last.
 
 Used by the writer thread after each persist (``KVStore(max_disk_bytes=...)``) and by
 ``kvstore gc --max-bytes``. Bytes are pack-file bytes on disk: removing an entry frees a
@@ -59,6 +59,20 @@ class Sim:
         p[0] -= 1
         return p[1] if p[0] == 0 else 0
 
+    def would_free(self, key: bytes, rec: EntryRecord) -> int:
+        """The bytes removing ``rec`` now would free, counting nothing as removed."""
+        if key in self.gone:
+            return 0
+        drop: dict[bytes, int] = {}
+        for s in rec.segments:
+            drop[s.pack] = drop.get(s.pack, 0) + 1
+        for ck in rec.chunks:
+            if self.refs.get(ck) == 1 and ck in self.chunk_seg:
+                pack = self.chunk_seg[ck].pack
+                drop[pack] = drop.get(pack, 0) + 1
+        return sum(self.packs[p][1] for p, n in drop.items()
+                   if p in self.packs and 0 < self.packs[p][0] <= n)
+
     def remove(self, key: bytes, rec: EntryRecord) -> int:
         """Count ``rec`` as removed; returns the bytes that frees."""
         if key in self.gone:
@@ -86,28 +100,55 @@ def remove_unchanged(disk: DiskTier, batch: list[tuple[bytes, EntryRecord]],
                            only_if=lambda k, cur: cur.pinned == pinned[k] and (guard is None or guard(cur))))
 
 
+def victims(sim: Sim, order: list[tuple[bytes, EntryRecord]], excess: int) -> list[Removed]:
+    """Entries whose removal frees ``excess`` bytes, counted in ``sim``. A pack file is freed
+    only with the last segment anyone uses, so an old prefix that newer entries extend
+    frees nothing while they live: first, least recently used first, the unpinned entries
+    whose removal frees bytes now (repeated while that frees more: removing a conversation's
+    last turn makes the turn before it freeable), then plain LRU order, pinned last, for
+    whatever is still missing. Without the first step a budget of 90% could empty the
+    directory, removing entries that free nothing."""
+    out: list[Removed] = []
+    freed = 0
+    pending = [kr for kr in order if not kr[1].pinned]
+    progress = True
+    while progress and freed < excess:
+        progress, rest = False, []
+        for key, rec in pending:
+            if freed < excess and sim.would_free(key, rec) > 0:
+                out.append(Removed(key, rec, sim.remove(key, rec)))
+                freed += out[-1].freed
+                progress = True
+            else:
+                rest.append((key, rec))
+        pending = rest
+    for key, rec in order:
+        if freed >= excess:
+            break
+        if key not in sim.gone:
+            out.append(Removed(key, rec, sim.remove(key, rec)))
+            freed += out[-1].freed
+    return out
+
+
 def evict_to(disk: DiskTier, max_bytes: int, *, dry_run: bool = False,
              snap: Snapshot | None = None, sim: Sim | None = None) -> list[Removed]:
-    """Drop least recently used entries (pinned last) until the pack files fit
+    """Drop entries (see ``victims`` for the order) until the pack files fit
     ``max_bytes``, a batch per transaction; ``dry_run`` only counts. Returns what went."""
     if not dry_run and snap is None and disk.index.total_bytes() <= max_bytes:
         return []
     snap = snap or scan(disk.index, full=False)
     sim = sim or Sim(snap)
     order = [kr for kr in lru_order((k, r) for k, r in snap.entries.items() if r) if kr[0] not in sim.gone]
+    total = sim.total if dry_run else disk.index.total_bytes()
+    planned = victims(sim, order, total - max_bytes)
+    if dry_run:
+        return planned
     gone: list[Removed] = []
-    i = 0
-    while i < len(order):
-        total = sim.total if dry_run else disk.index.total_bytes()
-        if total <= max_bytes:
+    for i in range(0, len(planned), BATCH):
+        if disk.index.total_bytes() <= max_bytes:
             break
-        batch: list[Removed] = []
-        freed = 0
-        while i < len(order) and len(batch) < BATCH and freed < total - max_bytes:
-            key, rec = order[i]
-            i += 1
-            batch.append(Removed(key, rec, sim.remove(key, rec)))
-            freed += batch[-1].freed
-        done = {r.key for r in batch} if dry_run else remove_unchanged(disk, [(r.key, r.record) for r in batch])
+        batch = planned[i : i + BATCH]
+        done = remove_unchanged(disk, [(r.key, r.record) for r in batch])
         gone += [r for r in batch if r.key in done]
     return gone

@@ -377,6 +377,19 @@ def test_evict_to_dry_run_predicts_the_real_run(tmpl, disk, tmp_path):
     assert order == [t["P"], t["Q"], t["S"], t["R"]]
 
 
+def test_budget_removes_entries_that_free_space_before_old_prefixes_that_free_none(tmpl, disk):
+    """P (5 days old) is the prefix Q extends: its pack holds the chunks Q uses, so removing
+    P frees nothing while Q lives. A budget one byte under the total removes Q (the least
+    recently used entry that frees bytes), not P and then Q: one entry lost, not two."""
+    t = tmpl["keys"]
+    total = disk.index.total_bytes()
+    done = evict_to(disk, total - 1)
+    assert [r.key for r in done] == [t["Q"]] and done[0].freed > 0
+    assert disk.index.total_bytes() == total - done[0].freed <= total - 1
+    assert disk.index.entry(t["P"]) is not None and disk.index.entry(t["S"]) is not None
+    assert M.verify(disk, blob_age=0) == []
+
+
 def test_gc_rules(tmpl, disk):
     t = tmpl["keys"]
     # --max-age: P (5 days) goes, R (3 days, pinned) never does
