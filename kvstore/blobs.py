@@ -83,6 +83,22 @@ def pack_path(blob_root: Path, pack: bytes) -> Path:
     return blob_root / h[:2] / f"{h}{PACK_SUFFIX}"
 
 
+# What an open of kvstore's own path may meet that means "this is not kvstore's file":
+# a symlink (O_NOFOLLOW), a non-directory where a directory belongs, a directory where a
+# file belongs. Anything else (EMFILE, ENFILE, ENOMEM, EIO, EACCES, ...) says nothing
+# about the file: it is raised as the OSError it is, so no caller drops a record for it.
+_NOT_OURS = (errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.ENXIO)
+
+
+def _refuse(e: OSError, what: str) -> BlobError:
+    """BlobError for an open refused because the path is not kvstore's; re-raise ``e``
+    when the error is about the process or the system, not the path."""
+    if e.errno not in _NOT_OURS:
+        raise e
+    why = "a symlink" if e.errno == errno.ELOOP else e.strerror
+    return BlobError(f"{what} ({why})")
+
+
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -96,13 +112,13 @@ def _fanout_fd(path: Path) -> int:
     except FileNotFoundError:
         raise BlobError(f"{path.name}: blob file is missing") from None
     except OSError as e:
-        raise BlobError(f"{path.parent.parent}: not kvstore's directory ({e.strerror})") from None
+        raise _refuse(e, f"{path.parent.parent}: not kvstore's directory") from None
     try:
         return os.open(path.parent.name, _DIR_FLAGS, dir_fd=root)
     except FileNotFoundError:
         raise BlobError(f"{path.name}: blob file is missing") from None
     except OSError as e:
-        raise BlobError(f"{path.parent.name}/: not kvstore's directory ({e.strerror})") from None
+        raise _refuse(e, f"{path.parent.name}/: not kvstore's directory") from None
     finally:
         os.close(root)
 
@@ -148,8 +164,7 @@ def open_regular(path: Path, *, dir_fd: int | None = None) -> int:
     except FileNotFoundError:
         raise BlobError(f"{path.name}: blob file is missing") from None
     except OSError as e:
-        why = "a symlink" if e.errno == errno.ELOOP else e.strerror
-        raise BlobError(f"{path.name}: not kvstore's file ({why})") from None
+        raise _refuse(e, f"{path.name}: not kvstore's file") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise BlobError(f"{path.name}: not a regular file")

@@ -344,8 +344,11 @@ class KVStore:
         may still hit, unless the index itself is damaged (the disk tier is then off)."""
         try:
             return self.disk.restore(plan, ident, lambda specs, layout: layout_problem(ident, specs, layout))  # type: ignore[union-attr]
-        except (blobs.BlobError, codec.Unsupported, KeyError, ValueError, OSError) as e:
+        except (blobs.BlobError, codec.Unsupported, KeyError, ValueError) as e:
             self._damaged(plan, e)
+        except OSError as e:  # about the process or the system (EMFILE, EIO...), not the entry: keep it
+            self._stats["races"] += 1
+            self._warn_once("io", "kvstore: could not read an entry (%s); served as a miss, entry kept", e)
         except Exception as e:  # a defect, not damage: still a miss, never a crash
             if not self._index_damaged(e):
                 self._stats["corrupt"] += 1

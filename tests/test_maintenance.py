@@ -548,3 +548,52 @@ def test_damaged_index_at_open_keeps_its_readable_records(tmpl, disk, caplog):
         assert [p.kind for p in M.verify(d, blob_age=0)] == []
     finally:
         d.close()
+
+
+def test_verify_and_gc_out_of_file_descriptors_drop_nothing(tmp_path):
+    """A directory with more pack files than the process may open at once: verify reads
+    them all without running out of descriptors, and when the process is out of them
+    anyway (EMFILE) verify --fix and gc stop with that error instead of taking every pack
+    they could not open for missing and dropping its entry (the scale benchmark's gc at
+    100,000 entries once dropped 87,938 entries that way)."""
+    import random
+    import resource
+
+    from kvstore import KVStore
+    from kvstore.identity import Identity, layout_of
+    from tests.support.caches import synth_kv_cache
+
+    cache = synth_kv_cache(1, 1, 4, 4)
+    ident = Identity.from_components({"test": "emfile", "layout": layout_of(cache)})
+    rng = random.Random(5)
+    with KVStore(tmp_path / "c", chunk_tokens=16) as store:
+        for i in range(120):
+            store.insert(ident, [rng.randrange(1, 999) for _ in range(4)], synth_kv_cache(1, 1, 4, 4, seed=i))
+            store.flush()  # one pack each
+    from kvstore.disk import DiskTier
+
+    disk = DiskTier(tmp_path / "c")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    used = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 32
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (used + 90, hard))  # fewer than 120 packs, more than verify keeps open
+        assert M.verify(disk, blob_age=0) == []
+        hog = []
+        try:
+            while True:
+                hog.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+        os.close(hog.pop())  # one left: LMDB's reads work, pack opens fail
+        os.close(hog.pop())
+        with pytest.raises(OSError):
+            M.verify(disk, fix=True, blob_age=0)
+        with pytest.raises(OSError):
+            M.gc(disk, max_bytes=1 << 40)
+        for fd in hog:
+            os.close(fd)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(scan(disk.index, full=False).entries) == 120
+    assert M.verify(disk, blob_age=0) == []
+    disk.close()

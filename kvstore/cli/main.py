@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass
         return 0
+    except OSError as e:  # the process or the system (out of file descriptors, EIO), not a record
+        where = f" ({e.filename})" if e.filename else ""
+        error(f"{e.strerror or e}{where}: stopped; no record was changed because of it")
+        return 1
     except Exception as e:
         import lmdb  # a damaged index surfaces as an lmdb error from any read
 

@@ -134,11 +134,16 @@ def _rel(disk: DiskTier, path: Path) -> str:
 
 class SegmentCheck:
     """Segments against their pack files (``packs``: pack id -> its record, None if
-    unreadable): each file opened once, kvstore's own files only (``blobs.open_own``)."""
+    unreadable): kvstore's own files only (``blobs.open_own``), at most ``OPEN`` of them
+    open at a time (a directory of 100,000 packs must not run the process out of file
+    descriptors: an open that fails for a reason other than the file, e.g. EMFILE, is
+    raised, never reported as a missing file and never "fixed")."""
+
+    OPEN = 64
 
     def __init__(self, disk: DiskTier, packs: dict[bytes, PackRecord | None], checksums: bool = True) -> None:
         self.disk, self.packs, self.checksums = disk, packs, checksums
-        self.fds: dict[bytes, int | blobs.BlobError] = {}
+        self.fds: dict[bytes, int | blobs.BlobError] = {}  # insertion order = age
 
     def problem(self, seg: Segment) -> tuple[str, str, str | None] | None:
         """(kind, detail, file) when ``seg`` cannot be read back as written, else None."""
@@ -159,6 +164,10 @@ class SegmentCheck:
 
     def _fd(self, pack: bytes, path: Path) -> int | blobs.BlobError:
         if pack not in self.fds:
+            if len(self.fds) >= self.OPEN:
+                old = self.fds.pop(next(iter(self.fds)))
+                if isinstance(old, int):
+                    os.close(old)
             try:
                 self.fds[pack] = blobs.open_own(path)
             except blobs.BlobError as e:
