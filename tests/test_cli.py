@@ -480,10 +480,12 @@ def test_gc_identity_and_max_bytes(built, store_dir):
         total = disk.index.total_bytes()
     finally:
         disk.close()
-    # a budget that only the pinned entry fits: every unpinned entry goes, LRU first
+    # a budget that only the pinned entry fits: every unpinned entry goes, those that free
+    # space first in LRU order (A, the oldest, frees nothing while A2 uses its chunks: it
+    # goes after A2), pinned E kept
     res = cli_json("gc", "--max-bytes", str(e_bytes), cache_dir=store_dir)
     order = [r["key"] for r in res["removed"]]
-    assert order == [keys[n] for n in ("A", "B", "C", "A2")], order  # LRU; pinned E kept
+    assert order == [keys[n] for n in ("B", "C", "A2", "A")], order
     assert sum(r["bytes"] for r in res["removed"]) == total - e_bytes
     assert res["blob_bytes_left"] == e_bytes
     res = main_json("gc", "--max-bytes", "0", cache_dir=store_dir)
