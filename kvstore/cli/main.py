@@ -14,6 +14,7 @@ import argparse
 import importlib
 import os
 import sys
+from typing import Any
 
 # command -> (module under kvstore.cli, one-line help). A module may register several
 # commands (pin.py registers pin and unpin).
@@ -100,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     if module is None:
         parser.print_help(sys.stderr)
         return 2
+    return _run(module, args)
+
+
+def _run(module: Any, args: argparse.Namespace) -> int:
+    """Run a parsed command; the errors a user can act on become one line and an exit code."""
     from .common import CLIError, error
 
     try:
