@@ -213,3 +213,15 @@ def test_serve_names_its_blas_once(model_dir: Path, tmp_path: Path, monkeypatch:
         assert "reference" in lines[0] and f"{OPT_OUT} is set" in lines[0]
     else:
         assert "apt-get install libopenblas0-pthread" in lines[0]
+
+
+def test_sigusr1_prints_every_thread_and_the_server_goes_on(model_dir: Path, tmp_path: Path) -> None:
+    """SIGUSR1 makes a running ``kvstore serve`` print each thread's Python stack to its log
+    (how a server that stops answering is looked into); it keeps serving, and SIGTERM
+    still ends it cleanly."""
+    with Server(model_dir, tmp_path / "cache", tmp_path / "server.log") as s:
+        dump = s.stacks()
+        assert s.get("/health")["status"] == "ok"
+        assert s.stop(signal.SIGTERM) == 0, s.log()
+    assert dump.count("most recent call first") >= 2, dump  # the HTTP loop and the generation thread
+    assert "serve_forever" in dump, dump

@@ -11,13 +11,16 @@ No mlx-lm file is edited. Before ``mlx_lm.server.main()`` runs, this module
 - leaves ``usage.prompt_tokens_details.cached_tokens`` to mlx_lm.server (0.31 and 0.32
   report it, streamed usage included: the prompt tokens the prompt cache restored),
 - turns SIGTERM into the KeyboardInterrupt mlx-lm already handles (``httpd.shutdown()``),
-  then closes the store, which flushes the write-behind queue before the process exits.
+  then closes the store, which flushes the write-behind queue before the process exits,
+- makes SIGUSR1 print every thread's Python stack to stderr (``faulthandler``), so a
+  server that stops answering can be looked into without stopping it.
 Every other flag is mlx_lm.server's own and passed through unchanged.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -155,6 +158,8 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     _install_routes(server_mod)
     startup.install(server_mod, startup.options(ours), _STORES, progress)
     signal.signal(signal.SIGTERM, _sigterm)
+    if hasattr(signal, "SIGUSR1"):  # POSIX (Linux, macOS)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     sys.argv = ["mlx_lm.server", *rest]
     try:
         server_mod.main()

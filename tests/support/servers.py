@@ -86,10 +86,10 @@ class Server:
                 raise AssertionError(f"server did not exit within {timeout}s of signal {sig}\n{self.log()}")
         return self.proc.returncode
 
-    def log(self) -> str:
+    def log(self, tail: int = 6000) -> str:
         self._log.flush()
         try:
-            return Path(self.log_path).read_text(errors="replace")[-6000:]
+            return Path(self.log_path).read_text(errors="replace")[-tail:]
         except OSError:
             return ""
 
@@ -123,6 +123,15 @@ class Server:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
             raise AssertionError(f"{path}: HTTP {e.code}: {e.read()[:2000]!r}\n{self.log()}") from None
+        except TimeoutError:
+            raise AssertionError(f"{path}: no answer in {timeout} s; the server's threads:\n{self.stacks()}") from None
+
+    def stacks(self) -> str:
+        """The server's log after SIGUSR1 made it print every thread's stack (a hang's state)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+        return self.log(20000)
 
     def chat(self, messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:
         body = {"messages": messages, "temperature": 0, "max_tokens": 16,
