@@ -632,70 +632,79 @@ def hash_segment(fd: int, seg: Segment) -> bytes:
 # ----------------------------------------------------------------------------- arrays
 
 
-class _Unfilled:
-    """A file-like object ``mx.load`` reads a safetensors header from and whose data
-    reads fill nothing: the arrays it makes are allocated and left as the allocator gave
-    them. MLX has no uninitialised allocation in Python; zeros would touch every page from
-    user code first (in a fresh process that costs more than the read that follows)."""
-
-    name = "kvstore-alloc.safetensors"
-    closed = False
-
-    def __init__(self, specs: Specs) -> None:
-        header: dict[str, Any] = {}
-        offset = 0
-        for tname, (st, shape) in specs.items():
-            st = _STORAGE.get(st, st)  # see ``_STORAGE``
-            n = np.dtype(_FROM_ST[st][1]).itemsize * math.prod(shape)
-            header[tname] = {"dtype": st, "shape": list(shape), "data_offsets": [offset, offset + n]}
-            offset += n
-        hb = json.dumps(header).encode()
-        hb += b" " * (-len(hb) % 8)
-        self.prefix = struct.pack("<Q", len(hb)) + hb
-        self.size = len(self.prefix) + offset
-        self.pos = 0
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = (0, self.pos, self.size)[whence] + offset
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, buf: Any) -> int:
-        mv = memoryview(buf).cast("B")
-        if self.pos < len(self.prefix):
-            n = min(len(mv), len(self.prefix) - self.pos)
-            mv[:n] = self.prefix[self.pos : self.pos + n]
-        self.pos += len(mv)
-        return len(mv)
-
-
 # Allocated as a same-width integer and viewed as the real dtype at the end: bfloat16 has
 # no numpy dtype, and MLX's safetensors loader has no float64.
 _STORAGE = {"BF16": "U16", "F64": "U64"}
 
 # Read straight into MLX's memory (numpy views of evaluated arrays). If an MLX build ever
-# hands numpy a copy instead, restores fall back to numpy buffers and one copy into MLX.
+# hands numpy a copy instead, or no sparse scratch file can be made, restores fall back to
+# numpy buffers and one copy into MLX.
 SHARED_MEMORY = True
 
 
 def alloc(specs: Specs) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Destinations for tensor specs (bfloat16 as its uint16 storage): MLX arrays whose
-    memory is allocated but not touched, and writable numpy views of it (or, where MLX
-    does not share its memory, numpy buffers standing in for the arrays). Fill the views
-    before any MLX op uses the arrays, then hand out ``finish(st, array)``."""
+    memory the kernel filled with zeros, and writable numpy views of it (or, where that
+    is not possible, numpy buffers standing in for the arrays). Fill the views before
+    any MLX op uses the arrays, then hand out ``finish(st, array)``."""
     global SHARED_MEMORY
     if SHARED_MEMORY:
-        import mlx.core as mx
-
-        arrays = mx.load(_Unfilled(specs), format="safetensors")
-        hosts = {name: np.asarray(a).view(host_dtype(specs[name][0])) for name, a in arrays.items()}
-        if not any(h.flags.owndata or not h.flags.writeable for h in hosts.values()):
-            return arrays, hosts
-        SHARED_MEMORY = False  # a copy would lose the data
+        arrays = _zeroed_by_kernel(specs)
+        if arrays is not None:
+            hosts = {name: np.asarray(a).view(host_dtype(specs[name][0])) for name, a in arrays.items()}
+            if not any(h.flags.owndata or not h.flags.writeable for h in hosts.values()):
+                return arrays, hosts
+        SHARED_MEMORY = False  # a copy would lose the data; no scratch file: no point retrying
     hosts = {name: np.empty(shape, _FROM_ST[st][1]) for name, (st, shape) in specs.items()}
     return dict(hosts), hosts
+
+
+def _zeroed_by_kernel(specs: Specs) -> dict[str, Any] | None:
+    """Evaluated MLX arrays for ``specs``, loaded by MLX from a sparse safetensors file
+    (a header, then a hole), or None if no such file can be made in the temp directory.
+
+    Why: MLX has no uninitialised allocation. ``mx.zeros`` touches every page from user
+    code, which in a fresh process costs more than the read that follows; ``read()`` of a
+    hole has the kernel fill the pages instead (7-8 GB/s here), and MLX reads a path with
+    its own threads. A Python file object would do the same without a file, but MLX
+    then reads through it on a worker thread that needs the GIL: while a thread holding
+    the GIL waits for MLX's CPU streams (mlx-lm calls ``mx.clear_cache()`` after every
+    prefill step), that deadlocks (mlx 0.32, seen beside ``--preload-background``).
+    The file is unlinked as soon as MLX has opened it."""
+    import tempfile
+
+    import mlx.core as mx
+
+    header: dict[str, Any] = {}
+    offset = 0
+    for tname, (st, shape) in specs.items():
+        st = _STORAGE.get(st, st)  # see ``_STORAGE``
+        n = np.dtype(_FROM_ST[st][1]).itemsize * math.prod(shape)
+        header[tname] = {"dtype": st, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    hb = json.dumps(header).encode()
+    hb += b" " * (-len(hb) % 8)
+    prefix = struct.pack("<Q", len(hb)) + hb
+    try:
+        fd, path = tempfile.mkstemp(prefix="kvstore-alloc-", suffix=".safetensors")
+    except OSError:
+        return None
+    try:
+        os.write(fd, prefix)
+        os.ftruncate(fd, len(prefix) + offset)
+        if os.fstat(fd).st_blocks * 512 > len(prefix) + (1 << 20):  # not sparse: it would write zeros to disk
+            return None
+        arrays = mx.load(path, format="safetensors")
+    except (OSError, RuntimeError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    mx.eval(list(arrays.values()))
+    return arrays
 
 
 def finish(st: str, a: Any) -> Any:

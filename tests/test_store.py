@@ -822,3 +822,13 @@ def test_disk_entry_of_another_model_is_never_returned(tmp_path, tiny_llama):
         assert f.cache is None and f.n == 0
         assert s.stats()["corrupt"] >= 1 and s.stats()["hits_disk"] == 0
         assert s.fetch(real, toks).cache is None
+
+
+def test_restores_beside_mlx_lm_prefill_never_deadlock(tmp_path):
+    """Regression: a restore on one thread (``--preload-background``) and mlx-lm's prefill
+    loop on another, which calls ``mx.clear_cache()`` (it waits for every CPU stream while
+    holding the GIL), deadlocked within seconds when restores had MLX read through a
+    Python file object (its reads need the GIL). Both threads must run to the end."""
+    got = run_module("tests.support.programs.store_restore_beside_prefill",
+                     {"dir": str(tmp_path), "restores": 300, "timeout": 90}, timeout=180)
+    assert got["restores"] == 300 and got["prefill_steps"] > 0 and got["corrupt"] == 0, got
