@@ -637,8 +637,9 @@ def hash_segment(fd: int, seg: Segment) -> bytes:
 _STORAGE = {"BF16": "U16", "F64": "U64"}
 
 # Read straight into MLX's memory (numpy views of evaluated arrays). If an MLX build ever
-# hands numpy a copy instead, or no sparse scratch file can be made, restores fall back to
-# numpy buffers and one copy into MLX.
+# hands numpy a copy instead, or the temp directory makes no sparse files, restores fall
+# back to numpy buffers and one copy into MLX (for one restore only, if making the scratch
+# file failed: EMFILE, ENOSPC...).
 SHARED_MEMORY = True
 
 
@@ -654,14 +655,15 @@ def alloc(specs: Specs) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
             hosts = {name: np.asarray(a).view(host_dtype(specs[name][0])) for name, a in arrays.items()}
             if not any(h.flags.owndata or not h.flags.writeable for h in hosts.values()):
                 return arrays, hosts
-        SHARED_MEMORY = False  # a copy would lose the data; no scratch file: no point retrying
+            SHARED_MEMORY = False  # a copy would lose the data
     hosts = {name: np.empty(shape, _FROM_ST[st][1]) for name, (st, shape) in specs.items()}
     return dict(hosts), hosts
 
 
 def _zeroed_by_kernel(specs: Specs) -> dict[str, Any] | None:
     """Evaluated MLX arrays for ``specs``, loaded by MLX from a sparse safetensors file
-    (a header, then a hole), or None if no such file can be made in the temp directory.
+    (a header, then a hole), or None if no such file can be made in the temp directory
+    (``SHARED_MEMORY`` is turned off if the reason is that it makes no sparse files).
 
     Why: MLX has no uninitialised allocation. ``mx.zeros`` touches every page from user
     code, which in a fresh process costs more than the read that follows; ``read()`` of a
@@ -671,6 +673,7 @@ def _zeroed_by_kernel(specs: Specs) -> dict[str, Any] | None:
     the GIL waits for MLX's CPU streams (mlx-lm calls ``mx.clear_cache()`` after every
     prefill step), that deadlocks (mlx 0.32, seen beside ``--preload-background``).
     The file is unlinked as soon as MLX has opened it."""
+    global SHARED_MEMORY
     import tempfile
 
     import mlx.core as mx
@@ -692,7 +695,8 @@ def _zeroed_by_kernel(specs: Specs) -> dict[str, Any] | None:
     try:
         os.write(fd, prefix)
         os.ftruncate(fd, len(prefix) + offset)
-        if os.fstat(fd).st_blocks * 512 > len(prefix) + (1 << 20):  # not sparse: it would write zeros to disk
+        if os.fstat(fd).st_blocks * 512 > len(prefix) + (1 << 20):  # not sparse: zeros written to disk
+            SHARED_MEMORY = False
             return None
         arrays = mx.load(path, format="safetensors")
     except (OSError, RuntimeError, ValueError):

@@ -629,13 +629,15 @@ def _mx_dtype(st: str) -> str:
 
 @contextmanager
 def _blame(kind: str, key: bytes) -> Iterator[None]:
-    """Any failure in the block becomes a BlobError naming the record (``err.record``)."""
+    """A failure in the block that is the record's or its file's becomes a BlobError naming
+    the record (``err.record``). An OSError passes as it is: what ``blobs`` leaves raised
+    (EMFILE, EIO, ENOMEM...) is about the process or the system, not this record."""
     try:
         yield
     except blobs.BlobError as e:
         e.record = (kind, key)
         raise
-    except (KeyError, TypeError, ValueError, OSError) as e:  # an unusable record or file
+    except (KeyError, TypeError, ValueError) as e:  # an unusable record or file
         raise _blamed((kind, key), f"{type(e).__name__}: {e}") from None
 
 

@@ -79,7 +79,7 @@ class Fetched:
 
 _STAT_KEYS = ("hits_memory", "hits_disk", "hits_shared", "misses", "tokens_saved", "bytes_read",
               "bytes_written", "restore_seconds", "restores", "write_seconds", "writes",
-              "corrupt", "races", "write_errors", "unpersistable", "warnings_suppressed")
+              "corrupt", "races", "io_errors", "write_errors", "unpersistable", "warnings_suppressed")
 _INDEX_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.InvalidError)
 
 
@@ -318,8 +318,8 @@ class KVStore:
                 return None
             t0 = time.perf_counter()
             got = self._restore(ident, plan)
-            if got is None:
-                if self._disk_off:
+            if not isinstance(got, Restored):
+                if got == "unreadable" or self._disk_off:  # a new plan would fail the same way
                     return None
                 continue
             self._stats["restore_seconds"] += time.perf_counter() - t0
@@ -338,17 +338,19 @@ class KVStore:
                 self._warn_once("plan", "kvstore: disk lookup failed (%s); treating as a miss", e)
             return None
 
-    def _restore(self, ident: Identity, plan: Plan) -> Restored | None:
-        """Read ``plan`` from disk; None if that failed. A damaged record is dropped (a file
-        a concurrent gc removed is a counted race) and a defect logged once, so a new plan
-        may still hit, unless the index itself is damaged (the disk tier is then off)."""
+    def _restore(self, ident: Identity, plan: Plan) -> Restored | str:
+        """Read ``plan`` from disk, or say why not: "damaged" (the record was dropped, or a
+        concurrent gc removed it: a counted race; a new plan may still hit, unless the index
+        itself is damaged and the disk tier is off) or "unreadable" (an I/O error about the
+        process or the system, EMFILE or EIO: the entry is kept, counted in ``io_errors``)."""
         try:
             return self.disk.restore(plan, ident, lambda specs, layout: layout_problem(ident, specs, layout))  # type: ignore[union-attr]
         except (blobs.BlobError, codec.Unsupported, KeyError, ValueError) as e:
             self._damaged(plan, e)
-        except OSError as e:  # about the process or the system (EMFILE, EIO...), not the entry: keep it
-            self._stats["races"] += 1
+        except OSError as e:
+            self._stats["io_errors"] += 1
             self._warn_once("io", "kvstore: could not read an entry (%s); served as a miss, entry kept", e)
+            return "unreadable"
         except Exception as e:  # a defect, not damage: still a miss, never a crash
             if not self._index_damaged(e):
                 self._stats["corrupt"] += 1
@@ -356,7 +358,7 @@ class KVStore:
                     self._warned.add("bug")
                     log.exception("kvstore: unexpected error restoring an entry (a kvstore bug: please report)")
                 self._drop(plan, e)
-        return None
+        return "damaged"
 
     def _promote(self, ident: Identity, enc: bytes, plan: Plan, got: Restored, source: str = "disk") -> Fetched:
         """Keep a disk hit hot (marked as already on disk) and hand out its cache;
@@ -747,7 +749,8 @@ class KVStore:
     def _preload_read(self, ident: Identity, enc: bytes) -> Restored | None:
         """Read one entry's whole token list from disk, or None (a miss, handled as in fetch)."""
         plan = self._disk_plan(ident, enc)
-        return self._restore(ident, plan) if plan is not None and plan.n == len(enc) // 4 else None
+        got = self._restore(ident, plan) if plan is not None and plan.n == len(enc) // 4 else None
+        return got if isinstance(got, Restored) else None
 
 
 def _token_list(tokens: Any) -> list:

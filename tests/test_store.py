@@ -338,6 +338,35 @@ def test_restore_without_shared_memory_is_the_same(tmp_path, monkeypatch):
         assert s.stats()["corrupt"] == 0
 
 
+def test_fetch_out_of_file_descriptors_is_a_miss_that_keeps_the_entry(tmp_path):
+    """A restore that fails for the process's reasons (EMFILE here) is a miss counted in
+    ``io_errors``: the entry is neither dropped nor counted as damage, it is tried once
+    (not once per retry), and the next fetch with descriptors to spare restores it."""
+    who = ident("emfile")
+    toks = rand_tokens(2 * C + 9, seed=12)
+    with KVStore(tmp_path, chunk_tokens=C) as s:
+        s.insert(who, toks, synth(toks))
+        s.flush()
+        s.memory.clear()
+        hog = []
+        try:
+            while True:
+                hog.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+        try:
+            f = s.fetch(who, toks)
+        finally:
+            for fd in hog:
+                os.close(fd)
+        st = s.stats()
+        assert (f.n, f.source) == (0, None)
+        assert (st["io_errors"], st["corrupt"], st["races"], st["disk_entries"]) == (1, 0, 0, 1), st
+        f = s.fetch(who, toks)
+        assert (f.n, f.source) == (len(toks), "disk")
+        assert_synth(f.cache, toks)
+
+
 def test_chunk_size_belongs_to_the_directory(tmp_path):
     """Regression: reopening with another (or the default) chunk_tokens silently missed
     every entry, since key boundaries depend on it; the directory now keeps its own."""
