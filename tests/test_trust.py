@@ -21,7 +21,8 @@ import pytest
 from tests.support import ROOT
 from tests.support.children import child_env, run_module
 from tests.support.caches import synth_kv_cache
-from tests.support.stores import CHUNK, run_py
+from tests.support.children import run_py
+from tests.support.stores import CHUNK
 
 from kvstore import KVStore
 from kvstore.identity import Identity, code_digest, layout_of, model_identity

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from typing import Any
 
 from tests.support import ROOT
@@ -34,11 +35,20 @@ def run_module(module: str, payload: Any = None, *, timeout: float = 600,
     ``child_env(**env)``) with ``payload`` as JSON in ``sys.argv[1]``; the program prints one
     JSON document as its last stdout line, which is returned. A non-zero exit or no output
     raises AssertionError with the end of stderr."""
-    proc = subprocess.run([sys.executable, "-m", module, json.dumps(payload)], capture_output=True,
+    return _run(["-m", module], module, payload, timeout, env)
+
+
+def run_py(script: str, payload: Any = None, *, timeout: float = 600, env: dict[str, str] | None = None) -> Any:
+    """``run_module`` for a short program given as source (``python -c``, dedented)."""
+    return _run(["-c", textwrap.dedent(script)], "subprocess", payload, timeout, env)
+
+
+def _run(args: list[str], name: str, payload: Any, timeout: float, env: dict[str, str] | None) -> Any:
+    proc = subprocess.run([sys.executable, *args, json.dumps(payload)], capture_output=True,
                           text=True, timeout=timeout, env=child_env(**(env or {})), cwd=str(ROOT))
     if proc.returncode != 0:
-        raise AssertionError(f"{module} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{name} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     lines = proc.stdout.strip().splitlines()
     if not lines:
-        raise AssertionError(f"{module} printed nothing; stderr:\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{name} printed nothing; stderr:\n{proc.stderr[-6000:]}")
     return json.loads(lines[-1])

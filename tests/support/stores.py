@@ -1,17 +1,15 @@
-"""Shared helpers for the store tests: a subprocess runner, blob-file accounting, cache
-digests and the oracle on a fetch (synthetic caches are in tests.support.caches).
+"""Shared helpers for the store tests: blob-file accounting, cache digests and the oracle
+on a fetch (synthetic caches are in tests.support.caches, child processes in
+tests.support.children).
 
 Import as ``import tests.support.stores as U`` (pytest's ``pythonpath`` puts the repo root on
-sys.path; ``run_py`` gives its child processes the root through ``child_env``).
+sys.path).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,34 +18,9 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from tests.support import ROOT
-from tests.support.children import child_env
 
 # Chunk size for store tests: prompts of 100-300 tokens then span several chunks plus a tail.
 CHUNK = 64
-
-
-# --------------------------------------------------------------------------- subprocess
-
-
-def run_py(script: str, payload: Any = None, *, timeout: float = 600, env: dict | None = None) -> Any:
-    """Run ``script`` in a NEW Python process (this interpreter, repo root on sys.path).
-
-    ``payload`` is handed over as JSON in ``sys.argv[1]`` (the script reads it with
-    ``json.loads(sys.argv[1])``); the script must print one JSON document as its last
-    stdout line, which is returned. A non-zero exit raises AssertionError with stderr.
-    """
-    full_env = child_env(**(env or {}))
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script), json.dumps(payload)],
-        capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(ROOT),
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    lines = proc.stdout.strip().splitlines()
-    if not lines:
-        raise AssertionError(f"subprocess printed nothing; stderr:\n{proc.stderr[-6000:]}")
-    return json.loads(lines[-1])
 
 
 # --------------------------------------------------------------------------- disk accounting
