@@ -623,6 +623,39 @@ def test_cli_stats_ls_gc_with_shared(tmp_path, redis_server: RedisServer, capsys
     assert _cli(capsys, "stats", "--shared", url)[1]["entries"] == 1
 
 
+def test_gc_removes_fields_whose_values_are_gone(tmp_path, redis_server: RedisServer, capsys):
+    """Values the server evicted (maxmemory, TTL) leave their boundary-hash fields behind;
+    ``gc --shared`` removes exactly those (a dry run counts them and changes nothing),
+    keeps every field whose value is there, and the entries left are still hits."""
+    who = ident("gc-fields")
+    url = redis_server.url
+    publish(tmp_path / "a", url, who, [ENTRY, ENTRY[:100]])
+    names = _names(who)
+
+    def fields() -> list[bytes]:
+        with redis_server.client() as rc:
+            return sorted(f for h in rc.scan_iter(f"kvstore:*:h1:{who.hex}") for f in rc.hkeys(h))
+
+    before = fields()
+    assert len(before) == 5  # 3 chunk fields + 2 entry fields
+    with redis_server.client() as rc:  # as an eviction would: the 200-token entry and its last chunk
+        assert rc.delete(names["entry"], names["chunk3"]) == 2
+    code, dry = _cli(capsys, "gc", "--shared", url, "--max-age", "1d", "--dry-run")
+    assert code == 0 and (dry["entries"], dry["chunks"], dry["fields"]) == (0, 0, 2), dry
+    assert fields() == before
+    code, done = _cli(capsys, "gc", "--shared", url, "--max-age", "1d")
+    assert code == 0 and (done["entries"], done["chunks"], done["fields"]) == (0, 0, 2), done
+    enc = encode_tokens(ENTRY)
+    b = boundaries(root_key(who.digest), enc, C)
+    gone = {key_of(b[0], enc, C).hex().encode(), V.chunk_field_name(b[3]).encode()}
+    assert fields() == sorted(set(before) - gone)
+    with store(tmp_path / "c", url) as c:
+        f = c.fetch(who, ENTRY + [1])
+        assert (f.n, f.source) == (2 * C, "shared")  # chunks 1 and 2 (chunk 2's field was kept)
+        exact(f, ENTRY + [1])
+    assert _cli(capsys, "gc", "--shared", url, "--max-age", "1d")[1]["fields"] == 0
+
+
 def test_cli_shared_errors_are_clear(capsys):
     from kvstore.cli.main import main
 

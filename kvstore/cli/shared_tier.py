@@ -124,7 +124,7 @@ def run_gc(args: argparse.Namespace) -> int:
     res = admin.collect_garbage(c, identities=chosen, max_age=args.max_age, dry_run=args.dry_run)
     if args.json:
         common.print_json({"server": c.config.redacted(), "dry_run": res.dry_run, "entries": len(res.entries),
-                           "chunks": res.chunks, "hashes": res.hashes, "bytes": res.bytes,
+                           "chunks": res.chunks, "hashes": res.hashes, "fields": res.fields, "bytes": res.bytes,
                            "removed": [{"key": e.key.hex(), "identity": e.identity.hex(), "tokens": e.tokens,
                                         "published": e.published} for e in res.entries]})
         return _finish(c, res.complete)
@@ -136,6 +136,7 @@ def run_gc(args: argparse.Namespace) -> int:
     P = common.plural
     print(f"{'would free' if res.dry_run else 'freed'} {common.human_bytes(res.bytes)}: "
           f"{P(len(res.entries), 'entry', 'entries')}, {P(res.chunks, 'chunk')}, "
-          f"{P(res.hashes, 'boundary hash', 'boundary hashes')} in {c.config.redacted()}"
+          f"{P(res.hashes, 'boundary hash', 'boundary hashes')}, "
+          f"{P(res.fields, 'field')} of values already gone in {c.config.redacted()}"
           + (" (dry run: nothing changed)" if res.dry_run else ""))
     return _finish(c, res.complete)

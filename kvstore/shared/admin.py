@@ -6,7 +6,11 @@ size, in pipelines of ``BATCH`` names. ``collect_garbage`` removes every name of
 identities, or entries published longer ago than an age: their boundary-hash fields
 first (so no reader is sent to them), then the values, then chunks no remaining entry
 uses and published before the same age (a chunk written just now for an entry not yet
-published is younger than that, so a running publisher is never undercut).
+published is younger than that, so a running publisher is never undercut). Last, it
+removes the fields of every boundary hash whose value is gone (removed here, evicted by
+the server, or expired): a field found by ``HKEYS`` is removed only if its value does not
+``EXISTS`` after that, and a publisher writes a value before its field, so a field being
+published is never taken.
 
 The server's own eviction (``maxmemory`` + ``allkeys-lru``, or a TTL) is the budget; this
 is for removing a model's entries, or old ones, on purpose.
@@ -126,6 +130,7 @@ class GcResult:
     bytes: int
     dry_run: bool
     complete: bool
+    fields: int = 0  # boundary-hash fields whose value was gone (a dry run counts them from the listing)
 
 
 def collect_garbage(client: SharedClient, *, identities: list[str] = (), max_age: float | None = None,
@@ -155,7 +160,50 @@ def collect_garbage(client: SharedClient, *, identities: list[str] = (), max_age
             client.run(lambda r, h=hname, k=keys: r.hdel(h, *k))
         for batch in _batches(hashes + [V.name(prefix, "entry", e.key, e.identity) for e in gone] + chunks):
             client.delete_many(batch)
-    return GcResult(gone, len(chunks), len(hashes), freed, dry_run, found.complete)
+    doomed_hashes = set(hashes)
+    kept = [n for n in found.hashes if n not in doomed_hashes]
+    left = {V.name(prefix, "entry", e.key, e.identity) for e in found.entries if e.key not in gone_keys}
+    left |= set(found.chunks) - set(chunks)
+    dangling = _dangling_fields(client, kept, None if dry_run else set(), left)
+    if not dry_run:
+        for hname, names in dangling.items():
+            client.run(lambda r, h=hname, f=names: r.hdel(h, *f))
+    return GcResult(gone, len(chunks), len(hashes), freed, dry_run, found.complete,
+                    sum(len(f) for f in dangling.values()))
+
+
+def _dangling_fields(client: SharedClient, hashes: list[str], exists: set[str] | None,
+                     left: set[str]) -> dict[str, list[str]]:
+    """Fields of ``hashes`` whose value (an entry, or a chunk for a chunk field) is gone:
+    absent from ``left`` (the listing after this gc) when ``exists`` is None (a dry run),
+    else not ``EXISTS`` now, asked after ``HKEYS``."""
+    prefix = client.config.prefix
+    out: dict[str, list[str]] = {}
+    for batch in _batches(hashes):
+        keys = client.pipeline_read([("HKEYS", h) for h in batch])
+        if keys is None:
+            break
+        targets: list[tuple[str, str, str]] = []  # (hash, field, value name)
+        for h, fields in zip(batch, keys):
+            ident = V.parse_name(prefix, h).identity  # type: ignore[union-attr]
+            for f in fields or []:
+                text = f.decode() if isinstance(f, bytes) else str(f)
+                chunk = text.startswith(V.CHUNK_FIELD)
+                try:
+                    key = bytes.fromhex(text[len(V.CHUNK_FIELD):] if chunk else text)
+                    targets.append((h, text, V.name(prefix, "chunk" if chunk else "entry", key, ident)))
+                except ValueError:
+                    continue  # not a field kvstore writes: never touched
+        if exists is None:
+            gone = [t for t in targets if t[2] not in left]
+        else:
+            there = client.pipeline_read([("EXISTS", t[2]) for t in targets]) if targets else []
+            if there is None:
+                break
+            gone = [t for t, e in zip(targets, there) if e == 0]
+        for h, f, _ in gone:
+            out.setdefault(h, []).append(f)
+    return out
 
 
 def server_memory(client: SharedClient) -> dict[str, Any] | None:

@@ -499,7 +499,7 @@ def _set(key: str, value: Value, px: int | None, nx: bool = False) -> Callable[[
 
 
 # read commands ``pipeline_read`` sends, as redis-py pipeline methods
-READ_COMMANDS = frozenset({"GET", "GETRANGE", "STRLEN", "EXISTS", "HEXISTS", "HGETALL", "HLEN"})
+READ_COMMANDS = frozenset({"GET", "GETRANGE", "STRLEN", "EXISTS", "HEXISTS", "HGETALL", "HKEYS", "HLEN"})
 
 
 def _command(name: str, key: str, *args: Any) -> Callable[[Pipeline], object]:
