@@ -562,6 +562,7 @@ def test_verify_and_gc_out_of_file_descriptors_drop_nothing(tmp_path):
     from kvstore import KVStore
     from kvstore.identity import Identity, layout_of
     from tests.support.caches import synth_kv_cache
+    from tests.support.stores import out_of_descriptors
 
     cache = synth_kv_cache(1, 1, 4, 4)
     ident = Identity.from_components({"test": "emfile", "layout": layout_of(cache)})
@@ -578,20 +579,11 @@ def test_verify_and_gc_out_of_file_descriptors_drop_nothing(tmp_path):
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (used + 90, hard))  # fewer than 120 packs, more than verify keeps open
         assert M.verify(disk, blob_age=0) == []
-        hog = []
-        try:
-            while True:
-                hog.append(os.open(os.devnull, os.O_RDONLY))
-        except OSError:
-            pass
-        os.close(hog.pop())  # one left: LMDB's reads work, pack opens fail
-        os.close(hog.pop())
-        with pytest.raises(OSError):
-            M.verify(disk, fix=True, blob_age=0)
-        with pytest.raises(OSError):
-            M.gc(disk, max_bytes=1 << 40)
-        for fd in hog:
-            os.close(fd)
+        with out_of_descriptors(spare=2):  # LMDB's reads work, pack opens fail
+            with pytest.raises(OSError):
+                M.verify(disk, fix=True, blob_age=0)
+            with pytest.raises(OSError):
+                M.gc(disk, max_bytes=1 << 40)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert len(scan(disk.index, full=False).entries) == 120

@@ -13,10 +13,8 @@ the restored-equals-cold oracle (tools.oracle).
 from __future__ import annotations
 
 import copy
-import os
 import pickle
 import random
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -348,17 +346,8 @@ def test_fetch_out_of_file_descriptors_is_a_miss_that_keeps_the_entry(tmp_path):
         s.insert(who, toks, synth(toks))
         s.flush()
         s.memory.clear()
-        hog = []
-        try:
-            while True:
-                hog.append(os.open(os.devnull, os.O_RDONLY))
-        except OSError:
-            pass
-        try:
+        with U.out_of_descriptors():
             f = s.fetch(who, toks)
-        finally:
-            for fd in hog:
-                os.close(fd)
         st = s.stats()
         assert (f.n, f.source) == (0, None)
         assert (st["io_errors"], st["corrupt"], st["races"], st["disk_entries"]) == (1, 0, 0, 1), st

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -21,6 +22,28 @@ import xxhash
 
 # Chunk size for store tests: prompts of 100-300 tokens then span several chunks plus a tail.
 CHUNK = 64
+
+
+# --------------------------------------------------------------------------- descriptors
+
+
+@contextmanager
+def out_of_descriptors(spare: int = 0) -> Iterator[None]:
+    """Run the block with every file descriptor this process may open in use but ``spare``
+    (opens of /dev/null, closed on the way out): the next ``open`` beyond those is EMFILE."""
+    hog: list[int] = []
+    try:
+        while True:
+            hog.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    for _ in range(min(spare, len(hog))):
+        os.close(hog.pop())
+    try:
+        yield
+    finally:
+        for fd in hog:
+            os.close(fd)
 
 
 # --------------------------------------------------------------------------- disk accounting
