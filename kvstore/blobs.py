@@ -662,13 +662,13 @@ def alloc(specs: Specs) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
 
 def _zeroed_by_kernel(specs: Specs) -> dict[str, Any] | None:
     """Evaluated MLX arrays for ``specs``, loaded by MLX from a sparse safetensors file
-    (a header, then a hole), or None if no such file can be made in the temp directory
-    (``SHARED_MEMORY`` is turned off if the reason is that it makes no sparse files).
+    (a header, then a hole), or None if no such file can be made (``SHARED_MEMORY`` is
+    turned off if the reason is that the scratch directory makes no sparse files).
 
     Why: MLX has no uninitialised allocation. ``mx.zeros`` touches every page from user
     code, which in a fresh process costs more than the read that follows; ``read()`` of a
-    hole has the kernel fill the pages instead (7-8 GB/s here), and MLX reads a path with
-    its own threads. A Python file object would do the same without a file, but MLX
+    hole has the kernel fill the pages instead, and MLX reads a path with its own
+    threads. A Python file object would leave the pages untouched, but MLX
     then reads through it on a worker thread that needs the GIL: while a thread holding
     the GIL waits for MLX's CPU streams (mlx-lm calls ``mx.clear_cache()`` after every
     prefill step), that deadlocks (mlx 0.32, seen beside ``--preload-background``).
