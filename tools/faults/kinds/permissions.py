@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import stat
 import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..check import Tally, file_digests
-from ..common import CHUNK, Emit, LogCapture, exc_info
+from ..common import CHUNK, ROOT, Emit, LogCapture, exc_info
 from ..damage import _mount_tmpfs, _umount
 from ..synth import Zoo, random_prompt, syn_cache, syn_check, syn_identity
 from ..worker import Checker, Worker
@@ -252,8 +254,10 @@ def run_permissions(ctx: Ctx) -> dict:
     is_root = os.geteuid() == 0
     root_w = Checker(ctx.logdir, "perm")
     nobody_w: Checker | None = None
+    opened: list[tuple[Path, int]] = []
     if is_root:
         os.chmod(ctx.work, 0o755)
+        opened = _searchable_by_others([ROOT, Path(sys.prefix)])
         nobody_w = Checker(ctx.logdir, "perm")
         nobody_w.w.close()
         nobody_w.w = Worker("perm", ctx.logdir, nobody=True)
@@ -281,9 +285,30 @@ def run_permissions(ctx: Ctx) -> dict:
     root_w.close()
     if nobody_w:
         nobody_w.close()
+    for d, mode in reversed(opened):
+        os.chmod(d, mode)
     subprocess.run(["chmod", "-R", "u+rwX", str(base)], capture_output=True)
     shutil.rmtree(base, ignore_errors=True)
     return t.result()
+
+
+def _searchable_by_others(paths: list[Path]) -> list[tuple[Path, int]]:
+    """The nobody worker imports kvstore and tools from this checkout with its venv's
+    interpreter, so every directory above them must be searchable by others: add o+x
+    where it is missing (a checkout under a 0700 ``mktemp -d``). Returns (directory,
+    old mode) to restore, in the order changed."""
+    changed: list[tuple[Path, int]] = []
+    seen: set[Path] = set()
+    for p in paths:
+        for d in [p.resolve(), *p.resolve().parents]:
+            if d in seen:
+                continue
+            seen.add(d)
+            mode = stat.S_IMODE(os.stat(d).st_mode)
+            if not mode & stat.S_IXOTH:
+                os.chmod(d, mode | stat.S_IXOTH)
+                changed.append((d, mode))
+    return changed
 
 
 def _perm_case(t: Tally, w: Checker, name: str, d: Path, expect: str) -> None:
