@@ -59,10 +59,9 @@ class Sim:
         p[0] -= 1
         return p[1] if p[0] == 0 else 0
 
-    def would_free(self, key: bytes, rec: EntryRecord) -> int:
-        """The bytes removing ``rec`` now would free, counting nothing as removed."""
-        if key in self.gone:
-            return 0
+    def _drops(self, rec: EntryRecord) -> dict[bytes, int]:
+        """Pack id -> how many of its used segments removing ``rec`` now releases: its own
+        segments, and those of the chunks it holds the last reference to."""
         drop: dict[bytes, int] = {}
         for s in rec.segments:
             drop[s.pack] = drop.get(s.pack, 0) + 1
@@ -70,20 +69,25 @@ class Sim:
             if self.refs.get(ck) == 1 and ck in self.chunk_seg:
                 pack = self.chunk_seg[ck].pack
                 drop[pack] = drop.get(pack, 0) + 1
-        return sum(self.packs[p][1] for p, n in drop.items()
+        return drop
+
+    def would_free(self, key: bytes, rec: EntryRecord) -> int:
+        """The bytes removing ``rec`` now would free, counting nothing as removed."""
+        if key in self.gone:
+            return 0
+        return sum(self.packs[p][1] for p, n in self._drops(rec).items()
                    if p in self.packs and 0 < self.packs[p][0] <= n)
 
     def remove(self, key: bytes, rec: EntryRecord) -> int:
         """Count ``rec`` as removed; returns the bytes that frees."""
         if key in self.gone:
             return 0
+        drops = self._drops(rec)
         self.gone.add(key)
-        freed = sum(self._release(s.pack) for s in rec.segments)
         for ck in rec.chunks:
             if ck in self.refs:
                 self.refs[ck] -= 1
-                if self.refs[ck] == 0 and ck in self.chunk_seg:
-                    freed += self._release(self.chunk_seg[ck].pack)
+        freed = sum(self._release(p) for p, n in drops.items() for _ in range(n))
         self.total -= freed
         return freed
 
