@@ -346,9 +346,15 @@ def frame(tensors: dict[str, tuple[str, Any]], metadata: dict[str, str]) -> tupl
         header[name] = {"dtype": st, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
         arrays.append(arr)
         offset += arr.nbytes
+    return header_prefix(header), arrays
+
+
+def header_prefix(header: dict[str, Any]) -> bytes:
+    """The bytes of a safetensors header: its length (8 bytes, little-endian), then the
+    JSON, padded with spaces to a multiple of 8."""
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
-    return struct.pack("<Q", len(hb)) + hb, arrays
+    return struct.pack("<Q", len(hb)) + hb
 
 
 @dataclass(frozen=True)
@@ -687,9 +693,7 @@ def _zeroed_by_kernel(specs: Specs) -> dict[str, Any] | None:
         n = np.dtype(_FROM_ST[st][1]).itemsize * math.prod(shape)
         header[tname] = {"dtype": st, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
-    hb = json.dumps(header).encode()
-    hb += b" " * (-len(hb) % 8)
-    prefix = struct.pack("<Q", len(hb)) + hb
+    prefix = header_prefix(header)
     try:
         fd, path = tempfile.mkstemp(prefix="kvstore-alloc-", suffix=".safetensors", dir=_scratch_dir())
     except OSError:

@@ -113,11 +113,8 @@ def frame_of(data: bytes) -> tuple[dict, bytes]:
 
 def reframed(header: dict, body: bytes) -> bytes:
     """A segment from a header (JSON object) and its data, padded as kvstore pads."""
-    import json
-    import struct
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)
-    return struct.pack("<Q", len(hb)) + hb + body
+    from kvstore.blobs import header_prefix
+    return header_prefix(header) + body
 
 
 def new_pack(cache_dir: Path, segments: list[bytes], created: float) -> list[Any]:
