@@ -294,19 +294,21 @@ def run_permissions(ctx: Ctx) -> dict:
 
 def _searchable_by_others(paths: list[Path]) -> list[tuple[Path, int]]:
     """The nobody worker imports kvstore and tools from this checkout with its venv's
-    interpreter, so every directory above them must be searchable by others: add o+x
-    where it is missing (a checkout under a 0700 ``mktemp -d``). Returns (directory,
-    old mode) to restore, in the order changed."""
+    interpreter, so each of them must be listable and every directory above them
+    searchable by others: add o+rx / o+x where it is missing (a checkout cloned into a
+    0700 ``mktemp -d``). Returns (directory, old mode) to restore, in the order changed."""
     changed: list[tuple[Path, int]] = []
     seen: set[Path] = set()
     for p in paths:
-        for d in [p.resolve(), *p.resolve().parents]:
+        top = p.resolve()
+        for d in [top, *top.parents]:
             if d in seen:
                 continue
             seen.add(d)
             mode = stat.S_IMODE(os.stat(d).st_mode)
-            if not mode & stat.S_IXOTH:
-                os.chmod(d, mode | stat.S_IXOTH)
+            need = stat.S_IXOTH | (stat.S_IROTH if d == top else 0)
+            if mode & need != need:
+                os.chmod(d, mode | need)
                 changed.append((d, mode))
     return changed
 
