@@ -11,6 +11,11 @@ Guarantees:
 - ``decode`` hands out fresh array objects (free ``a[:]`` views), so a caller that extends
   the restored cache never changes the arrays it came from.
 - A cache kvstore cannot serialise raises ``Unsupported`` naming the class and why.
+- Each codec owns what is true of its class, as each mlx-lm cache class owns
+  ``is_trimmable`` / ``trim``: ``family`` (attention KV or its own), ``can_cut(meta, n)``
+  (whether the layer cut back to ``n`` positions is, in everything the model reads, what a
+  cold prefill of ``n`` tokens leaves: trimmability is a property of the cut point) and
+  ``holds(c)`` (why a live layer does not hold what it claims).
 """
 
 from __future__ import annotations
@@ -23,9 +28,7 @@ from mlx_lm.models import cache as C
 Tensors = dict[str, mx.array]
 Layout = list[dict[str, Any]]
 
-# Attention-KV classes (one family: a cache of the model may hold any of them); those a
-# prefix can be cut from and glued back (``chunkable``), and recurrent state.
-KV_CLASSES = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache")
+ATTENTION = "attention KV"  # the family of the attention-KV classes: a model may hold any of them
 
 
 class Unsupported(TypeError):
@@ -40,9 +43,39 @@ def _kv_encode(c: Any, n: int) -> Tensors:
     return {"k": c.keys[..., :n, :], "v": c.values[..., :n, :]}
 
 
-class _KVCodec:
+class _Codec:
+    """What every codec says unless its class says otherwise: a family of its own, never
+    cut (valid only at exactly its own length), nothing to check on a live layer.
+    ``chunkable``: a prefix can be cut into token chunks and glued back."""
+
+    cls: type = object
+    chunkable = False
+
+    @property
+    def family(self) -> str:
+        return self.cls.__name__
+
+    def can_cut(self, meta: dict, n: int) -> bool:
+        return False
+
+    def holds(self, c: Any) -> str | None:
+        return None
+
+
+class _KVCodec(_Codec):
     cls = C.KVCache
     chunkable = True
+    family = ATTENTION  # type: ignore[assignment]
+
+    def can_cut(self, meta: dict, n: int) -> bool:
+        return 0 <= n <= meta["offset"]
+
+    def holds(self, c: Any) -> str | None:
+        keys, off = c.keys, c.offset
+        k = keys[0] if isinstance(keys, (tuple, list)) else keys
+        if k is not None and isinstance(off, int) and k.shape[-2] < off:
+            return f"{type(c).__name__} claims {off} positions but its arrays hold {k.shape[-2]}"
+        return None
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         if c.keys is None:
@@ -57,9 +90,8 @@ class _KVCodec:
         return c
 
 
-class _QuantKVCodec:
+class _QuantKVCodec(_KVCodec):
     cls = C.QuantizedKVCache
-    chunkable = True
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         meta = {"offset": int(c.offset), "group_size": int(c.group_size), "bits": int(c.bits)}
@@ -80,11 +112,15 @@ class _QuantKVCodec:
         return c
 
 
-class _RotatingCodec:
-    """The ring buffer is stored as it is, with its write index: rotation state is history."""
+class _RotatingCodec(_Codec):
+    """The ring buffer is stored as it is, with its write index: rotation state is history.
+    It can be cut only while it has not wrapped (mlx-lm's ``is_trimmable``)."""
 
     cls = C.RotatingKVCache
-    chunkable = False
+    family = ATTENTION  # type: ignore[assignment]
+
+    def can_cut(self, meta: dict, n: int) -> bool:
+        return 0 <= n <= meta["offset"] < meta["max_size"]
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         meta = {"offset": int(c.offset), "keep": int(c.keep), "max_size": int(c.max_size),
@@ -101,9 +137,20 @@ class _RotatingCodec:
         return c
 
 
-class _ChunkedCodec:
+class _ChunkedCodec(_Codec):
+    """Keys from ``start`` on (mlx-lm drops those before the current attention chunk).
+    A cut to ``n`` is allowed only where the kept keys cover the attention chunk of
+    position ``n`` (``start <= n // chunk * chunk``): llama4 builds its chunk mask from
+    ``start_position``, so position ``n`` attends to keys ``n // chunk * chunk .. n``, which
+    a cut inside the chunk of ``start`` no longer holds (mlx-lm's ``is_trimmable`` says
+    True there: its own LRU hands out such a cache)."""
+
     cls = C.ChunkedKVCache
-    chunkable = False
+    family = ATTENTION  # type: ignore[assignment]
+
+    def can_cut(self, meta: dict, n: int) -> bool:
+        size = meta["chunk_size"]
+        return size > 0 and 0 <= n <= meta["offset"] and meta["start"] <= n // size * size
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         meta = {"offset": int(c.offset), "chunk_size": int(c.chunk_size),
@@ -120,11 +167,10 @@ class _ChunkedCodec:
         return c
 
 
-class _ArraysCodec:
+class _ArraysCodec(_Codec):
     """Recurrent state (conv and SSM states): only valid at exactly its own length."""
 
     cls = C.ArraysCache
-    chunkable = False
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         if getattr(c, "left_padding", None) is not None or getattr(c, "lengths", None) is not None:
@@ -140,9 +186,16 @@ class _ArraysCodec:
         return c
 
 
-class _CacheListCodec:
+class _CacheListCodec(_Codec):
+    """Its members in order; a cut must suit every member."""
+
     cls = C.CacheList
-    chunkable = False  # decided per sub-cache by is_chunkable
+
+    def can_cut(self, meta: dict, n: int) -> bool:
+        return all(CODECS[m["class"]].can_cut(m, n) for m in meta["sub"])
+
+    def holds(self, c: Any) -> str | None:
+        return next((why for sub in c.caches if (why := codec_of(sub).holds(sub))), None)
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         tensors: Tensors = {}
@@ -161,18 +214,24 @@ class _CacheListCodec:
         return C.CacheList(*subs)
 
 
-CODECS: dict[str, Any] = {
+CODECS: dict[str, _Codec] = {
     codec.cls.__name__: codec
     for codec in (_KVCodec(), _QuantKVCodec(), _RotatingCodec(), _ChunkedCodec(),
                   _ArraysCodec(), _CacheListCodec())
 }
 
 
-def encode_layer(c: Any) -> tuple[Tensors, dict]:
-    """One cache layer to (tensors, meta); meta["class"] names the codec."""
+def codec_of(c: Any) -> _Codec:
+    """The codec of a live cache object's exact class; Unsupported if there is none."""
     codec = CODECS.get(type(c).__name__)
     if codec is None or type(c) is not codec.cls:
         raise Unsupported(f"no codec for cache class {type(c).__module__}.{type(c).__name__}")
+    return codec
+
+
+def encode_layer(c: Any) -> tuple[Tensors, dict]:
+    """One cache layer to (tensors, meta); meta["class"] names the codec."""
+    codec = codec_of(c)
     tensors, meta = codec.encode(c)
     meta["class"] = codec.cls.__name__
     return tensors, meta
@@ -307,20 +366,54 @@ def cache_nbytes(tensors: Tensors) -> int:
 
 
 def trimmable(cache: list[Any]) -> bool:
+    """mlx-lm's own answer (every layer's ``is_trimmable``): not kvstore's cut rule, which
+    is ``can_cut`` (mlx-lm says True for a ChunkedKVCache at any cut point)."""
     return bool(cache) and all(c.is_trimmable() for c in cache)
 
 
-def layout_trimmable(layout: Layout) -> bool:
-    """Whether a snapshot of this layout can be trimmed to a shorter prefix after restore
-    (mlx-lm's ``is_trimmable`` for the classes involved, decided from the layout)."""
-    for m in flat_layout(layout):
-        cls = m["class"]
-        if cls in ("KVCache", "QuantizedKVCache", "ChunkedKVCache"):
-            continue
-        if cls == "RotatingKVCache" and m["offset"] < m["max_size"]:
-            continue
+def layout_length(layout: Layout) -> int | None:
+    """Positions a stored layout holds: its smallest ``offset`` (None for recurrent state
+    alone, which records no length)."""
+    offs = [m["offset"] for m in flat_layout(layout) if "offset" in m]
+    return min(offs) if offs else None
+
+
+def can_cut(layout: Layout, n: int) -> bool:
+    """Whether a cache of ``layout`` cut back to ``n`` positions is, in everything the
+    model reads, the cache a cold prefill of those ``n`` tokens leaves: at its own length
+    always; below it only where every layer's codec allows that cut point."""
+    held = layout_length(layout)
+    if held is None or not 0 <= n <= held:
         return False
-    return True
+    return n == held or all(CODECS[m["class"]].can_cut(m, n) for m in layout)
+
+
+def layout_trimmable(layout: Layout) -> bool:
+    """Whether some cut below its length is allowed (cut points are upward-closed: the
+    last one is allowed if any is). What an entry record's ``trimmable`` flag says."""
+    held = layout_length(layout)
+    return held is not None and held > 0 and can_cut(layout, held - 1)
+
+
+def covers_prefixes(layout: Layout) -> bool:
+    """Whether every prefix of the snapshot can be cut from it (so it stands in for the
+    stored snapshots of its prefixes, mlx-lm's rule for trimmable entries)."""
+    return can_cut(layout, 0)
+
+
+def cache_can_cut(cache: list[Any], n: int) -> bool:
+    """``can_cut`` for live cache objects (False for objects kvstore cannot encode)."""
+    try:
+        return can_cut(encode_cache(cache)[1], n)
+    except Unsupported:
+        return False
+
+
+def cuts_anywhere(cache: list[Any]) -> bool:
+    """Whether caches of these classes can be cut at any point, whatever they hold (plain
+    and quantised KV only): a family that needs no message-boundary snapshots."""
+    return bool(cache) and all(c is not None and getattr(CODECS.get(type(c).__name__), "chunkable", False)
+                               for c in flat_layers(cache))
 
 
 def held(cache: Any) -> int | None:
@@ -338,9 +431,8 @@ def check_holds(cache: list[Any], n: int | None = None) -> str | None:
         off = getattr(c, "offset", None)
         if n is not None and isinstance(off, int) and off != n:
             return f"layer {i} holds {off} positions, not {n}"
-        keys = getattr(c, "keys", None)
-        if type(c).__name__ in ("KVCache", "QuantizedKVCache") and keys is not None and isinstance(off, int):
-            k = keys[0] if isinstance(keys, (tuple, list)) else keys
-            if k.shape[-2] < off:
-                return f"layer {i} ({type(c).__name__}) claims {off} positions but its arrays hold {k.shape[-2]}"
+        codec = CODECS.get(type(c).__name__)
+        why = codec.holds(c) if codec is not None and type(c) is codec.cls else None
+        if why:
+            return f"layer {i} ({why})"
     return None

@@ -31,7 +31,9 @@ import numpy as np
 import xxhash
 
 from . import blobs
-from .identity import ArraySpec, Identity
+from .cuts import CutRefused, bound, serves
+from .identity import Identity
+from .layouts import ArraySpec
 from .index import Index, IndexOpenError, Reader, WriteTxn
 from .keys import boundaries, chunk_key, encode_tokens, entry_key, root_key
 from .keys import common_tokens as _common
@@ -144,13 +146,17 @@ class DiskTier:
         ``check(specs, layout)`` names why the stored layout does not fit the model (see
         ``identity.layout_problem``); it runs on the segments' headers, before anything is
         allocated. Raises BlobError (naming the record in ``err.record``) on anything
-        unexpected; then nothing is returned and the arrays being filled are dropped."""
+        unexpected; then nothing is returned and the arrays being filled are dropped.
+        Raises ``CutRefused`` (before allocating) when the plan cuts a snapshot at a point
+        its layout refuses (``codec.can_cut``): the entry is valid, the query a miss."""
         from . import codec  # lazy: keeps mlx_lm (3 s) out of CLI start-up
 
         pieces = self.index.view(lambda r: _pieces(r, plan))
         with _Packs(self.blob_root) as packs:
             heads = [_header(packs, p) for p in pieces]
             layout, specs = _checked(pieces, heads, ident, plan, self.chunk, check)
+            if not plan.chunked and plan.n < plan.stored_n and not codec.can_cut(layout, plan.n):
+                raise CutRefused(f"a snapshot of {plan.stored_n} tokens cannot be cut to {plan.n}")
             arrays, hosts = blobs.alloc(specs)
             _read_all(packs, pieces, heads, hosts, self.chunk if plan.chunked else None)
         tensors = {name: blobs.finish(specs[name][0], a) for name, a in arrays.items()}
@@ -160,8 +166,6 @@ class DiskTier:
             layout = codec.with_offset(layout, plan.n)
         cache = codec.decode_cache(tensors, layout)
         if not plan.chunked and plan.n < plan.stored_n:
-            if not codec.trimmable(cache):
-                raise _blamed(pieces[-1].record, "stored snapshot cannot be trimmed")
             for c in cache:
                 c.trim(plan.stored_n - plan.n)
             tensors, layout = codec.encode_cache(cache)
@@ -410,13 +414,13 @@ def _plan(r: Reader, ident: Identity, enc: bytes, bounds: list[bytes], C: int) -
     best: Plan | None = None
     if chain:  # the chain alone is reusable (keeping one token to feed when it is all)
         n = len(chain) * C
-        best = Plan(n - 1 if n == n_q else n, tuple(chain[:-1]), (Kind.CHUNK, chain[-1]), n, True)
+        best = Plan(serves(n, n, n_q, whole=False) or 0, tuple(chain[:-1]), (Kind.CHUNK, chain[-1]), n, True)
     for k in range(len(bounds) - 1, len(chain) - 1, -1):
         if best is not None and best.n >= (k + 1) * C:
             break  # everything filed at boundary k or above holds fewer tokens
         after = enc[k * C * 4 : (k + 1) * C * 4]
         for child, kind, shared, exact in r.edges(bounds[k], after):
-            top = k * C + shared if exact else min(k * C + shared, n_q - 1)
+            top = bound(k * C + shared, n_q, exact)
             if best is not None and top <= best.n:
                 break  # what follows shares no more (trie.edges), so it cannot do better
             got = _candidate(r, ident, enc, bounds[k], k, child, kind, chain, C, best.n if best else 0)
@@ -437,24 +441,25 @@ def _candidate(r: Reader, ident: Identity, enc: bytes, boundary: bytes, k: int, 
     if kind is Kind.ENTRY:
         n_e = len(stored) // 4
         common = _common(stored, enc)
-        if (n_e if common == n_e else min(common, n_q - 1)) <= beat or not _keyed(boundary, k, child, kind, stored, C):
+        if (serves(n_e, common, n_q) or 0) <= beat or not _keyed(boundary, k, child, kind, stored, C):
             return None
         rec = _record(r, kind, child)
         if rec is None or rec.identity != ident.digest or rec.n != n_e or (rec.chunked and k > len(chain)):
             return None
-        usable = n_e if common == n_e else (min(common, n_q - 1) if rec.trimmable else 0)
-        if usable <= 0:
+        usable = serves(n_e, common, n_q, rec.trimmable)  # the stored layout decides the cut point (restore)
+        if not usable:
             return None
         return Plan(usable, tuple(chain[:k]) if rec.chunked else (), (kind, child), n_e, rec.chunked,
                     entry=child, cache_type=rec.cache_type)
     if k != len(chain):
         return None
     m = _common(stored, enc[k * C * 4 :])
-    if m <= 0 or min(k * C + m, n_q - 1) <= beat or not _keyed(boundary, k, child, kind, stored, C):
+    usable = serves((k + 1) * C, k * C + m, n_q, whole=False) or 0
+    if m <= 0 or usable <= beat or not _keyed(boundary, k, child, kind, stored, C):
         return None
     if _record(r, kind, child) is None:
         return None
-    return Plan(min(k * C + m, n_q - 1), tuple(chain[:k]), (kind, child), (k + 1) * C, True)
+    return Plan(usable, tuple(chain[:k]), (kind, child), (k + 1) * C, True)
 
 
 def _keyed(boundary: bytes, k: int, child: bytes, kind: Kind, stored: bytes, C: int) -> bool:

@@ -147,7 +147,7 @@ def _restored(store: KVStore, model: Any, model_key: Any, prompt: list[int]) -> 
     got = store.fetch(model_key, prompt)
     cache, n, source = got.cache, got.n, got.source
     if cache is not None and n == len(prompt):  # keep one token for the model
-        if codec.trimmable(cache):
+        if codec.cache_can_cut(cache, n - 1):
             for c in cache:
                 c.trim(1)
             n -= 1
@@ -164,7 +164,7 @@ def _prefill_and_insert(store: KVStore, model: Any, model_key: Any, prompt: list
                         progress: ProgressFn | None = None) -> mx.array:
     """Prefill ``prompt[n:]``, snapshotting at the checkpoints (caches that cannot be
     trimmed only) and inserting the prompt-only cache after prefill; returns the logits."""
-    trimmable_family = codec.trimmable(make_prompt_cache(model))
+    trimmable_family = codec.cuts_anywhere(make_prompt_cache(model))
     marks = sorted((c, kind) for c, kind in checkpoints if n < c < len(prompt)) if not trimmable_family else []
     pos = n
 

@@ -2,10 +2,13 @@
 
 Matching is mlx-lm's own (its ``PromptTrie`` rules, identical in 0.31 and 0.32; ``Trie`` only
 makes one search linear): an exact hit;
-else a longer entry trimmed back to the common prefix when it is trimmable and that beats
-the longest shorter prefix; else the longest shorter prefix. Eviction is mlx-lm's too:
-three LRU lists (assistant, then user, then system are evicted first), by entry count and
-by bytes, and inserting a trimmable entry drops its stored prefixes.
+else a longer entry trimmed back to the common prefix when it can be cut there and that
+beats the longest shorter prefix; else the longest shorter prefix. Unlike mlx-lm, "can be
+cut there" is decided per cut point (``cuts.serves`` with ``codec.can_cut``): mlx-lm's LRU
+cuts a ChunkedKVCache inside the attention chunk of its first kept key, a wrong cache.
+Eviction is mlx-lm's too: three LRU lists (assistant, then user, then system are evicted
+first), by entry count and by bytes, and inserting an entry that covers its prefixes
+(every cut allowed) drops its stored prefixes.
 
 A snapshot holds encoded tensors (views, no copy) and hands out fresh cache objects on
 every hit, so the caller can extend its cache without touching the stored arrays and no
@@ -23,6 +26,7 @@ from typing import Any, Hashable
 from mlx_lm.models.cache import PromptTrie, PromptTrieResult
 
 from . import codec
+from .cuts import serves
 
 ORDERING = ("assistant", "user", "system")
 
@@ -30,7 +34,9 @@ ORDERING = ("assistant", "user", "system")
 @dataclass
 class Snapshot:
     """One stored prefix in memory: encoded tensors (views, no copy) and their layout, or
-    objects kvstore cannot encode (``opaque``). ``disk_key``: the entry it is on disk as
+    objects kvstore cannot encode (``opaque``: kvstore knows no more of them than their
+    own ``is_trimmable``, mlx-lm's rule). ``trimmable``: every prefix can be cut from it
+    (``codec.covers_prefixes``; for opaque objects, ``is_trimmable``). ``disk_key``: the entry it is on disk as
     (hits are credited to it); ``persist``: (identity, encoded tokens) to write when it is
     evicted before it reached disk; ``persisted``: queued for, or already on, disk."""
 
@@ -49,6 +55,17 @@ class Snapshot:
         if self.opaque is not None:
             return copy.deepcopy(self.opaque)
         return codec.decode_cache(self.tensors or {}, self.layout or [])
+
+    def cut_to(self, stored: int, n: int) -> bool:
+        """Whether this snapshot, stored under ``stored`` tokens, may be cut back to serve
+        ``n`` of them: its cache (which may hold fewer positions than ``stored``) cut by
+        ``stored - n`` must stop at a point its layout allows (``codec.can_cut``)."""
+        if self.opaque is not None:
+            return self.trimmable
+        if n >= stored:
+            return True
+        held = codec.layout_length(self.layout) if self.layout is not None else None
+        return held is not None and codec.can_cut(self.layout or [], held - (stored - n))
 
 
 Key = tuple[Hashable, tuple[int, ...]]
@@ -147,8 +164,10 @@ class MemoryTier:
         short = len(result.shorter) if result.shorter is not None else 0
         if result.longer is not None and result.common_prefix > short:
             snap: Snapshot = self._trie.get(model, result.longer)
-            if snap.trimmable:
-                out.append((snap, result.longer, min(len(tokens) - 1, result.common_prefix)))
+            longer = len(result.longer)
+            n = serves(longer, result.common_prefix, len(tokens), lambda m: snap.cut_to(longer, m))
+            if n is not None and (snap.opaque is None or snap.trimmable):  # mlx-lm: even with nothing to cut
+                out.append((snap, result.longer, n))
         if short > 0:
             out.append((self._trie.get(model, result.shorter), result.shorter, short))
         return out
@@ -158,9 +177,7 @@ class MemoryTier:
         the snapshot it came from)."""
         for snap, stored, n in self._find(model, tokens):
             cache = snap.materialize()
-            if n < len(stored):  # a longer entry, trimmed back to the common prefix
-                if not codec.trimmable(cache):
-                    continue
+            if n < len(stored):  # a longer entry, trimmed back to the common prefix (_find allowed it)
                 for c in cache:
                     c.trim(len(stored) - n)
             self._touch(model, stored)
@@ -204,7 +221,7 @@ class MemoryTier:
         self._bytes_by_type[snap.cache_type] += snap.nbytes
 
         evicted: list[tuple[Hashable, list[int], Snapshot]] = []
-        if snap.trimmable:  # a trimmable entry covers its prefixes
+        if snap.trimmable:  # an entry every prefix can be cut from covers its prefixes
             for n, old in self._trie.pop_prefixes(model, tokens):
                 self._bytes_by_type[old.cache_type] -= old.nbytes
                 self._forget((model, tuple(tokens[:n])))

@@ -39,8 +39,10 @@ import mlx.core as mx
 
 from . import blobs, codec
 from .budget import evict_to
+from .cuts import CutRefused
 from .disk import DiskTier, PersistJob, Plan, Restored
-from .identity import DigestMemo, Identity, layout_problem, model_identity, watch
+from .identity import DigestMemo, Identity, model_identity, watch
+from .layouts import layout_problem
 from .index import CORRUPTION, IndexOpenError
 from .keys import TokenError, boundaries, decode_tokens, encode_tokens, key_of, root_key
 from .memory import MemoryTier, Snapshot
@@ -79,7 +81,8 @@ class Fetched:
 
 _STAT_KEYS = ("hits_memory", "hits_disk", "hits_shared", "misses", "tokens_saved", "bytes_read",
               "bytes_written", "restore_seconds", "restores", "write_seconds", "writes",
-              "corrupt", "races", "io_errors", "write_errors", "unpersistable", "warnings_suppressed")
+              "corrupt", "races", "io_errors", "write_errors", "unpersistable", "refused_cuts",
+              "warnings_suppressed")
 _INDEX_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.InvalidError)
 
 
@@ -319,7 +322,7 @@ class KVStore:
             t0 = time.perf_counter()
             got = self._restore(ident, plan)
             if not isinstance(got, Restored):
-                if got == "unreadable" or self._disk_off:  # a new plan would fail the same way
+                if got in ("unreadable", "refused") or self._disk_off:  # a new plan would fail the same way
                     return None
                 continue
             self._stats["restore_seconds"] += time.perf_counter() - t0
@@ -341,10 +344,15 @@ class KVStore:
     def _restore(self, ident: Identity, plan: Plan) -> Restored | str:
         """Read ``plan`` from disk, or say why not: "damaged" (the record was dropped, or a
         concurrent gc removed it: a counted race; a new plan may still hit, unless the index
-        itself is damaged and the disk tier is off) or "unreadable" (an I/O error about the
-        process or the system, EMFILE or EIO: the entry is kept, counted in ``io_errors``)."""
+        itself is damaged and the disk tier is off), "unreadable" (an I/O error about the
+        process or the system, EMFILE or EIO: the entry is kept, counted in ``io_errors``)
+        or "refused" (the plan cuts a snapshot where its layout does not allow: a miss, the
+        entry is kept, counted in ``refused_cuts``)."""
         try:
             return self.disk.restore(plan, ident, lambda specs, layout: layout_problem(ident, specs, layout))  # type: ignore[union-attr]
+        except CutRefused:
+            self._stats["refused_cuts"] += 1
+            return "refused"
         except (blobs.BlobError, codec.Unsupported, KeyError, ValueError) as e:
             self._damaged(plan, e)
         except OSError as e:
@@ -365,7 +373,7 @@ class KVStore:
         ``source`` ("disk" | "shared") is where it came from for this request."""
         ctype = plan.cache_type if plan.cache_type in self.memory.stats_by_type() else "assistant"
         snap = Snapshot(got.tensors, got.layout, None, codec.cache_nbytes(got.tensors),
-                        codec.trimmable(got.cache), ctype, persisted=True, disk_key=plan.entry)
+                        codec.covers_prefixes(got.layout), ctype, persisted=True, disk_key=plan.entry)
         with self._lock:
             evicted = self.memory.insert(ident.digest, decode_tokens(enc[: got.n * 4]), snap)
         self._persist_evicted(evicted)
@@ -488,7 +496,7 @@ class KVStore:
             nbytes = int(sum(c.nbytes for c in cache))
         except Exception:
             nbytes = codec.cache_nbytes(tensors)
-        return Snapshot(tensors, layout, None, nbytes, codec.trimmable(cache), cache_type), covered
+        return Snapshot(tensors, layout, None, nbytes, codec.covers_prefixes(layout), cache_type), covered
 
     def _submit(self, snap: Snapshot) -> bool:
         assert self.writer is not None and self.disk is not None and snap.tensors is not None and snap.persist
@@ -724,7 +732,7 @@ class KVStore:
         got = self._preload_read(ident, enc)
         if got is None:
             return None
-        snap = Snapshot(got.tensors, got.layout, None, codec.cache_nbytes(got.tensors), codec.trimmable(got.cache),
+        snap = Snapshot(got.tensors, got.layout, None, codec.cache_nbytes(got.tensors), codec.covers_prefixes(got.layout),
                         rec.cache_type if rec.cache_type in self.memory.stats_by_type() else "assistant",
                         persisted=True, disk_key=key)
         with self._lock:

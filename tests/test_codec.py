@@ -522,3 +522,87 @@ def test_token_error_names_the_token():
         keys.encode_tokens([5, 2**70])
     with pytest.raises(TokenError, match="got NoneType"):
         keys.encode_tokens([5, None])
+
+
+# -- cut points: a chunked-attention cache is only cut where a cold prefill would agree --------
+
+_CHUNK_QUERIES = {"in_chunk_after_start": 58, "at_chunk_start": 56, "in_chunk_of_start": 53,
+                  "before_start": 49}  # the entry is filed at boundary 48 (chunk_tokens 16)
+_CHUNK_CHILD = """
+import json, sys
+from kvstore import KVStore
+from tools.models import load_model, model_path
+from tools.oracle import check_restore
+job = json.loads(sys.argv[1])
+model, _ = load_model("tiny-llama4")
+out = {}
+for name, q in job["queries"].items():
+    with KVStore(job["dir"], chunk_tokens=16) as s:  # a fresh store: the hit comes from disk
+        f = s.fetch(str(model_path("tiny-llama4")), q)
+        res = {"n": f.n, "source": f.source}
+        if f.cache is not None:
+            res["ok"] = check_restore(model, q, f.cache, f.n, n_gen=8).ok
+        st = s.stats()
+        res.update(corrupt=st["corrupt"], entries=st["disk_entries"])
+    out[name] = res
+print(json.dumps(out))
+"""
+
+
+def _llama4_entry():
+    """tiny-llama4's cache of a 60-token prompt fed as 57 tokens then one at a time, as
+    generation leaves it: its ChunkedKVCache layers keep keys 51..59 (start_position 51;
+    chunks of 8: 48..55, 56..63). Returns (model, path, prompt, cache, queries diverging
+    at each of _CHUNK_QUERIES)."""
+    from tools.models import load_model, model_path
+    from tools.oracle import make_cache, prefill
+
+    model, _ = load_model("tiny-llama4")
+    rng = np.random.default_rng(7)
+    prompt = [int(t) for t in rng.integers(3, 256, 60)]
+    cache = make_cache(model)
+    prefill(model, prompt[:57], cache)
+    for t in prompt[57:]:
+        prefill(model, [t], cache)
+    assert [getattr(c, "start_position", 51) for c in cache] == [51] * 4
+    queries = {k: prompt[:d] + [(t + 1) % 256 for t in prompt[d : d + 10]] for k, d in _CHUNK_QUERIES.items()}
+    return model, str(model_path("tiny-llama4")), prompt, cache, queries
+
+
+def test_chunked_cut_only_where_a_cold_prefill_agrees_from_disk(tmp_path):
+    """Regression (issue 26): an entry of a ChunkedKVCache model was cut back into the
+    attention chunk of its start_position (keys of that chunk gone: wrong generation), and a
+    cut before start_position was taken for damage and deleted the valid entry. A new
+    process restores for queries diverging at and after a chunk start (identical to a cold
+    prefill), inside the start's chunk and before the start (a miss); the entry is kept."""
+    from tests.support.children import run_py
+
+    _model, path, prompt, cache, queries = _llama4_entry()
+    from kvstore import KVStore
+
+    with KVStore(tmp_path, chunk_tokens=16) as s:
+        s.insert(path, prompt, cache)
+        assert s.flush(60)
+    got = run_py(_CHUNK_CHILD, {"dir": str(tmp_path), "queries": queries}, timeout=600)
+    assert got["in_chunk_after_start"] == {"n": 58, "source": "disk", "ok": True, "corrupt": 0, "entries": 1}, got
+    assert got["at_chunk_start"] == {"n": 56, "source": "disk", "ok": True, "corrupt": 0, "entries": 1}, got
+    for name in ("in_chunk_of_start", "before_start"):
+        assert got[name] == {"n": 0, "source": None, "corrupt": 0, "entries": 1}, got
+
+
+def test_chunked_cut_only_where_a_cold_prefill_agrees_in_memory():
+    """The memory tier refuses the same cuts (mlx-lm's own LRU hands them out) and serves
+    the allowed ones identically to a cold prefill."""
+    from kvstore import KVStore
+    from tools.oracle import check_restore
+
+    model, path, prompt, cache, queries = _llama4_entry()
+    with KVStore(memory_only=True) as s:
+        s.insert(path, prompt, cache)
+        for name, q in queries.items():
+            f = s.fetch(path, q)
+            if _CHUNK_QUERIES[name] >= 56:
+                assert f.n == _CHUNK_QUERIES[name] and f.source == "memory", (name, f.n)
+                assert check_restore(model, q, f.cache, f.n, n_gen=8).ok, name
+            else:
+                assert f.cache is None and f.n == 0, (name, f.n)

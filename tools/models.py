@@ -363,11 +363,11 @@ def _seeded_model(
         else:
             w = p
         out[name] = w.astype(mx.float32)
-    if zero_lm_head_rows and "lm_head.weight" in out:
-        rows = mx.array(list(zero_lm_head_rows))
-        w = out["lm_head.weight"]
-        w[rows] = 0.0
-        out["lm_head.weight"] = w
+    for head in [n for n in out if n == "lm_head.weight" or n.endswith(".lm_head.weight")]:
+        if zero_lm_head_rows:
+            w = out[head]
+            w[mx.array(list(zero_lm_head_rows))] = 0.0
+            out[head] = w
     mx.eval(out)
     return out
 
@@ -488,6 +488,37 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
             "sliding_window": 32,
             "sliding_window_layers": [0],
             "conv_window": 2,
+        },
+        {},
+    ),
+    # attention chunk 8: layers 0-2 ChunkedKVCache(8) (attention within 8-token chunks),
+    # layer 3 KVCache (global attention, no RoPE); dense MLPs (no MoE layer: step 0 never hits).
+    "tiny-llama4": (
+        "llama4",
+        {
+            "model_type": "llama4",
+            "eos_token_id": 258,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+            "text_config": {
+                **_TINY_COMMON,
+                "model_type": "llama4_text",
+                "attention_bias": False,
+                "attention_chunk_size": 8,
+                "head_dim": 32,
+                "hidden_size": 128,
+                "interleave_moe_layer_step": 1000,
+                "intermediate_size": 256,
+                "intermediate_size_mlp": 256,
+                "num_attention_heads": 4,
+                "num_experts_per_tok": 1,
+                "num_hidden_layers": 4,
+                "num_key_value_heads": 2,
+                "num_local_experts": 2,
+                "rope_scaling": None,
+                "rope_theta": 10000.0,
+                "use_qk_norm": True,
+            },
         },
         {},
     ),
@@ -655,6 +686,16 @@ MODELS: dict[str, ModelSpec] = {
             family="baichuan_m1",
             cache_classes=frozenset({"CacheList"}),
             nested_cache_classes=frozenset({"ArraysCache", "RotatingKVCache", "KVCache"}),
+            tiny=True,
+        ),
+        ModelSpec(
+            name="tiny-llama4",
+            description="tiny llama4 (4 layers, attention chunk 8 on layers 0-2): ChunkedKVCache + KVCache",
+            builder=_tiny_builder("tiny-llama4"),
+            build="tiny-llama4",
+            version="1",
+            family="llama4",
+            cache_classes=frozenset({"ChunkedKVCache", "KVCache"}),
             tiny=True,
         ),
         ModelSpec(

@@ -1,0 +1,214 @@
+"""Layout checks: what cache layout a model makes, and whether a stored cache fits it.
+
+The layout is the per-layer cache classes and their parameters (``codec.layout_signature``)
+plus, for each attention-KV layer, its geometry (KV heads, head_dim, dtype): what tells a
+cache of one model from a cache of another with the same layer classes. ``layout_from_config``
+derives it from mlx-lm's own ``make_prompt_cache`` and a lazy one-token forward (part of
+every model identity); ``layout_problem`` checks a stored or live cache against it before
+anything is allocated or stored. Which classes form one family (attention KV in any of its
+forms) is each codec's to say (``codec.CODECS[name].family``): no class-name switch here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class IdentityLike(Protocol):
+    """What the checks read of an identity: its components and its name."""
+
+    info: dict[str, Any]
+
+    @property
+    def name(self) -> str: ...
+
+
+def family(cls_name: str) -> str:
+    """The family of a stored class name: "attention KV" for every attention-KV class
+    (a model's cache may hold any of them), else the class itself."""
+    from .codec import CODECS
+
+    codec = CODECS.get(cls_name)
+    return codec.family if codec is not None else cls_name
+
+
+def layout_from_config(model_dir: Path) -> list:
+    """The per-layer cache layout mlx-lm builds for this model, with each attention-KV
+    layer's geometry (KV heads and head_dim of keys and values, and the KV dtype).
+
+    Nothing is evaluated and no weight data is read: the model is built lazily (from the
+    safetensors headers when mlx-lm can load the directory, else from config.json alone)
+    and one token is run through it lazily, so the cache arrays' shapes and dtype are
+    known while nothing is computed. The dtype is only recorded when the real weights were
+    (lazily) loaded: a lazily initialised model is float32, whatever the weights are. (An
+    mlx-lm adapter keeps the dtype: LoRA / DoRA cast their output to the input's.) If the
+    probe fails for an architecture, the layout is classes and parameters only, as
+    mlx-lm's ``make_prompt_cache`` gives them: never an error.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, real = _lazy_model(Path(model_dir))
+    try:
+        layout = layout_of(_probe(model))
+    except Exception:  # an architecture the probe cannot run: classes only
+        return layout_of(make_prompt_cache(model))
+    return layout if real else _without_dtype(layout)
+
+
+def _lazy_model(model_dir: Path) -> tuple[Any, bool]:
+    """The model, unevaluated: lazily loaded from its weight files (True) or, when mlx-lm
+    cannot load the directory (no safetensors, a GGUF), lazily initialised (False)."""
+    try:
+        from mlx_lm.utils import load_model
+
+        return load_model(model_dir, lazy=True)[0], True
+    except Exception:
+        from mlx_lm.utils import _get_classes  # present in mlx-lm 0.31 and 0.32
+
+        config = json.loads((model_dir / "config.json").read_text())
+        model_cls, args_cls = _get_classes(config)
+        return model_cls(args_cls.from_dict(config)), False
+
+
+def _probe(model: Any) -> list:
+    """A prompt cache after one token went through ``model``, never evaluated: its arrays
+    have the shapes and dtype the engine's caches will have. The forward runs while
+    ``mx.compile`` traces it, where MLX refuses any evaluation (an architecture that reads
+    a value mid-forward raises instead of computing, or reading, the whole model)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.compile(lambda tokens: model(tokens, cache=cache))(mx.array([[0]]))
+    return cache
+
+
+def _without_dtype(layout: list) -> list:
+    out = []
+    for m in layout:
+        m = {k: v for k, v in m.items() if k != "dtype"}
+        if "sub" in m:
+            m["sub"] = _without_dtype(m["sub"])
+        out.append(m)
+    return out
+
+
+def layout_of(cache: list) -> list:
+    """Classes and parameters of a (possibly empty) prompt cache, without lengths, and each
+    attention-KV layer's geometry when it holds arrays (see ``describe_layout``)."""
+    from .codec import encode_cache
+
+    return describe_layout(*encode_cache(cache))
+
+
+def describe_layout(tensors: dict[str, Any], layout: list) -> list:
+    """``codec.layout_signature(layout)`` plus, for every attention-KV layer (also inside a
+    CacheList) whose tensors are present, ``k`` / ``v`` = [KV heads, head_dim] and
+    ``dtype``: what tells a cache of this model from one of another model with the same
+    layer classes. Reads array shapes and dtypes only."""
+    from .codec import layout_signature
+
+    sig = layout_signature(layout)
+    for i, (s, m) in enumerate(zip(sig, layout)):
+        _add_geometry(s, m, tensors, f"{i}.")
+    return sig
+
+
+def _add_geometry(sig: dict, meta: dict, tensors: dict[str, Any], prefix: str) -> None:
+    from .codec import ATTENTION, CODECS
+
+    if meta.get("class") == "CacheList":
+        for j, (s, m) in enumerate(zip(sig.get("sub", []), meta.get("sub", []))):
+            _add_geometry(s, m, tensors, f"{prefix}s{j}.")
+    elif meta.get("class") in CODECS and CODECS[meta["class"]].family == ATTENTION:
+        sig.update(kv_geometry(tensors, meta, prefix))
+
+
+def kv_geometry(tensors: dict[str, Any], meta: dict, prefix: str = "") -> dict:
+    """``{"k": [heads, head_dim], "v": [heads, head_dim], "dtype": name}`` of one
+    attention-KV layer's encoded tensors (``prefix`` + ``k`` / ``v``, or the packed
+    ``k0..2`` / ``v0..2`` of a QuantizedKVCache, whose head_dim is unpacked from ``bits``);
+    {} when the layer holds no arrays or they are not (batch, heads, tokens, dim)."""
+    if meta.get("class") == "QuantizedKVCache":
+        k, v, scales = (tensors.get(prefix + n) for n in ("k0", "v0", "k1"))
+        bits = int(meta.get("bits") or 32)  # k0 / v0 pack head_dim * bits / 32 uint32 words
+    else:
+        k, v = (tensors.get(prefix + n) for n in ("k", "v"))
+        scales, bits = k, 32
+    if k is None or v is None or scales is None or k.ndim != 4 or v.ndim != 4:
+        return {}
+    return {"k": [int(k.shape[1]), int(k.shape[-1]) * 32 // bits],
+            "v": [int(v.shape[1]), int(v.shape[-1]) * 32 // bits],
+            "dtype": str(scales.dtype).rsplit(".", 1)[-1]}
+
+
+def layout_problem(ident: IdentityLike, tensors: dict[str, Any], layout: list) -> str | None:
+    """Why a cache does not fit the identity's model, or None: it must have the layers the
+    model makes (same count; per layer the same class family: attention KV in any of its
+    forms, or the same recurrent class) and, where the identity records it, each attention
+    layer's KV geometry (heads and head_dim of keys and values, and dtype). Unknown (None)
+    for identities without a layout component, or with a draft model (whose layers the
+    engine appends); identities without geometry are checked on classes only."""
+    comps = ident.info.get("components") or {}
+    want = comps.get("layout")  # ``tensors``: arrays, or ``ArraySpec`` from a blob header
+    if not isinstance(want, list) or comps.get("draft"):
+        return None
+
+    def fam(m: dict) -> str:
+        return family(str(m.get("class")))
+
+    def diff(a: list, b: list, where: str) -> str | None:
+        if len(a) != len(b):
+            return f"cache has {len(a)} layers{where}, {ident.name} makes {len(b)} (a cache from another model?)"
+        for i, (x, y) in enumerate(zip(a, b)):
+            if fam(x) != fam(y):
+                return (f"cache layer {i}{where} is {x.get('class')}, {ident.name} makes {y.get('class')} "
+                        "(a cache from another model?)")
+            if fam(x) not in ("attention KV", "CacheList") and x != y:  # recurrent state: exact
+                return f"cache layer {i}{where} is {x}, {ident.name} makes {y} (a cache from another model?)"
+            d = _geometry_problem(x, y) if fam(x) == "attention KV" else None
+            if d:
+                return f"cache layer {i}{where} {d[0]}, {ident.name} makes {d[1]} (a cache from another model?)"
+            if x.get("class") == "CacheList":
+                d = diff(x.get("sub", []), y.get("sub", []), f" (in layer {i})")
+                if d:
+                    return d
+        return None
+
+    return diff(describe_layout(tensors, layout), want, "")
+
+
+def _geometry_problem(got: dict, want: dict) -> tuple[str, str] | None:
+    """(what the cache layer holds, what the model makes) when their recorded KV geometry
+    differs; None when it agrees or either side does not record it (an empty layer, an
+    identity without geometry or without dtype)."""
+    if not all(isinstance(m.get(n), list) for m in (got, want) for n in ("k", "v")):
+        return None
+    if (got["k"], got["v"]) != (want["k"], want["v"]):
+        return f"has {_shape_text(got, True)}", _shape_text(want, False)
+    if got.get("dtype") and want.get("dtype") and got["dtype"] != want["dtype"]:
+        return f"holds {got['dtype']} KV", want["dtype"]
+    return None
+
+
+def _shape_text(m: dict, long: bool) -> str:
+    (kh, kd), (vh, vd) = m["k"], m["v"]
+    if (kh, kd) == (vh, vd):
+        return f"{kh} KV heads x head_dim {kd}" if long else f"{kh} x {kd}"
+    return f"keys {kh} x {kd} and values {vh} x {vd}"
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """An array's shape and dtype name without its data (from a blob header): what
+    ``describe_layout`` reads of a tensor."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
