@@ -136,6 +136,7 @@ class KVStore:
         self._vocab: dict[bytes, int | None] = {}
         self._kv_quant = (kv_bits, kv_group_size if kv_bits else None)
         self._warned: set[str] = set()
+        self._memory_only: dict[str, str] = {}  # model -> why its caches stay in memory
         self._touches: dict[bytes, tuple[float, int]] = {}
         self._touch_scheduled = False
         self.disk: DiskTier | None = None
@@ -460,10 +461,12 @@ class KVStore:
             top = max(tokens)
             if vocab is not None and top >= vocab:
                 raise TokenError(f"token id {top} is out of the vocabulary of {ident.name} (vocab_size {vocab})")
-        snap, covered = self._snapshot(cache, len(tokens), cache_type)
+        snap, covered, why = self._snapshot(cache, len(tokens), cache_type)
         wrong = (layout_problem(ident, snap.tensors, snap.layout)
                  if ident is not None and snap.layout is not None and snap.tensors is not None else None)
-        if wrong is not None:  # never stored on disk under this identity (memory is the caller's own)
+        if why is not None:
+            self._note_memory_only(model, ident, why)
+        elif wrong is not None:  # never stored on disk under this identity (memory is the caller's own)
             self._stats["unpersistable"] += 1
             self._warn_once("layout", "kvstore: %s; kept in memory only", wrong)
         elif snap.tensors is not None and self._disk_on(ident) and covered > 0:
@@ -473,15 +476,25 @@ class KVStore:
             evicted = self.memory.insert(self._mem_key(model, ident), tokens, snap)
         self._persist_evicted(evicted)
 
-    def _snapshot(self, cache: list[Any], n_tokens: int, cache_type: str) -> tuple[Snapshot, int]:
+    def _note_memory_only(self, model: Any, ident: Identity | None, why: str) -> None:
+        """Count a cache kvstore cannot persist; say why once per model (in the log and in
+        ``stats()["memory_only_reason"]``, at most 64 models named)."""
+        self._stats["unpersistable"] += 1
+        name = ident.name if ident is not None else str(model)[:200]
+        with self._lock:
+            if name in self._memory_only or len(self._memory_only) >= 64:
+                return
+            self._memory_only[name] = why
+        log.warning("kvstore: %s: %s; its caches are served from memory only", name, why)
+
+    def _snapshot(self, cache: list[Any], n_tokens: int, cache_type: str) -> tuple[Snapshot, int, str | None]:
+        """(the snapshot, positions it covers, why it cannot be persisted or None)."""
         try:
             tensors, layout = codec.encode_cache(cache)
         except codec.Unsupported as e:
-            self._stats["unpersistable"] += 1
-            self._warn_once("unsupported", "kvstore: %s; kept in memory only", e)
             nbytes = sum(getattr(c, "nbytes", 0) for c in cache) if isinstance(cache, (list, tuple)) else 0
             trim = bool(cache) and all(getattr(c, "is_trimmable", lambda: False)() for c in cache)
-            return Snapshot(None, None, cache, nbytes, trim, cache_type), 0
+            return Snapshot(None, None, cache, nbytes, trim, cache_type), 0, str(e)
         offsets = [m["offset"] for m in codec.flat_layout(layout) if "offset" in m]
         covered = min(offsets) if offsets else n_tokens
         if covered > n_tokens:
@@ -496,7 +509,7 @@ class KVStore:
             nbytes = int(sum(c.nbytes for c in cache))
         except Exception:
             nbytes = codec.cache_nbytes(tensors)
-        return Snapshot(tensors, layout, None, nbytes, codec.covers_prefixes(layout), cache_type), covered
+        return Snapshot(tensors, layout, None, nbytes, codec.covers_prefixes(layout), cache_type), covered, None
 
     def _submit(self, snap: Snapshot) -> bool:
         assert self.writer is not None and self.disk is not None and snap.tensors is not None and snap.persist
@@ -565,6 +578,7 @@ class KVStore:
         """Counters by tier, plus queue depth, dropped and failed writes, disk totals."""
         s: dict[str, Any] = dict(self._stats)
         s["memory_entries"] = len(self.memory)
+        s["memory_only_reason"] = dict(self._memory_only)
         s["memory_bytes"] = self.memory.nbytes
         if self.writer is not None:
             s["queue_depth"] = self.writer.depth

@@ -315,7 +315,7 @@ def _write_json(path: pathlib.Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _seeded_model(
+def seeded_weights(
     arch: str,
     config: dict[str, Any],
     seed: int,
@@ -399,7 +399,7 @@ _TINY_COMMON = {
     "eos_token_id": 258,
 }
 
-# name -> (architecture module, config.json, init overrides for _seeded_model)
+# name -> (architecture module, config.json, init overrides for seeded_weights)
 TINY_CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # plain KVCache family
     "tiny-llama": (
@@ -532,7 +532,7 @@ def build_tiny(name: str, out_dir: str | pathlib.Path, *, seed: int = TINY_SEED)
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     special_ids = write_byte_tokenizer(out)
-    weights = _seeded_model(
+    weights = seeded_weights(
         arch,
         config,
         seed,
@@ -590,7 +590,7 @@ def build_bench_qwen3(out_dir: str | pathlib.Path, *, seed: int = BENCH_SEED) ->
     out.mkdir(parents=True, exist_ok=True)
     write_qwen_tokenizer(out)
     # Tied embeddings (as the real 0.6B): N(0, 1/sqrt(hidden)) keeps logits O(1).
-    weights = _seeded_model(
+    weights = seeded_weights(
         "qwen3",
         BENCH_QWEN3_CONFIG,
         seed,
