@@ -61,6 +61,15 @@ class _Codec:
     def holds(self, c: Any) -> str | None:
         return None
 
+    def check(self, key: str, value: Any) -> None:
+        """A stored layout field other than the bounded integers: none unless the codec
+        writes one (ValueError naming it)."""
+        raise ValueError(f"unexpected layout field {key!r}")
+
+    def signature(self, meta: dict) -> dict:
+        """The layer's meta without lengths (what an identity's layout records)."""
+        return {k: v for k, v in meta.items() if k not in ("offset", "idx", "start")}
+
 
 class _KVCodec(_Codec):
     cls = C.KVCache
@@ -192,10 +201,17 @@ class _CacheListCodec(_Codec):
     cls = C.CacheList
 
     def can_cut(self, meta: dict, n: int) -> bool:
-        return all(CODECS[m["class"]].can_cut(m, n) for m in meta["sub"])
+        return all(STORED[m["class"]].can_cut(m, n) for m in meta["sub"])
 
     def holds(self, c: Any) -> str | None:
         return next((why for sub in c.caches if (why := codec_of(sub).holds(sub))), None)
+
+    def check(self, key: str, value: Any) -> None:
+        if key != "sub":
+            super().check(key, value)
+
+    def signature(self, meta: dict) -> dict:
+        return {"class": meta["class"], "sub": layout_signature(meta["sub"])}
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         tensors: Tensors = {}
@@ -214,6 +230,90 @@ class _CacheListCodec(_Codec):
         return C.CacheList(*subs)
 
 
+_KINDS = {bool: "b", int: "i", float: "f", str: "s"}
+
+
+class _StateCodec(_Codec):
+    """Any other cache class that follows mlx-lm's own protocol, what its
+    ``save_prompt_cache`` / ``load_prompt_cache`` rely on: a ``_BaseCache`` of an
+    ``mlx_lm.models`` module whose ``state`` is arrays, scalars and None, rebuilt by
+    ``from_state``. One whole snapshot, never cut (valid at exactly its own length, like
+    recurrent state). A stored class name is only resolved to such a class of a module
+    already imported (the model's own): stored data never imports anything."""
+
+    cls = C._BaseCache
+
+    @property
+    def family(self) -> str:
+        return "State"
+
+    @staticmethod
+    def follows(c: Any) -> bool:
+        t = type(c)
+        setter = getattr(getattr(t, "state", None), "fset", None)
+        return (isinstance(c, C._BaseCache) and t.__module__.startswith("mlx_lm.models.") and setter is not None
+                and getattr(c, "left_padding", None) is None and getattr(c, "lengths", None) is None)
+
+    def encode(self, c: Any) -> tuple[Tensors, dict]:
+        state = c.state
+        if not isinstance(state, (list, tuple)) or len(state) > 64:
+            raise Unsupported(f"{type(c).__name__}.state is not a short tuple")
+        tensors: Tensors = {}
+        items: list[list] = []
+        for i, v in enumerate(state):
+            if isinstance(v, mx.array):
+                tensors[f"t{i}"] = v
+                items.append(["a"])
+            elif v is None:
+                items.append(["n"])
+            elif type(v) in _KINDS and (not isinstance(v, str) or len(v) <= 256):
+                items.append([_KINDS[type(v)], v])
+            else:
+                raise Unsupported(f"{type(c).__name__}.state holds a {type(v).__name__}")
+        try:  # what decode will do: a class whose from_state cannot take its own state is refused
+            type(c).from_state(tuple(state))
+        except Exception as e:
+            raise Unsupported(f"{type(c).__name__}.from_state cannot rebuild it from its state ({e})") from None
+        return tensors, {"type": f"{type(c).__module__}:{type(c).__qualname__}", "items": items}
+
+    def decode(self, t: Tensors, meta: dict) -> Any:
+        cls = _state_class(meta["type"])
+        state = [_fresh(t[f"t{i}"]) if it[0] == "a" else (None if it[0] == "n" else it[1])
+                 for i, it in enumerate(meta["items"])]
+        return cls.from_state(tuple(state))
+
+    def check(self, key: str, value: Any) -> None:
+        if key == "type" and isinstance(value, str) and len(value) <= 200 and value.startswith("mlx_lm.models."):
+            return
+        if key == "items" and isinstance(value, list) and len(value) <= 64 and all(_item_ok(x) for x in value):
+            return
+        raise ValueError(f"layout field {key}={str(value)[:80]!r} is not a state description")
+
+    def signature(self, meta: dict) -> dict:
+        return {"class": meta["class"], "type": meta["type"], "items": [x[0] for x in meta["items"]]}
+
+
+def _item_ok(x: Any) -> bool:
+    if not isinstance(x, list) or not x or x[0] not in ("a", "n", *_KINDS.values()):
+        return False
+    if x[0] in ("a", "n"):
+        return len(x) == 1
+    kind = {v: k for k, v in _KINDS.items()}[x[0]]
+    return len(x) == 2 and type(x[1]) is kind and (kind is not str or len(x[1]) <= 256)
+
+
+def _state_class(name: str) -> type:
+    """The class a stored ``module:qualname`` names, if it is a protocol-following cache
+    class of an imported ``mlx_lm.models`` module; Unsupported otherwise."""
+    import sys
+
+    module, _, qual = name.partition(":")
+    cls = getattr(sys.modules.get(module), qual, None) if module.startswith("mlx_lm.models.") else None
+    if not (isinstance(cls, type) and issubclass(cls, C._BaseCache) and cls.__name__ not in CODECS):
+        raise Unsupported(f"stored cache class {name!r} is not an imported mlx-lm cache class")
+    return cls
+
+
 CODECS: dict[str, _Codec] = {
     codec.cls.__name__: codec
     for codec in (_KVCodec(), _QuantKVCodec(), _RotatingCodec(), _ChunkedCodec(),
@@ -221,24 +321,33 @@ CODECS: dict[str, _Codec] = {
 }
 
 
+STATE = _StateCodec()
+_PLAIN = _Codec()
+STORED: dict[str, _Codec] = {**CODECS, "State": STATE}  # every class name a stored layout may hold
+
+
 def codec_of(c: Any) -> _Codec:
-    """The codec of a live cache object's exact class; Unsupported if there is none."""
+    """The codec of a live cache object's exact class (a dedicated one, else the generic
+    ``State`` codec for classes following mlx-lm's protocol); Unsupported if none fits."""
     codec = CODECS.get(type(c).__name__)
-    if codec is None or type(c) is not codec.cls:
-        raise Unsupported(f"no codec for cache class {type(c).__module__}.{type(c).__name__}")
-    return codec
+    if codec is not None and type(c) is codec.cls:
+        return codec
+    if codec is None and STATE.follows(c):
+        return STATE
+    why = "" if codec is not None else " and it does not follow mlx-lm's state / from_state protocol"
+    raise Unsupported(f"no codec for cache class {type(c).__module__}.{type(c).__name__}{why}")
 
 
 def encode_layer(c: Any) -> tuple[Tensors, dict]:
     """One cache layer to (tensors, meta); meta["class"] names the codec."""
     codec = codec_of(c)
     tensors, meta = codec.encode(c)
-    meta["class"] = codec.cls.__name__
+    meta["class"] = "State" if codec is STATE else codec.cls.__name__
     return tensors, meta
 
 
 def decode_layer(t: Tensors, meta: dict) -> Any:
-    codec = CODECS.get(meta.get("class", ""))
+    codec = STORED.get(meta.get("class", ""))
     if codec is None:
         raise Unsupported(f"unknown cache class in stored layout: {meta.get('class')!r}")
     return codec.decode(t, meta)
@@ -312,7 +421,7 @@ def check_layout(obj: Any, depth: int = 0) -> Layout:
     if not isinstance(obj, list) or not 0 < len(obj) <= MAX_LAYERS or depth > 2:
         raise ValueError("a layout is a non-empty list of layer metas")
     for m in obj:
-        if not isinstance(m, dict) or m.get("class") not in CODECS:
+        if not isinstance(m, dict) or m.get("class") not in STORED:
             raise ValueError(f"unknown cache class in a stored layout: {str(m)[:80]!r}")
         for k, v in m.items():
             if k in _INT_FIELDS:
@@ -321,7 +430,7 @@ def check_layout(obj: Any, depth: int = 0) -> Layout:
             elif k == "sub" and m["class"] == "CacheList":
                 check_layout(v, depth + 1)
             elif k != "class":
-                raise ValueError(f"unexpected layout field {k!r}")
+                STORED[m["class"]].check(k, v)
         if m["class"] == "ArraysCache" and not 0 < m.get("size", 0) <= MAX_ARRAYS:
             raise ValueError(f"ArraysCache size {m.get('size')!r} out of range")
     return obj
@@ -330,7 +439,7 @@ def check_layout(obj: Any, depth: int = 0) -> Layout:
 def is_chunkable(layout: Layout, n_tokens: int) -> bool:
     """True when every layer is plain or quantised KV holding exactly ``n_tokens`` positions:
     such a cache can be cut into token chunks and glued back (prefix reuse at any length)."""
-    return all(CODECS[m["class"]].chunkable and m["offset"] == n_tokens for m in flat_layout(layout))
+    return all(STORED[m["class"]].chunkable and m["offset"] == n_tokens for m in flat_layout(layout))
 
 
 def with_offset(layout: Layout, n: int) -> Layout:
@@ -348,12 +457,7 @@ def with_offset(layout: Layout, n: int) -> Layout:
 
 def layout_signature(layout: Layout) -> list:
     """The layout without lengths: classes and their parameters, for identity checks."""
-    def strip(m: dict) -> dict:
-        m = {k: v for k, v in m.items() if k not in ("offset", "idx", "start")}
-        if "sub" in m:
-            m["sub"] = [strip(s) for s in m["sub"]]
-        return m
-    return [strip(m) for m in layout]
+    return [STORED.get(m.get("class", ""), _PLAIN).signature(m) for m in layout]
 
 
 def slice_tokens(tensors: Tensors | dict, a: int, b: int) -> dict:
@@ -385,7 +489,7 @@ def can_cut(layout: Layout, n: int) -> bool:
     held = layout_length(layout)
     if held is None or not 0 <= n <= held:
         return False
-    return n == held or all(CODECS[m["class"]].can_cut(m, n) for m in layout)
+    return n == held or all(STORED[m["class"]].can_cut(m, n) for m in layout)
 
 
 def layout_trimmable(layout: Layout) -> bool:

@@ -6,7 +6,7 @@ cache of one model from a cache of another with the same layer classes. ``layout
 derives it from mlx-lm's own ``make_prompt_cache`` and a lazy one-token forward (part of
 every model identity); ``layout_problem`` checks a stored or live cache against it before
 anything is allocated or stored. Which classes form one family (attention KV in any of its
-forms) is each codec's to say (``codec.CODECS[name].family``): no class-name switch here.
+forms) is each codec's to say (``codec.STORED[name].family``): no class-name switch here.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ class IdentityLike(Protocol):
 def family(cls_name: str) -> str:
     """The family of a stored class name: "attention KV" for every attention-KV class
     (a model's cache may hold any of them), else the class itself."""
-    from .codec import CODECS
+    from .codec import STORED
 
-    codec = CODECS.get(cls_name)
+    codec = STORED.get(cls_name)
     return codec.family if codec is not None else cls_name
 
 
@@ -118,12 +118,12 @@ def describe_layout(tensors: dict[str, Any], layout: list) -> list:
 
 
 def _add_geometry(sig: dict, meta: dict, tensors: dict[str, Any], prefix: str) -> None:
-    from .codec import ATTENTION, CODECS
+    from .codec import ATTENTION
 
     if meta.get("class") == "CacheList":
         for j, (s, m) in enumerate(zip(sig.get("sub", []), meta.get("sub", []))):
             _add_geometry(s, m, tensors, f"{prefix}s{j}.")
-    elif meta.get("class") in CODECS and CODECS[meta["class"]].family == ATTENTION:
+    elif family(str(meta.get("class"))) == ATTENTION:
         sig.update(kv_geometry(tensors, meta, prefix))
 
 

@@ -606,3 +606,30 @@ def test_chunked_cut_only_where_a_cold_prefill_agrees_in_memory():
                 assert check_restore(model, q, f.cache, f.n, n_gen=8).ok, name
             else:
                 assert f.cache is None and f.n == 0, (name, f.n)
+
+
+def test_generic_state_codec_round_trips_protocol_classes():
+    """A cache class without a codec of its own that follows mlx-lm's protocol
+    (``_BaseCache``, ``state`` of arrays and scalars, ``from_state``) is stored as one
+    snapshot by the generic codec: same class, same contents, extended alike; it is
+    never cut, and a stored layout naming anything but an imported mlx-lm cache class is
+    refused before anything is built."""
+    c = ConcatenateKVCache()
+    feed(c, 12)
+    tensors, layout = codec.encode_cache([c])
+    assert layout == [{"class": "State", "type": "mlx_lm.models.cache:ConcatenateKVCache", "items": [["a"], ["a"]]}]
+    assert codec.check_layout(json.loads(json.dumps(layout))) == layout
+    (back,) = codec.decode_cache(tensors, layout)
+    assert type(back) is ConcatenateKVCache and back.offset == 12
+    assert np.array_equal(np.array(back.keys), np.array(c.keys))
+    k, v = rand(1), rand(1)
+    a, b = c.update_and_fetch(k, v), back.update_and_fetch(k, v)
+    assert np.array_equal(np.array(a[0]), np.array(b[0])) and back.offset == 13 == c.offset
+    assert not codec.can_cut(layout, 11) and not codec.layout_trimmable(layout)
+    for bad in ({"type": "os:system", "items": []}, {"type": "mlx_lm.models.cache:X", "items": [["q"]]},
+                {"type": "mlx_lm.models.cache:X", "items": [["i", "1"]]}):
+        with pytest.raises(ValueError):
+            codec.check_layout([{"class": "State", **bad}])
+    for name in ("mlx_lm.models.cache:KVCache", "mlx_lm.models.nosuch:Cache", "mlx_lm.models.cache:make_prompt_cache"):
+        with pytest.raises(codec.Unsupported):  # a class with a codec of its own, none, not a class
+            codec.decode_cache({}, [{"class": "State", "type": name, "items": []}])
