@@ -32,6 +32,7 @@ def test_registry_names():
         "tiny-gemma3",
         "tiny-qwen3next",
         "tiny-cachelist",
+        "tiny-llama4",
         "bench-qwen3-0.6b",
     }
     assert set(M.MODELS) == expected
@@ -173,6 +174,16 @@ def test_cache_classes_tiny_cachelist(load_named):
         ["ArraysCache", "KVCache"],
     ]
     assert {n for pair in nested for n in pair} == M.MODELS["tiny-cachelist"].nested_cache_classes
+
+
+def test_cache_classes_tiny_llama4(load_named):
+    model = load_named("tiny-llama4")[0]
+    cache = _check_cache_classes("tiny-llama4", model)
+    assert _classes(cache) == ["ChunkedKVCache"] * 3 + ["KVCache"]
+    assert cache[0].chunk_size == 8
+    # a prefill in steps leaves the chunked layers keys from start_position on only
+    cache = prefill(model, list(range(3, 43)), chunk=7)
+    assert cache[0].offset == 40 and 0 < cache[0].start_position <= 40 - 8
 
 
 @requires_smollm2
