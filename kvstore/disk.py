@@ -125,7 +125,7 @@ class DiskTier:
 
     # -- lookup ------------------------------------------------------------------------
 
-    def plan(self, ident: Identity, tokens: list[int] | bytes) -> Plan | None:
+    def plan(self, ident: Identity, tokens: list[int] | bytes, skip: frozenset[bytes] = frozenset()) -> Plan | None:
         """The longest reusable stored prefix of ``tokens`` for ``ident``, or None.
 
         One read transaction. First the chain of stored full chunks matching the query is
@@ -133,10 +133,10 @@ class DiskTier:
         that chain are searched for entries (and, at the chain's end, a chunk to trim),
         stopping as soon as nothing shallower can be longer. Each boundary costs a few
         seeks however many children it has (``trie.edges``). Records kvstore did not write
-        are passed over."""
+        are passed over, and so are the entries in ``skip`` (a cut a restore refused)."""
         enc = tokens if isinstance(tokens, bytes) else encode_tokens(tokens)
         bounds = boundaries(root_key(ident.digest), enc, self.chunk)
-        return self.index.view(lambda r: _plan(r, ident, enc, bounds, self.chunk))
+        return self.index.view(lambda r: _plan(r, ident, enc, bounds, self.chunk, skip))
 
     # -- restore -----------------------------------------------------------------------
 
@@ -402,7 +402,8 @@ def _record(r: Reader, kind: Kind, key: bytes) -> Any:
         return None  # not kvstore's: passed over (verify --fix drops it)
 
 
-def _plan(r: Reader, ident: Identity, enc: bytes, bounds: list[bytes], C: int) -> Plan | None:
+def _plan(r: Reader, ident: Identity, enc: bytes, bounds: list[bytes], C: int,
+          skip: frozenset[bytes] = frozenset()) -> Plan | None:
     n_q = len(enc) // 4
     # Full chunks whose stored token ids equal the query's. Their keys chain from the
     # identity's root, so a chunk found under the query's own boundary is this identity's.
@@ -423,7 +424,8 @@ def _plan(r: Reader, ident: Identity, enc: bytes, bounds: list[bytes], C: int) -
             top = bound(k * C + shared, n_q, exact)
             if best is not None and top <= best.n:
                 break  # what follows shares no more (trie.edges), so it cannot do better
-            got = _candidate(r, ident, enc, bounds[k], k, child, kind, chain, C, best.n if best else 0)
+            got = None if child in skip else _candidate(r, ident, enc, bounds[k], k, child, kind, chain, C,
+                                                        best.n if best else 0)
             if got is not None and (best is None or got.n > best.n):
                 best = got
     return best

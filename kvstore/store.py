@@ -316,14 +316,17 @@ class KVStore:
 
     def _fetch_disk(self, ident: Identity, enc: bytes, better_than: int, source: str = "disk") -> Fetched | None:
         assert self.disk is not None
-        for _ in range(4):  # each failure drops a record; the next plan may still hit
-            plan = self._disk_plan(ident, enc)
+        skip: frozenset[bytes] = frozenset()  # entries whose cut a restore refused
+        for _ in range(4):  # each failure drops (or skips) a record; the next plan may still hit
+            plan = self._disk_plan(ident, enc, skip)
             if plan is None or plan.n <= better_than:
                 return None
             t0 = time.perf_counter()
             got = self._restore(ident, plan)
             if not isinstance(got, Restored):
-                if got in ("unreadable", "refused") or self._disk_off:  # a new plan would fail the same way
+                if got == "refused" and plan.entry is not None:
+                    skip |= {plan.entry}
+                elif got in ("unreadable", "refused") or self._disk_off:  # a new plan would fail the same way
                     return None
                 continue
             self._stats["restore_seconds"] += time.perf_counter() - t0
@@ -332,11 +335,12 @@ class KVStore:
             return self._promote(ident, enc, plan, got, source)
         return None
 
-    def _disk_plan(self, ident: Identity, enc: bytes) -> Plan | None:
-        """The disk tier's plan for ``enc``: None when it has none or the lookup failed (a
-        miss, logged once; a damaged index switches the disk tier off)."""
+    def _disk_plan(self, ident: Identity, enc: bytes, skip: frozenset[bytes] = frozenset()) -> Plan | None:
+        """The disk tier's plan for ``enc`` (passing over the entries in ``skip``): None when
+        it has none or the lookup failed (a miss, logged once; a damaged index switches
+        the disk tier off)."""
         try:
-            return self.disk.plan(ident, enc)  # type: ignore[union-attr]
+            return self.disk.plan(ident, enc, skip)  # type: ignore[union-attr]
         except Exception as e:
             if not self._index_damaged(e):
                 self._warn_once("plan", "kvstore: disk lookup failed (%s); treating as a miss", e)

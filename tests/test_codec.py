@@ -633,3 +633,22 @@ def test_generic_state_codec_round_trips_protocol_classes():
     for name in ("mlx_lm.models.cache:KVCache", "mlx_lm.models.nosuch:Cache", "mlx_lm.models.cache:make_prompt_cache"):
         with pytest.raises(codec.Unsupported):  # a class with a codec of its own, none, not a class
             codec.decode_cache({}, [{"class": "State", "type": name, "items": []}])
+
+
+def test_chunked_refused_cut_falls_back_to_a_shorter_entry(tmp_path):
+    """A cut the stored layout refuses passes that entry over: the next plan serves a
+    shorter stored prefix (here a snapshot of 48 tokens) instead of missing."""
+    from kvstore import KVStore
+    from tools.oracle import check_restore, prefill
+
+    model, path, prompt, cache, queries = _llama4_entry()
+    with KVStore(tmp_path, chunk_tokens=16) as s:
+        s.insert(path, prompt, cache)
+        s.insert(path, prompt[:48], prefill(model, prompt[:48], chunk=7), cache_type="user")
+        assert s.flush(60)
+    with KVStore(tmp_path, chunk_tokens=16) as s:
+        q = queries["in_chunk_of_start"]
+        f = s.fetch(path, q)
+        assert (f.n, f.source) == (48, "disk") and s.stats()["refused_cuts"] == 1
+        assert check_restore(model, q, f.cache, f.n, n_gen=8).ok
+        assert s.stats()["corrupt"] == 0 and s.stats()["disk_entries"] == 2
