@@ -17,7 +17,6 @@ arrays, verifies every checksum, and builds the caches once. Any failure is a
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -30,12 +29,13 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import xxhash
 
-from . import blobs
+from . import alloc, blobs
 from .identity import ArraySpec, Identity
 from .index import Index, IndexOpenError, Reader, WriteTxn
 from .keys import boundaries, chunk_key, encode_tokens, entry_key, root_key
 from .keys import common_tokens as _common
 from .records import MAX_CHUNK, ChunkRecord, EntryRecord, Kind, PackRecord, RecordError, Segment
+from .segments import SegmentMeta, SegmentMismatch
 
 log = logging.getLogger("kvstore")
 
@@ -43,7 +43,6 @@ log = logging.getLogger("kvstore")
 # xxhash release the GIL, so reads overlap each other and the hashing. Warm reads are
 # CPU-bound (copy + hash): more readers than cores only contend.
 RESTORE_THREADS = max(2, min(4, os.cpu_count() or 2))
-FORMAT_TAG = "3"
 
 
 @dataclass(frozen=True)
@@ -151,9 +150,9 @@ class DiskTier:
         with _Packs(self.blob_root) as packs:
             heads = [_header(packs, p) for p in pieces]
             layout, specs = _checked(pieces, heads, ident, plan, self.chunk, check)
-            arrays, hosts = blobs.alloc(specs)
+            arrays, hosts = alloc.alloc(specs)
             _read_all(packs, pieces, heads, hosts, self.chunk if plan.chunked else None)
-        tensors = {name: blobs.finish(specs[name][0], a) for name, a in arrays.items()}
+        tensors = {name: alloc.finish(specs[name][0], a) for name, a in arrays.items()}
         nbytes = sum(p.segment.length for p in pieces)
         if plan.chunked:
             tensors = codec.slice_tokens(tensors, 0, plan.n)
@@ -551,16 +550,14 @@ def _check_pieces(pieces: list[_Piece], heads: list[blobs.Header], ident: Identi
     layout = None
     for p, h in zip(pieces, heads):
         with _blame(*p.record):
-            m = h.meta
-            want = {"kvstore.key": p.record[1].hex(), "kvstore.kind": p.kind, "kvstore.identity": ident.hex,
-                    "kvstore.tokens": f"{p.lo}-{p.hi}"}
-            bad = [k for k, v in want.items() if m.get(k) != v]
-            if bad or m.get("kvstore.format") != FORMAT_TAG:
-                err = blobs.BlobError(f"the segment is not what its record says ({', '.join(bad) or 'format'})")
-                err.foreign = "kvstore.key" in bad and isinstance(m.get("kvstore.key"), str)
-                raise err
             try:
-                got = codec.check_layout(json.loads(m.get("kvstore.layout", "")))
+                stored = SegmentMeta(ident.hex, p.kind, p.record[1], p.lo, p.hi).expect(h.meta)
+            except SegmentMismatch as e:
+                err = blobs.BlobError(str(e))
+                err.foreign = e.foreign
+                raise err from None
+            try:
+                got = codec.check_layout(stored)
             except (ValueError, RecursionError) as e:
                 raise blobs.BlobError(f"the segment's layout is unusable: {e}") from None
             if layout is None:
@@ -580,7 +577,7 @@ def _checked(pieces: list[_Piece], heads: list[blobs.Header], ident: Identity, p
     specs = _final_specs(heads[0], plan) if plan.chunked else heads[0].specs
     if check is not None:
         with _blame(*pieces[-1].record):
-            why = check({n: ArraySpec(s, _mx_dtype(st)) for n, (st, s) in specs.items()}, layout)
+            why = check({n: ArraySpec(s, blobs.mlx_dtype_name(st)) for n, (st, s) in specs.items()}, layout)
             if why:
                 raise blobs.BlobError(f"stored cache does not fit the model: {why}")
     return layout, specs
@@ -623,10 +620,6 @@ def _read_all(packs: _Packs, pieces: list[_Piece], heads: list[blobs.Header],
             raise  # after the pool's exit has waited for the running readers
 
 
-def _mx_dtype(st: str) -> str:
-    return {"BF16": "bfloat16"}.get(st) or blobs.host_dtype(st).name
-
-
 @contextmanager
 def _blame(kind: str, key: bytes) -> Iterator[None]:
     """A failure in the block that is the record's or its file's becomes a BlobError naming
@@ -651,8 +644,7 @@ def _blamed(record: tuple[str, bytes], why: str) -> blobs.BlobError:
 
 
 def _meta(job: PersistJob, kind: str, key: bytes, lo: int, hi: int, layout: list) -> dict[str, str]:
-    return {"kvstore.format": FORMAT_TAG, "kvstore.identity": job.identity.hex, "kvstore.kind": kind,
-            "kvstore.key": key.hex(), "kvstore.tokens": f"{lo}-{hi}", "kvstore.layout": json.dumps(layout)}
+    return SegmentMeta(job.identity.hex, kind, key, lo, hi, layout).to_meta()
 
 
 def _write_segments(w: blobs.PackWriter, job: PersistJob, bounds: list[bytes], K: int, chunked: bool,

@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent / "kvstore"
 
 # Lower ranks are lower layers: bytes and names, then storage, then the store, then users.
 RANKS: dict[str, int] = {
-    "kvstore.keys": 0, "kvstore.records": 0,
-    "kvstore.codec": 1, "kvstore.blobs": 1, "kvstore.blas": 1,
+    "kvstore.keys": 0, "kvstore.records": 0, "kvstore.segments": 0,
+    "kvstore.codec": 1, "kvstore.blobs": 1, "kvstore.blas": 1, "kvstore.alloc": 1,
     "kvstore.identity": 2, "kvstore.index": 2,
     "kvstore.disk": 3,
     "kvstore.budget": 4, "kvstore.memory": 4, "kvstore.writer": 4,
