@@ -23,6 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -43,6 +44,14 @@ log = logging.getLogger("kvstore")
 # xxhash release the GIL, so reads overlap each other and the hashing. Warm reads are
 # CPU-bound (copy + hash): more readers than cores only contend.
 RESTORE_THREADS = max(2, min(4, os.cpu_count() or 2))
+
+
+class Commit(str, Enum):
+    """How a persist's (or an import's) one write transaction ended (``_commit``)."""
+
+    OK = "ok"          # the entry is indexed
+    EXISTS = "exists"  # it was indexed already
+    RETRY = "retry"    # a chunk it shares, or its own pack file, was removed by a gc meanwhile
 
 
 @dataclass(frozen=True)
@@ -204,13 +213,13 @@ class DiskTier:
                 writer.discard()
                 raise
             writer.close()
-            if status == "ok":
+            if status is Commit.OK:
                 return writer.size
-            if status == "exists":
+            if status is Commit.EXISTS:
                 writer.discard()
                 return 0
             writer.discard()
-            have = set()  # "retry": a reused chunk or this pack vanished under a gc: write all
+            have = set()  # RETRY: a reused chunk or this pack vanished under a gc: write all
         raise OSError("could not commit entry: its files kept vanishing under a concurrent gc")
 
     # -- segments from elsewhere (a shared tier) ------------------------------------------
@@ -228,7 +237,7 @@ class DiskTier:
 
     def import_entry(self, ident: Identity, key: bytes, rec: EntryRecord, tokens: bytes,
                      chunks: list[tuple[bytes, ChunkRecord, bytes, bytes]], tail: bytes,
-                     check: LayoutCheck | None = None) -> str:
+                     check: LayoutCheck | None = None) -> Commit:
         """File segments framed elsewhere (another machine's, from a shared tier) as entry
         ``key`` of ``tokens``: ``rec`` its record (its tail segment's place is ignored),
         ``chunks`` the (key, record, token ids, segment bytes) of its chunks not indexed
@@ -239,8 +248,8 @@ class DiskTier:
         header's metadata names this record, identity and token range, all share one
         layout, and ``check`` accepts it. Then, as ``persist`` does: one new pack,
         checksums verified as it is written, synced, and one transaction (``_commit``:
-        chunks indexed meanwhile are shared, the pack re-checked). Returns "ok",
-        "exists" or "retry" (a gc removed what it needed; nothing is indexed). Raises
+        chunks indexed meanwhile are shared, the pack re-checked). Returns ``Commit``: OK,
+        EXISTS or RETRY (a gc removed what it needed; nothing is indexed). Raises
         BlobError naming the failing record; OSError on a failed write."""
         C = self.chunk
         if rec.chunk != C or rec.identity != ident.digest:
@@ -283,7 +292,7 @@ class DiskTier:
             writer.discard()
             raise
         writer.close()
-        if status != "ok":
+        if status is not Commit.OK:
             writer.discard()
         return status
 
@@ -682,14 +691,14 @@ def _entry_record(job: PersistJob, bounds: list[bytes], K: int, chunked: bool, t
 
 
 def _commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: blobs.PackWriter,
-            new: dict[bytes, tuple[ChunkRecord, bytes]], have: set[bytes]) -> str:
-    """The persist's one write transaction: ``"ok"``, ``"exists"`` (the entry is already
-    indexed) or ``"retry"`` (a chunk it shares, or its own pack file, was removed by a gc
-    meanwhile: checked here, under the write lock gc also takes to remove files)."""
+            new: dict[bytes, tuple[ChunkRecord, bytes]], have: set[bytes]) -> Commit:
+    """The persist's one write transaction: OK, EXISTS (the entry is already indexed) or
+    RETRY (a chunk it shares, or its own pack file, was removed by a gc meanwhile: checked
+    here, under the write lock gc also takes to remove files)."""
     if t.raw("entries", job.key) is not None:
-        return "exists"
+        return Commit.EXISTS
     if w.size and not w.still_there():
-        return "retry"
+        return Commit.RETRY
     shared = {}
     for ck in have:
         try:
@@ -697,7 +706,7 @@ def _commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: blobs.PackWriter,
         except RecordError:
             shared[ck] = None  # unreadable now: write it ourselves (the record is overwritten)
         if shared[ck] is None:
-            return "retry"
+            return Commit.RETRY
     segments, live = 0, 0
     for ck, (crec, toks) in new.items():
         try:
@@ -718,4 +727,4 @@ def _commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: blobs.PackWriter,
     elif w.size:
         t.unlink_after_commit(w.path)
     t.put_entry(job.key, rec, job.tokens)
-    return "ok"
+    return Commit.OK

@@ -30,7 +30,7 @@ RANKS: dict[str, int] = {
     "kvstore.identity": 2, "kvstore.index": 2,
     "kvstore.disk": 3,
     "kvstore.budget": 4, "kvstore.memory": 4, "kvstore.writer": 4,
-    "kvstore.shared": 5,
+    "kvstore.shared": 5, "kvstore.counters": 0, "kvstore.errors": 5, "kvstore.preload": 5,
     "kvstore.store": 6,
     "kvstore.maintenance": 7, "kvstore.generate": 7, "kvstore.adapters": 7,
     "kvstore.cli": 9,
@@ -38,7 +38,7 @@ RANKS: dict[str, int] = {
 }
 # Inside a package, the order its modules may import each other in (others: no cycle only).
 INNER: dict[str, list[str]] = {
-    "kvstore.index": ["pages", "trie", "txn", "core", "scan"],
+    "kvstore.index": ["errors", "pages", "trie", "txn", "core", "scan"],
     "kvstore.adapters": ["mlx_lm", "server", "vllm_mlx"],
 }
 
