@@ -606,22 +606,6 @@ def _preadv(fd: int, views: list[memoryview], pos: int) -> int:
     return got
 
 
-def read_segment(path: Path, seg: Segment) -> tuple[dict[str, Any], dict[str, str]]:
-    """One segment, verified, as fresh MLX arrays with its header metadata (for tools
-    and tests; restores read many segments into shared arrays instead). BlobError if it
-    is not kvstore's file or does not match ``seg``."""
-    fd = open_own(path)
-    try:
-        if os.fstat(fd).st_size < seg.end:
-            raise BlobError(f"{path.name}: shorter than the segment")
-        header = read_header(fd, seg, path.name)
-        arrays, hosts = alloc(header.specs)
-        read_into(fd, seg, header, hosts, path.name)
-    finally:
-        os.close(fd)
-    return {n: finish(header.specs[n][0], a) for n, a in arrays.items()}, header.meta
-
-
 def hash_segment(fd: int, seg: Segment) -> bytes:
     """xxh3-128 of a segment's bytes as they are on disk (``verify``)."""
     h = xxhash.xxh3_128()
@@ -635,103 +619,14 @@ def hash_segment(fd: int, seg: Segment) -> bytes:
     return h.digest()
 
 
-# ----------------------------------------------------------------------------- arrays
-
-
-# Allocated as a same-width integer and viewed as the real dtype at the end: bfloat16 has
-# no numpy dtype, and MLX's safetensors loader has no float64.
-_STORAGE = {"BF16": "U16", "F64": "U64"}
-
-# Read straight into MLX's memory (numpy views of evaluated arrays). If an MLX build ever
-# hands numpy a copy instead, or the temp directory makes no sparse files, restores fall
-# back to numpy buffers and one copy into MLX (for one restore only, if making the scratch
-# file failed: EMFILE, ENOSPC...).
-SHARED_MEMORY = True
-
-
-def alloc(specs: Specs) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Destinations for tensor specs (bfloat16 as its uint16 storage): MLX arrays whose
-    memory the kernel filled with zeros, and writable numpy views of it (or, where that
-    is not possible, numpy buffers standing in for the arrays). Fill the views before
-    any MLX op uses the arrays, then hand out ``finish(st, array)``."""
-    global SHARED_MEMORY
-    if SHARED_MEMORY:
-        arrays = _zeroed_by_kernel(specs)
-        if arrays is not None:
-            hosts = {name: np.asarray(a).view(host_dtype(specs[name][0])) for name, a in arrays.items()}
-            if not any(h.flags.owndata or not h.flags.writeable for h in hosts.values()):
-                return arrays, hosts
-            SHARED_MEMORY = False  # a copy would lose the data
-    hosts = {name: np.empty(shape, _FROM_ST[st][1]) for name, (st, shape) in specs.items()}
-    return dict(hosts), hosts
-
-
-def _zeroed_by_kernel(specs: Specs) -> dict[str, Any] | None:
-    """Evaluated MLX arrays for ``specs``, loaded by MLX from a sparse safetensors file
-    (a header, then a hole), or None if no such file can be made (``SHARED_MEMORY`` is
-    turned off if the reason is that the scratch directory makes no sparse files).
-
-    Why: MLX has no uninitialised allocation. ``mx.zeros`` touches every page from user
-    code, which in a fresh process costs more than the read that follows; ``read()`` of a
-    hole has the kernel fill the pages instead, and MLX reads a path with its own
-    threads. A Python file object would leave the pages untouched, but MLX
-    then reads through it on a worker thread that needs the GIL: while a thread holding
-    the GIL waits for MLX's CPU streams (mlx-lm calls ``mx.clear_cache()`` after every
-    prefill step), that deadlocks (mlx 0.32, seen beside ``--preload-background``).
-    The file is unlinked as soon as MLX has opened it. It lives on a tmpfs where there is
-    one (``_scratch_dir``): a disk filesystem puts zeroed pages in the page cache for a
-    hole's read, which made a 940 MB restore 2-4x slower than on tmpfs here."""
-    global SHARED_MEMORY
-    import tempfile
-
-    import mlx.core as mx
-
-    header: dict[str, Any] = {}
-    offset = 0
-    for tname, (st, shape) in specs.items():
-        st = _STORAGE.get(st, st)  # see ``_STORAGE``
-        n = np.dtype(_FROM_ST[st][1]).itemsize * math.prod(shape)
-        header[tname] = {"dtype": st, "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    prefix = header_prefix(header)
-    try:
-        fd, path = tempfile.mkstemp(prefix="kvstore-alloc-", suffix=".safetensors", dir=_scratch_dir())
-    except OSError:
-        return None
-    try:
-        os.write(fd, prefix)
-        os.ftruncate(fd, len(prefix) + offset)
-        if os.fstat(fd).st_blocks * 512 > len(prefix) + (1 << 20):  # not sparse: zeros written to disk
-            SHARED_MEMORY = False
-            return None
-        arrays = mx.load(path, format="safetensors")
-    except (OSError, RuntimeError, ValueError):
-        return None
-    finally:
-        os.close(fd)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-    mx.eval(list(arrays.values()))
-    return arrays
-
-
-def _scratch_dir() -> str | None:
-    """Where ``_zeroed_by_kernel`` makes its file: ``/dev/shm`` (tmpfs: a hole reads from
-    the kernel's zero page) when it is a writable directory, else the temp directory."""
-    shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
-
-
-def finish(st: str, a: Any) -> Any:
-    """The MLX array of a filled destination from ``alloc``."""
-    import mlx.core as mx
-
-    if isinstance(a, np.ndarray):
-        a = mx.array(a.view(_FROM_ST[_STORAGE.get(st, st)][1]))
-    return a.view(getattr(mx, _FROM_ST[st][0])) if st in _STORAGE else a
+# ----------------------------------------------------------------------------- dtypes
 
 
 def host_dtype(st: str) -> np.dtype:
+    """The numpy dtype holding a safetensors dtype on the host (``uint16`` for ``BF16``)."""
     return np.dtype(_FROM_ST[st][1])
+
+
+def mlx_dtype_name(st: str) -> str:
+    """The MLX dtype name of a safetensors dtype (``bfloat16`` for ``BF16``)."""
+    return _FROM_ST[st][0]

@@ -17,20 +17,20 @@ arrays, verifies every checksum, and builds the caches once. Any failure is a
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import xxhash
 
-from . import blobs
+from . import alloc, blobs
 from .cuts import CutRefused, bound, serves
 from .identity import Identity
 from .layouts import ArraySpec
@@ -38,6 +38,7 @@ from .index import Index, IndexOpenError, Reader, WriteTxn
 from .keys import boundaries, chunk_key, encode_tokens, entry_key, root_key
 from .keys import common_tokens as _common
 from .records import MAX_CHUNK, ChunkRecord, EntryRecord, Kind, PackRecord, RecordError, Segment
+from .segments import SegmentMeta, SegmentMismatch
 
 log = logging.getLogger("kvstore")
 
@@ -45,7 +46,14 @@ log = logging.getLogger("kvstore")
 # xxhash release the GIL, so reads overlap each other and the hashing. Warm reads are
 # CPU-bound (copy + hash): more readers than cores only contend.
 RESTORE_THREADS = max(2, min(4, os.cpu_count() or 2))
-FORMAT_TAG = "3"
+
+
+class Commit(str, Enum):
+    """How a persist's (or an import's) one write transaction ended (``_commit``)."""
+
+    OK = "ok"          # the entry is indexed
+    EXISTS = "exists"  # it was indexed already
+    RETRY = "retry"    # a chunk it shares, or its own pack file, was removed by a gc meanwhile
 
 
 @dataclass(frozen=True)
@@ -157,9 +165,9 @@ class DiskTier:
             layout, specs = _checked(pieces, heads, ident, plan, self.chunk, check)
             if not plan.chunked and plan.n < plan.stored_n and not codec.can_cut(layout, plan.n):
                 raise CutRefused(f"a snapshot of {plan.stored_n} tokens cannot be cut to {plan.n}")
-            arrays, hosts = blobs.alloc(specs)
+            arrays, hosts = alloc.alloc(specs)
             _read_all(packs, pieces, heads, hosts, self.chunk if plan.chunked else None)
-        tensors = {name: blobs.finish(specs[name][0], a) for name, a in arrays.items()}
+        tensors = {name: alloc.finish(specs[name][0], a) for name, a in arrays.items()}
         nbytes = sum(p.segment.length for p in pieces)
         if plan.chunked:
             tensors = codec.slice_tokens(tensors, 0, plan.n)
@@ -209,13 +217,13 @@ class DiskTier:
                 writer.discard()
                 raise
             writer.close()
-            if status == "ok":
+            if status is Commit.OK:
                 return writer.size
-            if status == "exists":
+            if status is Commit.EXISTS:
                 writer.discard()
                 return 0
             writer.discard()
-            have = set()  # "retry": a reused chunk or this pack vanished under a gc: write all
+            have = set()  # RETRY: a reused chunk or this pack vanished under a gc: write all
         raise OSError("could not commit entry: its files kept vanishing under a concurrent gc")
 
     # -- segments from elsewhere (a shared tier) ------------------------------------------
@@ -233,7 +241,7 @@ class DiskTier:
 
     def import_entry(self, ident: Identity, key: bytes, rec: EntryRecord, tokens: bytes,
                      chunks: list[tuple[bytes, ChunkRecord, bytes, bytes]], tail: bytes,
-                     check: LayoutCheck | None = None) -> str:
+                     check: LayoutCheck | None = None) -> Commit:
         """File segments framed elsewhere (another machine's, from a shared tier) as entry
         ``key`` of ``tokens``: ``rec`` its record (its tail segment's place is ignored),
         ``chunks`` the (key, record, token ids, segment bytes) of its chunks not indexed
@@ -244,8 +252,8 @@ class DiskTier:
         header's metadata names this record, identity and token range, all share one
         layout, and ``check`` accepts it. Then, as ``persist`` does: one new pack,
         checksums verified as it is written, synced, and one transaction (``_commit``:
-        chunks indexed meanwhile are shared, the pack re-checked). Returns "ok",
-        "exists" or "retry" (a gc removed what it needed; nothing is indexed). Raises
+        chunks indexed meanwhile are shared, the pack re-checked). Returns ``Commit``: OK,
+        EXISTS or RETRY (a gc removed what it needed; nothing is indexed). Raises
         BlobError naming the failing record; OSError on a failed write."""
         C = self.chunk
         if rec.chunk != C or rec.identity != ident.digest:
@@ -288,7 +296,7 @@ class DiskTier:
             writer.discard()
             raise
         writer.close()
-        if status != "ok":
+        if status is not Commit.OK:
             writer.discard()
         return status
 
@@ -558,16 +566,14 @@ def _check_pieces(pieces: list[_Piece], heads: list[blobs.Header], ident: Identi
     layout = None
     for p, h in zip(pieces, heads):
         with _blame(*p.record):
-            m = h.meta
-            want = {"kvstore.key": p.record[1].hex(), "kvstore.kind": p.kind, "kvstore.identity": ident.hex,
-                    "kvstore.tokens": f"{p.lo}-{p.hi}"}
-            bad = [k for k, v in want.items() if m.get(k) != v]
-            if bad or m.get("kvstore.format") != FORMAT_TAG:
-                err = blobs.BlobError(f"the segment is not what its record says ({', '.join(bad) or 'format'})")
-                err.foreign = "kvstore.key" in bad and isinstance(m.get("kvstore.key"), str)
-                raise err
             try:
-                got = codec.check_layout(json.loads(m.get("kvstore.layout", "")))
+                stored = SegmentMeta(ident.hex, p.kind, p.record[1], p.lo, p.hi).expect(h.meta)
+            except SegmentMismatch as e:
+                err = blobs.BlobError(str(e))
+                err.foreign = e.foreign
+                raise err from None
+            try:
+                got = codec.check_layout(stored)
             except (ValueError, RecursionError) as e:
                 raise blobs.BlobError(f"the segment's layout is unusable: {e}") from None
             if layout is None:
@@ -587,7 +593,7 @@ def _checked(pieces: list[_Piece], heads: list[blobs.Header], ident: Identity, p
     specs = _final_specs(heads[0], plan) if plan.chunked else heads[0].specs
     if check is not None:
         with _blame(*pieces[-1].record):
-            why = check({n: ArraySpec(s, _mx_dtype(st)) for n, (st, s) in specs.items()}, layout)
+            why = check({n: ArraySpec(s, blobs.mlx_dtype_name(st)) for n, (st, s) in specs.items()}, layout)
             if why:
                 raise blobs.BlobError(f"stored cache does not fit the model: {why}")
     return layout, specs
@@ -630,10 +636,6 @@ def _read_all(packs: _Packs, pieces: list[_Piece], heads: list[blobs.Header],
             raise  # after the pool's exit has waited for the running readers
 
 
-def _mx_dtype(st: str) -> str:
-    return {"BF16": "bfloat16"}.get(st) or blobs.host_dtype(st).name
-
-
 @contextmanager
 def _blame(kind: str, key: bytes) -> Iterator[None]:
     """A failure in the block that is the record's or its file's becomes a BlobError naming
@@ -658,8 +660,7 @@ def _blamed(record: tuple[str, bytes], why: str) -> blobs.BlobError:
 
 
 def _meta(job: PersistJob, kind: str, key: bytes, lo: int, hi: int, layout: list) -> dict[str, str]:
-    return {"kvstore.format": FORMAT_TAG, "kvstore.identity": job.identity.hex, "kvstore.kind": kind,
-            "kvstore.key": key.hex(), "kvstore.tokens": f"{lo}-{hi}", "kvstore.layout": json.dumps(layout)}
+    return SegmentMeta(job.identity.hex, kind, key, lo, hi, layout).to_meta()
 
 
 def _write_segments(w: blobs.PackWriter, job: PersistJob, bounds: list[bytes], K: int, chunked: bool,
@@ -697,14 +698,14 @@ def _entry_record(job: PersistJob, bounds: list[bytes], K: int, chunked: bool, t
 
 
 def _commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: blobs.PackWriter,
-            new: dict[bytes, tuple[ChunkRecord, bytes]], have: set[bytes]) -> str:
-    """The persist's one write transaction: ``"ok"``, ``"exists"`` (the entry is already
-    indexed) or ``"retry"`` (a chunk it shares, or its own pack file, was removed by a gc
-    meanwhile: checked here, under the write lock gc also takes to remove files)."""
+            new: dict[bytes, tuple[ChunkRecord, bytes]], have: set[bytes]) -> Commit:
+    """The persist's one write transaction: OK, EXISTS (the entry is already indexed) or
+    RETRY (a chunk it shares, or its own pack file, was removed by a gc meanwhile: checked
+    here, under the write lock gc also takes to remove files)."""
     if t.raw("entries", job.key) is not None:
-        return "exists"
+        return Commit.EXISTS
     if w.size and not w.still_there():
-        return "retry"
+        return Commit.RETRY
     shared = {}
     for ck in have:
         try:
@@ -712,7 +713,7 @@ def _commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: blobs.PackWriter,
         except RecordError:
             shared[ck] = None  # unreadable now: write it ourselves (the record is overwritten)
         if shared[ck] is None:
-            return "retry"
+            return Commit.RETRY
     segments, live = 0, 0
     for ck, (crec, toks) in new.items():
         try:
@@ -733,4 +734,4 @@ def _commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: blobs.PackWriter,
     elif w.size:
         t.unlink_after_commit(w.path)
     t.put_entry(job.key, rec, job.tokens)
-    return "ok"
+    return Commit.OK

@@ -6,10 +6,11 @@ them together, and raises ``RecordError`` naming the field otherwise. Nothing el
 kvstore parses or builds a record, so a maintainer who changes the format changes this file.
 
 Records are fixed binary layouts (struct, little-endian) behind a one-byte kind tag and a
-one-byte version: no JSON, so a crafted record cannot nest, cannot hold a string that some
-caller later joins to a path, and cannot carry a field of the wrong type. Blob files are
-named by 16 random bytes (``Segment.pack``), never by a string from a record. Timestamps
-from the future (another host's clock) are clamped to now when read.
+one-byte format version (``keys.FORMAT_VERSION``, the one version constant): no JSON, so a
+crafted record cannot nest, cannot hold a string that some caller later joins to a path,
+and cannot carry a field of the wrong type. Blob files are named by 16 random bytes
+(``Segment.pack``), never by a string from a record. Timestamps from the future (another
+host's clock) are clamped to now when read.
 
 Identity records hold the identity's JSON description (model name, path, components):
 bounded in size and nesting, and only their top-level fields kvstore uses are typed.
@@ -24,6 +25,8 @@ import time
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, ClassVar
+
+from .keys import FORMAT_VERSION
 
 KEY = 16  # bytes of a key, an identity digest, a pack id, a checksum
 CACHE_TYPES = ("assistant", "user", "system")
@@ -43,6 +46,11 @@ class Kind(Enum):
 
     ENTRY = b"e"
     CHUNK = b"c"
+
+
+def _tag(kind: bytes) -> bytes:
+    """A record's two-byte tag: its kind, then the format version (``keys.FORMAT_VERSION``)."""
+    return kind + bytes([FORMAT_VERSION])
 
 
 def _need(ok: bool, what: str) -> None:
@@ -128,7 +136,7 @@ class EntryRecord:
     hits: int = 0
     pinned: bool = False
 
-    TAG: ClassVar[bytes] = b"E\x03"
+    TAG: ClassVar[bytes] = _tag(b"E")
     FMT: ClassVar[struct.Struct] = struct.Struct("<2sBB16sIIddQ16sI")
 
     def __post_init__(self) -> None:
@@ -199,7 +207,7 @@ class ChunkRecord:
     refs: int
     segment: Segment
 
-    TAG: ClassVar[bytes] = b"C\x03"
+    TAG: ClassVar[bytes] = _tag(b"C")
     FMT: ClassVar[struct.Struct] = struct.Struct("<2s16s16sII")
 
     def __post_init__(self) -> None:
@@ -239,7 +247,7 @@ class PackRecord:
     live: int
     created: float = 0.0
 
-    TAG: ClassVar[bytes] = b"P\x03"
+    TAG: ClassVar[bytes] = _tag(b"P")
     FMT: ClassVar[struct.Struct] = struct.Struct("<2sQIQd")
 
     def __post_init__(self) -> None:

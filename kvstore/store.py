@@ -34,19 +34,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Hashable
 
-import lmdb
 import mlx.core as mx
 
 from . import blobs, codec
 from .budget import evict_to
+from .counters import Counters
 from .cuts import CutRefused
-from .disk import DiskTier, PersistJob, Plan, Restored
+from .disk import Commit, DiskTier, PersistJob, Plan, Restored
+from .errors import DiskErrors, Failure
 from .identity import DigestMemo, Identity, model_identity, watch
+from .index import CORRUPTION, IndexFailure, IndexOpenError
 from .layouts import layout_problem
-from .index import CORRUPTION, IndexOpenError
 from .keys import TokenError, boundaries, decode_tokens, encode_tokens, key_of, root_key
 from .memory import MemoryTier, Snapshot
-from .records import Kind
+from .preload import Preloaded, Preloader
 from .writer import Writer
 
 if TYPE_CHECKING:
@@ -77,13 +78,6 @@ class Fetched:
     cache: list[Any] | None
     n: int
     source: str | None  # "memory", "disk", "shared" or None
-
-
-_STAT_KEYS = ("hits_memory", "hits_disk", "hits_shared", "misses", "tokens_saved", "bytes_read",
-              "bytes_written", "restore_seconds", "restores", "write_seconds", "writes",
-              "corrupt", "races", "io_errors", "write_errors", "unpersistable", "refused_cuts",
-              "warnings_suppressed")
-_INDEX_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.InvalidError)
 
 
 # A disk hit replaces a shorter memory hit only when it holds more than this many tokens
@@ -129,18 +123,15 @@ class KVStore:
         self.max_disk_bytes = max_disk_bytes
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         self._lock = threading.RLock()
-        self._stats: dict[str, Any] = {k: 0 for k in _STAT_KEYS}
-        self._stats["restore_seconds"] = 0.0
-        self._stats["write_seconds"] = 0.0
+        self._counters = Counters()
+        self._errors = DiskErrors(self._counters, self.cache_dir)
         self._idents: dict[Hashable, tuple[Identity | None, tuple | None, tuple | None]] = {}
         self._vocab: dict[bytes, int | None] = {}
         self._kv_quant = (kv_bits, kv_group_size if kv_bits else None)
-        self._warned: set[str] = set()
         self._memory_only: dict[str, str] = {}  # model -> why its caches stay in memory
         self._touches: dict[bytes, tuple[float, int]] = {}
         self._touch_scheduled = False
         self.disk: DiskTier | None = None
-        self._disk_off: str | None = None  # why the disk tier was switched off (a damaged index)
         if not memory_only:
             try:
                 self.disk = open_disk(self.cache_dir, chunk_tokens, shared_dir=shared_dir)
@@ -259,7 +250,7 @@ class KVStore:
         if cache is not None:
             self._hit("memory", n, snap)
             return Fetched(cache, n, "memory")
-        self._stats["misses"] += 1
+        self._counters.add("misses")
         return Fetched(None, 0, None)
 
     def peek(self, model: Any, tokens: list[int]) -> int:
@@ -300,8 +291,8 @@ class KVStore:
             self.shared.drop(kind, key, ident.digest)
             self._warn_once("shared-reject", "kvstore: dropping a shared entry: %s", e)
             return False
-        except (OSError, lmdb.Error) as e:
-            self._stats["write_errors"] += 1
+        except (OSError, IndexFailure) as e:
+            self._counters.add("write_errors")
             if not self._index_damaged(e):
                 self._warn_once("shared-write", "kvstore: could not keep a shared hit on disk (%s)", e)
             return False
@@ -310,9 +301,9 @@ class KVStore:
                 self._warned.add("shared-bug")
                 log.exception("kvstore: unexpected error in a shared-tier lookup (a kvstore bug: please report)")
             return False
-        if status == "retry":
-            self._stats["races"] += 1
-        return status != "retry"
+        if status is Commit.RETRY:
+            self._counters.add("races")
+        return status is not Commit.RETRY
 
     def _fetch_disk(self, ident: Identity, enc: bytes, better_than: int, source: str = "disk") -> Fetched | None:
         assert self.disk is not None
@@ -324,14 +315,12 @@ class KVStore:
             t0 = time.perf_counter()
             got = self._restore(ident, plan)
             if not isinstance(got, Restored):
-                if got == "refused" and plan.entry is not None:
+                if got is Failure.REFUSED and plan.entry is not None:
                     skip |= {plan.entry}
-                elif got in ("unreadable", "refused") or self._disk_off:  # a new plan would fail the same way
+                elif got in (Failure.UNREADABLE, Failure.REFUSED) or self._disk_off:  # a new plan would fail the same way
                     return None
                 continue
-            self._stats["restore_seconds"] += time.perf_counter() - t0
-            self._stats["restores"] += 1
-            self._stats["bytes_read"] += got.nbytes
+            self._counters.add("restores", restore_seconds=time.perf_counter() - t0, bytes_read=got.nbytes)
             return self._promote(ident, enc, plan, got, source)
         return None
 
@@ -346,32 +335,20 @@ class KVStore:
                 self._warn_once("plan", "kvstore: disk lookup failed (%s); treating as a miss", e)
             return None
 
-    def _restore(self, ident: Identity, plan: Plan) -> Restored | str:
-        """Read ``plan`` from disk, or say why not: "damaged" (the record was dropped, or a
-        concurrent gc removed it: a counted race; a new plan may still hit, unless the index
-        itself is damaged and the disk tier is off), "unreadable" (an I/O error about the
-        process or the system, EMFILE or EIO: the entry is kept, counted in ``io_errors``)
-        or "refused" (the plan cuts a snapshot where its layout does not allow: a miss, the
-        entry is kept, counted in ``refused_cuts``)."""
+    def _restore(self, ident: Identity, plan: Plan) -> Restored | Failure:
+        """Read ``plan`` from disk, or say why not (``errors.Failure``): DAMAGED (the record
+        was dropped, or a concurrent gc removed it: a counted race; a new plan may still
+        hit, unless the index itself is damaged and the disk tier is off), UNREADABLE (an
+        I/O error about the process or the system, EMFILE or EIO: the entry is kept,
+        counted in ``io_errors``) or REFUSED (the plan cuts a snapshot where its layout does
+        not allow: a miss, the entry is kept, counted in ``refused_cuts``)."""
         try:
             return self.disk.restore(plan, ident, lambda specs, layout: layout_problem(ident, specs, layout))  # type: ignore[union-attr]
         except CutRefused:
-            self._stats["refused_cuts"] += 1
-            return "refused"
-        except (blobs.BlobError, codec.Unsupported, KeyError, ValueError) as e:
-            self._damaged(plan, e)
-        except OSError as e:
-            self._stats["io_errors"] += 1
-            self._warn_once("io", "kvstore: could not read an entry (%s); served as a miss, entry kept", e)
-            return "unreadable"
-        except Exception as e:  # a defect, not damage: still a miss, never a crash
-            if not self._index_damaged(e):
-                self._stats["corrupt"] += 1
-                if "bug" not in self._warned:
-                    self._warned.add("bug")
-                    log.exception("kvstore: unexpected error restoring an entry (a kvstore bug: please report)")
-                self._drop(plan, e)
-        return "damaged"
+            self._counters.add("refused_cuts")
+            return Failure.REFUSED
+        except Exception as e:
+            return self._errors.restore_failed(self.disk, plan, e)  # type: ignore[arg-type]
 
     def _promote(self, ident: Identity, enc: bytes, plan: Plan, got: Restored, source: str = "disk") -> Fetched:
         """Keep a disk hit hot (marked as already on disk) and hand out its cache;
@@ -385,45 +362,8 @@ class KVStore:
         self._hit(source, got.n, snap)
         return Fetched(got.cache, got.n, source)
 
-    def _damaged(self, plan: Plan, err: Exception) -> None:
-        """A restore failed: a record whose file vanished because a gc removed the record
-        meanwhile is a race (counted, retried); anything else is damage, dropped."""
-        bad = getattr(err, "record", None)
-        if bad is not None and self._gone(bad):
-            self._stats["races"] += 1
-            return
-        self._stats["corrupt"] += 1
-        self._warn_once("damaged", "kvstore: dropping damaged entry: %s", err)
-        self._drop(plan, err)
-
-    def _gone(self, record: tuple[str, bytes]) -> bool:
-        kind, key = record
-        try:
-            return self.disk.index.view(  # type: ignore[union-attr]
-                lambda r: r.raw("entries" if kind == "entry" else "chunks", key) is None)
-        except lmdb.Error:
-            return False
-
-    def _drop(self, plan: Plan, err: Exception | None = None) -> None:
-        assert self.disk is not None
-        bad = getattr(err, "record", None)  # the record whose file failed, when known
-        if bad is None and plan.last is not None:
-            bad = ("entry" if plan.last[0] is Kind.ENTRY else "chunk", plan.last[1])
-        try:
-            if bad is None:
-                return
-            own = not getattr(err, "foreign", False)  # a segment another record owns stays
-            if bad[0] == "entry":
-                self.disk.remove([bad[1]], release=own)
-            else:
-                self.disk.drop_chunk_and_users(bad[1], release=own)
-        except Exception as e:
-            if not self._index_damaged(e):
-                self._warn_once("drop", "kvstore: could not drop damaged record: %s", e)
-
     def _hit(self, tier: str, n: int, snap: Snapshot | None) -> None:
-        self._stats[f"hits_{tier}"] += 1
-        self._stats["tokens_saved"] += n
+        self._counters.add(f"hits_{tier}", tokens_saved=n)
         key = snap.disk_key if snap is not None else None
         if key is not None and self.writer is not None:
             with self._lock:
@@ -441,7 +381,7 @@ class KVStore:
         if touches and self.disk is not None and not self._disk_off:
             try:
                 self.disk.touch(touches)
-            except lmdb.Error as e:  # bookkeeping only: a failed touch costs nothing else
+            except IndexFailure as e:  # bookkeeping only: a failed touch costs nothing else
                 if not self._index_damaged(e):
                     self._warn_once("touch", "kvstore: could not record hits: %s", e)
 
@@ -471,7 +411,7 @@ class KVStore:
         if why is not None:
             self._note_memory_only(model, ident, why)
         elif wrong is not None:  # never stored on disk under this identity (memory is the caller's own)
-            self._stats["unpersistable"] += 1
+            self._counters.add("unpersistable")
             self._warn_once("layout", "kvstore: %s; kept in memory only", wrong)
         elif snap.tensors is not None and self._disk_on(ident) and covered > 0:
             snap.persist = (ident, enc[: covered * 4])
@@ -483,7 +423,7 @@ class KVStore:
     def _note_memory_only(self, model: Any, ident: Identity | None, why: str) -> None:
         """Count a cache kvstore cannot persist; say why once per model (in the log and in
         ``stats()["memory_only_reason"]``, at most 64 models named)."""
-        self._stats["unpersistable"] += 1
+        self._counters.add("unpersistable")
         name = ident.name if ident is not None else str(model)[:200]
         with self._lock:
             if name in self._memory_only or len(self._memory_only) >= 64:
@@ -538,15 +478,13 @@ class KVStore:
             written = disk.persist(job)
             if self.max_disk_bytes is not None:
                 evict_to(disk, self.max_disk_bytes)
-        except (OSError, lmdb.Error, blobs.BlobError) as e:  # a write or commit failed (full disk, I/O)
-            self._stats["write_errors"] += 1
+        except (OSError, IndexFailure, blobs.BlobError) as e:  # a write or commit failed (full disk, I/O)
+            self._counters.add("write_errors")
             if not self._index_damaged(e):
                 self._warn_once(f"write:{getattr(e, 'errno', None) or type(e).__name__}",
                                 "kvstore: write failed (%s); entry stays in memory only", e)
             return
-        self._stats["write_seconds"] += time.perf_counter() - t0
-        self._stats["writes"] += 1
-        self._stats["bytes_written"] += written
+        self._counters.add("writes", write_seconds=time.perf_counter() - t0, bytes_written=written)
         if self.shared is not None:  # its own thread and queue: a full queue drops, counted
             self.shared.submit(lambda: self._publish(job))
 
@@ -580,7 +518,7 @@ class KVStore:
 
     def stats(self) -> dict[str, Any]:
         """Counters by tier, plus queue depth, dropped and failed writes, disk totals."""
-        s: dict[str, Any] = dict(self._stats)
+        s: dict[str, Any] = self._counters.snapshot()
         s["memory_entries"] = len(self.memory)
         s["memory_only_reason"] = dict(self._memory_only)
         s["memory_bytes"] = self.memory.nbytes
@@ -596,7 +534,7 @@ class KVStore:
                 if not self._disk_off:
                     s["disk_bytes"] = self.disk.index.total_bytes()
                     s.update({f"disk_{k}": v for k, v in self.disk.index.counts().items()})
-            except lmdb.Error as e:
+            except IndexFailure as e:
                 self._index_damaged(e)
             if self._disk_off:
                 s["disk_off"] = self._disk_off
@@ -649,28 +587,22 @@ class KVStore:
         self.close()
 
     def _index_damaged(self, e: BaseException) -> bool:
-        """Switch the disk tier off for this process when LMDB reports a damaged file: LMDB
-        has no checksums, and walking a damaged tree further can abort the process (an
-        assertion in mdb.c) or fault on a wild page. Memory keeps serving."""
-        if not isinstance(e, _INDEX_DAMAGE):
-            return False
-        if not self._disk_off:
-            self._disk_off = f"{type(e).__name__}: {e}"
-            if self.disk is not None:  # no clean stamp; verify reports it, the next open salvages
-                self.disk.index.mark_damaged(f"{type(e).__name__}: {e}")
-            log.error("kvstore: the index in %s is damaged (%s); the disk tier is off for this process, "
-                      "memory keeps serving (`kvstore verify` reports the damage)", self.cache_dir, e)
-        return True
+        """True if ``e`` says the index is damaged; the disk tier is then off for this
+        process (``errors.DiskErrors.index_damaged``), memory keeps serving."""
+        return self._errors.index_damaged(e, self.disk)
 
     def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
-        """Log ``msg`` the first time a problem of ``kind`` happens in this store; later
-        ones are only counted (``stats()["warnings_suppressed"]``). Kinds are a fixed,
-        small set, never built from data (a file name, a record), so the set is bounded."""
-        if kind in self._warned:
-            self._stats["warnings_suppressed"] += 1
-            return
-        self._warned.add(kind)
-        log.warning(msg, *args)
+        """Log ``msg`` once per ``kind``; later ones only counted (``errors.DiskErrors.warn_once``)."""
+        self._errors.warn_once(kind, msg, *args)
+
+    @property
+    def _disk_off(self) -> str | None:
+        """Why the disk tier was switched off (a damaged index), or None."""
+        return self._errors.off
+
+    @property
+    def _warned(self) -> set[str]:
+        return self._errors.warned
 
     # -- preload -----------------------------------------------------------------------
 
@@ -678,7 +610,7 @@ class KVStore:
 
     def preload(self, model: Any, how: int | str = "auto", *, max_bytes: int | None = None,
                 progress: Callable[[int, int], None] | None = None,
-                stop: threading.Event | None = None) -> "Preloaded":
+                stop: threading.Event | None = None) -> Preloaded:
         """Restore ``model``'s entries from disk into the memory tier, ahead of traffic.
 
         Order: pinned entries first, then by value, ``(1 + hits) x tokens`` (an entry's write
@@ -695,84 +627,24 @@ class KVStore:
         Thread-safe: may run beside live traffic; ``stop`` ends it between two entries.
         ``progress(done, total)`` is called once the candidates are known, then after each."""
         report = self._preloaded = Preloaded(running=True)
-        t0 = time.perf_counter()
-        try:
-            ident = self.identity(model)
-            order = self._preload_order(ident, how)
-            report.candidates = len(order)
-            if not self._disk_on(ident):
-                report.stopped = "no disk tier for this model"
-            if progress is not None and order:
-                progress(0, len(order))
-            for done, (key, rec) in enumerate(order, 1):
-                if stop is not None and stop.is_set():
-                    report.stopped = "stopped"
-                    break
-                got = self._preload_one(ident, key, rec, max_bytes)  # type: ignore[arg-type]
-                if got == "full":
-                    report.stopped = "budget"
-                    break
-                report.add(rec.n, got.nbytes if isinstance(got, Snapshot) else None)
-                if progress is not None:
-                    progress(done, len(order))
-            else:
-                report.stopped = report.stopped or ("done" if order else "nothing stored")
-        finally:
-            report.seconds = time.perf_counter() - t0
-            report.running = False
-        return report
+        preloader = Preloader(self.memory, self._lock, self.identity, self._disk_on, self._disk_entries,
+                              lambda key: self.disk.index.view(lambda r: r.tokens(key)),  # type: ignore[union-attr]
+                              self._read_whole)
+        return preloader.run(report, model, how, max_bytes, progress, stop)
 
-    def _preload_order(self, ident: Identity | None, how: int | str) -> list[tuple[bytes, Any]]:
-        """The entries ``preload`` tries, in order (none without a disk tier)."""
-        if not self._disk_on(ident):
-            return []
+    def _disk_entries(self) -> dict[bytes, Any] | None:
+        """Every entry record on disk (None for unreadable ones), or None if they cannot
+        be listed (logged once; a damaged index switches the disk tier off)."""
         from .index import scan
 
         try:
-            entries = scan(self.disk.index, full=False).entries  # type: ignore[union-attr]
-        except lmdb.Error as e:
+            return scan(self.disk.index, full=False).entries  # type: ignore[union-attr]
+        except IndexFailure as e:
             if not self._index_damaged(e):
                 self._warn_once("preload", "kvstore: cannot list entries to preload (%s)", e)
-            return []
-        return preload_order(entries, ident.digest, how)  # type: ignore[union-attr]
-
-    def _preload_one(self, ident: Identity, key: bytes, rec: Any, max_bytes: int | None) -> "Snapshot | str | None":
-        """Put one entry into memory: its Snapshot, None (skipped: already held, would drop a
-        held prefix, gone or unreadable) or "full" (it does not fit the room left)."""
-        enc = self.disk.index.view(lambda r: r.tokens(key))  # type: ignore[union-attr]
-        if enc is None or len(enc) != rec.n * 4:
             return None
-        tokens = decode_tokens(enc)
-        with self._lock:
-            why = self._preload_room(ident.digest, tokens, rec.trimmable, 0, max_bytes)
-        if why is not None:
-            return why
-        got = self._preload_read(ident, enc)
-        if got is None:
-            return None
-        snap = Snapshot(got.tensors, got.layout, None, codec.cache_nbytes(got.tensors), codec.covers_prefixes(got.layout),
-                        rec.cache_type if rec.cache_type in self.memory.stats_by_type() else "assistant",
-                        persisted=True, disk_key=key)
-        with self._lock:
-            why = self._preload_room(ident.digest, tokens, snap.trimmable, snap.nbytes, max_bytes)
-            if why is None:
-                self.memory.insert(ident.digest, tokens, snap, recent=False)  # fits: evicts nothing
-        return snap if why is None else why
 
-    def _preload_room(self, mem_key: Hashable, tokens: list[int], trimmable: bool, nbytes: int,
-                      max_bytes: int | None) -> str | None:
-        """None if a snapshot of ``tokens`` (``nbytes``) can go into memory now without
-        evicting or dropping anything; "full" if it does not fit, "skip" if it is held
-        or would drop a held prefix. Called under the lock."""
-        mem = self.memory
-        if mem.get(mem_key, tokens) is not None or (trimmable and mem.holds_prefix(mem_key, tokens)):
-            return "skip"
-        limit = min(mem.max_bytes, max_bytes if max_bytes is not None else mem.max_bytes)
-        if len(mem) + 1 > mem.max_entries or mem.nbytes + nbytes > limit:
-            return "full"
-        return None
-
-    def _preload_read(self, ident: Identity, enc: bytes) -> Restored | None:
+    def _read_whole(self, ident: Identity, enc: bytes) -> Restored | None:
         """Read one entry's whole token list from disk, or None (a miss, handled as in fetch)."""
         plan = self._disk_plan(ident, enc)
         got = self._restore(ident, plan) if plan is not None and plan.n == len(enc) // 4 else None
@@ -799,56 +671,11 @@ def _check_cache(cache: Any) -> None:
         raise ValueError(f"cache {why}")
 
 
-@dataclass
-class Preloaded:
-    """What ``KVStore.preload`` put in the memory tier: ``entries`` holding ``tokens`` and
-    ``nbytes``, out of ``candidates`` tried in order; ``skipped`` were held already, would
-    have dropped a held prefix, or could not be read; ``stopped``: "done", "budget" (the
-    next one did not fit), "stopped", "nothing stored"."""
-
-    entries: int = 0
-    tokens: int = 0
-    nbytes: int = 0
-    seconds: float = 0.0
-    candidates: int = 0
-    skipped: int = 0
-    stopped: str = ""
-    running: bool = False
-
-    def add(self, tokens: int, nbytes: int | None) -> None:
-        """Count one candidate: preloaded (``nbytes`` given) or skipped (None)."""
-        if nbytes is None:
-            self.skipped += 1
-            return
-        self.entries += 1
-        self.tokens += tokens
-        self.nbytes += nbytes
-
-    def as_stats(self) -> dict[str, Any]:
-        return {"preloaded_entries": self.entries, "preloaded_tokens": self.tokens,
-                "preloaded_bytes": self.nbytes, "preload_seconds": round(self.seconds, 3),
-                "preload_skipped": self.skipped, "preload_running": self.running}
-
-
 def restore_floor(memory_n: int, wanted: int) -> int:
     """The tokens a disk or shared hit must exceed to replace a memory hit of ``memory_n``
     of ``wanted`` tokens: any hit beats none; otherwise it must hold all ``wanted`` tokens
     or more than ``MIN_DISK_GAIN`` tokens more than memory."""
     return min(memory_n + MIN_DISK_GAIN, wanted - 1) if memory_n > 0 else memory_n
-
-
-def preload_order(entries: dict[bytes, Any], identity: bytes, how: int | str) -> list[tuple[bytes, Any]]:
-    """``(key, EntryRecord)`` of ``identity`` in the order ``KVStore.preload`` tries them:
-    pinned first, then by ``(1 + hits) x n``, then most recently used. ``how`` "pinned"
-    keeps the pinned ones, "auto" all, an int N the first N. Unreadable records (None) are
-    left out."""
-    if not (how in ("pinned", "auto") or (isinstance(how, int) and how >= 0)):
-        raise ValueError(f"preload must be 'pinned', 'auto' or a number of entries >= 0, got {how!r}")
-    mine = [(k, r) for k, r in entries.items() if r is not None and r.identity == identity]
-    mine.sort(key=lambda kr: (not kr[1].pinned, -(1 + kr[1].hits) * kr[1].n, -kr[1].last_used, kr[0]))
-    if how == "pinned":
-        return [(k, r) for k, r in mine if r.pinned]
-    return mine if how == "auto" else mine[:how]
 
 
 def open_disk(path: Path, chunk_tokens: int = 256, *, shared_dir: bool = False, readonly: bool = False) -> DiskTier:
@@ -882,7 +709,7 @@ def open_disk(path: Path, chunk_tokens: int = 256, *, shared_dir: bool = False, 
         raise StoreOpenError(f"cannot open cache directory {path}: {e}") from None
     except (IndexOpenError, blobs.BlobError, *CORRUPTION) as e:
         raise StoreOpenError(f"cannot open index in {path}: {e}") from None
-    except lmdb.Error as e:
+    except IndexFailure as e:
         raise StoreOpenError(f"cannot open index in {path}: {e}") from None
 
 

@@ -26,7 +26,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from kvstore import blobs, codec, keys
+from kvstore import alloc, blobs, codec, keys
 from kvstore.keys import TokenError
 
 H, D = 2, 64  # kv heads, head dim (64: divisible by the quantisation group size 32)
@@ -192,7 +192,7 @@ def test_codec_round_trip(kind):
 
 @pytest.mark.parametrize("kind", list(FACTORIES))
 def test_blob_round_trip(kind, tmp_path):
-    """codec -> a pack of one segment -> blobs.read_segment -> codec gives the same cache,
+    """codec -> a pack of one segment -> alloc.read_segment -> codec gives the same cache,
     and the segment is a plain safetensors file (safetensors.safe_open and mx.load read it)."""
     from safetensors import safe_open
 
@@ -200,7 +200,7 @@ def test_blob_round_trip(kind, tmp_path):
     tensors, layout = codec.encode_cache(cache)
     path, seg = _write(tmp_path, tensors, {"kvstore.kind": "test"})
     assert path.stat().st_size == seg.length and seg.offset == 0
-    got, meta = blobs.read_segment(path, seg)
+    got, meta = alloc.read_segment(path, seg)
     assert meta == {"kvstore.kind": "test"}
     assert set(got) == set(tensors)
     for name in tensors:
@@ -236,7 +236,7 @@ def test_bfloat16_round_trip(tmp_path):
     assert cache[0].keys.dtype == mx.bfloat16
     tensors, layout = codec.encode_cache(cache)
     path, seg = _write(tmp_path, tensors, {})
-    got, _ = blobs.read_segment(path, seg)
+    got, _ = alloc.read_segment(path, seg)
     assert all(v.dtype == mx.bfloat16 for v in got.values())
     restored = codec.decode_cache(got, through_json(layout))
     for a, b in zip(cache, restored):
@@ -336,16 +336,16 @@ def test_blob_errors(tmp_path):
     tensors, _ = codec.encode_cache([make_kv(5)])
     path, seg = _write(tmp_path, tensors, {})
     with pytest.raises(blobs.BlobError):
-        blobs.read_segment(path, replace(seg, length=seg.length + 1))
+        alloc.read_segment(path, replace(seg, length=seg.length + 1))
     with pytest.raises(blobs.BlobError):
-        blobs.read_segment(path, replace(seg, checksum=b"\0" * 16))
+        alloc.read_segment(path, replace(seg, checksum=b"\0" * 16))
     with pytest.raises(blobs.BlobError):
-        blobs.read_segment(tmp_path / "missing.kvpack", seg)
+        alloc.read_segment(tmp_path / "missing.kvpack", seg)
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(blobs.BlobError, match="checksum"):
-        blobs.read_segment(path, seg)
+        alloc.read_segment(path, seg)
     with pytest.raises(blobs.BlobError):
         blobs.parse_header(b"\xff" * 16, 16)
 
@@ -364,7 +364,7 @@ def test_pack_holds_segments_back_to_back(tmp_path):
     assert w.path.stat().st_size == sum(s.length for s in segs)
     raw = w.path.read_bytes()
     for i, (t, seg) in enumerate(zip(parts, segs)):
-        got, meta = blobs.read_segment(w.path, seg)
+        got, meta = alloc.read_segment(w.path, seg)
         assert meta == {"i": str(i)}
         for name in t:
             _eq(got[name], t[name], name)
@@ -392,7 +392,7 @@ def test_blob_header_must_tile_its_data(tmp_path):
         bad = struct.pack("<Q", len(hb)) + hb + data[8 + n :]
         path.write_bytes(bad)
         with pytest.raises(blobs.BlobError, match="fit|cover"):
-            blobs.read_segment(path, Segment(seg.pack, 0, len(bad), xxhash.xxh3_128_digest(bad)))
+            alloc.read_segment(path, Segment(seg.pack, 0, len(bad), xxhash.xxh3_128_digest(bad)))
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -402,12 +402,12 @@ def test_empty_arrays_are_written_through_numpy(st, shared, monkeypatch):
     memory: a write through the view is what MLX then sees, for every stored dtype. Where
     MLX would hand numpy a copy (``SHARED_MEMORY`` off), numpy buffers stand in and
     ``finish`` copies them into MLX: the same result."""
-    monkeypatch.setattr(blobs, "SHARED_MEMORY", shared)
-    arrays, hosts = blobs.alloc({"x": (st, (2, 3, 4))})
+    monkeypatch.setattr(alloc, "SHARED_MEMORY", shared)
+    arrays, hosts = alloc.alloc({"x": (st, (2, 3, 4))})
     assert isinstance(arrays["x"], mx.array if shared else np.ndarray)
     pattern = np.arange(hosts["x"].nbytes, dtype=np.uint8) % (2 if st == "BOOL" else 251)
     hosts["x"].reshape(-1).view(np.uint8)[:] = pattern
-    got = blobs.finish(st, arrays["x"])
+    got = alloc.finish(st, arrays["x"])
     raw = got.view(mx.uint16) if st == "BF16" else got
     assert np.array_equal(np.array(raw).reshape(-1).view(np.uint8), pattern)
 
@@ -652,3 +652,25 @@ def test_chunked_refused_cut_falls_back_to_a_shorter_entry(tmp_path):
         assert (f.n, f.source) == (48, "disk") and s.stats()["refused_cuts"] == 1
         assert check_restore(model, q, f.cache, f.n, n_gen=8).ok
         assert s.stats()["corrupt"] == 0 and s.stats()["disk_entries"] == 2
+
+
+def test_segment_metadata_round_trips_and_names_what_differs():
+    """One writer, one validating reader (``segments``): what ``to_meta`` writes reads back
+    as its layout; a field that differs is named, a key naming another record marks the
+    segment foreign, and a segment of another format version is refused. The version is
+    the one constant ``keys.FORMAT_VERSION`` (records' tags carry it too)."""
+    from kvstore import records, segments
+
+    meta = segments.SegmentMeta("ab" * 16, "tail", b"\x01" * 16, 256, 300, [{"class": "KVCache"}])
+    assert meta.expect(meta.to_meta()) == [{"class": "KVCache"}]
+    for field, value, foreign in (("kvstore.key", "02" * 16, True), ("kvstore.kind", "chunk", False),
+                                  ("kvstore.tokens", "0-300", False), ("kvstore.identity", "cd" * 16, False)):
+        with pytest.raises(segments.SegmentMismatch, match=field) as e:
+            meta.expect({**meta.to_meta(), field: value})
+        assert e.value.foreign is foreign
+    with pytest.raises(segments.SegmentMismatch, match=r"\(format\)"):
+        meta.expect({**meta.to_meta(), "kvstore.format": str(keys.FORMAT_VERSION - 1)})
+    with pytest.raises(ValueError):
+        meta.expect({**meta.to_meta(), "kvstore.layout": "[{"})
+    assert segments.FORMAT_TAG == str(keys.FORMAT_VERSION)
+    assert {r.TAG[1] for r in (records.EntryRecord, records.ChunkRecord, records.PackRecord)} == {keys.FORMAT_VERSION}

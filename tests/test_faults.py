@@ -216,7 +216,7 @@ def test_crash_damage_excuses_every_entry_it_can_cost(tmp_path: Path) -> None:
     from kvstore import KVStore
     from kvstore.identity import Identity, layout_of
     from tools.faults.check import raw_entries, segment_users
-    from tools.faults.common import _decode
+    from tools.faults.common import decode
     from tools.faults.damage import damage_segments
 
     ident = Identity.from_components({"test": "crash-damage", "layout": layout_of(synth_kv_cache(2, 2, 1, 8))},
@@ -237,7 +237,7 @@ def test_crash_damage_excuses_every_entry_it_can_cost(tmp_path: Path) -> None:
             assert len({x["pack"] for x in segs}) == len(prompts)
             damage_segments(d, segs, 5, random.Random(seed), excused.update)
         with KVStore(d, chunk_tokens=32) as s:
-            entries = [(k.hex(), _decode(toks)) for k, rec, toks in raw_entries(s)]
+            entries = [(k.hex(), decode(toks)) for k, rec, toks in raw_entries(s)]
             lost = [k for k, toks in entries if s.fetch(ident, toks).n != len(toks) and k not in excused]
         assert not lost, f"seed {seed}: {lost} lost, not excused"
         shutil.rmtree(d)

@@ -15,6 +15,8 @@ PACKAGE = Path(layers.__file__).resolve().parent.parent / "kvstore"
 def test_imports_point_down_without_cycles_or_private_names():
     edges, private = layers.graph()
     assert edges["kvstore.store"] and "kvstore.disk" in edges["kvstore.store"]  # the graph is read
+    assert "tools.faults.worker" in edges["tools.faults.kinds.crash"]  # tools are read too
+    assert "benchmarks.common" in edges["benchmarks.ttft"]  # and benchmarks
     assert layers.check(edges) + private == []
 
 
@@ -25,6 +27,25 @@ def test_the_checker_sees_an_upward_import_a_cycle_and_a_private_name():
     problems = layers.check(edges)
     assert any("upward" in p and p.startswith("kvstore.records") for p in problems)
     assert any(p.startswith("cycle:") for p in problems)
+
+
+def test_tools_and_benchmarks_keep_the_rules(tmp_path):
+    """A private name used across two modules of ``tools`` (either spelling), a cycle in
+    ``benchmarks`` and a ``tools`` module reaching into kvstore's private names are found."""
+    (tmp_path / "kvstore").mkdir()
+    (tmp_path / "kvstore" / "__init__.py").write_text("")
+    (tmp_path / "kvstore" / "core.py").write_text("_LIMIT = 1\n")
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "a.py").write_text("_x = 1\n")
+    (tmp_path / "tools" / "b.py").write_text("from .a import _x\nfrom . import a\nprint(a._x)\n")
+    (tmp_path / "tools" / "c.py").write_text("import kvstore.core as k\nk._LIMIT = 2\n")
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "p.py").write_text("from . import q\n")
+    (tmp_path / "benchmarks" / "q.py").write_text("def f():\n    from . import p\n")
+    edges, private = layers.graph(tmp_path)
+    assert sorted(private) == ["tools.b imports private tools.a._x", "tools.b uses private tools.a._x",
+                               "tools.c uses private kvstore.core._LIMIT"]
+    assert layers.check(edges) == ["cycle: benchmarks.p -> benchmarks.q -> benchmarks.p"]
 
 
 def test_no_function_over_60_lines():

@@ -17,7 +17,8 @@ from tests.support.caches import assert_synth, ident, rand_tokens, synth
 
 from kvstore import KVStore
 from kvstore.keys import encode_tokens, key_of, root_key
-from kvstore.store import MIN_DISK_GAIN, preload_order
+from kvstore.preload import preload_order
+from kvstore.store import MIN_DISK_GAIN
 
 C = U.CHUNK
 WHO = ident("preload")

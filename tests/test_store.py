@@ -320,13 +320,13 @@ def test_entry_of_whole_chunks_restores(tmp_path):
 def test_restore_without_shared_memory_is_the_same(tmp_path, monkeypatch):
     """The fallback for an MLX that does not share array memory with numpy (read into
     numpy buffers, one copy into MLX) restores exactly what the direct path does."""
-    from kvstore import blobs
+    from kvstore import alloc
 
     who = ident("fallback")
     toks = rand_tokens(2 * C + 37, seed=8)
     with KVStore(tmp_path, chunk_tokens=C) as s:
         s.insert(who, toks, synth(toks))
-    monkeypatch.setattr(blobs, "SHARED_MEMORY", False)
+    monkeypatch.setattr(alloc, "SHARED_MEMORY", False)
     with KVStore(tmp_path) as s:
         for q, n in ((toks, len(toks)), (toks[:100] + [5], 100)):
             f = s.fetch(who, q)

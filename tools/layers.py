@@ -1,9 +1,10 @@
-"""The import graph of the kvstore package, and the rules it must keep.
+"""The import graph of kvstore (and of its tools and benchmarks), and the rules it must keep.
 
     python -m tools.layers            # print the graph (module -> what it imports), then problems
     python -m tools.layers --check    # exit 1 if a rule is broken
 
-Rules (issue 13: "layers that only look down"):
+Rules (issue 13: "layers that only look down"), for kvstore and, since issue 21, for the
+``tools`` and ``benchmarks`` built on it (which sit above it):
 - every import of one kvstore module by another points down the layer order below (or
   stays inside one package and makes no cycle); imports under ``if TYPE_CHECKING:`` are
   type hints only and count as well, except where a rank says otherwise;
@@ -17,32 +18,38 @@ import ast
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent / "kvstore"
+TOP = Path(__file__).resolve().parent.parent
+# The packages checked: kvstore itself, and the tools and benchmarks built on it (issue 21.7:
+# they keep the same rules, no cycle and no private names across modules).
+PACKAGES = ("kvstore", "tools", "benchmarks")
 
 # Lower ranks are lower layers: bytes and names, then storage, then the store, then users.
 RANKS: dict[str, int] = {
-    "kvstore.keys": 0, "kvstore.records": 0, "kvstore.cuts": 0,
-    "kvstore.codec": 1, "kvstore.blobs": 1, "kvstore.blas": 1,
+    "kvstore.keys": 0, "kvstore.records": 0, "kvstore.segments": 0, "kvstore.cuts": 0,
+    "kvstore.codec": 1, "kvstore.blobs": 1, "kvstore.blas": 1, "kvstore.alloc": 1,
     "kvstore.identity": 2, "kvstore.layouts": 2, "kvstore.index": 2,
     "kvstore.disk": 3,
     "kvstore.budget": 4, "kvstore.memory": 4, "kvstore.writer": 4,
-    "kvstore.shared": 5,
+    "kvstore.shared": 5, "kvstore.counters": 0, "kvstore.errors": 5, "kvstore.preload": 5,
     "kvstore.store": 6,
     "kvstore.maintenance": 7, "kvstore.generate": 7, "kvstore.adapters": 7,
     "kvstore.cli": 9,
+    "tools": 10, "benchmarks": 10,
 }
 # Inside a package, the order its modules may import each other in (others: no cycle only).
 INNER: dict[str, list[str]] = {
-    "kvstore.index": ["pages", "trie", "txn", "core", "scan"],
+    "kvstore.index": ["errors", "pages", "trie", "txn", "core", "scan"],
     "kvstore.adapters": ["mlx_lm", "server", "vllm_mlx"],
 }
 
 
-def modules() -> dict[str, Path]:
+def modules(top: Path = TOP) -> dict[str, Path]:
+    """Every module of ``PACKAGES`` under ``top``, by dotted name."""
     out = {}
-    for p in sorted(ROOT.rglob("*.py")):
-        name = ".".join(p.relative_to(ROOT.parent).with_suffix("").parts)
-        out[name.removesuffix(".__init__")] = p
+    for pkg in PACKAGES:
+        for p in sorted((top / pkg).rglob("*.py")):
+            name = ".".join(p.relative_to(top).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = p
     return out
 
 
@@ -66,9 +73,9 @@ def _targets(cur: str, path: Path, node: ast.AST, mods: dict[str, Path]) -> list
     return out
 
 
-def graph() -> tuple[dict[str, set[str]], list[str]]:
-    """(module -> kvstore modules it imports, private-name problems)."""
-    mods = modules()
+def graph(top: Path = TOP) -> tuple[dict[str, set[str]], list[str]]:
+    """(module -> checked modules it imports, private-name problems) of the tree at ``top``."""
+    mods = modules(top)
     edges: dict[str, set[str]] = {m: set() for m in mods}
     problems = []
     for cur, path in mods.items():
@@ -109,7 +116,7 @@ def check(edges: dict[str, set[str]]) -> list[str]:
     for a, targets in edges.items():
         for b in targets:
             ra, rb = rank(a), rank(b)
-            if a == "kvstore" or b == "kvstore" or ra is None or rb is None:
+            if a in PACKAGES or b in PACKAGES or ra is None or rb is None:
                 continue
             if rb[0] > ra[0]:
                 out.append(f"{a} (layer {ra[0]}) imports {b} (layer {rb[0]}): upward")
@@ -122,7 +129,7 @@ def check(edges: dict[str, set[str]]) -> list[str]:
         state[m] = 1
         stack.append(m)
         for n in sorted(edges.get(m, ())):
-            if n == "kvstore":
+            if n in PACKAGES:
                 continue
             if state.get(n) == 1:
                 out.append("cycle: " + " -> ".join(stack[stack.index(n):] + [n]))

@@ -4,11 +4,13 @@
 salvaged when damaged) and runs transactions; ``txn`` reads and writes records inside one
 (``Reader``, ``WriteTxn``); ``trie`` is the trie over token prefixes the lookup walks;
 ``pages`` walks LMDB's pages without LMDB, for damaged files; ``scan`` reads every record
-in one transaction.
+in one transaction; ``errors`` names the errors its operations raise.
 """
 
 from .core import CORRUPTION, Index, IndexOpenError
+from .errors import DAMAGE, IndexFailure
 from .scan import Snapshot, scan
 from .txn import DBS, Reader, WriteTxn
 
-__all__ = ["CORRUPTION", "DBS", "Index", "IndexOpenError", "Reader", "Snapshot", "WriteTxn", "scan"]
+__all__ = ["CORRUPTION", "DAMAGE", "DBS", "Index", "IndexFailure", "IndexOpenError", "Reader", "Snapshot", "WriteTxn",
+           "scan"]

@@ -49,7 +49,7 @@ from .txn import DBS, Reader, WriteTxn, count
 log = logging.getLogger("kvstore")
 T = TypeVar("T")
 
-_INITIAL_MAP = 64 << 20
+INITIAL_MAP = 64 << 20  # bytes LMDB maps at first (it grows; the fault harness shrinks this)
 _PROBE_KEY = b"\x00kvstore-open-probe"  # main database; never committed
 _LOCK_BYTES = 64 << 10  # lock.mdb: LMDB's reader table for max_readers=512 needs ~33 KiB
 STAMP = "clean"
@@ -211,7 +211,7 @@ class Index:
 
     def _open_env(self, *, probe: bool) -> lmdb.Environment:
         data = self.path / "data.mdb"
-        size = max(_INITIAL_MAP, data.stat().st_size if data.exists() else 0)
+        size = max(INITIAL_MAP, data.stat().st_size if data.exists() else 0)
         env = lmdb.open(str(self.path), map_size=size, max_dbs=len(DBS) + 2, subdir=True,
                         readonly=self.readonly, lock=True, readahead=False, max_readers=512,
                         mode=self.mode)
@@ -317,7 +317,7 @@ class Index:
             return None
         timeout = 30 + size / (20 << 20)
         cmd = [sys.executable, "-c", _WALK, str(self.path), "1" if self.readonly else "0",
-               str(max(_INITIAL_MAP, size))]
+               str(max(INITIAL_MAP, size))]
         try:
             p = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, timeout=timeout)

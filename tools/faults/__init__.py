@@ -55,13 +55,15 @@ it those cases are reported as skipped.
 
 from __future__ import annotations
 
-from .check import Tally, cache_digest, check_store, logical_dump
+from .check import Tally, check_store, logical_dump
 from .common import CHUNK, KINDS, ROOT, SIZES
 from .damage import damage_file
-from .harness import Ctx, environment, run, table
+from .context import Ctx
+from .harness import environment, run, table
 from .kinds import RUNNERS
-from .synth import Zoo, random_prompt, syn_cache, syn_check, syn_identity
-from .worker import Checker, Pool, Worker, WorkerDied, worker_main
+from .synth import Zoo, cache_digest, random_prompt, syn_cache, syn_check, syn_identity
+from .serve import worker_main
+from .worker import Checker, Pool, Worker, WorkerDied
 
 __all__ = ["CHUNK", "KINDS", "ROOT", "RUNNERS", "SIZES", "Checker", "Ctx", "Pool", "Tally", "Worker", "WorkerDied",
            "Zoo", "cache_digest", "check_store", "damage_file", "environment", "logical_dump", "random_prompt",

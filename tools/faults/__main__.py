@@ -6,7 +6,7 @@ Usage::
     python -m tools.faults --quick            # a small run (a few minutes)
     python -m tools.faults --json FILE        # also write the figures as JSON
     python -m tools.faults --only crash,bad_input --seed 3 -v
-    python -m tools.faults --worker ROLE      # (internal) one worker process, see worker.py
+    python -m tools.faults --worker ROLE      # (internal) one worker process, see serve.py
 
 What each fault kind does and what is checked: see ``tools/faults/__init__.py``.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .common import KINDS, SIZES
 from .harness import run, table
-from .worker import worker_main
+from .serve import worker_main
 
 
 def main(argv: list[str] | None = None) -> int:

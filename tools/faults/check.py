@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import json
 import os
 import random
 import time
@@ -11,33 +10,13 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from .common import CHUNK, Emit, LogCapture, _decode, _guard, exc_info
+from .common import CHUNK, Emit, LogCapture, decode, exc_info, guard
 
 if TYPE_CHECKING:
     from kvstore.index import Reader
     from kvstore.records import EntryRecord
 
-    from .harness import Ctx
     from .synth import Zoo
-
-
-def cache_digest(cache: list) -> str:
-    """xxh3-128 of a cache's encoded arrays and layout: equal digests, bit-identical caches."""
-    import numpy as np
-    import xxhash
-    from kvstore import codec
-    tensors, layout = codec.encode_cache(cache)
-    h = xxhash.xxh3_128()
-    h.update(json.dumps(layout, sort_keys=True).encode())
-    for k in sorted(tensors):
-        a = tensors[k]
-        if "bfloat16" in str(a.dtype):
-            import mlx.core as mx
-            a = a.view(mx.uint16)
-        arr = np.ascontiguousarray(np.array(a))
-        h.update(f"{k}:{arr.dtype}:{arr.shape}".encode())
-        h.update(arr.tobytes())
-    return h.hexdigest()
 
 
 def raw_entries(store: Any) -> list[tuple[bytes, EntryRecord | None, bytes | None]]:
@@ -112,7 +91,7 @@ def segment_users(store: Any) -> list[dict]:
     return [dict(d, users=sorted(d["users"])) for _, d in sorted(segs.items())]
 
 
-def _entry_key(store: Any, zoo: Zoo, name: str, tokens: list[int]) -> str | None:
+def entry_key(store: Any, zoo: Zoo, name: str, tokens: list[int]) -> str | None:
     """The key (hex) the store files ``tokens`` of model ``name`` under (None: no identity)."""
     from kvstore.keys import encode_tokens, key_of, root_key
     ident = store.identity(zoo.model_arg(name))
@@ -146,7 +125,7 @@ def check_store(zoo: Zoo, cache_dir: str, *, known: list | None = None, targets:
             if store.disk is not None and fix:
                 _verify_fix(store, res)
         finally:
-            _guard("close()", res["escaped"], store.close)
+            guard("close()", res["escaped"], store.close)
         if fix and reopen and res["open"] in ("ok", "recovered") and not res["verify_errors"]:
             _check_after_fix(zoo, cache_dir, res)
         res["logs"] = cap.records[-8:]
@@ -221,7 +200,7 @@ def _check_after_fix(zoo: Zoo, cache_dir: str, res: dict) -> None:
     except Exception as e:
         res["escaped"].append(exc_info("fetch after verify --fix", e))
     finally:
-        _guard("close()", res["escaped"], store.close)
+        guard("close()", res["escaped"], store.close)
 
 
 def known_entries(store: Any, names: dict[str, str], res: dict | None = None,
@@ -239,7 +218,7 @@ def known_entries(store: Any, names: dict[str, str], res: dict | None = None,
             if res is not None:
                 res["foreign"] += 1
             continue
-        yield k.hex(), name, _decode(toks), rec
+        yield k.hex(), name, decode(toks), rec
 
 
 def hit_problem(zoo: Zoo, name: str, tokens: list[int], f: Any) -> str | None:
@@ -270,8 +249,8 @@ def _judge(zoo: Zoo, store: Any, res: dict, known: list, targets: set, committed
             res["lost"].append(hx)       # named, but not served in full
             res.setdefault("lost_detail", []).append({"key": hx, "served": served[hx], "of": lengths[hx]})
     _fetch_known(zoo, store, res, known)
-    _guard("stats()", res["escaped"], store.stats)
-    _guard("flush()", res["escaped"], store.flush, 30)
+    guard("stats()", res["escaped"], store.stats)
+    guard("flush()", res["escaped"], store.flush, 30)
 
 
 def _claimed(zoo: Zoo, store: Any, res: dict) -> tuple[list[tuple[str, str, list[int], EntryRecord]], set[str]]:
@@ -304,7 +283,7 @@ def _fetch_claimed(zoo: Zoo, store: Any, res: dict, claimed: list, problem_keys:
     Returns key -> tokens served."""
     served: dict[str, int] = {}
     for hx, name, tokens, rec in claimed:
-        f = _guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), tokens)
+        f = guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), tokens)
         if f is None:
             continue
         n = f.n
@@ -328,7 +307,7 @@ def _fetch_known(zoo: Zoo, store: Any, res: dict, known: list) -> None:
     counts the full ones)."""
     for name, tokens in known:
         res["known"] += 1
-        f = _guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), tokens)
+        f = guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), tokens)
         if f is None:
             continue
         if f.cache is not None and f.n > 0:
@@ -424,12 +403,3 @@ class Tally:
             out["skipped"] = self.skipped
         out["failures"] = self.failures
         return out
-
-
-def _progress(ctx: Ctx, t: Tally, i: int, n: int) -> None:
-    """A progress line after every tenth of the ``n`` trials."""
-    if (i + 1) % max(1, n // 10) == 0 or i + 1 == n:
-        c = t.c
-        ctx.say(f"  {t.kind}: {i + 1}/{n}  wrong={c['wrong_restores']} escaped={c['escaped_exceptions']} "
-                f"crashes={c['crashes']} lost={c['entries_lost']} unexplained={c['unexplained_misses']} "
-                f"unclean={c['verify_unclean']}  ({time.time() - t.t0:.0f}s)")

@@ -76,7 +76,7 @@ class LogCapture(logging.Handler):
 Emit = Callable[[dict], None]
 
 
-def _guard(where: str, escaped: list, fn: Callable, *a: Any, **kw: Any) -> Any:
+def guard(where: str, escaped: list, fn: Callable, *a: Any, **kw: Any) -> Any:
     """``fn(*a, **kw)``; an exception is appended to ``escaped`` (as ``exc_info``) and None returned."""
     try:
         return fn(*a, **kw)
@@ -85,7 +85,7 @@ def _guard(where: str, escaped: list, fn: Callable, *a: Any, **kw: Any) -> Any:
         return None
 
 
-def _decode(b: bytes) -> list[int]:
+def decode(b: bytes) -> list[int]:
     """Token ids as the index stores them -> a list."""
     from kvstore.keys import decode_tokens
     return decode_tokens(b)

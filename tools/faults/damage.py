@@ -310,7 +310,7 @@ def damage_open_file(path: Path, rng: random.Random) -> list[str]:
     return descs
 
 
-def _fill(path: Path, nbytes: int) -> int:
+def fill(path: Path, nbytes: int) -> int:
     """Write up to ``nbytes`` into ``path`` (stops at ENOSPC); returns bytes written."""
     done = 0
     block = b"\xa5" * (64 << 10)
@@ -330,7 +330,7 @@ def _fill(path: Path, nbytes: int) -> int:
     return done
 
 
-def _mount_tmpfs(path: Path, size: str = "4m") -> str | None:
+def mount_tmpfs(path: Path, size: str = "4m") -> str | None:
     """Mount a tmpfs at ``path``; returns an error message if that is not possible."""
     path.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
@@ -340,6 +340,6 @@ def _mount_tmpfs(path: Path, size: str = "4m") -> str | None:
     return None if p.returncode == 0 else f"mount failed: {p.stderr.strip()}"
 
 
-def _umount(path: Path) -> None:
+def umount(path: Path) -> None:
     """Lazy unmount (a worker may still hold a file open)."""
     subprocess.run(["umount", "-l", str(path)], capture_output=True)

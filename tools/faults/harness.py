@@ -1,4 +1,4 @@
-"""Running the fault kinds: the parent's context, the run and its table."""
+"""Running the fault kinds: the run and its table (the kinds' context: ``context.Ctx``)."""
 
 from __future__ import annotations
 
@@ -13,43 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from .common import KINDS, ROOT, SIZES, exc_info
+from .context import Ctx
 from .kinds import RUNNERS
-from .worker import Checker
-
-
-class Ctx:
-    """What a kind's runner gets: the work directory, seed and sizes, and the two
-    long-lived worker processes (``checker``, ``misc``), started when first used."""
-    def __init__(self, work: Path, seed: int, size: dict, verbose: bool) -> None:
-        self.work, self.seed, self.size, self.verbose = work, seed, size, verbose
-        self.logdir = work / "logs"
-        self.logdir.mkdir(parents=True, exist_ok=True)
-        self._checker: Checker | None = None
-        self._misc: Checker | None = None
-
-    @property
-    def checker(self) -> Checker:
-        if self._checker is None:
-            self._checker = Checker(self.logdir, "check")
-        return self._checker
-
-    @property
-    def misc(self) -> Checker:
-        if self._misc is None:
-            self._misc = Checker(self.logdir, "misc")
-        return self._misc
-
-    def say(self, msg: str) -> None:
-        print(msg, flush=True)
-
-    def debug(self, msg: str) -> None:
-        if self.verbose:
-            print("   " + msg, flush=True)
-
-    def close(self) -> None:
-        for c in (self._checker, self._misc):
-            if c is not None:
-                c.close()
 
 
 TOTAL_FIELDS = ("trials", "wrong_restores", "escaped_exceptions", "crashes", "entries_lost", "unexplained_misses",

@@ -7,7 +7,6 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .check import cache_digest
 from .common import EXTRA_TOKEN, N_GEN, VOCAB
 
 if TYPE_CHECKING:
@@ -16,6 +15,25 @@ if TYPE_CHECKING:
     from kvstore.identity import Identity
 
 M64 = (1 << 64) - 1
+
+
+def cache_digest(cache: list) -> str:
+    """xxh3-128 of a cache's encoded arrays and layout: equal digests, bit-identical caches."""
+    import numpy as np
+    import xxhash
+    from kvstore import codec
+    tensors, layout = codec.encode_cache(cache)
+    h = xxhash.xxh3_128()
+    h.update(json.dumps(layout, sort_keys=True).encode())
+    for k in sorted(tensors):
+        a = tensors[k]
+        if "bfloat16" in str(a.dtype):
+            import mlx.core as mx
+            a = a.view(mx.uint16)
+        arr = np.ascontiguousarray(np.array(a))
+        h.update(f"{k}:{arr.dtype}:{arr.shape}".encode())
+        h.update(arr.tobytes())
+    return h.hexdigest()
 
 
 def _splitmix(x: int) -> int:

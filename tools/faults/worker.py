@@ -1,10 +1,9 @@
-"""The JSON-lines worker processes: the worker's loop and the parent's handles on it."""
+"""The JSON-lines worker processes: the parent's handles on them (their loop: ``serve.py``)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import queue
 import shutil
@@ -16,55 +15,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .common import ROOT, Emit, exc_info
+from .common import ROOT, Emit
 from .synth import Zoo
 
 
 Op = Callable[[Zoo, dict, Emit], dict]
 ROLE_MODELS = {"crash": ("llama", "gemma", "qwen"), "check": ("llama", "gemma", "qwen"), "perm": (),
                "conc": ("llama",), "misc": ("llama", "gemma"), "cli": (), "shared": ()}
-
-
-def operations() -> dict[str, Op]:
-    """Every command a worker serves, by name (imported here: the kinds import this module)."""
-    from .check import op_check
-    from .kinds import OPS
-    return {"check": op_check, **OPS}
-
-
-def worker_main(role: str) -> int:
-    """Serve JSON commands on stdin; events and results go out as JSON lines on stdout."""
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format=f"%(asctime)s {role}[{os.getpid()}] %(name)s %(levelname)s %(message)s")
-    lock = threading.Lock()
-
-    def emit(obj: dict) -> None:
-        line = json.dumps(obj, default=str) + "\n"
-        with lock:
-            proto.write(line)
-            proto.flush()
-
-    zoo = Zoo(ROLE_MODELS[role])
-    for n in zoo.models:  # warm up: the first prefill compiles kernels
-        zoo.prefill(n, [1, 2, 3])
-    import kvstore.maintenance  # noqa: F401  (import cost paid before "ready")
-    ops = operations()
-    emit({"ev": "ready", "pid": os.getpid()})
-    for line in sys.stdin:
-        msg = json.loads(line)
-        if msg.get("op") == "exit":
-            break
-        try:
-            out = ops[msg["op"]](zoo, msg, emit)
-        except Exception as e:
-            out = {"harness_error": exc_info(msg["op"], e)}
-        emit({"ev": "result", "result": out})
-        if role == "crash":
-            break
-    return 0
 
 
 class WorkerDied(Exception):
@@ -83,7 +40,7 @@ def _drop_to_nobody() -> None:
 
 
 class Worker:
-    """A worker process speaking JSON lines (see ``worker_main``)."""
+    """A worker process speaking JSON lines (see ``serve.worker_main``)."""
 
     _count = 0
 
@@ -210,14 +167,14 @@ class Checker:
             tail = self.w.stderr_tail(1500)
             self.w.close()
             self.w = Worker(self.role, self.logdir)
-            return {"crashed": True, "returncode": rc, "signal": _signame(rc), "error": str(e)[:300],
+            return {"crashed": True, "returncode": rc, "signal": signame(rc), "error": str(e)[:300],
                     "stderr": tail[-1200:], "hang": isinstance(e, TimeoutError)}
 
     def close(self) -> None:
         self.w.close()
 
 
-def _signame(rc: int | None) -> str | None:
+def signame(rc: int | None) -> str | None:
     """The signal that ended a process (its negative return code), by name."""
     if rc is None or rc >= 0:
         return None

@@ -10,7 +10,7 @@ from ..worker import Op
 from . import bad_input, concurrency, corruption, crash, full_disk, hostile, permissions, shared
 
 if TYPE_CHECKING:
-    from ..harness import Ctx
+    from ..context import Ctx
 
 # the parent's runner of each kind
 RUNNERS: dict[str, Callable[[Ctx], dict]] = {
@@ -18,7 +18,7 @@ RUNNERS: dict[str, Callable[[Ctx], dict]] = {
     "permissions": permissions.run_permissions, "concurrency": concurrency.run_concurrency,
     "bad_input": bad_input.run_bad_input, "hostile": hostile.run_hostile, "shared": shared.run_shared,
 }
-# the worker commands the kinds add to the check (see worker.operations)
+# the worker commands the kinds add to the check (see serve.operations)
 OPS: dict[str, Op] = {
     "populate": permissions.op_populate,
     "crash_run": crash.op_crash_run, "build_template": corruption.op_build_template, "live": corruption.op_live,

@@ -23,7 +23,7 @@ from ..common import CHUNK, VOCAB, Emit, LogCapture, exc_info
 from ..synth import Zoo, random_prompt, syn_cache
 
 if TYPE_CHECKING:
-    from ..harness import Ctx
+    from ..context import Ctx
 
 
 # Bad inputs kvstore cannot detect with what it knows; reported, not counted as failures.

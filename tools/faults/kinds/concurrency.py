@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 from ..check import Tally
 from ..common import CHUNK, VOCAB, Emit, LogCapture, exc_info
 from ..synth import Zoo, random_prompt, syn_cache, syn_check
-from ..worker import Worker, _signame
+from ..worker import Worker, signame
 
 if TYPE_CHECKING:
-    from ..harness import Ctx
+    from ..context import Ctx
 
 
 # ======================================================================= worker half
@@ -200,7 +200,7 @@ def _run_processes(ctx: Ctx, t: Tally, d: Any) -> list[dict]:
                 w.p.poll()
                 t.c["crashes"] += 1
                 t.fail("concurrency process died or hung", proc=p, returncode=w.p.returncode,
-                       signal=_signame(w.p.returncode), stderr=w.stderr_tail(1500))
+                       signal=signame(w.p.returncode), stderr=w.stderr_tail(1500))
                 continue
             results.append(res)
     finally:

@@ -23,13 +23,13 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..check import Tally, _entry_key, _progress, hit_problem, segment_users
-from ..common import CHUNK, Emit, LogCapture, _guard, exc_info
+from ..check import Tally, entry_key, hit_problem, segment_users
+from ..common import CHUNK, Emit, LogCapture, exc_info, guard
 from ..damage import BLOB_MODES, LMDB_MODES, damage_lmdb_case, damage_open_file, damage_pack_case
 from ..synth import SYSTEM_PROMPTS, Zoo, random_prompt
 
 if TYPE_CHECKING:
-    from ..harness import Ctx
+    from ..context import Ctx
 
 
 TEMPLATE_MIX = (("llama", 9), ("gemma", 3), ("qwen", 1), ("syn-kv", 3), ("syn-snap", 2))
@@ -57,7 +57,7 @@ def op_build_template(zoo: Zoo, msg: dict, emit: Emit) -> dict:
                     bases.append(toks)
             store.insert(zoo.model_arg(name), toks, zoo.make_cache(name, toks))
             store.flush()
-            entries.append({"model": name, "tokens": toks, "key": _entry_key(store, zoo, name, toks)})
+            entries.append({"model": name, "tokens": toks, "key": entry_key(store, zoo, name, toks)})
     segments = segment_users(store)
     stats = store.stats()
     store.close()
@@ -81,14 +81,14 @@ def op_live(zoo: Zoo, msg: dict, emit: Emit) -> dict:
         res["damage"] = damage_open_file(Path(msg["dir"]) / "index" / "data.mdb", rng)
         _serve_after_damage(zoo, store, known, baseline, res)
         _insert_after_damage(zoo, store, rng, res)
-        _guard("flush()", res["escaped"], store.flush, 30)
-        res["write_errors"] = (_guard("stats()", res["escaped"], store.stats) or {}).get("write_errors")
+        guard("flush()", res["escaped"], store.flush, 30)
+        res["write_errors"] = (guard("stats()", res["escaped"], store.stats) or {}).get("write_errors")
         res["writer_failed"] = sum("background write failed" in r for r in cap.records)
         try:
             mt.verify(store.disk, blob_age=0)
         except Exception as e:
             res["verify_errors"].append(exc_info("verify()", e))
-        _guard("close()", res["escaped"], store.close)
+        guard("close()", res["escaped"], store.close)
     res["logs"] = cap.records[-6:]
     return res
 
@@ -96,7 +96,7 @@ def op_live(zoo: Zoo, msg: dict, emit: Emit) -> dict:
 def _fetch_checked(zoo: Zoo, store: Any, name: str, toks: list[int], res: dict, phase: str) -> Any:
     """Fetch (an exception goes to ``res["escaped"]``, and None is returned); a wrong hit
     goes to ``res["wrong"]``."""
-    f = _guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), toks)
+    f = guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), toks)
     why = hit_problem(zoo, name, toks, f)
     if why is not None:
         res["wrong"].append({"model": name, "n": f.n, "detail": why, "phase": phase})
@@ -111,7 +111,7 @@ def _warm_memory(zoo: Zoo, store: Any, known: list[tuple], res: dict) -> dict[tu
     store.flush()
     baseline = {}
     for name, toks in known:
-        f = _guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), toks)
+        f = guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), toks)
         if f is not None and f.source == "memory":
             baseline[(name, tuple(toks))] = f.n
     store.flush()
@@ -133,9 +133,9 @@ def _insert_after_damage(zoo: Zoo, store: Any, rng: random.Random, res: dict) ->
     for i in range(2):
         toks = random_prompt(rng, 20, 90)
         n_esc = len(res["escaped"])
-        _guard("insert()", res["escaped"], store.insert, zoo.model_arg("llama"), toks, zoo.prefill("llama", toks))
+        guard("insert()", res["escaped"], store.insert, zoo.model_arg("llama"), toks, zoo.prefill("llama", toks))
         if len(res["escaped"]) == n_esc:
-            f = _guard("fetch()", res["escaped"], store.fetch, zoo.model_arg("llama"), toks)
+            f = guard("fetch()", res["escaped"], store.fetch, zoo.model_arg("llama"), toks)
             if f is not None and f.n == len(toks):
                 res["inserts_after"] += 1
 
@@ -173,7 +173,7 @@ def run_corruption(ctx: Ctx) -> dict:
                   f"full={res.get('full')} verify={res.get('verify')} wrong={len(res.get('wrong', []))} "
                   f"crashed={res.get('crashed')}")
         shutil.rmtree(cdir, ignore_errors=True)
-        _progress(ctx, t, k, len(plan))
+        ctx.progress(t, k, len(plan))
     t.info["cases"] = {"blob": size["blob"], "lmdb": size["lmdb"], "lmdb_live": size["lmdb_live"]}
     t.info["lmdb_outcomes_by_mode"] = dict(sorted(per_mode.items()))
     shutil.rmtree(base, ignore_errors=True)

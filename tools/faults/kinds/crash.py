@@ -23,14 +23,14 @@ import time
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING, Any
 
-from ..check import Tally, _entry_key, _progress, hit_problem, raw_entries, segment_users
-from ..common import CHUNK, ROOT, VOCAB, Emit, _decode, _guard
+from ..check import Tally, entry_key, hit_problem, raw_entries, segment_users
+from ..common import CHUNK, ROOT, VOCAB, Emit, decode, guard
 from ..damage import damage_segments
 from ..synth import SYSTEM_PROMPTS, Zoo, random_prompt
-from ..worker import Pool, Worker, _signame
+from ..worker import Pool, Worker, signame
 
 if TYPE_CHECKING:
-    from ..harness import Ctx
+    from ..context import Ctx
 
 
 def _pick_model(rng: random.Random, weights: tuple = (0.7, 0.22)) -> str:
@@ -62,7 +62,7 @@ class CrashWork:
             names = zoo.ident_map(store)
             for k, rec, toks in raw_entries(store)[:40]:
                 if rec and toks and names.get(rec.identity.hex()) == "llama":
-                    self.bases.append(_decode(toks))
+                    self.bases.append(decode(toks))
         except Exception:
             pass
 
@@ -86,12 +86,12 @@ class CrashWork:
         write error or dropped write on the way."""
         store, zoo = self.store, self.zoo
         name, toks, cache = prepared or self.prepare()
-        k = _entry_key(store, zoo, name, toks)
+        k = entry_key(store, zoo, name, toks)
         we, dropped = self.write_errors(), store.writer.dropped
         self.ev("begin", op="insert", i=i, key=k, model=name, n=len(toks))
-        _guard("insert()", self.escaped, store.insert, zoo.model_arg(name), toks, cache)
+        guard("insert()", self.escaped, store.insert, zoo.model_arg(name), toks, cache)
         if flush:
-            _guard("flush()", self.escaped, store.flush)
+            guard("flush()", self.escaped, store.flush)
             if self.write_errors() == we and store.writer.dropped == dropped and self.committed(k):
                 self.ev("committed", key=k)
             else:
@@ -105,7 +105,7 @@ class CrashWork:
 
     def flush(self, i: int) -> None:
         self.ev("begin", op="flush", i=i)
-        _guard("flush()", self.escaped, self.store.flush)
+        guard("flush()", self.escaped, self.store.flush)
         self.ev("end", op="flush", i=i)
 
     def gc(self, i: int) -> None:
@@ -115,13 +115,13 @@ class CrashWork:
         store = self.store
         # pending writes and hit bookkeeping first: a touch committed between the dry run and
         # gc would change the LRU order, and gc would rightly evict another entry
-        _guard("flush()", self.escaped, store.flush)
+        guard("flush()", self.escaped, store.flush)
         total = store.disk.index.total_bytes()
         budget = int(total * self.rng.uniform(0.2, 0.9))
         victims = evict_to(store.disk, budget, dry_run=True)
         self.ev("excuse", keys=[r.key.hex() for r in victims], why="gc victims")
         self.ev("begin", op="gc", i=i)
-        _guard("gc()", self.escaped, mt.gc, store.disk, max_bytes=budget, blob_age=0)
+        guard("gc()", self.escaped, mt.gc, store.disk, max_bytes=budget, blob_age=0)
         self.ev("end", op="gc", i=i)
         self.flush_escapes()
 
@@ -140,7 +140,7 @@ class CrashWork:
             return
         from kvstore import maintenance as mt
         self.ev("begin", op="verify", i=i)
-        _guard("verify(fix=True)", self.escaped, mt.verify, self.store.disk, fix=True, blob_age=0)
+        guard("verify(fix=True)", self.escaped, mt.verify, self.store.disk, fix=True, blob_age=0)
         self.ev("end", op="verify", i=i)
         self.flush_escapes()
 
@@ -165,7 +165,7 @@ class CrashWork:
             return
         toks = rng.choice(self.bases) + [rng.randrange(VOCAB) for _ in range(rng.randint(0, 8))]
         self.ev("begin", op="fetch", i=i)
-        f = _guard("fetch()", self.escaped, self.store.fetch, self.zoo.model_arg("llama"), toks)
+        f = guard("fetch()", self.escaped, self.store.fetch, self.zoo.model_arg("llama"), toks)
         self.ev("end", op="fetch", i=i)
         why = hit_problem(self.zoo, "llama", toks, f)
         if why is not None:
@@ -196,7 +196,7 @@ def _phase_mixed(w: CrashWork) -> None:
         elif op == "gc":
             w.gc(i)
         elif op == "verify":
-            _guard("flush()", w.escaped, w.store.flush)
+            guard("flush()", w.escaped, w.store.flush)
             w.verify_fix(i)
         else:
             w.flush(i)
@@ -231,7 +231,7 @@ def op_crash_run(zoo: Zoo, msg: dict, emit: Emit) -> dict:
     def ev(kind: str, **kw: Any) -> None:
         emit(dict(ev=kind, t=time.time(), **kw))
 
-    store = _guard("KVStore()", escaped, KVStore, msg["dir"], chunk_tokens=CHUNK, max_entries=4)
+    store = guard("KVStore()", escaped, KVStore, msg["dir"], chunk_tokens=CHUNK, max_entries=4)
     if store is None:
         for e in escaped:
             ev("escaped", **e)
@@ -241,7 +241,7 @@ def op_crash_run(zoo: Zoo, msg: dict, emit: Emit) -> dict:
     _run_phase(w, msg["phase"])
     w.flush_escapes()
     ev("done")
-    _guard("close()", escaped, store.close)
+    guard("close()", escaped, store.close)
     w.flush_escapes()
     return {"opened": True}
 
@@ -375,7 +375,7 @@ def _kill_trial(t: Tally, pool: Pool, times: OpTimes, rng: random.Random, i: int
     rc = w.p.returncode
     if kt.died_by_itself and rc not in (0, None) and not w.killed:
         t.c["crashes"] += 1
-        t.fail("worker died by itself", trial=i, phase=phase, returncode=rc, signal=_signame(rc),
+        t.fail("worker died by itself", trial=i, phase=phase, returncode=rc, signal=signame(rc),
                stderr=w.stderr_tail(1200))
     w._err.close()
     return kt
@@ -446,7 +446,7 @@ def run_crash(ctx: Ctx) -> dict:
             res = _check_trial(ctx, t, rng, i, phase, d, committed, excused)
             ctx.debug(f"crash {i} {phase} killed={kt.w.killed} committed={len(committed)} "
                       f"claimed={res.get('claimed')} verify={res.get('verify')} lost={res.get('lost')}")
-            _progress(ctx, t, i, n)
+            ctx.progress(t, i, n)
     finally:
         pool.close()
         shutil.rmtree(base, ignore_errors=True)

@@ -17,14 +17,14 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from ..check import Tally, _entry_key, _progress, cache_digest, raw_entries
-from ..common import CHUNK, Emit, LogCapture, _decode, _guard, exc_info
-from ..damage import _fill, _mount_tmpfs, _umount
-from ..synth import Zoo, random_prompt
-from .permissions import _open_modes
+from ..check import Tally, entry_key, raw_entries
+from ..common import CHUNK, Emit, LogCapture, decode, exc_info, guard
+from ..damage import fill, mount_tmpfs, umount
+from ..synth import Zoo, cache_digest, random_prompt
+from .permissions import open_modes
 
 if TYPE_CHECKING:
-    from ..harness import Ctx
+    from ..context import Ctx
 
 
 # ======================================================================= worker half
@@ -39,9 +39,9 @@ def _patched_kvstore(msg: dict, mnt: Path) -> Iterator[dict]:
     itself). These are fault injections at real points of kvstore's write path."""
     import kvstore.blobs as kblobs
     import kvstore.index.core as kcore
-    saved_map = kcore._INITIAL_MAP
+    saved_map = kcore.INITIAL_MAP
     if msg.get("small_map"):
-        kcore._INITIAL_MAP = 64 << 10
+        kcore.INITIAL_MAP = 64 << 10
     real_seal = kblobs.PackWriter.seal
     armed = {"on": False}
 
@@ -50,14 +50,14 @@ def _patched_kvstore(msg: dict, mnt: Path) -> Iterator[dict]:
         real_seal(self)
         if armed["on"]:
             armed["on"] = False
-            _fill(mnt / "filler2", 1 << 30)
+            fill(mnt / "filler2", 1 << 30)
 
     if msg.get("fill_between"):
         kblobs.PackWriter.seal = seal_then_fill  # type: ignore[method-assign]
     try:
         yield armed
     finally:
-        kcore._INITIAL_MAP = saved_map
+        kcore.INITIAL_MAP = saved_map
         kblobs.PackWriter.seal = real_seal  # type: ignore[method-assign]
 
 
@@ -77,16 +77,16 @@ class FullDiskTrial:
         zoo, store, res = self.zoo, self.store, self.res
         cache = zoo.make_cache(name, toks)
         dg = cache_digest(cache)
-        k = _entry_key(store, zoo, name, toks)
+        k = entry_key(store, zoo, name, toks)
         we, failed = store.stats()["write_errors"], self.writer_failed()
         n_esc = len(res["escaped"])
-        _guard("insert()", res["escaped"], store.insert, zoo.model_arg(name), toks, cache)
-        _guard("flush()", res["escaped"], store.flush)
+        guard("insert()", res["escaped"], store.insert, zoo.model_arg(name), toks, cache)
+        guard("flush()", res["escaped"], store.flush)
         if len(res["escaped"]) != n_esc:
             return None
         self.inserted.append((name, toks, dg))
         self.digests[k] = dg
-        ok = _guard("index.entry()", res["escaped"], store.disk.index.entry, bytes.fromhex(k)) is not None
+        ok = guard("index.entry()", res["escaped"], store.disk.index.entry, bytes.fromhex(k)) is not None
         if not ok and store.stats()["write_errors"] == we:
             res["uncounted_failures"] += 1
         res["writer_failed"] += self.writer_failed() - failed
@@ -104,7 +104,7 @@ class FullDiskTrial:
             self.insert(random_prompt(rng, 30, 150), "llama")
         st = os.statvfs(mnt)
         free = st.f_bavail * st.f_frsize
-        res["filler"] = _fill(mnt / "filler", max(0, free - msg["leave"]))
+        res["filler"] = fill(mnt / "filler", max(0, free - msg["leave"]))
         fails = 0
         for i in range(msg.get("max_inserts", 60)):
             armed["on"] = bool(msg.get("fill_between")) and i == 0
@@ -126,7 +126,7 @@ class FullDiskTrial:
         """Every insert is still a full, correct hit (``memory_misses`` otherwise)."""
         zoo, store, res = self.zoo, self.store, self.res
         for name, toks, dg in self.inserted:
-            f = _guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), toks)
+            f = guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), toks)
             if f is None or f.n != len(toks) or f.cache is None:
                 res["memory_misses"] += 1
             elif cache_digest(f.cache) != dg:
@@ -138,14 +138,14 @@ class FullDiskTrial:
         """Nothing half-written is indexed, and nothing is left behind (``verify_problems``)."""
         from kvstore import maintenance as mt
         store, res = self.store, self.res
-        _guard("stats()", res["escaped"], store.stats)
+        guard("stats()", res["escaped"], store.stats)
         try:
             probs = [p for p in mt.verify(store.disk, blob_age=0) if p.kind not in mt.NOT_OURS]
             res["verify_problems"] = dict(Counter(p.kind for p in probs))
             res["verify_detail"] = [f"{p.kind} {p.path} {p.detail}" for p in probs[:5]]
         except Exception as e:
             res["escaped"].append(exc_info("verify()", e))
-        _guard("close()", res["escaped"], store.close)
+        guard("close()", res["escaped"], store.close)
 
     def reopen(self, cdir: Path) -> None:
         """A fresh store serves every indexed entry in full from disk, bit-identical to
@@ -159,8 +159,8 @@ class FullDiskTrial:
             if name is None or toks is None:
                 res["reopen_misses"] += 1  # a record the trial did not write
                 continue
-            tokens = _decode(toks)
-            f = _guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), tokens)
+            tokens = decode(toks)
+            f = guard("fetch()", res["escaped"], store.fetch, zoo.model_arg(name), tokens)
             res["reopen_checked"] += 1
             if f is None or f.n != len(tokens) or f.source != "disk":
                 res["reopen_misses"] += 1
@@ -195,9 +195,9 @@ def op_full_disk(zoo: Zoo, msg: dict, emit: Emit) -> dict:
         trial.reopen(mnt / "cache")
         trial.resume(msg, mnt)
         store = trial.store
-        res["stats"] = {k: v for k, v in (_guard("stats()", res["escaped"], store.stats) or {}).items()
+        res["stats"] = {k: v for k, v in (guard("stats()", res["escaped"], store.stats) or {}).items()
                         if k in ("write_errors", "writes", "dropped_writes", "disk_entries", "disk_bytes")}
-        _guard("close()", res["escaped"], store.close)
+        guard("close()", res["escaped"], store.close)
         res["error_messages"] = sorted({r for r in cap.records if "WARNING" in r or "ERROR" in r})[:8]
         res["map_grown"] = sum("map full" in r for r in cap.records)
         res["index_enospc"] = sum("mdb_txn_commit" in r for r in cap.records)
@@ -206,7 +206,7 @@ def op_full_disk(zoo: Zoo, msg: dict, emit: Emit) -> dict:
 
 def op_open_full(zoo: Zoo, msg: dict, emit: Emit) -> dict:
     """Open a store on a filesystem that is already full."""
-    return _open_modes(msg["dir"])
+    return open_modes(msg["dir"])
 
 
 # ======================================================================= parent half
@@ -221,7 +221,7 @@ def run_full_disk(ctx: Ctx) -> dict:
     n = ctx.size["full_disk"]
     for i in range(n + 1):
         mnt = base / f"m{i}"
-        err = _mount_tmpfs(mnt)
+        err = mount_tmpfs(mnt)
         if err:
             t.skipped.append(err)
             break
@@ -235,18 +235,18 @@ def run_full_disk(ctx: Ctx) -> dict:
                    "small_map": i % 3 == 2, "fill_between": i % 3 == 1, "max_inserts": 120}
             res = ctx.misc.call(msg, timeout=1200)
         finally:
-            _umount(mnt)
+            umount(mnt)
         _judge_full_disk(t, res, msg, {"trial": i, "leave": msg["leave"], "small_map": msg["small_map"]})
         t.c["trials"] += 1
         if not (res.get("crashed") or res.get("harness_error")):
-            _progress(ctx, t, i, n + 1)
+            ctx.progress(t, i, n + 1)
     shutil.rmtree(base, ignore_errors=True)
     return t.result()
 
 
 def _open_on_full_disk(ctx: Ctx, t: Tally, mnt: Path) -> None:
     """Open a store on a disk that is already full, the three ways: the memory tier serves."""
-    _fill(mnt / "filler", 8 << 20)
+    fill(mnt / "filler", 8 << 20)
     res = ctx.misc.call({"op": "open_full", "dir": str(mnt / "cache")})
     t.c["trials"] += 1
     if res.get("crashed") or res.get("harness_error"):

@@ -49,15 +49,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import craft
-from ..check import Tally, _progress
+from ..check import Tally
 from ..common import CHUNK, EXTRA_TOKEN, N_GEN, ROOT, Emit, exc_info
 from ..hostile_cases import DIR_CASES, Case, Crafted
 from ..synth import Zoo, random_prompt, syn_cache, syn_identity
-from ..worker import Checker, _signame
-from .permissions import _open_and_use
+from ..worker import Checker, signame
+from .permissions import open_and_use
 
 if TYPE_CHECKING:
-    from ..harness import Ctx
+    from ..context import Ctx
 
 BOUND = 20.0          # seconds any command or fetch may take
 RSS_SLACK = 256 << 20  # bytes a fetch process may grow beyond twice the pack bytes
@@ -88,10 +88,10 @@ def op_cli(zoo: Zoo, msg: dict, emit: Emit) -> dict:
 
 def op_owner(zoo: Zoo, msg: dict, emit: Emit) -> dict:
     """Open ``msg["dir"]`` each way of ``msg["modes"]`` (raise, memory, lru, shared), use
-    it, and say how each went (``permissions._open_and_use``)."""
+    it, and say how each went (``permissions.open_and_use``)."""
     ident = syn_identity("kv")
     toks = random_prompt(random.Random(7), 40, 90)
-    return {m: _open_and_use(msg["dir"], m, ident, toks) for m in msg["modes"]}
+    return {m: open_and_use(msg["dir"], m, ident, toks) for m in msg["modes"]}
 
 
 def _modes_below(root: Path) -> dict[str, str]:
@@ -239,7 +239,7 @@ def _process(cmd: list[str], timeout: float) -> dict:
     except subprocess.TimeoutExpired as e:
         return {"hung": True, "rc": None, "seconds": round(time.time() - t0, 1),
                 "stderr": (e.stderr or b"")[-800:].decode(errors="replace") if isinstance(e.stderr, bytes) else ""}
-    return {"hung": False, "rc": p.returncode, "signal": _signame(p.returncode), "stdout": p.stdout[-4000:],
+    return {"hung": False, "rc": p.returncode, "signal": signame(p.returncode), "stdout": p.stdout[-4000:],
             "stderr": p.stderr[-1500:], "seconds": round(time.time() - t0, 2)}
 
 
@@ -591,7 +591,7 @@ def run_hostile(ctx: Ctx) -> dict:
     try:
         for i, case in enumerate(cases):
             _dir_case(ctx, t, cli, base, tpl, case, i)
-            _progress(ctx, t, i, len(cases))
+            ctx.progress(t, i, len(cases))
         _weights_trial(ctx, t, base)
         _modes_trial(ctx, t, cli, base)
         _clock_trial(ctx, t, cli, base, tpl)

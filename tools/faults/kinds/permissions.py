@@ -3,7 +3,7 @@
 ``StoreOpenError`` naming the problem, or (``on_disk_error="memory"``, and the
 LRUPromptCache drop-in) a warning and memory-only serving.
 
-Worker half: ``op_perm`` (``_open_modes``, shared with the full-disk kind) and
+Worker half: ``op_perm`` (``open_modes``, shared with the full-disk kind) and
 ``op_populate``. Parent half: ``run_permissions`` sets up each case of ``CASES`` and
 judges the three outcomes (``_judge_perm``)."""
 
@@ -20,22 +20,22 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..check import Tally, file_digests
 from ..common import CHUNK, ROOT, Emit, LogCapture, exc_info
-from ..damage import _mount_tmpfs, _umount
+from ..damage import mount_tmpfs, umount
 from ..synth import Zoo, random_prompt, syn_cache, syn_check, syn_identity
 from ..worker import Checker, Worker
 
 if TYPE_CHECKING:
-    from ..harness import Ctx
+    from ..context import Ctx
 
 
-def _open_modes(cdir: str, modes: tuple = ("raise", "memory", "lru")) -> dict:
+def open_modes(cdir: str, modes: tuple = ("raise", "memory", "lru")) -> dict:
     """Open ``cdir`` the three ways a caller can and use the store: outcome per mode."""
     ident = syn_identity("kv")
     toks = random_prompt(random.Random(len(cdir)), 40, 90)
-    return {mode: _open_and_use(cdir, mode, ident, toks) for mode in modes}
+    return {mode: open_and_use(cdir, mode, ident, toks) for mode in modes}
 
 
-def _open_and_use(cdir: str, mode: str, ident: Any, toks: list[int]) -> dict:
+def open_and_use(cdir: str, mode: str, ident: Any, toks: list[int]) -> dict:
     """Open ``cdir`` as ``mode`` says (``on_disk_error`` raise or memory, ``shared``:
     raise with ``shared_dir=True``, or the LRUPromptCache drop-in), insert a synthetic
     cache and fetch it back: the outcome of the open, whether the fetch ``served`` it,
@@ -83,7 +83,7 @@ def _open_and_use(cdir: str, mode: str, ident: Any, toks: list[int]) -> dict:
 
 def op_perm(zoo: Zoo, msg: dict, emit: Emit) -> dict:
     """One permissions/paths case (set up by the parent), possibly as ``nobody``."""
-    res = _open_modes(msg["dir"])
+    res = open_modes(msg["dir"])
     res["uid"] = os.getuid()
     res["exists_after"] = _isdir(Path(msg["dir"]))
     return res
@@ -155,7 +155,7 @@ def case_long(base: Path, populate: Callable[[Path], None]) -> tuple[Path, str, 
 
 def _read_only_mount(m: Path, size: str, populate: Callable[[Path], None] | None = None) -> None:
     """A tmpfs at ``m`` (populated at ``m/cache`` first, if asked), remounted read-only."""
-    err = _mount_tmpfs(m, size)
+    err = mount_tmpfs(m, size)
     if err:
         raise RuntimeError(err)
     if populate is not None:
@@ -281,7 +281,7 @@ def run_permissions(ctx: Ctx) -> dict:
         assert w is not None
         _perm_case(t, w, name, d, expect)
     for m in mounts:
-        _umount(m)
+        umount(m)
     root_w.close()
     if nobody_w:
         nobody_w.close()

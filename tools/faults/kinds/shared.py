@@ -57,7 +57,7 @@ from ..synth import SYSTEM_PROMPTS, Zoo, random_prompt, syn_cache, syn_check
 from ..worker import Worker, WorkerDied
 
 if TYPE_CHECKING:
-    from ..harness import Ctx
+    from ..context import Ctx
 
 FAMILIES = ("kv", "snap")
 TRIALS = ("clean", "fetch_kill", "fetch_pause", "fetch_restart", "publish_kill", "publish_pause",

@@ -1,0 +1,164 @@
+"""Preload: restore a model's stored entries into the memory tier, ahead of traffic.
+
+``Preloader.run`` is ``KVStore.preload`` (its docstring says what is guaranteed): it tries a
+model's entries in ``preload_order`` and puts each into the memory tier only if it fits the
+room left and drops no stored prefix, so nothing already in memory is evicted or replaced.
+It reads the disk through the store (``read``: a miss, never an error, as ``fetch`` reads)
+and fills the memory tier under the store's lock; ``Preloaded`` is its report.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from . import codec
+from .disk import Restored
+from .identity import Identity
+from .keys import decode_tokens
+from .memory import MemoryTier, Snapshot
+
+
+class Room(Enum):
+    """Why an entry does not go into memory now."""
+
+    FULL = "full"  # it does not fit the room left: the preload ends
+    SKIP = "skip"  # it is held already, or would drop a held prefix: the next one is tried
+
+
+@dataclass
+class Preloaded:
+    """What ``KVStore.preload`` put in the memory tier: ``entries`` holding ``tokens`` and
+    ``nbytes``, out of ``candidates`` tried in order; ``skipped`` were held already, would
+    have dropped a held prefix, or could not be read; ``stopped``: "done", "budget" (the
+    next one did not fit), "stopped", "nothing stored"."""
+
+    entries: int = 0
+    tokens: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    candidates: int = 0
+    skipped: int = 0
+    stopped: str = ""
+    running: bool = False
+
+    def add(self, tokens: int, nbytes: int | None) -> None:
+        """Count one candidate: preloaded (``nbytes`` given) or skipped (None)."""
+        if nbytes is None:
+            self.skipped += 1
+            return
+        self.entries += 1
+        self.tokens += tokens
+        self.nbytes += nbytes
+
+    def as_stats(self) -> dict[str, Any]:
+        return {"preloaded_entries": self.entries, "preloaded_tokens": self.tokens,
+                "preloaded_bytes": self.nbytes, "preload_seconds": round(self.seconds, 3),
+                "preload_skipped": self.skipped, "preload_running": self.running}
+
+
+def preload_order(entries: dict[bytes, Any], identity: bytes, how: int | str) -> list[tuple[bytes, Any]]:
+    """``(key, EntryRecord)`` of ``identity`` in the order ``KVStore.preload`` tries them:
+    pinned first, then by ``(1 + hits) x n``, then most recently used. ``how`` "pinned"
+    keeps the pinned ones, "auto" all, an int N the first N. Unreadable records (None) are
+    left out."""
+    if not (how in ("pinned", "auto") or (isinstance(how, int) and how >= 0)):
+        raise ValueError(f"preload must be 'pinned', 'auto' or a number of entries >= 0, got {how!r}")
+    mine = [(k, r) for k, r in entries.items() if r is not None and r.identity == identity]
+    mine.sort(key=lambda kr: (not kr[1].pinned, -(1 + kr[1].hits) * kr[1].n, -kr[1].last_used, kr[0]))
+    if how == "pinned":
+        return [(k, r) for k, r in mine if r.pinned]
+    return mine if how == "auto" else mine[:how]
+
+
+def room(mem: MemoryTier, mem_key: Hashable, tokens: list[int], trimmable: bool, nbytes: int,
+         max_bytes: int | None) -> Room | None:
+    """None if a snapshot of ``tokens`` (``nbytes``) can go into memory now without
+    evicting or dropping anything, else why not. Called under the store's lock."""
+    if mem.get(mem_key, tokens) is not None or (trimmable and mem.holds_prefix(mem_key, tokens)):
+        return Room.SKIP
+    limit = min(mem.max_bytes, max_bytes if max_bytes is not None else mem.max_bytes)
+    if len(mem) + 1 > mem.max_entries or mem.nbytes + nbytes > limit:
+        return Room.FULL
+    return None
+
+
+@dataclass
+class Preloader:
+    """What a preload needs from its store: its memory tier and the lock guarding it, and
+    the store's reads (each a miss rather than an error): ``identity`` of a model key,
+    ``disk_on`` (a disk tier serves this identity), ``entries`` (every entry record on disk,
+    None if they cannot be listed), ``tokens`` (an entry's token ids), ``read`` (one whole
+    stored prefix, restored)."""
+
+    memory: MemoryTier
+    lock: Any  # the store's lock (threading.RLock)
+    identity: Callable[[Any], Identity | None]
+    disk_on: Callable[[Identity | None], bool]
+    entries: Callable[[], dict[bytes, Any] | None]
+    tokens: Callable[[bytes], bytes | None]
+    read: Callable[[Identity, bytes], Restored | None]
+
+    def run(self, report: Preloaded, model: Any, how: int | str, max_bytes: int | None,
+            progress: Callable[[int, int], None] | None, stop: threading.Event | None) -> Preloaded:
+        """Fill ``report`` while preloading ``model``'s entries (``KVStore.preload``)."""
+        t0 = time.perf_counter()
+        try:
+            ident = self.identity(model)
+            order = self._order(ident, how)
+            report.candidates = len(order)
+            if not self.disk_on(ident):
+                report.stopped = "no disk tier for this model"
+            if progress is not None and order:
+                progress(0, len(order))
+            for done, (key, rec) in enumerate(order, 1):
+                if stop is not None and stop.is_set():
+                    report.stopped = "stopped"
+                    break
+                got = self._one(ident, key, rec, max_bytes)  # type: ignore[arg-type]
+                if got is Room.FULL:
+                    report.stopped = "budget"
+                    break
+                report.add(rec.n, got.nbytes if isinstance(got, Snapshot) else None)
+                if progress is not None:
+                    progress(done, len(order))
+            else:
+                report.stopped = report.stopped or ("done" if order else "nothing stored")
+        finally:
+            report.seconds = time.perf_counter() - t0
+            report.running = False
+        return report
+
+    def _order(self, ident: Identity | None, how: int | str) -> list[tuple[bytes, Any]]:
+        """The entries the preload tries, in order (none without a disk tier)."""
+        if not self.disk_on(ident):
+            return []
+        entries = self.entries()
+        return [] if entries is None else preload_order(entries, ident.digest, how)  # type: ignore[union-attr]
+
+    def _one(self, ident: Identity, key: bytes, rec: Any, max_bytes: int | None) -> Snapshot | Room | None:
+        """Put one entry into memory: its Snapshot, else why not: ``Room.SKIP`` / None (it is
+        held, would drop a held prefix / is gone or unreadable: skipped) or ``Room.FULL``."""
+        enc = self.tokens(key)
+        if enc is None or len(enc) != rec.n * 4:
+            return None
+        tokens = decode_tokens(enc)
+        with self.lock:
+            why = room(self.memory, ident.digest, tokens, rec.trimmable, 0, max_bytes)
+        if why is not None:
+            return why
+        got = self.read(ident, enc)
+        if got is None:
+            return None
+        snap = Snapshot(got.tensors, got.layout, None, codec.cache_nbytes(got.tensors), codec.covers_prefixes(got.layout),
+                        rec.cache_type if rec.cache_type in self.memory.stats_by_type() else "assistant",
+                        persisted=True, disk_key=key)
+        with self.lock:
+            why = room(self.memory, ident.digest, tokens, snap.trimmable, snap.nbytes, max_bytes)
+            if why is None:
+                self.memory.insert(ident.digest, tokens, snap, recent=False)  # fits: evicts nothing
+        return snap if why is None else why
