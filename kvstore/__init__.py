@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "FORMAT_VERSION": "keys", "TokenError": "keys",
     "Identity": "identity", "model_identity": "identity",
-    "Fetched": "store", "KVStore": "store", "StoreOpenError": "store", "default_cache_dir": "store",
+    "Fetched": "store", "KVStore": "store", "StoreOpenError": "cachedir", "default_cache_dir": "cachedir",
     "LRUPromptCache": "adapters.mlx_lm",
 }
 __all__ = sorted(_EXPORTS)

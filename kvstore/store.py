@@ -18,7 +18,7 @@ caller. Bad *input* (tokens that are not token ids, a cache longer than its toke
 Thread-safe: one lock guards the memory tier; disk reads run outside it; one writer thread
 owns disk writes. Several processes may share a cache directory (LMDB locking, unique pack
 names, commit after sync). A cache directory is private to its user unless ``shared_dir``
-says a group shares it (see ``blobs.untrusted_dir``).
+says a group shares it (see ``cachedir``).
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ import mlx.core as mx
 
 from . import blobs, codec
 from .budget import evict_to
+from .cachedir import MEMO, StoreOpenError, default_cache_dir, open_disk
 from .disk import DiskTier, PersistJob, Plan, Restored
 from .identity import DigestMemo, Identity, layout_problem, model_identity, watch
-from .index import CORRUPTION, IndexOpenError
 from .keys import TokenError, boundaries, decode_tokens, encode_tokens, key_of, root_key
 from .memory import MemoryTier, Snapshot
 from .records import Kind
@@ -52,20 +52,6 @@ if TYPE_CHECKING:
     from .shared.tier import SharedTier
 
 log = logging.getLogger("kvstore")
-
-
-def default_cache_dir() -> Path:
-    """``$KVSTORE_DIR`` if set, else the platform's user cache dir (``.../kvstore/cache``)."""
-    env = os.environ.get("KVSTORE_DIR")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("kvstore")) / "cache"
-
-
-class StoreOpenError(RuntimeError):
-    """The cache directory cannot be used; the message says why and what to do."""
 
 
 @dataclass
@@ -144,7 +130,7 @@ class KVStore:
                 if on_disk_error != "memory":
                     raise
                 log.warning("kvstore: %s; serving from memory only", e)
-        self.memo = DigestMemo(self.cache_dir / "file-digests.json" if self.disk else None)
+        self.memo = DigestMemo(self.cache_dir / MEMO if self.disk else None, self.disk.modes if self.disk else None)
         self.shared = _open_shared(shared, queue_size) if self.disk else None
         self.writer = Writer(queue_size) if self.disk else None
         if self.disk is None and shared:
@@ -823,41 +809,6 @@ def preload_order(entries: dict[bytes, Any], identity: bytes, how: int | str) ->
     if how == "pinned":
         return [(k, r) for k, r in mine if r.pinned]
     return mine if how == "auto" else mine[:how]
-
-
-def open_disk(path: Path, chunk_tokens: int = 256, *, shared_dir: bool = False, readonly: bool = False) -> DiskTier:
-    """The disk tier of cache directory ``path``, created if needed (unless ``readonly``),
-    after checking that kvstore may trust it (``blobs.untrusted_dir``); StoreOpenError
-    saying why and what to do otherwise. A private directory this user owns is made
-    0700 if an earlier version left it readable by others."""
-    try:
-        is_file = path.exists() and not path.is_dir()
-    except OSError as e:  # ENAMETOOLONG, EACCES on a parent, ELOOP...: pathlib does not swallow these
-        raise StoreOpenError(f"cannot use cache directory {path}: {e.strerror}") from None
-    if is_file:
-        raise StoreOpenError(f"cache path {path} is a file, not a directory: pass another --cache-dir")
-    if not readonly:
-        try:
-            path.mkdir(parents=True, exist_ok=True, mode=0o2770 if shared_dir else 0o700)
-        except OSError as e:
-            raise StoreOpenError(f"cannot create cache directory {path}: {e.strerror}") from None
-    for d, follow in ((path, True), (path / "index", False), (path / "blobs", False)):
-        if d is path or os.path.lexists(d):
-            why = blobs.untrusted_dir(d, shared=shared_dir, follow=follow)
-            if why:
-                raise StoreOpenError(why)
-            if not shared_dir and not readonly:
-                blobs.make_private(d)
-    if not readonly and not os.access(path, os.W_OK | os.X_OK):
-        raise StoreOpenError(f"cache directory {path} is not writable: fix its permissions or pass another --cache-dir")
-    try:
-        return DiskTier(path, chunk_tokens=chunk_tokens, readonly=readonly, shared_dir=shared_dir)
-    except OSError as e:
-        raise StoreOpenError(f"cannot open cache directory {path}: {e}") from None
-    except (IndexOpenError, blobs.BlobError, *CORRUPTION) as e:
-        raise StoreOpenError(f"cannot open index in {path}: {e}") from None
-    except lmdb.Error as e:
-        raise StoreOpenError(f"cannot open index in {path}: {e}") from None
 
 
 def _open_shared(shared: Any, queue_size: int) -> "SharedTier | None":

@@ -65,14 +65,14 @@ def add_json(parser: argparse.ArgumentParser) -> None:
 def cache_dir(args: argparse.Namespace) -> Path:
     if getattr(args, "cache_dir", None) is not None:
         return Path(args.cache_dir).expanduser()
-    from ..store import default_cache_dir
+    from ..cachedir import default_cache_dir
 
     return default_cache_dir()
 
 
 def open_disk(args: argparse.Namespace, *, write: bool = False):
     """The cache directory's DiskTier: read-only unless ``write``. Raises CLIError."""
-    from ..store import StoreOpenError, open_disk as open_store_disk
+    from ..cachedir import StoreOpenError, open_disk as open_store_disk
 
     root = cache_dir(args)
     hint = "pass --cache-dir DIR (or set KVSTORE_DIR) naming the directory your servers use"
