@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from ..visible import visible
+
 ENTRY_ID_CHARS = 12
 
 
@@ -37,11 +39,11 @@ class CLIError(Exception):
 
 
 def error(message: str) -> None:
-    print(f"kvstore: error: {message}", file=sys.stderr)
+    print(f"kvstore: error: {visible(message)}", file=sys.stderr)
 
 
 def warn(message: str) -> None:
-    print(f"kvstore: warning: {message}", file=sys.stderr)
+    print(f"kvstore: warning: {visible(message)}", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- options
