@@ -13,10 +13,14 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "FORMAT_VERSION": "keys", "TokenError": "keys",
     "Identity": "identity", "model_identity": "identity",
-    "Fetched": "store", "KVStore": "store", "StoreOpenError": "store", "default_cache_dir": "store",
+    "Fetched": "store", "KVStore": "store", "StoreOpenError": "cachedir", "default_cache_dir": "cachedir",
     "LRUPromptCache": "adapters.mlx_lm",
 }
 __all__ = sorted(_EXPORTS)
+
+from .visible import install as _install_log_filter  # noqa: E402 (stdlib only: no start-up cost)
+
+_install_log_filter("kvstore", "kvstore.shared")  # kvstore's own records: controls made visible
 
 
 def __getattr__(name: str) -> Any:

@@ -13,8 +13,11 @@ Guarantees:
   unlinks only regular files under ``blobs/<2 hex>/`` named ``<32 hex>.kvpack``, never
   follows a symlink there (``blobs/``, the fan-out directory and the file are each reached
   with ``O_NOFOLLOW``, through directory descriptors) and never waits on a FIFO or device
-  (non-blocking open, ``S_ISREG`` checked on the open descriptor). Files are created 0600
-  (0660 for a group-shared directory), directories 0700 (0770); a stricter umask wins.
+  (non-blocking open, ``S_ISREG`` checked on the open descriptor).
+- Every file kvstore creates is made by ``create`` (``O_EXCL | O_NOFOLLOW | O_NONBLOCK``:
+  never through a symlink, never blocking on a FIFO, never an existing file), files it
+  replaces by ``replace_file`` (a new file at an unpredictable temp name, renamed over),
+  and every file and directory follows the cache directory's sharing mode (``Modes``).
 - ``PackWriter`` writes a new, never reused name (``O_EXCL``): a crash leaves at most an
   unnamed file, which the index never points at. ``seal`` makes it durable (file and
   directory synced; on macOS ``F_BARRIERFSYNC``, which orders it before the index commit
@@ -183,53 +186,96 @@ def real_dir(path: Path) -> bool:
         return False
 
 
-def make_dir(path: Path, mode: int) -> bool:
-    """Create directory ``path`` (parent must exist) with ``mode``; True if it was created.
+@dataclass(frozen=True)
+class Modes:
+    """How kvstore creates every file and directory of one cache directory (the one
+    helper for it: ``Modes.of``). Private: files 0600, directories 0700, a stricter umask
+    wins. Shared with a group (``--shared-dir``): files 0660, directories 2770 exactly,
+    whatever the creator's umask, and owned by the cache directory's group (``gid``), so
+    every member of that group can read and write what any member created."""
+
+    file: int = 0o600
+    dir: int = 0o700
+    gid: int | None = None  # shared: the cache directory's group
+
+    @classmethod
+    def of(cls, root: Path, shared: bool) -> "Modes":
+        """The modes for cache directory ``root`` (which must exist when ``shared``)."""
+        return cls(0o660, 0o2770, os.stat(root).st_gid) if shared else cls()
+
+    def apply(self, fd: int) -> None:
+        """Give a file or directory kvstore just created (open on ``fd``) the shared
+        group and mode; nothing for a private directory (the umask applied at create)."""
+        if self.gid is None:
+            return
+        if os.fstat(fd).st_gid != self.gid:
+            os.fchown(fd, -1, self.gid)
+        os.fchmod(fd, self.dir if stat.S_ISDIR(os.fstat(fd).st_mode) else self.file)
+
+
+PRIVATE = Modes()
+_NEW_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK
+              | getattr(os, "O_CLOEXEC", 0))
+
+
+def create(path: Path | str, modes: Modes = PRIVATE, *, dir_fd: int | None = None) -> int:
+    """A write descriptor of a NEW regular file at ``path`` (relative to ``dir_fd`` if
+    given), made with ``modes``: the one way kvstore creates a file. ``O_EXCL`` and
+    ``O_NOFOLLOW``: anything already there (a file, a symlink, a FIFO) is an error, never
+    opened, followed or waited on (FileExistsError)."""
+    fd = os.open(path, _NEW_FLAGS, modes.file, dir_fd=dir_fd)
+    try:
+        os.set_blocking(fd, True)
+        modes.apply(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def temp_name(path: Path) -> Path:
+    """A name beside ``path`` nobody can predict (``<name>.<16 random hex>.tmp``)."""
+    return path.with_name(f"{path.name}.{os.urandom(8).hex()}.tmp")
+
+
+TEMP_NAME = re.compile(r".+\.[0-9a-f]{16}\.tmp")
+
+
+def replace_file(path: Path, data: bytes, modes: Modes = PRIVATE) -> None:
+    """Put ``data`` at ``path`` atomically: written to a new file at an unpredictable
+    temp name (``create``), then renamed over ``path`` (a rename replaces whatever is at
+    ``path``, a symlink or FIFO included, without following or opening it). OSError if
+    it cannot; nothing is left at the temp name then."""
+    tmp = temp_name(path)
+    fd = create(tmp, modes)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def make_dir(path: Path, modes: Modes = PRIVATE) -> bool:
+    """Create directory ``path`` (parent must exist) with ``modes``; True if it was created.
     An existing symlink or file there raises BlobError: kvstore never writes through one."""
     try:
-        os.mkdir(path, mode)
-        return True
+        os.mkdir(path, modes.dir)
     except FileExistsError:
         if not real_dir(path):
             raise BlobError(f"{path} exists and is not a directory of kvstore's (a symlink or a file)") from None
         return False
-
-
-def untrusted_dir(path: Path, *, shared: bool = False, follow: bool = False) -> str | None:
-    """Why kvstore must not keep a cache in directory ``path``, or None. A cache holds
-    users' prompts (as token ids) and decides what KV a model is given, so its directory
-    must be this user's and writable by nobody else: not owned by another user, not
-    writable by its group (unless ``shared``: a group shares it on purpose), never
-    writable by everyone. ``follow``: ``path`` may be a symlink to such a directory (the
-    cache root a user names); directories inside it never may."""
-    try:
-        st = os.stat(path) if follow else os.lstat(path)
-    except OSError as e:
-        return f"cannot use {path}: {e.strerror}"
-    if not stat.S_ISDIR(st.st_mode):
-        return f"{path} is not a directory{'' if follow else ' (a symlink or a file)'}"
-    mode = stat.S_IMODE(st.st_mode)
-    fix = "or pass shared_dir=True (--shared-dir) if a group shares it on purpose"
-    if st.st_mode & stat.S_IWOTH:
-        return (f"{path} is writable by every user (mode {mode:o}): anyone could plant entries or "
-                f"read cached prompts; run `chmod 700 {path}` or use another cache directory")
-    if not shared and hasattr(os, "geteuid") and st.st_uid != os.geteuid():
-        return (f"{path} belongs to another user (uid {st.st_uid}): they could read cached prompts "
-                f"and plant entries; use a cache directory of your own, {fix}")
-    if not shared and st.st_mode & stat.S_IWGRP:
-        return (f"{path} is writable by its group (mode {mode:o}): run `chmod 700 {path}`, {fix}")
-    return None
-
-
-def make_private(path: Path) -> None:
-    """Take group and other permissions off a directory this user owns (caches made by
-    earlier versions under umask 022 were readable by every local user)."""
-    try:
-        st = os.stat(path)
-        if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077:
-            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
-    except OSError:
-        pass
+    if modes.gid is not None:
+        fd = os.open(path, _DIR_FLAGS)
+        try:
+            modes.apply(fd)
+        finally:
+            os.close(fd)
+    return True
 
 
 @dataclass(frozen=True)
@@ -422,15 +468,14 @@ class PackWriter:
     enough; ``still_there`` lets that commit check, inside its write transaction, that the
     file it is about to name is still the one written here."""
 
-    def __init__(self, blob_root: Path, *, mode: int = 0o600, dir_mode: int = 0o700) -> None:
+    def __init__(self, blob_root: Path, *, modes: Modes = PRIVATE) -> None:
         self.pack = os.urandom(KEY)
         self.path = pack_path(blob_root, self.pack)
         self.blob_root = blob_root
-        self._new_dir = make_dir(self.path.parent, dir_mode)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        self._new_dir = make_dir(self.path.parent, modes)
         dfd = _fanout_fd(self.path)  # created in kvstore's own directory, never through a symlink
         try:
-            self.fd = os.open(self.path.name, flags, mode, dir_fd=dfd)
+            self.fd = create(self.path.name, modes, dir_fd=dfd)
         finally:
             os.close(dfd)
         self.size = 0

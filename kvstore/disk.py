@@ -105,17 +105,18 @@ LayoutCheck = Callable[[dict[str, ArraySpec], list], "str | None"]
 
 class DiskTier:
     """Pack files + index of one cache directory. ``shared_dir``: a group shares the
-    directory on purpose (files 0660, directories 2770) instead of private (0600, 0700)."""
+    directory on purpose (files 0660, directories 2770, the directory's group: see
+    ``blobs.Modes``) instead of private (0600, 0700)."""
 
     def __init__(self, root: Path, *, chunk_tokens: int = 256, readonly: bool = False,
                  shared_dir: bool = False) -> None:
         self.root = Path(root)
         self.blob_root = self.root / "blobs"
-        self.file_mode, self.dir_mode = (0o660, 0o2770) if shared_dir else (0o600, 0o700)
+        self.modes = blobs.Modes.of(self.root, shared_dir)
         if not readonly:
             for d in (self.root / "index", self.blob_root):
-                blobs.make_dir(d, self.dir_mode)
-        self.index = Index(self.root, readonly=readonly, mode=self.file_mode)
+                blobs.make_dir(d, self.modes)
+        self.index = Index(self.root, readonly=readonly, modes=self.modes)
         # The chunk size is part of the directory's format (it places every key boundary):
         # the first opener fixes it, later openers use it whatever they ask for.
         stored = self.index.meta_setdefault(b"chunk_tokens", str(int(chunk_tokens)).encode())
@@ -206,7 +207,7 @@ class DiskTier:
         if have is None:
             return 0
         for _attempt in range(3):
-            writer = blobs.PackWriter(self.blob_root, mode=self.file_mode, dir_mode=self.dir_mode)
+            writer = blobs.PackWriter(self.blob_root, modes=self.modes)
             try:
                 new, tail = _write_segments(writer, job, bounds, K, chunked, have, C)
                 if writer.size:
@@ -279,7 +280,7 @@ class DiskTier:
         have = set(rec.chunks) - {ck for ck, *_ in chunks}
         now = time.time()
         job = PersistJob(ident, tokens, key, {}, [], rec.cache_type, now)
-        writer = blobs.PackWriter(self.blob_root, mode=self.file_mode, dir_mode=self.dir_mode)
+        writer = blobs.PackWriter(self.blob_root, modes=self.modes)
         try:
             segs = []
             for p, d in zip(pieces, data):

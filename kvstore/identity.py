@@ -10,6 +10,9 @@ An entry is only ever returned to the identity that wrote it. The digest covers:
   heads, head_dim and dtype), derived with mlx-lm's own ``make_prompt_cache`` and a lazy
   (never evaluated) one-token forward, so it tracks what the installed mlx-lm builds,
 - adapter and draft model files, when the caller has them,
+- custom model code (``model_code``): with ``"model_file"`` in config.json mlx-lm builds
+  the model from that file (``trust_remote_code``); it and every ``*.py`` under the model
+  directory (what it may import or load beside it) are hashed and watched like weights,
 - the model's implementation (``code_digest``): the source of the mlx-lm module that
   builds the model, of every ``mlx_lm.models`` module it uses (RoPE, attention helpers),
   and of the cache classes in its layout, so an mlx-lm upgrade that changes how KV is
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 import sys
 import threading
@@ -39,6 +43,7 @@ from .layouts import (  # noqa: F401  (the layout half lives there; names kept f
     ArraySpec, describe_layout, kv_geometry, layout_from_config, layout_of, layout_problem,
 )
 
+log = logging.getLogger("kvstore")
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz", ".bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
@@ -76,12 +81,25 @@ def file_stamp(st: os.stat_result) -> list[int]:
 
 
 class DigestMemo:
-    """File digests remembered by ``file_stamp`` in a private JSON file (0600). Safe across
-    processes: a lost update only costs one re-hash; an unreadable memo is ignored."""
+    """File digests remembered by ``file_stamp`` in a JSON file made with the cache
+    directory's ``modes`` (0600, or 0660 for its group when shared). Safe across
+    processes: a lost update only costs one re-hash; a damaged memo is ignored. Written
+    whole through an unpredictable temp name (``blobs.replace_file``). A memo this user
+    may not read or write is warned about once, naming the file and the fix, and the
+    digests are computed without it: it never costs the identity."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, modes: Any = None) -> None:
         self.path = path
+        self.modes = modes
         self._lock = threading.Lock()
+        self._warned = False
+
+    def _denied(self, e: OSError) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("kvstore: cannot use the digest memo %s (%s): weights are hashed again at every "
+                        "start; run `chmod %s %s` (or remove it)", self.path, e.strerror,
+                        "g+rw" if getattr(self.modes, "gid", None) is not None else "u+rw", self.path)
 
     def _read(self) -> dict[str, Any]:
         if self.path is None:
@@ -91,6 +109,9 @@ class DigestMemo:
         try:
             fd = open_regular(self.path)  # a FIFO planted there must not block
         except BlobError:
+            return {}
+        except OSError as e:
+            self._denied(e)
             return {}
         try:
             with os.fdopen(fd, "rb") as f:
@@ -110,15 +131,13 @@ class DigestMemo:
                 return hit[1]
             value = hash_file(file)
             if self.path is not None:
+                from .blobs import PRIVATE, replace_file
+
                 memo[key] = [stamp, value]
-                tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
                 try:
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-                    with os.fdopen(fd, "w") as f:
-                        f.write(json.dumps(memo))
-                    os.replace(tmp, self.path)
-                except OSError:
-                    pass
+                    replace_file(self.path, json.dumps(memo).encode(), self.modes or PRIVATE)
+                except OSError as e:
+                    self._denied(e)
             return value
 
 
@@ -159,11 +178,51 @@ def weight_files(model_dir: Path) -> list[Path]:
     return [p for p in model_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
 
 
+def code_files(model_dir: Path) -> tuple[list[Path], list[Path]]:
+    """(source files, directories holding them) of custom model code: when config.json
+    names a ``model_file`` (mlx-lm then builds the model from it, with trust_remote_code),
+    that file and every ``*.py`` in the model directory's tree; nothing otherwise (mlx-lm
+    builds the model from its own modules, which ``code_digest`` covers). Every ``*.py``
+    rather than the imports followed: a model file can reach its neighbours in ways no
+    static reading sees (``importlib``, ``exec``, paths built from ``__file__``), a model
+    directory holds few of them, and hashing one too many only costs a cold cache."""
+    try:
+        main = json.loads((model_dir / "config.json").read_text()).get("model_file")
+    except (OSError, ValueError, AttributeError):
+        return [], []
+    if not isinstance(main, str) or not main:
+        return [], []
+    files, dirs = [model_dir / main], []
+    for top, subdirs, names in os.walk(model_dir):
+        subdirs.sort()
+        dirs.append(Path(top))
+        files += [Path(top) / n for n in sorted(names) if n.endswith(".py")]
+    return sorted(set(files)), dirs
+
+
+def _code_component(model_dir: Path) -> str | None:
+    """The digest of ``code_files``: each file's path relative to the model directory
+    and its content (a missing ``model_file`` hashes as missing)."""
+    files, _ = code_files(model_dir)
+    if not files:
+        return None
+    h = xxhash.xxh3_128()
+    for f in files:
+        h.update(os.path.relpath(f, model_dir).encode() + b"\0")
+        try:
+            h.update(hash_file(f).encode())
+        except OSError as e:
+            h.update(f"missing: {e.errno}".encode())
+    return h.hexdigest()
+
+
 def source_files(model_dir: Path) -> list[Path]:
-    """Every file an identity of ``model_dir`` is derived from, the directory included
-    (its mtime changes when a file is added, removed or renamed in)."""
+    """Every file an identity of ``model_dir`` is derived from, the directories included
+    (their mtime changes when a file is added, removed or renamed in)."""
     names = ("config.json",) + TOKENIZER_FILES + TEMPLATE_FILES
-    return [model_dir] + weight_files(model_dir) + [model_dir / n for n in names if (model_dir / n).exists()]
+    code, dirs = code_files(model_dir)
+    extra = [p for p in dirs[1:] + code if p.exists()]
+    return [model_dir] + weight_files(model_dir) + [model_dir / n for n in names if (model_dir / n).exists()] + extra
 
 
 def watch(*dirs: Path | None) -> tuple:
@@ -189,12 +248,16 @@ def dir_components(model_dir: Path, memo: DigestMemo | None = None) -> dict[str,
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     config_path = model_dir / "config.json"
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
-    return {
+    comps = {
         "weights": _hash_files(weight_files(model_dir), memo),
         "config": xxhash.xxh3_128_hexdigest(json.dumps(config, sort_keys=True).encode()),
         "tokenizer": _hash_files([model_dir / n for n in TOKENIZER_FILES if (model_dir / n).exists()]),
         "chat_template": _chat_template(model_dir),
     }
+    code = _code_component(model_dir)
+    if code is not None:  # only then: identities of models without custom code stay as they were
+        comps["model_code"] = code
+    return comps
 
 
 def code_digest(config: dict, layout: list) -> str | None:

@@ -18,14 +18,13 @@ caller. Bad *input* (tokens that are not token ids, a cache longer than its toke
 Thread-safe: one lock guards the memory tier; disk reads run outside it; one writer thread
 owns disk writes. Several processes may share a cache directory (LMDB locking, unique pack
 names, commit after sync). A cache directory is private to its user unless ``shared_dir``
-says a group shares it (see ``blobs.untrusted_dir``).
+says a group shares it (see ``cachedir``).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 import time
 import weakref
@@ -38,12 +37,13 @@ import mlx.core as mx
 
 from . import blobs, codec
 from .budget import evict_to
+from .cachedir import MEMO, StoreOpenError, default_cache_dir, open_disk
 from .counters import Counters
 from .cuts import CutRefused
 from .disk import Commit, DiskTier, PersistJob, Plan, Restored
 from .errors import DiskErrors, Failure
 from .identity import DigestMemo, Identity, model_identity, watch
-from .index import CORRUPTION, IndexFailure, IndexOpenError
+from .index import IndexFailure
 from .layouts import layout_problem
 from .keys import TokenError, boundaries, decode_tokens, encode_tokens, key_of, root_key
 from .memory import MemoryTier, Snapshot
@@ -55,20 +55,6 @@ if TYPE_CHECKING:
     from .shared.tier import SharedTier
 
 log = logging.getLogger("kvstore")
-
-
-def default_cache_dir() -> Path:
-    """``$KVSTORE_DIR`` if set, else the platform's user cache dir (``.../kvstore/cache``)."""
-    env = os.environ.get("KVSTORE_DIR")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("kvstore")) / "cache"
-
-
-class StoreOpenError(RuntimeError):
-    """The cache directory cannot be used; the message says why and what to do."""
 
 
 @dataclass
@@ -139,7 +125,7 @@ class KVStore:
                 if on_disk_error != "memory":
                     raise
                 log.warning("kvstore: %s; serving from memory only", e)
-        self.memo = DigestMemo(self.cache_dir / "file-digests.json" if self.disk else None)
+        self.memo = DigestMemo(self.cache_dir / MEMO if self.disk else None, self.disk.modes if self.disk else None)
         self.shared = _open_shared(shared, queue_size) if self.disk else None
         self.writer = Writer(queue_size) if self.disk else None
         if self.disk is None and shared:
@@ -678,39 +664,6 @@ def restore_floor(memory_n: int, wanted: int) -> int:
     return min(memory_n + MIN_DISK_GAIN, wanted - 1) if memory_n > 0 else memory_n
 
 
-def open_disk(path: Path, chunk_tokens: int = 256, *, shared_dir: bool = False, readonly: bool = False) -> DiskTier:
-    """The disk tier of cache directory ``path``, created if needed (unless ``readonly``),
-    after checking that kvstore may trust it (``blobs.untrusted_dir``); StoreOpenError
-    saying why and what to do otherwise. A private directory this user owns is made
-    0700 if an earlier version left it readable by others."""
-    try:
-        is_file = path.exists() and not path.is_dir()
-    except OSError as e:  # ENAMETOOLONG, EACCES on a parent, ELOOP...: pathlib does not swallow these
-        raise StoreOpenError(f"cannot use cache directory {path}: {e.strerror}") from None
-    if is_file:
-        raise StoreOpenError(f"cache path {path} is a file, not a directory: pass another --cache-dir")
-    if not readonly:
-        try:
-            path.mkdir(parents=True, exist_ok=True, mode=0o2770 if shared_dir else 0o700)
-        except OSError as e:
-            raise StoreOpenError(f"cannot create cache directory {path}: {e.strerror}") from None
-    for d, follow in ((path, True), (path / "index", False), (path / "blobs", False)):
-        if d is path or os.path.lexists(d):
-            why = blobs.untrusted_dir(d, shared=shared_dir, follow=follow)
-            if why:
-                raise StoreOpenError(why)
-            if not shared_dir and not readonly:
-                blobs.make_private(d)
-    if not readonly and not os.access(path, os.W_OK | os.X_OK):
-        raise StoreOpenError(f"cache directory {path} is not writable: fix its permissions or pass another --cache-dir")
-    try:
-        return DiskTier(path, chunk_tokens=chunk_tokens, readonly=readonly, shared_dir=shared_dir)
-    except OSError as e:
-        raise StoreOpenError(f"cannot open cache directory {path}: {e}") from None
-    except (IndexOpenError, blobs.BlobError, *CORRUPTION) as e:
-        raise StoreOpenError(f"cannot open index in {path}: {e}") from None
-    except IndexFailure as e:
-        raise StoreOpenError(f"cannot open index in {path}: {e}") from None
 
 
 def _open_shared(shared: Any, queue_size: int) -> "SharedTier | None":

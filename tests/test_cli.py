@@ -657,3 +657,45 @@ def test_warm_reports_each_step(built, tmp_path):
     assert f"restore {n_sys:,} of {n_chat:,} prompt tokens" in seen
     assert f"prefill {n_chat - n_sys:,} of {n_chat:,} prompt tokens" in seen
     assert "\r" in seen and "tok/s" in seen and f"{n_chat}/{n_chat}" in seen
+
+
+# -- the maintenance commands never load MLX (issue 21.1) --------------------------------
+
+_LOADS = """
+import json, sys
+from kvstore.cli.main import main
+rc = main(json.loads(sys.argv[1]))
+print(json.dumps({"rc": rc, "mlx": "mlx" in sys.modules, "mlx_lm": "mlx_lm" in sys.modules}), file=sys.stderr)
+"""
+
+
+def _modules_after(args: list[str]) -> dict:
+    """Run ``kvstore ARGS`` in a new process; its exit code and whether it imported
+    mlx / mlx_lm (read from ``sys.modules`` after the command ran)."""
+    p = subprocess.run([sys.executable, "-c", _LOADS, json.dumps(args)], capture_output=True, text=True,
+                       timeout=120, env=child_env(), cwd=str(ROOT))
+    return json.loads(p.stderr.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("populated", [False, True])
+def test_maintenance_commands_never_import_mlx(built, tmp_path, populated):
+    """ls, stats, inspect (decoding the prompt), verify, gc and pin/unpin on an empty and on
+    a populated store (and ls on a missing directory) never import mlx or mlx_lm."""
+    d = tmp_path / "cache"
+    if populated:
+        shutil.copytree(built["dir"], d)
+        entry = built["keys"]["A"][:12]
+    else:
+        from kvstore.cachedir import open_disk
+
+        open_disk(d).close()
+        entry = "abcdef"
+    runs = [["ls"], ["ls", "--json"], ["stats"], ["inspect", entry], ["inspect", entry, "--prompt"],
+            ["verify"], ["gc", "--dry-run", "--max-bytes", "1G"], ["gc", "--max-bytes", "1G"],
+            ["pin", entry], ["unpin", entry]]
+    got = {" ".join(a): _modules_after([*a, "--cache-dir", str(d)]) for a in runs}
+    got["ls (missing dir)"] = _modules_after(["ls", "--cache-dir", str(tmp_path / "none")])
+    assert {k: v for k, v in got.items() if v["mlx"] or v["mlx_lm"]} == {}
+    codes = {k: v["rc"] for k, v in got.items()}
+    assert codes["ls"] == 0 and codes["ls (missing dir)"] == 1
+    assert codes["inspect " + entry] == (0 if populated else 1), codes

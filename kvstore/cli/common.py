@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from ..visible import visible
+
 ENTRY_ID_CHARS = 12
 
 
@@ -37,11 +39,11 @@ class CLIError(Exception):
 
 
 def error(message: str) -> None:
-    print(f"kvstore: error: {message}", file=sys.stderr)
+    print(f"kvstore: error: {visible(message)}", file=sys.stderr)
 
 
 def warn(message: str) -> None:
-    print(f"kvstore: warning: {message}", file=sys.stderr)
+    print(f"kvstore: warning: {visible(message)}", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- options
@@ -65,14 +67,14 @@ def add_json(parser: argparse.ArgumentParser) -> None:
 def cache_dir(args: argparse.Namespace) -> Path:
     if getattr(args, "cache_dir", None) is not None:
         return Path(args.cache_dir).expanduser()
-    from ..store import default_cache_dir
+    from ..cachedir import default_cache_dir
 
     return default_cache_dir()
 
 
 def open_disk(args: argparse.Namespace, *, write: bool = False):
     """The cache directory's DiskTier: read-only unless ``write``. Raises CLIError."""
-    from ..store import StoreOpenError, open_disk as open_store_disk
+    from ..cachedir import StoreOpenError, open_disk as open_store_disk
 
     root = cache_dir(args)
     hint = "pass --cache-dir DIR (or set KVSTORE_DIR) naming the directory your servers use"

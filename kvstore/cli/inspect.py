@@ -34,7 +34,9 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def load_decoder(model_path: str | None) -> tuple[Callable[[list[int]], str] | None, str | None]:
     """(decode, None), or (None, why not). Never raises: a tokenizer that cannot be found or
-    loaded only costs the decoded prompt."""
+    loaded only costs the decoded prompt. transformers' tokenizer first (what mlx-lm's
+    tokenizer wrapper decodes with, without importing MLX); mlx-lm's loader (which imports
+    MLX) only for a directory transformers cannot load."""
     if not model_path:
         return None, "the identity records no model path"
     if not Path(model_path).is_dir():
@@ -44,6 +46,13 @@ def load_decoder(model_path: str | None) -> tuple[Callable[[list[int]], str] | N
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     errors = []
     try:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        return lambda ids: str(hf.decode(ids)), None
+    except Exception as e:
+        errors.append(f"transformers: {e}")
+    try:
         try:  # mlx-lm 0.32: mlx_lm.utils.load_tokenizer; 0.31: tokenizer_utils.load_tokenizer
             from mlx_lm.utils import load_tokenizer
         except ImportError:
@@ -52,13 +61,6 @@ def load_decoder(model_path: str | None) -> tuple[Callable[[list[int]], str] | N
         return lambda ids: str(tok.decode(ids)), None
     except Exception as e:
         errors.append(f"mlx_lm: {e}")
-    try:
-        from transformers import AutoTokenizer
-
-        hf = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-        return lambda ids: str(hf.decode(ids)), None
-    except Exception as e:
-        errors.append(f"transformers: {e}")
     return None, f"could not load a tokenizer from {model_path} ({'; '.join(errors)})"
 
 

@@ -108,6 +108,11 @@ def _run(module: Any, args: argparse.Namespace) -> int:
     """Run a parsed command; the errors a user can act on become one line and an exit code."""
     from .common import CLIError, error
 
+    from ..visible import VisibleWriter
+
+    out = sys.stdout
+    if args.command != "serve" and not getattr(args, "json", False):
+        sys.stdout = VisibleWriter(out)  # prompts, names, paths: stored by others, shown to an operator
     try:
         return int(module.run(args) or 0)
     except CLIError as e:
@@ -118,7 +123,7 @@ def _run(module: Any, args: argparse.Namespace) -> int:
         return 130
     except BrokenPipeError:  # `kvstore ls | head`
         try:
-            sys.stdout = open(os.devnull, "w")
+            out = open(os.devnull, "w")
         except OSError:
             pass
         return 0
@@ -133,3 +138,10 @@ def _run(module: Any, args: argparse.Namespace) -> int:
             raise
         error(f"cannot read the index ({type(e).__name__}: {e}): run `kvstore verify` for details")
         return 1
+    finally:
+        if sys.stdout is not out:
+            try:
+                sys.stdout.flush()
+            except OSError:
+                pass
+        sys.stdout = out

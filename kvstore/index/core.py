@@ -10,8 +10,11 @@ that a cursor steps on can fault (SIGBUS, SIGSEGV) or fail an assertion (abort) 
 process reading it. So an index is read by kvstore only in a state that was checked or
 that kvstore's own LMDB code produced from a checked state:
 - a ``clean`` stamp next to the data file records its device, inode, size, mtime, ctime
-  and last transaction id, written after a check passed and at every clean close of a
-  writer (a process that saw damage writes none). An open whose data file matches the
+  and last transaction id, written only after a check ran to completion and found the
+  file clean, and at every clean close of a writer whose open was so checked (a process
+  that saw damage writes none). A check that did not complete (timed out, killed or
+  stopped from outside, could not start) is logged and proves nothing: the index is
+  opened unchecked for this process and left unstamped, so the next open checks again. An open whose data file matches the
   stamp skips the check: it costs a stat and one meta page, whatever the index holds.
 - any other state (a writer killed, the file edited, replaced, copied in from elsewhere:
   each changes ctime or inode) is checked before this process maps it: a child process
@@ -59,6 +62,7 @@ DAMAGED = "damaged"  # written by a process that met damage: the next writable o
 CORRUPTION = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
               lmdb.VersionMismatchError, lmdb.PanicError)
 CHECK_AT_OPEN = True  # tests turn it off to reach a damaged page on purpose
+CHECK_SECONDS = 30.0  # a check gets this long plus 1 s per 20 MiB of data file
 _FATAL = {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE}
 _WALK = r"""
 import sys, lmdb
@@ -105,6 +109,7 @@ class _Shared:
     readonly: bool
     refs: int
     state: dict[str, Any] | None = None
+    verified: bool = False  # a check completed (or kvstore made the file): a clean close may stamp
 
 
 _SHARED: dict[tuple[int, str], _Shared] = {}
@@ -120,12 +125,14 @@ class Index:
     ``root/blobs``). Safe to share between threads; open one per process (after fork).
     Every method is one short transaction."""
 
-    def __init__(self, root: Path, *, readonly: bool = False, mode: int = 0o600, path: Path | None = None) -> None:
+    def __init__(self, root: Path, *, readonly: bool = False, modes: blobs.Modes = blobs.PRIVATE,
+                 path: Path | None = None) -> None:
         self.root = Path(root)
         self.path = Path(path) if path is not None else self.root / "index"
         self.blob_root = self.root / "blobs"
         self.readonly = readonly
-        self.mode = mode
+        self.modes = modes
+        self._verified = False
         self.damaged = False  # set by a caller that met damage: no clean stamp at close
         self._shared: _Shared | None = None
         self.env = self._shared_open()
@@ -153,7 +160,7 @@ class Index:
                 raise IndexOpenError(f"index {self.path} is already open read-only in this process; "
                                      "open the writable store first")
             env = self._open()
-            self._shared = _SHARED[key] = _Shared(env, self.readonly, 1, self._state())
+            self._shared = _SHARED[key] = _Shared(env, self.readonly, 1, self._state(), self._verified)
             return env
 
     def _own_files(self) -> None:
@@ -179,13 +186,15 @@ class Index:
                 raise lmdb.CorruptedError(f"a process met damage in it: {why}")
             if not self.readonly:
                 self._allocate_lock_file()
+                self._create_data_file()
             checked = not self._stamp_matches()
+            self._verified = not checked
             if checked:
-                damage = self._check_in_child()
+                self._verified, damage = self._check_in_child()
                 if damage:
                     raise lmdb.CorruptedError(damage)
             env = self._open_env(probe=checked)
-            if checked:
+            if checked and self._verified:
                 self._write_stamp()
             return env
         except lmdb.Error as e:
@@ -198,12 +207,14 @@ class Index:
         record still readable from it (read page by page, without LMDB). Lookups check
         token ids and checksums as always; packs of lost records become orphans that
         ``kvstore verify --fix`` / ``gc`` remove."""
-        aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+        aside = aside_name(self.path, "corrupt")
         os.replace(self.path, aside)
-        os.mkdir(self.path, 0o700 if self.mode == 0o600 else 0o770)
+        blobs.make_dir(self.path, self.modes)
         self._allocate_lock_file()
+        self._create_data_file()
         env = self._open_env(probe=False)
         kept = salvage_into(env, aside / "data.mdb")
+        self._verified = True  # written by this process from records read page by page
         self._write_stamp()
         log.warning("kvstore: index %s is unreadable (%s); moved aside to %s, new index kept "
                     "%d readable records", self.path, e, aside, kept)
@@ -214,7 +225,7 @@ class Index:
         size = max(INITIAL_MAP, data.stat().st_size if data.exists() else 0)
         env = lmdb.open(str(self.path), map_size=size, max_dbs=len(DBS) + 2, subdir=True,
                         readonly=self.readonly, lock=True, readahead=False, max_readers=512,
-                        mode=self.mode)
+                        mode=self.modes.file)
         try:
             with env.begin() as txn:  # a truncated / foreign file fails here, at open
                 txn.stat()
@@ -267,14 +278,10 @@ class Index:
         state = self._state()
         if state is None or self.damaged:
             return
-        tmp = self.path / f"{STAMP}.{os.getpid()}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, self.mode)
-            with os.fdopen(fd, "w") as f:
-                json.dump(state, f)
-            os.replace(tmp, self.path / STAMP)
-        except OSError:
-            pass
+            blobs.replace_file(self.path / STAMP, json.dumps(state).encode(), self.modes)
+        except OSError as e:
+            log.info("kvstore: could not stamp index %s clean (%s); the next open checks it", self.path, e)
 
     def mark_damaged(self, why: str) -> None:
         """Record that LMDB reported this index damaged (best effort). Some damage (a page
@@ -283,12 +290,9 @@ class Index:
         the next writable open salvage the index, as for damage found at open."""
         self.damaged = True
         try:
-            fd = os.open(self.path / DAMAGED, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK,
-                         self.mode)
-            with os.fdopen(fd, "w") as f:
-                f.write(why[:500])
-        except OSError:
-            pass
+            blobs.replace_file(self.path / DAMAGED, why[:500].encode(errors="replace"), self.modes)
+        except OSError as e:
+            log.warning("kvstore: could not mark index %s damaged (%s)", self.path, e)
 
     def marked_damaged(self) -> str | None:
         """Why a process marked this index damaged (``mark_damaged``), or None."""
@@ -305,43 +309,61 @@ class Index:
         except OSError:
             pass
 
-    def _check_in_child(self) -> str | None:
-        """Why the index would crash a process reading it, or None. A check that cannot
-        run, takes too long or is killed from outside checks nothing."""
+    def _check_in_child(self) -> tuple[bool, str | None]:
+        """(whether a check ran to completion, why the index would crash a process reading
+        it or None). Only a child that exited 0 found the file clean; one that could not
+        start, took too long (a stopped child does), or was killed by a signal other than a
+        fault of its own (SIGKILL from the OOM killer) checked nothing: logged, (False, None)."""
         data = self.path / "data.mdb"
         try:
             size = data.stat().st_size
         except OSError:
-            return None
-        if not CHECK_AT_OPEN or not sys.executable or size == 0:
-            return None
-        timeout = 30 + size / (20 << 20)
+            return True, None  # nothing to check: LMDB makes a new file
+        if size == 0:
+            return True, None
+        if not CHECK_AT_OPEN or not sys.executable:
+            return False, None
+        timeout = CHECK_SECONDS + size / (20 << 20)
         cmd = [sys.executable, "-c", _WALK, str(self.path), "1" if self.readonly else "0",
                str(max(INITIAL_MAP, size))]
         try:
             p = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, timeout=timeout)
         except subprocess.TimeoutExpired:
-            log.warning("kvstore: checking index %s took over %.0fs; opening it unchecked", self.path, timeout)
-            return None
-        except OSError:
-            return None
+            return _unchecked(self.path, f"it took over {timeout:.0f} s and was killed")
+        except OSError as e:
+            return _unchecked(self.path, f"it could not start: {e}")
         why = p.stderr.decode(errors="replace").strip().splitlines()
         if p.returncode == 3:
-            return f"reading {data} fails: {why[-1] if why else 'damaged'}"
+            return True, f"reading {data} fails: {why[-1] if why else 'damaged'}"
         if p.returncode < 0 and -p.returncode in _FATAL:
-            return (f"reading {data} kills the process ({signal.Signals(-p.returncode).name}"
-                    + (f": {why[-1]}" if why else "") + ")")
-        return None
+            return True, (f"reading {data} kills the process ({signal.Signals(-p.returncode).name}"
+                          + (f": {why[-1]}" if why else "") + ")")
+        if p.returncode != 0:
+            how = f"killed by {signal.Signals(-p.returncode).name}" if p.returncode < 0 else f"exit {p.returncode}"
+            return _unchecked(self.path, f"it ended without a verdict ({how}{': ' + why[-1] if why else ''})")
+        return True, None
+
+    def _create_data_file(self) -> None:
+        """Make ``data.mdb`` (empty: LMDB starts a new environment in it) with this
+        directory's modes when there is none, rather than leave it to LMDB's umask."""
+        try:
+            os.close(blobs.create(self.path / "data.mdb", self.modes))
+        except FileExistsError:
+            pass
 
     def _allocate_lock_file(self) -> None:
         """Give ``lock.mdb`` real blocks before LMDB maps it: LMDB extends the file sparse
         and writes its reader table through the map, which is a SIGBUS on a full disk.
         ``posix_fallocate`` never changes existing bytes (safe next to live processes); a
         full disk makes it raise ENOSPC, a clear error at open."""
+        try:
+            fd = blobs.create(self.path / "lock.mdb", self.modes)
+        except FileExistsError:  # non-blocking: _own_files refused a FIFO, but it may have just appeared
+            fd = os.open(self.path / "lock.mdb", os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         if not hasattr(os, "posix_fallocate"):
+            os.close(fd)
             return
-        fd = os.open(self.path / "lock.mdb", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, self.mode)
         try:
             os.posix_fallocate(fd, 0, _LOCK_BYTES)
         except OSError as e:
@@ -381,7 +403,7 @@ class Index:
             else:
                 del _SHARED[key]
         if got is not None and not got.readonly:
-            if not self.damaged and got.state is not None and self._state() == got.state:
+            if not self.damaged and got.verified and got.state is not None and self._state() == got.state:
                 self._write_stamp()
             else:
                 self._drop_stamp()  # damage seen, or someone else wrote after this process
@@ -499,6 +521,18 @@ class Index:
             return cur
 
         return self.transact(run)
+
+
+def _unchecked(path: Path, why: str) -> tuple[bool, None]:
+    log.warning("kvstore: the check of index %s did not complete (%s); opening it unchecked for this "
+                "process and leaving it unstamped, so the next open checks it again", path, why)
+    return False, None
+
+
+def aside_name(path: Path, what: str) -> Path:
+    """A new name beside ``path`` to move it to (``<name>.<what>-<time>-<random hex>``),
+    which nobody can have planted in advance."""
+    return path.with_name(f"{path.name}.{what}-{int(time.time())}-{os.urandom(4).hex()}")
 
 
 def salvage_into(env: lmdb.Environment, data: Path) -> int:

@@ -21,6 +21,7 @@ import lmdb
 
 from .. import blobs
 from ..index import DBS, Index, Snapshot, WriteTxn, scan
+from ..index.core import aside_name
 from ..index.pages import walk_all
 from ..index.trie import chunk_edges, entry_edges
 from ..keys import KEY_BYTES, boundaries, chunk_key, entry_key, root_key
@@ -531,10 +532,9 @@ def rebuild_index(disk: DiskTier) -> str:
             continue
     else:
         lost, salvaged = walk_all(path / "data.mdb", psize, None, collect=True)
-    stamp = f"{int(time.time())}-{os.getpid()}"
-    tmp = path.with_name(f"{path.name}.rebuild-{stamp}")
-    os.mkdir(tmp, 0o700)
-    new = Index(disk.root, path=tmp, mode=old.mode)
+    tmp = aside_name(path, "rebuild")  # unpredictable: nothing can be planted there
+    blobs.make_dir(tmp, old.modes)  # the directory's sharing mode: a group keeps access after a repair
+    new = Index(disk.root, path=tmp, modes=old.modes)
 
     def copy(t: WriteTxn) -> int:
         n = 0
@@ -551,13 +551,13 @@ def rebuild_index(disk: DiskTier) -> str:
 
     kept = new.transact(copy)
     new.close()
-    aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+    aside = aside_name(path, "corrupt")
     os.replace(path, aside)
     os.replace(tmp, path)
     # The old environment is left open, not closed: another thread or Index of this process
     # (a KVStore's writer) may be inside a transaction on it. It only leaves the per-process
     # registry, so that opening the path again maps the new files.
     old.forget()
-    disk.index = Index(disk.root, mode=old.mode)
+    disk.index = Index(disk.root, modes=old.modes)
     skipped = f"; skipped {len(lost)} damaged part(s), first: {lost[0]}" if lost else ""
     return f"{kept} records kept{skipped}; old index in {aside.name}"

@@ -1,0 +1,72 @@
+"""Control characters made visible: what kvstore prints to a terminal or writes to a log.
+
+Prompts are client-controlled, and byte-level tokenizers round-trip ESC and BEL: printed
+raw, a stored prompt (or a model name, a path, an error message quoting either) could set
+the operator's window title, write the clipboard (OSC 52), clear the screen and print
+fake output, or forge log lines. ``visible`` is the one helper for it: C0 controls (but
+tab and, where allowed, newline), DEL, C1 controls and the bidirectional overrides become
+``\\xNN`` / ``\\uNNNN``; every other character, unicode included, stays as it is.
+``--json`` output is not passed through it (JSON escapes controls itself and stays exact).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+from typing import Any, TextIO
+
+_BIDI = "\u202a-\u202e\u2066-\u2069\u200e\u200f\u061c"
+_CONTROL = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f{_BIDI}]")
+_CONTROL_NL = re.compile(f"[\x00-\x08\x0a-\x1f\x7f-\x9f{_BIDI}]")
+
+
+def _escape(m: re.Match) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+
+def visible(text: Any, *, newlines: bool = True) -> str:
+    """``str(text)`` with control characters shown as escapes (see the module docstring);
+    ``newlines=False`` escapes newlines too (one log record stays one line)."""
+    return (_CONTROL if newlines else _CONTROL_NL).sub(_escape, str(text))
+
+
+class VisibleWriter(io.TextIOBase):
+    """A text stream that writes ``visible(text)`` to ``raw`` (newlines kept)."""
+
+    def __init__(self, raw: TextIO) -> None:
+        self.raw = raw
+
+    def write(self, text: str) -> int:
+        self.raw.write(visible(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def isatty(self) -> bool:
+        return self.raw.isatty()
+
+
+class LogFilter(logging.Filter):
+    """Makes a record's message visible, on one line (installed on kvstore's own loggers
+    by ``install``; the host's loggers and handlers are left alone)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        clean = visible(msg, newlines=False)
+        if clean != msg:
+            record.msg, record.args = clean, None
+        return True
+
+
+_FILTER = LogFilter()
+
+
+def install(*names: str) -> None:
+    """Add the filter to kvstore's loggers ``names`` (once each)."""
+    for name in names:
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
