@@ -44,6 +44,7 @@ from .identity import DigestMemo, Identity, layout_problem, model_identity, watc
 from .index import CORRUPTION, IndexOpenError
 from .keys import TokenError, boundaries, decode_tokens, encode_tokens, key_of, root_key
 from .memory import MemoryTier, Snapshot
+from .metrics import Durations
 from .records import Kind
 from .writer import Writer
 
@@ -79,7 +80,9 @@ class Fetched:
 
 _STAT_KEYS = ("hits_memory", "hits_disk", "hits_shared", "misses", "tokens_saved", "bytes_read",
               "bytes_written", "restore_seconds", "restores", "write_seconds", "writes",
-              "corrupt", "races", "io_errors", "write_errors", "unpersistable", "warnings_suppressed")
+              "corrupt", "races", "io_errors", "write_errors", "unpersistable", "warnings_suppressed",
+              "tokens_memory", "tokens_disk", "tokens_shared", "evictions_memory", "evictions_disk",
+              "gc_runs", "gc_freed_bytes")
 _INDEX_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.InvalidError)
 
 
@@ -129,6 +132,7 @@ class KVStore:
         self._stats: dict[str, Any] = {k: 0 for k in _STAT_KEYS}
         self._stats["restore_seconds"] = 0.0
         self._stats["write_seconds"] = 0.0
+        self._durations = {"restore_seconds": Durations(), "persist_seconds": Durations()}  # histograms
         self._idents: dict[Hashable, tuple[Identity | None, tuple | None, tuple | None]] = {}
         self._vocab: dict[bytes, int | None] = {}
         self._kv_quant = (kv_bits, kv_group_size if kv_bits else None)
@@ -322,7 +326,9 @@ class KVStore:
                 if got == "unreadable" or self._disk_off:  # a new plan would fail the same way
                     return None
                 continue
-            self._stats["restore_seconds"] += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            self._stats["restore_seconds"] += took
+            self._durations["restore_seconds"].observe(took)
             self._stats["restores"] += 1
             self._stats["bytes_read"] += got.nbytes
             return self._promote(ident, enc, plan, got, source)
@@ -411,6 +417,7 @@ class KVStore:
     def _hit(self, tier: str, n: int, snap: Snapshot | None) -> None:
         self._stats[f"hits_{tier}"] += 1
         self._stats["tokens_saved"] += n
+        self._stats[f"tokens_{tier}"] += n
         key = snap.disk_key if snap is not None else None
         if key is not None and self.writer is not None:
             with self._lock:
@@ -512,14 +519,19 @@ class KVStore:
         try:
             written = disk.persist(job)
             if self.max_disk_bytes is not None:
-                evict_to(disk, self.max_disk_bytes)
+                gone = evict_to(disk, self.max_disk_bytes)
+                self._stats["gc_runs"] += bool(gone)
+                self._stats["evictions_disk"] += len(gone)
+                self._stats["gc_freed_bytes"] += sum(r.freed for r in gone)
         except (OSError, lmdb.Error, blobs.BlobError) as e:  # a write or commit failed (full disk, I/O)
             self._stats["write_errors"] += 1
             if not self._index_damaged(e):
                 self._warn_once(f"write:{getattr(e, 'errno', None) or type(e).__name__}",
                                 "kvstore: write failed (%s); entry stays in memory only", e)
             return
-        self._stats["write_seconds"] += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self._stats["write_seconds"] += took
+        self._durations["persist_seconds"].observe(took)
         self._stats["writes"] += 1
         self._stats["bytes_written"] += written
         if self.shared is not None:  # its own thread and queue: a full queue drops, counted
@@ -540,6 +552,7 @@ class KVStore:
         shared.publish(PublishItem(job.identity.digest, job.key, rec, tokens, chunks, disk.segment_bytes))
 
     def _persist_evicted(self, evicted: list) -> None:
+        self._stats["evictions_memory"] += len(evicted)
         for _, _, snap in evicted:
             if not snap.persisted and snap.persist is not None and self.writer is not None:
                 snap.persisted = self._submit(snap)
@@ -575,6 +588,7 @@ class KVStore:
             if self._disk_off:
                 s["disk_off"] = self._disk_off
         s.update((self._preloaded or Preloaded()).as_stats())
+        s.update((f"{k}_histogram", d.snapshot()) for k, d in self._durations.items())
         return s
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -29,11 +29,13 @@ import sys
 from typing import Any
 from urllib.parse import unquote
 
+from .. import metrics
 from . import startup
 from .mlx_lm import LRUPromptCache
 
 log = logging.getLogger("kvstore")
 _STORES: list[LRUPromptCache] = []
+_METRICS = metrics.registry(lambda: _STORES[0].stats() if _STORES else None)
 
 
 def bind_prompt_cache(**options: Any) -> type[LRUPromptCache]:
@@ -92,6 +94,13 @@ def _install_routes(server_mod: Any) -> None:
             _send_json(self, 503, startup.not_ready_error())
         elif path == "/v1/cache/stats":
             _send_json(self, 200, [s.stats() for s in _STORES][0] if _STORES else {})
+        elif path == "/metrics":  # Prometheus text format, read from the same stats (kvstore.metrics)
+            body, ctype = metrics.exposition(_METRICS)
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
         elif path == "/v1/models" or path.startswith("/v1/models/"):
             _models(self, path)
         else:

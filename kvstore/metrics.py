@@ -1,0 +1,166 @@
+"""Prometheus metrics: the store's counters in Prometheus text format (``GET /metrics``).
+
+One source of truth: every figure is read from ``KVStore.stats()`` when Prometheus
+scrapes (a custom collector), so ``/metrics`` and ``/v1/cache/stats`` never disagree and
+nothing on the request path updates a second set of counters. Durations need a
+distribution, which a sum cannot give: ``Durations`` is a small cumulative histogram the
+store observes disk restores and persists into, and that ``stats()`` reports.
+
+Names follow Prometheus conventions: ``kvstore_`` prefix, base units (seconds, bytes),
+``_total`` on counters (added by prometheus-client). This module imports
+prometheus-client only when metrics are rendered, so the store does not need it.
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
+from typing import Any
+
+# restore and persist times of a KV cache span sub-millisecond (a small entry in the page
+# cache) to seconds (a long context from a cold SSD)
+BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TIERS = ("memory", "disk", "shared")
+ERROR_KINDS = ("corrupt", "races", "io_errors", "write_errors", "unpersistable", "dropped_writes")
+
+
+class Durations:
+    """A thread-safe histogram of durations in seconds (Prometheus' ``le`` buckets)."""
+
+    def __init__(self, buckets: tuple[float, ...] = BUCKETS) -> None:
+        self.buckets = buckets
+        self._counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        with self._lock:
+            self._counts[bisect_left(self.buckets, seconds)] += 1
+            self._sum += seconds
+
+    def snapshot(self) -> dict[str, Any]:
+        """``{"le": bounds, "counts": cumulative counts per bound, "count", "sum"}`` (JSON)."""
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative, run = [], 0
+        for c in counts[:-1]:
+            run += c
+            cumulative.append(run)
+        return {"le": list(self.buckets), "counts": cumulative, "count": run + counts[-1], "sum": total}
+
+
+def families(s: dict[str, Any]) -> Iterator[Any]:
+    """The metric families of one ``KVStore.stats()`` dict."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    def counter(name: str, doc: str, pairs: list[tuple[str, str]] | None = None, label: str = "") -> Any:
+        fam = CounterMetricFamily(f"kvstore_{name}", doc, labels=[label] if pairs else None)
+        if pairs:
+            for value, key in pairs:
+                fam.add_metric([value], float(s.get(key, 0) or 0))
+        else:
+            fam.add_metric([], float(s.get(name, 0) or 0))
+        return fam
+
+    def gauge(name: str, doc: str, key: str) -> Any:
+        return GaugeMetricFamily(f"kvstore_{name}", doc, value=float(s.get(key, 0) or 0))
+
+    yield counter("hits", "Lookups served, by the tier that served them", [(t, f"hits_{t}") for t in TIERS], "tier")
+    yield counter("misses", "Lookups no tier could serve")
+    yield counter("restored_tokens", "Prompt tokens restored instead of prefilled, by tier",
+                  [(t, f"tokens_{t}") for t in TIERS], "tier")
+    yield counter("read_bytes", "Bytes read, by tier", [("disk", "bytes_read"), ("shared", "shared_bytes_in")], "tier")
+    yield counter("written_bytes", "Bytes written, by tier",
+                  [("disk", "bytes_written"), ("shared", "shared_bytes_out")], "tier")
+    yield counter("writes", "Entries written to disk")
+    yield counter("writes_skipped", "Entries the write policy or the daily write budget kept off disk",
+                  [("policy", "writes_skipped_policy"), ("budget", "writes_skipped_budget")], "reason")
+    yield counter("evictions", "Entries evicted by a size budget, by tier",
+                  [("memory", "evictions_memory"), ("disk", "evictions_disk")], "tier")
+    yield counter("gc_runs", "Disk budget enforcements that removed entries")
+    yield counter("gc_freed_bytes", "Bytes of pack files the disk budget freed")
+    yield counter("errors", "Problems served as a miss or kept in memory only, by kind",
+                  [(k, k) for k in ERROR_KINDS] + [("shared", "shared_errors")], "kind")
+    yield from _histograms(s)
+    yield from _shared(s)
+    yield gauge("memory_entries", "Snapshots in the memory tier", "memory_entries")
+    yield gauge("memory_bytes", "Bytes the memory tier holds", "memory_bytes")
+    yield gauge("disk_bytes", "Bytes of pack files the index references", "disk_bytes")
+    yield gauge("disk_entries", "Entries in the disk tier", "disk_entries")
+    yield gauge("write_queue_depth", "Write-behind jobs waiting", "queue_depth")
+    yield gauge("written_today_bytes", "Bytes written to disk today (UTC), all processes", "written_today_bytes")
+    yield gauge("preloaded_entries", "Entries the last preload put in memory", "preloaded_entries")
+    yield gauge("preloaded_tokens", "Tokens the last preload put in memory", "preloaded_tokens")
+    yield gauge("preloaded_bytes", "Bytes the last preload put in memory", "preloaded_bytes")
+    yield gauge("preload_skipped", "Entries the last preload skipped", "preload_skipped")
+    yield gauge("preload_seconds", "How long the last preload took", "preload_seconds")
+    yield gauge("preload_running", "1 while a preload runs", "preload_running")
+
+
+def _histograms(s: dict[str, Any]) -> Iterator[Any]:
+    from prometheus_client.core import HistogramMetricFamily
+
+    for name, doc in (("restore_seconds", "Time to read and rebuild a cache from disk"),
+                      ("persist_seconds", "Time to write and commit one entry to disk")):
+        h = s.get(f"{name}_histogram")
+        if not h:
+            continue
+        buckets = [(_le(b), c) for b, c in zip(h["le"], h["counts"])] + [("+Inf", h["count"])]
+        fam = HistogramMetricFamily(f"kvstore_{name}", doc)
+        fam.add_metric([], buckets, sum_value=h["sum"])
+        yield fam
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+def _shared(s: dict[str, Any]) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    if "shared_breaker_state" not in s:
+        return
+    state = GaugeMetricFamily("kvstore_shared_breaker_state", "The shared tier's circuit breaker (1: current state)",
+                              labels=["state"])
+    for name in ("closed", "half-open", "open"):
+        state.add_metric([name], 1.0 if s["shared_breaker_state"] == name else 0.0)
+    yield state
+    for key, doc in (("skipped_calls", "Shared-tier calls skipped while the breaker was open"),
+                     ("breaker_opens", "Times the shared tier's breaker opened"),
+                     ("round_trips", "Round trips to the shared tier"),
+                     ("publish_dropped", "Publishes dropped because the publisher queue was full")):
+        fam = CounterMetricFamily(f"kvstore_shared_{key}", doc)
+        fam.add_metric([], float(s.get(f"shared_{key}", 0) or 0))
+        yield fam
+
+
+class StatsCollector:
+    """A prometheus-client collector reading ``stats()`` (a ``KVStore.stats``, or None
+    when no store exists yet) at every scrape."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any] | None]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        s = self.stats()
+        if s is not None:
+            yield from families(s)
+
+
+def registry(stats: Callable[[], dict[str, Any] | None]) -> Any:
+    """A prometheus-client registry holding only the store's metrics."""
+    from prometheus_client import CollectorRegistry
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(StatsCollector(stats))  # type: ignore[arg-type]
+    return reg
+
+
+def exposition(reg: Any) -> tuple[bytes, str]:
+    """(body, Content-Type) of a scrape of ``reg``: Prometheus text format 0.0.4, which
+    every scraper reads (prometheus-client 0.22+ calls its newer escaping 1.0.0; kvstore's
+    names are plain ASCII, so the text is the same)."""
+    from prometheus_client import exposition as ex
+
+    return ex.generate_latest(reg), getattr(ex, "CONTENT_TYPE_PLAIN_0_0_4", ex.CONTENT_TYPE_LATEST)
