@@ -46,6 +46,7 @@ from .keys import TokenError, boundaries, decode_tokens, encode_tokens, key_of, 
 from .memory import MemoryTier, Snapshot
 from .metrics import Durations
 from .records import Kind
+from .write_policy import WritePolicy, written as written_bytes
 from .writer import Writer
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ _STAT_KEYS = ("hits_memory", "hits_disk", "hits_shared", "misses", "tokens_saved
               "bytes_written", "restore_seconds", "restores", "write_seconds", "writes",
               "corrupt", "races", "io_errors", "write_errors", "unpersistable", "warnings_suppressed",
               "tokens_memory", "tokens_disk", "tokens_shared", "evictions_memory", "evictions_disk",
-              "gc_runs", "gc_freed_bytes")
+              "gc_runs", "gc_freed_bytes", "writes_skipped_policy", "writes_skipped_budget")
 _INDEX_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.InvalidError)
 
 
@@ -106,6 +107,8 @@ class KVStore:
     ``shared``: the shared tier, a ``redis://[user:pass@]host:port/db`` URL (``rediss://``,
     ``redis+cluster://``: see ``SharedConfig.from_url``) or a ``SharedConfig``; None (the
     default) reads ``$KVSTORE_SHARED``, False turns it off. It needs the disk tier.
+    ``persist`` ("all", "system", "reused") and ``max_write_bytes_per_day``: what reaches
+    the SSD (``kvstore.write_policy``); a job they skip stays in memory, counted.
     """
 
     def __init__(
@@ -124,7 +127,10 @@ class KVStore:
         kv_group_size: int = 64,
         shared_dir: bool = False,
         shared: "str | SharedConfig | None | bool" = None,
+        persist: str = "all",
+        max_write_bytes_per_day: int | None = None,
     ) -> None:
+        self.write_policy = WritePolicy(persist, max_write_bytes_per_day)  # raises ValueError first
         self.memory = MemoryTier(max_entries, max_bytes, touch_on_hit=touch_on_hit)
         self.max_disk_bytes = max_disk_bytes
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
@@ -517,7 +523,12 @@ class KVStore:
             return
         t0 = time.perf_counter()
         try:
+            skip = self.write_policy.admit(disk, job)
+            if skip is not None:  # the job's snapshot stays in memory
+                self._stats[f"writes_skipped_{skip}"] += 1
+                return
             written = disk.persist(job)
+            self.write_policy.wrote(disk, written)
             if self.max_disk_bytes is not None:
                 gone = evict_to(disk, self.max_disk_bytes)
                 self._stats["gc_runs"] += bool(gone)
@@ -571,6 +582,7 @@ class KVStore:
         s: dict[str, Any] = dict(self._stats)
         s["memory_entries"] = len(self.memory)
         s["memory_bytes"] = self.memory.nbytes
+        s.update(self.write_policy.stats())
         if self.writer is not None:
             s["queue_depth"] = self.writer.depth
             s["pending_writes"] = self.writer.pending
@@ -583,6 +595,7 @@ class KVStore:
                 if not self._disk_off:
                     s["disk_bytes"] = self.disk.index.total_bytes()
                     s.update({f"disk_{k}": v for k, v in self.disk.index.counts().items()})
+                    s["written_today_bytes"], s["written_total_bytes"] = written_bytes(self.disk.index)
             except lmdb.Error as e:
                 self._index_damaged(e)
             if self._disk_off:

@@ -25,7 +25,7 @@ RANKS: dict[str, int] = {
     "kvstore.codec": 1, "kvstore.blobs": 1, "kvstore.blas": 1,
     "kvstore.identity": 2, "kvstore.index": 2,
     "kvstore.disk": 3,
-    "kvstore.budget": 4, "kvstore.memory": 4, "kvstore.writer": 4,
+    "kvstore.budget": 4, "kvstore.write_policy": 4, "kvstore.memory": 4, "kvstore.writer": 4,
     "kvstore.shared": 5, "kvstore.metrics": 5,
     "kvstore.store": 6,
     "kvstore.maintenance": 7, "kvstore.generate": 7, "kvstore.adapters": 7,

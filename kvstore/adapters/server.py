@@ -123,6 +123,12 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-disk-bytes", type=_size, default=None, help="disk budget, e.g. 20G (LRU eviction)")
     g.add_argument("--chunk-tokens", type=int, default=256, help="tokens per stored chunk (default 256)")
     g.add_argument("--write-queue", type=int, default=16, help="write-behind queue length (default 16)")
+    g.add_argument("--persist", choices=("all", "system", "reused"), default="all",
+                   help="what is written to disk: every new prefix (all, the default), system prompts and "
+                        "pinned entries only (system), or a prefix seen a second time (reused)")
+    g.add_argument("--max-write-bytes-per-day", type=_size, default=None, metavar="BYTES",
+                   help="stop writing to disk once this many bytes were written today (UTC), e.g. 20G; "
+                        "resumes the next day")
     g.add_argument("--shared", metavar="URL", default=None,
                    help="shared tier behind the disk: redis://[user:pass@]host:port/db, rediss://, "
                         "redis+cluster://h1:p1,h2:p2 (default: $KVSTORE_SHARED)")
@@ -157,6 +163,7 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     options: dict[str, Any] = {
         "cache_dir": ours.cache_dir, "max_disk_bytes": ours.max_disk_bytes,
         "chunk_tokens": ours.chunk_tokens, "queue_size": ours.write_queue,
+        "persist": ours.persist, "max_write_bytes_per_day": ours.max_write_bytes_per_day,
     }
     shared = shared_config(ours)
     if shared is not None:
