@@ -523,10 +523,11 @@ class KVStore:
             return
         t0 = time.perf_counter()
         try:
-            skip = self.write_policy.admit(disk, job)
-            if skip is not None:  # the job's snapshot stays in memory
-                self._stats[f"writes_skipped_{skip}"] += 1
+            admitted = self.write_policy.admit(disk, job)  # the job, its reused prefix, or why not
+            if isinstance(admitted, str):  # the job's snapshot stays in memory
+                self._stats[f"writes_skipped_{admitted}"] += 1
                 return
+            job = admitted
             written = disk.persist(job)
             self.write_policy.wrote(disk, written)
             if self.max_disk_bytes is not None:

@@ -8,10 +8,12 @@ written:
 - ``persist="all"`` writes every job (kvstore's behaviour without a policy);
 - ``"system"`` writes system segments (``cache_type="system"``: what mlx_lm.server keeps
   for a system prompt and ``kvstore warm`` stores) and re-writes of pinned entries only;
-- ``"reused"`` writes a job when a prefix of it was seen before: its exact tokens, or at
-  least one full chunk of them, came in an earlier job of this process or are already on
-  disk. A one-shot prompt is never written; the second turn of a conversation (which
-  extends the first) and a system prompt's second use are.
+- ``"reused"`` writes the part of a job that was seen before: all of it when its exact
+  tokens came in an earlier job of this process or are on disk; else its longest prefix
+  of whole chunks that an earlier job held or the disk holds (a cache of plain or
+  quantised KV is cut there; one that cannot be cut is written whole). A one-shot prompt
+  is never written; a system prompt is written at its second use, a conversation's
+  history up to the last chunk boundary the next turn came back to.
 
 ``max_write_bytes_per_day``: once the bytes written today (UTC) reach the budget, jobs are
 skipped until the next day; the write that crosses it completes. The count is kept in
@@ -27,7 +29,8 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from .keys import boundaries, root_key
+from .disk import PersistJob
+from .keys import boundaries, key_of, root_key
 from .records import RecordError
 
 POLICIES = ("all", "system", "reused")
@@ -75,6 +78,25 @@ def add_written(index: Any, n: int, now: float | None = None) -> tuple[int, int]
     return index.transact(run)
 
 
+def _cuttable(job: PersistJob) -> bool:
+    from .codec import is_chunkable
+
+    return is_chunkable(job.layout, job.n)
+
+
+def prefix_job(job: PersistJob, n: int, chunk: int) -> PersistJob:
+    """The job's first ``n`` tokens (a cuttable cache: KV on axis -2), as its own job.
+    No MLX op: the writer thread slices the host views numpy-side, as ``disk`` does."""
+    import numpy as np
+
+    from .codec import with_offset
+
+    enc = job.tokens[: n * 4]
+    tensors = {nm: (st, np.asarray(a)[..., :n, :]) for nm, (st, a) in job.tensors.items()}
+    return PersistJob(job.identity, enc, key_of(root_key(job.identity.digest), enc, chunk), tensors,
+                      with_offset(job.layout, n), job.cache_type, job.created)
+
+
 def _entry(disk: Any, key: bytes) -> Any:
     """The entry record under ``key``; None when absent or unreadable (a damaged record
     is verify's business, not a reason to write or not)."""
@@ -97,32 +119,37 @@ class WritePolicy:
         self._seen: OrderedDict[bytes, None] = OrderedDict()
         self._lock = threading.Lock()
 
-    def admit(self, disk: Any, job: Any) -> str | None:
-        """None: write ``job``; "policy" or "budget": skip it (and say why)."""
-        if not self._wanted(disk, job):
+    def admit(self, disk: Any, job: PersistJob) -> PersistJob | str:
+        """The job to write (``job``, or for "reused" its prefix seen before), or why
+        nothing is written: "policy" or "budget"."""
+        n = self._wanted(disk, job)
+        if n == 0:
             return "policy"
         if self.max_write_bytes_per_day is not None and written(disk.index)[0] >= self.max_write_bytes_per_day:
             return "budget"
-        return None
+        return job if n == job.n else prefix_job(job, n, disk.chunk)
 
-    def _wanted(self, disk: Any, job: Any) -> bool:
+    def _wanted(self, disk: Any, job: PersistJob) -> int:
+        """How many of the job's tokens the policy writes (0: none)."""
         if self.persist == "all":
-            return True
+            return job.n
         if self.persist == "system":
-            if job.cache_type == "system":
-                return True
-            rec = _entry(disk, job.key)
-            return rec is not None and rec.pinned
+            rec = None if job.cache_type == "system" else _entry(disk, job.key)
+            return job.n if job.cache_type == "system" or (rec is not None and rec.pinned) else 0
         bounds = boundaries(root_key(job.identity.digest), job.tokens, disk.chunk)
-        keys = [job.key, *bounds[1:]]  # bounds[0] is the root: no token in common
         with self._lock:
-            seen = any(k in self._seen for k in keys)
-            for k in keys:
-                self._seen[k] = None
-                self._seen.move_to_end(k)
+            seen_whole = job.key in self._seen
+            depth = max((k for k in range(1, len(bounds)) if bounds[k] in self._seen), default=0)
+            for key in (job.key, *bounds[1:]):  # bounds[0] is the root: no token in common
+                self._seen[key] = None
+                self._seen.move_to_end(key)
             while len(self._seen) > SEEN_KEYS:
                 self._seen.popitem(last=False)
-        return seen or bool(disk.held_chunks(bounds, job.tokens)) or _entry(disk, job.key) is not None
+        if seen_whole or _entry(disk, job.key) is not None:
+            return job.n
+        held = disk.held_chunks(bounds, job.tokens)
+        depth = max([depth] + [k for k in range(1, len(bounds)) if bounds[k] in held])
+        return 0 if depth == 0 else depth * disk.chunk if _cuttable(job) else job.n
 
     def wrote(self, disk: Any, nbytes: int) -> None:
         """Count a write in the directory's daily and total figures."""

@@ -65,7 +65,7 @@ def test_system_admits_a_pinned_entry(tmp_path: Path) -> None:
         policy = WritePolicy("system")
         assert policy.admit(disk, job) == "policy"
         disk.index.transact(lambda t: t.set_entry(key, t.entry(key).pinned_as(True)))
-        assert policy.admit(disk, job) is None
+        assert policy.admit(disk, job) is job
 
 
 def test_reused_writes_a_prefix_seen_a_second_time(tmp_path: Path) -> None:
@@ -75,17 +75,31 @@ def test_reused_writes_a_prefix_seen_a_second_time(tmp_path: Path) -> None:
         put(s, one_shot)
         put(s, turn1)
         assert s.stats()["writes"] == 0
-        put(s, turn2)  # extends turn 1: its first chunks come a second time
-        put(s, one_shot)  # the same prompt again
+        put(s, turn2)  # extends turn 1: its two whole chunks come a second time, and only they
+        put(s, one_shot)  # the same prompt again: all of it
         st = s.stats()
     assert st["writes"] == 2 and st["writes_skipped_policy"] == 2, st
-    assert on_disk(tmp_path) == {tuple(turn2), tuple(one_shot)}
-    turn3 = turn2 + rand_tokens(5, 7)
-    with KVStore(tmp_path, chunk_tokens=C, persist="reused") as s:  # a new process: what is on disk counts
-        put(s, turn3)
-        put(s, rand_tokens(9, 8))
-        assert s.stats()["writes"] == 1
-    assert tuple(turn3) in on_disk(tmp_path)
+    assert on_disk(tmp_path) == {tuple(one_shot), tuple(turn1[:8])}
+    with KVStore(tmp_path, chunk_tokens=C, persist="reused") as s:  # a restart: the reused prefix is there
+        got = s.fetch(ID, turn2)
+        assert (got.source, got.n) == ("disk", 8)
+        turn3 = turn2 + rand_tokens(5, 7)
+        put(s, turn3)  # its first chunks are on disk: that prefix is written (it is already: nothing new)
+        put(s, turn3 + rand_tokens(3, 8))  # turn 3's five chunks come back: all of turn 3
+        put(s, rand_tokens(9, 9))
+        st = s.stats()
+    assert st["writes_skipped_policy"] == 1 and st["bytes_written"] > 0, st
+    assert on_disk(tmp_path) == {tuple(one_shot), tuple(turn1[:8]), tuple(turn3)}
+
+
+def test_reused_writes_a_cache_it_cannot_cut_whole(tmp_path: Path) -> None:
+    turn1 = rand_tokens(9, 20)
+    turn2 = turn1 + rand_tokens(6, 21)
+    with KVStore(tmp_path, chunk_tokens=C, persist="reused") as s:
+        for toks in (turn1, turn2):
+            s.insert(ID, toks, synth(toks, snapshot=True))  # a recurrent layer: valid at its length only
+            s.flush()
+    assert on_disk(tmp_path) == {tuple(turn2)}
 
 
 def test_daily_budget_stops_writes_across_restarts_and_resumes_next_day(tmp_path: Path) -> None:
