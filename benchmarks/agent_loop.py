@@ -145,6 +145,12 @@ def real_half(model: str, cache_dir: str, spec: dict[str, Any], first_turn: int,
 POLICIES = ("all", "system", "reused")
 
 
+def policy_spec(quick: bool) -> tuple[str, dict[str, Any]]:
+    """The policy track's model and trace: the ttft track's (SmolLM2, 1/8 trace), or with
+    ``quick`` tiny-llama on a 1/16 trace (long enough that a chunk boundary matters)."""
+    return ("tiny-llama", trace(512, 12, 125)) if quick else ("smollm2", trace(1024, 25, 250))
+
+
 def policy_track(ctx: C.Context, model: str, spec: dict[str, Any]) -> dict[str, Any]:
     """The real-model session once per write policy, restarted after RESTART_AFTER: bytes
     written per session (system segment included) and the TTFT each policy keeps."""
@@ -251,7 +257,7 @@ def run(ctx: C.Context) -> dict[str, Any]:
     ctx.log(f"    TTFT median {C.fmt(rs['ttft_median_turns_2_20_s'], 's')} per turn; last turn "
             f"{C.fmt(rs['ttft_last_turn_s'], 's')} vs cold {C.fmt(rs['cold_last_turn_s'], 's')}")
 
-    p_model, p_spec = ("tiny-llama", trace(512, 12, 125)) if ctx.quick else (model, r_spec)
+    p_model, p_spec = policy_spec(ctx.quick)
     ctx.log(f"  policy track: {p_model}, system {p_spec['system']}, one session per policy {POLICIES} ...")
     policies = policy_track(ctx, p_model, p_spec)
 
@@ -341,3 +347,45 @@ def headline_rows(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
          f"{C.fmt(rs['ttft_median_turns_2_20_s'], 's')} median",
          f"cold prefill of turn 20 ({rs['last_turn_prompt_tokens']} tok) {C.fmt(rs['cold_last_turn_s'], 's')}"),
     ]
+
+
+def policy_main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.agent_loop [--quick] [--out DIR]``: the policy track alone,
+    written as ``<out>/agent_loop_policy.json`` and ``.md`` (default benchmarks/results)."""
+    import argparse
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.agent_loop", description=policy_main.__doc__)
+    p.add_argument("--quick", action="store_true", help="tiny-llama on a 1/16 trace")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--no-drop", action="store_true", help="never drop the page cache")
+    args = p.parse_args(argv)
+    from kvstore import blas
+
+    blas.preload_openblas()
+    started = time.perf_counter()
+    ctx = C.Context(quick=args.quick, work=C.new_workdir(None), out=args.out, drop=not args.no_drop)
+    model, spec = policy_spec(args.quick)
+    try:
+        policies = policy_track(ctx, model, spec)
+    finally:
+        import shutil
+
+        shutil.rmtree(ctx.work, ignore_errors=True)
+    settings = {"turns": TURNS, "restart_after": RESTART_AFTER, "seed": SEED, "chunk_tokens": 256,
+                "policy_track": {"model": model, "system": spec["system"], "adds": spec["range"],
+                                 "policies": list(POLICIES), "system_segment": True},
+                "drop_page_cache_at_restart": ctx.drop}
+    medians = {k: {x: y for x, y in v.items() if x != "rows"} for k, v in policies.items()}
+    doc = C.document("agent_loop_policy", ctx, settings, {"policy": policies}, medians, medians, [
+        "One agent session (system segment, then 20 turns, restarted after turn 10) per --persist policy; "
+        "bytes written per session next to the TTFT of turn 11, the first after the restart."], started)
+    C.write_json(args.out, "agent_loop_policy", doc)
+    table = policy_table(doc)
+    (args.out / "agent_loop_policy.md").write_text(table.lstrip("\n") + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(policy_main())

@@ -23,6 +23,21 @@ from typing import Any
 BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TIERS = ("memory", "disk", "shared")
 ERROR_KINDS = ("corrupt", "races", "io_errors", "write_errors", "unpersistable", "dropped_writes")
+GAUGES = {  # gauge name (after kvstore_) -> help; read from the stats key of the same name
+    "memory_entries": "Snapshots in the memory tier",
+    "memory_bytes": "Bytes the memory tier holds",
+    "disk_bytes": "Bytes of pack files the index references",
+    "disk_entries": "Entries in the disk tier",
+    "write_queue_depth": "Write-behind jobs waiting",
+    "written_today_bytes": "Bytes written to disk today (UTC), all processes",
+    "preloaded_entries": "Entries the last preload put in memory",
+    "preloaded_tokens": "Tokens the last preload put in memory",
+    "preloaded_bytes": "Bytes the last preload put in memory",
+    "preload_skipped": "Entries the last preload skipped",
+    "preload_seconds": "How long the last preload took",
+    "preload_running": "1 while a preload runs",
+}
+STATS_KEY = {"write_queue_depth": "queue_depth"}  # where a gauge's stats key has another name
 
 
 class Durations:
@@ -84,18 +99,8 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
                   [(k, k) for k in ERROR_KINDS] + [("shared", "shared_errors")], "kind")
     yield from _histograms(s)
     yield from _shared(s)
-    yield gauge("memory_entries", "Snapshots in the memory tier", "memory_entries")
-    yield gauge("memory_bytes", "Bytes the memory tier holds", "memory_bytes")
-    yield gauge("disk_bytes", "Bytes of pack files the index references", "disk_bytes")
-    yield gauge("disk_entries", "Entries in the disk tier", "disk_entries")
-    yield gauge("write_queue_depth", "Write-behind jobs waiting", "queue_depth")
-    yield gauge("written_today_bytes", "Bytes written to disk today (UTC), all processes", "written_today_bytes")
-    yield gauge("preloaded_entries", "Entries the last preload put in memory", "preloaded_entries")
-    yield gauge("preloaded_tokens", "Tokens the last preload put in memory", "preloaded_tokens")
-    yield gauge("preloaded_bytes", "Bytes the last preload put in memory", "preloaded_bytes")
-    yield gauge("preload_skipped", "Entries the last preload skipped", "preload_skipped")
-    yield gauge("preload_seconds", "How long the last preload took", "preload_seconds")
-    yield gauge("preload_running", "1 while a preload runs", "preload_running")
+    for name, doc in GAUGES.items():
+        yield gauge(name, doc, STATS_KEY.get(name, name))
 
 
 def _histograms(s: dict[str, Any]) -> Iterator[Any]:

@@ -59,6 +59,16 @@ def entries(cache_dir: Path) -> list[dict]:
     return [e for i in json.loads(p.stdout)["identities"] for e in i["entries"]]
 
 
+def imported(made, cache_dir: Path) -> dict:
+    """Import mlx_lm.cache_prompt's file into ``cache_dir``; the one entry it makes."""
+    d, model_dir = made
+    p = cli("import", d / "mlx.safetensors", "--model", model_dir, "--prompt-file", d / "prompt.txt",
+            cache_dir=cache_dir)
+    assert p.returncode == 0, p.stderr
+    [entry] = entries(cache_dir)
+    return entry
+
+
 @pytest.fixture(scope="module")
 def made(tmp_path_factory, tiny_llama):
     """mlx_lm.cache_prompt's file for PROMPT, the prompt file, and the model directory."""
@@ -93,9 +103,7 @@ def test_import_cache_prompt_file_restores_like_a_cold_prefill(made, tiny_llama,
 def test_export_is_used_by_mlx_lm_generate_as_its_own_file(made, tmp_path):
     d, model_dir = made
     c = tmp_path / "c"
-    assert cli("import", d / "mlx.safetensors", "--model", model_dir, "--prompt-file", d / "prompt.txt",
-               cache_dir=c).returncode == 0
-    [entry] = entries(c)
+    entry = imported(made, c)
     out = tmp_path / "out.safetensors"
     p = cli("export", entry["id"], out, cache_dir=c)
     assert p.returncode == 0, p.stderr
@@ -128,9 +136,7 @@ def test_wrong_prompt_or_model_is_a_clear_error_and_stores_nothing(made, tmp_pat
 def test_export_never_replaces_a_file_unasked(made, tmp_path):
     d, model_dir = made
     c = tmp_path / "c"
-    assert cli("import", d / "mlx.safetensors", "--model", model_dir, "--prompt-file", d / "prompt.txt",
-               cache_dir=c).returncode == 0
-    [entry] = entries(c)
+    entry = imported(made, c)
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"mine")
     p = cli("export", entry["id"], out, cache_dir=c)
