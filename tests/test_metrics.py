@@ -9,6 +9,7 @@ the follow-up from disk (a disk hit: restore histogram, bytes read).
 from __future__ import annotations
 
 import signal
+import time
 import urllib.request
 from pathlib import Path
 
@@ -80,12 +81,30 @@ def test_metrics_match_the_stats_across_a_restart(model_dir: Path, tmp_path: Pat
         assert st["writes"] >= 1 and st["misses"] >= 1 and st["hits_memory"] >= 1, st
         check_against_stats(m, s.stats())
         assert s.stop(signal.SIGTERM) == 0
-    with Server(model_dir, cache, tmp_path / "s2.log") as s:
+    # the write policy's flags reach the store; what they skip is counted on both sides
+    with Server(model_dir, cache, tmp_path / "s2.log", ["--persist", "system", "--max-write-bytes-per-day", "1G"]) as s:
         s.chat(turn2)
-        st = s.wait_flushed()
+        st = settled(s)
         m, _ = scrape(s)
         assert st["hits_disk"] >= 1 and st["restores"] >= 1 and st["bytes_read"] > 0, st
+        assert st["persist_policy"] == "system" and st["max_write_bytes_per_day"] == 1 << 30, st
+        assert st["writes_skipped_policy"] >= 1, st  # the conversation: not a system segment
         check_against_stats(m, s.stats())
+        assert m[("kvstore_writes_skipped_total", (("reason", "policy"),))] == st["writes_skipped_policy"]
+        assert m[("kvstore_written_today_bytes", ())] == st["written_today_bytes"] > 0
+
+
+def settled(s: Server) -> dict:
+    """The stats once the writer has nothing queued or running, twice in a row."""
+    last = None
+    for _ in range(300):
+        st = s.stats()
+        now = (st["pending_writes"], st["writes"], st["writes_skipped_policy"])
+        if st["pending_writes"] == 0 and now == last:
+            return st
+        last = now
+        time.sleep(0.2)
+    raise AssertionError(f"the writer did not settle: {s.stats()}")
 
 
 def test_durations_buckets_are_cumulative_and_inclusive() -> None:
@@ -97,3 +116,30 @@ def test_durations_buckets_are_cumulative_and_inclusive() -> None:
     snap = d.snapshot()
     assert snap["counts"] == [2, 3, 3] and snap["count"] == 4  # le is "<=": 0.01 falls in the first
     assert snap["sum"] == pytest.approx(2.065)
+
+
+def test_shared_tier_figures_follow_its_stats(tmp_path: Path) -> None:
+    """A shared tier nobody answers (connection refused): its errors, breaker state and
+    skipped calls, rendered by the same collector the server uses."""
+    from kvstore import KVStore
+    from kvstore.metrics import exposition, registry
+    from tests.support.caches import ident, rand_tokens, synth
+    from tests.support.redis_servers import free_port
+
+    model = ident("metrics-shared")
+    with KVStore(tmp_path, chunk_tokens=4, shared=f"redis://127.0.0.1:{free_port()}/0") as s:
+        toks = rand_tokens(12, 1)
+        s.insert(model, toks, synth(toks))
+        s.flush()
+        for i in range(12):
+            s.fetch(model, rand_tokens(12, 100 + i))  # disk misses: each asks the shared tier
+        st = s.stats()
+        text = exposition(registry(lambda: st))[0].decode()
+    m = {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+         for fam in text_string_to_metric_families(text) for smp in fam.samples}
+    assert st["shared_errors"] > 0 and st["shared_breaker_opens"] >= 1, st  # failures open the breaker
+    assert m[("kvstore_errors_total", (("kind", "shared"),))] == st["shared_errors"]
+    assert m[("kvstore_shared_skipped_calls_total", ())] == st["shared_skipped_calls"]
+    assert m[("kvstore_shared_breaker_opens_total", ())] == st["shared_breaker_opens"]
+    states = {dict(k[1])["state"]: v for k, v in m.items() if k[0] == "kvstore_shared_breaker_state"}
+    assert states[st["shared_breaker_state"]] == 1 and sum(states.values()) == 1, states
