@@ -15,6 +15,10 @@ Two tracks, each through a real ``KVStore`` writing real files:
 - ttft (real model): SmolLM2 float32 on the same trace scaled by 1/8 (1024-token system
   prompt, turns of 25-250 tokens), requests through ``stream_generate``: TTFT per turn,
   and one cold prefill of the last turn's whole prompt as the baseline.
+- policy (real model): the ttft track's session once per write policy (``--persist``
+  all / system / reused), the system prompt first stored as a system segment as
+  mlx_lm.server and ``kvstore warm`` do: bytes written per session next to the TTFT of
+  the turn after the restart, which is what each policy's writes buy.
 
 The page cache is dropped at the restart when allowed (recorded).
 """
@@ -90,9 +94,12 @@ def synth_half(shape: str, cache_dir: str, lengths: list[int], first_turn: int, 
 
 
 def real_half(model: str, cache_dir: str, spec: dict[str, Any], first_turn: int, n_turns: int,
-              drop: bool, cold_at_end: bool) -> dict[str, Any]:
-    """Child: turns of the TTFT track with a real model in one fresh process."""
+              drop: bool, cold_at_end: bool, persist: str = "all", system_segment: bool = False) -> dict[str, Any]:
+    """Child: turns of the TTFT track with a real model in one fresh process, the store
+    writing under ``persist``; ``system_segment``: first store the system prompt alone as
+    a "system" segment (what mlx_lm.server and ``kvstore warm`` do)."""
     from kvstore import KVStore
+    from kvstore.generate import stream_generate
 
     from .ttft import request
 
@@ -102,9 +109,13 @@ def real_half(model: str, cache_dir: str, spec: dict[str, Any], first_turn: int,
     tokens = C.text_tokens(tok, spec["system"], seed=7)
     for t, a in enumerate(spec["adds"]):
         tokens += C.text_tokens(tok, a, seed=100 + t)
-    store, open_s = C.timed(KVStore, cache_dir, max_entries=10)
+    store, open_s = C.timed(KVStore, cache_dir, max_entries=10, persist=persist)
     _, ident_s = C.timed(store.identity, path)
     rows = []
+    if system_segment:
+        next(stream_generate(store, m, tok, tokens[: spec["system"]], model_key=path, max_tokens=1,
+                             cache_type="system"))
+        store.flush()
     for i in range(n_turns):
         turn = first_turn + i
         n = spec["lengths"][turn - 1]
@@ -126,7 +137,46 @@ def real_half(model: str, cache_dir: str, spec: dict[str, Any], first_turn: int,
         cold = request(mem, m, tok, path, tokens[: spec["lengths"][first_turn + n_turns - 2]])
         mem.close()
     return {"rows": rows, "page_cache": pc, "open_store_s": open_s, "identity_s": ident_s, "cold_last_turn": cold,
-            "dropped_writes": st.get("dropped_writes"), "write_errors": st["write_errors"]}
+            "dropped_writes": st.get("dropped_writes"), "write_errors": st["write_errors"],
+            "bytes_written": st["bytes_written"], "writes": st["writes"],
+            "writes_skipped": st["writes_skipped_policy"] + st["writes_skipped_budget"]}
+
+
+POLICIES = ("all", "system", "reused")
+
+
+def policy_spec(quick: bool) -> tuple[str, dict[str, Any]]:
+    """The policy track's model and trace: the ttft track's (SmolLM2, 1/8 trace), or with
+    ``quick`` tiny-llama on a 1/16 trace (long enough that a chunk boundary matters)."""
+    return ("tiny-llama", trace(512, 12, 125)) if quick else ("smollm2", trace(1024, 25, 250))
+
+
+def policy_track(ctx: C.Context, model: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """The real-model session once per write policy, restarted after RESTART_AFTER: bytes
+    written per session (system segment included) and the TTFT each policy keeps."""
+    out = {}
+    for persist in POLICIES:
+        d = ctx.scratch(f"agent-policy-{persist}")
+        halves = [C.run_child("agent_loop:real_half", {
+            "model": model, "cache_dir": str(d), "spec": spec, "first_turn": first, "n_turns": last - first + 1,
+            "drop": ctx.drop and first > 1, "cold_at_end": False, "persist": persist, "system_segment": first == 1})
+            for first, last in ((1, RESTART_AFTER), (RESTART_AFTER + 1, TURNS))]
+        rows = halves[0]["rows"] + halves[1]["rows"]
+        after = rows[RESTART_AFTER]
+        out[persist] = {
+            "bytes_written_session": sum(h["bytes_written"] for h in halves),
+            "writes": sum(h["writes"] for h in halves), "writes_skipped": sum(h["writes_skipped"] for h in halves),
+            "ttft_restart_turn_s": after.get("ttft"), "restart_turn_cached_tokens": after.get("cached_tokens"),
+            "restart_turn_prompt_tokens": after.get("prompt_tokens"), "restart_turn_source": after.get("source"),
+            "ttft_median_after_restart_s": C.median([r["ttft"] for r in rows[RESTART_AFTER:] if r.get("ttft")]),
+            "footprint_bytes": C.du(d)["apparent_bytes"], "rows": rows,
+            "errors": [r["error"] for r in rows if r.get("error")],
+        }
+        p = out[persist]
+        ctx.log(f"    persist={persist}: {p['bytes_written_session'] / 1e6:.1f} MB written per session, "
+                f"turn {RESTART_AFTER + 1} after restart {C.fmt(p['ttft_restart_turn_s'], 's')} "
+                f"({p['restart_turn_cached_tokens']}/{p['restart_turn_prompt_tokens']} tokens restored)")
+    return out
 
 
 def run(ctx: C.Context) -> dict[str, Any]:
@@ -207,7 +257,12 @@ def run(ctx: C.Context) -> dict[str, Any]:
     ctx.log(f"    TTFT median {C.fmt(rs['ttft_median_turns_2_20_s'], 's')} per turn; last turn "
             f"{C.fmt(rs['ttft_last_turn_s'], 's')} vs cold {C.fmt(rs['cold_last_turn_s'], 's')}")
 
-    medians = {"storage": storage["summary"], "ttft": real["summary"]}
+    p_model, p_spec = policy_spec(ctx.quick)
+    ctx.log(f"  policy track: {p_model}, system {p_spec['system']}, one session per policy {POLICIES} ...")
+    policies = policy_track(ctx, p_model, p_spec)
+
+    medians = {"storage": storage["summary"], "ttft": real["summary"],
+               "policy": {k: {x: y for x, y in v.items() if x != "rows"} for k, v in policies.items()}}
     headline = {
         "write_amp_median": ss["write_amp_median_turns_2_20"], "write_amp_overall": ss["write_amp_overall"],
         "hit_rate": ss["hit_rate"], "footprint_vs_whole_snapshot": ss["footprint_vs_whole_snapshot"],
@@ -218,13 +273,19 @@ def run(ctx: C.Context) -> dict[str, Any]:
                                   "kv": "synthetic float32"},
                 "ttft_track": {"model": model, "system": r_spec["system"], "adds": r_spec["range"],
                                "kv": "real prefill, float32"},
+                "policy_track": {"model": p_model, "system": p_spec["system"], "adds": p_spec["range"],
+                                 "policies": list(POLICIES), "system_segment": True},
                 "chunk_tokens": 256, "drop_page_cache_at_restart": ctx.drop}
     notes = ["Write amplification = bytes written for the turn / KV bytes of the tokens the turn had to "
              "prefill (prompt tokens minus restored tokens). Turn 1 (all new) is excluded from the median.",
              "Whole-snapshot design = the sum over turns of each turn's full prompt KV, one file per turn.",
              "Footprint = every file in the cache directory (blobs + LMDB index).",
              "The ttft track's trace is the storage trace scaled by 1/8 so SmolLM2 can prefill it on a CPU."]
-    return C.document(NAME, ctx, settings, {"storage": storage, "ttft": real}, medians, headline, notes, started)
+    notes.append("Policy track: bytes written per session = every byte the store wrote in the 20-turn session "
+                 "(both processes, the system segment included); the restart turn's TTFT is what the policy's "
+                 "writes buy after a restart.")
+    return C.document(NAME, ctx, settings, {"storage": storage, "ttft": real, "policy": policies}, medians,
+                      headline, notes, started)
 
 
 def report(doc: dict[str, Any]) -> str:
@@ -254,7 +315,20 @@ def report(doc: dict[str, Any]) -> str:
         [f"TTFT track: turn 20 ({rs['last_turn_prompt_tokens']} tok) vs cold",
          f"{C.fmt(rs['ttft_last_turn_s'], 's')} vs {C.fmt(rs['cold_last_turn_s'], 's')}"],
     ])
+    if "policy" in doc["raw"]:
+        out += "\n" + policy_table(doc)
     return out
+
+
+def policy_table(doc: dict[str, Any]) -> str:
+    """Bytes written per session and the TTFT after the restart, per write policy."""
+    rows = [[k, f"{p['bytes_written_session'] / 1e6:.2f} MB", p["writes"], p["writes_skipped"],
+             f"{p['restart_turn_cached_tokens']}/{p['restart_turn_prompt_tokens']}", p["restart_turn_source"] or "miss",
+             C.fmt(p["ttft_restart_turn_s"], "s"), C.fmt(p["ttft_median_after_restart_s"], "s")]
+            for k, p in doc["raw"]["policy"].items()]
+    return C.table(f"Write policy ({doc['settings']['policy_track']['model']}, restart after turn {RESTART_AFTER})",
+                   ["persist", "written / session", "writes", "skipped", f"turn {RESTART_AFTER + 1} restored",
+                    "from", f"turn {RESTART_AFTER + 1} TTFT", "median TTFT 11-20"], rows)
 
 
 def headline_rows(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -273,3 +347,45 @@ def headline_rows(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
          f"{C.fmt(rs['ttft_median_turns_2_20_s'], 's')} median",
          f"cold prefill of turn 20 ({rs['last_turn_prompt_tokens']} tok) {C.fmt(rs['cold_last_turn_s'], 's')}"),
     ]
+
+
+def policy_main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.agent_loop [--quick] [--out DIR]``: the policy track alone,
+    written as ``<out>/agent_loop_policy.json`` and ``.md`` (default benchmarks/results)."""
+    import argparse
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.agent_loop", description=policy_main.__doc__)
+    p.add_argument("--quick", action="store_true", help="tiny-llama on a 1/16 trace")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--no-drop", action="store_true", help="never drop the page cache")
+    args = p.parse_args(argv)
+    from kvstore import blas
+
+    blas.preload_openblas()
+    started = time.perf_counter()
+    ctx = C.Context(quick=args.quick, work=C.new_workdir(None), out=args.out, drop=not args.no_drop)
+    model, spec = policy_spec(args.quick)
+    try:
+        policies = policy_track(ctx, model, spec)
+    finally:
+        import shutil
+
+        shutil.rmtree(ctx.work, ignore_errors=True)
+    settings = {"turns": TURNS, "restart_after": RESTART_AFTER, "seed": SEED, "chunk_tokens": 256,
+                "policy_track": {"model": model, "system": spec["system"], "adds": spec["range"],
+                                 "policies": list(POLICIES), "system_segment": True},
+                "drop_page_cache_at_restart": ctx.drop}
+    medians = {k: {x: y for x, y in v.items() if x != "rows"} for k, v in policies.items()}
+    doc = C.document("agent_loop_policy", ctx, settings, {"policy": policies}, medians, medians, [
+        "One agent session (system segment, then 20 turns, restarted after turn 10) per --persist policy; "
+        "bytes written per session next to the TTFT of turn 11, the first after the restart."], started)
+    C.write_json(args.out, "agent_loop_policy", doc)
+    table = policy_table(doc)
+    (args.out / "agent_loop_policy.md").write_text(table.lstrip("\n") + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(policy_main())

@@ -48,6 +48,7 @@ from .layouts import layout_problem
 from .keys import TokenError, boundaries, decode_tokens, encode_tokens, key_of, root_key
 from .memory import MemoryTier, Snapshot
 from .preload import Preloaded, Preloader
+from .write_policy import WritePolicy, written as written_bytes
 from .writer import Writer
 
 if TYPE_CHECKING:
@@ -86,6 +87,8 @@ class KVStore:
     ``shared``: the shared tier, a ``redis://[user:pass@]host:port/db`` URL (``rediss://``,
     ``redis+cluster://``: see ``SharedConfig.from_url``) or a ``SharedConfig``; None (the
     default) reads ``$KVSTORE_SHARED``, False turns it off. It needs the disk tier.
+    ``persist`` ("all", "system", "reused") and ``max_write_bytes_per_day``: what reaches
+    the SSD (``kvstore.write_policy``); a job they skip stays in memory, counted.
     """
 
     def __init__(
@@ -104,7 +107,10 @@ class KVStore:
         kv_group_size: int = 64,
         shared_dir: bool = False,
         shared: "str | SharedConfig | None | bool" = None,
+        persist: str = "all",
+        max_write_bytes_per_day: int | None = None,
     ) -> None:
+        self.write_policy = WritePolicy(persist, max_write_bytes_per_day)  # raises ValueError first
         self.memory = MemoryTier(max_entries, max_bytes, touch_on_hit=touch_on_hit)
         self.max_disk_bytes = max_disk_bytes
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
@@ -306,7 +312,9 @@ class KVStore:
                 elif got in (Failure.UNREADABLE, Failure.REFUSED) or self._disk_off:  # a new plan would fail the same way
                     return None
                 continue
-            self._counters.add("restores", restore_seconds=time.perf_counter() - t0, bytes_read=got.nbytes)
+            took = time.perf_counter() - t0
+            self._counters.add("restores", restore_seconds=took, bytes_read=got.nbytes)
+            self._counters.observe("restore_seconds", took)
             return self._promote(ident, enc, plan, got, source)
         return None
 
@@ -349,7 +357,7 @@ class KVStore:
         return Fetched(got.cache, got.n, source)
 
     def _hit(self, tier: str, n: int, snap: Snapshot | None) -> None:
-        self._counters.add(f"hits_{tier}", tokens_saved=n)
+        self._counters.add(f"hits_{tier}", tokens_saved=n, **{f"tokens_{tier}": n})
         key = snap.disk_key if snap is not None else None
         if key is not None and self.writer is not None:
             with self._lock:
@@ -461,16 +469,26 @@ class KVStore:
             return
         t0 = time.perf_counter()
         try:
+            admitted = self.write_policy.admit(disk, job)  # the job, its reused prefix, or why not
+            if isinstance(admitted, str):  # the job's snapshot stays in memory
+                self._counters.add(f"writes_skipped_{admitted}")
+                return
+            job = admitted
             written = disk.persist(job)
+            self.write_policy.wrote(disk, written)
             if self.max_disk_bytes is not None:
-                evict_to(disk, self.max_disk_bytes)
+                gone = evict_to(disk, self.max_disk_bytes)
+                self._counters.add("gc_runs", int(bool(gone)), evictions_disk=len(gone),
+                                   gc_freed_bytes=sum(r.freed for r in gone))
         except (OSError, IndexFailure, blobs.BlobError) as e:  # a write or commit failed (full disk, I/O)
             self._counters.add("write_errors")
             if not self._index_damaged(e):
                 self._warn_once(f"write:{getattr(e, 'errno', None) or type(e).__name__}",
                                 "kvstore: write failed (%s); entry stays in memory only", e)
             return
-        self._counters.add("writes", write_seconds=time.perf_counter() - t0, bytes_written=written)
+        took = time.perf_counter() - t0
+        self._counters.add("writes", write_seconds=took, bytes_written=written)
+        self._counters.observe("persist_seconds", took)
         if self.shared is not None:  # its own thread and queue: a full queue drops, counted
             self.shared.submit(lambda: self._publish(job))
 
@@ -489,6 +507,7 @@ class KVStore:
         shared.publish(PublishItem(job.identity.digest, job.key, rec, tokens, chunks, disk.segment_bytes))
 
     def _persist_evicted(self, evicted: list) -> None:
+        self._counters.add("evictions_memory", len(evicted))
         for _, _, snap in evicted:
             if not snap.persisted and snap.persist is not None and self.writer is not None:
                 snap.persisted = self._submit(snap)
@@ -508,6 +527,7 @@ class KVStore:
         s["memory_entries"] = len(self.memory)
         s["memory_only_reason"] = dict(self._memory_only)
         s["memory_bytes"] = self.memory.nbytes
+        s.update(self.write_policy.stats())
         if self.writer is not None:
             s["queue_depth"] = self.writer.depth
             s["pending_writes"] = self.writer.pending
@@ -520,11 +540,13 @@ class KVStore:
                 if not self._disk_off:
                     s["disk_bytes"] = self.disk.index.total_bytes()
                     s.update({f"disk_{k}": v for k, v in self.disk.index.counts().items()})
+                    s["written_today_bytes"], s["written_total_bytes"] = written_bytes(self.disk.index)
             except IndexFailure as e:
                 self._index_damaged(e)
             if self._disk_off:
                 s["disk_off"] = self._disk_off
         s.update((self._preloaded or Preloaded()).as_stats())
+        s.update(self._counters.histograms())
         return s
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -67,6 +67,8 @@ def test_expected_medians(quick_run):
     assert agent["storage"]["restart_turn_source"] == "disk"
     assert agent["storage"]["footprint_vs_whole_snapshot"] < 1
     assert agent["ttft"]["ttft_median_turns_2_20_s"] > 0
+    written = {k: p["bytes_written_session"] for k, p in agent["policy"].items()}
+    assert 0 < written["system"] < written["reused"] < written["all"], written  # what each policy keeps off disk
     for m in load("overhead")["medians"].values():
         assert m["insert_s"] > 0 and m["prefill_s"] > 0 and m["memory_fetch_exact_s"] > 0
     scale = load("scale")["medians"]

@@ -42,12 +42,15 @@ class LRUPromptCache:
         kv_group_size: int = 64,
         store: KVStore | None = None,
         shared: Any = None,
+        persist: str = "all",
+        max_write_bytes_per_day: int | None = None,
     ) -> None:
         self.store = store or KVStore(
             cache_dir, max_entries=max_size, max_bytes=max_bytes, max_disk_bytes=max_disk_bytes,
             chunk_tokens=chunk_tokens, queue_size=queue_size, touch_on_hit=False,
             memory_only=not disk, on_disk_error="memory", kv_bits=kv_bits,
             kv_group_size=kv_group_size, shared=shared,
+            persist=persist, max_write_bytes_per_day=max_write_bytes_per_day,
         )
 
     @property

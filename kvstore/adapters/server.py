@@ -29,11 +29,13 @@ import sys
 from typing import Any
 from urllib.parse import unquote
 
+from .. import metrics
 from . import startup
 from .mlx_lm import LRUPromptCache
 
 log = logging.getLogger("kvstore")
 _STORES: list[LRUPromptCache] = []
+_METRICS = metrics.registry(lambda: _STORES[0].stats() if _STORES else None)
 
 
 def bind_prompt_cache(**options: Any) -> type[LRUPromptCache]:
@@ -92,6 +94,13 @@ def _install_routes(server_mod: Any) -> None:
             _send_json(self, 503, startup.not_ready_error())
         elif path == "/v1/cache/stats":
             _send_json(self, 200, [s.stats() for s in _STORES][0] if _STORES else {})
+        elif path == "/metrics":  # Prometheus text format, read from the same stats (kvstore.metrics)
+            body, ctype = metrics.exposition(_METRICS)
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
         elif path == "/v1/models" or path.startswith("/v1/models/"):
             _models(self, path)
         else:
@@ -114,6 +123,12 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-disk-bytes", type=_size, default=None, help="disk budget, e.g. 20G (LRU eviction)")
     g.add_argument("--chunk-tokens", type=int, default=256, help="tokens per stored chunk (default 256)")
     g.add_argument("--write-queue", type=int, default=16, help="write-behind queue length (default 16)")
+    g.add_argument("--persist", choices=("all", "system", "reused"), default="all",
+                   help="what is written to disk: every new prefix (all, the default), system prompts and "
+                        "pinned entries only (system), or a prefix seen a second time (reused)")
+    g.add_argument("--max-write-bytes-per-day", type=_size, default=None, metavar="BYTES",
+                   help="stop writing to disk once this many bytes were written today (UTC), e.g. 20G; "
+                        "resumes the next day")
     g.add_argument("--shared", metavar="URL", default=None,
                    help="shared tier behind the disk: redis://[user:pass@]host:port/db, rediss://, "
                         "redis+cluster://h1:p1,h2:p2 (default: $KVSTORE_SHARED)")
@@ -148,6 +163,7 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     options: dict[str, Any] = {
         "cache_dir": ours.cache_dir, "max_disk_bytes": ours.max_disk_bytes,
         "chunk_tokens": ours.chunk_tokens, "queue_size": ours.write_queue,
+        "persist": ours.persist, "max_write_bytes_per_day": ours.max_write_bytes_per_day,
     }
     shared = shared_config(ours)
     if shared is not None:

@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "warm": ("warm", "prefill a system prompt or chat into the store ahead of traffic"),
     "pin": ("pin", "protect an entry from age and size eviction"),
     "unpin": ("pin", "make a pinned entry evictable again"),
+    "export": ("transfer", "write an entry as an mlx-lm prompt-cache file (mlx_lm.generate --prompt-cache-file)"),
+    "import": ("transfer", "store an mlx-lm prompt-cache file (mlx_lm.cache_prompt) as an entry"),
     "serve": ("serve", "run an mlx-lm server backed by the store"),
 }
 # commands that run a model: as a process's entry point they preload OpenBLAS (kvstore.blas)

@@ -28,6 +28,7 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
 def collect(disk) -> dict[str, Any]:
     from .. import blobs
     from ..index import scan
+    from ..write_policy import utc_day, written
 
     snap = scan(disk.index, full=False)
     by: dict[str, dict[str, Any]] = {}
@@ -58,6 +59,7 @@ def collect(disk) -> dict[str, Any]:
     files, _foreign = blobs.own_packs(disk.blob_root)
     live = sum(p.live for p in snap.packs.values() if p)
     usage = shutil.disk_usage(disk.root)
+    today, total = written(disk.index)
     idents = sorted(by.values(), key=lambda r: (str(r["name"] or ""), r["identity"]))
     return {
         "cache_dir": str(disk.root),
@@ -76,6 +78,7 @@ def collect(disk) -> dict[str, Any]:
         "memory": None,
         "memory_note": MEMORY_NOTE,
         "hits": sum(r["hits"] for r in idents),
+        "written": {"day": utc_day(), "today_bytes": today, "total_bytes": total},
         "filesystem": {"free_bytes": usage.free, "total_bytes": usage.total, "used_bytes": usage.used},
         "by_identity": idents,
     }
@@ -104,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
           + (f"; {hb(dead)} of it no longer used (freed with the last user of each pack)" if dead > 0 else ""))
     print(f"index bytes   {hb(d['index_bytes'])} (index/data.mdb)")
     print(f"hits          {s['hits']} (sum of entries' hit counters)")
+    w = s["written"]
+    print(f"written       {hb(w['today_bytes'])} today ({w['day']} UTC), {hb(w['total_bytes'])} in total")
     print(f"free space    {hb(fs['free_bytes'])} of {hb(fs['total_bytes'])} on this filesystem")
     print(f"memory tier   {MEMORY_NOTE}")
     if s["by_identity"]:

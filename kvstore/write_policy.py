@@ -1,0 +1,160 @@
+"""What the writer thread puts on the SSD: a write policy and a daily write budget.
+
+A Mac's SSD is soldered in, and a disk KV cache that writes every new prefix can write
+tens of GB in a session. ``WritePolicy.admit`` is asked once per persist job, on the
+writer thread (spills of memory evictions and write-behind alike), before anything is
+written:
+
+- ``persist="all"`` writes every job (kvstore's behaviour without a policy);
+- ``"system"`` writes system segments (``cache_type="system"``: what mlx_lm.server keeps
+  for a system prompt and ``kvstore warm`` stores) and re-writes of pinned entries only;
+- ``"reused"`` writes the part of a job that was seen before: all of it when its exact
+  tokens came in an earlier job of this process or are on disk; else its longest prefix
+  of whole chunks that an earlier job held or the disk holds (a cache of plain or
+  quantised KV is cut there; one that cannot be cut is written whole). A one-shot prompt
+  is never written; a system prompt is written at its second use, a conversation's
+  history up to the last chunk boundary the next turn came back to.
+
+``max_write_bytes_per_day``: once the bytes written today (UTC) reach the budget, jobs are
+skipped until the next day; the write that crosses it completes. The count is kept in
+the index's ``meta`` table (``written_day``, ``written_total``), updated in a write
+transaction after each write, so it survives restarts and is shared by every process
+using the directory. A skipped job stays in memory; it is counted by the caller.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+from .disk import PersistJob
+from .keys import boundaries, key_of, root_key
+from .records import RecordError
+
+POLICIES = ("all", "system", "reused")
+DAY_KEY = b"written_day"  # b"YYYY-MM-DD <bytes>": bytes written on that UTC day
+TOTAL_KEY = b"written_total"  # bytes written since the directory was created (this version on)
+SEEN_KEYS = 1 << 16  # prefixes "reused" remembers (16-byte keys: about 3 MB at most)
+
+
+def utc_day(now: float | None = None) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(time.time() if now is None else now))
+
+
+def _day_count(raw: bytes | None, day: str) -> int:
+    if not raw:
+        return 0
+    try:
+        d, n = raw.decode().split()
+        return int(n) if d == day else 0
+    except ValueError:  # damaged: counted from zero again
+        return 0
+
+
+def _int(raw: bytes | None) -> int:
+    try:
+        return int(raw or 0)
+    except ValueError:
+        return 0
+
+
+def written(index: Any, now: float | None = None) -> tuple[int, int]:
+    """(bytes written today (UTC), bytes written in total) in this cache directory."""
+    return index.view(lambda r: (_day_count(r.meta(DAY_KEY), utc_day(now)), _int(r.meta(TOTAL_KEY))))
+
+
+def add_written(index: Any, n: int, now: float | None = None) -> tuple[int, int]:
+    """Count ``n`` more bytes written (one write transaction); returns ``written``."""
+    day = utc_day(now)
+
+    def run(t: Any) -> tuple[int, int]:
+        today, total = _day_count(t.meta(DAY_KEY), day) + n, _int(t.meta(TOTAL_KEY)) + n
+        t.set_meta(DAY_KEY, f"{day} {today}".encode())
+        t.set_meta(TOTAL_KEY, str(total).encode())
+        return today, total
+
+    return index.transact(run)
+
+
+def _cuttable(job: PersistJob) -> bool:
+    from .codec import is_chunkable
+
+    return is_chunkable(job.layout, job.n)
+
+
+def prefix_job(job: PersistJob, n: int, chunk: int) -> PersistJob:
+    """The job's first ``n`` tokens (a cuttable cache: KV on axis -2), as its own job.
+    No MLX op: the writer thread slices the host views numpy-side, as ``disk`` does."""
+    import numpy as np
+
+    from .codec import with_offset
+
+    enc = job.tokens[: n * 4]
+    tensors = {nm: (st, np.asarray(a)[..., :n, :]) for nm, (st, a) in job.tensors.items()}
+    return PersistJob(job.identity, enc, key_of(root_key(job.identity.digest), enc, chunk), tensors,
+                      with_offset(job.layout, n), job.cache_type, job.created)
+
+
+def _entry(disk: Any, key: bytes) -> Any:
+    """The entry record under ``key``; None when absent or unreadable (a damaged record
+    is verify's business, not a reason to write or not)."""
+    try:
+        return disk.index.entry(key)
+    except RecordError:
+        return None
+
+
+class WritePolicy:
+    """``admit(disk, job)`` says whether a persist job is written now; see the module doc."""
+
+    def __init__(self, persist: str = "all", max_write_bytes_per_day: int | None = None) -> None:
+        if persist not in POLICIES:
+            raise ValueError(f"persist must be one of {list(POLICIES)}, got {persist!r}")
+        if max_write_bytes_per_day is not None and max_write_bytes_per_day < 0:
+            raise ValueError(f"max_write_bytes_per_day must be >= 0, got {max_write_bytes_per_day}")
+        self.persist = persist
+        self.max_write_bytes_per_day = max_write_bytes_per_day
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def admit(self, disk: Any, job: PersistJob) -> PersistJob | str:
+        """The job to write (``job``, or for "reused" its prefix seen before), or why
+        nothing is written: "policy" or "budget"."""
+        n = self._wanted(disk, job)
+        if n == 0:
+            return "policy"
+        if self.max_write_bytes_per_day is not None and written(disk.index)[0] >= self.max_write_bytes_per_day:
+            return "budget"
+        return job if n == job.n else prefix_job(job, n, disk.chunk)
+
+    def _wanted(self, disk: Any, job: PersistJob) -> int:
+        """How many of the job's tokens the policy writes (0: none)."""
+        if self.persist == "all":
+            return job.n
+        if self.persist == "system":
+            rec = None if job.cache_type == "system" else _entry(disk, job.key)
+            return job.n if job.cache_type == "system" or (rec is not None and rec.pinned) else 0
+        bounds = boundaries(root_key(job.identity.digest), job.tokens, disk.chunk)
+        with self._lock:
+            seen_whole = job.key in self._seen
+            depth = max((k for k in range(1, len(bounds)) if bounds[k] in self._seen), default=0)
+            for key in (job.key, *bounds[1:]):  # bounds[0] is the root: no token in common
+                self._seen[key] = None
+                self._seen.move_to_end(key)
+            while len(self._seen) > SEEN_KEYS:
+                self._seen.popitem(last=False)
+        if seen_whole or _entry(disk, job.key) is not None:
+            return job.n
+        held = disk.held_chunks(bounds, job.tokens)
+        depth = max([depth] + [k for k in range(1, len(bounds)) if bounds[k] in held])
+        return 0 if depth == 0 else depth * disk.chunk if _cuttable(job) else job.n
+
+    def wrote(self, disk: Any, nbytes: int) -> None:
+        """Count a write in the directory's daily and total figures."""
+        if nbytes > 0:
+            add_written(disk.index, nbytes)
+
+    def stats(self) -> dict[str, Any]:
+        return {"persist_policy": self.persist, "max_write_bytes_per_day": self.max_write_bytes_per_day}

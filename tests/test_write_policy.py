@@ -1,0 +1,146 @@
+"""The SSD write policy and daily write budget (``kvstore.write_policy``), on real stores.
+
+Every test writes through a real ``KVStore`` (writer thread, LMDB index, pack files) and
+reads what reached the disk back from a fresh store or the ``kvstore`` command line.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstore import KVStore
+from kvstore.write_policy import add_written, written
+from tests.support.caches import ident, rand_tokens, synth
+from tests.test_cli import cli
+
+C = 4  # chunk tokens: a prefix of one chunk is 4 tokens
+ID = ident("write-policy")
+
+
+def on_disk(d: Path) -> set[tuple[int, ...]]:
+    """Token lists of the entries stored in ``d``."""
+    from kvstore.keys import decode_tokens
+
+    with KVStore(d, chunk_tokens=C) as s:
+        keys = s.disk.index.view(lambda r: list(r.keys_from("entries", b"")))
+        return {tuple(decode_tokens(bytes(s.disk.index.tokens(k)))) for k in keys}
+
+
+def put(store: KVStore, tokens: list[int], cache_type: str = "assistant") -> None:
+    store.insert(ID, tokens, synth(tokens), cache_type=cache_type)
+    store.flush()
+
+
+def test_system_writes_system_segments_only(tmp_path: Path) -> None:
+    system, chat = rand_tokens(10, 1), rand_tokens(10, 1) + rand_tokens(7, 2)
+    with KVStore(tmp_path, chunk_tokens=C, persist="system") as s:
+        put(s, system, "system")
+        put(s, chat)
+        st = s.stats()
+    assert st["writes"] == 1 and st["writes_skipped_policy"] == 1 and st["persist_policy"] == "system", st
+    assert on_disk(tmp_path) == {tuple(system)}
+    with KVStore(tmp_path, chunk_tokens=C) as s:  # a restart keeps the system prompt
+        got = s.fetch(ID, chat)
+    assert (got.source, got.n) == ("disk", len(system))
+
+
+def test_system_admits_a_pinned_entry(tmp_path: Path) -> None:
+    from kvstore.blobs import host_views
+    from kvstore.codec import encode_cache
+    from kvstore.disk import PersistJob
+    from kvstore.keys import encode_tokens, key_of, root_key
+    from kvstore.write_policy import WritePolicy
+
+    toks = rand_tokens(9, 3)
+    with KVStore(tmp_path, chunk_tokens=C) as s:
+        put(s, toks)
+        disk = s.disk
+        key = key_of(root_key(ID.digest), encode_tokens(toks), C)
+        tensors, layout = encode_cache(synth(toks))
+        job = PersistJob(ID, encode_tokens(toks), key, host_views(tensors), layout)
+        policy = WritePolicy("system")
+        assert policy.admit(disk, job) == "policy"
+        disk.index.transact(lambda t: t.set_entry(key, t.entry(key).pinned_as(True)))
+        assert policy.admit(disk, job) is job
+
+
+def test_reused_writes_a_prefix_seen_a_second_time(tmp_path: Path) -> None:
+    one_shot, turn1 = rand_tokens(9, 4), rand_tokens(9, 5)
+    turn2 = turn1 + rand_tokens(6, 6)
+    with KVStore(tmp_path, chunk_tokens=C, persist="reused") as s:
+        put(s, one_shot)
+        put(s, turn1)
+        assert s.stats()["writes"] == 0
+        put(s, turn2)  # extends turn 1: its two whole chunks come a second time, and only they
+        put(s, one_shot)  # the same prompt again: all of it
+        st = s.stats()
+    assert st["writes"] == 2 and st["writes_skipped_policy"] == 2, st
+    assert on_disk(tmp_path) == {tuple(one_shot), tuple(turn1[:8])}
+    with KVStore(tmp_path, chunk_tokens=C, persist="reused") as s:  # a restart: the reused prefix is there
+        got = s.fetch(ID, turn2)
+        assert (got.source, got.n) == ("disk", 8)
+        turn3 = turn2 + rand_tokens(5, 7)
+        put(s, turn3)  # its first chunks are on disk: that prefix is written (it is already: nothing new)
+        put(s, turn3 + rand_tokens(3, 8))  # turn 3's five chunks come back: all of turn 3
+        put(s, rand_tokens(9, 9))
+        st = s.stats()
+    assert st["writes_skipped_policy"] == 1 and st["bytes_written"] > 0, st
+    assert on_disk(tmp_path) == {tuple(one_shot), tuple(turn1[:8]), tuple(turn3)}
+
+
+def test_reused_writes_a_cache_it_cannot_cut_whole(tmp_path: Path) -> None:
+    turn1 = rand_tokens(9, 20)
+    turn2 = turn1 + rand_tokens(6, 21)
+    with KVStore(tmp_path, chunk_tokens=C, persist="reused") as s:
+        for toks in (turn1, turn2):
+            s.insert(ID, toks, synth(toks, snapshot=True))  # a recurrent layer: valid at its length only
+            s.flush()
+    assert on_disk(tmp_path) == {tuple(turn2)}
+
+
+def test_daily_budget_stops_writes_across_restarts_and_resumes_next_day(tmp_path: Path) -> None:
+    a, b, c = rand_tokens(9, 10), rand_tokens(9, 11), rand_tokens(9, 12)
+    with KVStore(tmp_path, chunk_tokens=C, max_write_bytes_per_day=1) as s:
+        put(s, a)  # under the budget when it starts: completes
+        put(s, b)
+        st = s.stats()
+    assert st["writes"] == 1 and st["writes_skipped_budget"] == 1, st
+    assert st["written_today_bytes"] == st["written_total_bytes"] == st["bytes_written"] > 0, st
+    with KVStore(tmp_path, chunk_tokens=C, max_write_bytes_per_day=1) as s:  # a restart: still spent
+        put(s, b)
+        assert s.stats()["writes_skipped_budget"] == 1
+    assert on_disk(tmp_path) == {tuple(a)}
+    p = cli("stats", "--json", cache_dir=tmp_path)
+    assert p.returncode == 0, p.stderr
+    w = json.loads(p.stdout)["written"]
+    assert w["today_bytes"] == w["total_bytes"] == st["bytes_written"], w
+    assert "today" in cli("stats", cache_dir=tmp_path).stdout
+    # the same count, dated yesterday: today's budget is untouched and writes resume
+    with KVStore(tmp_path, chunk_tokens=C) as s:
+        from kvstore.write_policy import DAY_KEY
+
+        s.disk.index.transact(lambda t: t.set_meta(DAY_KEY, b"2000-01-01 999999"))
+        assert written(s.disk.index)[0] == 0
+    with KVStore(tmp_path, chunk_tokens=C, max_write_bytes_per_day=1) as s:
+        put(s, c)
+        assert s.stats()["writes"] == 1
+    assert on_disk(tmp_path) == {tuple(a), tuple(c)}
+
+
+def test_written_counts_by_utc_day(tmp_path: Path) -> None:
+    with KVStore(tmp_path, chunk_tokens=C) as s:
+        now = time.time()
+        assert add_written(s.disk.index, 100, now=now - 86400) == (100, 100)
+        assert add_written(s.disk.index, 5, now=now) == (5, 105)
+        assert written(s.disk.index, now=now) == (5, 105)
+
+
+@pytest.mark.parametrize("bad", [{"persist": "some"}, {"max_write_bytes_per_day": -1}])
+def test_bad_options_are_refused(tmp_path: Path, bad: dict) -> None:
+    with pytest.raises(ValueError, match="persist|max_write_bytes_per_day"):
+        KVStore(tmp_path, **bad)
+    assert not tmp_path.joinpath("index").exists()  # refused before anything was created
