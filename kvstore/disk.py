@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import xxhash
 
-from . import alloc, blobs
+from . import alloc, blobs, written
 from .cuts import CutRefused, bound, serves
 from .identity import Identity
 from .layouts import ArraySpec
@@ -735,4 +735,6 @@ def _commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: blobs.PackWriter,
     elif w.size:
         t.unlink_after_commit(w.path)
     t.put_entry(job.key, rec, job.tokens)
+    if w.size:
+        written.count(t, w.size)
     return Commit.OK

@@ -48,7 +48,8 @@ from .layouts import layout_problem
 from .keys import TokenError, boundaries, decode_tokens, encode_tokens, key_of, root_key
 from .memory import MemoryTier, Snapshot
 from .preload import Preloaded, Preloader
-from .write_policy import WritePolicy, written as written_bytes
+from .write_policy import WritePolicy
+from .written import written as written_bytes
 from .writer import Writer
 
 if TYPE_CHECKING:
@@ -475,7 +476,6 @@ class KVStore:
                 return
             job = admitted
             written = disk.persist(job)
-            self.write_policy.wrote(disk, written)
             if self.max_disk_bytes is not None:
                 gone = evict_to(disk, self.max_disk_bytes)
                 self._counters.add("gc_runs", int(bool(gone)), evictions_disk=len(gone),

@@ -17,65 +17,24 @@ written:
 
 ``max_write_bytes_per_day``: once the bytes written today (UTC) reach the budget, jobs are
 skipped until the next day; the write that crosses it completes. The count is kept in
-the index's ``meta`` table (``written_day``, ``written_total``), updated in a write
-transaction after each write, so it survives restarts and is shared by every process
-using the directory. A skipped job stays in memory; it is counted by the caller.
+the index's ``meta`` table (``kvstore.written``), updated in each persist's own commit, so
+it survives restarts, is shared by every process using the directory, and costs no sync
+of its own. A skipped job stays in memory; it is counted by the caller.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 from typing import Any
 
 from .disk import PersistJob
 from .keys import boundaries, key_of, root_key
 from .records import RecordError
+from .written import written
 
 POLICIES = ("all", "system", "reused")
-DAY_KEY = b"written_day"  # b"YYYY-MM-DD <bytes>": bytes written on that UTC day
-TOTAL_KEY = b"written_total"  # bytes written since the directory was created (this version on)
 SEEN_KEYS = 1 << 16  # prefixes "reused" remembers (16-byte keys: about 3 MB at most)
-
-
-def utc_day(now: float | None = None) -> str:
-    return time.strftime("%Y-%m-%d", time.gmtime(time.time() if now is None else now))
-
-
-def _day_count(raw: bytes | None, day: str) -> int:
-    if not raw:
-        return 0
-    try:
-        d, n = raw.decode().split()
-        return int(n) if d == day else 0
-    except ValueError:  # damaged: counted from zero again
-        return 0
-
-
-def _int(raw: bytes | None) -> int:
-    try:
-        return int(raw or 0)
-    except ValueError:
-        return 0
-
-
-def written(index: Any, now: float | None = None) -> tuple[int, int]:
-    """(bytes written today (UTC), bytes written in total) in this cache directory."""
-    return index.view(lambda r: (_day_count(r.meta(DAY_KEY), utc_day(now)), _int(r.meta(TOTAL_KEY))))
-
-
-def add_written(index: Any, n: int, now: float | None = None) -> tuple[int, int]:
-    """Count ``n`` more bytes written (one write transaction); returns ``written``."""
-    day = utc_day(now)
-
-    def run(t: Any) -> tuple[int, int]:
-        today, total = _day_count(t.meta(DAY_KEY), day) + n, _int(t.meta(TOTAL_KEY)) + n
-        t.set_meta(DAY_KEY, f"{day} {today}".encode())
-        t.set_meta(TOTAL_KEY, str(total).encode())
-        return today, total
-
-    return index.transact(run)
 
 
 def _cuttable(job: PersistJob) -> bool:
@@ -150,11 +109,6 @@ class WritePolicy:
         held = disk.held_chunks(bounds, job.tokens)
         depth = max([depth] + [k for k in range(1, len(bounds)) if bounds[k] in held])
         return 0 if depth == 0 else depth * disk.chunk if _cuttable(job) else job.n
-
-    def wrote(self, disk: Any, nbytes: int) -> None:
-        """Count a write in the directory's daily and total figures."""
-        if nbytes > 0:
-            add_written(disk.index, nbytes)
 
     def stats(self) -> dict[str, Any]:
         return {"persist_policy": self.persist, "max_write_bytes_per_day": self.max_write_bytes_per_day}

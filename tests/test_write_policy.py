@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvstore import KVStore
-from kvstore.write_policy import add_written, written
+from kvstore.written import count, written
 from tests.support.caches import ident, rand_tokens, synth
 from tests.test_cli import cli
 
@@ -121,7 +121,7 @@ def test_daily_budget_stops_writes_across_restarts_and_resumes_next_day(tmp_path
     assert "today" in cli("stats", cache_dir=tmp_path).stdout
     # the same count, dated yesterday: today's budget is untouched and writes resume
     with KVStore(tmp_path, chunk_tokens=C) as s:
-        from kvstore.write_policy import DAY_KEY
+        from kvstore.written import DAY_KEY
 
         s.disk.index.transact(lambda t: t.set_meta(DAY_KEY, b"2000-01-01 999999"))
         assert written(s.disk.index)[0] == 0
@@ -134,8 +134,9 @@ def test_daily_budget_stops_writes_across_restarts_and_resumes_next_day(tmp_path
 def test_written_counts_by_utc_day(tmp_path: Path) -> None:
     with KVStore(tmp_path, chunk_tokens=C) as s:
         now = time.time()
-        assert add_written(s.disk.index, 100, now=now - 86400) == (100, 100)
-        assert add_written(s.disk.index, 5, now=now) == (5, 105)
+        s.disk.index.transact(lambda t: count(t, 100, now=now - 86400))
+        assert written(s.disk.index, now=now - 86400) == (100, 100)
+        s.disk.index.transact(lambda t: count(t, 5, now=now))
         assert written(s.disk.index, now=now) == (5, 105)
 
 
