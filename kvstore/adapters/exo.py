@@ -253,8 +253,12 @@ class ExoPrefixCache:
 
     def clear(self) -> None:
         """Forget every entry (they leave memory; what is on disk stays)."""
-        while self.prompts:
-            self._drop(len(self.prompts) - 1)
+        keys, owned = self._keys, self._owned
+        self._keys, self._owned = [], []
+        for lst in (self.prompts, self.prefill_tps, self._media_regions, self._last_used):
+            lst.clear()
+        for key, lengths in zip(keys, owned):
+            self._release(key, lengths)
 
     def add_kv_cache(self, prompt_tokens: mx.array, cache: list[Any], ssm_snapshots: list[Any] | None = None,
                      media_regions: list[Any] | None = None, prefill_tps: float = 0.0) -> None:
@@ -299,9 +303,10 @@ class ExoPrefixCache:
         cache, n = self._agree(ident, key, cache, n)
         if cache is None:
             return fresh, prompt_tokens, None, False
-        index, exact = self._match(prompt_tokens, key, n, media_regions)
-        self._access_counter += 1
-        self._last_used[index] = self._access_counter
+        index, exact = self._match(key, n)
+        if index is not None:
+            self._access_counter += 1
+            self._last_used[index] = self._access_counter
         return cache, prompt_tokens[n:], index, exact
 
     def get_memory_used_percentage(self) -> float:
@@ -352,10 +357,12 @@ class ExoPrefixCache:
         return self._ident
 
     def _insert(self, ident: Identity, tokens: np.ndarray, cache: list[Any]) -> bool:
-        """Store one cache; a cache kvstore cannot encode is copied first (exo keeps
-        extending its own). False (logged) when the store refuses it."""
+        """Store one cache. exo goes on extending its own cache objects, and writes some
+        in place (``RotatingKVCache`` assigns into its buffer, which changes that array
+        object): the store gets new objects over views of the arrays (no copy), or a
+        deep copy of what kvstore cannot encode. False (logged) when the store refuses it."""
         try:
-            codec.encode_cache(cache)
+            cache = codec.decode_cache(*codec.encode_cache(cache))
         except codec.Unsupported:
             cache = copy.deepcopy(cache)
         try:
@@ -417,11 +424,11 @@ class ExoPrefixCache:
                 else:
                     cache, n = self._fetch(ident, key[: low + 1]) if low > 0 else (None, 0)
 
-    def _match(self, prompt_tokens: mx.array, key: np.ndarray, n: int,
-               media_regions: list[Any] | None) -> tuple[int, bool]:
+    def _match(self, key: np.ndarray, n: int) -> tuple[int | None, bool]:
         """(index, exact) of the entry a hit of ``n`` tokens belongs to, exo's way (the
-        longest common prefix; exact when it covers all but at most one token); a hit no
-        entry covers (a disk hit) becomes an entry."""
+        longest common prefix; exact when it covers all but at most one token). A hit no
+        entry covers (from disk) has no index: exo then adds the request as a new entry,
+        and the restored copy leaves memory, so memory holds only what entries own."""
         best, length = -1, 0
         for i, k in enumerate(self._keys):
             m = _common(key, k)
@@ -430,14 +437,8 @@ class ExoPrefixCache:
             if m >= len(key) - 1:
                 break
         if best < 0 or length < n:
-            regions = [r for r in media_regions or () if int(r.end_pos) <= n]
-            self.prompts.append(prompt_tokens[:n])
-            self._keys.append(key[:n])
-            self._owned.append({n})
-            self._media_regions.append(regions)
-            self.prefill_tps.append(0.0)
-            self._last_used.append(self._access_counter)
-            return len(self.prompts) - 1, n >= len(key) - 1
+            self._release(key, {n})
+            return None, False
         self._owned[best].add(n)  # a disk hit promoted under this entry's prefix
         return best, length >= len(key) - 1
 
