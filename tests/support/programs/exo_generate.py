@@ -58,8 +58,19 @@ def offset(cache: list[Any]) -> int:
     return max((o for o in offs if isinstance(o, int)), default=0)
 
 
+def _copy_rotating(c: RotatingKVCache) -> RotatingKVCache:
+    """exo's snapshot of a rotating layer: its last ``max_size`` positions, in their own
+    buffer exactly that long, write index at the end (the next write rotates in place)."""
+    n = min(c.max_size, c.keys.shape[2])
+    out = RotatingKVCache(max_size=c.max_size, keep=c.keep)
+    out.keys, out.values = mx.array(c.keys[..., -n:, :]), mx.array(c.values[..., -n:, :])
+    out.offset, out._idx = c.offset, n
+    return out
+
+
 def _snapshot(cache: list[Any]) -> Snapshot:
-    states = [copy.deepcopy(c) if non_trimmable(c) else None for c in cache]
+    states = [(_copy_rotating(c) if isinstance(c, RotatingKVCache) and c.keys is not None else copy.deepcopy(c))
+              if non_trimmable(c) else None for c in cache]
     mx.eval([s.state for s in states if s is not None])
     return Snapshot(states, offset(cache))
 
@@ -110,8 +121,9 @@ def request(pc: Any, model: Any, prompt: list[int], *, media: list[Region] | Non
         pc.update_kv_cache(index, all_tokens, cache, snaps or None, restore_pos=n, media_regions=media)
     else:
         pc.add_kv_cache(all_tokens, cache, snaps or None, media_regions=media)
-    model(mx.array([[prompt[-1]]]), cache=cache)  # decoding goes on in the same cache
-    mx.eval([c.state for c in cache])
+    for tok in prompt[-2:] + [7, 11]:  # decoding goes on in the same cache objects
+        model(mx.array([[tok]]), cache=cache)
+        mx.eval([c.state for c in cache])
     return out
 
 
