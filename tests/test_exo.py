@@ -206,13 +206,15 @@ class KVPrefixCache:
 
 
 class MlxBuilder:
-    """exo's MlxBuilder's shape: connect(bound_instance), then build() makes the cache."""
+    """exo's MlxBuilder's shape: load(bound_instance) (a generator; connect only with a
+    group), then build() makes the cache."""
 
     def __init__(self):
         self.group = None
 
-    def connect(self, bound_instance):
-        self.group = None
+    def load(self, bound_instance):
+        yield "loading"
+        return "model", "tokenizer", None
 
     def build(self):
         return KVPrefixCache(self.group)

@@ -468,10 +468,12 @@ _ORIGINALS_ATTR = "_kvstore_originals"
 def install(*, cache_dir: str | Path | None = None, threshold: float | None = None, **store_options: Any) -> None:
     """Make exo's runner build ``ExoPrefixCache`` instead of its ``KVPrefixCache``.
 
-    Patches exo's ``MlxBuilder``: ``connect`` remembers the node's bound instance, and
+    Patches exo's ``MlxBuilder``: ``load`` remembers the node's bound instance, and
     ``build`` constructs the prefix cache with the node's model directory and shard, so
-    every runner built from now on (in this process) uses kvstore. Calling again updates
-    the options. Raises ModuleNotFoundError saying how to get exo when it is not importable.
+    every runner built from now on uses kvstore: in this process, and in the runner
+    processes exo's supervisor spawns (their entry point installs the adapter first).
+    Calling again updates the options. Raises ModuleNotFoundError saying how to get exo
+    when it is not importable.
     """
     builder = _builder_module()
     cls = builder.MlxBuilder
@@ -479,6 +481,16 @@ def install(*, cache_dir: str | Path | None = None, threshold: float | None = No
     if _ORIGINALS_ATTR not in cls.__dict__:
         _patch(builder, cls)
     cls._kvstore_options = options
+    supervisor = _exo("exo.worker.runner.supervisor")
+    if supervisor is not None:  # exo spawns runners: a fresh interpreter, nothing patched
+        target = getattr(supervisor.entrypoint, "args", (None, None))[1] or supervisor.entrypoint
+        supervisor.entrypoint = functools.partial(runner_entrypoint, options, target)
+
+
+def runner_entrypoint(options: dict[str, Any], target: Any, *args: Any, **kwargs: Any) -> Any:
+    """A spawned runner's entry point: ``install`` with ``options``, then exo's ``target``."""
+    install(cache_dir=options["cache_dir"], threshold=options["threshold"], **options["store_options"])
+    return target(*args, **kwargs)
 
 
 def uninstall() -> None:
@@ -488,10 +500,13 @@ def uninstall() -> None:
     originals = cls.__dict__.get(_ORIGINALS_ATTR)
     if originals is None:
         return
-    for name in ("connect", "build"):
+    for name in ("load", "build"):
         setattr(cls, name, originals[name])
     builder.KVPrefixCache = originals["KVPrefixCache"]
     delattr(cls, _ORIGINALS_ATTR)
+    supervisor = _exo("exo.worker.runner.supervisor")
+    if supervisor is not None and isinstance(supervisor.entrypoint, functools.partial):
+        supervisor.entrypoint = supervisor.entrypoint.args[1]
 
 
 def _builder_module() -> Any:
@@ -519,12 +534,12 @@ def node_context(bound_instance: Any, options: dict[str, Any]) -> dict[str, Any]
 
 
 def _patch(builder: Any, cls: type) -> None:
-    connect, build = cls.connect, cls.build
+    load, build = cls.load, cls.build
 
-    @functools.wraps(connect)
-    def _connect(self: Any, bound_instance: Any) -> Any:
+    @functools.wraps(load)
+    def _load(self: Any, bound_instance: Any) -> Any:  # exo's load is a generator: returned as is
         self._kvstore_bound = bound_instance
-        return connect(self, bound_instance)
+        return load(self, bound_instance)
 
     @functools.wraps(build)
     def _build(self: Any) -> Any:
@@ -536,6 +551,6 @@ def _patch(builder: Any, cls: type) -> None:
         finally:
             _BUILD.reset(token)
 
-    setattr(cls, _ORIGINALS_ATTR, {"connect": connect, "build": build, "KVPrefixCache": builder.KVPrefixCache})
-    cls.connect, cls.build = _connect, _build
+    setattr(cls, _ORIGINALS_ATTR, {"load": load, "build": build, "KVPrefixCache": builder.KVPrefixCache})
+    cls.load, cls.build = _load, _build
     builder.KVPrefixCache = ExoPrefixCache

@@ -1,6 +1,6 @@
 """``kvstore.adapters.exo.install`` in a process where ``exo`` is a stand-in package with exo's
 builder shape (``tests/test_exo.py`` writes it): build a node's cache the way exo's runner
-does (``connect(bound_instance)``, then ``build()``), use it, build again (a restart) and
+does (``load(bound_instance)``, then ``build()``), use it, build again (a restart) and
 report what was built; then ``uninstall``.
 
 Run as ``python -m tests.support.programs.exo_install JSON`` (``{"dir", "shard"}``).
@@ -39,7 +39,7 @@ def main() -> None:
     caches = []
     for _ in range(2):  # a node, then the same node restarted
         builder = MlxBuilder()
-        builder.connect(bound)
+        assert list(builder.load(bound)) == ["loading"]
         caches.append(builder.build())
         got = request(caches[-1], model, prompt)
         caches[-1].close()
