@@ -8,6 +8,7 @@ the tiny model families, and every restored cache is checked against a cold pref
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -173,7 +174,7 @@ def test_eviction_above_the_threshold_takes_the_least_recently_used(tmp_path: Pa
 
 def python(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=120, cwd=str(ROOT), env={**__import__("os").environ, **env})
+                          timeout=120, cwd=str(ROOT), env={**os.environ, **env})
 
 
 def test_install_without_exo_says_how_to_get_it(tmp_path: Path) -> None:
@@ -237,3 +238,41 @@ def test_install_builds_each_node_its_own_cache(tmp_path: Path, tiny_llama) -> N
                      env={"PYTHONPATH": f"{ROOT}:{root}"})
     assert got["built"] == "ExoPrefixCache" and got["model_path"] == str(model_path("tiny-llama"))
     assert got["shard"] == SHARD and got["n"] == 98 and got["after_uninstall"] == "KVPrefixCache"
+
+
+def free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.mark.parametrize("family,held,snapshot,want", [("tiny-llama", (90, 60), 0, 60),
+                                                        ("tiny-qwen3next", (90, 64), 64, 64)])
+def test_a_node_group_restores_the_same_length_on_every_node(tmp_path: Path, family: str, held: tuple,
+                                                             snapshot: int, want: int) -> None:
+    """Two nodes (MLX ring group on 127.0.0.1), each with its own disk holding a different
+    prefix: both restore ``want`` tokens (the trimmable cache is trimmed to the other
+    node's length; the recurrent one goes back to its snapshot), each equal to a cold
+    prefill; memory pressure on one node evicts on both."""
+    import json
+
+    from tests.support.children import child_env
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+    job = json.dumps({"family": family, "dir": str(tmp_path), "held": held, "snapshot": snapshot,
+                      "pressure": [[0.9, 0.1], [0.1, 0.1]]})
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.support.programs.exo_group", job], cwd=str(ROOT),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=child_env(MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank)))
+             for rank in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-3000:] for _, err in outs]
+    got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert [(g["n"], g["oracle"], g["index"], g["entries"]) for g in got] == [(want, True, 0, 1)] * 2, got
