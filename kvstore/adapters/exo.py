@@ -110,8 +110,8 @@ def exo_identity(model_path: str | Path, shard: Any, cache: list[Any], memo: Any
     base = model_identity(model_path, layout=layout, memo=memo)
     comps = {k: v for k, v in base.info["components"].items() if k != "format"}
     comps["shard"] = shard_components(shard)
-    where = comps["shard"] and "layers {start_layer}-{end_layer} of {n_layers}".format_map(
-        {"start_layer": "?", "end_layer": "?", "n_layers": "?", **comps["shard"]})
+    s = comps["shard"] or {}
+    where = s and f"layers {s.get('start_layer', '?')}-{s.get('end_layer', '?')} of {s.get('n_layers', '?')}"
     # no "path": the store's vocabulary check would refuse media key ids
     return Identity.from_components(
         comps, name=f"{base.name} [{where}]" if where else base.name, model_dir=str(Path(model_path).resolve()),
@@ -328,6 +328,11 @@ class ExoPrefixCache:
         if evicted:
             gc.collect()
             mx.clear_cache()
+
+    def prepare(self, model: Any) -> None:
+        """Derive this node's identity now (the first time hashes the model's weight files),
+        so the first request does not wait for it; ``install`` calls it when exo builds."""
+        self._identity(make_kv_cache(model))
 
     def close(self) -> None:
         """Flush pending disk writes and release the index (exo never calls it; the store
@@ -547,9 +552,13 @@ def _patch(builder: Any, cls: type) -> None:
         options = getattr(type(self), "_kvstore_options", {})
         token = _BUILD.set(node_context(bound, options) if bound is not None else dict(options))
         try:
-            return build(self)
+            engine = build(self)
         finally:
             _BUILD.reset(token)
+        pc = getattr(engine, "kv_prefix_cache", None)
+        if isinstance(pc, ExoPrefixCache) and getattr(self, "inference_model", None) is not None:
+            pc.prepare(self.inference_model)  # hash the weights while exo is still loading
+        return engine
 
     setattr(cls, _ORIGINALS_ATTR, {"load": load, "build": build, "KVPrefixCache": builder.KVPrefixCache})
     cls.load, cls.build = _load, _build
