@@ -136,7 +136,7 @@ class _RotatingCodec(_Codec):
                 "idx": int(c._idx)}
         if c.keys is None:
             return {}, meta
-        return {"k": c.keys, "v": c.values}, meta
+        return {"k": _fresh(c.keys), "v": _fresh(c.values)}, meta  # new objects: a rotating write is in place
 
     def decode(self, t: Tensors, meta: dict) -> Any:
         c = C.RotatingKVCache(max_size=meta["max_size"], keep=meta["keep"])

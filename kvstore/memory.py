@@ -204,6 +204,15 @@ class MemoryTier:
         except KeyError:
             return None
 
+    def remove(self, model: Hashable, tokens: list[int]) -> Snapshot | None:
+        """Take out the snapshot stored under exactly ``tokens`` (None if there is none)."""
+        if self.get(model, tokens) is None:
+            return None
+        snap: Snapshot = self._trie.pop(model, list(tokens))
+        self._bytes_by_type[snap.cache_type] -= snap.nbytes
+        self._forget((model, tuple(tokens)))
+        return snap
+
     def insert(self, model: Hashable, tokens: list[int], snap: Snapshot, *,
                recent: bool = True) -> list[tuple[Hashable, list[int], Snapshot]]:
         """Store a snapshot; returns what was evicted by the limits (the store persists

@@ -521,6 +521,17 @@ class KVStore:
             evicted = self.memory.trim_to(n_sequences, n_bytes)
         self._persist_evicted(evicted)
 
+    def discard(self, model: Any, tokens: list[int]) -> bool:
+        """Drop the memory entry stored under exactly ``tokens`` (an engine's own eviction,
+        e.g. exo's); one that never reached disk is queued for it. True if one was held."""
+        tokens = _token_list(tokens)
+        ident = self.identity(model)
+        with self._lock:
+            snap = self.memory.remove(self._mem_key(model, ident), tokens)
+        if snap is not None:
+            self._persist_evicted([(model, tokens, snap)])
+        return snap is not None
+
     def stats(self) -> dict[str, Any]:
         """Counters by tier, plus queue depth, dropped and failed writes, disk totals."""
         s: dict[str, Any] = self._counters.snapshot()

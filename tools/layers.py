@@ -41,7 +41,7 @@ RANKS: dict[str, int] = {
 # Inside a package, the order its modules may import each other in (others: no cycle only).
 INNER: dict[str, list[str]] = {
     "kvstore.index": ["errors", "pages", "trie", "txn", "core", "scan"],
-    "kvstore.adapters": ["mlx_lm", "server", "vllm_mlx"],
+    "kvstore.adapters": ["mlx_lm", "server", "vllm_mlx", "exo"],
 }
 
 

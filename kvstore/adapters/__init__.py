@@ -1,1 +1,1 @@
-"""Engine adapters: how mlx-lm's server, vllm-mlx and custom loops use a KVStore."""
+"""Engine adapters: how mlx-lm's server, vllm-mlx, exo and custom loops use a KVStore."""
