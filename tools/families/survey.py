@@ -182,14 +182,35 @@ def _mlx_roundtrip(model: Any, d: pathlib.Path, p: list[int], live: Any) -> str:
     return "identical" if r.ok else ("same tokens, not bit-identical" if r.same_tokens else "different")
 
 
-def restore_all(root: pathlib.Path, families: list[str]) -> dict[str, Any]:
-    """``restore_one`` for each family, in this process (the new one)."""
-    out = {}
+def restore_all(root: pathlib.Path, families: list[str]) -> None:
+    """``restore_one`` for each family, in this process (the new one): one JSON line per
+    family on stdout, flushed, so a crash loses only the family it happened in."""
     for fam in families:
         try:
-            out[fam] = restore_one(fam, root / fam)
+            res = restore_one(fam, root / fam)
         except BaseException as e:  # noqa: BLE001
-            out[fam] = {"error": _why(e)}
+            res = {"error": _why(e)}
+        print(json.dumps({"family": fam, "result": res}), flush=True)
+
+
+def _restore_in_children(root: pathlib.Path, families: list[str], python: str) -> dict[str, Any]:
+    """Run ``restore_all`` in new processes until every family has a result: a process
+    that dies (a family crashing the interpreter) blames the family it was on, and a
+    new process takes the rest."""
+    out: dict[str, Any] = {}
+    todo = list(families)
+    while todo:
+        proc = subprocess.run([python, "-m", "tools.families.survey", str(root), json.dumps(todo)],
+                              capture_output=True, text=True, timeout=3600)
+        for line in proc.stdout.splitlines():
+            try:
+                got = json.loads(line)
+                out[got["family"]] = got["result"]
+            except (ValueError, KeyError, TypeError):
+                continue
+        todo = [f for f in todo if f not in out]
+        if todo:
+            out[todo.pop(0)] = {"error": f"the restoring process died ({proc.returncode}): {proc.stderr[-300:]}"}
     return out
 
 
@@ -222,17 +243,17 @@ def run(families: list[str], root: pathlib.Path, *, python: str = sys.executable
     logging.getLogger("kvstore").setLevel(logging.ERROR)
     rows = [build(f, root) for f in families]
     built = [r["family"] for r in rows if r["built"]]
-    proc = subprocess.run([python, "-m", "tools.families.survey", str(root), json.dumps(built)],
-                          capture_output=True, text=True, timeout=3600)
-    lines = proc.stdout.strip().splitlines()
-    restored = json.loads(lines[-1]) if proc.returncode == 0 and lines else {}
+    restored = _restore_in_children(root, built, python)
     for r in rows:
         if r["built"]:
-            r["restore"] = restored.get(r["family"], {"error": f"restoring process failed: {proc.stderr[-400:]}"})
+            r["restore"] = restored[r["family"]]
         r["verdict"] = verdict(r)
     return rows
 
 
 if __name__ == "__main__":  # the restoring process
+    import os
+
     logging.getLogger("kvstore").setLevel(logging.ERROR)
-    print(json.dumps(restore_all(pathlib.Path(sys.argv[1]), json.loads(sys.argv[2]))))
+    restore_all(pathlib.Path(sys.argv[1]), json.loads(sys.argv[2]))
+    os._exit(0)  # some families' modules crash the interpreter's exit (seen: a segfault); the answer is out
