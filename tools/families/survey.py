@@ -141,16 +141,24 @@ def _fill(row: dict[str, Any], model: Any, d: pathlib.Path) -> None:
             row["persisted"] = bool(st.get("disk_entries"))
 
 
+def _stage(family: str, stage: str) -> None:
+    """Say what the restoring process is about to do: if it dies there, the parent knows
+    whether kvstore was involved."""
+    print(json.dumps({"family": family, "stage": stage}), flush=True)
+
+
 def restore_one(family: str, d: pathlib.Path) -> dict[str, Any]:
     """In the restoring process: mlx-lm's round trip and kvstore's two entries, each
     continued greedily and compared (see the module docstring)."""
     from kvstore import KVStore
     from tools.oracle import check_restore, cold_run
 
+    _stage(family, "cold")  # the model alone, no kvstore
     model = load(d)
     p = prompt()
     live = cold_run(model, p, n_gen=N_GEN, split=N_PREFIX, chunk=STEP)  # the cache as it was made
     cold = cold_run(model, p, n_gen=N_GEN)
+    _stage(family, "restore")
     out: dict[str, Any] = {"tokens": cold.tokens}
     if (d / "mlx-cache.safetensors").exists():
         out["mlx_roundtrip"] = _mlx_roundtrip(model, d, p, live)
@@ -198,6 +206,7 @@ def _restore_in_children(root: pathlib.Path, families: list[str], python: str) -
     that dies (a family crashing the interpreter) blames the family it was on, and a
     new process takes the rest."""
     out: dict[str, Any] = {}
+    stage: dict[str, str] = {}
     todo = list(families)
     while todo:
         proc = subprocess.run([python, "-m", "tools.families.survey", str(root), json.dumps(todo)],
@@ -205,23 +214,31 @@ def _restore_in_children(root: pathlib.Path, families: list[str], python: str) -
         for line in proc.stdout.splitlines():
             try:
                 got = json.loads(line)
-                out[got["family"]] = got["result"]
+                if "stage" in got:
+                    stage[got["family"]] = got["stage"]
+                else:
+                    out[got["family"]] = got["result"]
             except (ValueError, KeyError, TypeError):
                 continue
         todo = [f for f in todo if f not in out]
         if todo:
-            out[todo.pop(0)] = {"error": f"the restoring process died ({proc.returncode}): {proc.stderr[-300:]}"}
+            fam = todo.pop(0)
+            out[fam] = {"error": f"the restoring process died ({proc.returncode}): {proc.stderr.strip()[-200:]}",
+                        "stage": stage.get(fam, "cold")}
     return out
 
 
 def verdict(row: dict[str, Any]) -> str:
-    """One word for a row: "not built", "identical" (kvstore restores its prefix entry
+    """One word for a row: "not built", "not runnable" (the model alone fails in a new
+    process), "identical" (kvstore restores its prefix entry
     bit-identically and cuts only where the result equals a cold prefill), "memory only"
     (kvstore refused to persist it, with a reason), or "WRONG: ..." (a restored cache that
     continues differently, a miss where mlx-lm round-trips, a damaged-entry drop)."""
     if not row.get("built"):
         return "not built"
     r = row.get("restore") or {}
+    if "error" in r and r.get("stage") == "cold":
+        return "not runnable: a cold prefill of the model alone (no kvstore) failed: " + r["error"]
     if "error" in r:
         return "WRONG: restore crashed: " + r["error"]
     pre, cut = r.get("kv-prefix", {}), r.get("kv-cut", {})
