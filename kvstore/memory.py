@@ -36,9 +36,10 @@ class Snapshot:
     """One stored prefix in memory: encoded tensors (views, no copy) and their layout, or
     objects kvstore cannot encode (``opaque``: kvstore knows no more of them than their
     own ``is_trimmable``, mlx-lm's rule). ``trimmable``: every prefix can be cut from it
-    (``codec.covers_prefixes``; for opaque objects, ``is_trimmable``). ``disk_key``: the entry it is on disk as
-    (hits are credited to it); ``persist``: (identity, encoded tokens) to write when it is
-    evicted before it reached disk; ``persisted``: queued for, or already on, disk."""
+    (``codec.covers_prefixes``; for opaque objects, ``is_trimmable``). ``disk_key``: the
+    entry it is on disk as (hits are credited to it); ``persist``: (identity, encoded
+    tokens) to write when it is evicted before it reached disk; ``persisted``: queued for,
+    or already on, disk."""
 
     tensors: codec.Tensors | None
     layout: codec.Layout | None

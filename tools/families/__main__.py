@@ -29,7 +29,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         mlx = rs.get("mlx_roundtrip") or (("save failed: " + r["mlx_save"]) if r.get("mlx_save", "ok") != "ok" else "")
         lines.append("| " + " | ".join([
             r["family"], ", ".join(r.get("classes", [])) or "-", mlx or "-", how or "-",
-            _restore_text(pre), _restore_text(cut), r["verdict"] if r.get("built") else "not built: " + r.get("why", ""),
+            _restore_text(pre), _restore_text(cut), r["verdict"] + (": " + r.get("why", "") if not r.get("built") else ""),
         ]).replace("\n", " ") + " |")
     return head + "\n".join(lines) + "\n\n" + summary(rows) + "\n"
 
@@ -47,9 +47,10 @@ def counts(rows: list[dict[str, Any]]) -> dict[str, int]:
     many kvstore restores identically."""
     c = Counter(r["verdict"].split(":")[0] for r in rows)
     mlx_ok = [r for r in rows if (r.get("restore") or {}).get("mlx_roundtrip") == "identical"]
-    return {"families": len(rows), "built": sum(bool(r.get("built")) for r in rows),
+    runs = [r for r in rows if r.get("built") and not r["verdict"].startswith("not runnable")]
+    return {"families": len(rows), "built": len(runs),
             "identical": c["identical"], "memory_only": c["memory only"], "wrong": c["WRONG"],
-            "not_built": c["not built"], "mlx_roundtrip_identical": len(mlx_ok),
+            "not_built": c["not built"] + c["not runnable"], "mlx_roundtrip_identical": len(mlx_ok),
             "kvstore_identical_where_mlx_roundtrips": sum(r["verdict"] == "identical" for r in mlx_ok)}
 
 
@@ -59,7 +60,7 @@ def summary(rows: list[dict[str, Any]]) -> str:
             f"({100 * c['identical'] // max(1, c['built'])}% of those built), keeps {c['memory_only']} in memory only "
             f"(with the reason), {c['wrong']} wrong; mlx-lm's own save/load round-trips {c['mlx_roundtrip_identical']}, "
             f"of which kvstore restores {c['kvstore_identical_where_mlx_roundtrips']} identically; "
-            f"{c['not_built']} could not be built (reason in the row).")
+            f"{c['not_built']} could not be built or run without kvstore (reason in the row).")
 
 
 def main(argv: list[str] | None = None) -> int:

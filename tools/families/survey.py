@@ -141,16 +141,24 @@ def _fill(row: dict[str, Any], model: Any, d: pathlib.Path) -> None:
             row["persisted"] = bool(st.get("disk_entries"))
 
 
+def _stage(family: str, stage: str) -> None:
+    """Say what the restoring process is about to do: if it dies there, the parent knows
+    whether kvstore was involved."""
+    print(json.dumps({"family": family, "stage": stage}), flush=True)
+
+
 def restore_one(family: str, d: pathlib.Path) -> dict[str, Any]:
     """In the restoring process: mlx-lm's round trip and kvstore's two entries, each
     continued greedily and compared (see the module docstring)."""
     from kvstore import KVStore
     from tools.oracle import check_restore, cold_run
 
+    _stage(family, "cold")  # the model alone, no kvstore
     model = load(d)
     p = prompt()
     live = cold_run(model, p, n_gen=N_GEN, split=N_PREFIX, chunk=STEP)  # the cache as it was made
     cold = cold_run(model, p, n_gen=N_GEN)
+    _stage(family, "restore")
     out: dict[str, Any] = {"tokens": cold.tokens}
     if (d / "mlx-cache.safetensors").exists():
         out["mlx_roundtrip"] = _mlx_roundtrip(model, d, p, live)
@@ -182,25 +190,55 @@ def _mlx_roundtrip(model: Any, d: pathlib.Path, p: list[int], live: Any) -> str:
     return "identical" if r.ok else ("same tokens, not bit-identical" if r.same_tokens else "different")
 
 
-def restore_all(root: pathlib.Path, families: list[str]) -> dict[str, Any]:
-    """``restore_one`` for each family, in this process (the new one)."""
-    out = {}
+def restore_all(root: pathlib.Path, families: list[str]) -> None:
+    """``restore_one`` for each family, in this process (the new one): one JSON line per
+    family on stdout, flushed, so a crash loses only the family it happened in."""
     for fam in families:
         try:
-            out[fam] = restore_one(fam, root / fam)
+            res = restore_one(fam, root / fam)
         except BaseException as e:  # noqa: BLE001
-            out[fam] = {"error": _why(e)}
+            res = {"error": _why(e)}
+        print(json.dumps({"family": fam, "result": res}), flush=True)
+
+
+def _restore_in_children(root: pathlib.Path, families: list[str], python: str) -> dict[str, Any]:
+    """Run ``restore_all`` in new processes until every family has a result: a process
+    that dies (a family crashing the interpreter) blames the family it was on, and a
+    new process takes the rest."""
+    out: dict[str, Any] = {}
+    stage: dict[str, str] = {}
+    todo = list(families)
+    while todo:
+        proc = subprocess.run([python, "-m", "tools.families.survey", str(root), json.dumps(todo)],
+                              capture_output=True, text=True, timeout=3600)
+        for line in proc.stdout.splitlines():
+            try:
+                got = json.loads(line)
+                if "stage" in got:
+                    stage[got["family"]] = got["stage"]
+                else:
+                    out[got["family"]] = got["result"]
+            except (ValueError, KeyError, TypeError):
+                continue
+        todo = [f for f in todo if f not in out]
+        if todo:
+            fam = todo.pop(0)
+            out[fam] = {"error": f"the restoring process died ({proc.returncode}): {proc.stderr.strip()[-200:]}",
+                        "stage": stage.get(fam, "cold")}
     return out
 
 
 def verdict(row: dict[str, Any]) -> str:
-    """One word for a row: "not built", "identical" (kvstore restores its prefix entry
+    """One word for a row: "not built", "not runnable" (the model alone fails in a new
+    process), "identical" (kvstore restores its prefix entry
     bit-identically and cuts only where the result equals a cold prefill), "memory only"
     (kvstore refused to persist it, with a reason), or "WRONG: ..." (a restored cache that
     continues differently, a miss where mlx-lm round-trips, a damaged-entry drop)."""
     if not row.get("built"):
         return "not built"
     r = row.get("restore") or {}
+    if "error" in r and r.get("stage") == "cold":
+        return "not runnable: a cold prefill of the model alone (no kvstore) failed: " + r["error"]
     if "error" in r:
         return "WRONG: restore crashed: " + r["error"]
     pre, cut = r.get("kv-prefix", {}), r.get("kv-cut", {})
@@ -222,17 +260,17 @@ def run(families: list[str], root: pathlib.Path, *, python: str = sys.executable
     logging.getLogger("kvstore").setLevel(logging.ERROR)
     rows = [build(f, root) for f in families]
     built = [r["family"] for r in rows if r["built"]]
-    proc = subprocess.run([python, "-m", "tools.families.survey", str(root), json.dumps(built)],
-                          capture_output=True, text=True, timeout=3600)
-    lines = proc.stdout.strip().splitlines()
-    restored = json.loads(lines[-1]) if proc.returncode == 0 and lines else {}
+    restored = _restore_in_children(root, built, python)
     for r in rows:
         if r["built"]:
-            r["restore"] = restored.get(r["family"], {"error": f"restoring process failed: {proc.stderr[-400:]}"})
+            r["restore"] = restored[r["family"]]
         r["verdict"] = verdict(r)
     return rows
 
 
 if __name__ == "__main__":  # the restoring process
+    import os
+
     logging.getLogger("kvstore").setLevel(logging.ERROR)
-    print(json.dumps(restore_all(pathlib.Path(sys.argv[1]), json.loads(sys.argv[2]))))
+    restore_all(pathlib.Path(sys.argv[1]), json.loads(sys.argv[2]))
+    os._exit(0)  # some families' modules crash the interpreter's exit (seen: a segfault); the answer is out
