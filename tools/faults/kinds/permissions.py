@@ -257,7 +257,7 @@ def run_permissions(ctx: Ctx) -> dict:
     opened: list[tuple[Path, int]] = []
     if is_root:
         os.chmod(ctx.work, 0o755)
-        opened = _searchable_by_others([ROOT, Path(sys.prefix)])
+        opened = searchable_by_others([ROOT, Path(sys.prefix), Path(sys.base_prefix)])
         nobody_w = Checker(ctx.logdir, "perm")
         nobody_w.w.close()
         nobody_w.w = Worker("perm", ctx.logdir, nobody=True)
@@ -292,7 +292,7 @@ def run_permissions(ctx: Ctx) -> dict:
     return t.result()
 
 
-def _searchable_by_others(paths: list[Path]) -> list[tuple[Path, int]]:
+def searchable_by_others(paths: list[Path]) -> list[tuple[Path, int]]:
     """The nobody worker imports kvstore and tools from this checkout with its venv's
     interpreter, so each of them must be listable and every directory above them
     searchable by others: add o+rx / o+x where it is missing (a checkout cloned into a
