@@ -1084,3 +1084,67 @@ def test_two_members_of_a_group_share_a_directory(tmp_path: Path) -> None:
         for d, mode in reversed(changed):
             os.chmod(d, mode)
         shutil.rmtree(base, ignore_errors=True)
+
+
+# -- 20.6: the same classes elsewhere -----------------------------------------------------
+
+
+def test_fifo_swapped_in_for_the_data_file_never_blocks_a_close(tmp_path: Path) -> None:
+    """data.mdb replaced by a FIFO while a writer has the index open: its clean close
+    (which reads the data file's meta pages to stamp it) neither blocks nor stamps."""
+    cache = tmp_path / "cache"
+    _synthetic_store(cache)
+    got = run_py("""
+        import json, os, sys
+        from kvstore.index import Index
+        a = json.loads(sys.argv[1])
+        idx = Index(a["cache"])
+        data = os.path.join(a["cache"], "index", "data.mdb")
+        os.replace(data, data + ".real")
+        os.mkfifo(data)
+        idx.close()
+        print(json.dumps({"stamp": os.path.exists(os.path.join(a["cache"], "index", "clean"))}))
+    """, {"cache": str(cache)}, timeout=60)
+    assert got == {"stamp": False}
+
+
+def test_fifo_among_the_tokenizer_files_never_blocks_the_identity(tmp_path: Path) -> None:
+    """A FIFO named like a tokenizer file in the model directory (hashed into the
+    identity): resolving the identity fails at once (no identity, said once) instead of
+    waiting for a writer forever."""
+    mdir = Path(shutil.copytree(model_path("tiny-llama"), tmp_path / "model"))
+    os.mkfifo(mdir / "vocab.json")
+    got = run_py("""
+        import json, sys
+        from kvstore import KVStore
+        a = json.loads(sys.argv[1])
+        with KVStore(a["cache"]) as s:
+            print(json.dumps({"identity": s.identity(a["model"]) is not None}))
+    """, {"cache": str(tmp_path / "cache"), "model": str(mdir)}, timeout=120)
+    assert got == {"identity": False}
+
+
+def test_repair_names_cannot_be_planted_in_advance(tmp_path: Path) -> None:
+    """Directories planted at every name the index repair would have used in the next
+    minute (``index.corrupt-<time>``, ``index.rebuild-<time>-<pid>``) do not stop it:
+    the rebuilt index opens, keeps every entry, and the planted directories are untouched."""
+    import time
+
+    from kvstore.cachedir import open_disk
+    from kvstore.maintenance.fsck import rebuild_index
+
+    cache = tmp_path / "cache"
+    prompts = _synthetic_store(cache, n=3)
+    now, pid = int(time.time()), os.getpid()
+    planted = [cache / f"index.corrupt-{t}" for t in range(now, now + 60)]
+    planted += [cache / f"index.rebuild-{t}-{pid}" for t in range(now, now + 60)]
+    for d in planted:
+        (d / "someone").mkdir(parents=True)
+    disk = open_disk(cache)
+    try:
+        rebuild_index(disk)
+        assert disk.index.counts()["entries"] == 3
+    finally:
+        disk.close()
+    assert all((d / "someone").is_dir() for d in planted)
+    assert _fetch_in_new_process(cache, prompts)["n"] == [100] * 3
