@@ -1002,7 +1002,6 @@ def test_control_characters_in_prompts_and_names_are_shown_escaped(tmp_path: Pat
 
 # -- 20.4: a directory shared by a group works for every member -----------------------------
 
-GROUP, UIDS = 47000, (47001, 47002)
 _MEMBER = """
 import json, logging, os, sys
 a = json.loads(sys.argv[1])
@@ -1031,14 +1030,11 @@ print(json.dumps(out))
 
 
 def _as_member(uid: int, payload: dict) -> dict:
-    """Run ``_MEMBER`` as ``uid`` with ``GROUP`` as its only group (a real second user)."""
-    def drop() -> None:
-        os.setgroups([GROUP])
-        os.setgid(GROUP)
-        os.setuid(uid)
+    """Run ``_MEMBER`` as ``uid`` with the group as its only group (a real second user)."""
+    from tools.faults.kinds.permissions import member_preexec
 
     p = subprocess.run([sys.executable, "-c", _MEMBER, json.dumps(payload)], capture_output=True, text=True,
-                       timeout=300, env=child_env(HOME="/tmp"), cwd="/", preexec_fn=drop)
+                       timeout=300, env=child_env(HOME="/tmp"), cwd="/", preexec_fn=member_preexec(uid))
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -1052,7 +1048,7 @@ def test_two_members_of_a_group_share_a_directory(tmp_path: Path) -> None:
     Every file is 0660 and every directory 2770, all of the directory's group."""
     import tempfile
 
-    from tools.faults.kinds.permissions import searchable_by_others
+    from tools.faults.kinds.permissions import GROUP, MEMBERS, searchable_by_others
 
     base = Path(tempfile.mkdtemp(prefix="kvshared-", dir="/tmp"))
     changed = searchable_by_others([ROOT, Path(sys.prefix), Path(sys.base_prefix), base])
@@ -1066,9 +1062,9 @@ def test_two_members_of_a_group_share_a_directory(tmp_path: Path) -> None:
         prompts = [[(7 * i + j) % 200 for j in range(100)] for i in range(4)]
         common = {"cache": str(cache), "chunk": CHUNK, "digest": SYN.digest.hex(), "info": SYN.info,
                   "model": str(mdir)}
-        a = _as_member(UIDS[0], {**common, "fetch": [], "insert": prompts[:2]})
-        b = _as_member(UIDS[1], {**common, "fetch": prompts[:2], "insert": prompts[2:], "rebuild": True})
-        a2 = _as_member(UIDS[0], {**common, "fetch": prompts, "insert": []})
+        a = _as_member(MEMBERS[0], {**common, "fetch": [], "insert": prompts[:2]})
+        b = _as_member(MEMBERS[1], {**common, "fetch": prompts[:2], "insert": prompts[2:], "rebuild": True})
+        a2 = _as_member(MEMBERS[0], {**common, "fetch": prompts, "insert": []})
         for r in (a, b, a2):
             assert r["disk"] and r["model"] and r["warned"] == [], r
         assert b["got"] == [100, 100] and a2["got"] == [100] * 4, (b, a2)
