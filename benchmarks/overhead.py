@@ -12,6 +12,10 @@ For SmolLM2 float32 at 1k and 2k prompt tokens (tiny-llama with --quick):
 - miss: ``fetch`` of a prompt nobody stored (memory trie + disk index lookup).
 
 Each store call is repeated (median reported); the prefill runs once per length.
+
+Plus one CLI row: ``kvstore ls`` on an empty cache directory, each run a fresh process
+(median of ``CLI_RUNS``), against ``python -c pass`` in the same run: the maintenance
+commands must start without importing MLX or mlx-lm (issue 21).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from . import common as C
 
 NAME = "overhead"
 REPS = 5
+CLI_RUNS = 10
 PREFILL_STEP = 512
 
 
@@ -39,6 +44,30 @@ def _prefill(model: Any, tokens: list[int]) -> tuple[list[Any], float]:
         mx.eval(logits)
     mx.eval(mx.argmax(logits[:, -1, :], axis=-1))
     return cache, time.perf_counter() - t0
+
+
+def cli_startup(ctx: C.Context) -> dict[str, Any]:
+    """Median wall time of ``kvstore ls`` on an empty directory and of ``python -c pass``,
+    each a fresh process (``CLI_RUNS`` of each, interleaved)."""
+    import subprocess
+    import sys
+
+    d = ctx.scratch("cli-empty")
+    from kvstore.cachedir import open_disk
+
+    open_disk(d).close()  # an empty store: an index, no entries
+    cmds = {"ls": [sys.executable, "-m", "kvstore.cli", "ls", "--cache-dir", str(d)],
+            "python": [sys.executable, "-c", "pass"]}
+    times: dict[str, list[float]] = {k: [] for k in cmds}
+    for _ in range(CLI_RUNS):
+        for k, cmd in cmds.items():
+            t0 = time.perf_counter()
+            subprocess.run(cmd, check=True, capture_output=True)
+            times[k].append(time.perf_counter() - t0)
+    out = {"ls_empty_s": C.median(times["ls"]), "python_s": C.median(times["python"]), "runs": times}
+    out["ls_minus_python_s"] = out["ls_empty_s"] - out["python_s"]
+    ctx.log(f"  kvstore ls (empty dir): {C.fmt(out['ls_empty_s'], 's')}, python -c pass {C.fmt(out['python_s'], 's')}")
+    return out
 
 
 def run(ctx: C.Context) -> dict[str, Any]:
@@ -107,7 +136,9 @@ def run(ctx: C.Context) -> dict[str, Any]:
              "writer thread: 'background write' is its duration, first insert (all chunks) and later "
              "inserts of the same prefix (tail only).",
              "On a machine with few cores the background write competes with the next request for CPU."]
-    return C.document(NAME, ctx, settings, rows, medians, headline, notes, started)
+    doc = C.document(NAME, ctx, settings, rows, medians, headline, notes, started)
+    doc["cli_startup"] = cli_startup(ctx)
+    return doc
 
 
 def report(doc: dict[str, Any]) -> str:
@@ -118,9 +149,16 @@ def report(doc: dict[str, Any]) -> str:
                      f"{m['insert_vs_prefill'] * 100:.2f}%", C.fmt(m["memory_fetch_exact_s"], "s"),
                      C.fmt(m["memory_fetch_prefix_s"], "s"), C.fmt(m["miss_fetch_s"], "s"),
                      f"{C.fmt(m['background_write_first_s'], 's')} / {C.fmt(m['background_write_tail_s'], 's')}"])
-    return C.table(f"Request-path overhead ({doc['settings']['model']}, median of {doc['settings']['reps']})",
-                   ["tokens", "prefill", "insert()", "insert/prefill", "memory fetch (exact)",
-                    "memory fetch (prefix)", "miss fetch", "bg write first / tail"], rows)
+    out = C.table(f"Request-path overhead ({doc['settings']['model']}, median of {doc['settings']['reps']})",
+                  ["tokens", "prefill", "insert()", "insert/prefill", "memory fetch (exact)",
+                   "memory fetch (prefix)", "miss fetch", "bg write first / tail"], rows)
+    cli = doc.get("cli_startup")
+    if cli:
+        out += "\n\n" + C.table(f"CLI start-up (median of {len(cli['runs']['ls'])} fresh processes)",
+                                ["command", "wall time"],
+                                [["kvstore ls (empty directory)", C.fmt(cli["ls_empty_s"], "s")],
+                                 ["python -c pass (baseline)", C.fmt(cli["python_s"], "s")]])
+    return out
 
 
 def headline_rows(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -132,4 +170,8 @@ def headline_rows(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
                     f"{C.fmt(m['insert_s'], 's')} ({m['insert_vs_prefill'] * 100:.2f}% of prefill)",
                     f"prefill {C.fmt(m['prefill_s'], 's')}; memory fetch {C.fmt(m['memory_fetch_exact_s'], 's')}; "
                     f"miss {C.fmt(m['miss_fetch_s'], 's')}; background write {C.fmt(m['background_write_first_s'], 's')}"))
+    cli = doc.get("cli_startup")
+    if cli:
+        out.append(("kvstore ls on an empty directory", C.fmt(cli["ls_empty_s"], "s"),
+                    f"python -c pass {C.fmt(cli['python_s'], 's')} (fresh processes, median)"))
     return out

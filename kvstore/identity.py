@@ -26,10 +26,12 @@ process notices a model directory that changed under it (see ``KVStore.identity`
 
 from __future__ import annotations
 
+import errno
 import inspect
 import json
 import logging
 import os
+import stat
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -142,8 +144,18 @@ class DigestMemo:
 
 
 def hash_file(path: Path) -> str:
+    """xxh3-128 of a regular file (a symlink to one is fine: hub snapshots are made of
+    them). OSError for a FIFO or device, without waiting on it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
     h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
+    with os.fdopen(fd, "rb") as f:
         while chunk := f.read(16 << 20):
             h.update(chunk)
     return h.hexdigest()

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tests.support import ROOT
@@ -726,3 +728,419 @@ def test_broken_record_with_a_future_timestamp_is_repaired(tmp_path: Path) -> No
     left = _cli(cache, "verify")
     assert left.returncode == 0, left.stdout
     assert sorted(_fetch_in_new_process(cache, prompts)["n"]) == [0, len(prompts[0])]
+
+
+# == issue 20: trust at the edges ==========================================================
+
+# -- 20.1: custom model code (config.json "model_file") is part of the identity -----------
+
+
+def _custom_model_dir(tmp_path: Path) -> Path:
+    """tiny-llama whose architecture comes from a ``model_file`` in its directory (mlx-lm's
+    llama.py, imports made absolute), plus a sibling helper module it does not import."""
+    import mlx_lm.models.llama as L
+
+    mdir = Path(shutil.copytree(model_path("tiny-llama"), tmp_path / "model"))
+    src = re.sub(r"^from \.(\w+) import", r"from mlx_lm.models.\1 import", Path(L.__file__).read_text(), flags=re.M)
+    (mdir / "custom_llama.py").write_text(src)
+    (mdir / "helpers").mkdir()
+    (mdir / "helpers" / "consts.py").write_text("ROPE_SCALE = 1.0\n")
+    cfg = json.loads((mdir / "config.json").read_text())
+    (mdir / "config.json").write_text(json.dumps({**cfg, "model_file": "custom_llama.py"}))
+    return mdir
+
+
+def _next_token(model, cache, tokens: list[int]) -> int:
+    import mlx.core as mx
+
+    return int(mx.argmax(model(mx.array([tokens]), cache=cache)[0, -1]).item())
+
+
+def test_custom_model_file_edit_is_a_new_identity(tmp_path: Path) -> None:
+    """With ``model_file`` (run by mlx-lm under trust_remote_code), one changed constant
+    in that file (the RoPE base) is a new identity: the running store notices it, a new
+    store restores none of the old code's KV and its next token is the cold prefill's.
+    A change to any other .py file of the model directory is a new identity too."""
+    from mlx_lm.utils import load_model
+    from tools.oracle import make_cache
+
+    mdir = _custom_model_dir(tmp_path)
+    prompt = [(37 * i + 11) % 250 + 3 for i in range(N_PROMPT)]
+    model = load_model(mdir, trust_remote_code=True)[0]
+    with KVStore(tmp_path / "cache", chunk_tokens=CHUNK) as s:
+        s.insert(mdir, prompt, prefill(model, prompt))
+        s.flush()
+        old = s.identity(mdir)
+        assert s.fetch(mdir, prompt + [5]).n == len(prompt)
+        src = (mdir / "custom_llama.py").read_text()
+        (mdir / "custom_llama.py").write_text(src.replace("args.rope_theta,", "args.rope_theta * 4,", 1))
+        assert s.identity(mdir) != old, "the running store kept the old code's identity"
+        assert s.fetch(mdir, prompt + [5]).n == 0
+    new_model = load_model(mdir, trust_remote_code=True)[0]
+    with KVStore(tmp_path / "cache", chunk_tokens=CHUNK) as s:
+        got = s.fetch(mdir, prompt + [5])
+        assert got.n == 0, "a new process restored KV computed by the old model code"
+        edited = s.identity(mdir)
+    cold = _next_token(new_model, make_cache(new_model), prompt + [5])
+    assert _next_token(new_model, got.cache or make_cache(new_model), (prompt + [5])[got.n:]) == cold
+    (mdir / "helpers" / "consts.py").write_text("ROPE_SCALE = 2.0\n")
+    assert model_identity(mdir).digest != edited.digest
+
+
+# -- 20.2: the clean stamp needs a check that ran to completion ----------------------------
+
+
+def _unstamped_store(tmp_path: Path) -> Path:
+    """A populated store whose index has no clean stamp: the next open checks it in a child."""
+    cache = tmp_path / "cache"
+    _synthetic_store(cache, n=2)
+    (cache / "index" / "clean").unlink()
+    return cache
+
+
+def _check_children() -> list[int]:
+    """Pids of this process's children running the index check (``index.core._WALK``)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and b"kvstore-open-probe" in cmd:
+            out.append(int(d.name))
+    return out
+
+
+def _signal_check_children(sig: int, found: list, stop: Any) -> None:
+    """Send ``sig`` to every index-check child this process starts until ``stop`` is set."""
+    while not stop.is_set():
+        for pid in _check_children():
+            if pid not in found:
+                os.kill(pid, sig)
+                found.append(pid)
+        stop.wait(0.005)
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP", "cannot start"])
+def test_check_that_did_not_complete_leaves_the_index_unstamped(tmp_path: Path, monkeypatch, how: str) -> None:
+    """The index check child killed from outside (the OOM killer's SIGKILL), stopped
+    (SIGSTOP: it runs into the time limit) or unable to start: the open succeeds, says
+    the check did not complete, and leaves no clean stamp (neither at open nor at the
+    writer's clean close), so the next open checks again instead of trusting the file."""
+    import logging
+    import signal
+    import threading
+
+    import kvstore.index.core as core
+    from kvstore.index import Index
+
+    cache = _unstamped_store(tmp_path)
+    warned: list[str] = []
+    handler = type("H", (logging.Handler,), {"emit": lambda s, r: warned.append(r.getMessage())})(logging.WARNING)
+    logging.getLogger("kvstore").addHandler(handler)
+    found: list = []
+    stop = threading.Event()
+    try:
+        monkeypatch.setattr(core, "CHECK_SECONDS", 3.0)
+        if how == "cannot start":
+            monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
+        else:
+            threading.Thread(target=_signal_check_children, args=(getattr(signal, how), found, stop),
+                             daemon=True).start()
+        for _ in range(2):  # and again: never a loop of trusting an unchecked file
+            idx = Index(cache)
+            assert not (cache / "index" / "clean").exists(), "an unchecked index was stamped clean at open"
+            assert idx.counts()["entries"] == 2
+            idx.close()
+            assert not (cache / "index" / "clean").exists(), "an unchecked index was stamped clean at close"
+    finally:
+        stop.set()
+        logging.getLogger("kvstore").removeHandler(handler)
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    assert how == "cannot start" or len(found) == 2, found
+    assert sum("did not complete" in w for w in warned) == 2, warned
+    monkeypatch.undo()
+    idx = Index(cache)  # a check that completes stamps it
+    idx.close()
+    assert (cache / "index" / "clean").is_file()
+
+
+# -- 20.3: no name kvstore writes can be planted (FIFO, symlink) --------------------------
+
+
+def _plant(path: Path, what: str, outside: Path) -> None:
+    if os.path.lexists(path):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    if what == "fifo":
+        os.mkfifo(path, 0o600)
+    else:
+        os.symlink(outside, path)
+
+
+def _planted_names() -> list[str]:
+    """The fixed names of ``cachedir.CREATED`` (a "*" part is random when created)."""
+    from kvstore.cachedir import CREATED
+
+    return [n.rstrip("/") for n in CREATED if "*" not in n]
+
+
+@pytest.mark.parametrize("what", ["fifo", "symlink"])
+def test_planted_fifo_or_symlink_at_every_written_name(tmp_path: Path, what: str) -> None:
+    """A FIFO or a symlink (to a file outside) at each name kvstore writes, and FIFOs at
+    the temp names earlier versions used (``<name>.<pid>.tmp`` for the next pids): a new
+    process opening the store, inserting, resolving a model identity (the digest memo),
+    marking the index damaged and closing never hangs and never writes outside."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("someone's file")
+    base = _unstamped_store(tmp_path)
+    results = {}
+    for name in _planted_names():
+        cache = tmp_path / f"c-{name.replace('/', '_')}"
+        shutil.copytree(base, cache, symlinks=True)
+        _plant(cache / name, what, outside)
+        last = int(Path("/proc/sys/kernel/ns_last_pid").read_text())
+        for rel in ("index/clean", "index/damaged", "file-digests.json"):
+            for pid in range(last + 1, last + 150):
+                if (cache / rel).parent.is_dir() and not (cache / rel).parent.is_symlink():
+                    os.mkfifo(cache / f"{rel}.{pid}.tmp", 0o600)
+        try:
+            got = run_py("""
+                import json, sys
+                from kvstore import KVStore, StoreOpenError
+                from kvstore.identity import Identity
+                a = json.loads(sys.argv[1])
+                try:
+                    with KVStore(a["cache"], chunk_tokens=a["chunk"]) as s:
+                        s.identity(a["model"])
+                        if s.disk is not None:
+                            s.disk.index.mark_damaged("test")
+                    print(json.dumps({"opened": True}))
+                except StoreOpenError as e:
+                    print(json.dumps({"refused": str(e)}))
+            """, {"cache": str(cache), "chunk": CHUNK, "model": str(model_path("tiny-llama"))}, timeout=120)
+        except subprocess.TimeoutExpired:
+            got = {"hung": True}
+        results[name] = got
+        assert outside.read_text() == "someone's file", f"{name}: wrote through a planted {what}"
+    assert {n: r for n, r in results.items() if "hung" in r} == {}, results
+    assert {n: r for n, r in results.items() if "refused" in r and n not in
+            ("index", "blobs", "index/data.mdb", "index/lock.mdb")} == {}, results
+
+
+def test_temp_names_are_unpredictable_and_exclusive(tmp_path: Path) -> None:
+    """``replace_file`` writes through a new random name each time and never opens an
+    existing one; ``create`` refuses a FIFO or symlink at its name at once."""
+    from kvstore import blobs
+
+    names = {blobs.temp_name(tmp_path / "clean") for _ in range(100)}
+    assert len(names) == 100 and all(blobs.TEMP_NAME.fullmatch(n.name) for n in names)
+    os.mkfifo(tmp_path / "fifo")
+    os.symlink(tmp_path / "target", tmp_path / "link")
+    for n in ("fifo", "link"):
+        with pytest.raises(FileExistsError):
+            blobs.create(tmp_path / n)
+    assert not (tmp_path / "target").exists()
+    blobs.replace_file(tmp_path / "link", b"x")
+    assert (tmp_path / "link").read_bytes() == b"x" and not (tmp_path / "link").is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link"]
+
+
+# -- 20.5: terminal injection through stored prompts and names ------------------------------
+
+_EVIL = "\x1b]52;c;aGVsbG8=\x07\x1b]0;owned\x07\x1b[2J\x1b[Hfake output\x9b31m"
+
+
+def test_control_characters_in_prompts_and_names_are_shown_escaped(tmp_path: Path) -> None:
+    """A stored prompt holding OSC 52 (clipboard), OSC 0 (window title), a screen clear and
+    a C1 CSI, under a model whose recorded name holds them too: ``inspect`` (head and
+    --prompt), ``ls`` and ``stats`` print them as escapes, and ``--json`` keeps them exact;
+    a kvstore log record shows them escaped, on one line."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    mdir = model_path("tiny-llama")
+    tok = AutoTokenizer.from_pretrained(str(mdir), local_files_only=True)
+    text = "hello " + _EVIL + " bye"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text  # the byte-level tokenizer round-trips every control
+    ident = Identity.from_components({"test": "esc", "layout": layout_of(synth_kv_cache(2, 2, 1, 8))},
+                                     name="evil" + _EVIL, path=str(mdir), model_type="llama" + _EVIL)
+    cache = tmp_path / "cache"
+    with KVStore(cache, chunk_tokens=CHUNK) as s:
+        s.register(ident.digest, ident)
+        s.insert(ident, ids, synth_kv_cache(2, 2, len(ids), 8))
+        s.flush()
+    entry = json.loads(_cli(cache, "ls", "--json").stdout)["identities"][0]["entries"][0]["id"]
+    for args in (["inspect", entry], ["inspect", entry, "--prompt"], ["ls"], ["stats"]):
+        p = _cli(cache, *args)
+        shown = p.stdout + p.stderr
+        assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", shown), (args, shown)
+        assert "\\x1b]52;c;aGVsbG8=\\x07" in p.stdout, (args, p.stdout)
+    got = json.loads(_cli(cache, "inspect", entry, "--prompt", "--json").stdout)
+    assert got["prompt"] == text and got["model"]["name"] == "evil" + _EVIL
+    seen: list[str] = []
+    handler = type("H", (logging.Handler,), {"emit": lambda s, r: seen.append(s.format(r))})()
+    logging.getLogger("kvstore").addHandler(handler)
+    try:
+        logging.getLogger("kvstore").warning("kvstore: no identity for model %s", "m\n" + _EVIL)
+    finally:
+        logging.getLogger("kvstore").removeHandler(handler)
+    assert seen == ["kvstore: no identity for model m\\x0a" + _EVIL.replace("\x1b", "\\x1b").replace(
+        "\x07", "\\x07").replace("\x9b", "\\x9b")], seen
+
+
+# -- 20.4: a directory shared by a group works for every member -----------------------------
+
+_MEMBER = """
+import json, logging, os, sys
+a = json.loads(sys.argv[1])
+os.umask(0o022)  # the members' own umask must not lock the others out
+warned = []
+logging.getLogger("kvstore").addHandler(
+    type("H", (logging.Handler,), {"emit": lambda s, r: warned.append(r.getMessage())})(logging.WARNING))
+from kvstore import KVStore
+from kvstore.identity import Identity
+from tests.support.caches import synth_kv_cache
+ident = Identity(bytes.fromhex(a["digest"]), a["info"])
+out = {"uid": os.getuid()}
+with KVStore(a["cache"], chunk_tokens=a["chunk"], shared_dir=True, on_disk_error="memory") as s:
+    out["disk"] = s.disk is not None
+    out["model"] = s.identity(a["model"]) is not None
+    out["got"] = [s.fetch(ident, t).n for t in a["fetch"]]
+    for i, t in enumerate(a["insert"]):
+        s.insert(ident, t, synth_kv_cache(2, 2, len(t), 8, seed=i))
+        s.flush()
+    if a.get("rebuild") and s.disk is not None:
+        from kvstore.maintenance.fsck import rebuild_index
+        out["rebuild"] = rebuild_index(s.disk)
+out["warned"] = warned
+print(json.dumps(out))
+"""
+
+
+def _as_member(uid: int, payload: dict) -> dict:
+    """Run ``_MEMBER`` as ``uid`` with the group as its only group (a real second user)."""
+    from tools.faults.kinds.permissions import member_preexec
+
+    p = subprocess.run([sys.executable, "-c", _MEMBER, json.dumps(payload)], capture_output=True, text=True,
+                       timeout=300, env=child_env(HOME="/tmp"), cwd="/", preexec_fn=member_preexec(uid))
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running as two other users needs root")
+def test_two_members_of_a_group_share_a_directory(tmp_path: Path) -> None:
+    """Two uids of one group, each with umask 022, on a ``--shared-dir`` directory: each
+    reads the other's entries and adds its own, each resolves a model identity through
+    the digest memo the other wrote, and after one of them rebuilds the index (what
+    ``verify --fix`` does) the other still can: no warning, no memory-only fallback.
+    Every file is 0660 and every directory 2770, all of the directory's group."""
+    import tempfile
+
+    from tools.faults.kinds.permissions import GROUP, MEMBERS, searchable_by_others
+
+    base = Path(tempfile.mkdtemp(prefix="kvshared-", dir="/tmp"))
+    changed = searchable_by_others([ROOT, Path(sys.prefix), Path(sys.base_prefix), base])
+    try:
+        mdir = Path(shutil.copytree(model_path("tiny-llama"), base / "model"))
+        subprocess.run(["chmod", "-R", "a+rX", str(mdir)], check=True)
+        cache = base / "shared"
+        cache.mkdir()
+        os.chown(cache, 0, GROUP)
+        os.chmod(cache, 0o2770)
+        prompts = [[(7 * i + j) % 200 for j in range(100)] for i in range(4)]
+        common = {"cache": str(cache), "chunk": CHUNK, "digest": SYN.digest.hex(), "info": SYN.info,
+                  "model": str(mdir)}
+        a = _as_member(MEMBERS[0], {**common, "fetch": [], "insert": prompts[:2]})
+        b = _as_member(MEMBERS[1], {**common, "fetch": prompts[:2], "insert": prompts[2:], "rebuild": True})
+        a2 = _as_member(MEMBERS[0], {**common, "fetch": prompts, "insert": []})
+        for r in (a, b, a2):
+            assert r["disk"] and r["model"] and r["warned"] == [], r
+        assert b["got"] == [100, 100] and a2["got"] == [100] * 4, (b, a2)
+        modes = {}
+        for d, dirs, files in os.walk(cache):
+            for n in dirs + files:
+                st = os.lstat(os.path.join(d, n))
+                modes[os.path.relpath(os.path.join(d, n), cache)] = (oct(st.st_mode & 0o7777), st.st_gid)
+        bad = {p: m for p, m in modes.items()
+               if m != (("0o2770" if os.path.isdir(cache / p) else "0o660"), GROUP)}
+        assert bad == {} and "file-digests.json" in modes, bad
+    finally:
+        for d, mode in reversed(changed):
+            os.chmod(d, mode)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# -- 20.6: the same classes elsewhere -----------------------------------------------------
+
+
+def test_fifo_swapped_in_for_the_data_file_never_blocks_a_close(tmp_path: Path) -> None:
+    """data.mdb replaced by a FIFO while a writer has the index open: its clean close
+    (which reads the data file's meta pages to stamp it) neither blocks nor stamps."""
+    cache = tmp_path / "cache"
+    _synthetic_store(cache)
+    got = run_py("""
+        import json, os, sys
+        from kvstore.index import Index
+        a = json.loads(sys.argv[1])
+        idx = Index(a["cache"])
+        data = os.path.join(a["cache"], "index", "data.mdb")
+        os.replace(data, data + ".real")
+        os.mkfifo(data)
+        idx.close()
+        print(json.dumps({"stamp": os.path.exists(os.path.join(a["cache"], "index", "clean"))}))
+    """, {"cache": str(cache)}, timeout=60)
+    assert got == {"stamp": False}
+
+
+def test_fifo_among_the_tokenizer_files_never_blocks_the_identity(tmp_path: Path) -> None:
+    """A FIFO named like a tokenizer file in the model directory (hashed into the
+    identity): resolving the identity fails at once (no identity, said once) instead of
+    waiting for a writer forever."""
+    mdir = Path(shutil.copytree(model_path("tiny-llama"), tmp_path / "model"))
+    os.mkfifo(mdir / "vocab.json")
+    got = run_py("""
+        import json, sys
+        from kvstore import KVStore
+        a = json.loads(sys.argv[1])
+        with KVStore(a["cache"]) as s:
+            print(json.dumps({"identity": s.identity(a["model"]) is not None}))
+    """, {"cache": str(tmp_path / "cache"), "model": str(mdir)}, timeout=120)
+    assert got == {"identity": False}
+
+
+def test_repair_names_cannot_be_planted_in_advance(tmp_path: Path) -> None:
+    """Directories planted at every name the index repair would have used in the next
+    minute (``index.corrupt-<time>``, ``index.rebuild-<time>-<pid>``) do not stop it:
+    the rebuilt index opens, keeps every entry, and the planted directories are untouched."""
+    import time
+
+    from kvstore.cachedir import open_disk
+    from kvstore.maintenance.fsck import rebuild_index
+
+    cache = tmp_path / "cache"
+    prompts = _synthetic_store(cache, n=3)
+    now, pid = int(time.time()), os.getpid()
+    planted = [cache / f"index.corrupt-{t}" for t in range(now, now + 60)]
+    planted += [cache / f"index.rebuild-{t}-{pid}" for t in range(now, now + 60)]
+    for d in planted:
+        (d / "someone").mkdir(parents=True)
+    disk = open_disk(cache)
+    try:
+        rebuild_index(disk)
+        assert disk.index.counts()["entries"] == 3
+    finally:
+        disk.close()
+    assert all((d / "someone").is_dir() for d in planted)
+    assert _fetch_in_new_process(cache, prompts)["n"] == [100] * 3

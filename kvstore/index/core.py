@@ -70,9 +70,11 @@ path, ro, size = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
 try:
     env = lmdb.open(path, readonly=ro, lock=True, max_dbs=64, subdir=True, readahead=False,
                     max_readers=512, map_size=size, create=False)
-except lmdb.Error:
-    sys.exit(0)  # the parent's own open reports what is wrong
+except lmdb.Error as e:
+    print(f"cannot open: {e}", file=sys.stderr)
+    sys.exit(5)  # no verdict: the parent's own open reports what is wrong
 DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError)
+unread = []
 bad = []
 try:
     with env.begin() as txn:
@@ -86,19 +88,22 @@ try:
                         v[0], v[len(v) - 1]
         except DAMAGE as e:
             bad.append(f"{name.decode(errors='replace')}: {e}")
-        except lmdb.Error:
-            pass
+        except lmdb.Error as e:
+            unread.append(f"{name.decode(errors='replace')}: {e}")
     if not ro:
         with env.begin(write=True) as txn:
             txn.put(b"\x00kvstore-open-probe", b"")
             txn.delete(b"\x00kvstore-open-probe")
 except DAMAGE as e:
     bad.append(str(e))
-except lmdb.Error:
-    pass
+except lmdb.Error as e:
+    unread.append(str(e))
 if bad:  # a damaged B-tree: the next read of it may fault instead of failing
     print("; ".join(bad), file=sys.stderr)
     sys.exit(3)
+if unread:  # not read to the end (readers table full, out of memory...): no verdict
+    print("; ".join(unread), file=sys.stderr)
+    sys.exit(4)
 """
 @dataclass
 class _Shared:
@@ -255,6 +260,8 @@ class Index:
             st = os.stat(data, follow_symlinks=False)
         except OSError:
             return None
+        if not stat.S_ISREG(st.st_mode):  # reading a FIFO planted there would block
+            return None
         return {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                 "ctime_ns": st.st_ctime_ns, "txnid": last_txnid(data)}
 
@@ -339,6 +346,9 @@ class Index:
         if p.returncode < 0 and -p.returncode in _FATAL:
             return True, (f"reading {data} kills the process ({signal.Signals(-p.returncode).name}"
                           + (f": {why[-1]}" if why else "") + ")")
+        if p.returncode == 5:  # the child could not open it: the parent's own open says why
+            log.info("kvstore: the check of index %s could not open it: %s", self.path, why[-1] if why else "")
+            return False, None
         if p.returncode != 0:
             how = f"killed by {signal.Signals(-p.returncode).name}" if p.returncode < 0 else f"exit {p.returncode}"
             return _unchecked(self.path, f"it ended without a verdict ({how}{': ' + why[-1] if why else ''})")

@@ -423,6 +423,45 @@ def data_fifo(case: Path, tpl: dict, rng: random.Random) -> Crafted:
     return Crafted("index/data.mdb is a FIFO", foreign=["cache/index/data.mdb"], refuse=("data.mdb",))
 
 
+def temp_name_fifos(case: Path, tpl: dict, rng: random.Random) -> Crafted:
+    """FIFOs at the temp names earlier versions wrote the stamp, the damage marker and the
+    digest memo through (``<name>.<pid>.tmp``) for the next pids, the stamp removed so
+    the next writer writes one: kvstore's temp names are random and created with
+    ``O_EXCL``, so none of them is ever opened."""
+    cache = case / "cache"
+    (cache / "index" / "clean").unlink(missing_ok=True)
+    last = int(Path("/proc/sys/kernel/ns_last_pid").read_text()) if Path("/proc/sys/kernel/ns_last_pid").exists() \
+        else os.getpid()
+    planted = []
+    for rel in ("index/clean", "index/damaged", "file-digests.json"):
+        for pid in range(last + 1, last + 400):
+            os.mkfifo(cache / f"{rel}.{pid}.tmp", 0o600)
+            planted.append(f"cache/{rel}.{pid}.tmp")
+    return Crafted("FIFOs at <name>.<pid>.tmp for the next pids", foreign=planted)
+
+
+def written_name_symlinks(case: Path, tpl: dict, rng: random.Random) -> Crafted:
+    """The clean stamp, the damage marker and the digest memo as symlinks to someone's
+    files: kvstore replaces a name it writes (a rename), never writes through it."""
+    cache = case / "cache"
+    user = case / "outside" / "user-files"
+    user.mkdir(parents=True, exist_ok=True)
+    foreign = []
+    for rel in ("index/clean", "index/damaged", "file-digests.json"):
+        target = user / rel.replace("/", "_")
+        target.write_bytes(os.urandom(rng.randint(1, 2000)))
+        foreign.append(str(target.relative_to(case)))
+        (cache / rel).unlink(missing_ok=True)
+        os.symlink(target, cache / rel)
+    return Crafted("index/clean, index/damaged and file-digests.json are symlinks to someone's files", foreign=foreign)
+
+
+def damaged_fifo(case: Path, tpl: dict, rng: random.Random) -> Crafted:
+    """index/damaged (the damage marker) replaced by a FIFO."""
+    _fifo_at(case, "index/damaged")
+    return Crafted("index/damaged is a FIFO")
+
+
 PLANTED_CASES = [
     Case("blobs/ is a symlink to someone's files", blobs_symlink, "planted", ci=True),
     Case("a fan-out directory is a symlink", fanout_symlink, "planted", ci=True),
@@ -434,5 +473,8 @@ PLANTED_CASES = [
     Case("index/clean is a FIFO", stamp_fifo, "planted"),
     Case("file-digests.json is a FIFO", memo_fifo, "planted"),
     Case("index/data.mdb is a FIFO", data_fifo, "planted"),
+    Case("FIFOs at the next pids' temp names", temp_name_fifos, "planted", ci=True),
+    Case("written names are symlinks to someone's files", written_name_symlinks, "planted", ci=True),
+    Case("index/damaged is a FIFO", damaged_fifo, "planted"),
 ]
 DIR_CASES = RECORD_CASES + PLANTED_CASES

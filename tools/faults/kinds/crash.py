@@ -11,6 +11,7 @@ the check on the directory afterwards."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import random
@@ -417,6 +418,93 @@ def _check_trial(ctx: Ctx, t: Tally, rng: random.Random, i: int, phase: str, d: 
     return res
 
 
+# ----------------------------------------------------------------------- the index check child
+
+_OPEN_INDEX = """
+import json, logging, sys
+from pathlib import Path
+import kvstore.index.core as core
+core.CHECK_SECONDS = 2.0  # a stopped check runs into this limit
+warned = []
+logging.getLogger("kvstore").addHandler(
+    type("H", (logging.Handler,), {"emit": lambda s, r: warned.append(r.getMessage())})(logging.WARNING))
+from kvstore.cachedir import open_disk
+disk = open_disk(Path(sys.argv[1]))
+n = disk.index.counts()["entries"]
+disk.close()
+print(json.dumps({"entries": n, "warned": warned}))
+"""
+
+
+def check_children(parent: int) -> list[int]:
+    """Pids of ``parent``'s children running kvstore's index check (``index.core._WALK``,
+    which names its probe key ``kvstore-open-probe``)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"kvstore-open-probe" in cmd:
+            out.append(int(d))
+    return out
+
+
+def signal_check_children(parent: int, sig: int, found: list[int], stop: Any) -> None:
+    """Send ``sig`` to every index-check child ``parent`` starts until ``stop`` is set."""
+    while not stop.is_set():
+        for pid in check_children(parent):
+            if pid not in found:
+                os.kill(pid, sig)
+                found.append(pid)
+        stop.wait(0.005)
+
+
+def _check_child_trial(ctx: Ctx, t: Tally, i: int, d: Any, sig: int, committed: set[str], excused: set[str]) -> None:
+    """A new process opens ``d`` (its clean stamp removed) while its index check child is
+    killed (SIGKILL, as the OOM killer does) or stopped (SIGSTOP): the open must finish,
+    say the check did not complete and leave no stamp; then the usual check of ``d``."""
+    import threading
+
+    (d / "index" / "clean").unlink(missing_ok=True)
+    p = subprocess.Popen([sys.executable, "-c", _OPEN_INDEX, str(d)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)})
+    found: list[int] = []
+    stop = threading.Event()
+    threading.Thread(target=signal_check_children, args=(p.pid, sig, found, stop), daemon=True).start()
+    name = signal.Signals(sig).name
+    try:
+        out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        t.c["failed_cases"] += 1
+        t.fail("open hung with its check child " + name, trial=i)
+    finally:
+        stop.set()
+        for pid in found:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    try:
+        got = json.loads(out.strip().splitlines()[-1]) if p.returncode == 0 else None
+    except (ValueError, IndexError):
+        got = None
+    if p.returncode != 0 or not isinstance(got, dict):
+        t.c["crashes"] += 1
+        t.fail(f"open with its check child {name} failed", trial=i, returncode=p.returncode, stderr=err[-1200:])
+    elif not found or not any("did not complete" in w for w in got["warned"]):
+        t.fail(f"check child {name}: not seen or not reported", trial=i, found=found, warned=got["warned"])
+    if (d / "index" / "clean").exists():
+        t.fail(f"index stamped clean after its check child was {name}", trial=i)
+    t.outcomes[f"check child {name}"] += 1
+    _check_trial(ctx, t, random.Random(i), i, f"check_{name}", d, committed, excused)
+
+
 def run_crash(ctx: Ctx) -> dict:
     """``crash`` trials in lineages of ``crash_lineage`` trials sharing a directory."""
     n = ctx.size["crash"]
@@ -447,6 +535,9 @@ def run_crash(ctx: Ctx) -> dict:
             ctx.debug(f"crash {i} {phase} killed={kt.w.killed} committed={len(committed)} "
                       f"claimed={res.get('claimed')} verify={res.get('verify')} lost={res.get('lost')}")
             ctx.progress(t, i, n)
+        for j, sig in enumerate((signal.SIGKILL, signal.SIGSTOP)):
+            if (d / "index" / "data.mdb").is_file():
+                _check_child_trial(ctx, t, n + j, d, sig, committed, excused)
     finally:
         pool.close()
         shutil.rmtree(base, ignore_errors=True)

@@ -9,6 +9,7 @@ judges the three outcomes (``_judge_perm``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -257,7 +258,7 @@ def run_permissions(ctx: Ctx) -> dict:
     opened: list[tuple[Path, int]] = []
     if is_root:
         os.chmod(ctx.work, 0o755)
-        opened = _searchable_by_others([ROOT, Path(sys.prefix)])
+        opened = searchable_by_others([ROOT, Path(sys.prefix), Path(sys.base_prefix)])
         nobody_w = Checker(ctx.logdir, "perm")
         nobody_w.w.close()
         nobody_w.w = Worker("perm", ctx.logdir, nobody=True)
@@ -282,6 +283,10 @@ def run_permissions(ctx: Ctx) -> dict:
         _perm_case(t, w, name, d, expect)
     for m in mounts:
         umount(m)
+    if is_root:
+        run_group(ctx, t, base, 4 if ctx.size.get("crash", 0) <= 24 else 12)
+    else:
+        t.skipped.append("two uids of one group: needs root")
     root_w.close()
     if nobody_w:
         nobody_w.close()
@@ -292,7 +297,107 @@ def run_permissions(ctx: Ctx) -> dict:
     return t.result()
 
 
-def _searchable_by_others(paths: list[Path]) -> list[tuple[Path, int]]:
+# ----------------------------------------------------------------------- a group sharing a directory
+
+GROUP, MEMBERS = 47000, (47001, 47002)  # a group and two unprivileged users of it (no passwd entry needed)
+_MEMBER = """
+import json, logging, os, random, sys
+a = json.loads(sys.argv[1])
+os.umask(0o022)  # a member's own umask must not lock the others out
+warned = []
+logging.getLogger("kvstore").addHandler(
+    type("H", (logging.Handler,), {"emit": lambda s, r: warned.append(r.getMessage())})(logging.WARNING))
+from kvstore import KVStore
+from tools.faults.synth import syn_cache, syn_check, syn_identity
+ident = syn_identity("kv")
+out = {"uid": os.getuid(), "wrong": [], "missed": 0}
+with KVStore(a["cache"], chunk_tokens=a["chunk"], shared_dir=True, on_disk_error="memory") as s:
+    out["disk"] = s.disk is not None
+    for t in a["fetch"]:
+        f = s.fetch(ident, t)
+        if f.n != len(t):
+            out["missed"] += 1
+        elif not syn_check("kv", t, f.cache, f.n)[0]:
+            out["wrong"].append(len(t))
+    for t in a["insert"]:
+        s.insert(ident, t, syn_cache("kv", t))
+        s.flush()
+    if a.get("rebuild") and s.disk is not None:
+        from kvstore.maintenance.fsck import rebuild_index
+        out["rebuild"] = rebuild_index(s.disk)
+out["warned"] = warned
+print(json.dumps(out))
+"""
+
+
+def member_preexec(uid: int, gid: int = GROUP) -> Callable[[], None]:
+    """preexec_fn: run a child as ``uid`` with ``gid`` as its group and only group."""
+    def drop() -> None:
+        os.setgroups([gid])
+        os.setgid(gid)
+        os.setuid(uid)
+    return drop
+
+
+def _as_member(uid: int, payload: dict) -> dict:
+    p = subprocess.run([sys.executable, "-c", _MEMBER, json.dumps(payload)], capture_output=True,
+                       text=True, timeout=300, cwd="/", preexec_fn=member_preexec(uid),
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/tmp"})
+    if p.returncode != 0:
+        return {"crashed": p.returncode, "stderr": p.stderr[-1200:]}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _shared_modes(d: Path) -> dict[str, tuple[str, int]]:
+    """Files and directories under ``d`` whose mode or group is not the shared one."""
+    bad = {}
+    for p in d.rglob("*"):
+        st = os.lstat(p)
+        want = 0o2770 if stat.S_ISDIR(st.st_mode) else 0o660
+        if (stat.S_IMODE(st.st_mode), st.st_gid) != (want, GROUP):
+            bad[str(p.relative_to(d))] = (oct(stat.S_IMODE(st.st_mode)), st.st_gid)
+    return bad
+
+
+def run_group(ctx: Ctx, t: Tally, base: Path, rounds: int) -> None:
+    """Two uids of one group, each with umask 022, take turns on one ``--shared-dir``
+    directory: each round a member fetches every entry stored so far (a miss or a wrong
+    restore is counted), stores new ones, and every third round rebuilds the index (what
+    ``verify --fix`` does). No warning, no memory-only fallback; every file 0660 and
+    every directory 2770 of the group; a file of another user in it is left alone."""
+    d = base / "group"
+    d.mkdir()
+    os.chown(d, 0, GROUP)
+    os.chmod(d, 0o2770)
+    (d / "someone-else.txt").write_text("not kvstore's")
+    rng = random.Random(ctx.seed)
+    stored: list[list[int]] = []
+    for i in range(rounds):
+        new = [random_prompt(rng, 40, 100) for _ in range(2)]
+        r = _as_member(MEMBERS[i % 2], {"cache": str(d), "chunk": CHUNK, "fetch": stored, "insert": new,
+                                        "rebuild": i % 3 == 2})
+        t.c["trials"] += 1
+        if "crashed" in r:
+            t.c["crashes"] += 1
+            t.fail("group member process failed", round=i, **r)
+            continue
+        t.c["wrong_restores"] += len(r["wrong"])
+        t.c["unexplained_misses"] += r["missed"]
+        if r["wrong"] or r["missed"] or not r["disk"] or r["warned"]:
+            t.fail("group member could not use the shared directory", round=i, result=r)
+        t.outcomes[f"group member uid {r['uid']}"] += 1
+        stored += new
+    bad = {k: v for k, v in _shared_modes(d).items() if k != "someone-else.txt"}
+    if bad:
+        t.c["failed_cases"] += 1
+        t.fail("files or directories not shared with the group", files=dict(list(bad.items())[:5]))
+    if (d / "someone-else.txt").read_text() != "not kvstore's":
+        t.c["failed_cases"] += 1
+        t.fail("a file kvstore did not write was changed")
+    t.info["group"] = {"rounds": rounds, "entries": len(stored)}
+
+
+def searchable_by_others(paths: list[Path]) -> list[tuple[Path, int]]:
     """The nobody worker imports kvstore and tools from this checkout with its venv's
     interpreter, so each of them must be listable and every directory above them
     searchable by others: add o+rx / o+x where it is missing (a checkout cloned into a
