@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Callable
 
 
-
 def serves(stored: int, common: int, n_q: int, cut: bool | Callable[[int], bool] = True, *,
            whole: bool = True) -> int | None:
     """Tokens the candidate restores for the query, None if it cannot serve it (a cut it
