@@ -250,6 +250,8 @@ class KVStore:
             floor = restore_floor(n, len(tokens))  # what a disk or shared hit must beat
             shared = self.shared is not None and self._from_shared(ident, enc, floor)  # type: ignore[arg-type]
             got = self._fetch_disk(ident, enc, better_than=floor, source="shared" if shared else "disk")  # type: ignore[arg-type]
+            if self.shared is not None:  # the prefill of what was not served starts now
+                self.shared.prefill.fetched(ident.digest, got.n if got is not None else n)  # type: ignore[union-attr]
             if got is not None:
                 return got
         if cache is not None:
@@ -452,6 +454,8 @@ class KVStore:
             top = max(tokens)
             if vocab is not None and top >= vocab:
                 raise TokenError(f"token id {top} is out of the vocabulary of {ident.name} (vocab_size {vocab})")
+        if self.shared is not None and ident is not None:  # measures this model's prefill rate
+            self.shared.prefill.inserted(ident.digest, len(tokens))
         snap, covered = self._snapshot(cache, len(tokens), cache_type)
         wrong = (layout_problem(ident, snap.tensors, snap.layout)
                  if ident is not None and snap.layout is not None and snap.tensors is not None else None)

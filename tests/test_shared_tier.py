@@ -45,10 +45,10 @@ def store(path, url: str, **kw) -> KVStore:
 
 def publish(path, url: str, who: Identity, entries: list[list[int]], **kw) -> None:
     """Machine A: insert synthetic caches and wait until they are published."""
-    snapshot = kw.pop("snapshot", False)
+    snapshot, layers = kw.pop("snapshot", False), kw.pop("layers", 2)
     with store(path, url, **kw) as a:
         for toks in entries:
-            a.insert(who, toks, synth(toks, snapshot=snapshot))
+            a.insert(who, toks, synth(toks, snapshot=snapshot, layers=layers))
         assert a.flush(30)
         s = a.stats()
         assert s["shared_published"] + s["shared_publish_skipped"] == len(entries), s
@@ -485,6 +485,58 @@ def test_unreachable_server_costs_a_counted_miss(tmp_path):
         assert s.fetch(ident("x"), rand_tokens(100, 22)).cache is None
         st = s.stats()
         assert st["shared_errors"] >= 1 and st["shared_publish_failed"] == 1 and st["corrupt"] == 0
+
+
+# --------------------------------------------------------------------------- slow links (a real relay)
+
+
+def test_slow_link_costs_a_counted_miss_within_the_deadline(tmp_path, redis_server: RedisServer):
+    """Behind a real relay that moves 20 KB/s (a 1,000-token entry of ~260 KB would take
+    ~13 s), a fetch is cut off at its deadline: a counted miss (the connection abandoned),
+    not a slow hit. The link at full speed again, the next fetch is a hit over a fresh
+    connection."""
+    from tests.support.relay import Relay
+
+    who, toks = ident("slow"), rand_tokens(1000, 41)
+    publish(tmp_path / "a", redis_server.url, who, [toks], layers=8)
+    with Relay(redis_server.port, rate=20e3) as relay, \
+            store(tmp_path / "b", relay.url) as b:
+        b.shared.config = b.shared.config.with_options(fetch_deadline=0.5)
+        f = b.fetch(who, toks + [1])
+        s = b.stats()
+        assert f.cache is None and s["hits_shared"] == 0, "a slow link must not give a slow hit"
+        assert s["shared_deadline_misses"] == 1 and s["misses"] == 1
+        relay.rate = None
+        f = b.fetch(who, toks + [1])
+        assert (f.n, f.source) == (1000, "shared")
+        assert U.cache_digest(f.cache) == U.cache_digest(synth(toks, layers=8))
+
+
+def test_slow_or_stalled_link_bounds_publish_and_close(tmp_path, redis_server: RedisServer):
+    """Publishes through a 20 KB/s relay fail at their deadline (counted), and closing a
+    store whose publisher is stuck behind a stalled link drops what is queued (counted)
+    instead of waiting for it."""
+    from tests.support.relay import Relay
+
+    who = ident("slowpub")
+    entries = [rand_tokens(1000, 50 + i) for i in range(4)]
+    with Relay(redis_server.port, rate=20e3) as relay:
+        # a socket timeout of 5 s moving values: only the deadlines can cut a call short
+        cfg = SharedConfig.from_url(relay.url, command_timeout=0.5, publish_deadline=0.5, flush_deadline=0.5)
+        a = KVStore(tmp_path / "a", chunk_tokens=C, shared=cfg)
+        tier = a.shared
+        a.insert(who, entries[0], synth(entries[0], layers=8))
+        a.flush(30)  # the disk write, then the publish, which fails at its deadline
+        s = a.stats()
+        assert s["shared_publish_failed"] == 1 and s["shared_published"] == 0, s
+        tier.config = tier.config.with_options(publish_deadline=30.0)
+        relay.stall()
+        for toks in entries[1:]:
+            a.insert(who, toks, synth(toks, layers=8))
+        a.close()  # bounded by flush_deadline, whatever is queued
+        s = tier.stats()
+        assert s["shared_publish_abandoned"] + s["shared_publish_failed"] == 4, s
+        assert s["shared_publish_abandoned"] >= 1 and s["shared_published"] == 0, s
 
 
 # --------------------------------------------------------------------------- cluster, ACL, options

@@ -8,9 +8,13 @@ Guarantees:
 
 * Bounded time per call. Every socket operation has ``connect_timeout`` /
   ``command_timeout`` and redis-py's own retries are off, so a call to a dead or stopped
-  server returns after about ``connect_timeout + command_timeout`` per node it touches (a
-  live server streaming a large reply can take longer: the timeout bounds each read).
-  Cluster pipelines are sent per node here, never replayed command by command.
+  server returns after about ``connect_timeout + command_timeout`` per node it touches.
+  Those bound each read, not a call (a slow path that sends a few bytes per timeout keeps
+  a large reply going): a call given ``until`` (a ``time.monotonic()`` deadline) is also
+  bounded in wall time, by abandoning the client's connections when it passes
+  (``deadline.watch``: the sockets are closed, the call fails as ``errors_deadline``, the
+  next call connects afresh). Cluster pipelines are sent per node here, never replayed
+  command by command.
 * Never raises for server failures. Connection errors, timeouts, failed authentication,
   cluster errors and error replies are caught, counted in ``stats()`` and returned as
   ``None`` (reads, "unavailable") or ``False`` (writes). ``ValueError`` is raised only for
@@ -32,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import redis
@@ -45,6 +50,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from .breaker import Breaker
+from . import deadline
 from .config import SharedConfig
 from .keys import key_slot, make_key
 
@@ -58,12 +64,16 @@ Items = Mapping[str, Value] | Iterable[tuple[str, Value]]
 RedisClient = redis.Redis | RedisCluster
 Op = tuple[str, Callable[[Pipeline], object]]  # (key, queue the command on a pipeline)
 
-ERROR_KINDS = ("timeout", "connection", "auth", "cluster", "other")
-_BREAKER_KINDS = frozenset({"timeout", "connection", "auth", "cluster"})
+ERROR_KINDS = ("timeout", "deadline", "connection", "auth", "cluster", "other")
+_BREAKER_KINDS = frozenset({"timeout", "deadline", "connection", "auth", "cluster"})
 _CAUGHT = (RedisError, RedisClusterException, OSError)
 _REDIRECTS = (AskError, TryAgainError)  # AskError covers MovedError
 _COUNTERS = ("calls", "round_trips", "skipped_calls", "bytes_in", "bytes_out",
              *(f"errors_{k}" for k in ERROR_KINDS))
+
+
+class DeadlineExceeded(RedisTimeoutError):
+    """A call cut off at its wall-time deadline (its connections were abandoned)."""
 
 
 class _Unavailable:
@@ -106,12 +116,12 @@ class SharedClient:
 
     # -- reads -----------------------------------------------------------------------
 
-    def pipeline_get(self, keys: Sequence[str]) -> list[bytes | None] | None:
+    def pipeline_get(self, keys: Sequence[str], until: float | None = None) -> list[bytes | None] | None:
         """GET every key in one round trip (per cluster node). None = unavailable."""
         _check_keys(keys)
         if not keys:
             return []
-        got = self._call("get", lambda c: self._pipelined(c, [(k, _get(k)) for k in keys]))
+        got = self._call("get", lambda c: self._pipelined(c, [(k, _get(k)) for k in keys]), until)
         if isinstance(got, _Unavailable):
             return None
         values = [None if self._item_error(r) else r for r in got]
@@ -131,7 +141,7 @@ class SharedClient:
         self._count("bytes_in", sum(len(v) for h in hashes for v in h.values()))
         return hashes
 
-    def pipeline_read(self, commands: Sequence[tuple[Any, ...]]) -> list[Any] | None:
+    def pipeline_read(self, commands: Sequence[tuple[Any, ...]], until: float | None = None) -> list[Any] | None:
         """Mixed read commands in one round trip (per cluster node), replies in order.
 
         Each command is ``(name, key, *args)`` with ``name`` one of ``READ_COMMANDS``
@@ -148,7 +158,7 @@ class SharedClient:
             ops.append((cmd[1], _command(*cmd)))
         if not ops:
             return []
-        got = self._call("read", lambda c: self._pipelined(c, ops))
+        got = self._call("read", lambda c: self._pipelined(c, ops), until)
         if isinstance(got, _Unavailable):
             return None
         replies = [None if self._item_error(r) else r for r in got]
@@ -168,7 +178,8 @@ class SharedClient:
 
     # -- writes ----------------------------------------------------------------------
 
-    def set_nx_many(self, items: Items, ttl: float | None = None) -> list[bool] | None:
+    def set_nx_many(self, items: Items, ttl: float | None = None,
+                    until: float | None = None) -> list[bool] | None:
         """SET NX each item (one round trip per node): True where this call wrote the key.
 
         ``ttl`` in seconds; None uses the config's ttl (None there: no expiry).
@@ -178,14 +189,15 @@ class SharedClient:
             return []
         px = self._ttl_ms(ttl)
         ops = [(k, _set(k, v, px, nx=True)) for k, v in pairs]
-        got = self._call("set_nx", lambda c: self._pipelined(c, ops))
+        got = self._call("set_nx", lambda c: self._pipelined(c, ops), until)
         if isinstance(got, _Unavailable):
             return None
         written = [not self._item_error(r) and bool(r) for r in got]
         self._count("bytes_out", sum(_size(v) for (_, v), w in zip(pairs, written) if w))
         return written
 
-    def set_many(self, items: Items, ttl: float | None = None, atomic: bool = False) -> bool:
+    def set_many(self, items: Items, ttl: float | None = None, atomic: bool = False,
+                 until: float | None = None) -> bool:
         """SET each item; True if every one was written.
 
         ``atomic=True`` wraps them in MULTI/EXEC and needs every key in one hash slot (give
@@ -198,7 +210,7 @@ class SharedClient:
             _check_one_slot([k for k, _ in pairs])
         px = self._ttl_ms(ttl)
         ops = [(k, _set(k, v, px)) for k, v in pairs]
-        got = self._call("set", lambda c: self._pipelined(c, ops, atomic=atomic))
+        got = self._call("set", lambda c: self._pipelined(c, ops, atomic=atomic), until)
         if isinstance(got, _Unavailable):
             return False
         ok = all([not self._item_error(r) and bool(r) for r in got])  # count every error
@@ -210,7 +222,8 @@ class SharedClient:
         """HSET the fields (and PEXPIRE, in the same MULTI/EXEC, when a ttl applies)."""
         return self.hset_many({key: mapping}, ttl)
 
-    def hset_many(self, hashes: Mapping[str, Mapping[str, Value]], ttl: float | None = None) -> bool:
+    def hset_many(self, hashes: Mapping[str, Mapping[str, Value]], ttl: float | None = None,
+                  until: float | None = None) -> bool:
         """HSET fields into several hashes in one round trip per node (each hash followed
         by its PEXPIRE when a ttl applies); True if every command succeeded.
 
@@ -232,7 +245,8 @@ class SharedClient:
                 return p.pexpire(key, px) if px is not None else None
             return put
 
-        got = self._call("hset", lambda c: self._pipelined(c, [(k, queue(k)) for k in keys], atomic=atomic))
+        got = self._call("hset", lambda c: self._pipelined(c, [(k, queue(k)) for k in keys], atomic=atomic),
+                         until)
         if isinstance(got, _Unavailable):
             return False
         ok = not any([self._item_error(r) for r in got])
@@ -253,7 +267,8 @@ class SharedClient:
 
     # -- generic ---------------------------------------------------------------------
 
-    def run(self, fn: Callable[[RedisClient], T], round_trips: int = 1) -> T | None:
+    def run(self, fn: Callable[[RedisClient], T], round_trips: int = 1,
+            until: float | None = None) -> T | None:
         """``fn(redis_client)`` behind the breaker and counters; None if unavailable.
 
         ``fn`` gets a ``redis.Redis`` or a ``RedisCluster`` configured with this client's
@@ -267,7 +282,7 @@ class SharedClient:
             self._count("round_trips", round_trips)
             return fn(client)
 
-        got = self._call("run", call)
+        got = self._call("run", call, until)
         return None if isinstance(got, _Unavailable) else got
 
     def ping(self) -> bool:
@@ -301,20 +316,29 @@ class SharedClient:
 
     # -- internals -------------------------------------------------------------------
 
-    def _call(self, op: str, fn: Callable[[RedisClient], T]) -> T | _Unavailable:
-        """Run ``fn`` with the breaker and counters; ``_UNAVAILABLE`` if skipped or failed."""
+    def _call(self, op: str, fn: Callable[[RedisClient], T], until: float | None = None) -> T | _Unavailable:
+        """Run ``fn`` with the breaker and counters, cut off at ``until`` (monotonic);
+        ``_UNAVAILABLE`` if skipped, failed or late."""
+        if until is not None and until <= time.monotonic():
+            self._count("errors_deadline")  # no time left: no I/O, not the server's fault
+            return _UNAVAILABLE
         if not self._breaker.allow():
             self._count("skipped_calls")
             return _UNAVAILABLE
         self._count("calls")
+        client = self._redis()
+        watch = None if until is None else deadline.watch(until, lambda: _abandon(client))
         try:
-            result = fn(self._redis())
+            result = fn(client)
         except _CAUGHT as e:
-            self._failed(op, e)
+            self._failed(op, DeadlineExceeded(f"{op} passed its deadline") if watch and watch.fired else e)
             return _UNAVAILABLE
         except BaseException:
             self._breaker.abandon()
             raise
+        finally:
+            if watch is not None:
+                watch.cancel()
         if self._breaker.success():
             log.info("shared tier %s answers again", self.config.redacted())
         return result
@@ -430,6 +454,8 @@ class SharedClient:
 
 def error_kind(error: BaseException) -> str:
     """``timeout``, ``auth``, ``cluster``, ``connection`` or ``other`` (see ERROR_KINDS)."""
+    if isinstance(error, DeadlineExceeded):
+        return "deadline"
     if isinstance(error, (RedisTimeoutError, TimeoutError)):
         return "timeout"
     if isinstance(error, (AuthenticationError, AuthorizationError)):
@@ -467,6 +493,20 @@ def _build(config: SharedConfig) -> RedisClient:
                             **client_kwargs(config))
     return redis.Redis(host=config.host, port=config.port, db=config.db, retry=no_retry,
                        **client_kwargs(config))
+
+
+def _abandon(client: RedisClient) -> None:
+    """Close every connection of ``client`` (in use or idle): a reader blocked on one
+    fails at once, and the pools connect afresh on the next call. Runs on the watchdog."""
+    if isinstance(client, RedisCluster):
+        pools = [n.redis_connection.connection_pool for n in client.get_nodes() if n.redis_connection]
+    else:
+        pools = [client.connection_pool]
+    for pool in pools:
+        try:
+            pool.disconnect(inuse_connections=True)
+        except Exception:  # a connection already broken: nothing left to abandon
+            pass
 
 
 def _scan_targets(client: RedisClient) -> list[redis.Redis]:

@@ -43,7 +43,24 @@ Never raises for a server failure: ``SharedClient`` returns None / False, counte
 there; local serving goes on. Round trip 1 uses the configured timeouts; moving values
 (round trip 2, publishing) uses a second client whose per-operation timeout is
 ``max(BULK_TIMEOUT, 10 x command_timeout)``, since a many-MB reply takes longer than a
-small one before its first byte. Needs no DiskTier or KVStore (the store glues them).
+small one before its first byte (the publisher has a third, so that abandoning a late
+publish never cuts a lookup). Needs no DiskTier or KVStore (the store glues them).
+
+Bounded in wall time (``deadline``): a lookup, both round trips, ends by
+``config.fetch_deadline``, lowered once round trip 1 has chosen a candidate to
+``max(DEADLINE_FLOOR, 2 x the expected transfer)`` and never above the expected prefill
+of the tokens it would save; a publish by ``publish_deadline``; ``flush`` / ``close`` by
+``flush_deadline`` (then queued publishes are dropped, counted, and the one in flight is
+abandoned). Late is a counted miss (``deadline_misses``), never a wait.
+
+Only when it pays (``cost``): a candidate whose expected transfer time (moving estimate
+of this link's bandwidth) exceeds the expected prefill time of the tokens it saves (this
+model's measured prefill rate here) is not fetched: counted as ``skipped_cost``.
+
+Values larger than ``max_value_bytes`` (the config's cap, lowered to the server's
+``proto-max-bulk-len`` when ``CONFIG GET`` is allowed) are never read (round trip 1 sizes
+the chunks; an entry cut short by the read bound is not parsed) nor built for a publish
+(sized from the records first): counted as ``too_large``.
 """
 
 from __future__ import annotations
@@ -59,6 +76,7 @@ from ..records import ChunkRecord, EntryRecord, Segment
 from ..writer import Writer
 from . import values as V
 from .client import SharedClient
+from .cost import Link, PrefillRates
 from .config import SharedConfig
 
 log = logging.getLogger("kvstore.shared")
@@ -67,8 +85,10 @@ MAX_VALUE_BYTES = 512 << 20  # Redis' own string limit (proto-max-bulk-len defau
 MAX_FIELDS = 4096            # fields of one boundary hash considered per lookup
 PUBLISH_BATCH_BYTES = 32 << 20  # chunk bytes per SET NX pipeline
 BULK_TIMEOUT = 1.0           # seconds per socket operation when moving values
+DEADLINE_FLOOR = 0.25        # seconds a lookup always gets (two small round trips on a LAN)
 COUNTERS = ("lookups", "lookup_hits", "trim_hits", "rejected", "missing", "bad_fields", "too_large",
-            "deleted", "published", "publish_skipped", "publish_failed", "chunks_published")
+            "deleted", "published", "publish_skipped", "publish_failed", "chunks_published",
+            "deadline_misses", "skipped_cost", "publish_abandoned")
 
 ChunkPiece = tuple[bytes, ChunkRecord, bytes, bytes]  # key, record, token ids, segment bytes
 
@@ -133,17 +153,23 @@ class SharedTier:
     ``max_value_bytes`` bounds every value read; ``queue_size`` the publisher's queue."""
 
     def __init__(self, config: SharedConfig | str, *, queue_size: int = 16,
-                 max_value_bytes: int = MAX_VALUE_BYTES, max_fields: int = MAX_FIELDS) -> None:
+                 max_value_bytes: int | None = None, max_fields: int = MAX_FIELDS) -> None:
         self.client = SharedClient(config)
-        cfg = self.client.config  # values (round trip 2, publishing) may be many MB: a longer
-        # per-operation timeout than the quick round trip 1 and its breaker
-        self.bulk = SharedClient(cfg.with_options(command_timeout=max(BULK_TIMEOUT, 10 * cfg.command_timeout)))
+        cfg = self.config = self.client.config  # values (round trip 2, publishing) may be many
+        # MB: a longer per-operation timeout than the quick round trip 1 and its breaker
+        bulk = cfg.with_options(command_timeout=max(BULK_TIMEOUT, 10 * cfg.command_timeout))
+        self.bulk = SharedClient(bulk)
+        self.pub = SharedClient(bulk)
         self.prefix = cfg.prefix
-        self.max_value_bytes = int(max_value_bytes)
+        self.max_value_bytes = int(cfg.max_value_bytes if max_value_bytes is None else max_value_bytes)
         self.max_fields = int(max_fields)
+        self.link = Link()
+        self.prefill = PrefillRates()
         self.publisher = Writer(queue_size, name="kvstore-publisher")
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(COUNTERS, 0)
+        self._server_limit: int | None = None  # proto-max-bulk-len, asked once by the publisher
+        self._stop_at: float | None = None     # set by close: publishes after it are dropped
 
     def name(self, kind: str, key: bytes, identity: bytes) -> str:
         return V.name(self.prefix, kind, key, identity)
@@ -164,9 +190,12 @@ class SharedTier:
         need = [k for k in range(1, K + 1) if bounds[k] not in held]
         cmds = [("HGETALL", self.name("bounds", bounds[k], identity)) for k in levels]
         cmds += [("STRLEN", self.name("chunk", bounds[k], identity)) for k in need]
-        got = self.client.pipeline_read(cmds)
+        t0 = time.monotonic()
+        until = t0 + self.config.fetch_deadline
+        got = self.client.pipeline_read(cmds, until)
         if got is None:
-            return None
+            return self._late(until)
+        self.link.round_trip(time.monotonic() - t0)
         sizes = dict(zip(need, got[len(levels):]))
         for k, size in sizes.items():
             if isinstance(size, int) and size > self.max_value_bytes:
@@ -177,10 +206,37 @@ class SharedTier:
         best = self._choose(tokens, bounds, C, levels, got[: len(levels)], chain, better_than)
         if best is None:
             return None
-        found = self._fetch(identity, tokens, bounds, C, held, best, better_than)
+        moved = best.n - C * sum(1 for k in range(1, best.k + 1) if bounds[k] in held)
+        budget = self._budget(identity, moved, best.n - better_than)
+        if budget is None:
+            self._count("skipped_cost")
+            return None
+        until = min(until, time.monotonic() + budget)
+        found = self._fetch(identity, tokens, bounds, C, held, best, better_than, until)
         if found is not None:
             self._count("lookup_hits")
         return found
+
+    def _budget(self, identity: bytes, moved: int, saved: int) -> float | None:
+        """Seconds round trip 2 may take for a candidate that moves ``moved`` tokens' KV to
+        save prefilling ``saved`` tokens; None when it does not pay (see ``cost``)."""
+        cap = self.config.fetch_deadline
+        bpt = self.link.bytes_per_token(identity)
+        transfer = None if bpt is None else self.link.seconds(bpt * max(moved, 0))
+        prefill = self.prefill.seconds(identity, saved)
+        if transfer is not None and prefill is not None and transfer >= prefill:
+            return None
+        if transfer is not None:
+            cap = min(cap, max(DEADLINE_FLOOR, 2 * transfer))
+        return cap if prefill is None else min(cap, max(DEADLINE_FLOOR, prefill))
+
+    def _late(self, until: float) -> None:
+        """A call that failed: a deadline miss (counted, the link's estimate lowered) if
+        its time ran out."""
+        if time.monotonic() >= until - 0.005:
+            self._count("deadline_misses")
+            self.link.late()
+        return None
 
     def _choose(self, tokens: bytes, bounds: list[bytes], C: int, levels: list[int], hashes: list[Any],
                 chain: int, better_than: int) -> _Candidate | None:
@@ -230,7 +286,7 @@ class SharedTier:
         return _Candidate(n, k, f.key, f.chunked)
 
     def _fetch(self, identity: bytes, tokens: bytes, bounds: list[bytes], C: int, held: set[bytes],
-               best: _Candidate, better_than: int) -> Found | None:
+               best: _Candidate, better_than: int, until: float) -> Found | None:
         """Round trip 2: the candidate's values, verified; a rejected or missing entry or
         chunk to trim falls back to the verified chain of chunks, a rejected chunk cuts
         the chain."""
@@ -238,9 +294,12 @@ class SharedTier:
         names = [self.name("chunk", bounds[j], identity) for j in wanted]
         if best.key is not None:
             names.append(self.name("chunk" if best.trim else "entry", best.key, identity))
-        got = self.bulk.pipeline_read([("GETRANGE", nm, 0, self.max_value_bytes - 1) for nm in names])
+        t0 = time.monotonic()
+        got = self.bulk.pipeline_read([("GETRANGE", nm, 0, self.max_value_bytes - 1) for nm in names], until)
         if got is None:
-            return None
+            return self._late(until)
+        nbytes = sum(len(v) for v in got if isinstance(v, bytes))
+        self.link.transfer(identity, nbytes, len(wanted) * C + _value_tokens(best, C), time.monotonic() - t0)
         pieces, chain = self._chain(identity, tokens, bounds, C, best.k, dict(zip(wanted, got)), held)
         if best.key is not None and (chain == best.k or not best.chunked):
             if best.trim:
@@ -354,22 +413,24 @@ class SharedTier:
         assert best.key is not None
         hname = self.name("bounds", boundary, identity)
         field = V.chunk_field_name(best.key) if best.trim else best.key.hex()
-        self.publisher.submit(lambda: self.bulk.run(lambda r: r.hdel(hname, field)))
+        self.publisher.submit(lambda: self.pub.run(lambda r: r.hdel(hname, field)))
 
     def _reject(self, name: str, data: bytes, err: Exception) -> None:
         """A value that failed verification: counted, and deleted by the publisher thread
         unless it may just be cut short by our own read bound."""
+        if len(data) >= self.max_value_bytes:  # cut short by our read bound: too large, not bad
+            self._count("too_large")
+            return
         self._count("rejected")
         log.debug("shared value %s rejected: %s", name, err)
-        if len(data) < self.max_value_bytes:
-            self.publisher.submit(lambda: self._count("deleted", self.bulk.delete_many([name]) or 0))
+        self.publisher.submit(lambda: self._count("deleted", self.pub.delete_many([name]) or 0))
 
     def drop(self, kind: str, key: bytes, identity: bytes) -> None:
         """Delete one value the caller found unusable after ``lookup`` (e.g. a segment
         whose header does not fit the model), off the caller's thread."""
         name = self.name(kind, key, identity)
         self._count("rejected")
-        self.publisher.submit(lambda: self._count("deleted", self.bulk.delete_many([name]) or 0))
+        self.publisher.submit(lambda: self._count("deleted", self.pub.delete_many([name]) or 0))
 
     # -- publish -----------------------------------------------------------------------
 
@@ -381,11 +442,18 @@ class SharedTier:
         """Publish one entry (see the module docstring for the order). True if the store
         holds it afterwards; False if a step failed (counted; nothing is retried)."""
         rec, ident = item.record, item.identity
+        until = time.monotonic() + self.config.publish_deadline
+        if self._stop_at is not None:  # closing: what is still queued is dropped
+            self._count("publish_abandoned")
+            return False
+        if self._too_large(item):
+            self._count("too_large")
+            return self._published(False)
         ename = self.name("entry", item.key, ident)
         cnames = [self.name("chunk", ck, ident) for ck, _, _ in item.chunks]
         fields = _fields(self.prefix, item)
-        got = self.bulk.pipeline_read([("EXISTS", ename)] + [("EXISTS", c) for c in cnames]
-                                        + [("HEXISTS", h, f) for h, f, _ in fields])
+        got = self.pub.pipeline_read([("EXISTS", ename)] + [("EXISTS", c) for c in cnames]
+                                     + [("HEXISTS", h, f) for h, f, _ in fields], until)
         if got is None:
             return self._published(False)
         chunks_there, fields_there = got[1 : 1 + len(cnames)], got[1 + len(cnames) :]
@@ -395,13 +463,13 @@ class SharedTier:
         now = time.time()
         try:
             missing = [(c, piece) for c, piece, there in zip(cnames, item.chunks, chunks_there) if not there]
-            if not self._put_chunks(missing, item.read, now):
+            if not self._put_chunks(missing, item.read, now, until):
                 return self._published(False)
             if not got[0]:
                 tail = item.read(rec.tail) if rec.tail is not None else b""
                 clean = EntryRecord(rec.identity, rec.n, rec.chunk, rec.chunked, rec.trimmable, rec.boundary,
                                     rec.chunks, rec.tail, rec.cache_type, rec.created, rec.created)
-                if not self.bulk.set_many([(ename, V.entry_value(clean, item.tokens, tail, now))]):
+                if not self.pub.set_many([(ename, V.entry_value(clean, item.tokens, tail, now))], until=until):
                     return self._published(False)
         except Exception as e:  # a local segment that cannot be read (gc'd, damaged)
             log.debug("shared publish of %s skipped: %s", item.key.hex()[:12], e)
@@ -410,10 +478,24 @@ class SharedTier:
         for (h, f, value), there in zip(fields, [*fields_there[:-1], False]):
             if not there:
                 hashes.setdefault(h, {})[f] = value
-        return self._published(self.bulk.hset_many(hashes))
+        return self._published(self.pub.hset_many(hashes, until=until))
+
+    def _too_large(self, item: PublishItem) -> bool:
+        """Whether a value of ``item`` would exceed the limit, from the records alone
+        (nothing read, nothing built)."""
+        limit = self.max_value_bytes
+        if self._server_limit is None:  # once: the server's own bulk limit, if it says
+            got = self.pub.run(lambda r: r.config_get("proto-max-bulk-len"))
+            self._server_limit = _bulk_limit(got) or 0
+        if self._server_limit:
+            limit = min(limit, self._server_limit)
+        rec = item.record
+        sizes = [V.FRAME.size + len(c.to_bytes()) + len(t) + c.segment.length for _, c, t in item.chunks]
+        sizes.append(V.FRAME.size + len(rec.to_bytes()) + len(item.tokens) + (rec.tail.length if rec.tail else 0))
+        return max(sizes) > limit
 
     def _put_chunks(self, missing: list[tuple[str, tuple[bytes, ChunkRecord, bytes]]],
-                    read: Callable[[Segment], bytes], now: float) -> bool:
+                    read: Callable[[Segment], bytes], now: float, until: float) -> bool:
         """SET NX the chunks, in pipelines of about PUBLISH_BATCH_BYTES; True if sent."""
         batch: list[tuple[str, bytes]] = []
         size = 0
@@ -422,7 +504,7 @@ class SharedTier:
             batch.append((cname, value))
             size += len(value)
             if size >= PUBLISH_BATCH_BYTES or i == len(missing) - 1:
-                wrote = self.bulk.set_nx_many(batch)
+                wrote = self.pub.set_nx_many(batch, until=until)
                 if wrote is None:
                     return False
                 self._count("chunks_published", sum(wrote))
@@ -440,25 +522,34 @@ class SharedTier:
         breaker), and the publisher's queue (dropped publishes). No credentials."""
         with self._lock:
             s = {f"shared_{k}": v for k, v in self._counts.items()}
-        c, b = self.client.stats(), self.bulk.stats()
+        c, b, p = self.client.stats(), self.bulk.stats(), self.pub.stats()
         for k in ("round_trips", "calls", "skipped_calls", "bytes_in", "bytes_out", "errors", "breaker_opens"):
-            s[f"shared_{k}"] = c[k] + b[k]
-        states = {c["breaker_state"], b["breaker_state"]}
+            s[f"shared_{k}"] = c[k] + b[k] + p[k]
+        states = {c["breaker_state"], b["breaker_state"], p["breaker_state"]}
         s["shared_breaker_state"] = next((x for x in ("open", "half-open") if x in states), "closed")
         s["shared_server"] = c["server"]
         s["shared_publish_dropped"] = self.publisher.dropped
         s["shared_publish_queue"] = self.publisher.depth
+        s["shared_link_bandwidth"] = self.link.bandwidth
         return s
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued publish has run."""
-        return self.publisher.flush(timeout)
+        """Wait until every queued publish has run, at most ``timeout`` seconds (None: the
+        config's ``flush_deadline``)."""
+        return self.publisher.flush(self.config.flush_deadline if timeout is None else timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Run the queued publishes, stop the publisher, drop the connections."""
-        self.publisher.close(timeout)
+        """Run the queued publishes for at most ``flush_deadline`` (or ``timeout`` if
+        shorter), then drop the rest (counted), abandon the one in flight, stop the
+        publisher and drop the connections."""
+        budget = self.config.flush_deadline if timeout is None else min(timeout, self.config.flush_deadline)
+        self.publisher.flush(budget)
+        self._stop_at = time.monotonic()
+        self.pub.close()  # a publish still sending fails at once
+        self.publisher.close(budget)
         self.client.close()
         self.bulk.close()
+        self.pub.close()
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -474,6 +565,28 @@ def _fields(prefix: str, item: PublishItem) -> list[tuple[str, str, bytes]]:
     out.append((V.name(prefix, "bounds", rec.boundary, ident), item.key.hex(),
                 V.field_value(rec, residual(item.tokens, rec.chunk))))
     return out
+
+
+def _bulk_limit(reply: Any) -> int | None:
+    """``proto-max-bulk-len`` from a CONFIG GET reply (one server's dict, or a cluster's
+    per-node dicts: the smallest), None when it could not be read."""
+    if not isinstance(reply, dict):
+        return None
+    found = [reply] if "proto-max-bulk-len" in reply or b"proto-max-bulk-len" in reply else list(reply.values())
+    limits = []
+    for d in found:
+        if isinstance(d, dict):
+            v = d.get("proto-max-bulk-len", d.get(b"proto-max-bulk-len"))
+            if isinstance(v, (bytes, str)) and v.isdigit():
+                limits.append(int(v))
+    return min(limits) if limits else None
+
+
+def _value_tokens(best: _Candidate, C: int) -> int:
+    """Tokens of KV in the candidate's own value (a chunk to trim, a tail, a snapshot)."""
+    if best.key is None:
+        return 0
+    return C if best.trim else best.n - best.k * C if best.chunked else best.n
 
 
 def _fits(size: Any, limit: int) -> bool:
