@@ -566,6 +566,28 @@ def test_cluster_a_publishes_b_restores(tmp_path, redis_cluster: RedisCluster):
             assert rt(b) - before <= 2 * 3  # two pipelines, one per node holding keys
 
 
+def test_cluster_with_a_dead_node_degrades_to_what_the_live_nodes_hold(tmp_path, redis_binary: str):
+    """On a 3-node cluster run as a fleet should (``cluster-require-full-coverage no``), a
+    node killed: a lookup whose pipelines span it still uses what the live nodes answer,
+    a verified shorter hit up to the first chunk the dead node held (before: a miss, the
+    whole call failed with that node)."""
+    from tests.support.redis_servers import RedisCluster as Cluster
+    from kvstore.shared.keys import key_slot
+
+    who, toks = ident("cluster-dead"), rand_tokens(700, 61)
+    bounds = boundaries(root_key(who.digest), encode_tokens(toks), C)
+    with Cluster(3, binary=redis_binary, config={"cluster-require-full-coverage": "no"}) as cluster:
+        publish(tmp_path / "a", cluster.url, who, [toks])
+        node = [cluster.node_for_slot(key_slot(V.name("kvstore", "chunk", b, who.digest))) for b in bounds[1:]]
+        j = next(j for j in range(1, len(node)) if node[j] not in node[:j])  # chunk j + 1: first on its node
+        node[j].kill()
+        with store(tmp_path / "b", cluster.url) as b:
+            f = b.fetch(who, toks + [1])
+            assert (f.n, f.source) == (j * C, "shared"), (f.n, j)
+            exact(f, toks + [1])
+            assert b.stats()["shared_errors"] >= 1
+
+
 def test_cluster_trims_a_chunk_and_every_hash_expires(tmp_path, redis_cluster: RedisCluster):
     """Chunk fields go to their parents' hashes on whatever nodes hold them, in one
     pipeline per node (not one MULTI: the hashes are in different slots), each hash

@@ -68,7 +68,7 @@ ERROR_KINDS = ("timeout", "deadline", "connection", "auth", "cluster", "other")
 _BREAKER_KINDS = frozenset({"timeout", "deadline", "connection", "auth", "cluster"})
 _CAUGHT = (RedisError, RedisClusterException, OSError)
 _REDIRECTS = (AskError, TryAgainError)  # AskError covers MovedError
-_COUNTERS = ("calls", "round_trips", "skipped_calls", "bytes_in", "bytes_out",
+_COUNTERS = ("calls", "round_trips", "skipped_calls", "bytes_in", "bytes_out", "node_failures",
              *(f"errors_{k}" for k in ERROR_KINDS))
 
 
@@ -81,6 +81,13 @@ class _Unavailable:
 
 
 _UNAVAILABLE = _Unavailable()
+
+
+class _NodeDown:
+    """The result of an op sent to a cluster node that did not answer (see ``_pipelined``)."""
+
+
+NODE_DOWN = _NodeDown()
 
 
 class SharedClient:
@@ -98,6 +105,7 @@ class SharedClient:
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._client: RedisClient | None = None
         self._secrets = tuple(s for s in (config.password, config.username) if s)
+        self._next_refresh = 0.0  # a cluster node down: rediscover the topology at most this often
 
     def __repr__(self) -> str:
         return f"SharedClient({self.config.redacted()!r}, breaker={self._breaker.state})"
@@ -360,7 +368,12 @@ class SharedClient:
     def _pipelined(self, client: RedisClient, ops: list[Op], atomic: bool = False) -> list[Any]:
         """Queue ``ops`` on one pipeline per node, send each once; results in ``ops`` order.
 
-        A cluster redirect or CLUSTERDOWN in any result fails the whole call.
+        A cluster node that cannot be reached (down, killed, late) costs only its own ops:
+        they get ``NODE_DOWN`` (an item error, counted once per node) and the live nodes'
+        answers are used, so a cluster degrades instead of going dark; the topology is
+        rediscovered (at most every ``breaker_backoff`` s) in case a replica took over.
+        When every node fails, the call fails. A cluster redirect or CLUSTERDOWN in any
+        result fails the whole call.
         """
         if isinstance(client, RedisCluster):
             groups: dict[str, tuple[redis.Redis, list[int]]] = {}
@@ -372,21 +385,50 @@ class SharedClient:
         else:
             groups = {"": (client, list(range(len(ops))))}
         results: list[Any] = [None] * len(ops)
+        down: list[BaseException] = []
         for node_client, indexes in groups.values():
-            pipe = node_client.pipeline(transaction=atomic)
-            spans = []
-            for i in indexes:
-                before = len(pipe)
-                ops[i][1](pipe)
-                spans.append((i, before, len(pipe)))
-            self._count("round_trips")
-            replies = pipe.execute(raise_on_error=False)
-            for reply in replies:
-                if isinstance(reply, (ClusterError, *_REDIRECTS)):
-                    raise reply
-            for i, start, end in spans:  # an op may queue several commands: keep the first
-                results[i] = replies[start] if end - start == 1 else replies[start:end]
+            try:
+                self._node_pipeline(node_client, ops, indexes, atomic, results)
+            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+                if len(groups) == 1:
+                    raise
+                down.append(e)
+                for i in indexes:
+                    results[i] = NODE_DOWN
+        if down:
+            if len(down) == len(groups):
+                raise down[0]
+            self._node_down(down[0])
         return results
+
+    def _node_pipeline(self, node_client: redis.Redis, ops: list[Op], indexes: list[int], atomic: bool,
+                       results: list[Any]) -> None:
+        """One node's pipeline of ``ops[indexes]``, its replies put in ``results``."""
+        pipe = node_client.pipeline(transaction=atomic)
+        spans = []
+        for i in indexes:
+            before = len(pipe)
+            ops[i][1](pipe)
+            spans.append((i, before, len(pipe)))
+        self._count("round_trips")
+        replies = pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, (ClusterError, *_REDIRECTS)):
+                raise reply
+        for i, start, end in spans:  # an op may queue several commands: keep the first
+            results[i] = replies[start] if end - start == 1 else replies[start:end]
+
+    def _node_down(self, error: BaseException) -> None:
+        """Some cluster nodes answered, one did not: counted, the topology refreshed soon."""
+        kind = error_kind(error)
+        self._count(f"errors_{kind}")
+        self._count("node_failures")
+        log.debug("shared: a cluster node failed (%s): %s", kind, self._scrub(f"{type(error).__name__}: {error}"))
+        now = time.monotonic()
+        with self._lock:
+            if now >= self._next_refresh:
+                self._next_refresh = now + self.config.breaker_backoff
+                self._client = None
 
     def _scan(self, match: str, count: int) -> Iterator[str]:
         targets = self._call("scan", _scan_targets)
@@ -424,7 +466,10 @@ class SharedClient:
                         self.config.redacted(), detail, self._breaker.retry_in())
 
     def _item_error(self, reply: Any) -> bool:
-        """Count an error reply inside a pipeline (WRONGTYPE, OOM, NOPERM...)."""
+        """Count an error reply inside a pipeline (WRONGTYPE, OOM, NOPERM...); an op of a
+        node that was down is an error already counted."""
+        if reply is NODE_DOWN:
+            return True
         if isinstance(reply, list):
             return any([self._item_error(r) for r in reply])
         if isinstance(reply, BaseException):
