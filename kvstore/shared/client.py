@@ -51,6 +51,7 @@ from redis.retry import Retry
 
 from .breaker import Breaker
 from . import deadline
+from .bulk import Bulk, read_strings
 from .config import SharedConfig
 from .keys import key_slot, make_key
 
@@ -172,6 +173,32 @@ class SharedClient:
         replies = [None if self._item_error(r) else r for r in got]
         self._count("bytes_in", sum(_reply_size(r) for r in replies))
         return replies
+
+    def read_values(self, names: Sequence[str], limit: int, until: float | None = None,
+                    hash_from: Callable[[memoryview], int | None] | None = None) -> list[Bulk | None] | None:
+        """The first ``limit`` bytes of each string, one pipeline per cluster node, read
+        off the socket once and hashed as they arrive (``bulk.read_strings``); a missing
+        key gives an empty value, an error reply or a node that failed gives None. None
+        for the whole call means unavailable."""
+        _check_keys(names)
+        if limit < 1:
+            raise ValueError("limit must be >= 1")
+        if not names:
+            return []
+
+        def one(node: redis.Redis, idx: list[int], results: list[Any]) -> None:
+            self._count("round_trips")
+            got = read_strings(node.connection_pool, [names[i] for i in idx], limit, until,
+                               self.config.command_timeout, hash_from)
+            for i, v in zip(idx, got):
+                results[i] = v
+
+        got = self._call("bulk", lambda c: self._per_node(c, list(names), one), until)
+        if isinstance(got, _Unavailable):
+            return None
+        values = [None if self._item_error(v) else v for v in got]
+        self._count("bytes_in", sum(len(v.data) for v in values if v is not None))
+        return values
 
     def scan_iter(self, match: str, count: int = 1000) -> Iterator[str]:
         """Keys matching ``match`` (which must start with ``prefix:``), on every primary.
@@ -375,20 +402,27 @@ class SharedClient:
         When every node fails, the call fails. A cluster redirect or CLUSTERDOWN in any
         result fails the whole call.
         """
+        return self._per_node(client, [k for k, _ in ops],
+                              lambda node, idx, res: self._node_pipeline(node, ops, idx, atomic, res))
+
+    def _per_node(self, client: RedisClient, keys: list[str],
+                  send: Callable[[redis.Redis, list[int], list[Any]], None]) -> list[Any]:
+        """``send(node client, indexes, results)`` for the keys of each node (the whole
+        list on one server); a node that fails alone gives ``NODE_DOWN`` for its keys."""
         if isinstance(client, RedisCluster):
             groups: dict[str, tuple[redis.Redis, list[int]]] = {}
-            for i, (key, _) in enumerate(ops):
+            for i, key in enumerate(keys):
                 node = client.get_node_from_key(key)
                 if node.name not in groups:
                     groups[node.name] = (client.get_redis_connection(node), [])
                 groups[node.name][1].append(i)
         else:
-            groups = {"": (client, list(range(len(ops))))}
-        results: list[Any] = [None] * len(ops)
+            groups = {"": (client, list(range(len(keys))))}
+        results: list[Any] = [None] * len(keys)
         down: list[BaseException] = []
         for node_client, indexes in groups.values():
             try:
-                self._node_pipeline(node_client, ops, indexes, atomic, results)
+                send(node_client, indexes, results)
             except (RedisConnectionError, RedisTimeoutError, OSError) as e:
                 if len(groups) == 1:
                     raise

@@ -75,6 +75,7 @@ from ..keys import boundaries, chunk_key, common_tokens, entry_key, key_of, resi
 from ..records import ChunkRecord, EntryRecord, Segment
 from ..writer import Writer
 from . import values as V
+from .bulk import Bulk
 from .client import SharedClient
 from .cost import Link, PrefillRates
 from .config import SharedConfig
@@ -295,10 +296,10 @@ class SharedTier:
         if best.key is not None:
             names.append(self.name("chunk" if best.trim else "entry", best.key, identity))
         t0 = time.monotonic()
-        got = self.bulk.pipeline_read([("GETRANGE", nm, 0, self.max_value_bytes - 1) for nm in names], until)
+        got = self.bulk.read_values(names, self.max_value_bytes, until, V.segment_offset)
         if got is None:
             return self._late(until)
-        nbytes = sum(len(v) for v in got if isinstance(v, bytes))
+        nbytes = sum(len(v.data) for v in got if v is not None)
         self.link.transfer(identity, nbytes, len(wanted) * C + _value_tokens(best, C), time.monotonic() - t0)
         pieces, chain = self._chain(identity, tokens, bounds, C, best.k, dict(zip(wanted, got)), held)
         if best.key is not None and (chain == best.k or not best.chunked):
@@ -308,7 +309,7 @@ class SharedTier:
                 found = self._entry(identity, tokens, bounds, C, best, got[-1], pieces, better_than)
             if found is not None:
                 return found
-            if got[-1] == b"":  # its field outlived it: lookups would keep choosing it
+            if got[-1] is not None and len(got[-1].data) == 0:  # its field outlived it: lookups would keep choosing it
                 self._forget(identity, bounds[best.k], best)
         n = chain * C - (chain * C == len(tokens) // 4)
         if chain == 0 or n <= better_than or not pieces:
@@ -340,7 +341,7 @@ class SharedTier:
         if not self._present(data):
             return None
         try:
-            v = V.parse_chunk(data)
+            v = V.parse_chunk(data.data, digest=_digest(data))
             rec = v.record
             if not isinstance(rec, ChunkRecord) or rec.identity != identity or rec.parent != parent \
                     or rec.n != C or (want is not None and v.tokens != want) or chunk_key(parent, v.tokens) != key:
@@ -377,7 +378,7 @@ class SharedTier:
         if not self._present(data):
             return None
         try:
-            v = V.parse_entry(data)
+            v = V.parse_entry(data.data, digest=_digest(data))
             rec = v.record
             if not isinstance(rec, EntryRecord) or rec.identity != identity or rec.chunk != C \
                     or rec.chunked != best.chunked:
@@ -398,14 +399,15 @@ class SharedTier:
             return None
         return Found(best.key, rec, v.tokens, pieces if rec.chunked else [], v.segment, n)
 
-    def _present(self, data: Any) -> bool:
+    def _present(self, data: Bulk | None) -> bool:
         """A value asked for in round trip 2 is there; one gone since it was named (evicted
         or deleted) is counted as missing."""
-        if isinstance(data, bytes) and data:
-            return True
-        if data == b"":
+        if data is None:
+            return False
+        if len(data.data) == 0:
             self._count("missing")
-        return False
+            return False
+        return True
 
     def _forget(self, identity: bytes, boundary: bytes, best: _Candidate) -> None:
         """Remove the field of a candidate whose value is gone, off the caller's thread (a
@@ -415,10 +417,10 @@ class SharedTier:
         field = V.chunk_field_name(best.key) if best.trim else best.key.hex()
         self.publisher.submit(lambda: self.pub.run(lambda r: r.hdel(hname, field)))
 
-    def _reject(self, name: str, data: bytes, err: Exception) -> None:
+    def _reject(self, name: str, data: Bulk, err: Exception) -> None:
         """A value that failed verification: counted, and deleted by the publisher thread
         unless it may just be cut short by our own read bound."""
-        if len(data) >= self.max_value_bytes:  # cut short by our read bound: too large, not bad
+        if len(data.data) >= self.max_value_bytes:  # cut short by our read bound: too large, not bad
             self._count("too_large")
             return
         self._count("rejected")
@@ -485,7 +487,7 @@ class SharedTier:
         (nothing read, nothing built)."""
         limit = self.max_value_bytes
         if self._server_limit is None:  # once: the server's own bulk limit, if it says
-            got = self.pub.run(lambda r: r.config_get("proto-max-bulk-len"))
+            got = self.pub.run(lambda r: r.config_get("proto-max-bulk-len"), round_trips=0)  # once, like a handshake
             self._server_limit = _bulk_limit(got) or 0
         if self._server_limit:
             limit = min(limit, self._server_limit)
@@ -565,6 +567,10 @@ def _fields(prefix: str, item: PublishItem) -> list[tuple[str, str, bytes]]:
     out.append((V.name(prefix, "bounds", rec.boundary, ident), item.key.hex(),
                 V.field_value(rec, residual(item.tokens, rec.chunk))))
     return out
+
+
+def _digest(data: Bulk) -> tuple[int, bytes] | None:
+    return None if data.offset is None or data.digest is None else (data.offset, data.digest)
 
 
 def _bulk_limit(reply: Any) -> int | None:
