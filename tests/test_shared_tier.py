@@ -539,6 +539,51 @@ def test_slow_or_stalled_link_bounds_publish_and_close(tmp_path, redis_server: R
         assert s["shared_publish_abandoned"] >= 1 and s["shared_published"] == 0, s
 
 
+def test_a_hit_that_would_not_pay_is_skipped(tmp_path, redis_server: RedisServer):
+    """Behind a 200 KB/s relay, a model that prefills 100k tokens/s: the first lookup
+    (link not measured yet) gets a deadline of what the hit would save (the floor) and
+    misses it; that miss bounds the link's bandwidth, so the next lookup is skipped
+    (``skipped_cost``) without moving a byte. A model that prefills 1 token/s takes the
+    same hit over the same link."""
+    from tests.support.relay import Relay
+
+    who, toks = ident("cost"), [rand_tokens(1000, 70 + i) for i in range(2)]
+    publish(tmp_path / "a", redis_server.url, who, toks, layers=8)
+    with Relay(redis_server.port, rate=200e3) as relay:
+        with store(tmp_path / "b", relay.url) as b:
+            b.shared.prefill.observe(who.digest, 100_000, 1.0)
+            assert b.fetch(who, toks[0] + [1]).cache is None
+            before = rt(b)
+            assert b.fetch(who, toks[1] + [1]).cache is None
+            s = b.stats()
+            assert (s["shared_deadline_misses"], s["shared_skipped_cost"]) == (1, 1), s
+            assert rt(b) - before == 1  # the skipped lookup asked for no value
+        relay.rate = 2e6
+        with store(tmp_path / "c", relay.url) as c:
+            c.shared.prefill.observe(who.digest, 1, 1.0)
+            f = c.fetch(who, toks[0] + [1])
+            assert (f.n, f.source, c.stats()["shared_skipped_cost"]) == (1000, "shared", 0)
+
+
+def test_publish_refuses_values_over_the_servers_bulk_limit(tmp_path, redis_binary: str):
+    """A server whose ``proto-max-bulk-len`` is 1 MB: a 1.3 MB snapshot entry is refused
+    before its segment is read or its value built (``too_large``), nothing is sent; a
+    small entry still publishes."""
+    from tests.support.redis_servers import RedisServer as Server
+
+    who = ident("bulk-limit")
+    big, small = rand_tokens(5000, 81), rand_tokens(100, 82)
+    with Server(binary=redis_binary, config={"proto-max-bulk-len": "1mb"}) as srv:
+        with store(tmp_path / "a", srv.url) as a:
+            a.insert(who, big, synth(big, snapshot=True, layers=8))
+            assert a.flush(30)
+            s = a.stats()
+            assert (s["shared_too_large"], s["shared_publish_failed"], s["shared_bytes_out"]) == (1, 1, 0), s
+            a.insert(who, small, synth(small))
+            assert a.flush(30)
+            assert a.stats()["shared_published"] == 1
+
+
 # --------------------------------------------------------------------------- cluster, ACL, options
 
 

@@ -55,11 +55,15 @@ class Link:
             if nbytes > 0 and tokens > 0:
                 self._bpt[identity] = _ewma(self._bpt.get(identity), nbytes / tokens)
 
-    def late(self) -> None:
-        """A transfer cut off at its deadline: the link is slower than we thought."""
+    def late(self, nbytes: float | None = None, seconds: float | None = None) -> None:
+        """A transfer of ``nbytes`` cut off at its deadline after ``seconds``: the link is
+        slower than nbytes / seconds (the estimate drops to that bound, or halves)."""
         with self._lock:
             self._last = time.monotonic()
-            if self.bandwidth is not None:
+            bound = nbytes / seconds if nbytes and seconds else None
+            if bound is not None:
+                self.bandwidth = bound if self.bandwidth is None else min(self.bandwidth / 2, bound)
+            elif self.bandwidth is not None:
                 self.bandwidth /= 2
 
     def bytes_per_token(self, identity: bytes) -> float | None:
@@ -90,12 +94,19 @@ class PrefillRates:
         """The insert of a ``n``-token prompt: its prefill ran since the last fetch."""
         with self._lock:
             got = self._open.pop(identity, None)
-            if got is None:
-                return
-            t, served = got
-            dt = time.monotonic() - t
-            if n > served and 0 < dt < RATE_WINDOW:
-                self._rate[identity] = _ewma(self._rate.get(identity), (n - served) / dt)
+        if got is None:
+            return
+        t, served = got
+        dt = time.monotonic() - t
+        if n > served and 0 < dt < RATE_WINDOW:
+            self.observe(identity, n - served, dt)
+
+    def observe(self, identity: bytes, tokens: int, seconds: float) -> None:
+        """A prefill of ``tokens`` tokens took ``seconds`` (also for a caller that times
+        its own prefill, or knows the rate)."""
+        if tokens > 0 and seconds > 0:
+            with self._lock:
+                self._rate[identity] = _ewma(self._rate.get(identity), tokens / seconds)
 
     def rate(self, identity: bytes) -> float | None:
         with self._lock:

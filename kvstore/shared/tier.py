@@ -207,36 +207,51 @@ class SharedTier:
         best = self._choose(tokens, bounds, C, levels, got[: len(levels)], chain, better_than)
         if best is None:
             return None
-        moved = best.n - C * sum(1 for k in range(1, best.k + 1) if bounds[k] in held)
-        budget = self._budget(identity, moved, best.n - better_than)
+        moving = self._moving(identity, best, sizes, C)
+        budget = self._budget(identity, moving, best.n - better_than)
         if budget is None:
             self._count("skipped_cost")
             return None
         until = min(until, time.monotonic() + budget)
-        found = self._fetch(identity, tokens, bounds, C, held, best, better_than, until)
+        found = self._fetch(identity, tokens, bounds, C, held, best, better_than, until, moving)
         if found is not None:
             self._count("lookup_hits")
         return found
 
-    def _budget(self, identity: bytes, moved: int, saved: int) -> float | None:
-        """Seconds round trip 2 may take for a candidate that moves ``moved`` tokens' KV to
-        save prefilling ``saved`` tokens; None when it does not pay (see ``cost``)."""
-        cap = self.config.fetch_deadline
-        bpt = self.link.bytes_per_token(identity)
-        transfer = None if bpt is None else self.link.seconds(bpt * max(moved, 0))
-        prefill = self.prefill.seconds(identity, saved)
-        if transfer is not None and prefill is not None and transfer >= prefill:
+    def _moving(self, identity: bytes, best: _Candidate, sizes: dict[int, Any], C: int) -> float | None:
+        """Bytes round trip 2 would move for ``best``: its chunks' sizes (round trip 1 read
+        them) and its own value's, estimated per token (from those chunks, else from this
+        model's earlier transfers); None when nothing tells."""
+        chunks = [sizes[k] for k in range(1, best.k + 1) if k in sizes and isinstance(sizes[k], int)] \
+            if best.chunked else []
+        per_token = sum(chunks) / (len(chunks) * C) if chunks else self.link.bytes_per_token(identity)
+        own = _value_tokens(best, C)
+        if own and per_token is None:
             return None
-        if transfer is not None:
-            cap = min(cap, max(DEADLINE_FLOOR, 2 * transfer))
-        return cap if prefill is None else min(cap, max(DEADLINE_FLOOR, prefill))
+        return sum(chunks) + (per_token or 0.0) * own
 
-    def _late(self, until: float) -> None:
-        """A call that failed: a deadline miss (counted, the link's estimate lowered) if
-        its time ran out."""
+    def _budget(self, identity: bytes, moving: float | None, saved: int) -> float | None:
+        """Seconds round trip 2 may take to move ``moving`` bytes that save prefilling
+        ``saved`` tokens, or None when it does not pay (see ``cost``): with the prefill
+        time P and the transfer time T both estimated, T >= P is skipped, else the
+        deadline is max(DEADLINE_FLOOR, min(P, 2 T)); with P alone, min(P / 2,
+        fetch_deadline); with neither, ``fetch_deadline``."""
+        transfer = None if moving is None else self.link.seconds(moving)
+        prefill = self.prefill.seconds(identity, saved)
+        if prefill is None:
+            return self.config.fetch_deadline
+        if transfer is None:
+            return max(DEADLINE_FLOOR, min(prefill / 2, self.config.fetch_deadline))
+        if transfer >= prefill:
+            return None
+        return max(DEADLINE_FLOOR, min(prefill, 2 * transfer))
+
+    def _late(self, until: float, started: float | None = None, moving: float | None = None) -> None:
+        """A call that failed: a deadline miss (counted) if its time ran out; then the
+        link moved less than ``moving`` bytes since ``started`` (its estimate lowered)."""
         if time.monotonic() >= until - 0.005:
             self._count("deadline_misses")
-            self.link.late()
+            self.link.late(moving, time.monotonic() - started if started is not None else None)
         return None
 
     def _choose(self, tokens: bytes, bounds: list[bytes], C: int, levels: list[int], hashes: list[Any],
@@ -287,7 +302,7 @@ class SharedTier:
         return _Candidate(n, k, f.key, f.chunked)
 
     def _fetch(self, identity: bytes, tokens: bytes, bounds: list[bytes], C: int, held: set[bytes],
-               best: _Candidate, better_than: int, until: float) -> Found | None:
+               best: _Candidate, better_than: int, until: float, moving: float | None = None) -> Found | None:
         """Round trip 2: the candidate's values, verified; a rejected or missing entry or
         chunk to trim falls back to the verified chain of chunks, a rejected chunk cuts
         the chain."""
@@ -298,7 +313,7 @@ class SharedTier:
         t0 = time.monotonic()
         got = self.bulk.read_values(names, self.max_value_bytes, until, V.segment_offset)
         if got is None:
-            return self._late(until)
+            return self._late(until, t0, moving)
         nbytes = sum(len(v.data) for v in got if v is not None)
         self.link.transfer(identity, nbytes, len(wanted) * C + _value_tokens(best, C), time.monotonic() - t0)
         pieces, chain = self._chain(identity, tokens, bounds, C, best.k, dict(zip(wanted, got)), held)
