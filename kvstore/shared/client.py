@@ -69,6 +69,7 @@ ERROR_KINDS = ("timeout", "deadline", "connection", "auth", "cluster", "other")
 _BREAKER_KINDS = frozenset({"timeout", "deadline", "connection", "auth", "cluster"})
 _CAUGHT = (RedisError, RedisClusterException, OSError)
 _REDIRECTS = (AskError, TryAgainError)  # AskError covers MovedError
+BULK_CONNECTIONS = 2  # connections per node reading values at once (hashing on one overlaps receiving on another)
 _COUNTERS = ("calls", "round_trips", "skipped_calls", "bytes_in", "bytes_out", "node_failures",
              *(f"errors_{k}" for k in ERROR_KINDS))
 
@@ -176,8 +177,9 @@ class SharedClient:
 
     def read_values(self, names: Sequence[str], limit: int, until: float | None = None,
                     hash_from: Callable[[memoryview], int | None] | None = None) -> list[Bulk | None] | None:
-        """The first ``limit`` bytes of each string, one pipeline per cluster node, read
-        off the socket once and hashed as they arrive (``bulk.read_strings``); a missing
+        """The first ``limit`` bytes of each string, pipelined per cluster node on up to
+        ``BULK_CONNECTIONS`` connections at once (the values split between them in order),
+        read off the socket once and hashed as they arrive (``bulk.read_strings``); a missing
         key gives an empty value, an error reply or a node that failed gives None. None
         for the whole call means unavailable."""
         _check_keys(names)
@@ -187,11 +189,15 @@ class SharedClient:
             return []
 
         def one(node: redis.Redis, idx: list[int], results: list[Any]) -> None:
-            self._count("round_trips")
-            got = read_strings(node.connection_pool, [names[i] for i in idx], limit, until,
-                               self.config.command_timeout, hash_from)
-            for i, v in zip(idx, got):
-                results[i] = v
+            self._count("round_trips")  # the connections run at once: one round trip of latency
+
+            def part(ids: list[int]) -> None:
+                got = read_strings(node.connection_pool, [names[i] for i in ids], limit, until,
+                                   self.config.command_timeout, hash_from)
+                for i, v in zip(ids, got):
+                    results[i] = v
+
+            _at_once(part, _split(idx, BULK_CONNECTIONS))
 
         got = self._call("bulk", lambda c: self._per_node(c, list(names), one), until)
         if isinstance(got, _Unavailable):
@@ -572,6 +578,33 @@ def _build(config: SharedConfig) -> RedisClient:
                             **client_kwargs(config))
     return redis.Redis(host=config.host, port=config.port, db=config.db, retry=no_retry,
                        **client_kwargs(config))
+
+
+def _split(items: list[int], parts: int) -> list[list[int]]:
+    """``items`` in at most ``parts`` contiguous, non-empty runs of near-equal length."""
+    n = max(1, min(parts, len(items)))
+    return [items[len(items) * i // n : len(items) * (i + 1) // n] for i in range(n)]
+
+
+def _at_once(fn: Callable[[list[int]], None], parts: list[list[int]]) -> None:
+    """``fn(part)`` for every part, the first on this thread and the others on threads of
+    their own; returns when all ended, raising the first error."""
+    errors: list[BaseException] = []
+
+    def run(part: list[int]) -> None:
+        try:
+            fn(part)
+        except BaseException as e:  # re-raised on the caller's thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(p,), name="kvstore-shared-read", daemon=True) for p in parts[1:]]
+    for t in threads:
+        t.start()
+    run(parts[0])
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def _abandon(client: RedisClient) -> None:
