@@ -17,9 +17,9 @@ Trials, in turn:
   flipped (strings: anywhere in the value; hashes: in a field's value) with redis-py;
 - ``slow_link`` (one server only): B talks to Redis through a real throttling TCP relay
   (``tests/support/relay.py``) at 20 KB/s or 200 KB/s that also stalls for a while
-  mid-window: every fetch still returns within ``FETCH_BOUND`` (the tier's deadline cuts
-  the transfer), a hit is exact, a miss or shorter hit is counted (deadline, errors or
-  the cost-based skip).
+  mid-window, with a lookup deadline of ``SLOW_DEADLINE``: every fetch still returns
+  within ``FETCH_BOUND`` (the deadline cuts the transfer), a hit is exact, a miss or
+  shorter hit is counted (deadline, errors or the cost-based skip).
 
 ``shared_trials`` of them run against one server, then ``shared_cluster_trials``
 (``cluster:`` in ``outcomes``) against a 3-node Redis Cluster, a random node faulted.
@@ -69,6 +69,7 @@ TRIALS = ("clean", "fetch_kill", "fetch_pause", "fetch_restart", "publish_kill",
           "publish_restart", "damage", "slow_link")
 CLUSTER_TRIALS = TRIALS[:-1]  # a relay fronts one server (a cluster redirects to its nodes' own ports)
 SLOW_RATES = (20e3, 200e3)    # bytes/s through the relay in ``slow_link``
+SLOW_DEADLINE = 0.3           # seconds per lookup in ``slow_link``: larger entries cannot make it
 PREFIX = "kvfaults"
 # breaker tuned as tests/test_shared_tier.py does; timeouts are the defaults (0.05 s connect,
 # 0.1 s command, 1 s per socket operation moving values)
@@ -497,7 +498,7 @@ def slow_relay(redis: Redis, rng: random.Random, fetch: dict) -> Any:
     its ``fault``: a stall of 0.5 to 1.5 s somewhere in B's window."""
     from tests.support.relay import Relay
     relay = Relay(redis.servers[0].port, rate=rng.choice(SLOW_RATES)).start()
-    fetch["url"] = f"{relay.url}?prefix={PREFIX}"
+    fetch["url"] = f"{relay.url}?prefix={PREFIX}&fetch_deadline={SLOW_DEADLINE}"
 
     def fault() -> None:
         time.sleep(rng.uniform(0.05, WINDOW / 2))
