@@ -443,3 +443,18 @@ def test_read_values_hashes_as_bytes_arrive_and_bounds_the_call(redis_server: Re
         assert slow.stats()["errors_deadline"] == 1
         relay.rate = None
         assert bytes(slow.read_values(["kvstore:a"], 1 << 21, until=time.monotonic() + 30)[0].data) == big
+
+
+def test_write_values_sends_pieces_as_one_value(redis_server: RedisServer) -> None:
+    """``write_values``: a value given in pieces is stored as their concatenation; NX
+    leaves an existing key (False); a TTL applies; the bytes out count what was written."""
+    c = SharedClient(redis_server.url)
+    big = bytes(range(256)) * 8192  # 2 MiB
+    assert c.write_values([("kvstore:w1", [b"head:", big, b":tail"]), ("kvstore:w2", [b"x"])]) == [True, True]
+    assert c.pipeline_get(["kvstore:w1"]) == [b"head:" + big + b":tail"]
+    assert c.write_values([("kvstore:w1", [b"other"]), ("kvstore:w3", [b"y", b"z"])], nx=True) == [False, True]
+    assert c.pipeline_get(["kvstore:w1", "kvstore:w3"]) == [b"head:" + big + b":tail", b"yz"]
+    assert c.write_values([("kvstore:w4", [b"t"])], ttl=60) == [True]
+    with redis_server.client() as r:
+        assert 0 < r.pttl("kvstore:w4") <= 60_000
+    assert c.stats()["bytes_out"] == len(big) + 10 + 1 + 2 + 1

@@ -19,6 +19,7 @@ their place. Raises redis-py's ConnectionError / TimeoutError (the client counts
 
 from __future__ import annotations
 
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -143,3 +144,77 @@ def _one(r: _Reader, limit: int, hash_from: Callable[[memoryview], int | None] |
     if state["h"] is None:
         return Bulk(view)
     return Bulk(view, state["offset"], state["h"].digest())
+
+
+def write_strings(pool: Any, items: list[tuple[str, list[bytes | memoryview]]], nx: bool, px: int | None,
+                  until: float | None, timeout: float) -> list[bool | None]:
+    """``SET name value [NX] [PX px]`` of each item in one pipeline on one connection of
+    ``pool``, each value given as its pieces in order and sent as they are (``sendmsg``:
+    no joined copy of a many-MB value). Per item: True (written), False (NX: the key was
+    there) or None (an error reply). Bounded like ``read_strings``."""
+    opts = [b"NX"] if nx else []
+    if px is not None:
+        opts += [b"PX", str(int(px)).encode()]
+    conn = pool.get_connection()
+    try:
+        sock = conn._sock
+        for name, parts in items:
+            head = [b"SET", name.encode()]
+            size = sum(len(p) for p in parts)
+            cmd = b"*%d\r\n" % (3 + len(opts)) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in head) \
+                + b"$%d\r\n" % size
+            tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in opts)
+            _send_all(sock, [cmd, *parts, tail], until, timeout)
+        r = _Reader(sock, until, timeout)
+        out = [_set_reply(r.line()) for _ in items]
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+    return out
+
+
+def _send_all(sock: Any, buffers: list[bytes | memoryview], until: float | None, timeout: float) -> None:
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    if isinstance(sock, ssl.SSLSocket):  # no sendmsg on TLS: one buffer at a time
+        for v in views:
+            _send_all(_Plain(sock), [v], until, timeout)
+        return
+    while views:
+        left = timeout if until is None else min(timeout, until - time.monotonic())
+        if left <= 0:
+            raise RedisTimeoutError("bulk write passed its deadline")
+        sock.settimeout(left)
+        try:
+            sent = sock.sendmsg(views[:64])
+        except TimeoutError:
+            raise RedisTimeoutError("timeout writing a bulk value") from None
+        while sent and views:
+            if sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            else:
+                views[0], sent = views[0][sent:], 0
+
+
+class _Plain:
+    """A TLS socket seen through ``sendmsg`` of one buffer (``send``)."""
+
+    def __init__(self, sock: Any) -> None:
+        self.sock = sock
+
+    def settimeout(self, t: float) -> None:
+        self.sock.settimeout(t)
+
+    def sendmsg(self, views: list[memoryview]) -> int:
+        return self.sock.send(views[0])
+
+
+def _set_reply(line: bytes) -> bool | None:
+    if line == b"+OK":
+        return True
+    if line in (b"$-1", b"_"):  # NX and the key exists (RESP2 nil, RESP3 null)
+        return False
+    if line[:1] == b"-":
+        return None
+    raise RedisConnectionError("unexpected reply to SET")

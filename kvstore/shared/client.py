@@ -51,7 +51,7 @@ from redis.retry import Retry
 
 from .breaker import Breaker
 from . import deadline
-from .bulk import Bulk, read_strings
+from .bulk import Bulk, read_strings, write_strings
 from .config import SharedConfig
 from .keys import key_slot, make_key
 
@@ -235,6 +235,32 @@ class SharedClient:
             return None
         written = [not self._item_error(r) and bool(r) for r in got]
         self._count("bytes_out", sum(_size(v) for (_, v), w in zip(pairs, written) if w))
+        return written
+
+    def write_values(self, items: Sequence[tuple[str, list[bytes]]], nx: bool = False, ttl: float | None = None,
+                     until: float | None = None) -> list[bool] | None:
+        """SET (``nx``: NX) each value, given as its pieces in order and sent without
+        joining them (``bulk.write_strings``), one pipeline per node: True where written.
+        ``ttl`` as in ``set_many``. None = unavailable."""
+        names = [n for n, _ in items]
+        _check_keys(names)
+        if not items:
+            return []
+        px = self._ttl_ms(ttl)
+
+        def one(node: redis.Redis, idx: list[int], results: list[Any]) -> None:
+            self._count("round_trips")
+            got = write_strings(node.connection_pool, [items[i] for i in idx], nx, px, until,
+                                self.config.command_timeout)
+            for i, v in zip(idx, got):
+                results[i] = v
+
+        got = self._call("write", lambda c: self._per_node(c, names, one), until)
+        if isinstance(got, _Unavailable):
+            return None
+        written = [r is True for r in got]
+        self._count("errors_other", sum(r is None for r in got))  # error replies (OOM, NOPERM...)
+        self._count("bytes_out", sum(sum(len(p) for p in parts) for (_, parts), w in zip(items, written) if w))
         return written
 
     def set_many(self, items: Items, ttl: float | None = None, atomic: bool = False,

@@ -486,7 +486,8 @@ class SharedTier:
                 tail = item.read(rec.tail) if rec.tail is not None else b""
                 clean = EntryRecord(rec.identity, rec.n, rec.chunk, rec.chunked, rec.trimmable, rec.boundary,
                                     rec.chunks, rec.tail, rec.cache_type, rec.created, rec.created)
-                if not self.pub.set_many([(ename, V.entry_value(clean, item.tokens, tail, now))], until=until):
+                wrote = self.pub.write_values([(ename, V.entry_parts(clean, item.tokens, tail, now))], until=until)
+                if not wrote or not wrote[0]:
                     return self._published(False)
         except Exception as e:  # a local segment that cannot be read (gc'd, damaged)
             log.debug("shared publish of %s skipped: %s", item.key.hex()[:12], e)
@@ -514,14 +515,14 @@ class SharedTier:
     def _put_chunks(self, missing: list[tuple[str, tuple[bytes, ChunkRecord, bytes]]],
                     read: Callable[[Segment], bytes], now: float, until: float) -> bool:
         """SET NX the chunks, in pipelines of about PUBLISH_BATCH_BYTES; True if sent."""
-        batch: list[tuple[str, bytes]] = []
+        batch: list[tuple[str, list[bytes]]] = []
         size = 0
         for i, (cname, (_ck, crec, toks)) in enumerate(missing):
-            value = V.chunk_value(crec.with_refs(1), toks, read(crec.segment), now)
+            value = V.chunk_parts(crec.with_refs(1), toks, read(crec.segment), now)
             batch.append((cname, value))
-            size += len(value)
+            size += sum(len(p) for p in value)
             if size >= PUBLISH_BATCH_BYTES or i == len(missing) - 1:
-                wrote = self.pub.set_nx_many(batch, until=until)
+                wrote = self.pub.write_values(batch, nx=True, until=until)
                 if wrote is None:
                     return False
                 self._count("chunks_published", sum(wrote))

@@ -115,23 +115,25 @@ class Value:
     published: float
 
 
-def chunk_value(rec: ChunkRecord, tokens: bytes, segment: bytes, published: float) -> bytes:
+def chunk_parts(rec: ChunkRecord, tokens: bytes, segment: bytes, published: float) -> list[bytes]:
+    """A chunk value as its pieces [frame + record + tokens, segment]: the value is their
+    concatenation, which a writer sends without making it."""
     return _build("chunk", rec, rec.segment, tokens, segment, published)
 
 
-def entry_value(rec: EntryRecord, tokens: bytes, segment: bytes, published: float) -> bytes:
+def entry_parts(rec: EntryRecord, tokens: bytes, segment: bytes, published: float) -> list[bytes]:
     return _build("entry", rec, rec.tail, tokens, segment, published)
 
 
 def _build(kind: str, rec: ChunkRecord | EntryRecord, seg: Segment | None, tokens: bytes,
-           segment: bytes, published: float) -> bytes:
+           segment: bytes, published: float) -> list[bytes]:
     if (seg is None) != (not segment) or (seg is not None and seg.length != len(segment)):
         raise ValueError("the segment bytes are not the record's segment")
     if seg is not None:  # the local pack's place means nothing elsewhere
         rec = _with_segment(rec, Segment(NO_PACK, 0, seg.length, seg.checksum))
     body = rec.to_bytes()
-    return FRAME.pack(MAGIC[kind], VERSION, float(published), len(body), len(tokens), len(segment)) \
-        + body + tokens + segment
+    return [FRAME.pack(MAGIC[kind], VERSION, float(published), len(body), len(tokens), len(segment))
+            + body + tokens, segment]
 
 
 def _with_segment(rec: ChunkRecord | EntryRecord, seg: Segment) -> ChunkRecord | EntryRecord:
