@@ -269,7 +269,11 @@ def run(ctx: C.Context) -> dict[str, Any]:
 
     started = time.perf_counter()
     reduced = bool(os.environ.get("KVSTORE_BENCH_REDUCED"))
-    plan = QUICK if ctx.quick else REDUCED if reduced else DEFAULT
+    plan = dict(QUICK if ctx.quick else REDUCED if reduced else DEFAULT)
+    parts = os.environ.get("KVSTORE_BENCH_SHARED_PARTS")  # e.g. "bandwidth,slow": the others skipped
+    for part in plan if parts else ():
+        if part not in parts.split(","):  # type: ignore[union-attr]
+            plan[part] = []
     reps = 2 if ctx.quick or reduced else 3
     server = _server(ctx)
     url = f"redis://127.0.0.1:{server.port}/0"
@@ -287,7 +291,8 @@ def run(ctx: C.Context) -> dict[str, Any]:
         slow = []
         for shape, n in plan["slow"]:
             cold = [r for r in ttft if r["model"] == shape]
-            tps = cold[-1]["tokens"] / cold[-1]["medians"]["cold_ttft"] if cold else None
+            given = os.environ.get("KVSTORE_BENCH_PREFILL_TPS")  # a rate measured by an earlier run
+            tps = cold[-1]["tokens"] / cold[-1]["medians"]["cold_ttft"] if cold else float(given) if given else None
             slow += run_slow(ctx, server, shape, n, tps)
             server.client().flushdb()
     finally:

@@ -14,9 +14,11 @@ length:
    that boundary, with its token ids) are candidates as well: the one sharing the most
    tokens with the query (0 < m < chunk) serves k*C + m of them (never the whole query),
    as the local plan trims a chunk at the end of its chain.
-2. one pipeline: ``GETRANGE 0 max_value_bytes-1`` of the chosen entry (or chunk to trim)
-   and of the chunks it needs that are not held locally (a value never makes the reader
-   allocate more than the bound).
+2. one pipeline (``SharedClient.read_values``): ``GETRANGE 0 max_value_bytes-1`` of the
+   chosen entry (or chunk to trim) and of the chunks it needs that are not held locally
+   (a value never makes the reader allocate more than the bound), each read off the
+   socket once and its segment hashed while it arrives; ``Found`` holds views of those
+   buffers, which the store restores from directly.
 
 Everything read is verified before it is returned (``values`` parses it; here: the
 identity, every key re-derived from the token ids, stored token ids compared with the
@@ -31,7 +33,8 @@ written ``SET NX`` and would otherwise stay damaged for the whole fleet. A value
 since its field was read is counted (``missing``) and its field removed the same way.
 
 ``SharedTier.submit`` hands a locally committed entry to the publisher thread (its own
-bounded queue: a full queue drops and counts, never blocks). ``publish`` writes, in this
+bounded queue: a full queue drops and counts, never blocks). ``publish`` (each value sent
+as its pieces, ``SharedClient.write_values``: never joined into one copy) writes, in this
 order, each step only after the one before succeeded: the chunks the server lacks
 (``SET NX``: content-addressed, never overwritten), the entry value, and last, in one
 pipeline (``hset_many``), the entry's field in its boundary hash and each of its chunks'
