@@ -49,10 +49,10 @@ there; local serving goes on. Round trip 1 uses the configured timeouts; moving 
 small one before its first byte (the publisher has a third, so that abandoning a late
 publish never cuts a lookup). Needs no DiskTier or KVStore (the store glues them).
 
-Bounded in wall time (``deadline``): a lookup, both round trips, ends by
-``config.fetch_deadline``, lowered once round trip 1 has chosen a candidate to
-``max(DEADLINE_FLOOR, 2 x the expected transfer)`` and never above the expected prefill
-of the tokens it would save; a publish by ``publish_deadline``; ``flush`` / ``close`` by
+Bounded in wall time (``deadline``): round trip 1 by ``config.fetch_deadline``; round
+trip 2 by what the hit is worth (``_budget``: ``fetch_deadline`` until the prefill rate is
+measured, then at most the expected prefill of the tokens it saves, and twice the
+expected transfer once the link is measured); a publish by ``publish_deadline``; ``flush`` / ``close`` by
 ``flush_deadline`` (then queued publishes are dropped, counted, and the one in flight is
 abandoned). Late is a counted miss (``deadline_misses``), never a wait.
 
@@ -215,7 +215,7 @@ class SharedTier:
         if budget is None:
             self._count("skipped_cost")
             return None
-        until = min(until, time.monotonic() + budget)
+        until = time.monotonic() + budget  # round trip 1 had fetch_deadline; round trip 2 what the hit is worth
         found = self._fetch(identity, tokens, bounds, C, held, best, better_than, until, moving)
         if found is not None:
             self._count("lookup_hits")
