@@ -398,7 +398,8 @@ class SharedClient:
         try:
             result = fn(client)
         except _CAUGHT as e:
-            self._failed(op, DeadlineExceeded(f"{op} passed its deadline") if watch and watch.fired else e)
+            late = watch is not None and (watch.fired or time.monotonic() >= watch.until - 0.01)
+            self._failed(op, DeadlineExceeded(f"{op} passed its deadline") if late else e)
             return _UNAVAILABLE
         except BaseException:
             self._breaker.abandon()

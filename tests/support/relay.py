@@ -3,8 +3,8 @@ of a real redis-server.
 
 ``Relay(target_port, rate=10e6).start()`` listens on a free port (``relay.port``) and
 forwards every accepted connection to ``127.0.0.1:target_port``, both ways, at about
-``rate`` bytes per second per direction and connection (``rate=None``: as fast as it
-goes). ``stall()`` stops forwarding (connections stay open, nothing moves: a path that
+``rate`` bytes per second per direction, shared by all its connections as a link's
+bandwidth is (``rate=None``: as fast as it goes). ``stall()`` stops forwarding (connections stay open, nothing moves: a path that
 drops every packet) until ``resume()``; ``rate`` may be changed at any time. Threads in
 the calling process (one per direction and connection), or a process of its own::
 
@@ -36,6 +36,7 @@ class Relay:
         self._lock = threading.Lock()
         self._socks: set[socket.socket] = set()
         self._listener: socket.socket | None = None
+        self._due = {"up": 0.0, "down": 0.0}  # per direction: when the link is free again
 
     def start(self) -> Relay:
         ls = socket.socket()
@@ -89,12 +90,20 @@ class Relay:
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._socks.update((down, up))
-            for src, dst in ((down, up), (up, down)):
-                threading.Thread(target=self._pump, args=(src, dst), name="relay-pump", daemon=True).start()
+            for src, dst, way in ((down, up, "up"), (up, down, "down")):
+                threading.Thread(target=self._pump, args=(src, dst, way), name="relay-pump", daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        """Copy src -> dst, paced: each piece waits until the rate allows it."""
-        started, sent = time.monotonic(), 0
+    def _wait_turn(self, way: str, n: int, rate: float) -> None:
+        """Book ``n`` bytes on direction ``way`` of the link and sleep until they are sent."""
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._due[way])
+            self._due[way] = start + n / rate
+        if self._due[way] > now:
+            time.sleep(max(0.0, start + n / rate - now))
+
+    def _pump(self, src: socket.socket, dst: socket.socket, way: str) -> None:
+        """Copy src -> dst, paced: each piece waits for its turn on the shared link."""
         try:
             while True:
                 self._open.wait()
@@ -106,12 +115,7 @@ class Relay:
                 if self._closed:
                     break
                 if rate is not None:
-                    sent += len(data)
-                    ahead = started + sent / rate - time.monotonic()
-                    if ahead > 0:
-                        time.sleep(ahead)
-                    elif ahead < -0.05:  # idle for a while: no burst to catch up
-                        started, sent = time.monotonic(), 0
+                    self._wait_turn(way, len(data), rate)
                 dst.sendall(data)
                 self.moved += len(data)
         except OSError:
