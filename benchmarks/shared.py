@@ -178,27 +178,34 @@ def _server(ctx: C.Context) -> Any:
     return RedisServer().start()
 
 
-def run_bandwidth(ctx: C.Context, url: str, shape: str, n: int, reps: int) -> dict[str, Any]:
-    ctx.log(f"  {shape}-shaped KV, {n} tokens: publish (machine A) ...")
-    a = ctx.scratch(f"shared-{shape}-a")
-    pub = C.run_child("shared:publish", {"url": url, "cache_dir": str(a), "shape": shape, "n": n})
+def run_bandwidth(ctx: C.Context, server: Any, shape: str, n: int, reps: int) -> dict[str, Any]:
+    """Publishes (each into an empty Redis), then per rep, interleaved so that a changing
+    load hits both alike: a shared restore on an empty machine, a plain GET with hiredis
+    and with the Python parser (and a plain SET); then B's local restores."""
+    url = f"redis://127.0.0.1:{server.port}/0"
+    pubs = []
+    for rep in range(reps):
+        ctx.log(f"  {shape}-shaped KV, {n} tokens: publish {rep + 1}/{reps} (machine A, empty Redis) ...")
+        server.client().flushdb()
+        pubs.append(C.run_child("shared:publish", {"url": url, "cache_dir": str(ctx.scratch(f"shared-{shape}-a")),
+                                                   "shape": shape, "n": n}))
+    pub = dict(pubs[-1], publish_s=C.median([p["publish_s"] for p in pubs]), reps=pubs)
     payload = pub["payload_bytes"]
-    shared, local = [], []
+    shared, local, plain, python = [], [], [], []
     b = None
     for rep in range(reps):
-        ctx.log(f"    shared restore {rep + 1}/{reps} (fresh process, empty directory) ...")
+        ctx.log(f"    shared restore {rep + 1}/{reps} (fresh process, empty directory), plain GET / SET ...")
         b = ctx.scratch(f"shared-{shape}-b{rep}")
         shared.append(C.run_child("shared:restore", {"url": url, "cache_dir": str(b), "shape": shape,
                                                      "n": n, "shared": True}))
+        plain.append(C.run_child("shared:plain_reads", {"url": url, "cache_dir": str(b)}))
+        python.append(C.run_child("shared:plain_reads", {"url": url, "cache_dir": str(b), "hiredis": False}))
     assert b is not None
     C.warm_files([b])
     for rep in range(reps):
         ctx.log(f"    local restore {rep + 1}/{reps} of the imported entry (fresh process, page cache warm) ...")
         local.append(C.run_child("shared:restore", {"url": url, "cache_dir": str(b), "shape": shape,
                                                     "n": n, "shared": False}))
-    plain = [C.run_child("shared:plain_reads", {"url": url, "cache_dir": str(b)}) for _ in range(reps)]
-    python = [C.run_child("shared:plain_reads", {"url": url, "cache_dir": str(b), "hiredis": False})
-              for _ in range(reps)]
     med = {"payload_bytes": payload, "tokens": n,
            "publish_s": pub["publish_s"], "publish_gbps": C.gb(payload) / pub["publish_s"],
            "shared_restore_s": C.median([r["seconds"] for r in shared]),
@@ -274,14 +281,14 @@ def run(ctx: C.Context) -> dict[str, Any]:
     for part in plan if parts else ():
         if part not in parts.split(","):  # type: ignore[union-attr]
             plan[part] = []
-    reps = 2 if ctx.quick or reduced else 3
+    reps = 2 if ctx.quick else 5 if reduced else 3  # a loaded machine: more reps, medians
     server = _server(ctx)
     url = f"redis://127.0.0.1:{server.port}/0"
     ctx.log(f"  redis-server {server.binary} on {url} (loopback)")
     try:
         bw = []
         for shape, n in plan["bandwidth"]:
-            bw.append(run_bandwidth(ctx, url, shape, n, reps))
+            bw.append(run_bandwidth(ctx, server, shape, n, reps))
             server.client().flushdb()
         ttft = []
         for model, lengths in plan["ttft"]:
