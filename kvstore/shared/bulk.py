@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import ssl
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import xxhash
@@ -99,17 +100,24 @@ def read_strings(pool: Any, names: list[str], limit: int, until: float | None, t
                  hash_from: Callable[[memoryview], int | None] | None = None) -> list[Bulk | None]:
     """``GETRANGE name 0 limit-1`` of each name in one pipeline on one connection of
     ``pool`` (see the module docstring); None where the server answered an error."""
-    conn = pool.get_connection()
-    try:
+    with _connection(pool) as conn:
         conn.send_packed_command(conn.pack_commands([("GETRANGE", n, 0, limit - 1) for n in names]))
         r = _Reader(conn._sock, until, timeout)
-        out = [_one(r, limit, hash_from) for _ in names]
+        return [_one(r, limit, hash_from) for _ in names]
+
+
+@contextmanager
+def _connection(pool: Any) -> Iterator[Any]:
+    """A connection of ``pool``, returned to it after; closed first on any failure (it may
+    have bytes in flight)."""
+    conn = pool.get_connection()
+    try:
+        yield conn
     except BaseException:
         conn.disconnect()
         raise
     finally:
         pool.release(conn)
-    return out
 
 
 def _one(r: _Reader, limit: int, hash_from: Callable[[memoryview], int | None] | None) -> Bulk | None:
@@ -155,8 +163,7 @@ def write_strings(pool: Any, items: list[tuple[str, list[bytes | memoryview]]], 
     opts = [b"NX"] if nx else []
     if px is not None:
         opts += [b"PX", str(int(px)).encode()]
-    conn = pool.get_connection()
-    try:
+    with _connection(pool) as conn:
         sock = conn._sock
         for name, parts in items:
             head = [b"SET", name.encode()]
@@ -166,13 +173,7 @@ def write_strings(pool: Any, items: list[tuple[str, list[bytes | memoryview]]], 
             tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in opts)
             _send_all(sock, [cmd, *parts, tail], until, timeout)
         r = _Reader(sock, until, timeout)
-        out = [_set_reply(r.line()) for _ in items]
-    except BaseException:
-        conn.disconnect()
-        raise
-    finally:
-        pool.release(conn)
-    return out
+        return [_set_reply(r.line()) for _ in items]
 
 
 def _send_all(sock: Any, buffers: list[bytes | memoryview], until: float | None, timeout: float) -> None:
