@@ -158,36 +158,39 @@ class DiskTier:
         unexpected; then nothing is returned and the arrays being filled are dropped.
         Raises ``CutRefused`` (before allocating) when the plan cuts a snapshot at a point
         its layout refuses (``codec.can_cut``): the entry is valid, the query a miss."""
-        from . import codec  # lazy: keeps mlx_lm (3 s) out of CLI start-up
-
         pieces = self.index.view(lambda r: _pieces(r, plan))
         with _Packs(self.blob_root) as packs:
             heads = [_header(packs, p) for p in pieces]
             layout, specs = _checked(pieces, heads, ident, plan, self.chunk, check)
-            if not plan.chunked and plan.n < plan.stored_n and not codec.can_cut(layout, plan.n):
-                raise CutRefused(f"a snapshot of {plan.stored_n} tokens cannot be cut to {plan.n}")
             arrays, hosts = alloc.alloc(specs)
             _read_all(packs, pieces, heads, hosts, self.chunk if plan.chunked else None)
-        tensors = {name: alloc.finish(specs[name][0], a) for name, a in arrays.items()}
-        nbytes = sum(p.segment.length for p in pieces)
-        if plan.chunked:
-            tensors = codec.slice_tokens(tensors, 0, plan.n)
-            layout = codec.with_offset(layout, plan.n)
-        cache = codec.decode_cache(tensors, layout)
-        if not plan.chunked and plan.n < plan.stored_n:
-            for c in cache:
-                c.trim(plan.stored_n - plan.n)
-            tensors, layout = codec.encode_cache(cache)
-        why = codec.check_holds(cache, plan.n)
-        if why:
-            raise _blamed(pieces[-1].record, f"restored cache: {why}")
-        # Evaluated here: MLX streams are per thread, and a lazy slice or view made on this
-        # thread cannot be evaluated on another (the caller's generation thread, or another
-        # request thread hitting the memory copy of this restore).
-        import mlx.core as mx
+        return _built(plan, pieces, specs, arrays, layout)
 
-        mx.eval(list(tensors.values()) + [a for c in cache for a in codec.layer_arrays(c)])
-        return Restored(cache, tensors, layout, plan.n, nbytes)
+    def restore_framed(self, ident: Identity, key: bytes, rec: EntryRecord, n: int,
+                       chunks: list[tuple[bytes, ChunkRecord, bytes, Any]], tail: Any,
+                       check: LayoutCheck | None = None) -> Restored:
+        """``n`` tokens of the entry ``import_entry`` would file (every chunk of ``rec``
+        given: nothing is read from here), restored straight from the segment bytes in
+        memory (a shared hit, before it is written here): each segment checked as
+        ``restore`` checks it before anything is allocated, then copied into the final
+        arrays. The checksums are the caller's (the shared tier verified them as the
+        bytes arrived; ``import_entry`` verifies them again as it writes)."""
+        C = self.chunk
+        if rec.chunk != C or rec.identity != ident.digest or {ck for ck, *_ in chunks} != set(rec.chunks):
+            raise _blamed(("entry", key), "not a whole entry of this directory's identity and chunk size")
+        plan = Plan(n, rec.chunks, None, rec.n, rec.chunked)
+        pieces, data = _framed(key, rec, chunks, tail, C)
+        heads = []
+        for p, d in zip(pieces, data):
+            with _blame(*p.record):
+                hlen = int.from_bytes(bytes(d[:8]), "little") if len(d) >= 8 else 0
+                heads.append(blobs.parse_header(bytes(d[: 8 + min(hlen, len(d))]), len(d)))
+        layout, specs = _checked(pieces, heads, ident, plan, C, check)
+        arrays, hosts = alloc.alloc(specs)
+        for p, d, h in zip(pieces, data, heads):
+            with _blame(*p.record):
+                _copy_into(d, h, {nm: x[..., p.lo : p.hi, :] for nm, x in hosts.items()} if plan.chunked else hosts)
+        return _built(plan, pieces, specs, arrays, layout)
 
     # -- persist -----------------------------------------------------------------------
 
@@ -260,17 +263,7 @@ class DiskTier:
         if rec.chunk != C or rec.identity != ident.digest:
             raise _blamed(("entry", key), "not an entry of this directory's identity and chunk size")
         plan = Plan(rec.n, rec.chunks, None, rec.n, rec.chunked)
-        at = {ck: k for k, ck in enumerate(rec.chunks)}
-        pieces, data = [], []
-        for ck, crec, _toks, seg in chunks:
-            if ck not in at or crec.n != C:
-                raise _blamed(("chunk", ck), "not a chunk of the entry")
-            pieces.append(_Piece(("chunk", ck), "chunk", crec.segment, at[ck] * C, (at[ck] + 1) * C))
-            data.append(seg)
-        if rec.tail is not None:
-            lo = len(rec.chunks) * C if rec.chunked else 0
-            pieces.append(_Piece(("entry", key), "tail" if rec.chunked else "snapshot", rec.tail, lo, rec.n))
-            data.append(tail)
+        pieces, data = _framed(key, rec, chunks, tail, C)
         heads = []
         for p, d in zip(pieces, data):
             with _blame(*p.record):
@@ -589,7 +582,8 @@ def _check_pieces(pieces: list[_Piece], heads: list[blobs.Header], ident: Identi
 def _checked(pieces: list[_Piece], heads: list[blobs.Header], ident: Identity, plan: Plan, C: int,
              check: LayoutCheck | None) -> tuple[list, blobs.Specs]:
     """The stored layout and the restored arrays' specs, once ``_check_pieces`` and
-    ``check`` (the identity's layout check, on the specs) accept the pieces."""
+    ``check`` (the identity's layout check, on the specs) accept the pieces; CutRefused
+    if the plan cuts a snapshot where its layout does not allow (nothing allocated yet)."""
     layout = _check_pieces(pieces, heads, ident, plan, C)
     specs = _final_specs(heads[0], plan) if plan.chunked else heads[0].specs
     if check is not None:
@@ -597,6 +591,11 @@ def _checked(pieces: list[_Piece], heads: list[blobs.Header], ident: Identity, p
             why = check({n: ArraySpec(s, blobs.mlx_dtype_name(st)) for n, (st, s) in specs.items()}, layout)
             if why:
                 raise blobs.BlobError(f"stored cache does not fit the model: {why}")
+    if not plan.chunked and plan.n < plan.stored_n:
+        from . import codec  # lazy: keeps mlx_lm out of CLI start-up
+
+        if not codec.can_cut(layout, plan.n):
+            raise CutRefused(f"a snapshot of {plan.stored_n} tokens cannot be cut to {plan.n}")
     return layout, specs
 
 
@@ -635,6 +634,67 @@ def _read_all(packs: _Packs, pieces: list[_Piece], heads: list[blobs.Header],
             for f in futures:
                 f.cancel()
             raise  # after the pool's exit has waited for the running readers
+
+
+def _built(plan: Plan, pieces: list[_Piece], specs: blobs.Specs, arrays: dict[str, Any], layout: list) -> Restored:
+    """The live caches holding ``plan.n`` tokens from filled arrays (see ``restore``)."""
+    from . import codec
+
+    tensors = {name: alloc.finish(specs[name][0], a) for name, a in arrays.items()}
+    nbytes = sum(p.segment.length for p in pieces)
+    if plan.chunked:
+        tensors = codec.slice_tokens(tensors, 0, plan.n)
+        layout = codec.with_offset(layout, plan.n)
+    cache = codec.decode_cache(tensors, layout)
+    if not plan.chunked and plan.n < plan.stored_n:
+        for c in cache:
+            c.trim(plan.stored_n - plan.n)
+        tensors, layout = codec.encode_cache(cache)
+    why = codec.check_holds(cache, plan.n)
+    if why:
+        raise _blamed(pieces[-1].record, f"restored cache: {why}")
+    # Evaluated here: MLX streams are per thread, and a lazy slice or view made on this
+    # thread cannot be evaluated on another (the caller's generation thread, or another
+    # request thread hitting the memory copy of this restore).
+    import mlx.core as mx
+
+    mx.eval(list(tensors.values()) + [a for c in cache for a in codec.layer_arrays(c)])
+    return Restored(cache, tensors, layout, plan.n, nbytes)
+
+
+def _framed(key: bytes, rec: EntryRecord, chunks: list[tuple[bytes, ChunkRecord, bytes, Any]], tail: Any,
+            C: int) -> tuple[list[_Piece], list[Any]]:
+    """The pieces (in token order) and their bytes of an entry framed elsewhere: the
+    given chunks, then its tail or snapshot (see ``import_entry``)."""
+    at = {ck: k for k, ck in enumerate(rec.chunks)}
+    pieces, data = [], []
+    for ck, crec, _toks, seg in chunks:
+        if ck not in at or crec.n != C:
+            raise _blamed(("chunk", ck), "not a chunk of the entry")
+        pieces.append(_Piece(("chunk", ck), "chunk", crec.segment, at[ck] * C, (at[ck] + 1) * C))
+        data.append(seg)
+    if rec.tail is not None:
+        lo = len(rec.chunks) * C if rec.chunked else 0
+        pieces.append(_Piece(("entry", key), "tail" if rec.chunked else "snapshot", rec.tail, lo, rec.n))
+        data.append(tail)
+    return pieces, data
+
+
+def _copy_into(data: Any, header: blobs.Header, dests: dict[str, np.ndarray]) -> None:
+    """A segment's tensors (bytes in memory, checksum already verified) copied into
+    ``dests`` as ``blobs.read_into`` reads them from a file."""
+    if set(dests) != set(header.specs):
+        raise blobs.BlobError(f"tensors {sorted(header.specs)}, expected {sorted(dests)}")
+    pos = header.start
+    for tname, (st, shape) in header.specs.items():
+        d, dt = dests[tname], blobs.host_dtype(st)
+        if d.shape != shape or d.dtype != dt:
+            raise blobs.BlobError(f"tensor {tname!r} is {st} {list(shape)}, expected {list(d.shape)} {d.dtype}")
+        count = int(np.prod(shape))
+        np.copyto(d, np.frombuffer(data, dt, count, pos).reshape(shape))
+        pos += count * dt.itemsize
+    if pos != len(data):
+        raise blobs.BlobError(f"tensors end at {pos}, the segment at {len(data)}")
 
 
 @contextmanager

@@ -237,7 +237,10 @@ class KVStore:
         if self._disk_on(ident) and tokens:
             floor = restore_floor(n, len(tokens))  # what a disk or shared hit must beat
             shared = self.shared is not None and self._from_shared(ident, enc, floor)  # type: ignore[arg-type]
-            got = self._fetch_disk(ident, enc, better_than=floor, source="shared" if shared else "disk")  # type: ignore[arg-type]
+            got = shared if isinstance(shared, Fetched) else \
+                self._fetch_disk(ident, enc, better_than=floor, source="shared" if shared else "disk")  # type: ignore[arg-type]
+            if self.shared is not None:  # the prefill of what was not served starts now
+                self.shared.prefill.fetched(ident.digest, got.n if got is not None else n)  # type: ignore[union-attr]
             if got is not None:
                 return got
         if cache is not None:
@@ -262,12 +265,14 @@ class KVStore:
                 pass
         return n
 
-    def _from_shared(self, ident: Identity, enc: bytes, better_than: int) -> bool:
-        """Ask the shared tier for more than the local tiers hold and write what it gives
-        into the disk tier; True if a longer prefix is now indexed there. Never raises."""
+    def _from_shared(self, ident: Identity, enc: bytes, better_than: int) -> "Fetched | bool":
+        """Ask the shared tier for more than the local tiers hold. A hit that needs nothing
+        held here is restored straight from the bytes received and handed out (a
+        ``Fetched``), its local copy written behind by the writer thread; one that builds
+        on chunks held here is written into the disk tier first (True: a longer prefix is
+        now indexed there). False: nothing. Never raises."""
         assert self.shared is not None and self.disk is not None
         disk, n_q = self.disk, len(enc) // 4
-        found = None
         try:
             plan = disk.plan(ident, enc)
             local = max(better_than, plan.n if plan is not None else 0)
@@ -275,12 +280,49 @@ class KVStore:
                 return False
             bounds = boundaries(root_key(ident.digest), enc, disk.chunk)
             found = self.shared.lookup(ident.digest, enc, bounds, disk.chunk, disk.held_chunks(bounds, enc), local)
-            if found is None:
-                return False
-            status = disk.import_entry(ident, found.key, found.record, found.tokens, found.chunks, found.tail,
-                                       lambda specs, layout: layout_problem(ident, specs, layout))
+        except Exception as e:  # a disk problem is a miss, as in fetch
+            if not self._index_damaged(e):
+                self._warn_once("shared-bug", "kvstore: shared-tier lookup failed (%s); a miss", e)
+            return False
+        if found is None:
+            return False
+        if {ck for ck, *_ in found.chunks} != set(found.record.chunks):
+            return self._import_shared(ident, found)
+        try:
+            t0 = time.perf_counter()
+            got = disk.restore_framed(ident, found.key, found.record, found.n, found.chunks, found.tail,
+                                      lambda specs, layout: layout_problem(ident, specs, layout))
+        except CutRefused:  # the plan cuts the snapshot where its layout does not allow: a miss, kept
+            self._counters.add("refused_cuts")
+            return False
+        except (blobs.BlobError, codec.Unsupported, ValueError) as e:  # verified bytes that do not fit
+            kind, key = getattr(e, "record", None) or ("entry", found.key)
+            self.shared.drop(kind, key, ident.digest)
+            self._warn_once("shared-reject", "kvstore: dropping a shared entry: %s", e)
+            return False
+        except Exception as e:  # a defect: a miss, never a crash
+            self._warn_once("shared-bug", "kvstore: unexpected error restoring a shared hit (a kvstore bug: "
+                            "please report): %s", e)
+            return False
+        took = time.perf_counter() - t0
+        self._counters.add("restores", restore_seconds=took, bytes_read=got.nbytes)
+        self._counters.observe("restore_seconds", took)
+        if self.writer is not None:  # a full queue drops it (counted): kept in memory only
+            self.writer.submit(lambda: self._import_shared(ident, found))
+        rec = found.record
+        return self._promote(ident, enc, Plan(got.n, rec.chunks, None, rec.n, rec.chunked, None, rec.cache_type),
+                             got, "shared")
+
+    def _import_shared(self, ident: Identity, found: Any) -> bool:
+        """File a shared hit in the disk tier (on the caller's thread, or behind on the
+        writer's); True if it is indexed there now. Never raises."""
+        assert self.shared is not None and self.disk is not None
+        chunks = [(ck, rec, toks, bytes(seg)) for ck, rec, toks, seg in found.chunks]
+        try:
+            status = self.disk.import_entry(ident, found.key, found.record, found.tokens, chunks, bytes(found.tail),
+                                            lambda specs, layout: layout_problem(ident, specs, layout))
         except blobs.BlobError as e:  # verified bytes that do not fit this model or directory
-            kind, key = getattr(e, "record", None) or ("entry", found.key if found else b"")
+            kind, key = getattr(e, "record", None) or ("entry", found.key)
             self.shared.drop(kind, key, ident.digest)
             self._warn_once("shared-reject", "kvstore: dropping a shared entry: %s", e)
             return False
@@ -400,6 +442,8 @@ class KVStore:
             top = max(tokens)
             if vocab is not None and top >= vocab:
                 raise TokenError(f"token id {top} is out of the vocabulary of {ident.name} (vocab_size {vocab})")
+        if self.shared is not None and ident is not None:  # measures this model's prefill rate
+            self.shared.prefill.inserted(ident.digest, len(tokens))
         snap, covered, why = self._snapshot(cache, len(tokens), cache_type)
         wrong = (layout_problem(ident, snap.tensors, snap.layout)
                  if ident is not None and snap.layout is not None and snap.tensors is not None else None)

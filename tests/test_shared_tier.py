@@ -37,6 +37,9 @@ pytest_plugins = ("tests.support.redis_servers",)
 
 C = U.CHUNK
 FAST = {"breaker_failures": 2, "breaker_backoff": 0.2, "breaker_backoff_max": 0.4}
+# behind a relay (threads of this process) on a loaded machine a 0.1 s read timeout is a coin
+# toss; the deadlines, not the read timeouts, are what those tests are about
+PATIENT = "?command_timeout=1"
 
 
 def store(path, url: str, **kw) -> KVStore:
@@ -45,10 +48,10 @@ def store(path, url: str, **kw) -> KVStore:
 
 def publish(path, url: str, who: Identity, entries: list[list[int]], **kw) -> None:
     """Machine A: insert synthetic caches and wait until they are published."""
-    snapshot = kw.pop("snapshot", False)
+    snapshot, layers = kw.pop("snapshot", False), kw.pop("layers", 2)
     with store(path, url, **kw) as a:
         for toks in entries:
-            a.insert(who, toks, synth(toks, snapshot=snapshot))
+            a.insert(who, toks, synth(toks, snapshot=snapshot, layers=layers))
         assert a.flush(30)
         s = a.stats()
         assert s["shared_published"] + s["shared_publish_skipped"] == len(entries), s
@@ -487,6 +490,103 @@ def test_unreachable_server_costs_a_counted_miss(tmp_path):
         assert st["shared_errors"] >= 1 and st["shared_publish_failed"] == 1 and st["corrupt"] == 0
 
 
+# --------------------------------------------------------------------------- slow links (a real relay)
+
+
+def test_slow_link_costs_a_counted_miss_within_the_deadline(tmp_path, redis_server: RedisServer):
+    """Behind a real relay that moves 20 KB/s (a 1,000-token entry of ~260 KB would take
+    ~13 s), a fetch is cut off at its deadline: a counted miss (the connection abandoned),
+    not a slow hit. The link at full speed again, the next fetch is a hit over a fresh
+    connection."""
+    from tests.support.relay import Relay
+
+    who, toks = ident("slow"), rand_tokens(1000, 41)
+    publish(tmp_path / "a", redis_server.url, who, [toks], layers=8)
+    with Relay(redis_server.port, rate=20e3) as relay, \
+            store(tmp_path / "b", relay.url + PATIENT) as b:
+        b.shared.config = b.shared.config.with_options(fetch_deadline=0.5)
+        f = b.fetch(who, toks + [1])
+        s = b.stats()
+        assert f.cache is None and s["hits_shared"] == 0, "a slow link must not give a slow hit"
+        assert s["shared_deadline_misses"] == 1 and s["misses"] == 1
+        relay.rate = None
+        f = b.fetch(who, toks + [1])
+        assert (f.n, f.source) == (1000, "shared")
+        assert U.cache_digest(f.cache) == U.cache_digest(synth(toks, layers=8))
+
+
+def test_slow_or_stalled_link_bounds_publish_and_close(tmp_path, redis_server: RedisServer):
+    """Publishes through a 20 KB/s relay fail at their deadline (counted), and closing a
+    store whose publisher is stuck behind a stalled link drops what is queued (counted)
+    instead of waiting for it."""
+    from tests.support.relay import Relay
+
+    who = ident("slowpub")
+    entries = [rand_tokens(1000, 50 + i) for i in range(4)]
+    with Relay(redis_server.port, rate=20e3) as relay:
+        # a socket timeout of 5 s moving values: only the deadlines can cut a call short
+        cfg = SharedConfig.from_url(relay.url, command_timeout=0.5, publish_deadline=0.5, flush_deadline=0.5)
+        a = KVStore(tmp_path / "a", chunk_tokens=C, shared=cfg)
+        tier = a.shared
+        a.insert(who, entries[0], synth(entries[0], layers=8))
+        a.flush(30)  # the disk write, then the publish, which fails at its deadline
+        s = a.stats()
+        assert s["shared_publish_failed"] == 1 and s["shared_published"] == 0, s
+        tier.config = tier.config.with_options(publish_deadline=30.0)
+        relay.stall()
+        for toks in entries[1:]:
+            a.insert(who, toks, synth(toks, layers=8))
+        a.close()  # bounded by flush_deadline, whatever is queued
+        s = tier.stats()
+        assert s["shared_publish_abandoned"] + s["shared_publish_failed"] == 4, s
+        assert s["shared_publish_abandoned"] >= 1 and s["shared_published"] == 0, s
+
+
+def test_a_hit_that_would_not_pay_is_skipped(tmp_path, redis_server: RedisServer):
+    """Behind a 200 KB/s relay, a model that prefills 100k tokens/s: the first lookup
+    (link not measured yet) gets a deadline of what the hit would save (the floor) and
+    misses it; that miss bounds the link's bandwidth, so the next lookup is skipped
+    (``skipped_cost``) without moving a byte. A model that prefills 1 token/s takes the
+    same hit over the same link."""
+    from tests.support.relay import Relay
+
+    who, toks = ident("cost"), [rand_tokens(1000, 70 + i) for i in range(2)]
+    publish(tmp_path / "a", redis_server.url, who, toks, layers=8)
+    with Relay(redis_server.port, rate=200e3) as relay:
+        with store(tmp_path / "b", relay.url + PATIENT) as b:
+            b.shared.prefill.observe(who.digest, 100_000, 1.0)
+            assert b.fetch(who, toks[0] + [1]).cache is None
+            before = rt(b)
+            assert b.fetch(who, toks[1] + [1]).cache is None
+            s = b.stats()
+            assert (s["shared_deadline_misses"], s["shared_skipped_cost"]) == (1, 1), s
+            assert rt(b) - before == 1  # the skipped lookup asked for no value
+        relay.rate = 2e6
+        with store(tmp_path / "c", relay.url + PATIENT) as c:
+            c.shared.prefill.observe(who.digest, 1, 1.0)
+            f = c.fetch(who, toks[0] + [1])
+            assert (f.n, f.source, c.stats()["shared_skipped_cost"]) == (1000, "shared", 0), c.stats()
+
+
+def test_publish_refuses_values_over_the_servers_bulk_limit(tmp_path, redis_binary: str):
+    """A server whose ``proto-max-bulk-len`` is 1 MB: a 1.3 MB snapshot entry is refused
+    before its segment is read or its value built (``too_large``), nothing is sent; a
+    small entry still publishes."""
+    from tests.support.redis_servers import RedisServer as Server
+
+    who = ident("bulk-limit")
+    big, small = rand_tokens(5000, 81), rand_tokens(100, 82)
+    with Server(binary=redis_binary, config={"proto-max-bulk-len": "1mb"}) as srv:
+        with store(tmp_path / "a", srv.url) as a:
+            a.insert(who, big, synth(big, snapshot=True, layers=8))
+            assert a.flush(30)
+            s = a.stats()
+            assert (s["shared_too_large"], s["shared_publish_failed"], s["shared_bytes_out"]) == (1, 1, 0), s
+            a.insert(who, small, synth(small))
+            assert a.flush(30)
+            assert a.stats()["shared_published"] == 1
+
+
 # --------------------------------------------------------------------------- cluster, ACL, options
 
 
@@ -512,6 +612,28 @@ def test_cluster_a_publishes_b_restores(tmp_path, redis_cluster: RedisCluster):
             assert (f.n, f.source) == (len(toks), "shared")
             exact(f, q)
             assert rt(b) - before <= 2 * 3  # two pipelines, one per node holding keys
+
+
+def test_cluster_with_a_dead_node_degrades_to_what_the_live_nodes_hold(tmp_path, redis_binary: str):
+    """On a 3-node cluster run as a fleet should (``cluster-require-full-coverage no``), a
+    node killed: a lookup whose pipelines span it still uses what the live nodes answer,
+    a verified shorter hit up to the first chunk the dead node held (before: a miss, the
+    whole call failed with that node)."""
+    from tests.support.redis_servers import RedisCluster as Cluster
+    from kvstore.shared.keys import key_slot
+
+    who, toks = ident("cluster-dead"), rand_tokens(700, 61)
+    bounds = boundaries(root_key(who.digest), encode_tokens(toks), C)
+    with Cluster(3, binary=redis_binary, config={"cluster-require-full-coverage": "no"}) as cluster:
+        publish(tmp_path / "a", cluster.url, who, [toks])
+        node = [cluster.node_for_slot(key_slot(V.name("kvstore", "chunk", b, who.digest))) for b in bounds[1:]]
+        j = next(j for j in range(1, len(node)) if node[j] not in node[:j])  # chunk j + 1: first on its node
+        node[j].kill()
+        with store(tmp_path / "b", cluster.url) as b:
+            f = b.fetch(who, toks + [1])
+            assert (f.n, f.source) == (j * C, "shared"), (f.n, j)
+            exact(f, toks + [1])
+            assert b.stats()["shared_errors"] >= 1
 
 
 def test_cluster_trims_a_chunk_and_every_hash_expires(tmp_path, redis_cluster: RedisCluster):

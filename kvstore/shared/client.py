@@ -8,9 +8,13 @@ Guarantees:
 
 * Bounded time per call. Every socket operation has ``connect_timeout`` /
   ``command_timeout`` and redis-py's own retries are off, so a call to a dead or stopped
-  server returns after about ``connect_timeout + command_timeout`` per node it touches (a
-  live server streaming a large reply can take longer: the timeout bounds each read).
-  Cluster pipelines are sent per node here, never replayed command by command.
+  server returns after about ``connect_timeout + command_timeout`` per node it touches.
+  Those bound each read, not a call (a slow path that sends a few bytes per timeout keeps
+  a large reply going): a call given ``until`` (a ``time.monotonic()`` deadline) is also
+  bounded in wall time, by abandoning the client's connections when it passes
+  (``deadline.watch``: the sockets are closed, the call fails as ``errors_deadline``, the
+  next call connects afresh). Cluster pipelines are sent per node here, never replayed
+  command by command.
 * Never raises for server failures. Connection errors, timeouts, failed authentication,
   cluster errors and error replies are caught, counted in ``stats()`` and returned as
   ``None`` (reads, "unavailable") or ``False`` (writes). ``ValueError`` is raised only for
@@ -32,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import redis
@@ -45,6 +50,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from .breaker import Breaker
+from . import deadline
+from .bulk import Bulk, read_strings, write_strings
 from .config import SharedConfig
 from .keys import key_slot, make_key
 
@@ -58,12 +65,17 @@ Items = Mapping[str, Value] | Iterable[tuple[str, Value]]
 RedisClient = redis.Redis | RedisCluster
 Op = tuple[str, Callable[[Pipeline], object]]  # (key, queue the command on a pipeline)
 
-ERROR_KINDS = ("timeout", "connection", "auth", "cluster", "other")
-_BREAKER_KINDS = frozenset({"timeout", "connection", "auth", "cluster"})
+ERROR_KINDS = ("timeout", "deadline", "connection", "auth", "cluster", "other")
+_BREAKER_KINDS = frozenset({"timeout", "deadline", "connection", "auth", "cluster"})
 _CAUGHT = (RedisError, RedisClusterException, OSError)
 _REDIRECTS = (AskError, TryAgainError)  # AskError covers MovedError
-_COUNTERS = ("calls", "round_trips", "skipped_calls", "bytes_in", "bytes_out",
+BULK_CONNECTIONS = 2  # connections per node reading values at once (hashing on one overlaps receiving on another)
+_COUNTERS = ("calls", "round_trips", "skipped_calls", "bytes_in", "bytes_out", "node_failures",
              *(f"errors_{k}" for k in ERROR_KINDS))
+
+
+class DeadlineExceeded(RedisTimeoutError):
+    """A call cut off at its wall-time deadline (its connections were abandoned)."""
 
 
 class _Unavailable:
@@ -71,6 +83,13 @@ class _Unavailable:
 
 
 _UNAVAILABLE = _Unavailable()
+
+
+class _NodeDown:
+    """The result of an op sent to a cluster node that did not answer (see ``_pipelined``)."""
+
+
+NODE_DOWN = _NodeDown()
 
 
 class SharedClient:
@@ -88,6 +107,7 @@ class SharedClient:
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._client: RedisClient | None = None
         self._secrets = tuple(s for s in (config.password, config.username) if s)
+        self._next_refresh = 0.0  # a cluster node down: rediscover the topology at most this often
 
     def __repr__(self) -> str:
         return f"SharedClient({self.config.redacted()!r}, breaker={self._breaker.state})"
@@ -106,12 +126,12 @@ class SharedClient:
 
     # -- reads -----------------------------------------------------------------------
 
-    def pipeline_get(self, keys: Sequence[str]) -> list[bytes | None] | None:
+    def pipeline_get(self, keys: Sequence[str], until: float | None = None) -> list[bytes | None] | None:
         """GET every key in one round trip (per cluster node). None = unavailable."""
         _check_keys(keys)
         if not keys:
             return []
-        got = self._call("get", lambda c: self._pipelined(c, [(k, _get(k)) for k in keys]))
+        got = self._call("get", lambda c: self._pipelined(c, [(k, _get(k)) for k in keys]), until)
         if isinstance(got, _Unavailable):
             return None
         values = [None if self._item_error(r) else r for r in got]
@@ -131,7 +151,7 @@ class SharedClient:
         self._count("bytes_in", sum(len(v) for h in hashes for v in h.values()))
         return hashes
 
-    def pipeline_read(self, commands: Sequence[tuple[Any, ...]]) -> list[Any] | None:
+    def pipeline_read(self, commands: Sequence[tuple[Any, ...]], until: float | None = None) -> list[Any] | None:
         """Mixed read commands in one round trip (per cluster node), replies in order.
 
         Each command is ``(name, key, *args)`` with ``name`` one of ``READ_COMMANDS``
@@ -148,12 +168,43 @@ class SharedClient:
             ops.append((cmd[1], _command(*cmd)))
         if not ops:
             return []
-        got = self._call("read", lambda c: self._pipelined(c, ops))
+        got = self._call("read", lambda c: self._pipelined(c, ops), until)
         if isinstance(got, _Unavailable):
             return None
         replies = [None if self._item_error(r) else r for r in got]
         self._count("bytes_in", sum(_reply_size(r) for r in replies))
         return replies
+
+    def read_values(self, names: Sequence[str], limit: int, until: float | None = None,
+                    hash_from: Callable[[memoryview], int | None] | None = None) -> list[Bulk | None] | None:
+        """The first ``limit`` bytes of each string, pipelined per cluster node on up to
+        ``BULK_CONNECTIONS`` connections at once (the values split between them in order),
+        read off the socket once and hashed as they arrive (``bulk.read_strings``); a missing
+        key gives an empty value, an error reply or a node that failed gives None. None
+        for the whole call means unavailable."""
+        _check_keys(names)
+        if limit < 1:
+            raise ValueError("limit must be >= 1")
+        if not names:
+            return []
+
+        def one(node: redis.Redis, idx: list[int], results: list[Any]) -> None:
+            self._count("round_trips")  # the connections run at once: one round trip of latency
+
+            def part(ids: list[int]) -> None:
+                got = read_strings(node.connection_pool, [names[i] for i in ids], limit, until,
+                                   self.config.command_timeout, hash_from)
+                for i, v in zip(ids, got):
+                    results[i] = v
+
+            _at_once(part, _split(idx, BULK_CONNECTIONS))
+
+        got = self._call("bulk", lambda c: self._per_node(c, list(names), one), until)
+        if isinstance(got, _Unavailable):
+            return None
+        values = [None if self._item_error(v) else v for v in got]
+        self._count("bytes_in", sum(len(v.data) for v in values if v is not None))
+        return values
 
     def scan_iter(self, match: str, count: int = 1000) -> Iterator[str]:
         """Keys matching ``match`` (which must start with ``prefix:``), on every primary.
@@ -168,7 +219,8 @@ class SharedClient:
 
     # -- writes ----------------------------------------------------------------------
 
-    def set_nx_many(self, items: Items, ttl: float | None = None) -> list[bool] | None:
+    def set_nx_many(self, items: Items, ttl: float | None = None,
+                    until: float | None = None) -> list[bool] | None:
         """SET NX each item (one round trip per node): True where this call wrote the key.
 
         ``ttl`` in seconds; None uses the config's ttl (None there: no expiry).
@@ -178,14 +230,41 @@ class SharedClient:
             return []
         px = self._ttl_ms(ttl)
         ops = [(k, _set(k, v, px, nx=True)) for k, v in pairs]
-        got = self._call("set_nx", lambda c: self._pipelined(c, ops))
+        got = self._call("set_nx", lambda c: self._pipelined(c, ops), until)
         if isinstance(got, _Unavailable):
             return None
         written = [not self._item_error(r) and bool(r) for r in got]
         self._count("bytes_out", sum(_size(v) for (_, v), w in zip(pairs, written) if w))
         return written
 
-    def set_many(self, items: Items, ttl: float | None = None, atomic: bool = False) -> bool:
+    def write_values(self, items: Sequence[tuple[str, list[bytes]]], nx: bool = False, ttl: float | None = None,
+                     until: float | None = None) -> list[bool] | None:
+        """SET (``nx``: NX) each value, given as its pieces in order and sent without
+        joining them (``bulk.write_strings``), one pipeline per node: True where written.
+        ``ttl`` as in ``set_many``. None = unavailable."""
+        names = [n for n, _ in items]
+        _check_keys(names)
+        if not items:
+            return []
+        px = self._ttl_ms(ttl)
+
+        def one(node: redis.Redis, idx: list[int], results: list[Any]) -> None:
+            self._count("round_trips")
+            got = write_strings(node.connection_pool, [items[i] for i in idx], nx, px, until,
+                                self.config.command_timeout)
+            for i, v in zip(idx, got):
+                results[i] = v
+
+        got = self._call("write", lambda c: self._per_node(c, names, one), until)
+        if isinstance(got, _Unavailable):
+            return None
+        written = [r is True for r in got]
+        self._count("errors_other", sum(r is None for r in got))  # error replies (OOM, NOPERM...)
+        self._count("bytes_out", sum(sum(len(p) for p in parts) for (_, parts), w in zip(items, written) if w))
+        return written
+
+    def set_many(self, items: Items, ttl: float | None = None, atomic: bool = False,
+                 until: float | None = None) -> bool:
         """SET each item; True if every one was written.
 
         ``atomic=True`` wraps them in MULTI/EXEC and needs every key in one hash slot (give
@@ -198,7 +277,7 @@ class SharedClient:
             _check_one_slot([k for k, _ in pairs])
         px = self._ttl_ms(ttl)
         ops = [(k, _set(k, v, px)) for k, v in pairs]
-        got = self._call("set", lambda c: self._pipelined(c, ops, atomic=atomic))
+        got = self._call("set", lambda c: self._pipelined(c, ops, atomic=atomic), until)
         if isinstance(got, _Unavailable):
             return False
         ok = all([not self._item_error(r) and bool(r) for r in got])  # count every error
@@ -210,7 +289,8 @@ class SharedClient:
         """HSET the fields (and PEXPIRE, in the same MULTI/EXEC, when a ttl applies)."""
         return self.hset_many({key: mapping}, ttl)
 
-    def hset_many(self, hashes: Mapping[str, Mapping[str, Value]], ttl: float | None = None) -> bool:
+    def hset_many(self, hashes: Mapping[str, Mapping[str, Value]], ttl: float | None = None,
+                  until: float | None = None) -> bool:
         """HSET fields into several hashes in one round trip per node (each hash followed
         by its PEXPIRE when a ttl applies); True if every command succeeded.
 
@@ -232,7 +312,8 @@ class SharedClient:
                 return p.pexpire(key, px) if px is not None else None
             return put
 
-        got = self._call("hset", lambda c: self._pipelined(c, [(k, queue(k)) for k in keys], atomic=atomic))
+        got = self._call("hset", lambda c: self._pipelined(c, [(k, queue(k)) for k in keys], atomic=atomic),
+                         until)
         if isinstance(got, _Unavailable):
             return False
         ok = not any([self._item_error(r) for r in got])
@@ -253,7 +334,8 @@ class SharedClient:
 
     # -- generic ---------------------------------------------------------------------
 
-    def run(self, fn: Callable[[RedisClient], T], round_trips: int = 1) -> T | None:
+    def run(self, fn: Callable[[RedisClient], T], round_trips: int = 1,
+            until: float | None = None) -> T | None:
         """``fn(redis_client)`` behind the breaker and counters; None if unavailable.
 
         ``fn`` gets a ``redis.Redis`` or a ``RedisCluster`` configured with this client's
@@ -267,7 +349,7 @@ class SharedClient:
             self._count("round_trips", round_trips)
             return fn(client)
 
-        got = self._call("run", call)
+        got = self._call("run", call, until)
         return None if isinstance(got, _Unavailable) else got
 
     def ping(self) -> bool:
@@ -301,20 +383,30 @@ class SharedClient:
 
     # -- internals -------------------------------------------------------------------
 
-    def _call(self, op: str, fn: Callable[[RedisClient], T]) -> T | _Unavailable:
-        """Run ``fn`` with the breaker and counters; ``_UNAVAILABLE`` if skipped or failed."""
+    def _call(self, op: str, fn: Callable[[RedisClient], T], until: float | None = None) -> T | _Unavailable:
+        """Run ``fn`` with the breaker and counters, cut off at ``until`` (monotonic);
+        ``_UNAVAILABLE`` if skipped, failed or late."""
+        if until is not None and until <= time.monotonic():
+            self._count("errors_deadline")  # no time left: no I/O, not the server's fault
+            return _UNAVAILABLE
         if not self._breaker.allow():
             self._count("skipped_calls")
             return _UNAVAILABLE
         self._count("calls")
+        client = self._redis()
+        watch = None if until is None else deadline.watch(until, lambda: _abandon(client))
         try:
-            result = fn(self._redis())
+            result = fn(client)
         except _CAUGHT as e:
-            self._failed(op, e)
+            late = watch is not None and (watch.fired or time.monotonic() >= watch.until - 0.01)
+            self._failed(op, DeadlineExceeded(f"{op} passed its deadline") if late else e)
             return _UNAVAILABLE
         except BaseException:
             self._breaker.abandon()
             raise
+        finally:
+            if watch is not None:
+                watch.cancel()
         if self._breaker.success():
             log.info("shared tier %s answers again", self.config.redacted())
         return result
@@ -336,33 +428,74 @@ class SharedClient:
     def _pipelined(self, client: RedisClient, ops: list[Op], atomic: bool = False) -> list[Any]:
         """Queue ``ops`` on one pipeline per node, send each once; results in ``ops`` order.
 
-        A cluster redirect or CLUSTERDOWN in any result fails the whole call.
+        A cluster node that cannot be reached (down, killed, late) costs only its own ops:
+        they get ``NODE_DOWN`` (an item error, counted once per node) and the live nodes'
+        answers are used, so a cluster degrades instead of going dark; the topology is
+        rediscovered (at most every ``breaker_backoff`` s) in case a replica took over.
+        When every node fails, the call fails. A cluster redirect or CLUSTERDOWN in any
+        result fails the whole call.
         """
+        return self._per_node(client, [k for k, _ in ops],
+                              lambda node, idx, res: self._node_pipeline(node, ops, idx, atomic, res))
+
+    def _per_node(self, client: RedisClient, keys: list[str],
+                  send: Callable[[redis.Redis, list[int], list[Any]], None]) -> list[Any]:
+        """``send(node client, indexes, results)`` for the keys of each node (the whole
+        list on one server); a node that fails alone gives ``NODE_DOWN`` for its keys."""
         if isinstance(client, RedisCluster):
             groups: dict[str, tuple[redis.Redis, list[int]]] = {}
-            for i, (key, _) in enumerate(ops):
+            for i, key in enumerate(keys):
                 node = client.get_node_from_key(key)
                 if node.name not in groups:
                     groups[node.name] = (client.get_redis_connection(node), [])
                 groups[node.name][1].append(i)
         else:
-            groups = {"": (client, list(range(len(ops))))}
-        results: list[Any] = [None] * len(ops)
+            groups = {"": (client, list(range(len(keys))))}
+        results: list[Any] = [None] * len(keys)
+        down: list[BaseException] = []
         for node_client, indexes in groups.values():
-            pipe = node_client.pipeline(transaction=atomic)
-            spans = []
-            for i in indexes:
-                before = len(pipe)
-                ops[i][1](pipe)
-                spans.append((i, before, len(pipe)))
-            self._count("round_trips")
-            replies = pipe.execute(raise_on_error=False)
-            for reply in replies:
-                if isinstance(reply, (ClusterError, *_REDIRECTS)):
-                    raise reply
-            for i, start, end in spans:  # an op may queue several commands: keep the first
-                results[i] = replies[start] if end - start == 1 else replies[start:end]
+            try:
+                send(node_client, indexes, results)
+            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+                if len(groups) == 1:
+                    raise
+                down.append(e)
+                for i in indexes:
+                    results[i] = NODE_DOWN
+        if down:
+            if len(down) == len(groups):
+                raise down[0]
+            self._node_down(down[0])
         return results
+
+    def _node_pipeline(self, node_client: redis.Redis, ops: list[Op], indexes: list[int], atomic: bool,
+                       results: list[Any]) -> None:
+        """One node's pipeline of ``ops[indexes]``, its replies put in ``results``."""
+        pipe = node_client.pipeline(transaction=atomic)
+        spans = []
+        for i in indexes:
+            before = len(pipe)
+            ops[i][1](pipe)
+            spans.append((i, before, len(pipe)))
+        self._count("round_trips")
+        replies = pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, (ClusterError, *_REDIRECTS)):
+                raise reply
+        for i, start, end in spans:  # an op may queue several commands: keep the first
+            results[i] = replies[start] if end - start == 1 else replies[start:end]
+
+    def _node_down(self, error: BaseException) -> None:
+        """Some cluster nodes answered, one did not: counted, the topology refreshed soon."""
+        kind = error_kind(error)
+        self._count(f"errors_{kind}")
+        self._count("node_failures")
+        log.debug("shared: a cluster node failed (%s): %s", kind, self._scrub(f"{type(error).__name__}: {error}"))
+        now = time.monotonic()
+        with self._lock:
+            if now >= self._next_refresh:
+                self._next_refresh = now + self.config.breaker_backoff
+                self._client = None
 
     def _scan(self, match: str, count: int) -> Iterator[str]:
         targets = self._call("scan", _scan_targets)
@@ -400,7 +533,10 @@ class SharedClient:
                         self.config.redacted(), detail, self._breaker.retry_in())
 
     def _item_error(self, reply: Any) -> bool:
-        """Count an error reply inside a pipeline (WRONGTYPE, OOM, NOPERM...)."""
+        """Count an error reply inside a pipeline (WRONGTYPE, OOM, NOPERM...); an op of a
+        node that was down is an error already counted."""
+        if reply is NODE_DOWN:
+            return True
         if isinstance(reply, list):
             return any([self._item_error(r) for r in reply])
         if isinstance(reply, BaseException):
@@ -430,6 +566,8 @@ class SharedClient:
 
 def error_kind(error: BaseException) -> str:
     """``timeout``, ``auth``, ``cluster``, ``connection`` or ``other`` (see ERROR_KINDS)."""
+    if isinstance(error, DeadlineExceeded):
+        return "deadline"
     if isinstance(error, (RedisTimeoutError, TimeoutError)):
         return "timeout"
     if isinstance(error, (AuthenticationError, AuthorizationError)):
@@ -467,6 +605,47 @@ def _build(config: SharedConfig) -> RedisClient:
                             **client_kwargs(config))
     return redis.Redis(host=config.host, port=config.port, db=config.db, retry=no_retry,
                        **client_kwargs(config))
+
+
+def _split(items: list[int], parts: int) -> list[list[int]]:
+    """``items`` in at most ``parts`` contiguous, non-empty runs of near-equal length."""
+    n = max(1, min(parts, len(items)))
+    return [items[len(items) * i // n : len(items) * (i + 1) // n] for i in range(n)]
+
+
+def _at_once(fn: Callable[[list[int]], None], parts: list[list[int]]) -> None:
+    """``fn(part)`` for every part, the first on this thread and the others on threads of
+    their own; returns when all ended, raising the first error."""
+    errors: list[BaseException] = []
+
+    def run(part: list[int]) -> None:
+        try:
+            fn(part)
+        except BaseException as e:  # re-raised on the caller's thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(p,), name="kvstore-shared-read", daemon=True) for p in parts[1:]]
+    for t in threads:
+        t.start()
+    run(parts[0])
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _abandon(client: RedisClient) -> None:
+    """Close every connection of ``client`` (in use or idle): a reader blocked on one
+    fails at once, and the pools connect afresh on the next call. Runs on the watchdog."""
+    if isinstance(client, RedisCluster):
+        pools = [n.redis_connection.connection_pool for n in client.get_nodes() if n.redis_connection]
+    else:
+        pools = [client.connection_pool]
+    for pool in pools:
+        try:
+            pool.disconnect(inuse_connections=True)
+        except Exception:  # a connection already broken: nothing left to abandon
+            pass
 
 
 def _scan_targets(client: RedisClient) -> list[redis.Redis]:

@@ -39,6 +39,10 @@ _QUERY_OPTIONS: dict[str, tuple[str, Any]] = {
     "connect_timeout": ("connect_timeout", float),
     "command_timeout": ("command_timeout", float),
     "ttl": ("ttl", float),
+    "fetch_deadline": ("fetch_deadline", float),
+    "publish_deadline": ("publish_deadline", float),
+    "flush_deadline": ("flush_deadline", float),
+    "max_value_bytes": ("max_value_bytes", int),
     "ca_file": ("tls_ca_file", str),
     "cluster": ("cluster", lambda v: _parse_bool("cluster", v)),
 }
@@ -50,7 +54,11 @@ class SharedConfig:
 
     Times are in seconds. ``ttl=None`` means keys never expire. ``breaker_failures``
     consecutive failures open the breaker for ``breaker_backoff`` seconds, doubling on each
-    failed probe up to ``breaker_backoff_max``.
+    failed probe up to ``breaker_backoff_max``. Wall-time bounds (abandoning the
+    connection when passed): ``fetch_deadline`` caps one lookup, both round trips (the
+    tier lowers it to what the hit could save, see ``tier``), ``publish_deadline`` one
+    publish, ``flush_deadline`` the publishes still queued at close. ``max_value_bytes``
+    caps a value read or written (the server's ``proto-max-bulk-len`` lowers it).
     """
 
     hosts: tuple[tuple[str, int], ...]
@@ -67,6 +75,10 @@ class SharedConfig:
     breaker_failures: int = 3
     breaker_backoff: float = 0.5
     breaker_backoff_max: float = 30.0
+    fetch_deadline: float = 2.0
+    publish_deadline: float = 10.0
+    flush_deadline: float = 5.0
+    max_value_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hosts", tuple((h, p) for h, p in self.hosts))
@@ -90,7 +102,7 @@ class SharedConfig:
             raise ValueError(f"shared key prefix {self.prefix!r} must be non-empty letters, "
                              "digits, '_', '.' or '-' (no braces, colons or spaces)")
         for name in ("connect_timeout", "command_timeout", "breaker_backoff",
-                     "breaker_backoff_max"):
+                     "breaker_backoff_max", "fetch_deadline", "publish_deadline", "flush_deadline"):
             _positive(name, getattr(self, name))
         if self.ttl is not None:
             _positive("ttl", self.ttl)
@@ -99,6 +111,9 @@ class SharedConfig:
         if not isinstance(self.breaker_failures, int) or self.breaker_failures < 1:
             raise ValueError(f"breaker_failures must be an integer >= 1, "
                              f"got {self.breaker_failures!r}")
+        if isinstance(self.max_value_bytes, bool) or not isinstance(self.max_value_bytes, int) \
+                or self.max_value_bytes < 1:
+            raise ValueError(f"max_value_bytes must be a positive integer, got {self.max_value_bytes!r}")
         if self.tls_ca_file is not None and not self.tls:
             raise ValueError("a TLS CA file needs a rediss:// URL")
 

@@ -14,9 +14,11 @@ length:
    that boundary, with its token ids) are candidates as well: the one sharing the most
    tokens with the query (0 < m < chunk) serves k*C + m of them (never the whole query),
    as the local plan trims a chunk at the end of its chain.
-2. one pipeline: ``GETRANGE 0 max_value_bytes-1`` of the chosen entry (or chunk to trim)
-   and of the chunks it needs that are not held locally (a value never makes the reader
-   allocate more than the bound).
+2. one pipeline (``SharedClient.read_values``): ``GETRANGE 0 max_value_bytes-1`` of the
+   chosen entry (or chunk to trim) and of the chunks it needs that are not held locally
+   (a value never makes the reader allocate more than the bound), each read off the
+   socket once and its segment hashed while it arrives; ``Found`` holds views of those
+   buffers, which the store restores from directly.
 
 Everything read is verified before it is returned (``values`` parses it; here: the
 identity, every key re-derived from the token ids, stored token ids compared with the
@@ -31,7 +33,8 @@ written ``SET NX`` and would otherwise stay damaged for the whole fleet. A value
 since its field was read is counted (``missing``) and its field removed the same way.
 
 ``SharedTier.submit`` hands a locally committed entry to the publisher thread (its own
-bounded queue: a full queue drops and counts, never blocks). ``publish`` writes, in this
+bounded queue: a full queue drops and counts, never blocks). ``publish`` (each value sent
+as its pieces, ``SharedClient.write_values``: never joined into one copy) writes, in this
 order, each step only after the one before succeeded: the chunks the server lacks
 (``SET NX``: content-addressed, never overwritten), the entry value, and last, in one
 pipeline (``hset_many``), the entry's field in its boundary hash and each of its chunks'
@@ -43,7 +46,24 @@ Never raises for a server failure: ``SharedClient`` returns None / False, counte
 there; local serving goes on. Round trip 1 uses the configured timeouts; moving values
 (round trip 2, publishing) uses a second client whose per-operation timeout is
 ``max(BULK_TIMEOUT, 10 x command_timeout)``, since a many-MB reply takes longer than a
-small one before its first byte. Needs no DiskTier or KVStore (the store glues them).
+small one before its first byte (the publisher has a third, so that abandoning a late
+publish never cuts a lookup). Needs no DiskTier or KVStore (the store glues them).
+
+Bounded in wall time (``deadline``): round trip 1 by ``config.fetch_deadline``; round
+trip 2 by what the hit is worth (``_budget``: ``fetch_deadline`` until the prefill rate is
+measured, then at most the expected prefill of the tokens it saves, and twice the
+expected transfer once the link is measured); a publish by ``publish_deadline``; ``flush`` / ``close`` by
+``flush_deadline`` (then queued publishes are dropped, counted, and the one in flight is
+abandoned). Late is a counted miss (``deadline_misses``), never a wait.
+
+Only when it pays (``cost``): a candidate whose expected transfer time (moving estimate
+of this link's bandwidth) exceeds the expected prefill time of the tokens it saves (this
+model's measured prefill rate here) is not fetched: counted as ``skipped_cost``.
+
+Values larger than ``max_value_bytes`` (the config's cap, lowered to the server's
+``proto-max-bulk-len`` when ``CONFIG GET`` is allowed) are never read (round trip 1 sizes
+the chunks; an entry cut short by the read bound is not parsed) nor built for a publish
+(sized from the records first): counted as ``too_large``.
 """
 
 from __future__ import annotations
@@ -54,11 +74,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..cuts import serves
 from ..keys import boundaries, chunk_key, common_tokens, entry_key, key_of, residual
 from ..records import ChunkRecord, EntryRecord, Segment
 from ..writer import Writer
 from . import values as V
+from .bulk import Bulk
 from .client import SharedClient
+from .cost import Link, PrefillRates
 from .config import SharedConfig
 
 log = logging.getLogger("kvstore.shared")
@@ -67,8 +90,10 @@ MAX_VALUE_BYTES = 512 << 20  # Redis' own string limit (proto-max-bulk-len defau
 MAX_FIELDS = 4096            # fields of one boundary hash considered per lookup
 PUBLISH_BATCH_BYTES = 32 << 20  # chunk bytes per SET NX pipeline
 BULK_TIMEOUT = 1.0           # seconds per socket operation when moving values
+DEADLINE_FLOOR = 0.25        # seconds a lookup always gets (two small round trips on a LAN)
 COUNTERS = ("lookups", "lookup_hits", "trim_hits", "rejected", "missing", "bad_fields", "too_large",
-            "deleted", "published", "publish_skipped", "publish_failed", "chunks_published")
+            "deleted", "published", "publish_skipped", "publish_failed", "chunks_published",
+            "deadline_misses", "skipped_cost", "publish_abandoned")
 
 ChunkPiece = tuple[bytes, ChunkRecord, bytes, bytes]  # key, record, token ids, segment bytes
 
@@ -133,17 +158,23 @@ class SharedTier:
     ``max_value_bytes`` bounds every value read; ``queue_size`` the publisher's queue."""
 
     def __init__(self, config: SharedConfig | str, *, queue_size: int = 16,
-                 max_value_bytes: int = MAX_VALUE_BYTES, max_fields: int = MAX_FIELDS) -> None:
+                 max_value_bytes: int | None = None, max_fields: int = MAX_FIELDS) -> None:
         self.client = SharedClient(config)
-        cfg = self.client.config  # values (round trip 2, publishing) may be many MB: a longer
-        # per-operation timeout than the quick round trip 1 and its breaker
-        self.bulk = SharedClient(cfg.with_options(command_timeout=max(BULK_TIMEOUT, 10 * cfg.command_timeout)))
+        cfg = self.config = self.client.config  # values (round trip 2, publishing) may be many
+        # MB: a longer per-operation timeout than the quick round trip 1 and its breaker
+        bulk = cfg.with_options(command_timeout=max(BULK_TIMEOUT, 10 * cfg.command_timeout))
+        self.bulk = SharedClient(bulk)
+        self.pub = SharedClient(bulk)
         self.prefix = cfg.prefix
-        self.max_value_bytes = int(max_value_bytes)
+        self.max_value_bytes = int(cfg.max_value_bytes if max_value_bytes is None else max_value_bytes)
         self.max_fields = int(max_fields)
+        self.link = Link()
+        self.prefill = PrefillRates()
         self.publisher = Writer(queue_size, name="kvstore-publisher")
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(COUNTERS, 0)
+        self._server_limit: int | None = None  # proto-max-bulk-len, asked once by the publisher
+        self._stop_at: float | None = None     # set by close: publishes after it are dropped
 
     def name(self, kind: str, key: bytes, identity: bytes) -> str:
         return V.name(self.prefix, kind, key, identity)
@@ -164,9 +195,12 @@ class SharedTier:
         need = [k for k in range(1, K + 1) if bounds[k] not in held]
         cmds = [("HGETALL", self.name("bounds", bounds[k], identity)) for k in levels]
         cmds += [("STRLEN", self.name("chunk", bounds[k], identity)) for k in need]
-        got = self.client.pipeline_read(cmds)
+        t0 = time.monotonic()
+        until = t0 + self.config.fetch_deadline
+        got = self.client.pipeline_read(cmds, until)
         if got is None:
-            return None
+            return self._late(until)
+        self.link.round_trip(time.monotonic() - t0)
         sizes = dict(zip(need, got[len(levels):]))
         for k, size in sizes.items():
             if isinstance(size, int) and size > self.max_value_bytes:
@@ -177,10 +211,52 @@ class SharedTier:
         best = self._choose(tokens, bounds, C, levels, got[: len(levels)], chain, better_than)
         if best is None:
             return None
-        found = self._fetch(identity, tokens, bounds, C, held, best, better_than)
+        moving = self._moving(identity, best, sizes, C)
+        budget = self._budget(identity, moving, best.n - better_than)
+        if budget is None:
+            self._count("skipped_cost")
+            return None
+        until = time.monotonic() + budget  # round trip 1 had fetch_deadline; round trip 2 what the hit is worth
+        found = self._fetch(identity, tokens, bounds, C, held, best, better_than, until, moving)
         if found is not None:
             self._count("lookup_hits")
         return found
+
+    def _moving(self, identity: bytes, best: _Candidate, sizes: dict[int, Any], C: int) -> float | None:
+        """Bytes round trip 2 would move for ``best``: its chunks' sizes (round trip 1 read
+        them) and its own value's, estimated per token (from those chunks, else from this
+        model's earlier transfers); None when nothing tells."""
+        chunks = [sizes[k] for k in range(1, best.k + 1) if k in sizes and isinstance(sizes[k], int)] \
+            if best.chunked else []
+        per_token = sum(chunks) / (len(chunks) * C) if chunks else self.link.bytes_per_token(identity)
+        own = _value_tokens(best, C)
+        if own and per_token is None:
+            return None
+        return sum(chunks) + (per_token or 0.0) * own
+
+    def _budget(self, identity: bytes, moving: float | None, saved: int) -> float | None:
+        """Seconds round trip 2 may take to move ``moving`` bytes that save prefilling
+        ``saved`` tokens, or None when it does not pay (see ``cost``): with the prefill
+        time P and the transfer time T both estimated, T >= P is skipped, else the
+        deadline is max(DEADLINE_FLOOR, min(P, 2 T)); with P alone, min(P / 2,
+        fetch_deadline); with neither, ``fetch_deadline``."""
+        transfer = None if moving is None else self.link.seconds(moving)
+        prefill = self.prefill.seconds(identity, saved)
+        if prefill is None:
+            return self.config.fetch_deadline
+        if transfer is None:
+            return max(DEADLINE_FLOOR, min(prefill / 2, self.config.fetch_deadline))
+        if transfer >= prefill:
+            return None
+        return max(DEADLINE_FLOOR, min(prefill, 2 * transfer))
+
+    def _late(self, until: float, started: float | None = None, moving: float | None = None) -> None:
+        """A call that failed: a deadline miss (counted) if its time ran out; then the
+        link moved less than ``moving`` bytes since ``started`` (its estimate lowered)."""
+        if time.monotonic() >= until - 0.005:
+            self._count("deadline_misses")
+            self.link.late(moving, time.monotonic() - started if started is not None else None)
+        return None
 
     def _choose(self, tokens: bytes, bounds: list[bytes], C: int, levels: list[int], hashes: list[Any],
                 chain: int, better_than: int) -> _Candidate | None:
@@ -218,7 +294,7 @@ class SharedTier:
                 if chunk_key(bounds[k], cf.tokens) != cf.key:
                     raise V.ValueFormatError("chunk field's key does not follow from its token ids")
                 m = common_tokens(cf.tokens, after)
-                return _Candidate(min(k * C + m, n_q - 1), k, cf.key, trim=True) if 0 < m < C else None
+                return _Candidate(serves((k + 1) * C, k * C + m, n_q), k, cf.key, trim=True) if 0 < m < C else None
             f = V.parse_field(fname, fvalue, C)
         except V.ValueFormatError:
             self._count("bad_fields")
@@ -226,11 +302,11 @@ class SharedTier:
         m, r = common_tokens(f.residual, after), len(f.residual) // 4
         if k * C + r == 0 or (f.chunked and k > chain):
             return None
-        n = k * C + r if m == r else (min(k * C + m, n_q - 1) if f.trimmable else 0)
+        n = serves(k * C + r, k * C + m, n_q, f.trimmable) or 0
         return _Candidate(n, k, f.key, f.chunked)
 
     def _fetch(self, identity: bytes, tokens: bytes, bounds: list[bytes], C: int, held: set[bytes],
-               best: _Candidate, better_than: int) -> Found | None:
+               best: _Candidate, better_than: int, until: float, moving: float | None = None) -> Found | None:
         """Round trip 2: the candidate's values, verified; a rejected or missing entry or
         chunk to trim falls back to the verified chain of chunks, a rejected chunk cuts
         the chain."""
@@ -238,9 +314,12 @@ class SharedTier:
         names = [self.name("chunk", bounds[j], identity) for j in wanted]
         if best.key is not None:
             names.append(self.name("chunk" if best.trim else "entry", best.key, identity))
-        got = self.bulk.pipeline_read([("GETRANGE", nm, 0, self.max_value_bytes - 1) for nm in names])
+        t0 = time.monotonic()
+        got = self.bulk.read_values(names, self.max_value_bytes, until, V.segment_offset)
         if got is None:
-            return None
+            return self._late(until, t0, moving)
+        nbytes = sum(len(v.data) for v in got if v is not None)
+        self.link.transfer(identity, nbytes, len(wanted) * C + _value_tokens(best, C), time.monotonic() - t0)
         pieces, chain = self._chain(identity, tokens, bounds, C, best.k, dict(zip(wanted, got)), held)
         if best.key is not None and (chain == best.k or not best.chunked):
             if best.trim:
@@ -249,7 +328,7 @@ class SharedTier:
                 found = self._entry(identity, tokens, bounds, C, best, got[-1], pieces, better_than)
             if found is not None:
                 return found
-            if got[-1] == b"":  # its field outlived it: lookups would keep choosing it
+            if got[-1] is not None and len(got[-1].data) == 0:  # its field outlived it: lookups would keep choosing it
                 self._forget(identity, bounds[best.k], best)
         n = chain * C - (chain * C == len(tokens) // 4)
         if chain == 0 or n <= better_than or not pieces:
@@ -281,7 +360,7 @@ class SharedTier:
         if not self._present(data):
             return None
         try:
-            v = V.parse_chunk(data)
+            v = V.parse_chunk(data.data, digest=_digest(data))
             rec = v.record
             if not isinstance(rec, ChunkRecord) or rec.identity != identity or rec.parent != parent \
                     or rec.n != C or (want is not None and v.tokens != want) or chunk_key(parent, v.tokens) != key:
@@ -303,7 +382,7 @@ class SharedTier:
         if piece is None:
             return None
         m = common_tokens(piece[2], tokens[k * C * 4 :])
-        n = min(k * C + m, len(tokens) // 4 - 1)
+        n = serves((k + 1) * C, k * C + m, len(tokens) // 4, whole=False) or 0
         if m == 0 or n <= better_than:
             return None
         self._count("trim_hits")
@@ -318,7 +397,7 @@ class SharedTier:
         if not self._present(data):
             return None
         try:
-            v = V.parse_entry(data)
+            v = V.parse_entry(data.data, digest=_digest(data))
             rec = v.record
             if not isinstance(rec, EntryRecord) or rec.identity != identity or rec.chunk != C \
                     or rec.chunked != best.chunked:
@@ -334,19 +413,20 @@ class SharedTier:
             self._reject(name, data, e)
             return None
         n_q, m = len(tokens) // 4, common_tokens(v.tokens, tokens)
-        n = rec.n if m == rec.n else (min(m, n_q - 1) if rec.trimmable else 0)
+        n = serves(rec.n, m, n_q, rec.trimmable) or 0
         if n <= better_than:
             return None
         return Found(best.key, rec, v.tokens, pieces if rec.chunked else [], v.segment, n)
 
-    def _present(self, data: Any) -> bool:
+    def _present(self, data: Bulk | None) -> bool:
         """A value asked for in round trip 2 is there; one gone since it was named (evicted
         or deleted) is counted as missing."""
-        if isinstance(data, bytes) and data:
-            return True
-        if data == b"":
+        if data is None:
+            return False
+        if len(data.data) == 0:
             self._count("missing")
-        return False
+            return False
+        return True
 
     def _forget(self, identity: bytes, boundary: bytes, best: _Candidate) -> None:
         """Remove the field of a candidate whose value is gone, off the caller's thread (a
@@ -354,22 +434,24 @@ class SharedTier:
         assert best.key is not None
         hname = self.name("bounds", boundary, identity)
         field = V.chunk_field_name(best.key) if best.trim else best.key.hex()
-        self.publisher.submit(lambda: self.bulk.run(lambda r: r.hdel(hname, field)))
+        self.publisher.submit(lambda: self.pub.run(lambda r: r.hdel(hname, field)))
 
-    def _reject(self, name: str, data: bytes, err: Exception) -> None:
+    def _reject(self, name: str, data: Bulk, err: Exception) -> None:
         """A value that failed verification: counted, and deleted by the publisher thread
         unless it may just be cut short by our own read bound."""
+        if len(data.data) >= self.max_value_bytes:  # cut short by our read bound: too large, not bad
+            self._count("too_large")
+            return
         self._count("rejected")
         log.debug("shared value %s rejected: %s", name, err)
-        if len(data) < self.max_value_bytes:
-            self.publisher.submit(lambda: self._count("deleted", self.bulk.delete_many([name]) or 0))
+        self.publisher.submit(lambda: self._count("deleted", self.pub.delete_many([name]) or 0))
 
     def drop(self, kind: str, key: bytes, identity: bytes) -> None:
         """Delete one value the caller found unusable after ``lookup`` (e.g. a segment
         whose header does not fit the model), off the caller's thread."""
         name = self.name(kind, key, identity)
         self._count("rejected")
-        self.publisher.submit(lambda: self._count("deleted", self.bulk.delete_many([name]) or 0))
+        self.publisher.submit(lambda: self._count("deleted", self.pub.delete_many([name]) or 0))
 
     # -- publish -----------------------------------------------------------------------
 
@@ -381,11 +463,18 @@ class SharedTier:
         """Publish one entry (see the module docstring for the order). True if the store
         holds it afterwards; False if a step failed (counted; nothing is retried)."""
         rec, ident = item.record, item.identity
+        until = time.monotonic() + self.config.publish_deadline
+        if self._stop_at is not None:  # closing: what is still queued is dropped
+            self._count("publish_abandoned")
+            return False
+        if self._too_large(item):
+            self._count("too_large")
+            return self._published(False)
         ename = self.name("entry", item.key, ident)
         cnames = [self.name("chunk", ck, ident) for ck, _, _ in item.chunks]
         fields = _fields(self.prefix, item)
-        got = self.bulk.pipeline_read([("EXISTS", ename)] + [("EXISTS", c) for c in cnames]
-                                        + [("HEXISTS", h, f) for h, f, _ in fields])
+        got = self.pub.pipeline_read([("EXISTS", ename)] + [("EXISTS", c) for c in cnames]
+                                     + [("HEXISTS", h, f) for h, f, _ in fields], until)
         if got is None:
             return self._published(False)
         chunks_there, fields_there = got[1 : 1 + len(cnames)], got[1 + len(cnames) :]
@@ -395,13 +484,14 @@ class SharedTier:
         now = time.time()
         try:
             missing = [(c, piece) for c, piece, there in zip(cnames, item.chunks, chunks_there) if not there]
-            if not self._put_chunks(missing, item.read, now):
+            if not self._put_chunks(missing, item.read, now, until):
                 return self._published(False)
             if not got[0]:
                 tail = item.read(rec.tail) if rec.tail is not None else b""
                 clean = EntryRecord(rec.identity, rec.n, rec.chunk, rec.chunked, rec.trimmable, rec.boundary,
                                     rec.chunks, rec.tail, rec.cache_type, rec.created, rec.created)
-                if not self.bulk.set_many([(ename, V.entry_value(clean, item.tokens, tail, now))]):
+                wrote = self.pub.write_values([(ename, V.entry_parts(clean, item.tokens, tail, now))], until=until)
+                if not wrote or not wrote[0]:
                     return self._published(False)
         except Exception as e:  # a local segment that cannot be read (gc'd, damaged)
             log.debug("shared publish of %s skipped: %s", item.key.hex()[:12], e)
@@ -410,19 +500,33 @@ class SharedTier:
         for (h, f, value), there in zip(fields, [*fields_there[:-1], False]):
             if not there:
                 hashes.setdefault(h, {})[f] = value
-        return self._published(self.bulk.hset_many(hashes))
+        return self._published(self.pub.hset_many(hashes, until=until))
+
+    def _too_large(self, item: PublishItem) -> bool:
+        """Whether a value of ``item`` would exceed the limit, from the records alone
+        (nothing read, nothing built)."""
+        limit = self.max_value_bytes
+        if self._server_limit is None:  # once: the server's own bulk limit, if it says
+            got = self.pub.run(lambda r: r.config_get("proto-max-bulk-len"), round_trips=0)  # once, like a handshake
+            self._server_limit = _bulk_limit(got) or 0
+        if self._server_limit:
+            limit = min(limit, self._server_limit)
+        rec = item.record
+        sizes = [V.FRAME.size + len(c.to_bytes()) + len(t) + c.segment.length for _, c, t in item.chunks]
+        sizes.append(V.FRAME.size + len(rec.to_bytes()) + len(item.tokens) + (rec.tail.length if rec.tail else 0))
+        return max(sizes) > limit
 
     def _put_chunks(self, missing: list[tuple[str, tuple[bytes, ChunkRecord, bytes]]],
-                    read: Callable[[Segment], bytes], now: float) -> bool:
+                    read: Callable[[Segment], bytes], now: float, until: float) -> bool:
         """SET NX the chunks, in pipelines of about PUBLISH_BATCH_BYTES; True if sent."""
-        batch: list[tuple[str, bytes]] = []
+        batch: list[tuple[str, list[bytes]]] = []
         size = 0
         for i, (cname, (_ck, crec, toks)) in enumerate(missing):
-            value = V.chunk_value(crec.with_refs(1), toks, read(crec.segment), now)
+            value = V.chunk_parts(crec.with_refs(1), toks, read(crec.segment), now)
             batch.append((cname, value))
-            size += len(value)
+            size += sum(len(p) for p in value)
             if size >= PUBLISH_BATCH_BYTES or i == len(missing) - 1:
-                wrote = self.bulk.set_nx_many(batch)
+                wrote = self.pub.write_values(batch, nx=True, until=until)
                 if wrote is None:
                     return False
                 self._count("chunks_published", sum(wrote))
@@ -440,25 +544,34 @@ class SharedTier:
         breaker), and the publisher's queue (dropped publishes). No credentials."""
         with self._lock:
             s = {f"shared_{k}": v for k, v in self._counts.items()}
-        c, b = self.client.stats(), self.bulk.stats()
+        c, b, p = self.client.stats(), self.bulk.stats(), self.pub.stats()
         for k in ("round_trips", "calls", "skipped_calls", "bytes_in", "bytes_out", "errors", "breaker_opens"):
-            s[f"shared_{k}"] = c[k] + b[k]
-        states = {c["breaker_state"], b["breaker_state"]}
+            s[f"shared_{k}"] = c[k] + b[k] + p[k]
+        states = {c["breaker_state"], b["breaker_state"], p["breaker_state"]}
         s["shared_breaker_state"] = next((x for x in ("open", "half-open") if x in states), "closed")
         s["shared_server"] = c["server"]
         s["shared_publish_dropped"] = self.publisher.dropped
         s["shared_publish_queue"] = self.publisher.depth
+        s["shared_link_bandwidth"] = self.link.bandwidth
         return s
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued publish has run."""
-        return self.publisher.flush(timeout)
+        """Wait until every queued publish has run, at most ``timeout`` seconds (None: the
+        config's ``flush_deadline``)."""
+        return self.publisher.flush(self.config.flush_deadline if timeout is None else timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Run the queued publishes, stop the publisher, drop the connections."""
-        self.publisher.close(timeout)
+        """Run the queued publishes for at most ``flush_deadline`` (or ``timeout`` if
+        shorter), then drop the rest (counted), abandon the one in flight, stop the
+        publisher and drop the connections."""
+        budget = self.config.flush_deadline if timeout is None else min(timeout, self.config.flush_deadline)
+        self.publisher.flush(budget)
+        self._stop_at = time.monotonic()
+        self.pub.close()  # a publish still sending fails at once
+        self.publisher.close(budget)
         self.client.close()
         self.bulk.close()
+        self.pub.close()
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -474,6 +587,32 @@ def _fields(prefix: str, item: PublishItem) -> list[tuple[str, str, bytes]]:
     out.append((V.name(prefix, "bounds", rec.boundary, ident), item.key.hex(),
                 V.field_value(rec, residual(item.tokens, rec.chunk))))
     return out
+
+
+def _digest(data: Bulk) -> tuple[int, bytes] | None:
+    return None if data.offset is None or data.digest is None else (data.offset, data.digest)
+
+
+def _bulk_limit(reply: Any) -> int | None:
+    """``proto-max-bulk-len`` from a CONFIG GET reply (one server's dict, or a cluster's
+    per-node dicts: the smallest), None when it could not be read."""
+    if not isinstance(reply, dict):
+        return None
+    found = [reply] if "proto-max-bulk-len" in reply or b"proto-max-bulk-len" in reply else list(reply.values())
+    limits = []
+    for d in found:
+        if isinstance(d, dict):
+            v = d.get("proto-max-bulk-len", d.get(b"proto-max-bulk-len"))
+            if isinstance(v, (bytes, str)) and v.isdigit():
+                limits.append(int(v))
+    return min(limits) if limits else None
+
+
+def _value_tokens(best: _Candidate, C: int) -> int:
+    """Tokens of KV in the candidate's own value (a chunk to trim, a tail, a snapshot)."""
+    if best.key is None:
+        return 0
+    return C if best.trim else best.n - best.k * C if best.chunked else best.n
 
 
 def _fits(size: Any, limit: int) -> bool:

@@ -32,7 +32,10 @@ A chunk or entry value is one Redis string::
 Guarantees of ``parse_chunk`` / ``parse_entry``: the lengths add up to the value's length
 exactly (a claim is only ever compared, never allocated), the record passes its own
 ``from_bytes`` (every field typed and bounded), the token count is the record's, the
-segment's xxh3-128 is the record's checksum. Anything else raises ``ValueFormatError``.
+segment's xxh3-128 is the record's checksum (the ``digest`` a reader computed while the
+bytes arrived, when it covers exactly the segment: ``segment_offset`` says where the
+segment starts from a value's head). Anything else raises ``ValueFormatError``. A
+value given as a memoryview is not copied: its ``segment`` is a view of it.
 No JSON, nothing that becomes a path. Token and key checks against a query are the
 caller's (``tier``): a parsed value is self-consistent, not yet trusted for a prompt.
 """
@@ -108,27 +111,29 @@ class Value:
 
     record: ChunkRecord | EntryRecord
     tokens: bytes
-    segment: bytes
+    segment: bytes | memoryview
     published: float
 
 
-def chunk_value(rec: ChunkRecord, tokens: bytes, segment: bytes, published: float) -> bytes:
+def chunk_parts(rec: ChunkRecord, tokens: bytes, segment: bytes, published: float) -> list[bytes]:
+    """A chunk value as its pieces [frame + record + tokens, segment]: the value is their
+    concatenation, which a writer sends without making it."""
     return _build("chunk", rec, rec.segment, tokens, segment, published)
 
 
-def entry_value(rec: EntryRecord, tokens: bytes, segment: bytes, published: float) -> bytes:
+def entry_parts(rec: EntryRecord, tokens: bytes, segment: bytes, published: float) -> list[bytes]:
     return _build("entry", rec, rec.tail, tokens, segment, published)
 
 
 def _build(kind: str, rec: ChunkRecord | EntryRecord, seg: Segment | None, tokens: bytes,
-           segment: bytes, published: float) -> bytes:
+           segment: bytes, published: float) -> list[bytes]:
     if (seg is None) != (not segment) or (seg is not None and seg.length != len(segment)):
         raise ValueError("the segment bytes are not the record's segment")
     if seg is not None:  # the local pack's place means nothing elsewhere
         rec = _with_segment(rec, Segment(NO_PACK, 0, seg.length, seg.checksum))
     body = rec.to_bytes()
-    return FRAME.pack(MAGIC[kind], VERSION, float(published), len(body), len(tokens), len(segment)) \
-        + body + tokens + segment
+    return [FRAME.pack(MAGIC[kind], VERSION, float(published), len(body), len(tokens), len(segment))
+            + body + tokens, segment]
 
 
 def _with_segment(rec: ChunkRecord | EntryRecord, seg: Segment) -> ChunkRecord | EntryRecord:
@@ -170,24 +175,36 @@ def parse_record(data: bytes, now: float | None = None) -> tuple[Frame, ChunkRec
     """The frame and record of a value whose first ``Frame.record`` bytes after the frame
     are in ``data`` (the rest may be missing): what maintenance needs to list entries."""
     f = parse_frame(data, now)
-    body = data[FRAME.size : FRAME.size + f.record]
+    body = bytes(data[FRAME.size : FRAME.size + f.record])
     if len(body) != f.record:
         raise ValueFormatError("value truncated inside its record")
     rec = (ChunkRecord if f.kind == "chunk" else EntryRecord).from_bytes(body, now)
     return f, rec
 
 
-def parse_chunk(data: bytes, now: float | None = None) -> Value:
-    """A whole chunk value, checked as the module docstring says."""
-    return _parse("chunk", data, now)
+def segment_offset(head: bytes | memoryview) -> int | None:
+    """Where a value's segment starts, from its first ``FRAME.size`` bytes (None if they
+    are not a frame): what a reader hashes from while the value arrives."""
+    if len(head) < FRAME.size:
+        return None
+    magic, _v, _p, rlen, tlen, _s = FRAME.unpack_from(head)
+    return FRAME.size + rlen + tlen if magic in MAGIC.values() else None
 
 
-def parse_entry(data: bytes, now: float | None = None) -> Value:
+def parse_chunk(data: bytes | memoryview, now: float | None = None,
+                digest: tuple[int, bytes] | None = None) -> Value:
+    """A whole chunk value, checked as the module docstring says (``digest``: (offset,
+    xxh3-128 of ``data[offset:]``) computed as it arrived)."""
+    return _parse("chunk", data, now, digest)
+
+
+def parse_entry(data: bytes | memoryview, now: float | None = None,
+                digest: tuple[int, bytes] | None = None) -> Value:
     """A whole entry value, checked as the module docstring says."""
-    return _parse("entry", data, now)
+    return _parse("entry", data, now, digest)
 
 
-def _parse(kind: str, data: bytes, now: float | None) -> Value:
+def _parse(kind: str, data: bytes | memoryview, now: float | None, digest: tuple[int, bytes] | None) -> Value:
     try:
         f, rec = parse_record(data, now)
     except ValueFormatError:
@@ -209,9 +226,12 @@ def _parse(kind: str, data: bytes, now: float | None) -> Value:
     start = FRAME.size + f.record
     tokens = data[start : start + f.tokens]
     segment = data[start + f.tokens :]
-    if seg is not None and xxhash.xxh3_128_digest(segment) != seg.checksum:
-        raise ValueFormatError(f"{kind} value: segment checksum mismatch")
-    return Value(rec, bytes(tokens), bytes(segment), f.published)
+    if seg is not None:
+        got = digest[1] if digest is not None and digest[0] == start + f.tokens \
+            else xxhash.xxh3_128_digest(segment)
+        if got != seg.checksum:
+            raise ValueFormatError(f"{kind} value: segment checksum mismatch")
+    return Value(rec, bytes(tokens), segment, f.published)
 
 
 # ----------------------------------------------------------------------------- hash fields

@@ -14,7 +14,12 @@ Trials, in turn:
 - ``publish_kill`` / ``publish_pause`` / ``publish_restart``: the same while A inserts
   (paced over a window) and its publisher writes to Redis;
 - ``damage``: after A published, keys under the store's prefix are deleted or have a byte
-  flipped (strings: anywhere in the value; hashes: in a field's value) with redis-py.
+  flipped (strings: anywhere in the value; hashes: in a field's value) with redis-py;
+- ``slow_link`` (one server only): B talks to Redis through a real throttling TCP relay
+  (``tests/support/relay.py``) at 20 KB/s or 200 KB/s that also stalls for a while
+  mid-window, with a lookup deadline of ``SLOW_DEADLINE``: every fetch still returns
+  within ``FETCH_BOUND`` (the deadline cuts the transfer), a hit is exact, a miss or
+  shorter hit is counted (deadline, errors or the cost-based skip).
 
 ``shared_trials`` of them run against one server, then ``shared_cluster_trials``
 (``cluster:`` in ``outcomes``) against a 3-node Redis Cluster, a random node faulted.
@@ -61,7 +66,10 @@ if TYPE_CHECKING:
 
 FAMILIES = ("kv", "snap")
 TRIALS = ("clean", "fetch_kill", "fetch_pause", "fetch_restart", "publish_kill", "publish_pause",
-          "publish_restart", "damage")
+          "publish_restart", "damage", "slow_link")
+CLUSTER_TRIALS = TRIALS[:-1]  # a relay fronts one server (a cluster redirects to its nodes' own ports)
+SLOW_RATES = (20e3, 200e3)    # bytes/s through the relay in ``slow_link``
+SLOW_DEADLINE = 0.3           # seconds per lookup in ``slow_link``: larger entries cannot make it
 PREFIX = "kvfaults"
 # breaker tuned as tests/test_shared_tier.py does; timeouts are the defaults (0.05 s connect,
 # 0.1 s command, 1 s per socket operation moving values)
@@ -74,7 +82,8 @@ STAT_KEYS = ("hits_shared", "hits_disk", "hits_memory", "misses", "writes", "wri
              "shared_lookups", "shared_lookup_hits", "shared_trim_hits", "shared_rejected", "shared_missing",
              "shared_bad_fields", "shared_too_large", "shared_deleted", "shared_published",
              "shared_publish_skipped", "shared_publish_failed", "shared_publish_dropped", "shared_errors",
-             "shared_skipped_calls", "shared_breaker_opens", "shared_round_trips")
+             "shared_skipped_calls", "shared_breaker_opens", "shared_round_trips", "shared_deadline_misses",
+             "shared_skipped_cost")
 
 
 # ======================================================================= worker half
@@ -460,13 +469,20 @@ def one_trial(ctx: Ctx, t: Tally, rng: random.Random, redis: Redis, machines: di
     t.info.setdefault("damage", Counter()).update(done)
     queries = [[fam, toks + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 3))]] for fam, toks in entries]
     fetch = {"op": "shared_fetch", "dir": str(d / "b"), "url": redis.url, "queries": queries, "bound": FETCH_BOUND,
-             "seconds": WINDOW if when == "fetch" else 0.0}
+             "seconds": WINDOW if when in ("fetch", "slow") else 0.0}
     fault = fault_of(redis, action, rng) if when == "fetch" else None
-    b = machines["B"].run(t, fetch, fault)
+    relay = slow_relay(redis, rng, fetch) if when == "slow" else None
+    try:
+        b = machines["B"].run(t, fetch, relay and relay.fault)
+    finally:
+        if relay is not None:
+            relay.close()
     if b is not None:
         b["fault"] = getattr(fault, "log", None)
         judge_fetch(t, trial, b, entries)
         judge_damage(t, trial, done, b, entries)
+        if when == "slow":
+            judge_slow(t, trial, b, entries)
     if bare(trial) == "fetch_pause":  # a pause loses nothing: once it is over, all of it again
         time.sleep(FAST["breaker_backoff_max"] + 0.1)
         after = machines["B"].run(t, dict(fetch, dir=str(d / "b-after"), seconds=0.0), None)
@@ -477,6 +493,36 @@ def one_trial(ctx: Ctx, t: Tally, rng: random.Random, redis: Redis, machines: di
     shutil.rmtree(d, ignore_errors=True)
 
 
+def slow_relay(redis: Redis, rng: random.Random, fetch: dict) -> Any:
+    """A relay at one of ``SLOW_RATES`` in front of the server, B's URL pointed at it, and
+    its ``fault``: a stall of 0.5 to 1.5 s somewhere in B's window."""
+    from tests.support.relay import Relay
+    relay = Relay(redis.servers[0].port, rate=rng.choice(SLOW_RATES)).start()
+    fetch["url"] = f"{relay.url}?prefix={PREFIX}&fetch_deadline={SLOW_DEADLINE}"
+
+    def fault() -> None:
+        time.sleep(rng.uniform(0.05, WINDOW / 2))
+        relay.stall()
+        time.sleep(rng.uniform(0.5, 1.5))
+        relay.resume()
+    relay.fault = fault  # type: ignore[attr-defined]
+    return relay
+
+
+def judge_slow(t: Tally, trial: str, b: dict, entries: list[list]) -> None:
+    """Behind a slow or stalling link a fetch short of its entry was counted (a deadline
+    miss, an error or a skip because the transfer would not pay)."""
+    for rnd in b["rounds"]:
+        short = sum(n < len(toks) for (fam, toks), (n, _) in zip(entries, rnd["hits"]))
+        st = rnd["stats"]
+        counted = sum(st.get(k) or 0 for k in ("shared_deadline_misses", "shared_errors", "shared_skipped_calls",
+                                                "shared_skipped_cost"))
+        t.outcomes[f"{trial}: rounds with a deadline miss"] += bool(st.get("shared_deadline_misses"))
+        if short and not counted:
+            t.c["unexplained_misses"] += short
+            t.fail("a slow link cost tokens and nothing was counted", trial=trial, short=short, stats=st)
+
+
 def run_trials(ctx: Ctx, t: Tally, rng: random.Random, machines: dict, cluster: bool, n: int) -> None:
     """``n`` trials (``TRIALS`` in turn) against one server, or a 3-node cluster."""
     if not n:
@@ -484,7 +530,8 @@ def run_trials(ctx: Ctx, t: Tally, rng: random.Random, machines: dict, cluster: 
     redis = Redis(cluster)
     try:
         for i in range(n):
-            trial = ("cluster:" if cluster else "") + TRIALS[i % len(TRIALS)]
+            kinds = CLUSTER_TRIALS if cluster else TRIALS
+            trial = ("cluster:" if cluster else "") + kinds[i % len(kinds)]
             one_trial(ctx, t, rng, redis, machines, trial, ctx.work / "shared" / f"{'c' if cluster else 's'}{i}")
             if (i + 1) % max(1, n // 5) == 0 or i + 1 == n:
                 ctx.say(f"  shared{' (cluster)' if cluster else ''}: {i + 1}/{n}  wrong={t.c['wrong_restores']} "
