@@ -537,7 +537,7 @@ def held(cache: Any) -> int | None:
     return min(offs) if offs else None
 
 
-def check_holds(cache: list[Any], n: int | None = None) -> str | None:
+def check_holds(cache: Sequence[Any], n: int | None = None) -> str | None:
     """Why a prompt cache does not hold what it claims (a layer whose arrays have fewer
     positions than its offset, or, with ``n``, an offset other than ``n``), or None."""
     for i, c in enumerate(flat_layers(cache)):

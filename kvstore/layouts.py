@@ -20,7 +20,8 @@ from typing import Any, Protocol
 class IdentityLike(Protocol):
     """What the checks read of an identity: its components and its name."""
 
-    info: dict[str, Any]
+    @property
+    def info(self) -> dict[str, Any]: ...  # read-only: Identity is a frozen dataclass
 
     @property
     def name(self) -> str: ...
