@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -86,7 +86,7 @@ def _zeroed_by_kernel(specs: Specs) -> dict[str, Any] | None:
         if os.fstat(fd).st_blocks * 512 > len(prefix) + (1 << 20):  # not sparse: zeros written to disk
             SHARED_MEMORY = False
             return None
-        arrays = mx.load(path, format="safetensors")
+        arrays = cast(dict[str, Any], mx.load(path, format="safetensors"))  # a safetensors file: a dict
     except (OSError, RuntimeError, ValueError):
         return None
     finally:

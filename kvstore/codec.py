@@ -20,6 +20,7 @@ Guarantees:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -58,6 +59,14 @@ class _Codec:
     def can_cut(self, meta: dict, n: int) -> bool:
         return False
 
+    def encode(self, c: Any) -> tuple[Tensors, dict]:
+        """The layer's tensors (views, no copies) and its meta; every concrete codec has one."""
+        raise NotImplementedError(type(self).__name__)
+
+    def decode(self, t: Tensors, meta: dict) -> Any:
+        """A fresh cache object from what ``encode`` gave; every concrete codec has one."""
+        raise NotImplementedError(type(self).__name__)
+
     def holds(self, c: Any) -> str | None:
         return None
 
@@ -72,9 +81,9 @@ class _Codec:
 
 
 class _KVCodec(_Codec):
-    cls = C.KVCache
+    cls: type = C.KVCache
     chunkable = True
-    family = ATTENTION  # type: ignore[assignment]
+    family = ATTENTION
 
     def can_cut(self, meta: dict, n: int) -> bool:
         return 0 <= n <= meta["offset"]
@@ -113,7 +122,7 @@ class _QuantKVCodec(_KVCodec):
         return t, meta
 
     def decode(self, t: Tensors, meta: dict) -> Any:
-        c = C.QuantizedKVCache(group_size=meta["group_size"], bits=meta["bits"])
+        c: Any = C.QuantizedKVCache(group_size=meta["group_size"], bits=meta["bits"])
         if "k0" in t:
             c.keys = tuple(_fresh(t[f"k{i}"]) for i in range(3))
             c.values = tuple(_fresh(t[f"v{i}"]) for i in range(3))
@@ -126,7 +135,7 @@ class _RotatingCodec(_Codec):
     It can be cut only while it has not wrapped (mlx-lm's ``is_trimmable``)."""
 
     cls = C.RotatingKVCache
-    family = ATTENTION  # type: ignore[assignment]
+    family = ATTENTION
 
     def can_cut(self, meta: dict, n: int) -> bool:
         return 0 <= n <= meta["offset"] < meta["max_size"]
@@ -155,7 +164,7 @@ class _ChunkedCodec(_Codec):
     True there: its own LRU hands out such a cache)."""
 
     cls = C.ChunkedKVCache
-    family = ATTENTION  # type: ignore[assignment]
+    family = ATTENTION
 
     def can_cut(self, meta: dict, n: int) -> bool:
         size = meta["chunk_size"]
@@ -188,7 +197,7 @@ class _ArraysCodec(_Codec):
         return t, {"size": len(c.cache)}
 
     def decode(self, t: Tensors, meta: dict) -> Any:
-        c = C.ArraysCache(meta["size"])
+        c: Any = C.ArraysCache(meta["size"])
         for i in range(meta["size"]):
             if f"a{i}" in t:
                 c.cache[i] = _fresh(t[f"a{i}"])
@@ -299,10 +308,10 @@ def _item_ok(x: Any) -> bool:
     if x[0] in ("a", "n"):
         return len(x) == 1
     kind = {v: k for k, v in _KINDS.items()}[x[0]]
-    return len(x) == 2 and type(x[1]) is kind and (kind is not str or len(x[1]) <= 256)
+    return len(x) == 2 and type(x[1]) is kind and (not isinstance(x[1], str) or len(x[1]) <= 256)
 
 
-def _state_class(name: str) -> type:
+def _state_class(name: str) -> type[C._BaseCache]:
     """The class a stored ``module:qualname`` names, if it is a protocol-following cache
     class of an imported ``mlx_lm.models`` module; Unsupported otherwise."""
     import sys
@@ -383,7 +392,7 @@ def flat_layout(layout: Layout) -> list[dict]:
     return flat
 
 
-def flat_layers(cache: list[Any]) -> list[Any]:
+def flat_layers(cache: Sequence[Any]) -> list[Any]:
     """Cache objects with CacheList members in their place."""
     out: list[Any] = []
     for c in cache:
@@ -528,7 +537,7 @@ def held(cache: Any) -> int | None:
     return min(offs) if offs else None
 
 
-def check_holds(cache: list[Any], n: int | None = None) -> str | None:
+def check_holds(cache: Sequence[Any], n: int | None = None) -> str | None:
     """Why a prompt cache does not hold what it claims (a layer whose arrays have fewer
     positions than its offset, or, with ``n``, an offset other than ``n``), or None."""
     for i, c in enumerate(flat_layers(cache)):

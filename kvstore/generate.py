@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -128,7 +128,7 @@ def stream_generate(
     detok.reset()
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
     for i in range(max_tokens):
-        tok = int(y.item())
+        tok = int(cast(int, y.item()))  # a token id (mlx types item() as any scalar)
         finish = "stop" if tok in eos else ("length" if i == max_tokens - 1 else None)
         if finish != "stop":
             detok.add_token(tok)
@@ -176,5 +176,6 @@ def _prefill_and_insert(store: KVStore, model: Any, model_key: Any, prompt: list
         store.insert(model_key, prompt[:mark], cache, cache_type=kind)
         pos = mark
     logits = _prefill(model, cache, prompt[pos:], step, prefilled(pos))
+    assert logits is not None, "_restored leaves at least one prompt token to prefill"
     store.insert(model_key, prompt, cache, cache_type=cache_type)  # after prefill, prompt only
     return logits

@@ -20,7 +20,8 @@ from typing import Any, Protocol
 class IdentityLike(Protocol):
     """What the checks read of an identity: its components and its name."""
 
-    info: dict[str, Any]
+    @property
+    def info(self) -> dict[str, Any]: ...  # read-only: Identity is a frozen dataclass
 
     @property
     def name(self) -> str: ...
@@ -173,9 +174,9 @@ def layout_problem(ident: IdentityLike, tensors: dict[str, Any], layout: list) -
             if d:
                 return f"cache layer {i}{where} {d[0]}, {ident.name} makes {d[1]} (a cache from another model?)"
             if x.get("class") == "CacheList":
-                d = diff(x.get("sub", []), y.get("sub", []), f" (in layer {i})")
-                if d:
-                    return d
+                sub = diff(x.get("sub", []), y.get("sub", []), f" (in layer {i})")
+                if sub:
+                    return sub
         return None
 
     return diff(describe_layout(tensors, layout), want, "")

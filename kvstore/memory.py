@@ -169,7 +169,7 @@ class MemoryTier:
             n = serves(longer, result.common_prefix, len(tokens), lambda m: snap.cut_to(longer, m))
             if n is not None and (snap.opaque is None or snap.trimmable):  # mlx-lm: even with nothing to cut
                 out.append((snap, result.longer, n))
-        if short > 0:
+        if result.shorter is not None and short > 0:
             out.append((self._trie.get(model, result.shorter), result.shorter, short))
         return out
 

@@ -129,7 +129,7 @@ def registry(stats: Callable[[], dict[str, Any] | None]) -> Any:
     from prometheus_client import CollectorRegistry
 
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(StatsCollector(stats))  # type: ignore[arg-type]
+    reg.register(StatsCollector(stats))
     return reg
 
 

@@ -72,7 +72,7 @@ def preload_order(entries: dict[bytes, Any], identity: bytes, how: int | str) ->
     mine.sort(key=lambda kr: (not kr[1].pinned, -(1 + kr[1].hits) * kr[1].n, -kr[1].last_used, kr[0]))
     if how == "pinned":
         return [(k, r) for k, r in mine if r.pinned]
-    return mine if how == "auto" else mine[:how]
+    return mine[:how] if isinstance(how, int) else mine  # validated above: "auto" or an int
 
 
 def room(mem: MemoryTier, mem_key: Hashable, tokens: list[int], trimmable: bool, nbytes: int,

@@ -333,7 +333,8 @@ def _depth(obj: Any, level: int = 0) -> int:
     return level
 
 
-RECORD_TYPES = {"entries": EntryRecord, "chunks": ChunkRecord, "packs": PackRecord, "identities": IdentityRecord}
+Record = EntryRecord | ChunkRecord | PackRecord | IdentityRecord  # any stored record
+RECORD_TYPES: dict[str, type[Record]] = {"entries": EntryRecord, "chunks": ChunkRecord, "packs": PackRecord, "identities": IdentityRecord}
 
 
 def parse(db: str, data: bytes | memoryview | None, now: float | None = None) -> Any:

@@ -46,7 +46,7 @@ import gc
 import logging
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import mlx.core as mx
 import numpy as np
@@ -317,7 +317,7 @@ class ExoPrefixCache:
         if self._group is None:
             return local
         got = mx.distributed.all_gather(mx.array([local], dtype=mx.float32), group=self._group)
-        return float(mx.max(got).item())
+        return float(cast(float, mx.max(got).item()))  # a float32 scalar (mlx types item() as any scalar)
 
     def _evict_if_needed(self) -> None:
         """exo's rule: while memory use is above the threshold, the least recently used
@@ -419,7 +419,7 @@ class ExoPrefixCache:
         if self._group is None or self._group.size() < 2:
             return cache, n
         while True:
-            ns = mx.distributed.all_gather(mx.array([n], dtype=mx.int32), group=self._group).tolist()
+            ns = cast(list[int], mx.distributed.all_gather(mx.array([n], dtype=mx.int32), group=self._group).tolist())
             low = min(ns)
             if low == max(ns):
                 return cache, n
@@ -540,7 +540,7 @@ def node_context(bound_instance: Any, options: dict[str, Any]) -> dict[str, Any]
     return dict(options, model_path=path, shard=shard)
 
 
-def _patch(builder: Any, cls: type) -> None:
+def _patch(builder: Any, cls: Any) -> None:  # exo's runner class: untyped here, its methods are replaced
     load, build = cls.load, cls.build
 
     @functools.wraps(load)

@@ -165,7 +165,7 @@ def _simple_engine() -> type:
     return SimpleEngine
 
 
-def _patch(cls: type) -> None:
+def _patch(cls: Any) -> None:  # vllm-mlx's SimpleEngine: untyped here, its methods are replaced
     if _ORIGINALS_ATTR in cls.__dict__:
         return
     ensure, stop = cls._ensure_prefix_trie_cache, cls.stop

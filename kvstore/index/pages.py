@@ -181,11 +181,16 @@ def walk_all(path: Path, psize: int, txnid: int | None, *, collect: bool
         pages.walk(pages.main, main_sink, errors, "main")
         for name, db in subs:
             got: list[tuple[bytes, bytes]] = []
-            pages.walk(db, (lambda k, v, f, got=got: got.append((k, v))) if collect else None, errors, name)
+            pages.walk(db, _appender(got) if collect else None, errors, name)
             out[name] = got
     finally:
         pages.close()
     return errors, out
+
+
+def _appender(got: list[tuple[bytes, bytes]]) -> Callable[[bytes, bytes, int], None]:
+    """A walk sink appending each ``(key, value)`` to ``got``."""
+    return lambda k, v, flags: got.append((k, v))
 
 
 def db_roots(data: Path) -> dict[str, int]:

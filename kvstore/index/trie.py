@@ -9,7 +9,7 @@ Edges are candidates only: the stored token ids decide every hit.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Generator, Iterator
 
 from ..keys import COMPLETE, EDGE_TOKENS, KEY_BYTES, edge_keys, edge_tokens, residual, sub_boundary
 from ..records import ChunkRecord, EntryRecord, Kind
@@ -102,7 +102,8 @@ def edges(txn: Any, db: Any, boundary: bytes, after: bytes, base: int = 0) -> It
     yield from _shorter(cur, boundary, q, min(shared, m, EDGE_TOKENS), base, seen)
 
 
-def _neighbours(cur: Any, boundary: bytes, head: bytes, q: bytes, base: int, seen: set[bytes]) -> Iterator[Edge]:
+def _neighbours(cur: Any, boundary: bytes, head: bytes, q: bytes, base: int,
+                seen: set[bytes]) -> Generator[Edge, None, int]:
     """No child shares every query token: the children around the query's place share the
     most. Yields those (up to 32 per side), returns how many tokens they share."""
     side: list[tuple[int, int]] = []  # (shared tokens, direction)
