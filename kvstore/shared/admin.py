@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from ..records import EntryRecord, RecordError
 from . import values as V
 from .client import SharedClient
 
 BATCH = 500
+Bytes = bytes  # the type, for classes with a field named ``bytes``
 
 
 @dataclass
@@ -34,9 +35,9 @@ class EntryInfo:
     key: bytes
     identity: bytes
     tokens: int
-    bytes: int
-    chunks: tuple[bytes, ...]
-    boundary: bytes
+    bytes: int  # the value's size (this name shadows the type below: hence Bytes)
+    chunks: tuple[Bytes, ...]
+    boundary: Bytes
     cache_type: str
     created: float
     published: float
@@ -133,7 +134,7 @@ class GcResult:
     fields: int = 0  # boundary-hash fields whose value was gone (a dry run counts them from the listing)
 
 
-def collect_garbage(client: SharedClient, *, identities: list[str] = (), max_age: float | None = None,
+def collect_garbage(client: SharedClient, *, identities: Sequence[str] = (), max_age: float | None = None,
                     dry_run: bool = False, now: float | None = None) -> GcResult:
     """Remove every value of ``identities`` (full hex digests), and entries published more
     than ``max_age`` seconds ago with the chunks nothing else uses (see the module
@@ -157,7 +158,7 @@ def collect_garbage(client: SharedClient, *, identities: list[str] = (), max_age
             if e.identity not in doomed_ids:
                 fields.setdefault(V.name(prefix, "bounds", e.boundary, e.identity), []).append(e.key.hex())
         for hname, keys in fields.items():  # readers are no longer sent to them
-            client.run(lambda r, h=hname, k=keys: r.hdel(h, *k))
+            client.run(_hdel(hname, keys))
         for batch in _batches(hashes + [V.name(prefix, "entry", e.key, e.identity) for e in gone] + chunks):
             client.delete_many(batch)
     doomed_hashes = set(hashes)
@@ -167,9 +168,14 @@ def collect_garbage(client: SharedClient, *, identities: list[str] = (), max_age
     dangling = _dangling_fields(client, kept, None if dry_run else set(), left)
     if not dry_run:
         for hname, names in dangling.items():
-            client.run(lambda r, h=hname, f=names: r.hdel(h, *f))
+            client.run(_hdel(hname, names))
     return GcResult(gone, len(chunks), len(hashes), freed, dry_run, found.complete,
                     sum(len(f) for f in dangling.values()))
+
+
+def _hdel(name: str, fields: list[str]) -> Callable[[Any], Any]:
+    """An HDEL of ``fields`` from hash ``name``, for ``SharedClient.run``."""
+    return lambda r: r.hdel(name, *fields)
 
 
 def _dangling_fields(client: SharedClient, hashes: list[str], exists: set[str] | None,

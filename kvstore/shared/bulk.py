@@ -23,7 +23,7 @@ import ssl
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -131,7 +131,7 @@ def _one(r: _Reader, limit: int, hash_from: Callable[[memoryview], int | None] |
         return Bulk(memoryview(b""))
     if n > limit:
         raise RedisConnectionError(f"a {n}-byte reply to a GETRANGE of at most {limit}")
-    view = memoryview(np.empty(n, np.uint8)).cast("B")
+    view = memoryview(np.empty(n, np.uint8)).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer; typeshed for 3.10 lacks __buffer__
     state: dict[str, Any] = {"offset": None, "h": None, "done": 0}
 
     def piece(a: int, b: int) -> None:
@@ -154,7 +154,7 @@ def _one(r: _Reader, limit: int, hash_from: Callable[[memoryview], int | None] |
     return Bulk(view, state["offset"], state["h"].digest())
 
 
-def write_strings(pool: Any, items: list[tuple[str, list[bytes | memoryview]]], nx: bool, px: int | None,
+def write_strings(pool: Any, items: Sequence[tuple[str, Sequence[bytes | memoryview]]], nx: bool, px: int | None,
                   until: float | None, timeout: float) -> list[bool | None]:
     """``SET name value [NX] [PX px]`` of each item in one pipeline on one connection of
     ``pool``, each value given as its pieces in order and sent as they are (``sendmsg``:

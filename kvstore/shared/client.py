@@ -300,7 +300,7 @@ class SharedClient:
         expiry)."""
         keys = list(hashes)
         _check_keys(keys)
-        data = {k: dict(_pairs(hashes[k])) for k in keys}
+        data: dict[str, dict[Any, Value]] = {k: dict(_pairs(hashes[k])) for k in keys}  # redis-py types field names as any encodable
         if not keys or not all(data.values()):
             raise ValueError("hset needs at least one field per hash")
         px = self._ttl_ms(ttl)

@@ -95,7 +95,7 @@ COUNTERS = ("lookups", "lookup_hits", "trim_hits", "rejected", "missing", "bad_f
             "deleted", "published", "publish_skipped", "publish_failed", "chunks_published",
             "deadline_misses", "skipped_cost", "publish_abandoned")
 
-ChunkPiece = tuple[bytes, ChunkRecord, bytes, bytes]  # key, record, token ids, segment bytes
+ChunkPiece = tuple[bytes, ChunkRecord, bytes, bytes | memoryview]  # key, record, token ids, segment bytes
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class Found:
     record: EntryRecord
     tokens: bytes
     chunks: list[ChunkPiece]
-    tail: bytes
+    tail: bytes | memoryview
     n: int
 
 
@@ -199,7 +199,8 @@ class SharedTier:
         until = t0 + self.config.fetch_deadline
         got = self.client.pipeline_read(cmds, until)
         if got is None:
-            return self._late(until)
+            self._late(until)
+            return None
         self.link.round_trip(time.monotonic() - t0)
         sizes = dict(zip(need, got[len(levels):]))
         for k, size in sizes.items():
@@ -294,7 +295,7 @@ class SharedTier:
                 if chunk_key(bounds[k], cf.tokens) != cf.key:
                     raise V.ValueFormatError("chunk field's key does not follow from its token ids")
                 m = common_tokens(cf.tokens, after)
-                return _Candidate(serves((k + 1) * C, k * C + m, n_q), k, cf.key, trim=True) if 0 < m < C else None
+                return _Candidate(serves((k + 1) * C, k * C + m, n_q) or 0, k, cf.key, trim=True) if 0 < m < C else None
             f = V.parse_field(fname, fvalue, C)
         except V.ValueFormatError:
             self._count("bad_fields")
@@ -317,7 +318,8 @@ class SharedTier:
         t0 = time.monotonic()
         got = self.bulk.read_values(names, self.max_value_bytes, until, V.segment_offset)
         if got is None:
-            return self._late(until, t0, moving)
+            self._late(until, t0, moving)
+            return None
         nbytes = sum(len(v.data) for v in got if v is not None)
         self.link.transfer(identity, nbytes, len(wanted) * C + _value_tokens(best, C), time.monotonic() - t0)
         pieces, chain = self._chain(identity, tokens, bounds, C, best.k, dict(zip(wanted, got)), held)
@@ -434,7 +436,11 @@ class SharedTier:
         assert best.key is not None
         hname = self.name("bounds", boundary, identity)
         field = V.chunk_field_name(best.key) if best.trim else best.key.hex()
-        self.publisher.submit(lambda: self.pub.run(lambda r: r.hdel(hname, field)))
+
+        def drop() -> None:
+            self.pub.run(lambda r: r.hdel(hname, field))
+
+        self.publisher.submit(drop)
 
     def _reject(self, name: str, data: Bulk, err: Exception) -> None:
         """A value that failed verification: counted, and deleted by the publisher thread
@@ -543,7 +549,7 @@ class SharedTier:
         """``shared_*`` counters: this tier's, the client's (round trips, bytes, errors,
         breaker), and the publisher's queue (dropped publishes). No credentials."""
         with self._lock:
-            s = {f"shared_{k}": v for k, v in self._counts.items()}
+            s: dict[str, Any] = {f"shared_{k}": v for k, v in self._counts.items()}
         c, b, p = self.client.stats(), self.bulk.stats(), self.pub.stats()
         for k in ("round_trips", "calls", "skipped_calls", "bytes_in", "bytes_out", "errors", "breaker_opens"):
             s[f"shared_{k}"] = c[k] + b[k] + p[k]

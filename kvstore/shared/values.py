@@ -157,7 +157,7 @@ class Frame:
         return FRAME.size + self.record + self.tokens + self.segment
 
 
-def parse_frame(data: bytes, now: float | None = None) -> Frame:
+def parse_frame(data: bytes | memoryview, now: float | None = None) -> Frame:
     """The frame at the start of ``data`` (which may be just the frame: maintenance reads
     a value's head with GETRANGE). Future publish times are clamped to now."""
     if len(data) < FRAME.size:
@@ -171,7 +171,7 @@ def parse_frame(data: bytes, now: float | None = None) -> Frame:
     return Frame(kind, min(published, time.time() if now is None else now), rlen, tlen, slen)
 
 
-def parse_record(data: bytes, now: float | None = None) -> tuple[Frame, ChunkRecord | EntryRecord]:
+def parse_record(data: bytes | memoryview, now: float | None = None) -> tuple[Frame, ChunkRecord | EntryRecord]:
     """The frame and record of a value whose first ``Frame.record`` bytes after the frame
     are in ``data`` (the rest may be missing): what maintenance needs to list entries."""
     f = parse_frame(data, now)
