@@ -117,8 +117,7 @@ def _access(path: Path, *, readonly: bool, shared: bool) -> None:
     """StoreOpenError naming the first file or directory of the store this user cannot use."""
     checks = [(path / "index", not readonly), (path / "index" / "lock.mdb", True),
               (path / "index" / "data.mdb", not readonly), (path / "blobs", not readonly)]
-    if not readonly:
-        checks.append((path / MEMO, True))
+    if not readonly:  # (the digest memo only costs a warning: ``identity.DigestMemo``)
         checks += [(Path(d.path), True) for d in _subdirs(path / "blobs")]
     for p, write in checks:
         why = access_problem(p, write=write, shared=shared)

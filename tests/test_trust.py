@@ -1144,3 +1144,40 @@ def test_repair_names_cannot_be_planted_in_advance(tmp_path: Path) -> None:
         disk.close()
     assert all((d / "someone").is_dir() for d in planted)
     assert _fetch_in_new_process(cache, prompts)["n"] == [100] * 3
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running as two other users needs root")
+def test_a_member_locked_out_of_a_file_is_told_which_and_how_to_fix_it(tmp_path: Path) -> None:
+    """A shared directory where one file is its creator's alone (0600, as earlier versions
+    made the digest memo, or the index data file after a chmod): another member gets a
+    warning (memo: the identity still resolves, the disk tier still serves) or a refusal
+    (data.mdb) naming the file and the ``chmod`` that fixes it, never a silent fallback."""
+    import tempfile
+
+    from tools.faults.kinds.permissions import GROUP, MEMBERS, searchable_by_others
+
+    base = Path(tempfile.mkdtemp(prefix="kvshared-", dir="/tmp"))
+    changed = searchable_by_others([ROOT, Path(sys.prefix), Path(sys.base_prefix), base])
+    try:
+        mdir = Path(shutil.copytree(model_path("tiny-llama"), base / "model"))
+        subprocess.run(["chmod", "-R", "a+rX", str(mdir)], check=True)
+        cache = base / "shared"
+        cache.mkdir()
+        os.chown(cache, 0, GROUP)
+        os.chmod(cache, 0o2770)
+        prompts = [[(7 * i + j) % 200 for j in range(100)] for i in range(2)]
+        common = {"cache": str(cache), "chunk": CHUNK, "digest": SYN.digest.hex(), "info": SYN.info,
+                  "model": str(mdir)}
+        _as_member(MEMBERS[0], {**common, "fetch": [], "insert": prompts})
+        os.chmod(cache / "file-digests.json", 0o600)
+        b = _as_member(MEMBERS[1], {**common, "fetch": prompts, "insert": []})
+        assert b["disk"] and b["model"] and b["got"] == [100, 100], b
+        assert any("file-digests.json" in w and "chmod g+rw" in w for w in b["warned"]), b["warned"]
+        os.chmod(cache / "index" / "data.mdb", 0o600)
+        b = _as_member(MEMBERS[1], {**common, "fetch": prompts, "insert": []})
+        assert not b["disk"], b
+        assert any("data.mdb" in w and "chmod" in w and "g+rw" in w for w in b["warned"]), b["warned"]
+    finally:
+        for d, mode in reversed(changed):
+            os.chmod(d, mode)
+        shutil.rmtree(base, ignore_errors=True)
