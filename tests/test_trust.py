@@ -989,6 +989,9 @@ def test_control_characters_in_prompts_and_names_are_shown_escaped(tmp_path: Pat
         assert "\\x1b]52;c;aGVsbG8=\\x07" in p.stdout, (args, p.stdout)
     got = json.loads(_cli(cache, "inspect", entry, "--prompt", "--json").stdout)
     assert got["prompt"] == text and got["model"]["name"] == "evil" + _EVIL
+    (cache / "blobs" / ("planted" + _EVIL)).write_text("x")  # a file name verify reports
+    p = _cli(cache, "verify")
+    assert "planted\\x1b]52;c;" in p.stdout and not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", p.stdout + p.stderr)
     seen: list[str] = []
     handler = type("H", (logging.Handler,), {"emit": lambda s, r: seen.append(s.format(r))})()
     logging.getLogger("kvstore").addHandler(handler)
