@@ -101,10 +101,13 @@ def access_problem(path: Path, *, write: bool, shared: bool) -> str | None:
     need = os.R_OK | (os.W_OK if write else 0) | (os.X_OK if is_dir else 0)
     if os.access(path, need):
         return None
+    if write and os.access(path, need & ~os.W_OK) and os.statvfs(path).f_flag & os.ST_RDONLY:
+        return f"{path} is on a read-only filesystem: use a cache directory on a writable one"
     what = ("rw" if write else "r") + ("X" if is_dir else "")
     mode = stat.S_IMODE(st.st_mode)
     if shared:
-        fix = f"`chgrp -R GROUP {path.parent}` and `chmod -R g+{what} {path}` (GROUP: the group sharing it)"
+        fix = (f"`chmod g+{what} {path}` as its owner (uid {st.st_uid}), and `chgrp GROUP {path}` if group "
+               f"{st.st_gid} is not the group sharing the directory")
     else:
         fix = f"`chmod u+{what} {path}` as its owner (uid {st.st_uid})"
     return (f"{path} is not {'readable and writable' if write else 'readable'} by this user (uid {os.geteuid()}; "
@@ -115,8 +118,7 @@ def _access(path: Path, *, readonly: bool, shared: bool) -> None:
     """StoreOpenError naming the first file or directory of the store this user cannot use."""
     checks = [(path / "index", not readonly), (path / "index" / "lock.mdb", True),
               (path / "index" / "data.mdb", not readonly), (path / "blobs", not readonly)]
-    if not readonly:
-        checks.append((path / MEMO, True))
+    if not readonly:  # (the digest memo only costs a warning: ``identity.DigestMemo``)
         checks += [(Path(d.path), True) for d in _subdirs(path / "blobs")]
     for p, write in checks:
         why = access_problem(p, write=write, shared=shared)

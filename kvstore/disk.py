@@ -153,7 +153,7 @@ class DiskTier:
         """Read a plan's segments (verified) and build live caches holding ``plan.n`` tokens.
 
         ``check(specs, layout)`` names why the stored layout does not fit the model (see
-        ``identity.layout_problem``); it runs on the segments' headers, before anything is
+        ``layouts.layout_problem``); it runs on the segments' headers, before anything is
         allocated. Raises BlobError (naming the record in ``err.record``) on anything
         unexpected; then nothing is returned and the arrays being filled are dropped.
         Raises ``CutRefused`` (before allocating) when the plan cuts a snapshot at a point

@@ -41,9 +41,7 @@ from typing import Any
 import xxhash
 
 from .keys import FORMAT_VERSION
-from .layouts import (  # noqa: F401  (the layout half lives there; names kept for importers)
-    ArraySpec, describe_layout, kv_geometry, layout_from_config, layout_of, layout_problem,
-)
+from .layouts import layout_from_config
 
 log = logging.getLogger("kvstore")
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz", ".bin")

@@ -63,7 +63,8 @@ def test_disk_hit_is_usable_from_another_thread(tmp_path: Path) -> None:
     from tests.support.caches import synth_kv_cache
 
     from kvstore import KVStore
-    from kvstore.identity import Identity, layout_of
+    from kvstore.identity import Identity
+    from kvstore.layouts import layout_of
 
     ident = Identity.from_components({"test": "threads", "layout": layout_of(synth_kv_cache(2, 2, 1, 8))},
                                      name="threads")
@@ -123,7 +124,8 @@ def _store_with_free_list(cache_dir: Path) -> tuple:
     from tests.support.caches import synth_kv_cache
 
     from kvstore import KVStore
-    from kvstore.identity import Identity, layout_of
+    from kvstore.identity import Identity
+    from kvstore.layouts import layout_of
 
     ident = Identity.from_components({"test": "free-list", "layout": layout_of(synth_kv_cache(2, 2, 1, 8))},
                                      name="free-list")
@@ -214,7 +216,8 @@ def test_crash_damage_excuses_every_entry_it_can_cost(tmp_path: Path) -> None:
     from tests.support.caches import synth_kv_cache
 
     from kvstore import KVStore
-    from kvstore.identity import Identity, layout_of
+    from kvstore.identity import Identity
+    from kvstore.layouts import layout_of
     from tools.faults.check import raw_entries, segment_users
     from tools.faults.common import decode
     from tools.faults.damage import damage_segments

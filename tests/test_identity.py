@@ -17,7 +17,8 @@ import pytest
 from tests.support.stores import CHUNK, cache_digest
 
 from kvstore import KVStore, model_identity
-from kvstore.identity import Identity, layout_of
+from kvstore.identity import Identity
+from kvstore.layouts import layout_of
 from tools.models import MODELS, model_path
 from tools.oracle import prefill
 

@@ -560,7 +560,8 @@ def test_verify_and_gc_out_of_file_descriptors_drop_nothing(tmp_path):
     import resource
 
     from kvstore import KVStore
-    from kvstore.identity import Identity, layout_of
+    from kvstore.identity import Identity
+    from kvstore.layouts import layout_of
     from tests.support.caches import synth_kv_cache
     from tests.support.stores import out_of_descriptors
 

@@ -27,7 +27,8 @@ from tests.support.children import run_py
 from tests.support.stores import CHUNK
 
 from kvstore import KVStore
-from kvstore.identity import Identity, code_digest, layout_of, model_identity
+from kvstore.identity import Identity, code_digest, model_identity
+from kvstore.layouts import layout_of
 from tools.faults import craft
 from tools.models import model_path
 from tools.oracle import prefill
@@ -989,6 +990,9 @@ def test_control_characters_in_prompts_and_names_are_shown_escaped(tmp_path: Pat
         assert "\\x1b]52;c;aGVsbG8=\\x07" in p.stdout, (args, p.stdout)
     got = json.loads(_cli(cache, "inspect", entry, "--prompt", "--json").stdout)
     assert got["prompt"] == text and got["model"]["name"] == "evil" + _EVIL
+    (cache / "blobs" / ("planted" + _EVIL)).write_text("x")  # a file name verify reports
+    p = _cli(cache, "verify")
+    assert "planted\\x1b]52;c;" in p.stdout and not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", p.stdout + p.stderr)
     seen: list[str] = []
     handler = type("H", (logging.Handler,), {"emit": lambda s, r: seen.append(s.format(r))})()
     logging.getLogger("kvstore").addHandler(handler)
@@ -1039,17 +1043,17 @@ def _as_member(uid: int, payload: dict) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="running as two other users needs root")
-def test_two_members_of_a_group_share_a_directory(tmp_path: Path) -> None:
-    """Two uids of one group, each with umask 022, on a ``--shared-dir`` directory: each
-    reads the other's entries and adds its own, each resolves a model identity through
-    the digest memo the other wrote, and after one of them rebuilds the index (what
-    ``verify --fix`` does) the other still can: no warning, no memory-only fallback.
-    Every file is 0660 and every directory 2770, all of the directory's group."""
+@pytest.fixture
+def group_dir() -> Any:
+    """A ``--shared-dir`` directory of the group (root's, 2770) under a fresh /tmp
+    directory the members can reach, and a copy of tiny-llama they can read: (cache dir,
+    the payload fields every member run shares). Root only."""
     import tempfile
 
-    from tools.faults.kinds.permissions import GROUP, MEMBERS, searchable_by_others
+    from tools.faults.kinds.permissions import GROUP, searchable_by_others
 
+    if os.geteuid() != 0:
+        pytest.skip("running as two other users needs root")
     base = Path(tempfile.mkdtemp(prefix="kvshared-", dir="/tmp"))
     changed = searchable_by_others([ROOT, Path(sys.prefix), Path(sys.base_prefix), base])
     try:
@@ -1059,27 +1063,57 @@ def test_two_members_of_a_group_share_a_directory(tmp_path: Path) -> None:
         cache.mkdir()
         os.chown(cache, 0, GROUP)
         os.chmod(cache, 0o2770)
-        prompts = [[(7 * i + j) % 200 for j in range(100)] for i in range(4)]
-        common = {"cache": str(cache), "chunk": CHUNK, "digest": SYN.digest.hex(), "info": SYN.info,
-                  "model": str(mdir)}
-        a = _as_member(MEMBERS[0], {**common, "fetch": [], "insert": prompts[:2]})
-        b = _as_member(MEMBERS[1], {**common, "fetch": prompts[:2], "insert": prompts[2:], "rebuild": True})
-        a2 = _as_member(MEMBERS[0], {**common, "fetch": prompts, "insert": []})
-        for r in (a, b, a2):
-            assert r["disk"] and r["model"] and r["warned"] == [], r
-        assert b["got"] == [100, 100] and a2["got"] == [100] * 4, (b, a2)
-        modes = {}
-        for d, dirs, files in os.walk(cache):
-            for n in dirs + files:
-                st = os.lstat(os.path.join(d, n))
-                modes[os.path.relpath(os.path.join(d, n), cache)] = (oct(st.st_mode & 0o7777), st.st_gid)
-        bad = {p: m for p, m in modes.items()
-               if m != (("0o2770" if os.path.isdir(cache / p) else "0o660"), GROUP)}
-        assert bad == {} and "file-digests.json" in modes, bad
+        yield cache, {"cache": str(cache), "chunk": CHUNK, "digest": SYN.digest.hex(), "info": SYN.info,
+                      "model": str(mdir)}
     finally:
         for d, mode in reversed(changed):
             os.chmod(d, mode)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_two_members_of_a_group_share_a_directory(group_dir: Any) -> None:
+    """Two uids of one group, each with umask 022, on a ``--shared-dir`` directory: each
+    reads the other's entries and adds its own, each resolves a model identity through
+    the digest memo the other wrote, and after one of them rebuilds the index (what
+    ``verify --fix`` does) the other still can: no warning, no memory-only fallback.
+    Every file is 0660 and every directory 2770, all of the directory's group."""
+    from tools.faults.kinds.permissions import GROUP, MEMBERS
+
+    cache, common = group_dir
+    prompts = [[(7 * i + j) % 200 for j in range(100)] for i in range(4)]
+    a = _as_member(MEMBERS[0], {**common, "fetch": [], "insert": prompts[:2]})
+    b = _as_member(MEMBERS[1], {**common, "fetch": prompts[:2], "insert": prompts[2:], "rebuild": True})
+    a2 = _as_member(MEMBERS[0], {**common, "fetch": prompts, "insert": []})
+    for r in (a, b, a2):
+        assert r["disk"] and r["model"] and r["warned"] == [], r
+    assert b["got"] == [100, 100] and a2["got"] == [100] * 4, (b, a2)
+    modes = {}
+    for d, dirs, files in os.walk(cache):
+        for n in dirs + files:
+            st = os.lstat(os.path.join(d, n))
+            modes[os.path.relpath(os.path.join(d, n), cache)] = (oct(st.st_mode & 0o7777), st.st_gid)
+    bad = {p: m for p, m in modes.items() if m != (("0o2770" if os.path.isdir(cache / p) else "0o660"), GROUP)}
+    assert bad == {} and "file-digests.json" in modes, bad
+
+
+def test_a_member_locked_out_of_a_file_is_told_which_and_how_to_fix_it(group_dir: Any) -> None:
+    """A shared directory where one file is its creator's alone (0600, as earlier versions
+    made the digest memo, or the index data file after a chmod): another member gets a
+    warning (memo: the identity still resolves, the disk tier still serves) or a refusal
+    (data.mdb) naming the file and the ``chmod`` that fixes it, never a silent fallback."""
+    from tools.faults.kinds.permissions import MEMBERS
+
+    cache, common = group_dir
+    prompts = [[(7 * i + j) % 200 for j in range(100)] for i in range(2)]
+    _as_member(MEMBERS[0], {**common, "fetch": [], "insert": prompts})
+    os.chmod(cache / "file-digests.json", 0o600)
+    b = _as_member(MEMBERS[1], {**common, "fetch": prompts, "insert": []})
+    assert b["disk"] and b["model"] and b["got"] == [100, 100], b
+    assert any("file-digests.json" in w and "chmod g+rw" in w for w in b["warned"]), b["warned"]
+    os.chmod(cache / "index" / "data.mdb", 0o600)
+    b = _as_member(MEMBERS[1], {**common, "fetch": prompts, "insert": []})
+    assert not b["disk"], b
+    assert any("data.mdb" in w and "chmod" in w and "g+rw" in w for w in b["warned"]), b["warned"]
 
 
 # -- 20.6: the same classes elsewhere -----------------------------------------------------
@@ -1144,3 +1178,4 @@ def test_repair_names_cannot_be_planted_in_advance(tmp_path: Path) -> None:
         disk.close()
     assert all((d / "someone").is_dir() for d in planted)
     assert _fetch_in_new_process(cache, prompts)["n"] == [100] * 3
+

@@ -46,9 +46,17 @@ def _version() -> str:
         return "unknown"
 
 
+class _Version(argparse.Action):
+    """``--version``, read from the package metadata only when asked for
+    (``importlib.metadata`` costs ~0.1 s of every command's start-up)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        parser.exit(message=f"kvstore {_version()}\n")
+
+
 def _parser(command: str | None, module) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstore", description=DESCRIPTION)
-    parser.add_argument("--version", action="version", version=f"kvstore {_version()}")
+    parser.add_argument("--version", action=_Version, nargs=0, help="show the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     registered: set[str] = set()
     if module is not None:

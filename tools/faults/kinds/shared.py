@@ -101,7 +101,8 @@ def guarded(where: str, escaped: list, fn: Callable, *a: Any) -> Any:
 def other_identity(fam: str) -> Any:
     """An identity with the layout of ``fam``'s synthetic caches but another name: its
     lookups walk the same Redis, and must never hit what ``fam`` published."""
-    from kvstore.identity import Identity, layout_of
+    from kvstore.identity import Identity
+    from kvstore.layouts import layout_of
     return Identity.from_components({"synthetic": f"kvfaults-{fam}-other", "layout": layout_of(syn_cache(fam, []))},
                                     name=f"other-{fam}")
 
