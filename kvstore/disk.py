@@ -205,10 +205,11 @@ class DiskTier:
         bounds = boundaries(root_key(job.identity.digest), job.tokens, C)
         chunked = codec.is_chunkable(job.layout, job.n)
         K = len(bounds) - 1 if chunked else 0
-        have = self.index.view(lambda r: None if r.raw("entries", job.key) else
+        held = self.index.view(lambda r: None if r.raw("entries", job.key) else
                                {bounds[k + 1] for k in range(K) if r.raw("chunks", bounds[k + 1])})
-        if have is None:
+        if held is None:
             return 0
+        have: set[bytes] = held
         for _attempt in range(3):
             writer = blobs.PackWriter(self.blob_root, modes=self.modes)
             try:
@@ -767,14 +768,15 @@ def _commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: blobs.PackWriter,
         return Commit.EXISTS
     if w.size and not w.still_there():
         return Commit.RETRY
-    shared = {}
+    shared: dict[bytes, ChunkRecord] = {}
     for ck in have:
         try:
-            shared[ck] = t.chunk(ck)
+            got = t.chunk(ck)
         except RecordError:
-            shared[ck] = None  # unreadable now: write it ourselves (the record is overwritten)
-        if shared[ck] is None:
+            got = None  # unreadable now: write it ourselves (the record is overwritten)
+        if got is None:
             return Commit.RETRY
+        shared[ck] = got
     segments, live = 0, 0
     for ck, (crec, toks) in new.items():
         try:

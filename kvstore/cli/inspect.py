@@ -56,7 +56,7 @@ def load_decoder(model_path: str | None) -> tuple[Callable[[list[int]], str] | N
         try:  # mlx-lm 0.32: mlx_lm.utils.load_tokenizer; 0.31: tokenizer_utils.load_tokenizer
             from mlx_lm.utils import load_tokenizer
         except ImportError:
-            from mlx_lm.tokenizer_utils import load_tokenizer  # type: ignore[no-redef]
+            from mlx_lm.tokenizer_utils import load_tokenizer  # type: ignore[no-redef, attr-defined]
         tok = load_tokenizer(Path(model_path))
         return lambda ids: str(tok.decode(ids)), None
     except Exception as e:
@@ -139,7 +139,7 @@ def collect(disk, key: bytes, rec: Any, *, prompt: str = "head", with_tokens: bo
         "kv_dtype": common.kv_dtype(header), "tensors": tensors,
         "layers": layers, "pieces": pieces,
         "checksums_ok": all(p["state"] == "ok" for p in pieces),
-        "prompt_head": head, "prompt_head_tokens": min(HEAD_TOKENS, len(tokens)) if head is not None else 0,
+        "prompt_head": head, "prompt_head_tokens": min(HEAD_TOKENS, len(tokens)) if head is not None and tokens is not None else 0,
         "prompt": text, "prompt_error": why,
     }
     if with_tokens:

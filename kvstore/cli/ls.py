@@ -31,7 +31,7 @@ def collect(disk) -> dict[str, Any]:
     for key, rec in snap.entries.items():
         if rec is not None:
             groups.setdefault(rec.identity.hex(), []).append((key, rec))
-    out = []
+    out: list[dict[str, Any]] = []
     for hx, items in groups.items():
         info = snap.identities.get(hx)
         items.sort(key=lambda kr: kr[1].last_used, reverse=True)

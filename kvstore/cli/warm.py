@@ -146,7 +146,8 @@ def _load(model_dir: Path) -> tuple[Any, Any]:
 
     try:
         with Progress(f"load model {model_dir}"):
-            return mlx_lm.load(str(model_dir))
+            loaded = mlx_lm.load(str(model_dir))
+            return loaded[0], loaded[1]
     except Exception as e:
         raise common.CLIError(f"cannot load model {model_dir}: {e}") from None
 

@@ -252,7 +252,7 @@ class Index:
             raise
         return env
 
-    def _state(self) -> dict[str, int] | None:
+    def _state(self) -> dict[str, int | None] | None:
         """What the stamp records of the data file (its stat and last transaction id, read
         from its meta pages), or None if it cannot be read."""
         data = self.path / "data.mdb"
@@ -387,7 +387,11 @@ class Index:
         if have is None and self.readonly:
             return
         if have is None:
-            self.transact(lambda t: t.meta(b"format") or t.set_meta(b"format", str(FORMAT_VERSION).encode()))
+            def tag(t: Any) -> None:
+                if not t.meta(b"format"):
+                    t.set_meta(b"format", str(FORMAT_VERSION).encode())
+
+            self.transact(tag)
             return
         try:
             fmt = int(have)

@@ -387,10 +387,10 @@ def _drop_broken(t: WriteTxn, snap: Snapshot, broken: set[tuple[str, str | None]
                 t.unlink_after_commit(blobs.pack_path(t.blob_root, key))
             elif kind == "chunk":
                 bad_chunks.add(key)
-        elif kind == "chunk":
+        elif isinstance(now, ChunkRecord):
             t.remove_chunk(key, now)
             bad_chunks.add(key)
-        elif kind == "entry":
+        elif isinstance(now, EntryRecord):
             t.remove_entry(key)
         else:
             t.drop_pack(key, now.size)
