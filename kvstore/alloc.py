@@ -31,6 +31,24 @@ _STORAGE = {"BF16": "U16", "F64": "U64"}
 SHARED_MEMORY = True
 
 
+# Bytes of one ``alloc`` call in a restore: the arrays are made a group at a time, so the
+# first segments' reads start while MLX still allocates (pages the rest) of the others.
+GROUP = 32 << 20
+
+
+def groups(specs: Specs, nbytes: int = GROUP) -> list[Specs]:
+    """``specs`` cut, in order, into runs of about ``nbytes`` (every tensor whole)."""
+    out: list[Specs] = [{}]
+    size = 0
+    for name, (st, shape) in specs.items():
+        if size >= nbytes:
+            out.append({})
+            size = 0
+        out[-1][name] = (st, shape)
+        size += host_dtype(st).itemsize * math.prod(shape)
+    return out if out[0] else []
+
+
 def alloc(specs: Specs) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Destinations for tensor specs (bfloat16 as its uint16 storage): MLX arrays whose
     memory the kernel filled with zeros, and writable numpy views of it (or, where that
