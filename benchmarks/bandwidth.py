@@ -25,6 +25,11 @@ labelled "server already running" row: a warm allocator, not a restart.
 
 Sync calls per persisted entry (fsync, fdatasync, sync_file_range, msync) are counted with
 strace on Linux: a process persisting three entries minus one persisting one, halved.
+
+``python -m benchmarks.bandwidth --limit`` (issue 25) measures restores against
+``load_prompt_cache`` and the device's own limit (parallel ``pread`` of the pack files with
+1, 4 and 16 threads) and a warm floor, in interleaved rounds for a loaded machine; it writes
+``results/bandwidth_issue25.json`` and ``.md``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 scratch file) and writable numpy views of that memory, so ``blobs.read_into`` reads a
 segment straight into the arrays a restore hands out: one copy, from the page cache. Where
 that cannot be done (no sparse files, an MLX that hands numpy a copy), numpy buffers stand
-in and ``finish`` copies them into MLX once. ``blobs`` keeps the files and the framing; this
+in and ``finish`` copies them into MLX once. A restore allocates its arrays in ``groups``
+so the reads into the first ones start while MLX still allocates the rest. ``blobs`` keeps the files and the framing; this
 module is the only one that allocates MLX memory for them.
 """
 
