@@ -37,8 +37,9 @@ SHARED_MEMORY = True
 GROUP = 32 << 20
 
 
-def groups(specs: Specs, nbytes: int = GROUP) -> list[Specs]:
-    """``specs`` cut, in order, into runs of about ``nbytes`` (every tensor whole)."""
+def groups(specs: Specs, nbytes: int | None = None) -> list[Specs]:
+    """``specs`` cut, in order, into runs of about ``nbytes`` (``GROUP``; every tensor whole)."""
+    nbytes = nbytes or GROUP
     out: list[Specs] = [{}]
     size = 0
     for name, (st, shape) in specs.items():
