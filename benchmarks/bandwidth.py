@@ -25,6 +25,11 @@ labelled "server already running" row: a warm allocator, not a restart.
 
 Sync calls per persisted entry (fsync, fdatasync, sync_file_range, msync) are counted with
 strace on Linux: a process persisting three entries minus one persisting one, halved.
+
+``python -m benchmarks.bandwidth --limit`` (issue 25) measures restores against
+``load_prompt_cache`` and the device's own limit (parallel ``pread`` of the pack files with
+1, 4 and 16 threads) and a warm floor, in interleaved rounds for a loaded machine; it writes
+``results/bandwidth_issue25.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -265,6 +270,8 @@ def _medians(reads: dict, running: dict, writes: dict, payload: int, file_bytes:
             med[f"{state}_{m}_s"] = s
             med[f"{state}_{m}_gbps"] = C.gb(payload) / s if s else None
         med[f"{state}_kvstore_vs_raw"] = C.ratio(med[f"{state}_kvstore_gbps"], med[f"{state}_raw_gbps"])
+        if "kvstore_base" in rs:
+            med[f"{state}_kvstore_vs_base"] = C.ratio(med[f"{state}_kvstore_gbps"], med[f"{state}_kvstore_base_gbps"])
         med[f"{state}_kvstore_vs_mlx_lm"] = C.ratio(med[f"{state}_kvstore_gbps"], med[f"{state}_mlx_lm_gbps"])
     med["cold_page_cache_dropped"] = all(r["page_cache"]["dropped"] for rs in reads["cold"].values() for r in rs)
     med["kvstore_open_s"] = C.median([r["open_s"] for s in reads.values() for r in s["kvstore"]])
@@ -349,3 +356,211 @@ def headline_rows(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
                     f"+fsync {C.fmt(m['write_mlx_lm_fsync_gbps'], 'GB/s')}; "
                     f"{m['syncs_per_entry']} sync calls per entry"))
     return out
+
+
+# ----------------------------------------------------------------------------- the device's limit
+#
+# Issue 25: restores against mlx-lm's loader and against the device's own limit, each read
+# in a fresh process, cells interleaved (every method once per round, rotating order), so a
+# machine loaded by other work loads every method alike; medians reported.
+#   python -m benchmarks.bandwidth --limit [--quick] [--out FILE.json]
+
+LIMIT_SHAPES = [("smollm2", 8192, 1), ("bench-qwen3-0.6b", 2048, 1), ("smollm2", 7680, 20)]  # (shape, tokens, turns)
+LIMIT_QUICK = [("tiny-llama", 4096, 1), ("tiny-llama", 4000, 20)]
+PREAD_THREADS = (1, 4, 16)
+LIMIT_METHODS = ("kvstore", "mlx_lm", "raw") + tuple(f"pread{t}" for t in PREAD_THREADS)
+
+
+def pread_child(files: list[str], threads: int, drop: bool, block: int = 4 << 20) -> dict[str, Any]:
+    """Child: every pack file read with ``threads`` parallel ``pread`` of ``block`` bytes
+    into per-thread buffers (no fresh memory: the device and page cache alone)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    pc = C.drop_page_cache(files) if drop else {"dropped": False, "method": "prewarmed by the parent"}
+    fds = [os.open(p, os.O_RDONLY) for p in files]
+    jobs = [(fd, off, min(block, os.fstat(fd).st_size - off)) for fd in fds for off in range(0, os.fstat(fd).st_size, block)]
+    local = threading.local()
+
+    def read(job: tuple[int, int, int]) -> int:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = bytearray(block)
+        return os.preadv(job[0], [memoryview(buf)[: job[2]]], job[1])
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        nbytes = sum(pool.map(read, jobs))
+    seconds = time.perf_counter() - t0
+    for fd in fds:
+        os.close(fd)
+    return {"seconds": seconds, "bytes": nbytes, "gbps": C.gb(nbytes) / seconds, "page_cache": pc,
+            "loadavg1": C.loadavg1(), "ok": nbytes == sum(os.path.getsize(p) for p in files)}
+
+
+def hash_child(payload: int) -> dict[str, Any]:
+    """Child: xxh3-128 of ``payload`` bytes of fresh, already-touched memory on one thread."""
+    import numpy as np
+    import xxhash
+
+    data = np.ones(payload, np.uint8)
+    t0 = time.perf_counter()
+    xxhash.xxh3_128(data).digest()
+    return {"seconds": time.perf_counter() - t0}
+
+
+def _child_in(tree: str, target: str, args: dict[str, Any]) -> dict[str, Any]:
+    """``C.run_child`` with the kvstore (and benchmarks) of another checkout ``tree``: the
+    restore path before a change, measured in the same interleaved rounds."""
+    cmd = [sys.executable, "-m", "benchmarks", "--child", target, json.dumps(args)]
+    env = dict(os.environ, PYTHONPATH=tree)
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(C.CHILD_MARK)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"child {target} in {tree} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len(C.CHILD_MARK):])
+
+
+def _grown(ctx: C.Context, name: str, n: int, turns: int) -> tuple[Path, Path, list[int], int]:
+    """An entry of ``n`` tokens persisted as a conversation grown over ``turns`` turns (one
+    pack file per turn), and mlx-lm's file of the same cache."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from kvstore import KVStore
+
+    shape, tokens = C.kv_shape(name), _tokens(n, n)
+    ident = C.bench_identity(f"bandwidth-{name}")
+    kv_dir, mlx_dir = ctx.scratch(f"limit-{name}-{n}-{turns}-kv"), ctx.scratch(f"limit-{name}-{n}-{turns}-mlx")
+    cache = None
+    with KVStore(kv_dir, max_entries=1) as store:
+        for t in range(turns):
+            lo, hi = n * t // turns, n * (t + 1) // turns
+            cache = C.extend_cache(cache, shape, hi - lo, seed=n + t)
+            store.insert(ident, tokens[:hi], cache)
+            store.flush()
+    save_prompt_cache(str(mlx_dir / "cache.safetensors"), cache)
+    payload = C.cache_bytes(cache)
+    del cache
+    C.unload()
+    return kv_dir, mlx_dir / "cache.safetensors", tokens, payload
+
+
+def limit_shape(ctx: C.Context, name: str, n: int, turns: int, reps: int, base: str | None = None) -> dict[str, Any]:
+    """Every method of ``LIMIT_METHODS`` (and ``kvstore_base``, the restore of checkout
+    ``base``, if given), cold and warm, ``reps`` interleaved rounds."""
+    methods = LIMIT_METHODS + (("kvstore_base",) if base else ())
+    kv_dir, mlx_file, tokens, payload = _grown(ctx, name, n, turns)
+    files = [str(p) for p in _pack_files(kv_dir)]
+    args = {"kv_dir": str(kv_dir), "mlx_file": str(mlx_file), "files": files, "tokens": tokens,
+            "tag": f"bandwidth-{name}", "payload": payload}
+    paths = {"kvstore": [kv_dir], "mlx_lm": [mlx_file]}
+    reads: dict[str, dict[str, list[dict]]] = {s: {m: [] for m in methods} for s in ("cold", "warm")}
+    for rep in range(reps):
+        order = methods[rep % len(methods):] + methods[: rep % len(methods)]
+        for state in ("cold", "warm"):
+            ctx.log(f"    {name} {n} tok x{turns} turns, round {rep + 1}/{reps}, {state} ...")
+            for m in order:
+                drop = state == "cold" and ctx.drop
+                if state == "warm":
+                    C.warm_files(paths.get(m, files))
+                if m == "kvstore_base":
+                    r = _child_in(base, "bandwidth:read_child", dict(args, method="kvstore", drop=drop))  # type: ignore[arg-type]
+                elif m.startswith("pread"):
+                    r = C.run_child("bandwidth:pread_child", {"files": files, "threads": int(m[5:]), "drop": drop})
+                else:
+                    r = C.run_child("bandwidth:read_child", dict(args, method=m, drop=drop))
+                reads[state][m].append(r)
+    hashes = [C.run_child("bandwidth:hash_child", {"payload": payload}) for _ in range(reps)]
+    return {"shape": name, "tokens": n, "turns": turns, "payload_bytes": payload, "pack_files": len(files),
+            "file_bytes": sum(os.path.getsize(p) for p in files), "reads": reads, "hash": hashes,
+            "medians": _limit_medians(reads, hashes, payload)}
+
+
+def _limit_medians(reads: dict, hashes: list[dict], payload: int) -> dict[str, Any]:
+    cores = os.cpu_count() or 1
+    hash_s = C.median([h["seconds"] for h in hashes])
+    med: dict[str, Any] = {"hash_s": hash_s, "cores": cores}
+    for state, rs in reads.items():
+        for m, runs in rs.items():
+            s = C.median([r["seconds"] for r in runs])
+            gbps = C.median([r["gbps"] for r in runs])
+            med[f"{state}_{m}_s"], med[f"{state}_{m}_gbps"] = s, gbps
+        best = max(PREAD_THREADS, key=lambda t: med[f"{state}_pread{t}_gbps"])
+        med[f"{state}_device_gbps"] = med[f"{state}_pread{best}_gbps"]
+        med[f"{state}_device_threads"] = best
+        if "kvstore_base" in rs:
+            med[f"{state}_kvstore_vs_base"] = C.ratio(med[f"{state}_kvstore_gbps"], med[f"{state}_kvstore_base_gbps"])
+        med[f"{state}_kvstore_vs_mlx_lm"] = C.ratio(med[f"{state}_kvstore_gbps"], med[f"{state}_mlx_lm_gbps"])
+        med[f"{state}_kvstore_vs_device"] = C.ratio(med[f"{state}_kvstore_gbps"], med[f"{state}_device_gbps"])
+        med[f"{state}_dropped"] = all(r["page_cache"]["dropped"] for runs in rs.values() for r in runs)
+        med[f"{state}_loadavg1"] = C.median([r["loadavg1"] for runs in rs.values() for r in runs if r["loadavg1"] is not None])
+    floor_s = med["warm_raw_s"] + hash_s / cores
+    med["warm_floor_s"], med["warm_floor_gbps"] = floor_s, C.gb(payload) / floor_s
+    med["warm_kvstore_vs_floor"] = C.ratio(med["warm_kvstore_gbps"], med["warm_floor_gbps"])
+    med["all_reads_ok"] = all(r["ok"] for rs in reads.values() for runs in rs.values() for r in runs)
+    return med
+
+
+def run_limit(ctx: C.Context, reps: int = 3, base: str | None = None) -> dict[str, Any]:
+    started = time.perf_counter()
+    shapes = LIMIT_QUICK if ctx.quick else LIMIT_SHAPES
+    C.prefault_memory(True)
+    rows = [limit_shape(ctx, name, n, turns, reps, base) for name, n, turns in shapes]
+    medians = {f"{r['shape']}/{r['tokens']}/x{r['turns']}": r["medians"] for r in rows}
+    headline = {k: {x: v[x] for x in ("cold_kvstore_vs_mlx_lm", "cold_kvstore_vs_device", "warm_kvstore_vs_mlx_lm",
+                                      "warm_kvstore_vs_floor")} for k, v in medians.items()}
+    settings = {"shapes": [{"model_shape": n, "tokens": t, "turns": k} for n, t, k in shapes], "reps": reps,
+                "methods": LIMIT_METHODS, "order": "every method once per round, rotating; cold then warm",
+                "read_process": "a new process per read", "drop_page_cache": ctx.drop,
+                "base": {"tree": base, "commit": _commit_of(base)} if base else None}
+    notes = ["pread<N>: every pack file read by N threads with 4 MB pread into per-thread buffers: the device's "
+             "(cold) or page cache's (warm) own limit, no fresh memory; GB/s of file bytes. Others: GB/s of KV payload.",
+             "floor = plain read of the pack files into fresh memory (raw) + xxh3-128 of the payload on one thread / cores.",
+             "x20 turns: an agent conversation grown over 20 turns, one pack file per turn (the restore reads them all).",
+             "The machine was shared with other jobs (loadavg in the JSON): absolute GB/s are low and noisy; compare "
+             "ratios within a shape, medians of interleaved rounds."]
+    return C.document("bandwidth_issue25", ctx, settings, rows, medians, headline, notes, started)
+
+
+def _commit_of(tree: str) -> str | None:
+    f = Path(tree) / "BASE_COMMIT"
+    return f.read_text().strip() if f.exists() else None
+
+
+def limit_report(doc: dict[str, Any]) -> str:
+    rows = []
+    for r in doc["raw"]:
+        m = r["medians"]
+        label = f"{r['shape']} {r['tokens']} tok x{r['turns']} ({r['payload_bytes'] / 1e6:.0f} MB, {r['pack_files']} packs)"
+        for s in ("cold", "warm"):
+            dev = f"{C.fmt(m[f'{s}_device_gbps'], 'GB/s')} ({m[f'{s}_device_threads']} thr)"
+            extra = f"floor {C.fmt(m['warm_floor_gbps'], 'GB/s')} (x{m['warm_kvstore_vs_floor']:.2f})" if s == "warm" else ""
+            base = f" (before: {C.fmt(m[f'{s}_kvstore_base_gbps'], 'GB/s')})" if f"{s}_kvstore_base_gbps" in m else ""
+            rows.append([label, s + ("" if s == "warm" or m["cold_dropped"] else " (NOT dropped)"),
+                         C.fmt(m[f"{s}_kvstore_gbps"], "GB/s") + base, C.fmt(m[f"{s}_mlx_lm_gbps"], "GB/s"),
+                         f"{m[f'{s}_kvstore_vs_mlx_lm']:.2f}", dev, f"{m[f'{s}_kvstore_vs_device']:.2f}",
+                         " / ".join(C.fmt(m[f"{s}_pread{t}_gbps"]) for t in PREAD_THREADS), extra, m[f"{s}_loadavg1"]])
+    return C.table("Restore vs mlx-lm and the device (medians, fresh processes, interleaved; loaded machine)",
+                   ["entry", "page cache", "kvstore", "mlx-lm", "kv/mlx", "device", "kv/device",
+                    "pread 1/4/16 thr GB/s", "warm floor", "load"], rows)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bandwidth")
+    ap.add_argument("--limit", action="store_true", required=True, help="issue 25: restore vs mlx-lm and the device")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--base", default=None, help="a checkout whose restore is measured alongside (kvstore_base)")
+    ap.add_argument("--out", default=str(C.REPO_ROOT / "benchmarks" / "results" / "bandwidth_issue25.json"))
+    a = ap.parse_args()
+    work = C.new_workdir(None)
+    try:
+        doc = run_limit(C.Context(quick=a.quick, work=work, out=Path(a.out).parent), a.reps, a.base)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    C.write_json(Path(a.out).parent, Path(a.out).stem, doc)
+    text = limit_report(doc)
+    Path(a.out).with_suffix(".md").write_text(text + "\n")
+    print(text)

@@ -4,7 +4,8 @@
 scratch file) and writable numpy views of that memory, so ``blobs.read_into`` reads a
 segment straight into the arrays a restore hands out: one copy, from the page cache. Where
 that cannot be done (no sparse files, an MLX that hands numpy a copy), numpy buffers stand
-in and ``finish`` copies them into MLX once. ``blobs`` keeps the files and the framing; this
+in and ``finish`` copies them into MLX once. A restore allocates its arrays in ``groups``
+so the reads into the first ones start while MLX still allocates the rest. ``blobs`` keeps the files and the framing; this
 module is the only one that allocates MLX memory for them.
 """
 
@@ -29,6 +30,25 @@ _STORAGE = {"BF16": "U16", "F64": "U64"}
 # back to numpy buffers and one copy into MLX (for one restore only, if making the scratch
 # file failed: EMFILE, ENOSPC...).
 SHARED_MEMORY = True
+
+
+# Bytes of one ``alloc`` call in a restore: the arrays are made a group at a time, so the
+# first segments' reads start while MLX still allocates (pages the rest) of the others.
+GROUP = 32 << 20
+
+
+def groups(specs: Specs, nbytes: int | None = None) -> list[Specs]:
+    """``specs`` cut, in order, into runs of about ``nbytes`` (``GROUP``; every tensor whole)."""
+    nbytes = nbytes or GROUP
+    out: list[Specs] = [{}]
+    size = 0
+    for name, (st, shape) in specs.items():
+        if size >= nbytes:
+            out.append({})
+            size = 0
+        out[-1][name] = (st, shape)
+        size += host_dtype(st).itemsize * math.prod(shape)
+    return out if out[0] else []
 
 
 def alloc(specs: Specs) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

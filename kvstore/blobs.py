@@ -22,7 +22,7 @@ Guarantees:
   unnamed file, which the index never points at. ``seal`` makes it durable (file and
   directory synced; on macOS ``F_BARRIERFSYNC``, which orders it before the index commit
   that names it, at a fraction of ``F_FULLFSYNC``'s cost) before any record names it.
-- ``SegmentReader.read_into`` hands back nothing unverified: a size, header or checksum
+- ``read_into`` / ``SegmentRead`` hand back nothing unverified: a size, header or checksum
   mismatch raises ``BlobError``, and the caller drops the arrays it was filling.
 """
 
@@ -36,6 +36,7 @@ import re
 import stat
 import struct
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -50,6 +51,7 @@ _PACK_NAME = re.compile(r"([0-9a-f]{2})[0-9a-f]{30}\.kvpack")
 _FANOUT = re.compile(r"[0-9a-f]{2}")
 MAX_HEADER = 16 << 20  # bytes of one segment's JSON header
 _PIECE = 1 << 20       # bytes read (or written) and hashed at a time: still in cache when hashed
+_SPAN = 4 << 20        # bytes of one restore read task: a segment is read by several at once
 _IOV_MAX = 512
 
 # mlx dtype name -> (safetensors dtype, numpy dtype used on the host side)
@@ -572,35 +574,142 @@ def read_header(fd: int, seg: Segment, name: str = "segment") -> Header:
 
 
 def read_into(fd: int, seg: Segment, header: Header, dests: dict[str, np.ndarray], name: str = "segment") -> None:
-    """Read ``seg``'s tensors straight into ``dests`` (name -> writable numpy array of the
-    stored shape and host dtype: contiguous, or a token slice of one), hashing the bytes as
-    they land; BlobError if a tensor is not the one expected, the file is short or the
-    bytes do not match the checksum. Until it returns, ``dests`` hold unverified bytes.
-    numpy, I/O and xxhash only: callable from any thread (preadv and xxhash release the
-    GIL, so several segments read in parallel)."""
-    if set(dests) != set(header.specs):
-        raise BlobError(f"{name}: tensors {sorted(header.specs)}, expected {sorted(dests)}")
+    """Read ``seg``'s tensors straight into ``dests`` (see ``SegmentRead``) on this thread
+    and verify them; BlobError if a tensor is not the one expected, the file is short or
+    the bytes do not match the checksum. Until it returns, ``dests`` hold unverified bytes."""
+    r = SegmentRead(fd, seg, header, name)
+    for i in r.add(dests):
+        r.read(i)
+    r.verify()
+
+
+class SegmentRead:
+    """One segment read straight into the arrays that will hold it, in ``spans`` of about
+    ``_SPAN`` bytes that any threads may ``read`` in any order, many in flight at once.
+
+    ``add`` gives the next tensors in file order their destinations (name -> writable
+    numpy array of the stored shape and host dtype: contiguous, or a token slice of one)
+    and returns the indices of their spans, so reading can start before every array
+    exists. The bytes are hashed in file order as they land, by whichever reader
+    completes the next span, from the memory they landed in (what is verified is what
+    is handed out). ``verify`` raises BlobError unless every tensor was added, every
+    span landed and the checksum matched; until it returns, the destinations hold
+    unverified bytes. numpy, I/O and xxhash only: ``preadv`` and xxhash (for large
+    buffers) release the GIL, so reads overlap each other and the hashing."""
+
+    def __init__(self, fd: int, seg: Segment, header: Header, name: str = "segment", span: int = 0) -> None:
+        self.fd, self.seg, self.header, self.name = fd, seg, header, name
+        self.spans: list[tuple[int, list[memoryview]]] = []  # (file position, destination views)
+        self._span = span or _SPAN
+        self._tensors = list(header.specs)  # file order
+        self._added = 0
+        self._pos = seg.offset + header.start
+        self._hash = xxhash.xxh3_128(header.prefix)
+        self._landed: list[bool] = []
+        self._next = 0          # the first span not hashed yet
+        self._hashing = False   # a reader is hashing spans from ``_next`` on
+        self._lock = threading.Lock()
+
+    def add(self, dests: dict[str, np.ndarray]) -> range:
+        """Destinations for the next ``len(dests)`` tensors in file order; the indices of
+        their spans. BlobError if they are not those tensors, shapes and dtypes."""
+        names = self._tensors[self._added : self._added + len(dests)]
+        if set(names) != set(dests) or (len(dests) == 0 and self._added < len(self._tensors)):
+            raise BlobError(f"{self.name}: tensors {self._tensors}, expected {sorted(dests)}")
+        spans = _spans(_dest_views(self.header, dests, names, self.name), self._pos, self._span)
+        self._added += len(names)
+        if spans:
+            self._pos = spans[-1][0] + sum(len(v) for v in spans[-1][1])
+        if self._added == len(self._tensors) and self._pos != self.seg.end:
+            raise BlobError(f"{self.name}: tensors end at {self._pos - self.seg.offset}, the segment at {self.seg.length}")
+        with self._lock:
+            first = len(self.spans)
+            self.spans.extend(spans)
+            self._landed.extend([False] * len(spans))
+        return range(first, first + len(spans))
+
+    def read(self, i: int) -> None:
+        """Read span ``i`` into its destinations, then hash every span that is next in
+        file order and has landed (unless another reader is already doing so)."""
+        pos, views = self.spans[i]
+        for batch in _batches(views):
+            got = _preadv(self.fd, batch, pos)
+            if got != sum(len(v) for v in batch):
+                raise BlobError(f"{self.name}: short read (the pack file is truncated)")
+            pos += got
+        with self._lock:
+            self._landed[i] = True
+            if self._hashing or self._next != i:
+                return
+            self._hashing = True
+        while True:
+            for v in self.spans[self._next][1]:
+                self._hash.update(v)
+            with self._lock:
+                self._next += 1
+                if self._next == len(self.spans) or not self._landed[self._next]:
+                    self._hashing = False
+                    return
+
+    def verify(self) -> None:
+        """BlobError unless every byte landed and hashed to the segment's checksum."""
+        with self._lock:
+            if self._added != len(self._tensors) or self._next != len(self.spans) or self._hashing:
+                raise BlobError(f"{self.name}: not every tensor was read")
+        if self._hash.digest() != self.seg.checksum:
+            raise BlobError(f"{self.name}: checksum mismatch")
+
+
+def _dest_views(header: Header, dests: dict[str, np.ndarray], names: list[str], name: str) -> list[memoryview]:
+    """The memory of ``dests`` for tensors ``names`` in file order, in pieces of at most
+    ``_PIECE`` bytes; BlobError unless each has the header's shape and dtype."""
     views: list[memoryview] = []
-    for tname, (st, shape) in header.specs.items():
+    for tname in names:
+        st, shape = header.specs[tname]
         d = dests[tname]
         if d.shape != shape or d.dtype != np.dtype(_FROM_ST[st][1]):
             raise BlobError(f"{name}: tensor {tname!r} is {st} {list(shape)}, expected {list(d.shape)} {d.dtype}")
         for row in _dest_rows(d):
             mv = memoryview(row.reshape(-1).view(np.uint8))
             views.extend(mv[i : i + _PIECE] for i in range(0, len(mv), _PIECE))
-    h = xxhash.xxh3_128(header.prefix)
-    pos = seg.offset + header.start
-    for batch in _batches(views):
-        got = _preadv(fd, batch, pos)
-        if got != sum(len(v) for v in batch):
-            raise BlobError(f"{name}: short read (the pack file is truncated)")
-        for v in batch:
-            h.update(v)
-        pos += got
-    if pos != seg.end:
-        raise BlobError(f"{name}: tensors end at {pos - seg.offset}, the segment at {seg.length}")
-    if h.digest() != seg.checksum:
-        raise BlobError(f"{name}: checksum mismatch")
+    return views
+
+
+def _spans(views: list[memoryview], pos: int, span: int) -> list[tuple[int, list[memoryview]]]:
+    """``views`` (contiguous in the file from ``pos``) grouped into runs of about ``span``
+    bytes: (file position, views)."""
+    out: list[tuple[int, list[memoryview]]] = []
+    run: list[memoryview] = []
+    start = size = 0
+    for v in views:
+        if not run:
+            start = pos
+        run.append(v)
+        size += len(v)
+        pos += len(v)
+        if size >= span:
+            out.append((start, run))
+            run, size = [], 0
+    if run:
+        out.append((start, run))
+    return out
+
+
+def prefetch(fd: int, offset: int, length: int) -> None:
+    """Ask the OS to start reading ``length`` bytes at ``offset`` into the page cache now
+    (``POSIX_FADV_WILLNEED``; ``F_RDADVISE`` on macOS), so the device works while the
+    caller does something else. Advice only: a no-op where neither exists or it fails."""
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        elif sys.platform == "darwin":
+            import fcntl
+
+            step = 1 << 30  # ra_count is an int
+            for off in range(offset, offset + length, step):
+                fcntl.fcntl(fd, getattr(fcntl, "F_RDADVISE", 44), struct.pack("qi4x", off, min(step, offset + length - off)))
+    except OSError:
+        pass
 
 
 def _dest_rows(d: np.ndarray) -> Iterator[np.ndarray]:

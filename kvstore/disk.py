@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -42,10 +42,11 @@ from .segments import SegmentMeta, SegmentMismatch
 
 log = logging.getLogger("kvstore")
 
-# Segments of one restore read (and hashed) at a time, on reader threads: preadv and
-# xxhash release the GIL, so reads overlap each other and the hashing. Warm reads are
-# CPU-bound (copy + hash): more readers than cores only contend.
-RESTORE_THREADS = max(2, min(4, os.cpu_count() or 2))
+# Reads of one restore in flight at once, on reader threads (each a span of a segment, see
+# ``blobs.SegmentRead``): preadv and xxhash release the GIL, so reads overlap each other
+# and the hashing. Cold, the device is kept busy (it was also told to read everything
+# ahead, while MLX allocates); warm, the copies and hashes spread over every core.
+READ_THREADS = 8
 
 
 class Commit(str, Enum):
@@ -159,11 +160,22 @@ class DiskTier:
         Raises ``CutRefused`` (before allocating) when the plan cuts a snapshot at a point
         its layout refuses (``codec.can_cut``): the entry is valid, the query a miss."""
         pieces = self.index.view(lambda r: _pieces(r, plan))
-        with _Packs(self.blob_root) as packs:
+        with _Packs(self.blob_root) as packs, ThreadPoolExecutor(READ_THREADS, "kvstore-restore") as pool:
             heads = [_header(packs, p) for p in pieces]
             layout, specs = _checked(pieces, heads, ident, plan, self.chunk, check)
-            arrays, hosts = alloc.alloc(specs)
-            _read_all(packs, pieces, heads, hosts, self.chunk if plan.chunked else None)
+            for p in pieces:  # the device reads ahead while MLX allocates the arrays
+                pool.submit(blobs.prefetch, packs.fd(p), p.segment.offset, p.segment.length)
+            reading = _Reading(pool, packs, pieces, heads, plan.chunked)
+            arrays: dict[str, Any] = {}
+            try:
+                for group in alloc.groups(specs):  # reads start as soon as their arrays exist
+                    got, hosts = alloc.alloc(group)
+                    arrays.update(got)
+                    reading.add(hosts)
+                reading.finish()
+            except BaseException:
+                reading.cancel()  # no reader may still write into arrays being dropped
+                raise
         return _built(plan, pieces, specs, arrays, layout)
 
     def restore_framed(self, ident: Identity, key: bytes, rec: EntryRecord, n: int,
@@ -610,31 +622,45 @@ def _final_specs(first: blobs.Header, plan: Plan) -> blobs.Specs:
     return specs
 
 
-def _read_all(packs: _Packs, pieces: list[_Piece], heads: list[blobs.Header],
-              hosts: dict[str, np.ndarray], chunk: int | None) -> None:
-    """Every piece read into its token slice of ``hosts`` (chunked) or into ``hosts``
-    whole (a snapshot), a few at a time on reader threads, each verified as it is read.
-    Returns when every piece verified; raises the first failure (no reader still runs)."""
-    fds = [packs.fd(p) for p in pieces]
+class _Reading:
+    """A restore's reads: every piece read into its token slice of the arrays (chunked) or
+    into the arrays whole (a snapshot), span by span on ``pool`` as the arrays are
+    ``add``-ed (in file order), each piece hashed as its spans land (``blobs.SegmentRead``).
+    ``finish`` returns when every piece verified and raises the first failure."""
 
-    def read(i: int) -> None:
-        p = pieces[i]
-        dests = {n: h[..., p.lo : p.hi, :] for n, h in hosts.items()} if chunk is not None else hosts
-        with _blame(*p.record):
-            blobs.read_into(fds[i], p.segment, heads[i], dests, f"{p.record[0]} {p.record[1].hex()[:12]}")
+    def __init__(self, pool: ThreadPoolExecutor, packs: _Packs, pieces: list[_Piece],
+                 heads: list[blobs.Header], chunked: bool) -> None:
+        self.pool, self.pieces, self.chunked = pool, pieces, chunked
+        self.reads = []
+        for p, h in zip(pieces, heads):
+            with _blame(*p.record):
+                self.reads.append(blobs.SegmentRead(packs.fd(p), p.segment, h, f"{p.record[0]} {p.record[1].hex()[:12]}"))
+        self.futures: list[Future] = []
 
-    if len(pieces) == 1:
-        read(0)
-        return
-    with ThreadPoolExecutor(min(RESTORE_THREADS, len(pieces)), "kvstore-restore") as pool:
-        futures = [pool.submit(read, i) for i in range(len(pieces))]
-        try:
-            for f in futures:
-                f.result()
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise  # after the pool's exit has waited for the running readers
+    def add(self, hosts: dict[str, np.ndarray]) -> None:
+        """Start reading every piece's part of the tensors ``hosts`` (the next in file order)."""
+        for k, (p, r) in enumerate(zip(self.pieces, self.reads)):
+            dests = {n: a[..., p.lo : p.hi, :] for n, a in hosts.items()} if self.chunked else hosts
+            with _blame(*p.record):
+                spans = r.add(dests)
+            self.futures.extend(self.pool.submit(self._read, k, i) for i in spans)
+
+    def _read(self, k: int, i: int) -> None:
+        with _blame(*self.pieces[k].record):
+            self.reads[k].read(i)
+
+    def finish(self) -> None:
+        for f in self.futures:
+            f.result()
+        for p, r in zip(self.pieces, self.reads):
+            with _blame(*p.record):
+                r.verify()
+
+    def cancel(self) -> None:
+        """Cancel the reads not started and wait for the running ones."""
+        for f in self.futures:
+            f.cancel()
+        wait(self.futures)
 
 
 def _built(plan: Plan, pieces: list[_Piece], specs: blobs.Specs, arrays: dict[str, Any], layout: list) -> Restored:

@@ -336,6 +336,33 @@ def test_restore_without_shared_memory_is_the_same(tmp_path, monkeypatch):
         assert s.stats()["corrupt"] == 0
 
 
+@pytest.mark.parametrize("snapshot", [False, True])
+def test_restore_allocating_tensor_by_tensor_is_the_same(tmp_path, monkeypatch, snapshot):
+    """A restore allocates its arrays in groups and starts reading each group's spans of
+    every segment as soon as it exists: with one tensor per group (every segment read
+    in many pieces, hashed across groups), chunked and snapshot entries restore exactly,
+    and a damaged chunk is still caught, naming that chunk."""
+    from kvstore import alloc
+
+    monkeypatch.setattr(alloc, "GROUP", 1)
+    who = ident("groups")
+    toks = rand_tokens(3 * C + 37, seed=9)
+    with KVStore(tmp_path, chunk_tokens=C) as s:
+        s.insert(who, toks, synth(toks, snapshot=snapshot))
+        assert s.flush()
+        segs = U.entry_segments(s, toks, who)
+    with KVStore(tmp_path) as s:
+        f = s.fetch(who, toks)
+        assert (f.n, f.source) == (len(toks), "disk")
+        assert_synth(f.cache, toks, snapshot=snapshot)
+    U.damage_segment(segs[1 if not snapshot else 0], "flip")
+    with KVStore(tmp_path) as s:
+        plan = s.disk.plan(who, toks)
+        with pytest.raises(blobs.BlobError, match="checksum") as e:
+            s.disk.restore(plan, who)
+        assert e.value.record == (("chunk", plan.chunks[1]) if not snapshot else ("entry", plan.last[1]))
+
+
 def test_fetch_out_of_file_descriptors_is_a_miss_that_keeps_the_entry(tmp_path):
     """A restore that fails for the process's reasons (EMFILE here) is a miss counted in
     ``io_errors``: the entry is neither dropped nor counted as damage, it is tried once
