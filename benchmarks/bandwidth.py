@@ -270,7 +270,7 @@ def _medians(reads: dict, running: dict, writes: dict, payload: int, file_bytes:
             med[f"{state}_{m}_s"] = s
             med[f"{state}_{m}_gbps"] = C.gb(payload) / s if s else None
         med[f"{state}_kvstore_vs_raw"] = C.ratio(med[f"{state}_kvstore_gbps"], med[f"{state}_raw_gbps"])
-        if "kvstore_base" in rs:
+        if "kvstore_base" in reads[state]:
             med[f"{state}_kvstore_vs_base"] = C.ratio(med[f"{state}_kvstore_gbps"], med[f"{state}_kvstore_base_gbps"])
         med[f"{state}_kvstore_vs_mlx_lm"] = C.ratio(med[f"{state}_kvstore_gbps"], med[f"{state}_mlx_lm_gbps"])
     med["cold_page_cache_dropped"] = all(r["page_cache"]["dropped"] for rs in reads["cold"].values() for r in rs)
@@ -488,7 +488,7 @@ def _limit_medians(reads: dict, hashes: list[dict], payload: int) -> dict[str, A
         best = max(PREAD_THREADS, key=lambda t: med[f"{state}_pread{t}_gbps"])
         med[f"{state}_device_gbps"] = med[f"{state}_pread{best}_gbps"]
         med[f"{state}_device_threads"] = best
-        if "kvstore_base" in rs:
+        if "kvstore_base" in reads[state]:
             med[f"{state}_kvstore_vs_base"] = C.ratio(med[f"{state}_kvstore_gbps"], med[f"{state}_kvstore_base_gbps"])
         med[f"{state}_kvstore_vs_mlx_lm"] = C.ratio(med[f"{state}_kvstore_gbps"], med[f"{state}_mlx_lm_gbps"])
         med[f"{state}_kvstore_vs_device"] = C.ratio(med[f"{state}_kvstore_gbps"], med[f"{state}_device_gbps"])
