@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent / "kvstore"
 
 # Lower ranks are lower layers: bytes and names, then storage, then the store, then users.
 RANKS: dict[str, int] = {
-    "kvstore.keys": 0, "kvstore.records": 0,
+    "kvstore.keys": 0, "kvstore.records": 0, "kvstore.hoststate": 0,
     "kvstore.codec": 1, "kvstore.blobs": 1, "kvstore.blas": 1,
     "kvstore.identity": 2, "kvstore.index": 2,
     "kvstore.disk": 3,
