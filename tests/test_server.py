@@ -233,7 +233,7 @@ def test_seeded_first_request_samples_what_mlx_lm_server_samples(model_dir: Path
     directory; both sample the tokens plain ``mlx_lm.server`` samples. mlx_lm.server seeds
     MLX's random key right before its cache lookup, and kvstore's first lookup derives the
     model's identity (building the model lazily): issue 22 found that draw changing the
-    text."""
+    text. /health answers mlx_lm.server's body exactly; the start's details are in the stats."""
     body = {"seed": 7, "temperature": 1.0, "top_p": 1.0, "max_tokens": 24}
     messages = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
     upstream = Server(model_dir, None, tmp_path / "upstream.log")  # boots beside the first kvstore
@@ -242,8 +242,12 @@ def test_seeded_first_request_samples_what_mlx_lm_server_samples(model_dir: Path
     for run in range(2):
         with Server(model_dir, cache_dir, tmp_path / f"kvstore{run}.log") as s:
             got.append(reply(s.chat(messages, **body)))
+            health, stats = s.get("/health"), s.stats()
+            assert health == {"status": "ok"}, health  # mlx_lm.server's body, nothing added
+            assert stats["startup"]["ready"] and stats["startup"]["phase"] == "ready", stats
             assert s.stop(signal.SIGTERM) == 0, s.log()
     with upstream:
+        assert upstream.get("/health") == {"status": "ok"}
         want = reply(upstream.chat(messages, **body))
         other = reply(upstream.chat(messages, **dict(body, seed=8)))
     assert other != want  # the seed decides the text: the comparison below can fail

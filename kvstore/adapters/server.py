@@ -3,8 +3,10 @@
 No mlx-lm file is edited. Before ``mlx_lm.server.main()`` runs, this module
 - replaces ``mlx_lm.server.LRUPromptCache`` (which ``run()`` instantiates) with a subclass
   of kvstore's drop-in bound to the cache directory, budgets and KV quantisation given here,
-- wraps ``APIHandler.do_GET`` to answer ``GET /v1/cache/stats`` with the store's counters
-  and ``GET /v1/models[/ID]`` with the model it serves, named as in its responses (the
+- wraps ``APIHandler.do_GET`` to answer ``GET /health`` exactly as mlx_lm.server does once
+  ready (503 ``{"status": "starting"}`` before: ``kvstore.adapters.startup``),
+  ``GET /v1/cache/stats`` with the store's counters and the start's progress, and
+  ``GET /v1/models[/ID]`` with the model it serves, named as in its responses (the
   ``--model`` value). mlx_lm.server lists the Hugging Face hub cache there instead, and
   answers 200 with an empty body when that cache does not exist (the status line is sent
   before the scan raises); requesting the resolved path it lists would also reload the model,
@@ -86,19 +88,38 @@ def _install_routes(server_mod: Any) -> None:
 
     def do_GET(self: Any) -> None:
         path = self.path.split("?")[0]
-        if path == "/health":  # 503 until loaded, warmed up and preloaded (kvstore.adapters.startup)
+        models = path == "/v1/models" or path.startswith("/v1/models/")
+        if path == "/health":  # mlx_lm.server's; 503 while kvstore serve starts (kvstore.adapters.startup)
             _send_json(self, *startup.health(self.response_generator))
-        elif (path == "/v1/models" or path.startswith("/v1/models/")) and not startup.STATE.ready.is_set():
+        elif models and startup.STATE.installed and not startup.STATE.ready.is_set():
             _send_json(self, 503, startup.not_ready_error())
         elif path == "/v1/cache/stats":
-            _send_json(self, 200, [s.stats() for s in _STORES][0] if _STORES else {})
-        elif path == "/v1/models" or path.startswith("/v1/models/"):
+            _send_json(self, 200, cache_stats())
+        elif models and served_models(self.response_generator.cli_args):
             _models(self, path)
         else:
             original(self)
 
     handler.do_GET = do_GET
     handler._kvstore_patched = True
+
+
+def cache_stats() -> dict[str, Any]:
+    """``GET /v1/cache/stats``: the prompt cache's counters (``KVStore.stats``) and, under
+    ``"startup"``, where ``kvstore serve``'s start is (``startup.startup_stats``)."""
+    out: dict[str, Any] = _STORES[0].stats() if _STORES else {}
+    start = startup.startup_stats()
+    if start:
+        out["startup"] = start
+    return out
+
+
+def patch(server_mod: Any, **options: Any) -> None:
+    """Make ``server_mod`` (mlx_lm.server) kvstore's server: its ``LRUPromptCache`` bound to
+    ``options`` (``LRUPromptCache``'s keywords: cache_dir, ...) and kvstore's routes. What
+    ``main`` does before running it; an engine running mlx_lm.server in-process calls it."""
+    server_mod.LRUPromptCache = bind_prompt_cache(**options)
+    _install_routes(server_mod)
 
 
 def _sigterm(signum: int, frame: Any) -> None:
@@ -154,8 +175,7 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
         options["shared"] = shared
     if kv_bits is not None:  # entries of a --kv-bits server get their own identity
         options.update(kv_bits=int(kv_bits), kv_group_size=int(_flag(rest, "--kv-group-size") or 64))
-    server_mod.LRUPromptCache = bind_prompt_cache(**options)
-    _install_routes(server_mod)
+    patch(server_mod, **options)
     startup.install(server_mod, startup.options(ours), _STORES, progress)
     signal.signal(signal.SIGTERM, _sigterm)
     if hasattr(signal, "SIGUSR1"):  # POSIX (Linux, macOS)
