@@ -42,7 +42,7 @@ from .budget import evict_to
 from .disk import DiskTier, PersistJob, Plan, Restored
 from .identity import DigestMemo, Identity, layout_problem, model_identity, watch
 from .index import CORRUPTION, IndexOpenError
-from .keys import TokenError, boundaries, decode_tokens, encode_tokens, key_of, root_key
+from .keys import TOKEN_BYTES, TokenError, boundaries, decode_tokens, encode_tokens, key_of, root_key
 from .memory import MemoryTier, Snapshot
 from .records import Kind
 from .writer import Writer
@@ -191,6 +191,14 @@ class KVStore:
         self._idents[key] = (ident, dirs, stamp)
         return ident
 
+    def set_kv_quant(self, kv_bits: int | None, kv_group_size: int | None = 64) -> None:
+        """Name the KV quantisation the engine runs with (part of every identity this store
+        resolves from a model key): identities resolved so far are resolved again."""
+        quant = (kv_bits, kv_group_size if kv_bits else None)
+        if quant != self._kv_quant:
+            self._kv_quant = quant
+            self._idents.clear()
+
     def _vocab_size(self, ident: Identity) -> int | None:
         """The model's vocabulary size from its config.json (None when unknown)."""
         if ident.digest in self._vocab:
@@ -278,7 +286,7 @@ class KVStore:
         """Ask the shared tier for more than the local tiers hold and write what it gives
         into the disk tier; True if a longer prefix is now indexed there. Never raises."""
         assert self.shared is not None and self.disk is not None
-        disk, n_q = self.disk, len(enc) // 4
+        disk, n_q = self.disk, len(enc) // TOKEN_BYTES
         found = None
         try:
             plan = disk.plan(ident, enc)
@@ -367,7 +375,7 @@ class KVStore:
         snap = Snapshot(got.tensors, got.layout, None, codec.cache_nbytes(got.tensors),
                         codec.trimmable(got.cache), ctype, persisted=True, disk_key=plan.entry)
         with self._lock:
-            evicted = self.memory.insert(ident.digest, decode_tokens(enc[: got.n * 4]), snap)
+            evicted = self.memory.insert(ident.digest, decode_tokens(enc[: got.n * TOKEN_BYTES]), snap)
         self._persist_evicted(evicted)
         self._hit(source, got.n, snap)
         return Fetched(got.cache, got.n, source)
@@ -459,7 +467,7 @@ class KVStore:
             self._stats["unpersistable"] += 1
             self._warn_once("layout", "kvstore: %s; kept in memory only", wrong)
         elif snap.tensors is not None and self._disk_on(ident) and covered > 0:
-            snap.persist = (ident, enc[: covered * 4])
+            snap.persist = (ident, enc[: covered * TOKEN_BYTES])
             snap.persisted = self._submit(snap)
         with self._lock:
             evicted = self.memory.insert(self._mem_key(model, ident), tokens, snap)
@@ -714,7 +722,7 @@ class KVStore:
         """Put one entry into memory: its Snapshot, None (skipped: already held, would drop a
         held prefix, gone or unreadable) or "full" (it does not fit the room left)."""
         enc = self.disk.index.view(lambda r: r.tokens(key))  # type: ignore[union-attr]
-        if enc is None or len(enc) != rec.n * 4:
+        if enc is None or len(enc) != rec.n * TOKEN_BYTES:
             return None
         tokens = decode_tokens(enc)
         with self._lock:
@@ -749,7 +757,7 @@ class KVStore:
     def _preload_read(self, ident: Identity, enc: bytes) -> Restored | None:
         """Read one entry's whole token list from disk, or None (a miss, handled as in fetch)."""
         plan = self._disk_plan(ident, enc)
-        got = self._restore(ident, plan) if plan is not None and plan.n == len(enc) // 4 else None
+        got = self._restore(ident, plan) if plan is not None and plan.n == len(enc) // TOKEN_BYTES else None
         return got if isinstance(got, Restored) else None
 
 
