@@ -22,7 +22,6 @@ import http.client
 import json
 import os
 import random
-import signal
 import socket
 import statistics
 import subprocess
@@ -39,7 +38,7 @@ NAME = "serve"
 HOST = "127.0.0.1"
 CLIENTS = (1, 4, 8)
 DEFAULT = {"model": "tiny-llama", "system_tokens": 2048, "max_tokens": 64, "rounds": 3}
-QUICK = {"model": "tiny-llama", "system_tokens": 512, "max_tokens": 16, "rounds": 1}
+QUICK = {"model": "tiny-llama", "system_tokens": 512, "max_tokens": 32, "rounds": 2}
 KINDS = ("mlx_lm", "kvstore")
 
 
@@ -72,15 +71,9 @@ class Proc:
         raise RuntimeError(f"{kind} server not ready")
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        code = C.terminate(self.proc)
         self._log.close()
-        return self.proc.returncode
+        return code
 
 
 def stream(port: int, system: str, question: str, max_tokens: int) -> dict[str, Any]:

@@ -25,7 +25,6 @@ import http.client
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -91,15 +90,9 @@ class Serve:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        code = C.terminate(self.proc)
         self._log.close()
-        return self.proc.returncode
+        return code
 
 
 def chat(server: Serve, system: str, question: str) -> dict[str, Any]:
