@@ -99,3 +99,16 @@ def test_isolated_keeps_the_callers_random_key_and_returns_or_raises() -> None:
     assert mx.random.state[0].tolist() != key
     with pytest.raises(KeyError, match="boom"):
         isolated(lambda: {}["boom"])
+
+
+def test_generate_entry_points_leave_host_state_alone(tiny_llama: Any, model_dir: Path, tmp_path: Path) -> None:
+    """``kvstore.generate``: the warm-up pass ``kvstore serve`` runs before it is ready, and
+    a whole ``stream_generate`` (fetch, prefill, insert, greedy decoding) on a fresh store."""
+    from kvstore.generate import stream_generate, warm_up
+
+    model, tokenizer = tiny_llama
+    unchanged("warm_up", lambda: warm_up(model))
+    with KVStore(tmp_path / "c") as store:
+        steps = unchanged("stream_generate", lambda: list(stream_generate(
+            store, model, tokenizer, list(range(30, 90)), model_key=str(model_dir), max_tokens=4)))
+        assert len(steps) == 4
