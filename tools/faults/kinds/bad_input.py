@@ -266,6 +266,7 @@ def _call_case(zoo: Zoo, store: Any, r: dict, kind: str, call: Callable[[], Any]
     try:
         with LogCapture() as logs:
             got = call()
+            store.flush()  # an insert's disk half (its layout check included) runs on the writer thread
         r["refused"] = store.stats()["unpersistable"] > refused_before
         if logs.records:
             r["warning"] = logs.records[0][:300]
