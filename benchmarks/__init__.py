@@ -1,7 +1,7 @@
 """kvstore's benchmark suite: ``python -m benchmarks [--quick] [--only NAME ...] [--out DIR]``.
 
 Benchmarks (one module each): ``ttft``, ``bandwidth``, ``agent_loop``, ``overhead``,
-``scale``, ``shared``, ``server``. See benchmarks/README.md.
+``scale``, ``shared``, ``server``, ``serve``. See benchmarks/README.md.
 """
 
-BENCHMARKS = ("ttft", "bandwidth", "agent_loop", "overhead", "scale", "shared", "server")
+BENCHMARKS = ("ttft", "bandwidth", "agent_loop", "overhead", "scale", "shared", "server", "serve")

@@ -14,6 +14,7 @@ import os
 import platform
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -492,6 +493,18 @@ def unload() -> None:
 
 
 # ----------------------------------------------------------------------------- children
+
+
+def terminate(proc: "subprocess.Popen[bytes]", timeout: float = 120) -> int:
+    """SIGTERM a server subprocess and wait (SIGKILL after ``timeout`` s); its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode
 
 
 def run_child(target: str, args: dict[str, Any], *, timeout: float = 1800) -> dict[str, Any]:

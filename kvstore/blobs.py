@@ -370,6 +370,12 @@ def host_views(tensors: dict[str, Any]) -> dict[str, tuple[str, Any]]:
     return out
 
 
+def byte_view(a: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, as a writable view (no copy)."""
+    # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12 (the checked target is 3.10)
+    return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+
+
 def _rows(a: np.ndarray) -> Iterator[np.ndarray]:
     """``a`` as C-order runs of contiguous memory: itself, or its last-two-axes slabs (a
     token slice of a KV array is contiguous per head)."""
@@ -493,7 +499,7 @@ class PackWriter:
         size = 0
         for arr in arrays:
             for row in _rows(arr):
-                mv = memoryview(row.reshape(-1).view(np.uint8))
+                mv = byte_view(row)
                 for i in range(0, len(mv), _PIECE):
                     batch.append(mv[i : i + _PIECE])
                     size += len(batch[-1])
@@ -670,7 +676,7 @@ def _dest_views(header: Header, dests: dict[str, np.ndarray], names: list[str], 
         if d.shape != shape or d.dtype != np.dtype(_FROM_ST[st][1]):
             raise BlobError(f"{name}: tensor {tname!r} is {st} {list(shape)}, expected {list(d.shape)} {d.dtype}")
         for row in _dest_rows(d):
-            mv = memoryview(row.reshape(-1).view(np.uint8))
+            mv = byte_view(row)
             views.extend(mv[i : i + _PIECE] for i in range(0, len(mv), _PIECE))
     return views
 

@@ -35,7 +35,7 @@ from .cuts import CutRefused, bound, serves
 from .identity import Identity
 from .layouts import ArraySpec
 from .index import Index, IndexOpenError, Reader, WriteTxn
-from .keys import boundaries, chunk_key, encode_tokens, entry_key, root_key
+from .keys import TOKEN_BYTES, boundaries, chunk_key, encode_tokens, entry_key, root_key
 from .keys import common_tokens as _common
 from .records import MAX_CHUNK, ChunkRecord, EntryRecord, Kind, PackRecord, RecordError, Segment
 from .segments import SegmentMeta, SegmentMismatch
@@ -98,7 +98,7 @@ class PersistJob:
 
     @property
     def n(self) -> int:
-        return len(self.tokens) // 4
+        return len(self.tokens) // TOKEN_BYTES
 
 
 LayoutCheck = Callable[[dict[str, ArraySpec], list], "str | None"]
@@ -252,7 +252,7 @@ class DiskTier:
 
         def run(r: Reader) -> set[bytes]:
             return {bounds[k] for k in range(1, len(bounds)) if _record(r, Kind.CHUNK, bounds[k]) is not None
-                    and r.tokens(bounds[k]) == tokens[(k - 1) * C * 4 : k * C * 4]}
+                    and r.tokens(bounds[k]) == tokens[(k - 1) * C * TOKEN_BYTES : k * C * TOKEN_BYTES]}
 
         return self.index.view(run)
 
@@ -419,12 +419,12 @@ def _record(r: Reader, kind: Kind, key: bytes) -> Any:
 
 def _plan(r: Reader, ident: Identity, enc: bytes, bounds: list[bytes], C: int,
           skip: frozenset[bytes] = frozenset()) -> Plan | None:
-    n_q = len(enc) // 4
+    n_q = len(enc) // TOKEN_BYTES
     # Full chunks whose stored token ids equal the query's. Their keys chain from the
     # identity's root, so a chunk found under the query's own boundary is this identity's.
     chain: list[bytes] = []
     for k in range(1, len(bounds)):
-        if _record(r, Kind.CHUNK, bounds[k]) is None or r.tokens(bounds[k]) != enc[(k - 1) * C * 4 : k * C * 4]:
+        if _record(r, Kind.CHUNK, bounds[k]) is None or r.tokens(bounds[k]) != enc[(k - 1) * C * TOKEN_BYTES : k * C * TOKEN_BYTES]:
             break
         chain.append(bounds[k])
     best: Plan | None = None
@@ -434,7 +434,7 @@ def _plan(r: Reader, ident: Identity, enc: bytes, bounds: list[bytes], C: int,
     for k in range(len(bounds) - 1, len(chain) - 1, -1):
         if best is not None and best.n >= (k + 1) * C:
             break  # everything filed at boundary k or above holds fewer tokens
-        after = enc[k * C * 4 : (k + 1) * C * 4]
+        after = enc[k * C * TOKEN_BYTES : (k + 1) * C * TOKEN_BYTES]
         for child, kind, shared, exact in r.edges(bounds[k], after):
             top = bound(k * C + shared, n_q, exact)
             if best is not None and top <= best.n:
@@ -451,12 +451,12 @@ def _candidate(r: Reader, ident: Identity, enc: bytes, boundary: bytes, k: int, 
     """What one child of boundary ``k`` can restore for the query if it is more than
     ``beat`` tokens, else None. Chunked pieces need the verified chain up to ``k``; the
     stored token ids decide every length (compared first: the cheap test)."""
-    n_q = len(enc) // 4
+    n_q = len(enc) // TOKEN_BYTES
     stored = r.tokens(child)
-    if stored is None or len(stored) % 4 or kind is None:
+    if stored is None or len(stored) % TOKEN_BYTES or kind is None:
         return None
     if kind is Kind.ENTRY:
-        n_e = len(stored) // 4
+        n_e = len(stored) // TOKEN_BYTES
         common = _common(stored, enc)
         if (serves(n_e, common, n_q) or 0) <= beat or not _keyed(boundary, k, child, kind, stored, C):
             return None
@@ -470,7 +470,7 @@ def _candidate(r: Reader, ident: Identity, enc: bytes, boundary: bytes, k: int, 
                     entry=child, cache_type=rec.cache_type)
     if k != len(chain):
         return None
-    m = _common(stored, enc[k * C * 4 :])
+    m = _common(stored, enc[k * C * TOKEN_BYTES :])
     usable = serves((k + 1) * C, k * C + m, n_q, whole=False) or 0
     if m <= 0 or usable <= beat or not _keyed(boundary, k, child, kind, stored, C):
         return None
@@ -484,8 +484,8 @@ def _keyed(boundary: bytes, k: int, child: bytes, kind: Kind, stored: bytes, C: 
     hit is checked against, so a damaged (or foreign) token record must not be trusted: a
     flip in an entry's last partial chunk would otherwise serve its KV to another prompt."""
     if kind is Kind.ENTRY:
-        return len(stored) // 4 // C == k and entry_key(boundary, stored[k * C * 4 :]) == child
-    return len(stored) == C * 4 and chunk_key(boundary, stored) == child
+        return len(stored) // TOKEN_BYTES // C == k and entry_key(boundary, stored[k * C * TOKEN_BYTES :]) == child
+    return len(stored) == C * TOKEN_BYTES and chunk_key(boundary, stored) == child
 
 
 # ----------------------------------------------------------------------------- restoring
@@ -768,7 +768,7 @@ def _write_segments(w: blobs.PackWriter, job: PersistJob, bounds: list[bytes], K
         if ck not in have:
             part = {nm: (st, a[..., k * C : (k + 1) * C, :]) for nm, (st, a) in host.items()}
             seg = w.add(part, _meta(job, "chunk", ck, k * C, (k + 1) * C, chunk_layout))
-            new[ck] = (ChunkRecord(job.identity.digest, bounds[k], C, 1, seg), enc[k * C * 4 : (k + 1) * C * 4])
+            new[ck] = (ChunkRecord(job.identity.digest, bounds[k], C, 1, seg), enc[k * C * TOKEN_BYTES : (k + 1) * C * TOKEN_BYTES])
     if n == K * C:
         return new, None
     part = {nm: (st, a[..., K * C : n, :]) for nm, (st, a) in host.items()}

@@ -356,7 +356,7 @@ def model_identity(
     try:
         import mlx.core as mx
         import mlx_lm
-        versions = {"mlx": mx.__version__, "mlx_lm": getattr(mlx_lm, "__version__")}  # set at run time
+        versions = {"mlx": getattr(mx, "__version__"), "mlx_lm": getattr(mlx_lm, "__version__")}  # untyped attributes
     except Exception:  # pragma: no cover - versions are descriptive only
         versions = {}
     return Identity.from_components(

@@ -1,9 +1,11 @@
 """Stable keys over token prefixes: chained xxh3-128 with a fixed integer encoding.
 
-Tokens are encoded as little-endian uint32, so a key depends only on the token ids,
-never on the process (no ``hash()``, no seed, no pickle). Every key chain starts from a
+Tokens are encoded as little-endian signed 64-bit integers (``TOKEN_BYTES`` each), so a
+key depends only on the token ids, never on the process (no ``hash()``, no seed, no pickle). Every key chain starts from a
 root derived from the identity digest and the format version, so two identities can never
-share a key.
+share a key. Signed 64 bits hold every id mlx-lm puts in a prompt-cache key: token ids, and
+for a request with images the negative id mlx_lm.server 0.32 gives each image's patch
+tokens (``-1 - int(sha256(url)[:15], 16)``, down to -2**60), so two images never share a key.
 
 The chain is cut at fixed ``chunk`` boundaries: ``bounds[k]`` names the prefix
 ``tokens[:k * chunk]`` and is also the key of the chunk that ends there. An entry's own key
@@ -24,18 +26,21 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-FORMAT_VERSION = 3  # 3: binary records, pack files of segments; 2: trie edges sorted by token ids
+FORMAT_VERSION = 4  # 4: token ids as int64; 3: binary records, pack files of segments; 2: trie edges sorted
 KEY_BYTES = 16
-MAX_TOKEN_ID = 2**32 - 1
+TOKEN_BYTES = 8  # one encoded token id: little-endian int64
+EDGE_WIDTH = 1 + TOKEN_BYTES  # one token spelled in a trie edge (``edge_tokens``)
+MIN_TOKEN_ID, MAX_TOKEN_ID = -(2**63), 2**63 - 1
+_RANGE = "[-2**63, 2**63)"
 EDGE_TOKENS = 48  # residual tokens spelled out in a trie edge key (LMDB keys are <= 511 bytes)
 
 
 class TokenError(ValueError):
-    """Raised for token lists that cannot be keyed (not integers, negative, too large)."""
+    """Raised for token lists that cannot be keyed (not integers, or beyond 64 bits)."""
 
 
 def encode_tokens(tokens: Sequence[int]) -> bytes:
-    """Tokens as little-endian uint32 bytes; raises TokenError naming the first bad token."""
+    """Tokens as little-endian int64 bytes; raises TokenError naming the first bad token."""
     try:
         arr = np.asarray(tokens)
     except Exception as e:  # ragged or exotic input
@@ -47,20 +52,19 @@ def encode_tokens(tokens: Sequence[int]) -> bytes:
     if arr.dtype.kind not in "iu":
         bads = [t for t in tokens if not isinstance(t, (int, np.integer)) or isinstance(t, bool)][:1]
         if not bads:  # all integers, but numpy could not hold one of them (beyond int64)
-            big = next(t for t in tokens if not 0 <= int(t) <= MAX_TOKEN_ID)
-            raise TokenError(f"token id {big} is out of range [0, 2**32)")
+            big = next(t for t in tokens if not MIN_TOKEN_ID <= int(t) <= MAX_TOKEN_ID)
+            raise TokenError(f"token id {big} is out of range {_RANGE}")
         bad = bads[0]
         raise TokenError(f"tokens must be integers, got {type(bad).__name__}: {bad!r}")
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi > MAX_TOKEN_ID:
-        bad = lo if lo < 0 else hi
-        raise TokenError(f"token id {bad} is out of range [0, 2**32)")
-    return arr.astype("<u4", copy=False).tobytes()
+    hi = int(arr.max())
+    if hi > MAX_TOKEN_ID:  # a uint64 array beyond int64
+        raise TokenError(f"token id {hi} is out of range {_RANGE}")
+    return arr.astype("<i8", copy=False).tobytes()
 
 
 def decode_tokens(data: bytes) -> list[int]:
     """Inverse of encode_tokens."""
-    return np.frombuffer(data, dtype="<u4").astype(np.int64).tolist()
+    return np.frombuffer(data, dtype="<i8").tolist()
 
 
 def _h(*parts: bytes) -> bytes:
@@ -72,13 +76,14 @@ def _h(*parts: bytes) -> bytes:
 
 def common_tokens(a: bytes, b: bytes) -> int:
     """Common prefix length, in tokens, of two encoded token strings."""
-    n = min(len(a), len(b)) // 4
-    if a[: n * 4] == b[: n * 4]:
+    w = TOKEN_BYTES
+    n = min(len(a), len(b)) // w
+    if a[: n * w] == b[: n * w]:
         return n
     lo, hi = 0, n  # binary search on equal prefixes (bytes compare is fast)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[: mid * 4] == b[: mid * 4]:
+        if a[: mid * w] == b[: mid * w]:
             lo = mid
         else:
             hi = mid - 1
@@ -103,7 +108,7 @@ def entry_key(boundary: bytes, residual_tokens: bytes) -> bytes:
 def boundaries(root: bytes, tokens: bytes, chunk: int) -> list[bytes]:
     """``[root, b1, ..., bK]`` for ``K = n_tokens // chunk`` (tokens given encoded)."""
     out = [root]
-    step = chunk * 4
+    step = chunk * TOKEN_BYTES
     for k in range(len(tokens) // step):
         out.append(chunk_key(out[-1], tokens[k * step : (k + 1) * step]))
     return out
@@ -112,22 +117,24 @@ def boundaries(root: bytes, tokens: bytes, chunk: int) -> list[bytes]:
 def key_of(root: bytes, tokens: bytes, chunk: int) -> bytes:
     """The entry key of a whole token prefix (tokens given encoded)."""
     b = boundaries(root, tokens, chunk)
-    return entry_key(b[-1], tokens[(len(b) - 1) * chunk * 4 :])
+    return entry_key(b[-1], tokens[(len(b) - 1) * chunk * TOKEN_BYTES :])
 
 
 def residual(tokens: bytes, chunk: int) -> bytes:
     """The encoded tokens after the last full ``chunk`` boundary of ``tokens``."""
-    return tokens[(len(tokens) // 4 // chunk) * chunk * 4 :]
+    return tokens[(len(tokens) // TOKEN_BYTES // chunk) * chunk * TOKEN_BYTES :]
 
 
 def edge_tokens(residual_tokens: bytes) -> bytes:
     """The first ``EDGE_TOKENS`` residual tokens in an order-preserving spelling: each
-    token as ``0x01`` + big-endian uint32. Byte order of the result is the order of the
-    token sequences, a prefix sorting first (an edge key ends the spelling with ``0x00``)."""
-    toks = np.frombuffer(residual_tokens[: EDGE_TOKENS * 4], dtype="<u4")
-    out = np.empty((len(toks), 5), dtype=np.uint8)
+    token as ``0x01`` + its int64 with the sign bit flipped, big-endian (``EDGE_WIDTH``
+    bytes). Byte order of the result is the order of the token sequences, a prefix sorting
+    first (an edge key ends the spelling with ``0x00``)."""
+    toks = np.frombuffer(residual_tokens[: EDGE_TOKENS * TOKEN_BYTES], dtype="<i8")
+    out = np.empty((len(toks), EDGE_WIDTH), dtype=np.uint8)
     out[:, 0] = 1
-    out[:, 1:] = toks.astype(">u4").view(np.uint8).reshape(-1, 4)
+    flipped = toks.view("<u8") ^ np.uint64(1 << 63)
+    out[:, 1:] = flipped.astype(">u8").view(np.uint8).reshape(-1, TOKEN_BYTES)
     return out.tobytes()
 
 
@@ -139,7 +146,7 @@ def edge_key(boundary: bytes, residual_tokens: bytes, child: bytes) -> bytes:
     ``boundary``: ``boundary + edge_tokens(residual) + COMPLETE | CONTINUES + child``.
     Boundary first and child last, so ``key[:KEY_BYTES]`` and ``key[-KEY_BYTES:]`` read
     them back; CONTINUES says the residual is longer than the spelled tokens."""
-    more = len(residual_tokens) > EDGE_TOKENS * 4
+    more = len(residual_tokens) > EDGE_TOKENS * TOKEN_BYTES
     return boundary + edge_tokens(residual_tokens) + (CONTINUES if more else COMPLETE) + child
 
 
@@ -152,7 +159,7 @@ def sub_boundary(boundary: bytes, spelled_tokens: bytes) -> bytes:
 def edge_keys(boundary: bytes, residual_tokens: bytes, child: bytes) -> list[bytes]:
     """Every trie edge of ``child``: one per ``EDGE_TOKENS`` stretch of its residual, the
     first under ``boundary``, each next one under the sub-boundary of the stretch before."""
-    step = EDGE_TOKENS * 4
+    step = EDGE_TOKENS * TOKEN_BYTES
     out = [edge_key(boundary, residual_tokens, child)]
     while len(residual_tokens) > step:
         boundary, residual_tokens = sub_boundary(boundary, residual_tokens[:step]), residual_tokens[step:]

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from .hoststate import isolated
+
 
 class IdentityLike(Protocol):
     """What the checks read of an identity: its components and its name."""
@@ -47,11 +49,16 @@ def layout_from_config(model_dir: Path) -> list:
     (lazily) loaded: a lazily initialised model is float32, whatever the weights are. (An
     mlx-lm adapter keeps the dtype: LoRA / DoRA cast their output to the input's.) If the
     probe fails for an architecture, the layout is classes and parameters only, as
-    mlx-lm's ``make_prompt_cache`` gives them: never an error.
+    mlx-lm's ``make_prompt_cache`` gives them: never an error. Built on a thread of its own
+    (``hoststate.isolated``): building a model draws from MLX's per-thread random key.
     """
+    return isolated(lambda: _layout(Path(model_dir)), "kvstore-identity")  # draws no RNG of the caller
+
+
+def _layout(model_dir: Path) -> list:
     from mlx_lm.models.cache import make_prompt_cache
 
-    model, real = _lazy_model(Path(model_dir))
+    model, real = _lazy_model(model_dir)
     try:
         layout = layout_of(_probe(model))
     except Exception:  # an architecture the probe cannot run: classes only

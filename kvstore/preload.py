@@ -19,7 +19,7 @@ from typing import Any
 from . import codec
 from .disk import Restored
 from .identity import Identity
-from .keys import decode_tokens
+from .keys import TOKEN_BYTES, decode_tokens
 from .memory import MemoryTier, Snapshot
 
 
@@ -144,7 +144,7 @@ class Preloader:
         """Put one entry into memory: its Snapshot, else why not: ``Room.SKIP`` / None (it is
         held, would drop a held prefix / is gone or unreadable: skipped) or ``Room.FULL``."""
         enc = self.tokens(key)
-        if enc is None or len(enc) != rec.n * 4:
+        if enc is None or len(enc) != rec.n * TOKEN_BYTES:
             return None
         tokens = decode_tokens(enc)
         with self.lock:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import weakref
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Hashable
 
 import mlx.core as mx
+import numpy as np
 
 from . import blobs, codec
 from .budget import evict_to
@@ -42,11 +44,11 @@ from .counters import Counters
 from .cuts import CutRefused
 from .disk import Commit, DiskTier, PersistJob, Plan, Restored
 from .errors import DiskErrors, Failure
-from .identity import DigestMemo, Identity, model_identity, watch
+from .identity import DigestMemo, Identity, file_stamp, model_identity, watch
 from .index import IndexFailure
+from .keys import TOKEN_BYTES, TokenError, boundaries, decode_tokens, encode_tokens, key_of, root_key
 from .layouts import layout_problem
-from .keys import TokenError, boundaries, decode_tokens, encode_tokens, key_of, root_key
-from .memory import MemoryTier, Snapshot
+from .memory import ORDERING, MemoryTier, Snapshot
 from .preload import Preloaded, Preloader
 from .write_policy import WritePolicy
 from .written import written as written_bytes
@@ -112,16 +114,20 @@ class KVStore:
         max_write_bytes_per_day: int | None = None,
     ) -> None:
         self.write_policy = WritePolicy(persist, max_write_bytes_per_day)  # raises ValueError first
-        self.memory = MemoryTier(max_entries, max_bytes, touch_on_hit=touch_on_hit)
+        self._memory = MemoryTier(max_entries, max_bytes, touch_on_hit=touch_on_hit)
+        self._pending: list[tuple[Hashable, list[int], Snapshot]] = []  # inserts not in the tier yet
+        self._inserting: dict[int, int] = {}  # thread id -> inserts under way that are not pending yet
         self.max_disk_bytes = max_disk_bytes
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         self._lock = threading.RLock()
+        self._inserted = threading.Condition(self._lock)
         self._counters = Counters()
         self._errors = DiskErrors(self._counters, self.cache_dir)
         self._idents: dict[Hashable, tuple[Identity | None, tuple | None, tuple | None]] = {}
         self._vocab: dict[bytes, int | None] = {}
         self._kv_quant = (kv_bits, kv_group_size if kv_bits else None)
         self._memory_only: dict[str, str] = {}  # model -> why its caches stay in memory
+        self._host: dict[int, dict[str, Any]] = {}  # id(pending snapshot) -> its host views
         self._touches: dict[bytes, tuple[float, int]] = {}
         self._touch_scheduled = False
         self.disk: DiskTier | None = None
@@ -138,6 +144,29 @@ class KVStore:
         if self.disk is None and shared:
             log.warning("kvstore: the shared tier needs the disk tier (it restores through it); off")
         _open_stores.add(self)
+
+    @property
+    def memory(self) -> MemoryTier:
+        """The memory tier, with every insert made so far in it (``settle``)."""
+        self.settle()
+        return self._memory
+
+    def settle(self) -> list[Snapshot]:
+        """File the inserts still pending into the memory tier, in order, and queue what
+        that evicted for disk; returns the snapshots filed. ``insert`` leaves this to the
+        writer thread (the trie and the limits cost O(prompt) of Python), and every reader
+        of the memory tier does it first, so a lookup always sees every earlier insert."""
+        with self._lock:
+            me = threading.get_ident()  # an insert another thread has begun is waited for
+            self._inserted.wait_for(lambda: not any(t != me for t in self._inserting), timeout=5.0)
+            if not self._pending:
+                return []
+            pending, self._pending = self._pending, []
+            evicted = []
+            for mem_key, tokens, snap in pending:
+                evicted += self._memory.insert(mem_key, tokens, snap)
+        self._persist_evicted(evicted)
+        return [snap for _, _, snap in pending]
 
     # -- identity ----------------------------------------------------------------------
 
@@ -157,7 +186,7 @@ class KVStore:
         known = self._idents.get(key)
         if known is not None:
             ident, dirs, stamp = known
-            if dirs is None or watch(*dirs) == stamp:
+            if dirs is None or (stamp is not None and _unchanged(stamp)) or watch(*dirs) == stamp:
                 return ident
         ident, dirs, stamp = None, None, None
         try:
@@ -178,6 +207,14 @@ class KVStore:
             self._warn_once("identity", "kvstore: model %r is not a local directory; memory only", model)
         self._idents[key] = (ident, dirs, stamp)
         return ident
+
+    def set_kv_quant(self, kv_bits: int | None, kv_group_size: int | None = 64) -> None:
+        """Name the KV quantisation the engine runs with (part of every identity this store
+        resolves from a model key): identities resolved so far are resolved again."""
+        quant = (kv_bits, kv_group_size if kv_bits else None)
+        if quant != self._kv_quant:
+            self._kv_quant = quant
+            self._idents.clear()
 
     def _vocab_size(self, ident: Identity) -> int | None:
         """The model's vocabulary size from its config.json (None when unknown)."""
@@ -272,7 +309,7 @@ class KVStore:
         on chunks held here is written into the disk tier first (True: a longer prefix is
         now indexed there). False: nothing. Never raises."""
         assert self.shared is not None and self.disk is not None
-        disk, n_q = self.disk, len(enc) // 4
+        disk, n_q = self.disk, len(enc) // TOKEN_BYTES
         try:
             plan = disk.plan(ident, enc)
             local = max(better_than, plan.n if plan is not None else 0)
@@ -308,7 +345,10 @@ class KVStore:
         self._counters.add("restores", restore_seconds=took, bytes_read=got.nbytes)
         self._counters.observe("restore_seconds", took)
         if self.writer is not None:  # a full queue drops it (counted): kept in memory only
-            self.writer.submit(lambda: self._import_shared(ident, found))
+            def keep() -> None:
+                self._import_shared(ident, found)
+
+            self.writer.submit(keep)
         rec = found.record
         return self._promote(ident, enc, Plan(got.n, rec.chunks, None, rec.n, rec.chunked, None, rec.cache_type),
                              got, "shared")
@@ -390,11 +430,11 @@ class KVStore:
     def _promote(self, ident: Identity, enc: bytes, plan: Plan, got: Restored, source: str = "disk") -> Fetched:
         """Keep a disk hit hot (marked as already on disk) and hand out its cache;
         ``source`` ("disk" | "shared") is where it came from for this request."""
-        ctype = plan.cache_type if plan.cache_type in self.memory.stats_by_type() else "assistant"
+        ctype = plan.cache_type if plan.cache_type in ORDERING else "assistant"
         snap = Snapshot(got.tensors, got.layout, None, codec.cache_nbytes(got.tensors),
                         codec.covers_prefixes(got.layout), ctype, persisted=True, disk_key=plan.entry)
         with self._lock:
-            evicted = self.memory.insert(ident.digest, decode_tokens(enc[: got.n * 4]), snap)
+            evicted = self.memory.insert(ident.digest, decode_tokens(enc[: got.n * TOKEN_BYTES]), snap)
         self._persist_evicted(evicted)
         self._hit(source, got.n, snap)
         return Fetched(got.cache, got.n, source)
@@ -428,36 +468,82 @@ class KVStore:
                cache_type: str = "assistant") -> None:
         """Keep ``cache`` (which holds ``tokens``) hot and queue it for disk; returns at once.
 
-        Raises ValueError when the tokens are not token ids or the cache holds more
-        positions than ``tokens``; nothing is stored then.
+        On the caller's thread: the checks, and the snapshot (views of the cache's arrays:
+        MLX work stays on the caller's thread). Filing it in the memory tier (``settle``)
+        and the disk write run on the writer thread; any lookup made after this call
+        returns sees it all the same. Raises ValueError when the tokens are not token ids
+        or the cache holds more positions than ``tokens``; nothing is stored then.
         """
+        me = threading.get_ident()
+        with self._lock:  # a lookup on another thread from now on waits for this insert
+            self._inserting[me] = self._inserting.get(me, 0) + 1
+        try:
+            snap, covered, ident, enc = self._take(model, tokens, cache, cache_type)
+        finally:
+            with self._lock:
+                self._inserting[me] -= 1
+                if not self._inserting[me]:
+                    del self._inserting[me]
+                self._inserted.notify_all()
+        if snap.tensors is not None:
+            mx.eval(list(snap.tensors.values()))  # views: free once the cache is computed
+        if snap.tensors is not None and self._disk_on(ident) and covered > 0:
+            host = self._host_views(snap)
+            if host is not None:
+                with self._lock:
+                    snap.persist = (ident, enc[: covered * TOKEN_BYTES])
+                    self._host[id(snap)] = host
+        job = lambda: self._file(snap)  # noqa: E731
+        if self.writer is None or not self.writer.submit(job):
+            job()  # no writer, or its queue is full: here, as before
+
+    def _take(self, model: Any, tokens: list[int], cache: list[Any],
+              cache_type: str) -> tuple[Snapshot, int, Identity | None, bytes]:
+        """``insert``'s checks and snapshot, then the snapshot into the pending list:
+        (snapshot, positions it covers, identity, encoded tokens)."""
         tokens = _token_list(tokens)
         enc = encode_tokens(tokens)
-        if cache_type not in self.memory.stats_by_type():
-            raise ValueError(f"cache_type must be one of {list(self.memory.stats_by_type())}, got {cache_type!r}")
+        if cache_type not in ORDERING:
+            raise ValueError(f"cache_type must be one of {list(ORDERING)}, got {cache_type!r}")
         _check_cache(cache)
         ident = self.identity(model)
         if ident is not None and tokens:
             vocab = self._vocab_size(ident)
-            top = max(tokens)
+            top = int(np.frombuffer(enc, dtype="<i8").max())
             if vocab is not None and top >= vocab:
                 raise TokenError(f"token id {top} is out of the vocabulary of {ident.name} (vocab_size {vocab})")
         if self.shared is not None and ident is not None:  # measures this model's prefill rate
             self.shared.prefill.inserted(ident.digest, len(tokens))
         snap, covered, why = self._snapshot(cache, len(tokens), cache_type)
-        wrong = (layout_problem(ident, snap.tensors, snap.layout)
-                 if ident is not None and snap.layout is not None and snap.tensors is not None else None)
         if why is not None:
             self._note_memory_only(model, ident, why)
-        elif wrong is not None:  # never stored on disk under this identity (memory is the caller's own)
-            self._counters.add("unpersistable")
-            self._warn_once("layout", "kvstore: %s; kept in memory only", wrong)
-        elif snap.tensors is not None and self._disk_on(ident) and covered > 0:
-            snap.persist = (ident, enc[: covered * 4])
-            snap.persisted = self._submit(snap)
-        with self._lock:
-            evicted = self.memory.insert(self._mem_key(model, ident), tokens, snap)
-        self._persist_evicted(evicted)
+        with self._lock:  # from here on a lookup finds it (its arrays may still be computing)
+            self._pending.append((self._mem_key(model, ident), tokens, snap))
+        return snap, covered, ident, enc
+
+    def _file(self, snap: Snapshot) -> None:
+        """The writer thread's half of ``insert``: the pending inserts into the memory
+        tier, then ``snap`` to disk."""
+        self.settle()
+        self._queue_write(snap)
+
+    def _queue_write(self, snap: Snapshot) -> None:
+        """Write ``snap`` to disk (queued; inline on the writer thread) unless it is there
+        or queued already, or has nothing to write. A new snapshot's layout is checked
+        against its identity first: a cache that does not fit is never stored under it."""
+        with self._lock:  # claimed once: the writer's settle and a close may meet here
+            host = self._host.pop(id(snap), None)
+            if snap.persisted or snap.persist is None or self.writer is None:
+                return
+            snap.persisted = True
+        if host is not None and snap.tensors is not None and snap.layout is not None:  # new: not checked yet
+            wrong = layout_problem(snap.persist[0], snap.tensors, snap.layout)
+            if wrong is not None:  # memory is the caller's own; the disk is not
+                snap.persist, snap.persisted = None, False
+                self._counters.add("unpersistable")
+                self._warn_once("layout", "kvstore: %s; kept in memory only", wrong)
+                return
+        snap.persisted = self._submit(snap, host)
 
     def _note_memory_only(self, model: Any, ident: Identity | None, why: str) -> None:
         """Count a cache kvstore cannot persist; say why once per model (in the log and in
@@ -486,7 +572,6 @@ class KVStore:
             raise ValueError(f"cache layers disagree on their length: {sorted(set(offsets))}")
         if not offsets:  # recurrent state only: it must be taken at the prefix boundary
             covered = n_tokens
-        mx.eval(list(tensors.values()))  # views: free, and ready for the writer thread
         try:  # what the snapshot keeps alive: its views pin the whole allocated buffers,
             # which is also what mlx-lm's LRUPromptCache counts against max_bytes
             nbytes = int(sum(c.nbytes for c in cache))
@@ -494,17 +579,27 @@ class KVStore:
             nbytes = codec.cache_nbytes(tensors)
         return Snapshot(tensors, layout, None, nbytes, codec.covers_prefixes(layout), cache_type), covered, None
 
-    def _submit(self, snap: Snapshot) -> bool:
-        assert self.writer is not None and self.disk is not None and snap.tensors is not None and snap.persist
-        ident, enc = snap.persist
+    def _host_views(self, snap: Snapshot) -> dict[str, Any] | None:
+        """``blobs.host_views`` of a snapshot (MLX work: the caller's thread), None if its
+        dtype cannot be stored (said once)."""
         try:
-            host = blobs.host_views(snap.tensors)
+            return blobs.host_views(snap.tensors)  # type: ignore[arg-type]
         except TypeError as e:
             self._warn_once("dtype", "kvstore: %s; kept in memory only", e)
+            return None
+
+    def _submit(self, snap: Snapshot, host: dict[str, Any] | None = None) -> bool:
+        assert self.writer is not None and self.disk is not None and snap.tensors is not None and snap.persist
+        ident, enc = snap.persist
+        host = host if host is not None else self._host_views(snap)
+        if host is None:
             return False
         key = key_of(root_key(ident.digest), enc, self.disk.chunk)
         job = PersistJob(ident, enc, key, host, snap.layout or [], snap.cache_type)
         snap.disk_key = key
+        if self.writer.on_thread():  # settling on the writer thread: write now, keep the queue's room
+            self._persist(job)
+            return True
         return self.writer.submit(lambda: self._persist(job))
 
     def _persist(self, job: PersistJob) -> None:
@@ -553,8 +648,7 @@ class KVStore:
     def _persist_evicted(self, evicted: list) -> None:
         self._counters.add("evictions_memory", len(evicted))
         for _, _, snap in evicted:
-            if not snap.persisted and snap.persist is not None and self.writer is not None:
-                snap.persisted = self._submit(snap)
+            self._queue_write(snap)
 
     # -- limits, stats, lifecycle ------------------------------------------------------
 
@@ -638,10 +732,10 @@ class KVStore:
         with self._lock:
             pending = [s for s in self.memory.snapshots() if not s.persisted and s.persist is not None]
         for snap in pending:
-            snap.persisted = self._submit(snap)
-            if not snap.persisted:
+            self._queue_write(snap)
+            if not snap.persisted and snap.persist is not None:
                 self.writer.flush(timeout)
-                snap.persisted = self._submit(snap)
+                self._queue_write(snap)
 
     def __enter__(self) -> "KVStore":
         return self
@@ -710,8 +804,18 @@ class KVStore:
     def _read_whole(self, ident: Identity, enc: bytes) -> Restored | None:
         """Read one entry's whole token list from disk, or None (a miss, handled as in fetch)."""
         plan = self._disk_plan(ident, enc)
-        got = self._restore(ident, plan) if plan is not None and plan.n == len(enc) // 4 else None
+        got = self._restore(ident, plan) if plan is not None and plan.n == len(enc) // TOKEN_BYTES else None
         return got if isinstance(got, Restored) else None
+
+
+def _unchanged(stamp: tuple) -> bool:
+    """True if every path in ``stamp`` (``identity.watch``'s) still stats as recorded: one
+    ``os.stat`` each. A file added to or removed from a watched directory changes that
+    directory's own stamp, so this is ``watch(...) == stamp`` without listing anything."""
+    try:
+        return all(len(e) == 6 and tuple(file_stamp(os.stat(e[0]))) == e[1:] for e in stamp)
+    except OSError:
+        return False
 
 
 def _token_list(tokens: Any) -> list:

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from typing import Any
 
 from .disk import PersistJob
-from .keys import boundaries, key_of, root_key
+from .keys import TOKEN_BYTES, boundaries, key_of, root_key
 from .records import RecordError
 from .written import written
 
@@ -50,7 +50,7 @@ def prefix_job(job: PersistJob, n: int, chunk: int) -> PersistJob:
 
     from .codec import with_offset
 
-    enc = job.tokens[: n * 4]
+    enc = job.tokens[: n * TOKEN_BYTES]
     tensors = {nm: (st, np.asarray(a)[..., :n, :]) for nm, (st, a) in job.tensors.items()}
     return PersistJob(job.identity, enc, key_of(root_key(job.identity.digest), enc, chunk), tensors,
                       with_offset(job.layout, n), job.cache_type, job.created)

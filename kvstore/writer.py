@@ -35,6 +35,10 @@ class Writer:
         """Jobs queued or running: 0 means everything submitted so far has finished."""
         return self._q.unfinished_tasks
 
+    def on_thread(self) -> bool:
+        """True when called from the writer thread itself (a job that queues more work)."""
+        return threading.current_thread() is self._thread
+
     def submit(self, job: Job) -> bool:
         """Queue a job; False (and counted as dropped) if the queue is full or closed."""
         if self._closed:

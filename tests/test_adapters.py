@@ -8,7 +8,9 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,3 +59,93 @@ def test_vllm_mlx_install_names_a_missing_dependency(tmp_path: Path) -> None:
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 1 and "vllm-mlx is installed but cannot be imported" in last, p.stderr
     assert "'jsonschema_not_installed_here'" in last and "pip install --no-deps 'vllm-mlx==" in last
+
+
+# -- image requests: mlx_lm.server 0.32's negative ids in prompt-cache keys ----------------
+
+pytest_plugins = ("tests.support.redis_servers",)
+PATCH = 200  # the stand-in image patch token (tiny-llama has no vision tower; see README)
+
+
+def image_key(url: str, patch: int = PATCH) -> tuple[list[int], list[int], int]:
+    """(prompt, mlx_lm.server's cache key, where the image starts) of a prompt holding one
+    24-token image: the key comes from mlx_lm.server's own ``_make_vision``, which gives the
+    image's patch tokens the negative id ``-1 - int(sha256(url)[:15], 16)``."""
+    from mlx_lm.server import _make_vision
+
+    prompt = list(range(30, 70)) + [patch] * 24 + list(range(90, 110))
+    vision = _make_vision(prompt, urls=[url], pixel_values=[], token_id=patch)
+    assert vision.starts == [40] and min(vision.cache_key) < -(2**50), vision.cache_key
+    return prompt, vision.cache_key, 40
+
+
+def arrays(cache: list[Any]) -> list[np.ndarray]:
+    """The keys and values each layer holds (its first ``offset`` positions)."""
+    return [np.array(a[..., : c.offset, :]) for c in cache for a in (c.keys, c.values)]
+
+
+def prefilled(tiny_llama: Any, tokens: list[int]) -> list[Any]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = tiny_llama
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([tokens]), cache=cache))
+    return cache
+
+
+def test_image_keys_hit_their_own_image_in_memory_and_after_a_restart(tiny_llama: Any, tmp_path: Path) -> None:
+    """kvstore's drop-in takes the keys mlx_lm.server 0.32 makes for image requests (its key
+    encoding used to reject negative ids: every image request failed), answers as
+    mlx-lm's own LRUPromptCache does, and after a restart serves the same image from disk;
+    another image of the same size (same tokens, another id) gets at most the text before
+    the image."""
+    from mlx_lm.models.cache import LRUPromptCache as Upstream
+
+    from kvstore.adapters.mlx_lm import LRUPromptCache
+    from tools.models import model_path
+
+    key = (str(model_path("tiny-llama")), None, None)
+    prompt_a, key_a, start = image_key("data:image/png;base64,AAAA")
+    prompt_b, key_b, _ = image_key("data:image/png;base64,BBBB", patch=PATCH + 1)
+    cache_a = prefilled(tiny_llama, prompt_a)
+    ref, ours = Upstream(), LRUPromptCache(cache_dir=tmp_path / "c")
+    for pc in (ref, ours):
+        pc.insert_cache(key, key_a, prefilled(tiny_llama, prompt_a))
+    for query in (key_a + [5, 6], key_a[:50], key_b, key_b[:start] + [7]):
+        (c_ref, rest_ref), (c, rest) = ref.fetch_nearest_cache(key, query), ours.fetch_nearest_cache(key, query)
+        assert rest == rest_ref and (c is None) == (c_ref is None), (query[start - 1 : start + 1], rest, rest_ref)
+        if c is not None:
+            assert all(np.array_equal(x, y) for x, y in zip(arrays(c), arrays(c_ref), strict=True)), len(query)
+    assert len(ours.fetch_nearest_cache(key, key_b)[1]) >= len(key_b) - start  # never image a's KV
+    ours.close()
+    again = LRUPromptCache(cache_dir=tmp_path / "c")
+    c, rest = again.fetch_nearest_cache(key, key_a + [5])
+    assert rest == [5] and again.stats()["hits_disk"] == 1, again.stats()
+    assert all(np.array_equal(x, y) for x, y in zip(arrays(c), arrays(cache_a)))
+    c, rest = again.fetch_nearest_cache(key, key_b)
+    assert len(rest) >= len(key_b) - start, len(rest)
+    again.close()
+
+
+def test_image_keys_through_the_shared_tier(tiny_llama: Any, tmp_path: Path, redis_server: Any) -> None:
+    """Machine A stores an image request's cache; machine B (its own cache directory, the
+    same Redis) restores it from the shared tier under the same negative-id key, and a
+    request with another image gets at most the text before the image there too."""
+    from kvstore import KVStore
+    from kvstore.shared import SharedConfig
+    from tools.models import model_path
+
+    model = str(model_path("tiny-llama"))
+    prompt_a, key_a, start = image_key("https://example.com/a.png")
+    _, key_b, _ = image_key("https://example.com/b.png")
+    cache_a = prefilled(tiny_llama, prompt_a)
+    with KVStore(tmp_path / "a", shared=SharedConfig.from_url(redis_server.url)) as a:
+        a.insert(model, key_a, cache_a)
+        assert a.flush(30) and a.stats()["shared_published"] == 1, a.stats()
+    with KVStore(tmp_path / "b", shared=SharedConfig.from_url(redis_server.url)) as b:
+        got = b.fetch(model, key_a + [3])
+        assert (got.source, got.n) == ("shared", len(key_a)), (got.source, got.n)
+        assert all(np.array_equal(x, y) for x, y in zip(arrays(got.cache), arrays(cache_a)))
+        other = b.fetch(model, key_b)
+        assert other.n <= start, other.n

@@ -81,6 +81,12 @@ def test_expected_medians(quick_run):
                                 "restart_no_warmup": ["disk"]}, m["sources"]
         assert m["cached_tokens"]["preload"] > 1000 and m["preloaded_entries"] == [1, 1]
         assert m["preload_seconds_in_server"] > 0 and m["warmup_seconds_in_server"] > 0
+    serve = load("serve")["medians"]  # kvstore serve vs mlx_lm.server, same run
+    for scenario in ("unique", "shared"):
+        for per in serve[scenario].values():
+            assert per["mlx_lm"]["tokens_per_s"] > 0 and per["kvstore"]["tokens_per_s"] > 0
+    assert all(per["kvstore"]["cached_tokens"] > 0 for per in serve["shared"].values())  # from disk
+    assert all(v["insert_ms"] > 0 for v in serve["thread"].values())
 
 
 def test_chart_and_summary(quick_run):

@@ -749,7 +749,7 @@ def test_bad_tokens_raise_and_change_nothing(tmp_path):
     good = rand_tokens(70, seed=91)
     with KVStore(tmp_path, chunk_tokens=C) as s:
         s.insert(who, good, synth(good))
-        for bad in ([-1, 2], [1.5], [2**32], [[1, 2]]):
+        for bad in ([-2**63 - 1, 2], [1.5], [2**64], [[1, 2]]):
             with pytest.raises(ValueError):
                 s.fetch(who, bad)
             with pytest.raises(ValueError):

@@ -522,6 +522,22 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         },
         {},
     ),
+    # head_dim 64: mlx-lm's default KV quantisation group (64) fits it (tools/upstream_server.py)
+    "tiny-llama-hd64": (
+        "llama",
+        {
+            **_TINY_COMMON,
+            "model_type": "llama",
+            "hidden_size": 128,
+            "num_hidden_layers": 2,
+            "intermediate_size": 256,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+            "rope_theta": 10000.0,
+        },
+        {},
+    ),
 }
 
 
@@ -605,6 +621,86 @@ def build_bench_qwen3(out_dir: str | pathlib.Path, *, seed: int = BENCH_SEED) ->
 # --------------------------------------------------------------------------- registry
 
 _KV = frozenset({"KVCache"})
+
+# --------------------------------------------------------------------------- a vision model
+
+# mlx_lm.server 0.32 serves images for models whose config has a vision_config and whose
+# module has an image processor (mlx_lm.processors.PROCESSORS: muse_spark only).
+VISION_SPECIALS = SPECIAL_TOKENS + ("<|image_start|>", "<|patch|>", "<|image_end|>")
+# ChatML; a content list renders its text parts and one <|patch|> per image part (the
+# processor expands it to the image's rows between <|image_start|> and <|image_end|>).
+VISION_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% else %}{{ '<|patch|>' }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def vision_config(vocab: int, patch_id: int) -> dict[str, Any]:
+    """config.json of tiny-muse-spark: 2 text layers (full attention, KVCache; MoE of 4
+    experts, as the architecture requires), a 2-layer vision tower of 2x2 patches merged
+    2x2 (one image token per 4x4 pixels)."""
+    return {
+        "model_type": "muse_spark",
+        "image_token_id": patch_id,
+        "eos_token_id": 258,
+        "torch_dtype": "float32",
+        "text_config": {
+            "vocab_size": vocab, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "post_norm_eps": 1e-8,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+            "layer_rope_theta": [10000.0, 10000.0], "layer_types": ["full_attention"] * 2,
+            "sliding_window": 4096, "final_logit_softcapping": 20.0, "output_multiplier": 1.0,
+            "num_local_experts": 4, "num_experts_per_tok": 2, "moe_hidden_size": 32,
+            "moe_intermediate_size": 32, "routed_scaling_factor": 1.0,
+        },
+        "vision_config": {
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "patch_size": 2, "merge_size": 2, "pos_emb_height": 4, "pos_emb_width": 4,
+            "layer_types": ["window_attention", "full_attention"],
+        },
+        "projector_hidden_size": 48,
+        # for transformers' MuseSparkConfig, which AutoTokenizer reads and validates (mlx-lm
+        # drops the audio tower): specials inside the vocabulary, audio output = text width
+        "bos_token_id": 256, "pad_token_id": 256,
+        "audio_config": {"out_hidden_size": 64},
+    }
+
+
+def build_tiny_vision(out_dir: str | pathlib.Path, *, seed: int = TINY_SEED) -> pathlib.Path:
+    """tiny-muse-spark into ``out_dir``: the byte-level tokenizer plus image specials, a
+    chat template that places images, seeded weights. Same seed -> same bytes."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    b2u = _bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={b2u[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_SPECIALS])
+    _write_tokenizer_files(out, tok, eos="<|im_end|>", pad="<|endoftext|>", model_max_length=32768)
+    cfg_path = out / "tokenizer_config.json"
+    tcfg = json.loads(cfg_path.read_text())
+    tcfg["chat_template"] = VISION_TEMPLATE
+    tcfg["added_tokens_decoder"].update({
+        str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                  "single_word": False, "special": True} for t in VISION_SPECIALS})
+    _write_json(cfg_path, tcfg)
+    ids = {t: tok.token_to_id(t) for t in VISION_SPECIALS}
+    config = vision_config(256 + len(VISION_SPECIALS), ids["<|patch|>"])
+    weights = seeded_weights("muse_spark", config, seed, gain=TINY_GAIN, embed_std=TINY_EMBED_STD,
+                            zero_lm_head_rows=tuple(sorted(ids.values())))
+    _save_weights(out, weights)
+    _write_json(out / "config.json", {**config, "kvstore_seed": seed})
+    return out
+
 
 
 def _tiny_builder(name: str) -> Callable[[pathlib.Path], Any]:
@@ -708,6 +804,27 @@ MODELS: dict[str, ModelSpec] = {
             family="qwen3",
             cache_classes=_KV,
             on_demand=True,
+        ),
+        ModelSpec(
+            name="tiny-muse-spark",
+            description="tiny muse_spark with a vision tower (2 text layers, MoE 4/2): the one family "
+            "mlx_lm.server 0.32 serves images for; KVCache. Runs on Metal only (its layers are "
+            "mx.fast.metal_kernel kernels): loads and derives an identity anywhere",
+            builder=lambda out: build_tiny_vision(out),
+            build="tiny-muse-spark",
+            version="1",
+            family="muse_spark",
+            cache_classes=_KV,
+        ),
+        ModelSpec(
+            name="tiny-llama-hd64",
+            description="tiny llama with head_dim 64 (2 layers, 2/1 heads): mlx-lm's default KV "
+            "quantisation group fits it; the model mlx-lm's own server tests run on",
+            builder=_tiny_builder("tiny-llama-hd64"),
+            build="tiny-llama-hd64",
+            version="1",
+            family="llama",
+            cache_classes=_KV,
         ),
     ]
 }

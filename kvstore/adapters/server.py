@@ -2,9 +2,12 @@
 
 No mlx-lm file is edited. Before ``mlx_lm.server.main()`` runs, this module
 - replaces ``mlx_lm.server.LRUPromptCache`` (which ``run()`` instantiates) with a subclass
-  of kvstore's drop-in bound to the cache directory, budgets and KV quantisation given here,
-- wraps ``APIHandler.do_GET`` to answer ``GET /v1/cache/stats`` with the store's counters
-  and ``GET /v1/models[/ID]`` with the model it serves, named as in its responses (the
+  of kvstore's drop-in bound to the cache directory and budgets given here, told the KV
+  quantisation by mlx_lm.server's own ``ResponseGenerator`` (``patch``),
+- wraps ``APIHandler.do_GET`` to answer ``GET /health`` exactly as mlx_lm.server does once
+  ready (503 ``{"status": "starting"}`` before: ``kvstore.adapters.startup``),
+  ``GET /v1/cache/stats`` with the store's counters and the start's progress, and
+  ``GET /v1/models[/ID]`` with the model it serves, named as in its responses (the
   ``--model`` value). mlx_lm.server lists the Hugging Face hub cache there instead, and
   answers 200 with an empty body when that cache does not exist (the status line is sent
   before the scan raises); requesting the resolved path it lists would also reload the model,
@@ -88,12 +91,13 @@ def _install_routes(server_mod: Any) -> None:
 
     def do_GET(self: Any) -> None:
         path = self.path.split("?")[0]
-        if path == "/health":  # 503 until loaded, warmed up and preloaded (kvstore.adapters.startup)
+        models = path == "/v1/models" or path.startswith("/v1/models/")
+        if path == "/health":  # mlx_lm.server's; 503 while kvstore serve starts (kvstore.adapters.startup)
             _send_json(self, *startup.health(self.response_generator))
-        elif (path == "/v1/models" or path.startswith("/v1/models/")) and not startup.STATE.ready.is_set():
+        elif models and startup.STATE.installed and not startup.STATE.ready.is_set():
             _send_json(self, 503, startup.not_ready_error())
         elif path == "/v1/cache/stats":
-            _send_json(self, 200, [s.stats() for s in _STORES][0] if _STORES else {})
+            _send_json(self, 200, cache_stats())
         elif path == "/metrics":  # Prometheus text format, read from the same stats (kvstore.metrics)
             body, ctype = metrics.exposition(_METRICS)
             self.send_response(200)
@@ -101,13 +105,51 @@ def _install_routes(server_mod: Any) -> None:
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
-        elif path == "/v1/models" or path.startswith("/v1/models/"):
+        elif models and served_models(self.response_generator.cli_args):
             _models(self, path)
         else:
             original(self)
 
     handler.do_GET = do_GET
     handler._kvstore_patched = True
+
+
+def cache_stats() -> dict[str, Any]:
+    """``GET /v1/cache/stats``: the prompt cache's counters (``KVStore.stats``) and, under
+    ``"startup"``, where ``kvstore serve``'s start is (``startup.startup_stats``)."""
+    out: dict[str, Any] = _STORES[0].stats() if _STORES else {}
+    start = startup.startup_stats()
+    if start:
+        out["startup"] = start
+    return out
+
+
+def patch(server_mod: Any, **options: Any) -> None:
+    """Make ``server_mod`` (mlx_lm.server) kvstore's server: its ``LRUPromptCache`` bound to
+    ``options`` (``LRUPromptCache``'s keywords: cache_dir, ...), kvstore's routes, and a
+    ``ResponseGenerator`` that tells a kvstore prompt cache the server's KV quantisation
+    (``--kv-bits`` / ``--kv-group-size``: entries of a quantising server get their own
+    identity, so a plain cache is never handed to it, nor the reverse). What ``main`` does
+    before running it; an engine running mlx_lm.server in-process calls it."""
+    server_mod.LRUPromptCache = bind_prompt_cache(**options)
+    _install_routes(server_mod)
+    _learn_kv_quant(server_mod)
+
+
+def _learn_kv_quant(server_mod: Any) -> None:
+    generator = server_mod.ResponseGenerator
+    if getattr(generator, "_kvstore_patched", False):
+        return
+    original = generator.__init__
+
+    def __init__(self: Any, model_provider: Any, prompt_cache: Any, *args: Any, **kwargs: Any) -> None:
+        cli = getattr(model_provider, "cli_args", None)
+        if isinstance(prompt_cache, LRUPromptCache) and cli is not None:  # before its thread starts
+            prompt_cache.store.set_kv_quant(getattr(cli, "kv_bits", None), getattr(cli, "kv_group_size", 64))
+        original(self, model_provider, prompt_cache, *args, **kwargs)
+
+    generator.__init__ = __init__
+    generator._kvstore_patched = True
 
 
 def _sigterm(signum: int, frame: Any) -> None:
@@ -159,7 +201,6 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
         print("\nmlx_lm.server flags:", flush=True)
     import mlx_lm.server as server_mod
 
-    kv_bits = _flag(rest, "--kv-bits")
     options: dict[str, Any] = {
         "cache_dir": ours.cache_dir, "max_disk_bytes": ours.max_disk_bytes,
         "chunk_tokens": ours.chunk_tokens, "queue_size": ours.write_queue,
@@ -168,10 +209,7 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     shared = shared_config(ours)
     if shared is not None:
         options["shared"] = shared
-    if kv_bits is not None:  # entries of a --kv-bits server get their own identity
-        options.update(kv_bits=int(kv_bits), kv_group_size=int(_flag(rest, "--kv-group-size") or 64))
-    server_mod.LRUPromptCache = bind_prompt_cache(**options)
-    _install_routes(server_mod)
+    patch(server_mod, **options)
     startup.install(server_mod, startup.options(ours), _STORES, progress)
     signal.signal(signal.SIGTERM, _sigterm)
     if hasattr(signal, "SIGUSR1"):  # POSIX (Linux, macOS)
@@ -227,15 +265,6 @@ def shared_config(ours: argparse.Namespace) -> Any:
     if config is None:
         raise SystemExit("kvstore serve: --shared-* options need --shared URL (or $KVSTORE_SHARED)")
     return config
-
-
-def _flag(argv: list[str], name: str) -> str | None:
-    for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
 
 
 def _size(text: str) -> int:

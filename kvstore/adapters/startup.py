@@ -14,8 +14,9 @@ thread before it takes any request) then
 3. marks the server ready and logs ``kvstore: ready: ...``.
 
 Readiness: until step 3, ``GET /health`` and ``GET /v1/models`` answer 503, /health with
-``{"status": "starting", "phase": "loading model" | "warming up" | "preloading"}``. The
-socket accepts requests meanwhile, but a chat or completion request sent early waits in
+``{"status": "starting"}``; ``GET /v1/cache/stats`` says where the start is under
+``"startup"`` (``phase``: "loading model" | "warming up" | "preloading" | "ready", and the
+timings). Once ready /health is exactly mlx_lm.server's. The socket accepts requests meanwhile, but a chat or completion request sent early waits in
 mlx-lm's queue behind the start and is served once the server is ready: never cold.
 """
 
@@ -55,6 +56,7 @@ class State:
     stop: threading.Event = field(default_factory=threading.Event)
     info: dict[str, Any] = field(default_factory=dict)
     thread: threading.Thread | None = None
+    installed: bool = False  # ``install`` ran: this process has a start to wait for
 
 
 STATE = State()
@@ -94,6 +96,7 @@ def install(server_mod: Any, opts: Options, stores: list[Any], progress: Progres
     loading its default model, then marks this process ready. ``stores``: the server's
     prompt caches (filled as mlx_lm.server creates them)."""
     STATE.started = time.monotonic()
+    STATE.installed = True
 
     class WarmStartProvider(server_mod.ModelProvider):
         def load_default(self) -> None:
@@ -116,22 +119,23 @@ def start(provider: Any, opts: Options, cache: Any, progress: ProgressFactory | 
         if provider.draft_model is not None:
             seconds += warm_up(provider.draft_model)
         STATE.info["warmup_seconds"] = round(seconds, 3)
-    run = None
+    later: Callable[[], None] | None = None  # a preload that runs once the server is ready
     if opts.preload is not None and cache is not None and model is not None:
         budget = getattr(provider.cli_args, "prompt_cache_bytes", None)
 
         def run() -> None:
             preload(cache, provider.model_key, opts, budget, progress)
 
-        if not opts.background:
+        if opts.background:
+            later = run
+        else:
             STATE.phase = "preloading"
             run()
-            run = None
     if STATE.stop.is_set():  # SIGTERM during the start: shutting down, never ready
         return
     mark_ready(opts)
-    if run is not None:
-        STATE.thread = threading.Thread(target=run, name="kvstore-preload", daemon=True)
+    if later is not None:
+        STATE.thread = threading.Thread(target=later, name="kvstore-preload", daemon=True)
         STATE.thread.start()
 
 
@@ -184,14 +188,25 @@ def mark_ready(opts: Options) -> None:
 
 
 def health(generator: Any) -> tuple[int, dict[str, Any]]:
-    """``GET /health``: 200 once ready, 503 while starting (with the phase) or when the
-    generation thread died (mlx_lm.server's own rule)."""
+    """``GET /health``, with mlx_lm.server's bodies and status codes: 200 ``{"status": "ok"}``,
+    503 ``{"status": "unavailable"}`` when the generation thread died; and, only while
+    ``kvstore serve`` loads, warms up and preloads (``install`` was called, not ready yet),
+    503 ``{"status": "starting"}``. Details (phase, timings) are in ``startup_stats``."""
     alive = generator is None or generator.generation_available()
     if not alive:
         return 503, {"status": "unavailable"}
-    if not STATE.ready.is_set():
-        return 503, {"status": "starting", "phase": STATE.phase}
-    return 200, {"status": "ok", "phase": STATE.phase, **STATE.info}
+    if STATE.installed and not STATE.ready.is_set():
+        return 503, {"status": "starting"}
+    return 200, {"status": "ok"}
+
+
+def startup_stats() -> dict[str, Any]:
+    """What ``GET /v1/cache/stats`` says of the start under ``"startup"``: ``ready``,
+    ``phase`` and the timings (``load_seconds``, ``warmup_seconds``, ``ready_seconds``,
+    ``preload``: how, entries, stopped...)."""
+    if not STATE.installed:  # mlx_lm.server's own start: no kvstore phases
+        return {}
+    return {"ready": STATE.ready.is_set(), "phase": STATE.phase, **STATE.info}
 
 
 def not_ready_error() -> dict[str, Any]:

@@ -101,10 +101,10 @@ def _restore(disk: Any, key: bytes, rec: Any, info: dict[str, Any]) -> tuple[lis
     from ..blobs import BlobError
     from ..codec import Unsupported
     from ..identity import Identity
-    from ..keys import decode_tokens
+    from ..keys import TOKEN_BYTES, decode_tokens
 
     raw = disk.index.tokens(key)
-    if raw is None or len(raw) != rec.n * 4:
+    if raw is None or len(raw) != rec.n * TOKEN_BYTES:
         raise common.CLIError(f"entry {common.short_id(key)} has no token ids stored: run `kvstore verify --fix`")
     ident = Identity(rec.identity, info)
     try:

@@ -22,7 +22,7 @@ class Snapshot:
     entries: dict[bytes, EntryRecord | None]
     chunks: dict[bytes, ChunkRecord | None]
     packs: dict[bytes, PackRecord | None]
-    tokens: dict[bytes, bytes]              # key -> its token ids (uint32 LE)
+    tokens: dict[bytes, bytes]              # key -> its token ids (int64 LE)
     bounds: list[tuple[bytes, bytes, bytes, bytes]]  # (boundary, child, kind value, edge key)
     identities: dict[str, IdentityRecord]
     meta_bytes: int

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Generator, Iterator
 
-from ..keys import COMPLETE, EDGE_TOKENS, KEY_BYTES, edge_keys, edge_tokens, residual, sub_boundary
+from ..keys import COMPLETE, EDGE_TOKENS, EDGE_WIDTH, KEY_BYTES, TOKEN_BYTES, edge_keys, edge_tokens, residual, sub_boundary
 from ..records import ChunkRecord, EntryRecord, Kind
 
 Edge = tuple[bytes, Kind, int, bool]  # (child, kind, shared tokens, exact)
@@ -19,14 +19,14 @@ Edge = tuple[bytes, Kind, int, bool]  # (child, kind, shared tokens, exact)
 
 def entry_edges(key: bytes, rec: EntryRecord, tokens: bytes | None) -> list[bytes] | None:
     """The trie edges that make entry ``key`` reachable (None: its token ids are unusable)."""
-    if tokens is None or len(tokens) != 4 * rec.n:
+    if tokens is None or len(tokens) != TOKEN_BYTES * rec.n:
         return None
     return edge_keys(rec.boundary, residual(bytes(tokens), rec.chunk), key)
 
 
 def chunk_edges(key: bytes, rec: ChunkRecord, tokens: bytes | None) -> list[bytes] | None:
     """The trie edges from a chunk's parent boundary to the chunk (None: unusable tokens)."""
-    if tokens is None or len(tokens) != 4 * rec.n:
+    if tokens is None or len(tokens) != TOKEN_BYTES * rec.n:
         return None
     return edge_keys(rec.parent, bytes(tokens), key)
 
@@ -49,8 +49,9 @@ def child_edges(txn: Any, db: Any, boundary: bytes, child: bytes) -> list[bytes]
 def _lcp5(a: bytes, b: bytes) -> int:
     """Common prefix, in tokens, of two ``edge_tokens`` spellings."""
     n = 0
-    for i in range(0, min(len(a), len(b)) - 4, 5):
-        if a[i : i + 5] != b[i : i + 5]:
+    w = EDGE_WIDTH
+    for i in range(0, min(len(a), len(b)) - w + 1, w):
+        if a[i : i + w] != b[i : i + w]:
             break
         n += 1
     return n
@@ -80,16 +81,16 @@ def edges(txn: Any, db: Any, boundary: bytes, after: bytes, base: int = 0) -> It
     longer, so it must be trimmed). Along the iteration ``shared`` never grows, so a caller
     may stop once it cannot gain. A few seeks per level; children extending the query's
     last stretch are visited in turn (any one will do)."""
-    m = len(after) // 4
+    m = len(after) // TOKEN_BYTES
     q = edge_tokens(after)
     head = boundary + q
     cur = txn.cursor(db=db)
     seen: set[bytes] = set()
     shared = 0
     if m and cur.set_range(head) and cur.key()[: len(head)] == head:
-        shared = len(q) // 5  # some children share every spelled-out query token
+        shared = len(q) // EDGE_WIDTH  # some children share every spelled-out query token
         if m > EDGE_TOKENS:  # those going on are filed one level down, by the next stretch
-            step = EDGE_TOKENS * 4
+            step = EDGE_TOKENS * TOKEN_BYTES
             yield from edges(txn, db, sub_boundary(boundary, after[:step]), after[step:], base + EDGE_TOKENS)
         else:
             for k, v in cur:

@@ -8,7 +8,7 @@ only after the commit that stopped naming it, so a reader sees an entry whole or
 
 Databases (keys are 16-byte digests from ``keys``, values ``records`` types):
 ``entries`` entry key -> EntryRecord; ``chunks`` chunk key -> ChunkRecord; ``packs`` pack
-id -> PackRecord; ``tokens`` entry or chunk key -> its exact token ids (uint32 LE);
+id -> PackRecord; ``tokens`` entry or chunk key -> its exact token ids (int64 LE);
 ``bounds`` trie edge -> Kind; ``identities`` digest -> IdentityRecord; ``meta`` format,
 chunk_tokens and ``bytes`` (the pack files' total size).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .. import blobs
-from ..keys import boundaries, entry_key, root_key
+from ..keys import TOKEN_BYTES, boundaries, entry_key, root_key
 from ..records import (ChunkRecord, EntryRecord, IdentityRecord, Kind, PackRecord, RecordError, Segment,
                        parse)
 from . import trie
@@ -41,10 +41,10 @@ def own_chunks(key: bytes, rec: EntryRecord, tokens: bytes | None) -> tuple[byte
     its key; none otherwise. A chunk list damaged or crafted to name other entries'
     chunks must not release them (their entries would lose them); the references of one
     whose token ids do not make its key are left to ``verify --fix``, which recounts."""
-    if not rec.chunked or tokens is None or len(tokens) != 4 * rec.n:
+    if not rec.chunked or tokens is None or len(tokens) != TOKEN_BYTES * rec.n:
         return ()
     b = boundaries(root_key(rec.identity), bytes(tokens), rec.chunk)
-    if entry_key(b[-1], bytes(tokens)[(len(b) - 1) * rec.chunk * 4 :]) != key:
+    if entry_key(b[-1], bytes(tokens)[(len(b) - 1) * rec.chunk * TOKEN_BYTES :]) != key:
         return ()
     return tuple(b[1:])
 
@@ -78,7 +78,7 @@ class Reader:
         return parse("identities", self.txn.get(digest, db=self.db["identities"]))
 
     def tokens(self, key: bytes) -> bytes | None:
-        """The exact token ids (uint32 LE) of entry or chunk ``key``, unchecked (callers
+        """The exact token ids (int64 LE) of entry or chunk ``key``, unchecked (callers
         compare them with what they expect, and with the key they hash to)."""
         return self.raw("tokens", key)
 

@@ -24,7 +24,7 @@ from ..index import DBS, Index, Snapshot, WriteTxn, scan
 from ..index.core import aside_name
 from ..index.pages import walk_all
 from ..index.trie import chunk_edges, entry_edges
-from ..keys import KEY_BYTES, boundaries, chunk_key, entry_key, root_key
+from ..keys import KEY_BYTES, TOKEN_BYTES, boundaries, chunk_key, entry_key, root_key
 from ..records import ChunkRecord, EntryRecord, Kind, PackRecord, RecordError, Segment
 
 if TYPE_CHECKING:  # maintenance needs no MLX itself; DiskTier is only a type here
@@ -192,12 +192,12 @@ def entry_mismatch(key: bytes, rec: EntryRecord, toks: bytes | None, chunk: int)
     or None. A record that fails this can never be hit, or would restore the wrong thing."""
     if toks is None:
         return "no token ids stored"
-    if len(toks) != 4 * rec.n:
-        return f"token ids hold {len(toks) // 4} tokens, record says {rec.n}"
+    if len(toks) != TOKEN_BYTES * rec.n:
+        return f"token ids hold {len(toks) // TOKEN_BYTES} tokens, record says {rec.n}"
     if rec.chunk != chunk:
         return f"chunk size {rec.chunk}, the directory's is {chunk}"
     b = boundaries(root_key(rec.identity), toks, rec.chunk)
-    if entry_key(b[-1], toks[(len(b) - 1) * rec.chunk * 4 :]) != key:
+    if entry_key(b[-1], toks[(len(b) - 1) * rec.chunk * TOKEN_BYTES :]) != key:
         return "token ids do not hash to the entry key"
     if b[-1] != rec.boundary:
         return "boundary does not match the token ids"
@@ -209,8 +209,8 @@ def entry_mismatch(key: bytes, rec: EntryRecord, toks: bytes | None, chunk: int)
 def chunk_mismatch(key: bytes, rec: ChunkRecord, toks: bytes | None) -> str | None:
     if toks is None:
         return "no token ids stored"
-    if len(toks) != 4 * rec.n:
-        return f"token ids hold {len(toks) // 4} tokens, record says {rec.n}"
+    if len(toks) != TOKEN_BYTES * rec.n:
+        return f"token ids hold {len(toks) // TOKEN_BYTES} tokens, record says {rec.n}"
     if chunk_key(rec.parent, toks) != key:
         return "token ids do not hash to the chunk key"
     return None

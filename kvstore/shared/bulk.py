@@ -30,6 +30,8 @@ import xxhash
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ..blobs import byte_view
+
 HEAD = 64           # bytes of a value ``hash_from`` sees
 PIECE = 4 << 20     # bytes per recv_into
 
@@ -131,7 +133,7 @@ def _one(r: _Reader, limit: int, hash_from: Callable[[memoryview], int | None] |
         return Bulk(memoryview(b""))
     if n > limit:
         raise RedisConnectionError(f"a {n}-byte reply to a GETRANGE of at most {limit}")
-    view = memoryview(np.empty(n, np.uint8)).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer; typeshed for 3.10 lacks __buffer__
+    view = byte_view(np.empty(n, np.uint8))
     state: dict[str, Any] = {"offset": None, "h": None, "done": 0}
 
     def piece(a: int, b: int) -> None:

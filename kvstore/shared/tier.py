@@ -75,7 +75,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..cuts import serves
-from ..keys import boundaries, chunk_key, common_tokens, entry_key, key_of, residual
+from ..keys import TOKEN_BYTES, boundaries, chunk_key, common_tokens, entry_key, key_of, residual
 from ..records import ChunkRecord, EntryRecord, Segment
 from ..writer import Writer
 from . import values as V
@@ -187,7 +187,7 @@ class SharedTier:
         tokens, or None; at most two round trips (see the module docstring). ``bounds``:
         the query's chain (``keys.boundaries`` from the identity's root, ``chunk`` tokens
         per chunk); ``held``: its chunk keys indexed locally (read from there)."""
-        n_q, C, K = len(tokens) // 4, chunk, len(bounds) - 1
+        n_q, C, K = len(tokens) // TOKEN_BYTES, chunk, len(bounds) - 1
         levels = [k for k in range(K + 1) if min((k + 1) * C - 1, n_q) > better_than]
         if not levels or n_q == 0:
             return None
@@ -263,7 +263,7 @@ class SharedTier:
                 chain: int, better_than: int) -> _Candidate | None:
         """The best candidate from round trip 1: most query tokens; at equal length an
         entry, then a chunk to trim, then the chain of chunks alone."""
-        n_q = len(tokens) // 4
+        n_q = len(tokens) // TOKEN_BYTES
         best: _Candidate | None = None
         if chain:
             n = chain * C - (chain * C == n_q)
@@ -286,7 +286,7 @@ class SharedTier:
         is not kvstore's is counted. A chunk field counts only where the chain ends (below,
         the chain itself is longer; beyond, its parent is out of reach) and only for a chunk
         that leaves the query inside it: 0 < m < C shared tokens, trimmed to k*C + m."""
-        n_q, after = len(tokens) // 4, tokens[k * C * 4 :]
+        n_q, after = len(tokens) // TOKEN_BYTES, tokens[k * C * TOKEN_BYTES :]
         try:
             if V.is_chunk_field(fname):
                 if k != chain:
@@ -300,7 +300,7 @@ class SharedTier:
         except V.ValueFormatError:
             self._count("bad_fields")
             return None
-        m, r = common_tokens(f.residual, after), len(f.residual) // 4
+        m, r = common_tokens(f.residual, after), len(f.residual) // TOKEN_BYTES
         if k * C + r == 0 or (f.chunked and k > chain):
             return None
         n = serves(k * C + r, k * C + m, n_q, f.trimmable) or 0
@@ -332,10 +332,10 @@ class SharedTier:
                 return found
             if got[-1] is not None and len(got[-1].data) == 0:  # its field outlived it: lookups would keep choosing it
                 self._forget(identity, bounds[best.k], best)
-        n = chain * C - (chain * C == len(tokens) // 4)
+        n = chain * C - (chain * C == len(tokens) // TOKEN_BYTES)
         if chain == 0 or n <= better_than or not pieces:
             return None
-        return _whole(identity, bounds[1 : chain + 1], tokens[: chain * C * 4], C, pieces, n)
+        return _whole(identity, bounds[1 : chain + 1], tokens[: chain * C * TOKEN_BYTES], C, pieces, n)
 
     def _chain(self, identity: bytes, tokens: bytes, bounds: list[bytes], C: int, k: int,
                fetched: dict[int, Any], held: set[bytes]) -> tuple[list[ChunkPiece], int]:
@@ -346,7 +346,7 @@ class SharedTier:
         for j in range(1, k + 1):
             if bounds[j] in held:
                 continue
-            want = tokens[(j - 1) * C * 4 : j * C * 4]
+            want = tokens[(j - 1) * C * TOKEN_BYTES : j * C * TOKEN_BYTES]
             piece = self._chunk(identity, C, bounds[j - 1], bounds[j], want, fetched[j]) if j in fetched else None
             if piece is None:
                 return pieces, j - 1
@@ -383,12 +383,12 @@ class SharedTier:
         piece = self._chunk(identity, C, bounds[k], best.key, None, data)
         if piece is None:
             return None
-        m = common_tokens(piece[2], tokens[k * C * 4 :])
-        n = serves((k + 1) * C, k * C + m, len(tokens) // 4, whole=False) or 0
+        m = common_tokens(piece[2], tokens[k * C * TOKEN_BYTES :])
+        n = serves((k + 1) * C, k * C + m, len(tokens) // TOKEN_BYTES, whole=False) or 0
         if m == 0 or n <= better_than:
             return None
         self._count("trim_hits")
-        return _whole(identity, [*bounds[1 : k + 1], best.key], tokens[: k * C * 4] + piece[2], C,
+        return _whole(identity, [*bounds[1 : k + 1], best.key], tokens[: k * C * TOKEN_BYTES] + piece[2], C,
                       [*pieces, piece], n)
 
     def _entry(self, identity: bytes, tokens: bytes, bounds: list[bytes], C: int, best: _Candidate,
@@ -409,12 +409,12 @@ class SharedTier:
                     or len(eb) - 1 != best.k or eb[-1] != bounds[best.k] \
                     or rec.chunks != (tuple(eb[1:]) if rec.chunked else ()):
                 raise V.ValueFormatError("entry keys do not follow from its token ids")
-            if v.tokens[: best.k * C * 4] != tokens[: best.k * C * 4]:
+            if v.tokens[: best.k * C * TOKEN_BYTES] != tokens[: best.k * C * TOKEN_BYTES]:
                 raise V.ValueFormatError("entry token ids differ from the query's before its boundary")
         except V.ValueFormatError as e:
             self._reject(name, data, e)
             return None
-        n_q, m = len(tokens) // 4, common_tokens(v.tokens, tokens)
+        n_q, m = len(tokens) // TOKEN_BYTES, common_tokens(v.tokens, tokens)
         n = serves(rec.n, m, n_q, rec.trimmable) or 0
         if n <= better_than:
             return None

@@ -25,7 +25,7 @@ A chunk or entry value is one Redis string::
 
     frame    <4s B 3x d I I Q  magic, version, published (unix s), record, token, segment bytes
     record   records.ChunkRecord / EntryRecord .to_bytes() (segment: pack id 0, offset 0)
-    tokens   the token ids (uint32 LE): a chunk's C tokens, an entry's whole prompt
+    tokens   the token ids (int64 LE, ``keys.TOKEN_BYTES`` each): a chunk's C tokens, an entry's whole prompt
     segment  the safetensors buffer exactly as the local pack held it (none for an entry
              of whole chunks)
 
@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from ..keys import TOKEN_BYTES
 from ..records import KEY, MAX_CHUNK, ChunkRecord, EntryRecord, RecordError, Segment
 
 VERSION = 1
@@ -216,8 +217,8 @@ def _parse(kind: str, data: bytes | memoryview, now: float | None, digest: tuple
     if f.size != len(data):
         raise ValueFormatError(f"{kind} value is {len(data)} bytes, its frame says {f.size}")
     seg = rec.segment if isinstance(rec, ChunkRecord) else rec.tail
-    if f.tokens != 4 * rec.n:
-        raise ValueFormatError(f"{kind} value holds {f.tokens // 4} token ids for {rec.n} tokens")
+    if f.tokens != TOKEN_BYTES * rec.n:
+        raise ValueFormatError(f"{kind} value holds {f.tokens // TOKEN_BYTES} token ids for {rec.n} tokens")
     if seg is None:
         if f.segment:
             raise ValueFormatError("an entry without a tail carries segment bytes")
@@ -260,7 +261,7 @@ def parse_field(field_name: bytes, value: bytes, chunk: int) -> Field:
     if len(value) < 3 or value[:2] != FIELD_TAG or value[2] > 3:
         raise ValueFormatError("hash field value is not kvstore's")
     residual = value[3:]
-    if len(residual) % 4 or len(residual) >= 4 * min(chunk, MAX_CHUNK):
+    if len(residual) % TOKEN_BYTES or len(residual) >= TOKEN_BYTES * min(chunk, MAX_CHUNK):
         raise ValueFormatError(f"hash field residual of {len(residual)} bytes")
     return Field(bytes.fromhex(field_name.decode()), bool(value[2] & 1), bool(value[2] & 2), residual)
 
@@ -289,6 +290,6 @@ def parse_chunk_field(field_name: bytes, value: bytes, chunk: int) -> ChunkField
     ids, or ValueFormatError. Whether the key follows from them is the caller's check."""
     if not _CHUNK_HEX.fullmatch(field_name):
         raise ValueFormatError("hash field name is not a chunk key")
-    if len(value) != 4 * chunk or not 0 < chunk <= MAX_CHUNK:
+    if len(value) != TOKEN_BYTES * chunk or not 0 < chunk <= MAX_CHUNK:
         raise ValueFormatError(f"chunk field of {len(value)} bytes for chunks of {chunk} tokens")
     return ChunkField(bytes.fromhex(field_name[2:].decode()), bytes(value))

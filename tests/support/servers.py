@@ -47,15 +47,18 @@ def serve_command() -> list[str]:
 class Server:
     """One ``kvstore serve`` process on 127.0.0.1; use as a context manager (always killed)."""
 
-    def __init__(self, model: Path, cache_dir: Path, log_path: Path, extra: list[str] = ()) -> None:
+    def __init__(self, model: Path, cache_dir: Path | None, log_path: Path, extra: list[str] = ()) -> None:
+        """``cache_dir`` None: plain ``mlx_lm.server`` (the reference kvstore serve must match)."""
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.log_path = log_path
-        args = ["--model", str(model), "--cache-dir", str(cache_dir),
-                "--host", HOST, "--port", str(self.port), *extra]
+        args = ["--model", str(model), "--host", HOST, "--port", str(self.port), *extra]
+        command = [sys.executable, "-m", "mlx_lm.server"]
+        if cache_dir is not None:
+            args, command = ["--cache-dir", str(cache_dir), *args], serve_command()
         env = child_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(serve_command() + args, stdout=self._log,
+        self.proc = subprocess.Popen(command + args, stdout=self._log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
     # -- lifecycle -----------------------------------------------------------------
