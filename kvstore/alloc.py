@@ -14,12 +14,14 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-import numpy as np
 
 from .blobs import BlobError, Specs, header_prefix, host_dtype, mlx_dtype_name, open_own, read_header, read_into
 from .records import Segment
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # Allocated as a same-width integer and viewed as the real dtype at the end: bfloat16 has
 # no numpy dtype, and MLX's safetensors loader has no float64.
@@ -56,6 +58,7 @@ def alloc(specs: Specs) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     memory the kernel filled with zeros, and writable numpy views of it (or, where that
     is not possible, numpy buffers standing in for the arrays). Fill the views before
     any MLX op uses the arrays, then hand out ``finish(st, array)``."""
+    import numpy as np
     global SHARED_MEMORY
     if SHARED_MEMORY:
         arrays = _zeroed_by_kernel(specs)
@@ -128,6 +131,7 @@ def _scratch_dir() -> str | None:
 
 def finish(st: str, a: Any) -> Any:
     """The MLX array of a filled destination from ``alloc``."""
+    import numpy as np
     import mlx.core as mx
 
     if isinstance(a, np.ndarray):

@@ -39,12 +39,14 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-import numpy as np
 import xxhash
 
 from .records import KEY, Segment
+
+if TYPE_CHECKING:
+    import numpy as np
 
 PACK_SUFFIX = ".kvpack"
 _PACK_NAME = re.compile(r"([0-9a-f]{2})[0-9a-f]{30}\.kvpack")
@@ -372,6 +374,7 @@ def host_views(tensors: dict[str, Any]) -> dict[str, tuple[str, Any]]:
 
 def byte_view(a: np.ndarray) -> memoryview:
     """The bytes of a C-contiguous array, as a writable view (no copy)."""
+    import numpy as np
     # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12 (the checked target is 3.10)
     return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
@@ -379,6 +382,7 @@ def byte_view(a: np.ndarray) -> memoryview:
 def _rows(a: np.ndarray) -> Iterator[np.ndarray]:
     """``a`` as C-order runs of contiguous memory: itself, or its last-two-axes slabs (a
     token slice of a KV array is contiguous per head)."""
+    import numpy as np
     if a.flags.c_contiguous:
         yield a
         return
@@ -391,6 +395,7 @@ def _rows(a: np.ndarray) -> Iterator[np.ndarray]:
 
 def frame(tensors: dict[str, tuple[str, Any]], metadata: dict[str, str]) -> tuple[bytes, list[np.ndarray]]:
     """A segment's header prefix and its tensors' host arrays, in file (name) order."""
+    import numpy as np
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     arrays = []
     offset = 0
@@ -446,6 +451,7 @@ def parse_header(data: bytes, length: int) -> Header:
 
 def _specs(header: dict[str, Any], data_size: int) -> Specs:
     """Tensor specs in file order; BlobError unless they tile ``data_size`` bytes exactly."""
+    import numpy as np
     try:
         items = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
         out: Specs = {}
@@ -669,6 +675,7 @@ class SegmentRead:
 def _dest_views(header: Header, dests: dict[str, np.ndarray], names: list[str], name: str) -> list[memoryview]:
     """The memory of ``dests`` for tensors ``names`` in file order, in pieces of at most
     ``_PIECE`` bytes; BlobError unless each has the header's shape and dtype."""
+    import numpy as np
     views: list[memoryview] = []
     for tname in names:
         st, shape = header.specs[tname]
@@ -719,6 +726,7 @@ def prefetch(fd: int, offset: int, length: int) -> None:
 
 
 def _dest_rows(d: np.ndarray) -> Iterator[np.ndarray]:
+    import numpy as np
     rows = [d] if d.flags.c_contiguous else (d[i] for i in np.ndindex(d.shape[:-2]))
     for r in rows:
         if not r.flags.c_contiguous or not r.flags.writeable:
@@ -784,6 +792,7 @@ def hash_segment(fd: int, seg: Segment) -> bytes:
 
 def host_dtype(st: str) -> np.dtype:
     """The numpy dtype holding a safetensors dtype on the host (``uint16`` for ``BF16``)."""
+    import numpy as np
     return np.dtype(_FROM_ST[st][1])
 
 

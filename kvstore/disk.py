@@ -25,9 +25,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-import numpy as np
 import xxhash
 
 from . import alloc, blobs, written
@@ -39,6 +38,9 @@ from .keys import TOKEN_BYTES, boundaries, chunk_key, encode_tokens, entry_key, 
 from .keys import common_tokens as _common
 from .records import MAX_CHUNK, ChunkRecord, EntryRecord, Kind, PackRecord, RecordError, Segment
 from .segments import SegmentMeta, SegmentMismatch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger("kvstore")
 
@@ -710,6 +712,7 @@ def _framed(key: bytes, rec: EntryRecord, chunks: list[tuple[bytes, ChunkRecord,
 def _copy_into(data: Any, header: blobs.Header, dests: dict[str, np.ndarray]) -> None:
     """A segment's tensors (bytes in memory, checksum already verified) copied into
     ``dests`` as ``blobs.read_into`` reads them from a file."""
+    import numpy as np
     if set(dests) != set(header.specs):
         raise blobs.BlobError(f"tensors {sorted(header.specs)}, expected {sorted(dests)}")
     pos = header.start
@@ -755,6 +758,7 @@ def _write_segments(w: blobs.PackWriter, job: PersistJob, bounds: list[bytes], K
                     have: set[bytes], C: int) -> tuple[dict[bytes, tuple[ChunkRecord, bytes]], Segment | None]:
     """Append the job's chunks not in ``have``, then its tail or snapshot, to one pack.
     Returns the new chunks' records (and token ids) and the tail / snapshot segment."""
+    import numpy as np
     from . import codec
 
     n, enc = job.n, job.tokens

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 import xxhash
 
 FORMAT_VERSION = 4  # 4: token ids as int64; 3: binary records, pack files of segments; 2: trie edges sorted
@@ -41,6 +40,7 @@ class TokenError(ValueError):
 
 def encode_tokens(tokens: Sequence[int]) -> bytes:
     """Tokens as little-endian int64 bytes; raises TokenError naming the first bad token."""
+    import numpy as np
     try:
         arr = np.asarray(tokens)
     except Exception as e:  # ragged or exotic input
@@ -64,6 +64,7 @@ def encode_tokens(tokens: Sequence[int]) -> bytes:
 
 def decode_tokens(data: bytes) -> list[int]:
     """Inverse of encode_tokens."""
+    import numpy as np
     return np.frombuffer(data, dtype="<i8").tolist()
 
 
@@ -130,6 +131,7 @@ def edge_tokens(residual_tokens: bytes) -> bytes:
     token as ``0x01`` + its int64 with the sign bit flipped, big-endian (``EDGE_WIDTH``
     bytes). Byte order of the result is the order of the token sequences, a prefix sorting
     first (an edge key ends the spelling with ``0x00``)."""
+    import numpy as np
     toks = np.frombuffer(residual_tokens[: EDGE_TOKENS * TOKEN_BYTES], dtype="<i8")
     out = np.empty((len(toks), EDGE_WIDTH), dtype=np.uint8)
     out[:, 0] = 1
