@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-NAMES = ("ttft", "bandwidth", "agent_loop", "overhead", "scale", "shared", "server")
+NAMES = ("ttft", "bandwidth", "agent_loop", "overhead", "scale", "shared", "server", "serve")
 TOP_KEYS = {"benchmark", "schema", "quick", "machine", "settings", "raw", "medians", "headline", "notes", "seconds"}
 MACHINE_KEYS = {"cpu", "cores", "ram_bytes", "os", "blas", "versions", "loadavg"}
 

@@ -33,6 +33,8 @@ def test_registry_names():
         "tiny-qwen3next",
         "tiny-cachelist",
         "tiny-llama4",
+        "tiny-llama-hd64",
+        "tiny-muse-spark",
         "bench-qwen3-0.6b",
     }
     assert set(M.MODELS) == expected

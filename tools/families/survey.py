@@ -257,8 +257,13 @@ def verdict(row: dict[str, Any]) -> str:
 
 def run(families: list[str], root: pathlib.Path, *, python: str = sys.executable) -> list[dict[str, Any]]:
     """Build every family here, restore them all in one new process; the rows."""
-    logging.getLogger("kvstore").setLevel(logging.ERROR)
-    rows = [build(f, root) for f in families]
+    quiet = logging.getLogger("kvstore")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # the survey's own process only: restored below (a test runs it in-process)
+    try:
+        rows = [build(f, root) for f in families]
+    finally:
+        quiet.setLevel(level)
     built = [r["family"] for r in rows if r["built"]]
     restored = _restore_in_children(root, built, python)
     for r in rows:

@@ -257,8 +257,8 @@ def run_permissions(ctx: Ctx) -> dict:
     nobody_w: Checker | None = None
     opened: list[tuple[Path, int]] = []
     if is_root:
-        os.chmod(ctx.work, 0o755)
-        opened = searchable_by_others([ROOT, Path(sys.prefix), Path(sys.base_prefix)])
+        # the other uids reach the work directory too (pytest's base temp dir is 0700)
+        opened = searchable_by_others([ROOT, Path(sys.prefix), Path(sys.base_prefix), ctx.work])
         nobody_w = Checker(ctx.logdir, "perm")
         nobody_w.w.close()
         nobody_w.w = Worker("perm", ctx.logdir, nobody=True)
