@@ -4,10 +4,10 @@ redis-py (even with hiredis) copies a bulk reply twice before the caller sees it
 socket into the parser's buffer, then into a new ``bytes``. ``read_strings`` sends one
 pipeline of ``GETRANGE key 0 limit-1`` on a connection of a redis-py pool (its handshake,
 credentials and TLS are redis-py's) and reads the replies itself: each value lands once,
-with ``recv_into``, in a buffer of exactly its announced length (numpy ``empty``: no
-zeroing pass), and ``hash_from(head)`` may name, from a value's first ``HEAD`` bytes, an
-offset from which the bytes are hashed (xxh3-128) piece by piece as they arrive, while
-the server is still sending: the caller's checksum costs no pass of its own.
+with ``recv_into``, in a buffer of exactly its announced length (``alloc.fresh_bytes``:
+untouched pages, faulted in by the copy itself), and ``hash_from(head)`` may name, from
+a value's first ``HEAD`` bytes, an offset from which the bytes are hashed (xxh3-128)
+piece by piece as they arrive, while the server is still sending: the caller's checksum costs no pass of its own.
 
 Guarantees: a reply longer than ``limit`` is never read (the connection is dropped: the
 server was asked for at most ``limit`` bytes, so it is not the reply we asked for); every
@@ -25,12 +25,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-import numpy as np
 import xxhash
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ..blobs import byte_view
+from ..alloc import fresh_bytes
 
 HEAD = 64           # bytes of a value ``hash_from`` sees
 PIECE = 4 << 20     # bytes per recv_into
@@ -133,7 +132,7 @@ def _one(r: _Reader, limit: int, hash_from: Callable[[memoryview], int | None] |
         return Bulk(memoryview(b""))
     if n > limit:
         raise RedisConnectionError(f"a {n}-byte reply to a GETRANGE of at most {limit}")
-    view = byte_view(np.empty(n, np.uint8))
+    view = fresh_bytes(n)
     state: dict[str, Any] = {"offset": None, "h": None, "done": 0}
 
     def piece(a: int, b: int) -> None:
