@@ -281,6 +281,9 @@ def run(ctx: C.Context) -> dict[str, Any]:
     for part in plan if parts else ():
         if part not in parts.split(","):  # type: ignore[union-attr]
             plan[part] = []
+    lengths = os.environ.get("KVSTORE_BENCH_SHARED_TTFT")  # e.g. "1024,2048": a cold 8k prefill here takes long
+    if lengths:
+        plan["ttft"] = [(model, [int(x) for x in lengths.split(",")]) for model, _ in plan["ttft"]]
     reps = 2 if ctx.quick else 5 if reduced else 3  # a loaded machine: more reps, medians
     server = _server(ctx)
     url = f"redis://127.0.0.1:{server.port}/0"

@@ -441,7 +441,8 @@ class SharedClient:
     def _per_node(self, client: RedisClient, keys: list[str],
                   send: Callable[[redis.Redis, list[int], list[Any]], None]) -> list[Any]:
         """``send(node client, indexes, results)`` for the keys of each node (the whole
-        list on one server); a node that fails alone gives ``NODE_DOWN`` for its keys."""
+        list on one server), every node on a thread of its own at once; a node that fails
+        alone gives ``NODE_DOWN`` for its keys."""
         if isinstance(client, RedisCluster):
             groups: dict[str, tuple[redis.Redis, list[int]]] = {}
             for i, key in enumerate(keys):
@@ -452,19 +453,24 @@ class SharedClient:
         else:
             groups = {"": (client, list(range(len(keys))))}
         results: list[Any] = [None] * len(keys)
-        down: list[BaseException] = []
-        for node_client, indexes in groups.values():
+        nodes = list(groups.values())
+        failed: list[BaseException | None] = [None] * len(nodes)
+
+        def one(part: list[int]) -> None:
+            node_client, indexes = nodes[part[0]]
             try:
                 send(node_client, indexes, results)
             except (RedisConnectionError, RedisTimeoutError, OSError) as e:
-                if len(groups) == 1:
-                    raise
-                down.append(e)
-                for i in indexes:
-                    results[i] = NODE_DOWN
+                failed[part[0]] = e
+
+        _at_once(one, [[k] for k in range(len(nodes))])  # the nodes at once: one round trip of latency
+        down = [e for e in failed if e is not None]
         if down:
-            if len(down) == len(groups):
+            if len(down) == len(nodes):
                 raise down[0]
+            for (_, indexes), e in zip(nodes, failed):
+                for i in indexes if e is not None else ():
+                    results[i] = NODE_DOWN
             self._node_down(down[0])
         return results
 
