@@ -569,6 +569,28 @@ def test_a_hit_that_would_not_pay_is_skipped(tmp_path, redis_server: RedisServer
             assert (f.n, f.source, c.stats()["shared_skipped_cost"]) == (1000, "shared", 0), c.stats()
 
 
+def test_a_deadline_miss_measures_the_link_so_the_next_slow_hit_is_skipped(tmp_path, redis_server: RedisServer):
+    """Behind a 200 KB/s relay, a model whose prefill of the entry takes ~1 s (longer
+    than the first lookup's deadline, the link not measured yet): the first lookup misses
+    its deadline, and what the link delivered in that time (not just "slower than the
+    value over the deadline", which here still looks fast enough) is the new estimate, so
+    the next lookup is skipped without moving a byte instead of missing again."""
+    from tests.support.relay import Relay
+
+    who, toks = ident("measured"), [rand_tokens(1000, 90 + i) for i in range(2)]
+    publish(tmp_path / "a", redis_server.url, who, toks, layers=8)
+    with Relay(redis_server.port, rate=200e3) as relay, store(tmp_path / "b", relay.url + PATIENT) as b:
+        b.shared.prefill.observe(who.digest, 1000, 1.0)
+        assert b.fetch(who, toks[0] + [1]).cache is None
+        link = b.shared.link
+        assert link.bandwidth is not None and link.bandwidth < 1e6, link.bandwidth  # ~200 KB/s, not MB/s
+        before = rt(b)
+        assert b.fetch(who, toks[1] + [1]).cache is None
+        s = b.stats()
+        assert (s["shared_deadline_misses"], s["shared_skipped_cost"]) == (1, 1), s
+        assert rt(b) - before == 1  # the skipped lookup asked for no value
+
+
 def test_publish_refuses_values_over_the_servers_bulk_limit(tmp_path, redis_binary: str):
     """A server whose ``proto-max-bulk-len`` is 1 MB: a 1.3 MB snapshot entry is refused
     before its segment is read or its value built (``too_large``), nothing is sent; a

@@ -20,6 +20,7 @@ their place. Raises redis-py's ConnectionError / TimeoutError (the client counts
 from __future__ import annotations
 
 import ssl
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,9 +46,23 @@ class Bulk:
     digest: bytes | None = None
 
 
+class Tally:
+    """Bytes received so far by the readers of one call (any threads), kept when the
+    call fails: what a link delivered before its deadline measures the link."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.n += n
+
+
 class _Reader:
-    def __init__(self, sock: Any, until: float | None, timeout: float) -> None:
+    def __init__(self, sock: Any, until: float | None, timeout: float, tally: Tally | None = None) -> None:
         self.sock, self.until, self.timeout = sock, until, timeout
+        self.tally = tally or Tally()
         self.buf = bytearray()
 
     def _wait(self) -> None:
@@ -64,6 +79,7 @@ class _Reader:
             raise RedisTimeoutError("timeout reading a bulk reply") from None
         if not got:
             raise RedisConnectionError("connection closed while reading a bulk reply")
+        self.tally.add(len(got))
         self.buf += got
 
     def line(self) -> bytes:
@@ -93,17 +109,20 @@ class _Reader:
                 raise RedisTimeoutError("timeout reading a bulk reply") from None
             if not got:
                 raise RedisConnectionError("connection closed while reading a bulk reply")
+            self.tally.add(got)
             on_piece(pos, pos + got)
             pos += got
 
 
 def read_strings(pool: Any, names: list[str], limit: int, until: float | None, timeout: float,
-                 hash_from: Callable[[memoryview], int | None] | None = None) -> list[Bulk | None]:
+                 hash_from: Callable[[memoryview], int | None] | None = None,
+                 tally: Tally | None = None) -> list[Bulk | None]:
     """``GETRANGE name 0 limit-1`` of each name in one pipeline on one connection of
-    ``pool`` (see the module docstring); None where the server answered an error."""
+    ``pool`` (see the module docstring); None where the server answered an error. Every
+    byte received is added to ``tally`` as it arrives."""
     with _connection(pool) as conn:
         conn.send_packed_command(conn.pack_commands([("GETRANGE", n, 0, limit - 1) for n in names]))
-        r = _Reader(conn._sock, until, timeout)
+        r = _Reader(conn._sock, until, timeout, tally)
         return [_one(r, limit, hash_from) for _ in names]
 
 

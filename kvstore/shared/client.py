@@ -51,7 +51,7 @@ from redis.retry import Retry
 
 from .breaker import Breaker
 from . import deadline
-from .bulk import Bulk, read_strings, write_strings
+from .bulk import Bulk, Tally, read_strings, write_strings
 from .config import SharedConfig
 from .keys import key_slot, make_key
 
@@ -176,12 +176,13 @@ class SharedClient:
         return replies
 
     def read_values(self, names: Sequence[str], limit: int, until: float | None = None,
-                    hash_from: Callable[[memoryview], int | None] | None = None) -> list[Bulk | None] | None:
+                    hash_from: Callable[[memoryview], int | None] | None = None,
+                    tally: Tally | None = None) -> list[Bulk | None] | None:
         """The first ``limit`` bytes of each string, pipelined per cluster node on up to
         ``BULK_CONNECTIONS`` connections at once (the values split between them in order),
         read off the socket once and hashed as they arrive (``bulk.read_strings``); a missing
         key gives an empty value, an error reply or a node that failed gives None. None
-        for the whole call means unavailable."""
+        for the whole call means unavailable; ``tally`` counts the bytes received even then."""
         _check_keys(names)
         if limit < 1:
             raise ValueError("limit must be >= 1")
@@ -193,7 +194,7 @@ class SharedClient:
 
             def part(ids: list[int]) -> None:
                 got = read_strings(node.connection_pool, [names[i] for i in ids], limit, until,
-                                   self.config.command_timeout, hash_from)
+                                   self.config.command_timeout, hash_from, tally)
                 for i, v in zip(ids, got):
                     results[i] = v
 

@@ -79,7 +79,7 @@ from ..keys import TOKEN_BYTES, boundaries, chunk_key, common_tokens, entry_key,
 from ..records import ChunkRecord, EntryRecord, Segment
 from ..writer import Writer
 from . import values as V
-from .bulk import Bulk
+from .bulk import Bulk, Tally
 from .client import SharedClient
 from .cost import Link, PrefillRates
 from .config import SharedConfig
@@ -251,12 +251,13 @@ class SharedTier:
             return None
         return max(DEADLINE_FLOOR, min(prefill, 2 * transfer))
 
-    def _late(self, until: float, started: float | None = None, moving: float | None = None) -> None:
+    def _late(self, until: float, started: float | None = None, moving: float | None = None,
+              received: int | None = None) -> None:
         """A call that failed: a deadline miss (counted) if its time ran out; then the
-        link moved less than ``moving`` bytes since ``started`` (its estimate lowered)."""
+        link moved ``received`` of ``moving`` bytes since ``started`` (its estimate lowered)."""
         if time.monotonic() >= until - 0.005:
             self._count("deadline_misses")
-            self.link.late(moving, time.monotonic() - started if started is not None else None)
+            self.link.late(moving, time.monotonic() - started if started is not None else None, received)
         return None
 
     def _choose(self, tokens: bytes, bounds: list[bytes], C: int, levels: list[int], hashes: list[Any],
@@ -315,10 +316,10 @@ class SharedTier:
         names = [self.name("chunk", bounds[j], identity) for j in wanted]
         if best.key is not None:
             names.append(self.name("chunk" if best.trim else "entry", best.key, identity))
-        t0 = time.monotonic()
-        got = self.bulk.read_values(names, self.max_value_bytes, until, V.segment_offset)
+        t0, tally = time.monotonic(), Tally()
+        got = self.bulk.read_values(names, self.max_value_bytes, until, V.segment_offset, tally)
         if got is None:
-            self._late(until, t0, moving)
+            self._late(until, t0, moving, tally.n)
             return None
         nbytes = sum(len(v.data) for v in got if v is not None)
         self.link.transfer(identity, nbytes, len(wanted) * C + _value_tokens(best, C), time.monotonic() - t0)
