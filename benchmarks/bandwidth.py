@@ -540,7 +540,7 @@ def limit_report(doc: dict[str, Any]) -> str:
                          C.fmt(m[f"{s}_kvstore_gbps"], "GB/s") + base, C.fmt(m[f"{s}_mlx_lm_gbps"], "GB/s"),
                          f"{m[f'{s}_kvstore_vs_mlx_lm']:.2f}", dev, f"{m[f'{s}_kvstore_vs_device']:.2f}",
                          " / ".join(C.fmt(m[f"{s}_pread{t}_gbps"]) for t in PREAD_THREADS), extra, m[f"{s}_loadavg1"]])
-    return C.table("Restore vs mlx-lm and the device (medians, fresh processes, interleaved; loaded machine)",
+    return C.table("Restore vs mlx-lm and the device (medians, fresh processes, interleaved; 'load': the load average during the row)",
                    ["entry", "page cache", "kvstore", "mlx-lm", "kv/mlx", "device", "kv/device",
                     "pread 1/4/16 thr GB/s", "warm floor", "load"], rows)
 
