@@ -130,10 +130,19 @@ class Server:
             raise AssertionError(f"{path}: no answer in {timeout} s; the server's threads:\n{self.stacks()}") from None
 
     def stacks(self) -> str:
-        """The server's log after SIGUSR1 made it print every thread's stack (a hang's state)."""
+        """The server's log after SIGUSR1 made it print every thread's stack (a hang's state);
+        SIGUSR2 (the dump from inside the signal) if Python did not answer in 2 s."""
         if self.proc.poll() is None:
+            before = self.log(1 << 30).count("most recent call first")
             self.proc.send_signal(signal.SIGUSR1)
-            time.sleep(1.0)
+            for _ in range(20):
+                time.sleep(0.1)
+                if self.log(1 << 30).count("most recent call first") > before:
+                    break
+            else:
+                if self.proc.poll() is None:
+                    self.proc.send_signal(signal.SIGUSR2)
+            time.sleep(0.5)
         return self.log(20000)
 
     def chat(self, messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:
