@@ -308,6 +308,33 @@ def test_verify_finds_and_fixes(tmpl, disk, fault):
         assert got[name] < len(tmpl["prompts"][name]), (name, got)
 
 
+def test_fix_counts_what_a_reader_removed_since_the_scan_as_fixed(tmpl, disk, monkeypatch):
+    """R's pack file is deleted; after ``verify --fix`` scanned the index, another store
+    fetches R, meets the damage and drops what it read. The fix then finds those records
+    gone: they are fixed (nothing is left to repair), not "could not be fixed now" (exit
+    1 from ``kvstore verify --fix``: a CI failure beside a live reader), and the index is
+    clean after that one run."""
+    from kvstore import KVStore
+
+    _delete(disk, tmpl)
+    real_scan, met = MV.scan, []
+
+    def scan_then_reader(*a, **kw):
+        snap = real_scan(*a, **kw)
+        if not met:  # the reader, a real second store on the same directory
+            with KVStore(disk.root, chunk_tokens=CHUNK, max_entries=0) as other:
+                f = other.fetch(tmpl["model_dir"], tmpl["prompts"]["R"] + [10, 33])
+                met.append(f.n)
+        return snap
+
+    monkeypatch.setattr(MV, "scan", scan_then_reader)
+    fixed = M.verify(disk, fix=True, blob_age=0)
+    monkeypatch.setattr(MV, "scan", real_scan)
+    assert met and met[0] < len(tmpl["prompts"]["R"]), met  # the reader did meet the damage
+    assert "missing_blob" in kinds(fixed) and all(p.fixed for p in fixed), [p.to_dict() for p in fixed]
+    assert M.verify(disk, blob_age=0) == []
+
+
 def test_foreign_files_are_reported_and_never_touched(tmpl, disk):
     """Files kvstore did not write (another tool's, a temp file, a symlink, a pack name in
     the wrong fan-out directory) are reported and left alone by --fix and gc."""

@@ -368,7 +368,8 @@ def _fix(disk: DiskTier, problems: list[Problem], snap: Snapshot, blob_age: floa
 
 def _drop_broken(t: WriteTxn, snap: Snapshot, broken: set[tuple[str, str | None]]) -> set[tuple[str, str]]:
     """Remove the broken records that are still as scanned, and every entry built on a
-    broken chunk. Returns the (record, key hex) removed."""
+    broken chunk. Returns the (record, key hex) removed, here or by another process since
+    the scan (a reader that met the same damage drops what it read)."""
     gone: set[tuple[str, str]] = set()
     db = {"entry": "entries", "chunk": "chunks", "pack": "packs"}
     bad_chunks: set[bytes] = set()
@@ -379,6 +380,11 @@ def _drop_broken(t: WriteTxn, snap: Snapshot, broken: set[tuple[str, str | None]
             now = t.entry(key) if kind == "entry" else t.chunk(key) if kind == "chunk" else t.pack(key)
         except RecordError:
             now = None
+        if was is not None and t.raw(db[kind], key) is None:
+            gone.add((kind, hx or ""))  # removed meanwhile (a reader that met the damage, a gc): nothing to fix
+            if kind == "chunk":
+                bad_chunks.add(key)     # entries still built on it go below
+            continue
         if not _same_record(now, was):
             continue  # rewritten meanwhile: not the record judged
         if now is None:
