@@ -13,8 +13,9 @@ a fetch that served ``n`` of a prompt's tokens to the insert of that prompt's ca
 generating too makes the rate look slower, so more hits are taken, never fewer).
 
 Until both sides have a sample the answer is "take it" (nothing to compare yet). A
-deadline passed sets the bandwidth estimate to what the link delivered in that time
-(or halves it), so a link that is or turned slow is not asked again; a decision older
+first deadline passed sets the bandwidth estimate to what the link delivered in that
+time, a later one halves it, so a link that is or turned slow soon stops being asked
+while one stall does not stop a good link; a decision older
 than ``PROBE_AFTER`` seconds without a transfer lets one lookup through to measure the
 link again. Thread-safe.
 """
@@ -27,7 +28,6 @@ import time
 ALPHA = 0.3          # weight of a new sample in the moving averages
 PROBE_AFTER = 30.0   # seconds without a transfer after which one lookup measures again
 RATE_WINDOW = 600.0  # a fetch older than this is not the prefill of the next insert
-MIN_BANDWIDTH = 1.0  # bytes/s: the estimate after a deadline that received nothing
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -59,17 +59,19 @@ class Link:
 
     def late(self, nbytes: float | None = None, seconds: float | None = None, received: int | None = None) -> None:
         """A transfer of ``nbytes`` cut off at its deadline after ``seconds``, ``received``
-        bytes in: the link is slower than nbytes / seconds, and it delivered received /
-        seconds (a measurement: the estimate drops to it, to that bound, or halves; never
-        below ``MIN_BANDWIDTH``, so a stalled link is probed again after ``PROBE_AFTER``)."""
+        bytes in: the link is slower than nbytes / seconds. Not measured yet, the estimate
+        becomes what it delivered, received / seconds (or that bound when nothing came: a
+        stall says nothing of the link); measured, it halves (at most the bound), so one
+        stall does not stop a good link being asked."""
         with self._lock:
             self._last = time.monotonic()
             bound = nbytes / seconds if nbytes and seconds else None
-            measured = received / seconds if received is not None and seconds else None
-            known = [b for b in (bound, measured, None if self.bandwidth is None else self.bandwidth / 2)
-                     if b is not None]
-            if known:
-                self.bandwidth = max(min(known), MIN_BANDWIDTH)
+            measured = received / seconds if received and seconds else None
+            if self.bandwidth is None:
+                known = [b for b in (bound, measured) if b is not None]
+                self.bandwidth = min(known) if known else None
+            else:
+                self.bandwidth = min(self.bandwidth / 2, bound) if bound is not None else self.bandwidth / 2
 
     def bytes_per_token(self, identity: bytes) -> float | None:
         with self._lock:
