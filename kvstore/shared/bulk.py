@@ -7,7 +7,8 @@ credentials and TLS are redis-py's) and reads the replies itself: each value lan
 with ``recv_into``, in a buffer of exactly its announced length (``alloc.fresh_bytes``:
 untouched pages, faulted in by the copy itself), and ``hash_from(head)`` may name, from
 a value's first ``HEAD`` bytes, an offset from which the bytes are hashed (xxh3-128)
-piece by piece as they arrive, while the server is still sending: the caller's checksum costs no pass of its own.
+piece by piece as they arrive, while the server is still sending: the caller's checksum
+costs no pass of its own.
 
 Guarantees: a reply longer than ``limit`` is never read (the connection is dropped: the
 server was asked for at most ``limit`` bytes, so it is not the reply we asked for); every

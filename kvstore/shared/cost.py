@@ -15,9 +15,9 @@ generating too makes the rate look slower, so more hits are taken, never fewer).
 Until both sides have a sample the answer is "take it" (nothing to compare yet). A
 first deadline passed sets the bandwidth estimate to what the link delivered in that
 time, a later one halves it, so a link that is or turned slow soon stops being asked
-while one stall does not stop a good link; a decision older
-than ``PROBE_AFTER`` seconds without a transfer lets one lookup through to measure the
-link again. Thread-safe.
+while one stall does not stop a good link; a decision older than ``PROBE_AFTER``
+seconds without a transfer lets one lookup through to measure the link again.
+Thread-safe.
 """
 
 from __future__ import annotations
