@@ -359,6 +359,9 @@ class KVStore:
         assert self.shared is not None and self.disk is not None
         chunks = [(ck, rec, toks, bytes(seg)) for ck, rec, toks, seg in found.chunks]
         try:
+            job = PersistJob(ident, bytes(found.tokens), found.key, {}, [], found.record.cache_type)
+            if self._admit(job, framed=True) is None:  # the policy or the budget says no: nothing written
+                return False
             status = self.disk.import_entry(ident, found.key, found.record, found.tokens, chunks, bytes(found.tail),
                                             lambda specs, layout: layout_problem(ident, specs, layout))
         except blobs.BlobError as e:  # verified bytes that do not fit this model or directory
@@ -378,7 +381,14 @@ class KVStore:
             return False
         if status is Commit.RETRY:
             self._counters.add("races")
-        return status is not Commit.RETRY
+            return False
+        try:
+            self._keep_disk_budget()
+        except (OSError, IndexFailure) as e:  # the entry is filed; only the budget's pass failed
+            self._counters.add("write_errors")
+            if not self._index_damaged(e):
+                self._warn_once("shared-write", "kvstore: could not keep the disk budget (%s)", e)
+        return True
 
     def _fetch_disk(self, ident: Identity, enc: bytes, better_than: int, source: str = "disk") -> Fetched | None:
         assert self.disk is not None
@@ -609,16 +619,12 @@ class KVStore:
             return
         t0 = time.perf_counter()
         try:
-            admitted = self.write_policy.admit(disk, job)  # the job, its reused prefix, or why not
-            if isinstance(admitted, str):  # the job's snapshot stays in memory
-                self._counters.add(f"writes_skipped_{admitted}")
+            admitted = self._admit(job)
+            if admitted is None:  # the job's snapshot stays in memory
                 return
             job = admitted
             written = disk.persist(job)
-            if self.max_disk_bytes is not None:
-                gone = evict_to(disk, self.max_disk_bytes)
-                self._counters.add("gc_runs", int(bool(gone)), evictions_disk=len(gone),
-                                   gc_freed_bytes=sum(r.freed for r in gone))
+            self._keep_disk_budget()
         except (OSError, IndexFailure, blobs.BlobError) as e:  # a write or commit failed (full disk, I/O)
             self._counters.add("write_errors")
             if not self._index_damaged(e):
@@ -630,6 +636,24 @@ class KVStore:
         self._counters.observe("persist_seconds", took)
         if self.shared is not None:  # its own thread and queue: a full queue drops, counted
             self.shared.submit(lambda: self._publish(job))
+
+    def _admit(self, job: PersistJob, *, framed: bool = False) -> PersistJob | None:
+        """The one door to the disk tier: every write (a persist, a shared hit filed here)
+        asks the write policy and the daily budget first. The job to write (for "reused"
+        perhaps its prefix), or None, the skip counted."""
+        assert self.disk is not None
+        admitted = self.write_policy.admit(self.disk, job, framed=framed)
+        if isinstance(admitted, str):
+            self._counters.add(f"writes_skipped_{admitted}")
+            return None
+        return admitted
+
+    def _keep_disk_budget(self) -> None:
+        """After every write: evict least recently used entries down to ``max_disk_bytes``."""
+        if self.max_disk_bytes is not None and self.disk is not None:
+            gone = evict_to(self.disk, self.max_disk_bytes)
+            self._counters.add("gc_runs", int(bool(gone)), evictions_disk=len(gone),
+                               gc_freed_bytes=sum(r.freed for r in gone))
 
     def _publish(self, job: PersistJob) -> None:
         """The publisher thread's job: the committed entry, read back from its pack files

@@ -78,10 +78,13 @@ class WritePolicy:
         self._seen: OrderedDict[bytes, None] = OrderedDict()
         self._lock = threading.Lock()
 
-    def admit(self, disk: Any, job: PersistJob) -> PersistJob | str:
+    def admit(self, disk: Any, job: PersistJob, *, framed: bool = False) -> PersistJob | str:
         """The job to write (``job``, or for "reused" its prefix seen before), or why
-        nothing is written: "policy" or "budget"."""
-        n = self._wanted(disk, job)
+        nothing is written: "policy" or "budget". Every write to the disk tier asks here
+        first. ``framed``: the job's segments were framed elsewhere (a shared-tier hit
+        filed here), so it is written whole or not at all; under "reused" it counts as a
+        second use (another machine stored it, this one asked for it)."""
+        n = (job.n if self.persist != "system" else self._wanted(disk, job)) if framed else self._wanted(disk, job)
         if n == 0:
             return "policy"
         if self.max_write_bytes_per_day is not None and written(disk.index)[0] >= self.max_write_bytes_per_day:

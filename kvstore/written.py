@@ -9,6 +9,7 @@ policy and ``stats`` read.
 
 from __future__ import annotations
 
+import datetime
 import time
 from typing import Any
 
@@ -20,14 +21,27 @@ def utc_day(now: float | None = None) -> str:
     return time.strftime("%Y-%m-%d", time.gmtime(time.time() if now is None else now))
 
 
-def _day_count(raw: bytes | None, day: str) -> int:
-    if not raw:
-        return 0
+def _stored_day(raw: bytes | None, day: str) -> tuple[str, int]:
+    """The day the stored count belongs to and the count, seen from ``day`` (today by
+    this process's clock). A count dated the day after ``day`` is still today's: the
+    clock stepped back over midnight (an NTP correction, a VM resumed), and restarting
+    the count there would grant the budget twice in one real day. A count dated earlier,
+    further ahead (a clock that was wrong), or damaged starts from zero today."""
     try:
-        d, n = raw.decode().split()
-        return int(n) if d == day else 0
-    except ValueError:  # damaged: counted from zero again
-        return 0
+        d, n = (raw or b"").decode().split()
+        if d == day or d == _next_day(day):
+            return d, int(n)
+    except ValueError:  # damaged (or absent): counted from zero again
+        pass
+    return day, 0
+
+
+def _next_day(day: str) -> str:
+    return (datetime.date.fromisoformat(day) + datetime.timedelta(days=1)).isoformat()
+
+
+def _day_count(raw: bytes | None, day: str) -> int:
+    return _stored_day(raw, day)[1]
 
 
 def _int(raw: bytes | None) -> int:
@@ -44,7 +58,7 @@ def written(index: Any, now: float | None = None) -> tuple[int, int]:
 
 def count(t: Any, n: int, now: float | None = None) -> None:
     """Count ``n`` more bytes written, inside the write transaction ``t`` that commits them."""
-    day = utc_day(now)
-    today, total = _day_count(t.meta(DAY_KEY), day) + n, _int(t.meta(TOTAL_KEY)) + n
+    day, today = _stored_day(t.meta(DAY_KEY), utc_day(now))
+    today, total = today + n, _int(t.meta(TOTAL_KEY)) + n
     t.set_meta(DAY_KEY, f"{day} {today}".encode())
     t.set_meta(TOTAL_KEY, str(total).encode())

@@ -17,6 +17,8 @@ from kvstore.written import count, written
 from tests.support.caches import ident, rand_tokens, synth
 from tests.test_cli import cli
 
+pytest_plugins = ("tests.support.redis_servers",)
+
 C = 4  # chunk tokens: a prefix of one chunk is 4 tokens
 ID = ident("write-policy")
 
@@ -145,3 +147,53 @@ def test_bad_options_are_refused(tmp_path: Path, bad: dict) -> None:
     with pytest.raises(ValueError, match="persist|max_write_bytes_per_day"):
         KVStore(tmp_path, **bad)
     assert not tmp_path.joinpath("index").exists()  # refused before anything was created
+
+
+# --------------------------------------------------------------------------- one door to the disk
+
+
+@pytest.mark.parametrize("limits", [{"persist": "system"}, {"max_write_bytes_per_day": 0},
+                                    {"max_disk_bytes": 1}])
+def test_shared_hits_are_written_to_disk_only_as_the_limits_allow(tmp_path: Path, redis_server, limits) -> None:
+    """A hit from the shared tier is filed on the local disk through the same door as any
+    persist: the write policy, the daily budget and the disk budget all apply to it (they
+    were skipped: 3 entries and 466 KB written past `--persist system`, a zero budget and
+    `--max-disk-bytes 1`). The hit itself is still served, from the bytes received."""
+    from kvstore.shared import SharedConfig
+
+    shared = SharedConfig.from_url(redis_server.url)
+    prompts = [rand_tokens(13, 40 + i) for i in range(3)]
+    with KVStore(tmp_path / "a", chunk_tokens=C, shared=shared) as a:  # machine A publishes
+        for toks in prompts:
+            a.insert(ID, toks, synth(toks))
+        assert a.flush(30)
+        assert a.stats()["shared_published"] == 3, a.stats()
+    with KVStore(tmp_path / "b", chunk_tokens=C, shared=shared, **limits) as b:
+        for toks in prompts:
+            got = b.fetch(ID, toks)
+            assert got.n == len(toks) and got.source == "shared", got
+        assert b.flush(30)
+        st = b.stats()
+    if "max_disk_bytes" in limits:
+        assert st["evictions_disk"] >= 3, st  # filed, then evicted down to the budget
+    else:
+        assert st["writes_skipped_" + ("policy" if "persist" in limits else "budget")] == 3, st
+    assert on_disk(tmp_path / "b") == set()
+    if "max_disk_bytes" not in limits:
+        with KVStore(tmp_path / "b", chunk_tokens=C) as b:
+            assert written(b.disk.index) == (0, 0)
+
+
+def test_the_daily_budget_survives_the_clock_stepping_back_over_midnight(tmp_path: Path) -> None:
+    """A count dated tomorrow by a clock that then steps back (NTP, a resumed VM) is still
+    today's: the budget is not granted twice in one real day. A count dated further ahead
+    (a clock that was wrong) starts from zero."""
+    with KVStore(tmp_path, chunk_tokens=C) as s:
+        now = time.time()
+        s.disk.index.transact(lambda t: count(t, 100, now=now + 86400))  # written just after midnight
+        assert written(s.disk.index, now=now)[0] == 100  # the clock stepped back: still spent
+        s.disk.index.transact(lambda t: count(t, 5, now=now))
+        assert written(s.disk.index, now=now + 86400)[0] == 105  # one day's count, not two
+        s.disk.index.transact(lambda t: count(t, 7, now=now + 3 * 86400))
+        assert written(s.disk.index, now=now)[0] == 0  # dated far ahead: a wrong clock, counted afresh
+        assert written(s.disk.index, now=now)[1] == 112
