@@ -34,6 +34,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from .. import metrics
+from ..units import parse_size
 from . import startup
 from .mlx_lm import LRUPromptCache
 
@@ -163,13 +164,13 @@ def _sigterm(signum: int, frame: Any) -> None:
 def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("kvstore")
     g.add_argument("--cache-dir", help="kvstore cache directory (default: $KVSTORE_DIR or the user cache dir)")
-    g.add_argument("--max-disk-bytes", type=_size, default=None, help="disk budget, e.g. 20G (LRU eviction)")
+    g.add_argument("--max-disk-bytes", type=parse_size, default=None, help="disk budget, e.g. 20G (LRU eviction)")
     g.add_argument("--chunk-tokens", type=int, default=256, help="tokens per stored chunk (default 256)")
     g.add_argument("--write-queue", type=int, default=16, help="write-behind queue length (default 16)")
     g.add_argument("--persist", choices=("all", "system", "reused"), default="all",
                    help="what is written to disk: every new prefix (all, the default), system prompts and "
                         "pinned entries only (system), or a prefix seen a second time (reused)")
-    g.add_argument("--max-write-bytes-per-day", type=_size, default=None, metavar="BYTES",
+    g.add_argument("--max-write-bytes-per-day", type=parse_size, default=None, metavar="BYTES",
                    help="stop writing to disk once this many bytes were written today (UTC), e.g. 20G; "
                         "resumes the next day")
     g.add_argument("--shared", metavar="URL", default=None,
@@ -277,11 +278,3 @@ def shared_config(ours: argparse.Namespace) -> Any:
     if config is None:
         raise SystemExit("kvstore serve: --shared-* options need --shared URL (or $KVSTORE_SHARED)")
     return config
-
-
-def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().rstrip("b")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)

@@ -1,0 +1,32 @@
+"""Sizes read the same way by every flag that takes one (``kvstore serve`` and the
+maintenance commands), through their real argument parsers."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvstore.adapters.server import setup_arg_parser as serve_flags
+from kvstore.cli import gc as gc_command
+from kvstore.cli.main import _parser
+from kvstore.units import parse_size
+
+
+@pytest.mark.parametrize("text,n", [("20GiB", 20 << 30), ("20G", 20 << 30), ("1.5g", 3 << 29), ("500MB", 500 << 20),
+                                    ("64k", 64 << 10), ("1000", 1000)])
+def test_serve_and_gc_read_a_size_alike(text: str, n: int) -> None:
+    serve = argparse.ArgumentParser()
+    serve_flags(serve)
+    assert serve.parse_args(["--max-disk-bytes", text, "--max-write-bytes-per-day", text]).max_disk_bytes == n
+    assert _parser("gc", gc_command).parse_args(["gc", "--max-bytes", text]).max_bytes == n
+    assert parse_size(text) == n
+
+
+@pytest.mark.parametrize("text", ["", "20 GB of disk", "-5G", "ten"])
+def test_a_bad_size_names_the_value(text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    serve = argparse.ArgumentParser()
+    serve_flags(serve)
+    with pytest.raises(SystemExit):
+        serve.parse_args([f"--max-disk-bytes={text}"])
+    assert f"invalid size {text!r}" in capsys.readouterr().err
