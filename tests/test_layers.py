@@ -57,3 +57,17 @@ def test_no_function_over_60_lines():
                 if n > 60:
                     long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({n} lines)")
     assert long == []
+
+
+def test_the_design_docs_module_table_names_every_module(tmp_path):
+    """docs/design.md's module table is checked against the package: today's is complete,
+    and a module missing from it (or a row naming a module that is gone) is reported."""
+    assert layers.doc_problems() == []
+    (tmp_path / "kvstore" / "sub").mkdir(parents=True)
+    for f in ("kvstore/__init__.py", "kvstore/a.py", "kvstore/b.py", "kvstore/sub/__init__.py"):
+        (tmp_path / f).write_text("")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "design.md").write_text("| module | idea |\n| --- | --- |\n"
+                                                 "| `kvstore/a.py`, `gone.py` | ... |\n| `kvstore/sub/` | ... |\n")
+    assert layers.doc_problems(tmp_path) == ["docs/design.md: module table lacks kvstore/b",
+                                             "docs/design.md: module table names kvstore/gone, which does not exist"]

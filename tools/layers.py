@@ -147,10 +147,34 @@ def check(edges: dict[str, set[str]]) -> list[str]:
     return out
 
 
+DESIGN_DOC = Path("docs") / "design.md"
+
+
+def doc_problems(top: Path = TOP) -> list[str]:
+    """The module table of ``docs/design.md`` against the package: every module and
+    subpackage of kvstore is named in its first column (``kvstore/x.py``, ``x.py`` after
+    another name in the same cell, or ``kvstore/x/``), and every name there exists."""
+    doc = top / DESIGN_DOC
+    if not doc.exists():
+        return [f"{DESIGN_DOC} is missing"]
+    named: set[str] = set()
+    for line in doc.read_text().splitlines():
+        if line.startswith("| `"):
+            cell = line.split("|")[1]
+            named.update(w.strip("`").removeprefix("kvstore/").rstrip("/") for w in cell.replace(",", " ").split()
+                         if w.startswith("`"))
+    pkg = top / "kvstore"
+    have = {p.stem for p in pkg.glob("*.py") if p.stem not in ("__init__", "__main__")}
+    have |= {p.name for p in pkg.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    named = {n.removesuffix(".py") for n in named}
+    return ([f"{DESIGN_DOC}: module table lacks kvstore/{m}" for m in sorted(have - named)]
+            + [f"{DESIGN_DOC}: module table names kvstore/{m}, which does not exist" for m in sorted(named - have)])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     edges, private = graph()
-    problems = check(edges) + private
+    problems = check(edges) + private + doc_problems()
     if "--check" not in argv:
         for m in sorted(edges):
             if edges[m]:

@@ -17,7 +17,7 @@ private hub cache (``HF_HUB_CACHE``, offline) holds tiny-llama (tools/models.py)
 name (tiny-llama-hd64), so both runs load the same local model and kvstore derives its identity from it.
 
 The gate: every test that passes on mlx_lm.server passes on kvstore, except the
-deliberate differences in ``DELIBERATE`` (each listed, with its reason, in README.md).
+deliberate differences in ``DELIBERATE`` (each listed, with its reason, in docs/serve.md).
 """
 
 from __future__ import annotations
