@@ -22,6 +22,9 @@ ERROR_KINDS = ("corrupt", "races", "io_errors", "write_errors", "unpersistable",
 GAUGES = {  # gauge name (after kvstore_) -> help; read from the stats key of the same name
     "memory_entries": "Snapshots in the memory tier",
     "memory_bytes": "Bytes the memory tier holds",
+    "memory_budget_bytes": "Bytes the memory tier may hold now (the machine's available memory above the floor, "
+                           "at most the configured cap)",
+    "memory_available_bytes": "Memory the machine (or the container) can still give",
     "disk_bytes": "Bytes of pack files the index references",
     "disk_entries": "Entries in the disk tier",
     "write_queue_depth": "Write-behind jobs waiting",
@@ -64,6 +67,8 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
                   [("policy", "writes_skipped_policy"), ("budget", "writes_skipped_budget")], "reason")
     yield counter("evictions", "Entries evicted by a size budget, by tier",
                   [("memory", "evictions_memory"), ("disk", "evictions_disk")], "tier")
+    yield counter("evictions_pressure", "Entries that left the memory tier because available memory fell "
+                  "under the floor (each written to disk first)")
     yield counter("gc_runs", "Disk budget enforcements that removed entries")
     yield counter("gc_freed_bytes", "Bytes of pack files the disk budget freed")
     yield counter("errors", "Problems served as a miss or kept in memory only, by kind",

@@ -51,6 +51,7 @@ from .layouts import layout_problem
 from .memory import ORDERING, MemoryTier, Snapshot
 from .preload import Preloaded, Preloader
 from .write_policy import WritePolicy
+from .pressure import DEFAULT_MEMORY_FLOOR, Gauge, Watch
 from .written import written as written_bytes
 from .writer import Writer
 
@@ -112,9 +113,12 @@ class KVStore:
         shared: "str | SharedConfig | None | bool" = None,
         persist: str = "all",
         max_write_bytes_per_day: int | None = None,
+        memory_floor: float | int | None = DEFAULT_MEMORY_FLOOR,
     ) -> None:
         self.write_policy = WritePolicy(persist, max_write_bytes_per_day)  # raises ValueError first
+        self._gauge = Gauge(memory_floor) if memory_floor else None  # raises ValueError first
         self._memory = MemoryTier(max_entries, max_bytes, touch_on_hit=touch_on_hit)
+        self.max_bytes = max_bytes  # the user's hard cap; the gauge may hold the tier below it
         self._pending: list[tuple[Hashable, list[int], Snapshot]] = []  # inserts not in the tier yet
         self._inserting: dict[int, int] = {}  # thread id -> inserts under way that are not pending yet
         self.max_disk_bytes = max_disk_bytes
@@ -143,6 +147,8 @@ class KVStore:
         self.writer = Writer(queue_size) if self.disk else None
         if self.disk is None and shared:
             log.warning("kvstore: the shared tier needs the disk tier (it restores through it); off")
+        self._relief_queued = False
+        self._watch = _watch_memory(self) if self._gauge is not None else None
         _open_stores.add(self)
 
     @property
@@ -163,8 +169,11 @@ class KVStore:
                 return []
             pending, self._pending = self._pending, []
             evicted = []
+            squeezed = self._follow_memory() < self.max_bytes  # memory, not the user's cap, sets the budget
             for mem_key, tokens, snap in pending:
                 evicted += self._memory.insert(mem_key, tokens, snap)
+            if squeezed and evicted:
+                self._counters.add("evictions_pressure", len(evicted))
         self._persist_evicted(evicted)
         return [snap for _, _, snap in pending]
 
@@ -676,6 +685,50 @@ class KVStore:
 
     # -- limits, stats, lifecycle ------------------------------------------------------
 
+    def _follow_memory(self) -> int:
+        """Set the memory tier's byte budget from the machine's available memory (the
+        user's ``max_bytes`` stays a hard cap); returns it. Called under the lock."""
+        if self._gauge is None:
+            return self._memory.max_bytes
+        self._memory.max_bytes = self._gauge.budget(self._memory.nbytes, self.max_bytes)
+        return self._memory.max_bytes
+
+    def _memory_tick(self) -> None:
+        """The watch's look (every ``WATCH_SECONDS``): when the tier holds more than the
+        budget allows, relief is queued on the writer thread (once at a time), where each
+        evicted entry is written before it goes."""
+        with self._lock:
+            over = self._memory.nbytes > self._follow_memory() and len(self._memory) > 0
+            if not over or self._relief_queued:
+                return
+            self._relief_queued = True
+
+        def relief() -> None:
+            try:
+                self.relieve_memory()
+            finally:
+                self._relief_queued = False
+
+        if self.writer is None or not self.writer.submit(relief):
+            relief()  # memory only (nothing to write first), or a full queue: relieve now
+
+    def relieve_memory(self) -> int:
+        """Give memory back when available memory fell under the floor: entries leave the
+        memory tier least valuable first (mlx-lm's eviction order), each written to disk
+        first when it is not there yet (run on the writer thread, the writes are inline),
+        then MLX's buffer cache is emptied so the bytes go back to the system. Returns the
+        entries evicted."""
+        with self._lock:
+            budget = self._follow_memory()
+            evicted = self._memory.trim_to(n_bytes=budget) if self._memory.nbytes > budget else []
+        if not evicted:
+            return 0
+        self._counters.add("evictions_pressure", len(evicted))
+        self._persist_evicted(evicted)
+        del evicted
+        mx.clear_cache()  # the allocator's free buffers, not a limit or a setting of the host
+        return 1
+
     def trim_to(self, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         """Shrink the memory tier to at most ``n_sequences`` entries / ``n_bytes`` (mlx-lm's
         order); what goes and never reached disk is queued for it."""
@@ -700,6 +753,11 @@ class KVStore:
         s["memory_entries"] = len(self.memory)
         s["memory_only_reason"] = dict(self._memory_only)
         s["memory_bytes"] = self.memory.nbytes
+        s["memory_budget_bytes"] = min(self._memory.max_bytes, self.max_bytes)
+        if self._gauge is not None:
+            r = self._gauge.reading()
+            s["memory_available_bytes"] = r.available if r is not None else None
+            s["memory_floor_bytes"] = self._gauge.floor_of()
         s.update(self.write_policy.stats())
         if self.writer is not None:
             s["queue_depth"] = self.writer.depth
@@ -736,6 +794,8 @@ class KVStore:
 
     def close(self, timeout: float | None = None) -> None:
         """Flush the write-behind queue and release the index. Idempotent."""
+        if self._watch is not None:
+            self._watch.stop()
         if self.writer is not None:
             self._persist_unwritten(timeout)
             self.flush(timeout)
@@ -912,3 +972,18 @@ def _close_all() -> None:  # interpreter exit flushes the write-behind queue
             store.close(timeout=60)
         except Exception:
             pass
+
+
+def _watch_memory(store: KVStore) -> Watch:
+    """A watch thread that looks at available memory for ``store`` and ends with it (it
+    holds the store weakly, so an unclosed store is still collected)."""
+    ref = weakref.ref(store)
+
+    def tick() -> bool:
+        s = ref()
+        if s is None:
+            return False
+        s._memory_tick()
+        return True
+
+    return Watch(tick)

@@ -39,3 +39,16 @@ def parse_duration(text: str) -> float:
     if not m:
         raise argparse.ArgumentTypeError(f"invalid duration {text!r}: use e.g. 7d, 12h, 30m, 45s")
     return float(m.group(1)) * _DUR[(m.group(2) or "s").lower()]
+
+
+def memory_floor(text: str) -> float | int:
+    """``0.2`` (a fraction of the machine's memory, below 1), ``4G`` or ``0`` -> the value
+    ``KVStore(memory_floor=)`` takes."""
+    try:
+        v = float(text)
+    except ValueError:
+        return parse_size(text)
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"invalid memory floor {text!r}: a fraction below 1 (e.g. 0.2) or a size "
+                                         "(e.g. 4G)")
+    return v

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..store import KVStore, Preloaded
 
 
@@ -44,13 +45,14 @@ class LRUPromptCache:
         shared: Any = None,
         persist: str = "all",
         max_write_bytes_per_day: int | None = None,
+        memory_floor: float | int | None = DEFAULT_MEMORY_FLOOR,
     ) -> None:
         self.store = store or KVStore(
             cache_dir, max_entries=max_size, max_bytes=max_bytes, max_disk_bytes=max_disk_bytes,
             chunk_tokens=chunk_tokens, queue_size=queue_size, touch_on_hit=False,
             memory_only=not disk, on_disk_error="memory", kv_bits=kv_bits,
             kv_group_size=kv_group_size, shared=shared,
-            persist=persist, max_write_bytes_per_day=max_write_bytes_per_day,
+            persist=persist, max_write_bytes_per_day=max_write_bytes_per_day, memory_floor=memory_floor,
         )
 
     @property
@@ -63,11 +65,14 @@ class LRUPromptCache:
 
     @property
     def max_bytes(self) -> int:
-        return self.store.memory.max_bytes
+        """The user's hard cap on the memory tier (below it, the tier follows the machine's
+        available memory: ``KVStore(memory_floor=)``)."""
+        return self.store.max_bytes
 
     @max_bytes.setter
     def max_bytes(self, v: int) -> None:
-        self.store.memory.max_bytes = v
+        self.store.max_bytes = v
+        self.store.memory.max_bytes = v  # the next filing lowers it again to what memory allows
 
     def __len__(self) -> int:
         return len(self.store.memory)

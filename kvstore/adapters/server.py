@@ -34,7 +34,8 @@ from typing import Any
 from urllib.parse import unquote
 
 from .. import metrics
-from ..units import parse_size
+from ..pressure import DEFAULT_MEMORY_FLOOR
+from ..units import memory_floor, parse_size
 from . import startup
 from .mlx_lm import LRUPromptCache
 
@@ -173,6 +174,11 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-write-bytes-per-day", type=parse_size, default=None, metavar="BYTES",
                    help="stop writing to disk once this many bytes were written today (UTC), e.g. 20G; "
                         "resumes the next day")
+    g.add_argument("--memory-floor", type=memory_floor, default=DEFAULT_MEMORY_FLOOR, metavar="FRACTION|SIZE",
+                   help="memory the prompt cache's memory tier leaves free, as a fraction of the machine's (or "
+                        "container's) memory or a size (default 0.2; 0: a fixed budget). The tier grows while "
+                        "memory is free and gives it back, writing entries to disk first, when it is not; "
+                        "--prompt-cache-bytes stays a hard cap")
     g.add_argument("--shared", metavar="URL", default=None,
                    help="shared tier behind the disk: redis://[user:pass@]host:port/db, rediss://, "
                         "redis+cluster://h1:p1,h2:p2 (default: $KVSTORE_SHARED)")
@@ -207,6 +213,7 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
         "cache_dir": ours.cache_dir, "max_disk_bytes": ours.max_disk_bytes,
         "chunk_tokens": ours.chunk_tokens, "queue_size": ours.write_queue,
         "persist": ours.persist, "max_write_bytes_per_day": ours.max_write_bytes_per_day,
+        "memory_floor": ours.memory_floor,
     }
     shared = shared_config(ours)
     if shared is not None:

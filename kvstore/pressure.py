@@ -1,0 +1,199 @@
+"""How much memory the machine, or the container kvstore runs in, can still give.
+
+On a Mac the memory tier's snapshots share unified memory with the model's weights and
+everything else the user runs, so its byte budget follows what is available: it may grow
+while memory is free and must give memory back when it is not, keeping a floor of free
+memory it never eats into. Within a container (a Linux cgroup, v1 or v2) the limit is the
+container's, not the host's: a host with 20 GB free means nothing to a process the kernel
+kills at its cgroup's 2 GB.
+
+Readings cost a few tens of microseconds (psutil, or /proc/meminfo, and two or three small
+cgroup files); ``Gauge`` caches one for a fraction of a second, so the request path never
+pays more than one reading per interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# The memory tier keeps this much of the machine's (or container's) memory free by default:
+# a fifth leaves room for the model's activations and the user's other programs on a Mac.
+DEFAULT_MEMORY_FLOOR = 0.2
+WATCH_SECONDS = 0.5
+log = logging.getLogger("kvstore")
+NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a huge number (PAGE_COUNTER_MAX pages)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """Bytes still available to this process, and the total it may ever have (the
+    machine's memory, or its container's limit when lower)."""
+
+    available: int
+    total: int
+
+
+def _machine() -> Reading | None:
+    try:
+        import psutil
+    except ImportError:  # psutil is a dependency; /proc/meminfo keeps Linux working without it
+        return _meminfo()
+    vm = psutil.virtual_memory()
+    return Reading(int(vm.available), int(vm.total))
+
+
+def _meminfo() -> Reading | None:
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return Reading(int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024)
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return None if text == "max" or not text.isdigit() else int(text)
+
+
+def _stat(path: Path, name: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if k == name:
+                return int(v)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _file_cache(stat: Path, prefix: str = "") -> int:
+    """The group's clean-or-syncable file cache (active and inactive), which the kernel
+    reclaims before it kills anything: counted as available, as the machine's MemAvailable
+    counts it. kvstore's own pack files land there as it writes them."""
+    return _stat(stat, prefix + "active_file") + _stat(stat, prefix + "inactive_file")
+
+
+def _cgroup_paths() -> tuple[str | None, str | None]:
+    """(the v2 path, the v1 memory controller's path) of this process, from /proc/self/cgroup."""
+    v2 = v1 = None
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None, None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
+    return v2, v1
+
+
+def _cgroup(root: Path = CGROUP_ROOT) -> Reading | None:
+    """The tightest memory limit of this process's cgroup and its ancestors, and the room
+    left under it (usage less the file cache the kernel reclaims first), or None."""
+    v2, v1 = _cgroup_paths()
+    if v1 is not None and (root / "memory").is_dir():
+        d = root / "memory" / v1.lstrip("/")
+        limit = _stat(d / "memory.stat", "hierarchical_memory_limit") or _read_int(d / "memory.limit_in_bytes")
+        usage = _read_int(d / "memory.usage_in_bytes")
+        if limit and limit < NO_LIMIT and usage is not None:
+            used = usage - _file_cache(d / "memory.stat", "total_")
+            return Reading(max(0, limit - used), limit)
+        return None
+    if v2 is None:
+        return None
+    best: Reading | None = None
+    d = root / v2.lstrip("/")
+    while True:
+        limit, usage = _read_int(d / "memory.max"), _read_int(d / "memory.current")
+        if limit is not None and usage is not None:
+            room = Reading(max(0, limit - (usage - _file_cache(d / "memory.stat"))), limit)
+            best = room if best is None or room.available < best.available else best
+        if d == root or root not in d.parents:
+            return best
+        d = d.parent
+
+
+def read() -> Reading | None:
+    """What this process may still take: the machine's available memory, or its
+    container's room when that is less. None where neither can be read."""
+    machine = _machine()
+    box = _cgroup() if os.name == "posix" and Path("/proc/self/cgroup").exists() else None
+    if machine is None or box is None:
+        return machine or box
+    return Reading(min(machine.available, box.available), min(machine.total, box.total))
+
+
+def floor_bytes(floor: float | int, total: int) -> int:
+    """A floor given as a fraction of the total (0 < f < 1) or in bytes."""
+    return int(floor * total) if isinstance(floor, float) and 0 < floor < 1 else int(floor)
+
+
+class Gauge:
+    """The memory tier's byte budget: ``min(cap, held + available - floor)``, read at most
+    once per ``interval`` seconds. ``cap`` is the user's hard limit (``max_bytes``)."""
+
+    def __init__(self, floor: float | int, interval: float = 0.25) -> None:
+        if isinstance(floor, bool) or floor < 0 or (isinstance(floor, float) and floor >= 1):
+            raise ValueError(f"memory_floor must be a fraction in [0, 1) or a number of bytes, got {floor!r}")
+        self.floor = floor
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._at = -1e18
+        self._reading: Reading | None = None
+
+    def reading(self) -> Reading | None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._at >= self.interval:
+                self._reading, self._at = read(), now
+            return self._reading
+
+    def budget(self, held: int, cap: int) -> int:
+        """Bytes the tier may hold now, given the ``held`` bytes it holds."""
+        r = self.reading()
+        if r is None:
+            return cap
+        return max(0, min(cap, held + r.available - floor_bytes(self.floor, r.total)))
+
+    def floor_of(self) -> int | None:
+        r = self.reading()
+        return floor_bytes(self.floor, r.total) if r is not None else None
+
+
+class Watch:
+    """A daemon thread calling ``tick`` every ``interval`` seconds until ``tick`` returns
+    False or ``stop`` is called; an exception in ``tick`` is logged once and the watch goes on."""
+
+    def __init__(self, tick: Callable[[], bool], interval: float = WATCH_SECONDS) -> None:
+        self._tick, self._interval = tick, interval
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstore-memory", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        warned = False
+        while not self._stopped.wait(self._interval):
+            try:
+                if not self._tick():
+                    return
+            except Exception:
+                if not warned:
+                    warned = True
+                    log.exception("kvstore: the memory watch failed (it goes on)")
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5.0)
