@@ -220,10 +220,15 @@ class DiskTier:
         chunked = codec.is_chunkable(job.layout, job.n)
         K = len(bounds) - 1 if chunked else 0
         held = self.index.view(lambda r: None if r.raw("entries", job.key) else
-                               {bounds[k + 1] for k in range(K) if r.raw("chunks", bounds[k + 1])})
+                               {bounds[k + 1]: _readable_chunk(r, bounds[k + 1]) for k in range(K)
+                                if r.raw("chunks", bounds[k + 1])})
         if held is None:
             return 0
-        have: set[bytes] = held
+        # a chunk indexed here whose pack file is gone or cut short (damage nobody has read
+        # yet) is written again, not shared: sharing it would commit an entry lost on its
+        # first read. One stat per pack; damage inside a file is a read's to find.
+        gone = _missing_files(self.blob_root, held)
+        have: set[bytes] = set(held) - set(gone)
         for _attempt in range(3):
             writer = blobs.PackWriter(self.blob_root, modes=self.modes)
             try:
@@ -231,7 +236,7 @@ class DiskTier:
                 if writer.size:
                     writer.seal()
                 rec = _entry_record(job, bounds, K, chunked, tail, C)
-                status = self.index.transact(lambda t: _commit(t, job, rec, writer, new, have))
+                status = self.index.transact(lambda t: _commit(t, job, rec, writer, new, have, gone))
             except BaseException:
                 writer.discard()
                 raise
@@ -789,11 +794,41 @@ def _entry_record(job: PersistJob, bounds: list[bytes], K: int, chunked: bool, t
                        float(job.created), 0, False)
 
 
+def _readable_chunk(r: Reader, key: bytes) -> ChunkRecord | None:
+    try:
+        return r.chunk(key)
+    except RecordError:
+        return None  # unreadable: written again (``_commit`` overwrites the record)
+
+
+def _missing_files(blob_root: Path, held: dict[bytes, ChunkRecord | None]) -> dict[bytes, Segment]:
+    """The chunks of ``held`` whose segment's pack file is missing or shorter than the
+    segment (each pack stat-ed once, without following a link), with that segment."""
+    sizes: dict[bytes, int] = {}
+    out = {}
+    for ck, crec in held.items():
+        if crec is None:
+            continue
+        seg = crec.segment
+        if seg.pack not in sizes:
+            try:
+                sizes[seg.pack] = os.stat(blobs.pack_path(blob_root, seg.pack), follow_symlinks=False).st_size
+            except (OSError, blobs.BlobError):
+                sizes[seg.pack] = -1
+        if sizes[seg.pack] < seg.offset + seg.length:
+            out[ck] = seg
+    return out
+
+
 def _commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: blobs.PackWriter,
-            new: dict[bytes, tuple[ChunkRecord, bytes]], have: set[bytes]) -> Commit:
+            new: dict[bytes, tuple[ChunkRecord, bytes]], have: set[bytes],
+            gone: dict[bytes, Segment] | None = None) -> Commit:
     """The persist's one write transaction: OK, EXISTS (the entry is already indexed) or
     RETRY (a chunk it shares, or its own pack file, was removed by a gc meanwhile: checked
-    here, under the write lock gc also takes to remove files)."""
+    here, under the write lock gc also takes to remove files). ``gone``: chunks indexed
+    here whose file was found missing or short; this persist wrote them again, and their
+    records move to the new segment (every entry built on them is whole again)."""
+    gone = gone or {}
     if t.raw("entries", job.key) is not None:
         return Commit.EXISTS
     if w.size and not w.still_there():
@@ -813,7 +848,11 @@ def _commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: blobs.PackWriter,
             old = t.chunk(ck)
         except RecordError:
             old = None  # overwritten by a good record of the same content
-        if old is not None:  # written meanwhile by another writer: share it, ours is dead
+        if old is not None and ck in gone and old.segment == gone[ck]:  # its file was lost: ours replaces it
+            t.release(old.segment)
+            t.set_chunk(ck, replace(crec, refs=old.refs + 1))
+            segments, live = segments + 1, live + crec.segment.length
+        elif old is not None:  # written meanwhile by another writer: share it, ours is dead
             t.set_chunk(ck, old.with_refs(old.refs + 1))
         else:
             t.put_chunk(ck, crec, toks)
