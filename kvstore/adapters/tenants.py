@@ -200,9 +200,13 @@ def request_salt(body: Any, key: str | None = None, policy: Policy | None = None
 
 
 def tag_request(request: Any, salt: Salt | None) -> Any:
-    """Make mlx_lm.server's request object carry ``salt`` to the generation thread."""
+    """Make mlx_lm.server's request object carry ``salt`` to the generation thread; a
+    request that cannot carry it is refused (RuntimeError), never served unsalted."""
     if salt is not None and getattr(request, _REQUEST_SALT, None) is None:
-        setattr(request, _REQUEST_SALT, salt)
+        try:
+            setattr(request, _REQUEST_SALT, salt)
+        except (AttributeError, TypeError) as e:
+            raise RuntimeError(f"kvstore: a {type(request).__name__} cannot carry its cache_salt ({e})") from None
     return request
 
 
