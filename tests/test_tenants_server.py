@@ -117,6 +117,9 @@ def extra_flags(mode: str) -> list[str]:
 def test_tenants_never_share_in_memory_on_disk_or_through_redis(mode: str, model_dir: Path, tmp_path: Path,
                                                                  redis_server: RedisServer) -> None:
     shared = ["--shared", redis_server.url, "--shared-timeout", "1000"]
+    if mode == "salt":  # this fleet signs its shared values (kvstore.shared.signing); the other does not
+        (tmp_path / "secret").write_bytes(b"fleet-secret-for-the-salt-run\n")
+        shared += ["--shared-secret-file", str(tmp_path / "secret")]
     admin = KEYS["A"] if mode == "keys" else None
     a, b, c, d = (tenant(mode, w) for w in "ABCD")
     with Server(model_dir, tmp_path / "one", tmp_path / "one.log", [*shared, *extra_flags(mode)]) as s:
@@ -140,6 +143,14 @@ def test_tenants_never_share_in_memory_on_disk_or_through_redis(mode: str, model
         assert chat(s, **a) > 1000
         got = stats(s, admin)
         assert got["hits_shared"] == 1 and got["shared_lookups"] >= 2, got
+        assert got["shared_rejected"] == 0 and got["shared_bad_signature"] == 0, got
+    if mode == "salt":  # every value the fleet published is signed: a store without the secret finds none
+        from kvstore.shared import values as V
+        from kvstore.shared.signing import TAG_BYTES
+
+        with redis_server.client() as rc:
+            names = [n for n in rc.scan_iter("kvstore:*:e1:*")]
+            assert names and all(V.parse_frame(rc.get(n)).size + TAG_BYTES == rc.strlen(n) for n in names)
 
 
 def test_a_hit_is_not_observable_across_salts(model_dir: Path, tmp_path: Path) -> None:
