@@ -56,6 +56,10 @@ expected transfer once the link is measured); a publish by ``publish_deadline``;
 ``flush_deadline`` (then queued publishes are dropped, counted, and the one in flight is
 abandoned). Late is a counted miss (``deadline_misses``), never a wait.
 
+With a fleet secret (``config.secret``) every chunk and entry value is published with an
+HMAC tag over its name and bytes and verified before it is parsed (``signing``): a value
+without a valid tag is rejected like any other (counted also as ``bad_signature``).
+
 Only when it pays (``cost``): a candidate whose expected transfer time (moving estimate
 of this link's bandwidth) exceeds the expected prefill time of the tokens it saves (this
 model's measured prefill rate here) is not fetched: counted as ``skipped_cost``.
