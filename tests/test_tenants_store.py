@@ -137,9 +137,11 @@ def test_forged_shared_values_are_rejected_with_a_fleet_secret(tmp_path, redis_s
     p1 = rand_tokens(C - 10, seed=7)   # published by the fleet (no chunk: an entry alone)
     p2 = rand_tokens(C - 10, seed=8)   # never published by the fleet
     p3 = rand_tokens(C + 30, seed=9)   # published by the forger, with wrong KV
+    p4 = rand_tokens(4 * C + 5, seed=11)  # published by the fleet: four chunks and a tail, checked in parallel
     with shared_store(tmp_path / "fleet-a", redis_server.url, SECRET) as a:
         a.insert(WHO, p1, synth(p1))
-        assert a.flush(30) and a.stats()["shared_published"] == 1
+        a.insert(WHO, p4, synth(p4))
+        assert a.flush(30) and a.stats()["shared_published"] == 2
         name1, _, _ = _entry_name(a, p1)
         name2, hash2, key2 = _entry_name(a, p2)
     # the forger: write access, no secret. 1) A's real (signed) entry value, copied under
@@ -166,6 +168,9 @@ def test_forged_shared_values_are_rejected_with_a_fleet_secret(tmp_path, redis_s
         got = b.fetch(WHO, p1)  # the fleet still shares its own hits
         assert (got.n, got.source) == (len(p1), "shared")
         assert_synth(got.cache, p1)
+        got = b.fetch(WHO, p4)
+        assert (got.n, got.source) == (len(p4), "shared")
+        assert_synth(got.cache, p4)
         assert b.flush(30)
         s = b.stats()
         assert s["shared_bad_signature"] == 2 and s["shared_rejected"] == 2, s

@@ -18,8 +18,13 @@ rejects signed values: a fleet changes its secret, or adopts one, all at once).
 from __future__ import annotations
 
 import hmac
-from typing import Iterable
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable, Sequence
 
+from .bulk import Bulk
 from .values import ValueFormatError
 
 TAG_BYTES = 32
@@ -53,3 +58,45 @@ def unseal(secret: bytes, name: str, data: bytes | memoryview) -> memoryview:
     if not hmac.compare_digest(tag(secret, name, [body]), bytes(got)):
         raise BadSignature("value is not signed with this fleet's secret (forged, copied or unsigned)")
     return body
+
+
+@dataclass
+class Checked(Bulk):
+    """A value read whose tag was checked: ``data`` without its tag, or (``error`` set) the
+    value as read. No arrival digest: the segment is hashed again when parsed."""
+
+    error: BadSignature | None = None
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
+                                       thread_name_prefix="kvstore-verify")
+        return _POOL
+
+
+def unseal_all(secret: bytes, names: Sequence[str], values: Sequence[Bulk | None]) -> list[Bulk | None]:
+    """Every value read (``None`` and empty ones, i.e. missing, as they are) as ``Checked``,
+    its tag verified under its name; the tags of several values are checked in parallel
+    (HMAC releases the GIL), which is what a restore of many chunks waits for."""
+    def one(name: str, v: Bulk) -> Checked:
+        try:
+            return Checked(unseal(secret, name, v.data))
+        except BadSignature as e:
+            return Checked(v.data, error=e)
+
+    todo = [(i, n, v) for i, (n, v) in enumerate(zip(names, values)) if v is not None and len(v.data)]
+    out: list[Bulk | None] = list(values)
+    if len(todo) == 1:
+        i, n, v = todo[0]
+        out[i] = one(n, v)
+    elif todo:
+        for (i, _n, _v), got in zip(todo, _pool().map(lambda t: one(t[1], t[2]), todo)):
+            out[i] = got
+    return out

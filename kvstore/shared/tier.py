@@ -329,6 +329,8 @@ class SharedTier:
             return None
         nbytes = sum(len(v.data) for v in got if v is not None)
         self.link.transfer(identity, nbytes, len(wanted) * C + _value_tokens(best, C), time.monotonic() - t0)
+        if self.secret is not None:  # every tag at once, in parallel; each value is judged where it is parsed
+            got = signing.unseal_all(self.secret, names, got)
         pieces, chain = self._chain(identity, tokens, bounds, C, best.k, dict(zip(wanted, got)), held)
         if best.key is not None and (chain == best.k or not best.chunked):
             if best.trim:
@@ -433,6 +435,10 @@ class SharedTier:
         it arrived covers the tag too then, so the segment is hashed again."""
         if self.secret is None:
             return data.data, None, _digest(data)
+        if isinstance(data, signing.Checked):
+            if data.error is not None:
+                raise data.error
+            return data.data, None, None
         return signing.unseal(self.secret, name, data.data), None, None
 
     def _present(self, data: Bulk | None) -> bool:
