@@ -50,6 +50,7 @@ from .keys import TOKEN_BYTES, TokenError, boundaries, decode_tokens, encode_tok
 from .layouts import layout_problem
 from .memory import ORDERING, MemoryTier, Snapshot
 from .preload import Preloaded, Preloader
+from .salt import Salt, check_salt, memory_key, salted
 from .write_policy import WritePolicy
 from .pressure import DEFAULT_MEMORY_FLOOR, Gauge, Watch
 from .written import written as written_bytes
@@ -134,6 +135,7 @@ class KVStore:
         self._host: dict[int, dict[str, Any]] = {}  # id(pending snapshot) -> its host views
         self._touches: dict[bytes, tuple[float, int]] = {}
         self._touch_scheduled = False
+        self._described: set[bytes] = set()  # salted identities filed in the index
         self.disk: DiskTier | None = None
         if not memory_only:
             try:
@@ -248,26 +250,33 @@ class KVStore:
         if self.disk is not None:
             self.disk.index.put_identity(identity.digest, identity.info)
 
-    def _mem_key(self, model: Any, ident: Identity | None) -> Hashable:
-        return ident.digest if ident is not None else model
+    def _mem_key(self, model: Any, ident: Identity | None, salt: Salt | None = None) -> Hashable:
+        return ident.digest if ident is not None else memory_key(model, salt)
+
+    def _salted(self, model: Any, salt: Salt | None) -> Identity | None:
+        """The identity ``model``'s entries under ``salt`` are filed under (``salt.salted``:
+        its own keys in every tier; no salt: the model's identity)."""
+        return salted(self.identity(model), check_salt(salt, "salt"))
 
     def _disk_on(self, ident: Identity | None) -> bool:
         return ident is not None and self.disk is not None and not self._disk_off
 
     # -- fetch -------------------------------------------------------------------------
 
-    def fetch(self, model: Any, tokens: list[int]) -> Fetched:
+    def fetch(self, model: Any, tokens: list[int], *, salt: Salt | None = None) -> Fetched:
         """The longest reusable prefix of ``tokens`` in memory or on disk; a longer disk
         prefix replaces a memory hit only when it holds all of ``tokens`` or more than
-        ``MIN_DISK_GAIN`` tokens more (``restore_floor``).
+        ``MIN_DISK_GAIN`` tokens more (``restore_floor``). With ``salt`` only entries
+        inserted with the same salt are found (``kvstore.salt``), in every tier.
 
-        Raises ValueError (``keys.TokenError``) for token lists that are not token ids.
+        Raises ValueError (``keys.TokenError``, ``salt.SaltError``) for token lists that
+        are not token ids, or a salt that is not a non-empty bounded string.
         """
         tokens = _token_list(tokens)
         enc = encode_tokens(tokens)
-        ident = self.identity(model)
+        ident = self._salted(model, salt)
         with self._lock:
-            cache, n, snap = self.memory.lookup(self._mem_key(model, ident), tokens)
+            cache, n, snap = self.memory.lookup(self._mem_key(model, ident, salt), tokens)
         if cache is not None:
             # A snapshot is keyed by the tokens it was inserted with; a cache that holds fewer
             # positions (mlx-lm's server inserts prompt + generated tokens with a cache that
@@ -295,14 +304,14 @@ class KVStore:
         self._counters.add("misses")
         return Fetched(None, 0, None)
 
-    def peek(self, model: Any, tokens: list[int]) -> int:
+    def peek(self, model: Any, tokens: list[int], *, salt: Salt | None = None) -> int:
         """How many tokens ``fetch`` would restore now (memory or disk), reading no KV data
         and changing nothing. Engines use it to choose between competing snapshots."""
         tokens = _token_list(tokens)
         enc = encode_tokens(tokens)
-        ident = self.identity(model)
+        ident = self._salted(model, salt)
         with self._lock:
-            n = self.memory.peek(self._mem_key(model, ident), tokens)
+            n = self.memory.peek(self._mem_key(model, ident, salt), tokens)
         if n < len(tokens) and self._disk_on(ident) and tokens:
             try:
                 plan = self.disk.plan(ident, enc)  # type: ignore[union-attr,arg-type]
@@ -371,6 +380,7 @@ class KVStore:
             job = PersistJob(ident, bytes(found.tokens), found.key, {}, [], found.record.cache_type)
             if self._admit(job, framed=True) is None:  # the policy or the budget says no: nothing written
                 return False
+            self._describe(ident)
             status = self.disk.import_entry(ident, found.key, found.record, found.tokens, chunks, bytes(found.tail),
                                             lambda specs, layout: layout_problem(ident, specs, layout))
         except blobs.BlobError as e:  # verified bytes that do not fit this model or directory
@@ -484,8 +494,9 @@ class KVStore:
     # -- insert ------------------------------------------------------------------------
 
     def insert(self, model: Any, tokens: list[int], cache: list[Any], *,
-               cache_type: str = "assistant") -> None:
+               cache_type: str = "assistant", salt: Salt | None = None) -> None:
         """Keep ``cache`` (which holds ``tokens``) hot and queue it for disk; returns at once.
+        With ``salt`` it is filed for lookups with the same salt only (``kvstore.salt``).
 
         On the caller's thread: the checks, and the snapshot (views of the cache's arrays:
         MLX work stays on the caller's thread). Filing it in the memory tier (``settle``)
@@ -497,7 +508,7 @@ class KVStore:
         with self._lock:  # a lookup on another thread from now on waits for this insert
             self._inserting[me] = self._inserting.get(me, 0) + 1
         try:
-            snap, covered, ident, enc = self._take(model, tokens, cache, cache_type)
+            snap, covered, ident, enc = self._take(model, tokens, cache, cache_type, salt)
         finally:
             with self._lock:
                 self._inserting[me] -= 1
@@ -517,7 +528,7 @@ class KVStore:
             job()  # no writer, or its queue is full: here, as before
 
     def _take(self, model: Any, tokens: list[int], cache: list[Any],
-              cache_type: str) -> tuple[Snapshot, int, Identity | None, bytes]:
+              cache_type: str, salt: Salt | None = None) -> tuple[Snapshot, int, Identity | None, bytes]:
         """``insert``'s checks and snapshot, then the snapshot into the pending list:
         (snapshot, positions it covers, identity, encoded tokens)."""
         tokens = _token_list(tokens)
@@ -525,7 +536,7 @@ class KVStore:
         if cache_type not in ORDERING:
             raise ValueError(f"cache_type must be one of {list(ORDERING)}, got {cache_type!r}")
         _check_cache(cache)
-        ident = self.identity(model)
+        ident = self._salted(model, salt)
         if ident is not None and tokens:
             vocab = self._vocab_size(ident)
             top = int(np.frombuffer(enc, dtype="<i8").max())
@@ -537,7 +548,7 @@ class KVStore:
         if why is not None:
             self._note_memory_only(model, ident, why)
         with self._lock:  # from here on a lookup finds it (its arrays may still be computing)
-            self._pending.append((self._mem_key(model, ident), tokens, snap))
+            self._pending.append((self._mem_key(model, ident, salt), tokens, snap))
         return snap, covered, ident, enc
 
     def _file(self, snap: Snapshot) -> None:
@@ -632,6 +643,7 @@ class KVStore:
             if admitted is None:  # the job's snapshot stays in memory
                 return
             job = admitted
+            self._describe(job.identity)
             written = disk.persist(job)
             self._keep_disk_budget()
         except (OSError, IndexFailure, blobs.BlobError) as e:  # a write or commit failed (full disk, I/O)
@@ -656,6 +668,14 @@ class KVStore:
             self._counters.add(f"writes_skipped_{admitted}")
             return None
         return admitted
+
+    def _describe(self, ident: Identity) -> None:
+        """File a salted identity's description (``salt.salted``: the model's, marked
+        salted; never the salt) before its first entry, once per process, so maintenance
+        (ls, gc of missing models) sees whose entries they are."""
+        if ident.info.get("salted") and ident.digest not in self._described and self.disk is not None:
+            self.disk.index.put_identity(ident.digest, ident.info)
+            self._described.add(ident.digest)
 
     def _keep_disk_budget(self) -> None:
         """After every write: evict least recently used entries down to ``max_disk_bytes``."""
@@ -736,13 +756,13 @@ class KVStore:
             evicted = self.memory.trim_to(n_sequences, n_bytes)
         self._persist_evicted(evicted)
 
-    def discard(self, model: Any, tokens: list[int]) -> bool:
+    def discard(self, model: Any, tokens: list[int], *, salt: Salt | None = None) -> bool:
         """Drop the memory entry stored under exactly ``tokens`` (an engine's own eviction,
         e.g. exo's); one that never reached disk is queued for it. True if one was held."""
         tokens = _token_list(tokens)
-        ident = self.identity(model)
+        ident = self._salted(model, salt)
         with self._lock:
-            snap = self.memory.remove(self._mem_key(model, ident), tokens)
+            snap = self.memory.remove(self._mem_key(model, ident, salt), tokens)
         if snap is not None:
             self._persist_evicted([(model, tokens, snap)])
         return snap is not None
@@ -851,7 +871,7 @@ class KVStore:
 
     def preload(self, model: Any, how: int | str = "auto", *, max_bytes: int | None = None,
                 progress: Callable[[int, int], None] | None = None,
-                stop: threading.Event | None = None) -> Preloaded:
+                stop: threading.Event | None = None, salt: Salt | None = None) -> Preloaded:
         """Restore ``model``'s entries from disk into the memory tier, ahead of traffic.
 
         Order: pinned entries first, then by value, ``(1 + hits) x tokens`` (an entry's write
@@ -866,9 +886,11 @@ class KVStore:
         least recently used, so live inserts outrank it. No hit is credited on disk; a
         damaged entry is dropped and counted as ``fetch`` does; nothing is raised.
         Thread-safe: may run beside live traffic; ``stop`` ends it between two entries.
-        ``progress(done, total)`` is called once the candidates are known, then after each."""
+        ``progress(done, total)`` is called once the candidates are known, then after each.
+        ``salt``: the entries inserted with that salt (none: the unsalted ones only)."""
+        check_salt(salt, "salt")
         report = self._preloaded = Preloaded(running=True)
-        preloader = Preloader(self.memory, self._lock, self.identity, self._disk_on, self._disk_entries,
+        preloader = Preloader(self.memory, self._lock, lambda m: self._salted(m, salt), self._disk_on, self._disk_entries,
                               lambda key: self.disk.index.view(lambda r: r.tokens(key)),  # type: ignore[union-attr]
                               self._read_whole)
         return preloader.run(report, model, how, max_bytes, progress, stop)

@@ -54,6 +54,7 @@ import xxhash
 
 from .. import codec
 from ..identity import Identity, model_identity
+from ..salt import check_salt, salted
 from ..store import KVStore
 
 log = logging.getLogger("kvstore")
@@ -218,12 +219,15 @@ class ExoPrefixCache:
     entry owns the store entries it wrote: its cache at the length it holds and one per
     snapshot; ``clear`` and eviction take those out of memory, never off the disk.
     ``store_options``: KVStore options (``max_disk_bytes``, ``chunk_tokens``, ...).
+    ``salt``: this cache's entries are filed under the salted identity (``kvstore.salt``):
+    shared only with caches of the same salt, in every tier.
     """
 
     def __init__(self, group: Any = None, *, model_path: str | Path | None = None, shard: Any = None,
                  cache_dir: str | Path | None = None, store: KVStore | None = None,
-                 threshold: float | None = None, **store_options: Any) -> None:
+                 threshold: float | None = None, salt: str | bytes | None = None, **store_options: Any) -> None:
         ctx = _BUILD.get() or {}
+        self.salt = check_salt(salt if salt is not None else ctx.get("salt"), "salt")
         self._group = group
         self.model_path = model_path if model_path is not None else ctx.get("model_path")
         self.shard = shard if shard is not None else ctx.get("shard")
@@ -359,8 +363,8 @@ class ExoPrefixCache:
                     self.store.close()
                     self.store = KVStore(memory_only=True, max_entries=self.store.memory.max_entries,
                                          max_bytes=self.store.memory.max_bytes, touch_on_hit=True)
-            self._ident = ident
-            self.store.register(ident.digest, ident)
+            self._ident = salted(ident, self.salt) or ident
+            self.store.register(self._ident.digest, self._ident)
         return self._ident
 
     def _insert(self, ident: Identity, tokens: np.ndarray, cache: list[Any]) -> bool:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..pressure import DEFAULT_MEMORY_FLOOR
+from ..salt import Salt, salt_of
 from ..store import KVStore, Preloaded
 
 
@@ -27,6 +28,11 @@ class LRUPromptCache:
     the identity digest of those files, so entries survive restarts and never cross models.
     ``shared``: a shared tier behind the disk (a Redis URL or ``SharedConfig``; None reads
     ``$KVSTORE_SHARED``, False turns it off; see ``KVStore``).
+
+    ``salt``: entries are reused only by calls with the same salt (``kvstore.salt``), in
+    every tier; given as a keyword, or carried by the token list itself
+    (``salt.SaltedTokens``: how ``kvstore serve`` hands a request's ``cache_salt`` through
+    mlx_lm.server's generation thread). None (the default) is mlx-lm's behaviour.
     """
 
     def __init__(
@@ -81,16 +87,18 @@ class LRUPromptCache:
     def nbytes(self) -> int:
         return self.store.memory.nbytes
 
-    def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
+    def fetch_nearest_cache(self, model: Any, tokens: list[int], *,
+                            salt: Salt | None = None) -> tuple[list[Any] | None, list[int]]:
         """(cache or None, the tokens still to process): exact, longer-trimmed or shorter
         hit from memory, else the longest stored prefix on disk."""
-        got = self.store.fetch(model, tokens)
+        got = self.store.fetch(model, tokens, salt=salt if salt is not None else salt_of(tokens))
         return got.cache, tokens[got.n :]
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
-                     cache_type: str = "assistant") -> None:
+                     cache_type: str = "assistant", salt: Salt | None = None) -> None:
         """Keep the cache hot and queue it for disk; returns without waiting for the disk."""
-        self.store.insert(model, tokens, prompt_cache, cache_type=cache_type)
+        self.store.insert(model, tokens, prompt_cache, cache_type=cache_type,
+                          salt=salt if salt is not None else salt_of(tokens))
 
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         self.store.trim_to(n_sequences, n_bytes)
@@ -102,7 +110,7 @@ class LRUPromptCache:
         """The store's counters (hits by tier, bytes, dropped writes, ...)."""
         return self.store.stats()
 
-    def preload(self, model: Any, how: int | str = "auto", **options: Any) -> Preloaded:
+    def preload(self, model: Any, how: int | str = "auto", **options: Any) -> Preloaded:  # salt=: KVStore.preload
         """Restore ``model``'s stored entries into the memory tier ahead of traffic
         (``KVStore.preload``: pinned first, never evicting what is already in memory)."""
         return self.store.preload(model, how, **options)

@@ -36,7 +36,7 @@ from urllib.parse import unquote
 from .. import metrics
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..units import memory_floor, parse_size
-from . import startup
+from . import startup, tenants
 from .mlx_lm import LRUPromptCache
 
 log = logging.getLogger("kvstore")
@@ -137,6 +137,7 @@ def patch(server_mod: Any, **options: Any) -> None:
     server_mod.LRUPromptCache = bind_prompt_cache(**options)
     _install_routes(server_mod)
     _learn_kv_quant(server_mod)
+    tenants.install(server_mod)  # keys and cache_salt, for every route (kvstore.adapters.tenants)
 
 
 def _learn_kv_quant(server_mod: Any) -> None:
@@ -187,6 +188,9 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
                    help="expire shared values after this long (default: never; use maxmemory + allkeys-lru)")
     g.add_argument("--shared-timeout", metavar="MS", type=float, default=None,
                    help="per-command timeout of the shared tier in milliseconds (default 100)")
+    g.add_argument("--shared-secret-file", metavar="FILE", default=None,
+                   help="fleet secret (>= 16 bytes) signing every shared value; values without a valid "
+                        "signature are rejected (default: $KVSTORE_SHARED_SECRET[_FILE])")
 
 
 def main(argv: list[str] | None = None, *, exit_process: bool = True,
@@ -203,7 +207,9 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
                     "All mlx_lm.server flags are accepted (e.g. --model, --host, --port).")
     setup_arg_parser(parser)
     startup.add_arguments(parser)
+    tenants.add_arguments(parser)
     ours, rest = parser.parse_known_args(argv)
+    policy = tenants.policy_from(ours)
     if "-h" in rest or "--help" in rest:
         parser.print_help()
         print("\nmlx_lm.server flags:", flush=True)
@@ -219,6 +225,8 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     if shared is not None:
         options["shared"] = shared
     patch(server_mod, **options)
+    tenants.configure(policy)
+    tenants.warn_if_exposed(tenants.host_of(rest), policy)
     startup.install(server_mod, startup.options(ours), _STORES, progress)
     signal.signal(signal.SIGTERM, _sigterm)
     if hasattr(signal, "SIGUSR1"):  # POSIX (Linux, macOS)
@@ -275,8 +283,15 @@ def shared_config(ours: argparse.Namespace) -> Any:
     """The SharedConfig of ``--shared`` and its options (``$KVSTORE_SHARED`` when only the
     options are given), or None: the store then reads ``$KVSTORE_SHARED`` itself."""
     timeout = ours.shared_timeout / 1000 if ours.shared_timeout is not None else None
-    over = {k: v for k, v in (("prefix", ours.shared_prefix), ("ttl", ours.shared_ttl),
-                              ("command_timeout", timeout)) if v is not None}
+    secret = getattr(ours, "shared_secret_file", None)
+    from ..shared.config import read_secret
+
+    try:
+        secret = read_secret(secret) if secret else None
+    except ValueError as e:
+        raise SystemExit(f"kvstore serve: {e}") from None
+    over: dict[str, Any] = {k: v for k, v in (("prefix", ours.shared_prefix), ("ttl", ours.shared_ttl),
+                              ("command_timeout", timeout), ("secret", secret)) if v is not None}
     if ours.shared is None and not over:
         return None
     from ..shared import SharedConfig

@@ -36,6 +36,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
+from ..salt import salt_of
 from .mlx_lm import LRUPromptCache
 
 _OPTIONS_ATTR = "_kvstore_options"   # on the SimpleEngine class (all) or one engine
@@ -51,21 +52,22 @@ class EnginePromptCache(LRUPromptCache):
         super().__init__(max_size, max_bytes, **options)
         self.model_key = model_key
 
-    def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
-        return super().fetch_nearest_cache(self.model_key, tokens)
+    def fetch_nearest_cache(self, model: Any, tokens: list[int], *,
+                            salt: Any = None) -> tuple[list[Any] | None, list[int]]:
+        return super().fetch_nearest_cache(self.model_key, tokens, salt=salt)
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
-                     cache_type: str = "assistant") -> None:
-        super().insert_cache(self.model_key, tokens, prompt_cache, cache_type=cache_type)
+                     cache_type: str = "assistant", salt: Any = None) -> None:
+        super().insert_cache(self.model_key, tokens, prompt_cache, cache_type=cache_type, salt=salt)
 
     def __bool__(self) -> bool:
         # vllm-mlx skips the lookup when ``bool(cache)`` is false; the disk may still hit
         return self.store.disk is not None or len(self) > 0
 
-    def peek(self, tokens: list[int]) -> int:
+    def peek(self, tokens: list[int], *, salt: Any = None) -> int:
         """Tokens a fetch would restore (memory or disk), capped at ``len(tokens) - 1`` as
         vllm-mlx keeps one token to run; reads no KV data."""
-        n = self.store.peek(self.model_key, tokens)
+        n = self.store.peek(self.model_key, tokens, salt=salt if salt is not None else salt_of(tokens))
         return min(n, max(len(tokens) - 1, 0))
 
     @property

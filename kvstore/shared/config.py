@@ -23,6 +23,9 @@ from urllib.parse import parse_qsl, unquote
 ENV_URL = "KVSTORE_SHARED"
 ENV_USER = "KVSTORE_SHARED_USER"
 ENV_PASSWORD = "KVSTORE_SHARED_PASSWORD"
+ENV_SECRET = "KVSTORE_SHARED_SECRET"
+ENV_SECRET_FILE = "KVSTORE_SHARED_SECRET_FILE"
+MIN_SECRET_BYTES = 16
 
 SCHEMES = {  # scheme -> (tls, cluster)
     "redis": (False, False),
@@ -79,6 +82,7 @@ class SharedConfig:
     publish_deadline: float = 10.0
     flush_deadline: float = 5.0
     max_value_bytes: int = 512 << 20
+    secret: bytes | None = field(default=None, repr=False)  # signs shared values (``signing``)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hosts", tuple((h, p) for h, p in self.hosts))
@@ -114,6 +118,10 @@ class SharedConfig:
         if isinstance(self.max_value_bytes, bool) or not isinstance(self.max_value_bytes, int) \
                 or self.max_value_bytes < 1:
             raise ValueError(f"max_value_bytes must be a positive integer, got {self.max_value_bytes!r}")
+        if isinstance(self.secret, str):
+            object.__setattr__(self, "secret", self.secret.encode())
+        if self.secret is not None and (not isinstance(self.secret, bytes) or len(self.secret) < MIN_SECRET_BYTES):
+            raise ValueError(f"the shared secret must be at least {MIN_SECRET_BYTES} bytes")
         if self.tls_ca_file is not None and not self.tls:
             raise ValueError("a TLS CA file needs a rediss:// URL")
 
@@ -144,7 +152,9 @@ class SharedConfig:
         """Parse ``url``; ``overrides`` (any field, or ``cluster=True``) win over the URL.
 
         User and password: overrides, else the URL, else ``$KVSTORE_SHARED_USER`` /
-        ``$KVSTORE_SHARED_PASSWORD`` (from ``environ``, default ``os.environ``).
+        ``$KVSTORE_SHARED_PASSWORD`` (from ``environ``, default ``os.environ``). The fleet
+        secret: the ``secret`` override, else ``$KVSTORE_SHARED_SECRET``, else the file
+        ``$KVSTORE_SHARED_SECRET_FILE`` names (``read_secret``).
         """
         env = os.environ if environ is None else environ
         unknown = set(overrides) - {f.name for f in fields(cls)}
@@ -154,6 +164,9 @@ class SharedConfig:
         if values.get("username") is None and values.get("password") is None:
             values["username"] = env.get(ENV_USER) or None
             values["password"] = env.get(ENV_PASSWORD) or None
+        if "secret" not in overrides:
+            values["secret"] = env.get(ENV_SECRET) or (read_secret(env[ENV_SECRET_FILE])
+                                                       if env.get(ENV_SECRET_FILE) else None)
         values.update(overrides)
         return cls(**values)
 
@@ -168,6 +181,19 @@ class SharedConfig:
     def with_options(self, **changes: Any) -> SharedConfig:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
+
+
+def read_secret(path: str) -> bytes:
+    """A fleet secret from a file (trailing whitespace dropped); ValueError naming the file,
+    never its content, when it cannot be read or is too short."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(1 << 16).rstrip()
+    except OSError as e:
+        raise ValueError(f"cannot read the shared secret file {path}: {e.strerror}") from None
+    if len(data) < MIN_SECRET_BYTES:
+        raise ValueError(f"the shared secret in {path} must be at least {MIN_SECRET_BYTES} bytes")
+    return data
 
 
 def _parse_url(url: str) -> dict[str, Any]:

@@ -56,6 +56,10 @@ expected transfer once the link is measured); a publish by ``publish_deadline``;
 ``flush_deadline`` (then queued publishes are dropped, counted, and the one in flight is
 abandoned). Late is a counted miss (``deadline_misses``), never a wait.
 
+With a fleet secret (``config.secret``) every chunk and entry value is published with an
+HMAC tag over its name and bytes and verified before it is parsed (``signing``): a value
+without a valid tag is rejected like any other (counted also as ``bad_signature``).
+
 Only when it pays (``cost``): a candidate whose expected transfer time (moving estimate
 of this link's bandwidth) exceeds the expected prefill time of the tokens it saves (this
 model's measured prefill rate here) is not fetched: counted as ``skipped_cost``.
@@ -78,6 +82,7 @@ from ..cuts import serves
 from ..keys import TOKEN_BYTES, boundaries, chunk_key, common_tokens, entry_key, key_of, residual
 from ..records import ChunkRecord, EntryRecord, Segment
 from ..writer import Writer
+from . import signing
 from . import values as V
 from .bulk import Bulk, Tally
 from .client import SharedClient
@@ -93,7 +98,7 @@ BULK_TIMEOUT = 1.0           # seconds per socket operation when moving values
 DEADLINE_FLOOR = 0.25        # seconds a lookup always gets (two small round trips on a LAN)
 COUNTERS = ("lookups", "lookup_hits", "trim_hits", "rejected", "missing", "bad_fields", "too_large",
             "deleted", "published", "publish_skipped", "publish_failed", "chunks_published",
-            "deadline_misses", "skipped_cost", "publish_abandoned")
+            "deadline_misses", "skipped_cost", "publish_abandoned", "bad_signature")
 
 ChunkPiece = tuple[bytes, ChunkRecord, bytes, bytes | memoryview]  # key, record, token ids, segment bytes
 
@@ -166,6 +171,7 @@ class SharedTier:
         self.bulk = SharedClient(bulk)
         self.pub = SharedClient(bulk)
         self.prefix = cfg.prefix
+        self.secret = cfg.secret  # values signed and verified (``signing``) when set
         self.max_value_bytes = int(cfg.max_value_bytes if max_value_bytes is None else max_value_bytes)
         self.max_fields = int(max_fields)
         self.link = Link()
@@ -323,6 +329,8 @@ class SharedTier:
             return None
         nbytes = sum(len(v.data) for v in got if v is not None)
         self.link.transfer(identity, nbytes, len(wanted) * C + _value_tokens(best, C), time.monotonic() - t0)
+        if self.secret is not None:  # every tag at once, in parallel; each value is judged where it is parsed
+            got = signing.unseal_all(self.secret, names, got)
         pieces, chain = self._chain(identity, tokens, bounds, C, best.k, dict(zip(wanted, got)), held)
         if best.key is not None and (chain == best.k or not best.chunked):
             if best.trim:
@@ -363,7 +371,7 @@ class SharedTier:
         if not self._present(data):
             return None
         try:
-            v = V.parse_chunk(data.data, digest=_digest(data))
+            v = V.parse_chunk(*self._unseal(name, data))
             rec = v.record
             if not isinstance(rec, ChunkRecord) or rec.identity != identity or rec.parent != parent \
                     or rec.n != C or (want is not None and v.tokens != want) or chunk_key(parent, v.tokens) != key:
@@ -400,7 +408,7 @@ class SharedTier:
         if not self._present(data):
             return None
         try:
-            v = V.parse_entry(data.data, digest=_digest(data))
+            v = V.parse_entry(*self._unseal(name, data))
             rec = v.record
             if not isinstance(rec, EntryRecord) or rec.identity != identity or rec.chunk != C \
                     or rec.chunked != best.chunked:
@@ -420,6 +428,18 @@ class SharedTier:
         if n <= better_than:
             return None
         return Found(best.key, rec, v.tokens, pieces if rec.chunked else [], v.segment, n)
+
+    def _unseal(self, name: str, data: Bulk) -> tuple[Any, None, tuple[int, bytes] | None]:
+        """(value, now, digest) to parse: with a fleet secret the value without its tag
+        once the tag is verified (``signing.BadSignature`` otherwise); the digest taken as
+        it arrived covers the tag too then, so the segment is hashed again."""
+        if self.secret is None:
+            return data.data, None, _digest(data)
+        if isinstance(data, signing.Checked):
+            if data.error is not None:
+                raise data.error
+            return data.data, None, None
+        return signing.unseal(self.secret, name, data.data), None, None
 
     def _present(self, data: Bulk | None) -> bool:
         """A value asked for in round trip 2 is there; one gone since it was named (evicted
@@ -450,6 +470,8 @@ class SharedTier:
             self._count("too_large")
             return
         self._count("rejected")
+        if isinstance(err, signing.BadSignature):
+            self._count("bad_signature")
         log.debug("shared value %s rejected: %s", name, err)
         self.publisher.submit(lambda: self._count("deleted", self.pub.delete_many([name]) or 0))
 
@@ -497,7 +519,8 @@ class SharedTier:
                 tail = item.read(rec.tail) if rec.tail is not None else b""
                 clean = EntryRecord(rec.identity, rec.n, rec.chunk, rec.chunked, rec.trimmable, rec.boundary,
                                     rec.chunks, rec.tail, rec.cache_type, rec.created, rec.created)
-                wrote = self.pub.write_values([(ename, V.entry_parts(clean, item.tokens, tail, now))], until=until)
+                parts = signing.seal(self.secret, ename, V.entry_parts(clean, item.tokens, tail, now))
+                wrote = self.pub.write_values([(ename, parts)], until=until)
                 if not wrote or not wrote[0]:
                     return self._published(False)
         except Exception as e:  # a local segment that cannot be read (gc'd, damaged)
@@ -521,7 +544,7 @@ class SharedTier:
         rec = item.record
         sizes = [V.FRAME.size + len(c.to_bytes()) + len(t) + c.segment.length for _, c, t in item.chunks]
         sizes.append(V.FRAME.size + len(rec.to_bytes()) + len(item.tokens) + (rec.tail.length if rec.tail else 0))
-        return max(sizes) > limit
+        return max(sizes) + (signing.TAG_BYTES if self.secret else 0) > limit
 
     def _put_chunks(self, missing: list[tuple[str, tuple[bytes, ChunkRecord, bytes]]],
                     read: Callable[[Segment], bytes], now: float, until: float) -> bool:
@@ -529,7 +552,7 @@ class SharedTier:
         batch: list[tuple[str, list[bytes]]] = []
         size = 0
         for i, (cname, (_ck, crec, toks)) in enumerate(missing):
-            value = V.chunk_parts(crec.with_refs(1), toks, read(crec.segment), now)
+            value = signing.seal(self.secret, cname, V.chunk_parts(crec.with_refs(1), toks, read(crec.segment), now))
             batch.append((cname, value))
             size += sum(len(p) for p in value)
             if size >= PUBLISH_BATCH_BYTES or i == len(missing) - 1:

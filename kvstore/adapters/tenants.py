@@ -1,0 +1,380 @@
+"""``kvstore serve``'s callers: API keys, and the ``cache_salt`` of every request.
+
+Installed on mlx_lm.server (``install``) without editing it, at the one place every request
+passes whatever route serves it (OpenAI's, Anthropic's ``/v1/messages``, kvstore's own):
+``APIHandler.parse_request``, once the request line and headers are read, before any
+``do_*`` method runs (so a route added by another patch is guarded too).
+
+- Keys (``Policy``; ``--api-key`` repeatable, ``--api-key-file``, ``$KVSTORE_API_KEYS``):
+  a request without a valid key (``Authorization: Bearer KEY`` or ``x-api-key: KEY``) gets
+  401 in its API's own error shape on every path but ``/health`` (``CORS`` preflights,
+  ``OPTIONS``, carry no credentials and answer nothing but headers). Keys are compared as
+  SHA-256 digests with ``hmac.compare_digest`` against every configured key (no early
+  exit); only their digests are kept, never logged. No key configured: nothing checked.
+- Salt: a POST body's ``cache_salt`` is validated (``salt.salt_of_body``: a 400 naming the
+  field for anything but a non-empty string of at most 256 characters, before the route
+  sees the request: nothing generated, nothing stored). With ``--isolate-keys`` every
+  request is salted with its key's digest too (``salt.combine``). The salt then travels
+  with the request to mlx_lm.server's generation thread: ``ResponseGenerator.generate``
+  (called on the HTTP thread that parsed the request) tags the request object; the
+  generation thread's ``_tokenize`` hands its tokens out as ``salt.SaltedTokens``, which
+  ``LRUPromptCache`` reads; a ``BatchGenerator`` subclass keeps each sequence's salt by
+  uid and puts it back on the token lists it hands to ``insert_cache``. Nothing per
+  request is kept in a thread-local across threads: the HTTP thread's own value is set
+  by every ``parse_request`` and read only by that thread, inside that request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import hmac
+import io
+import ipaddress
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..salt import Salt, SaltedTokens, SaltError, combine, salt_of, salt_of_body, tag
+
+log = logging.getLogger("kvstore")
+ENV_KEYS = "KVSTORE_API_KEYS"
+OPEN_PATHS = frozenset({"/health"})
+MAX_KEY_CHARS = 4096
+_LOCAL = threading.local()  # the HTTP thread's current request's salt (see the docstring)
+_REQUEST_SALT = "_kvstore_salt"  # attribute of mlx_lm.server's CompletionRequest
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Who may call: SHA-256 digests of the accepted keys (none: everyone), and whether each
+    key's requests are salted with its digest (``isolate``)."""
+
+    digests: tuple[bytes, ...] = field(default=(), repr=False)
+    isolate: bool = False
+
+    @classmethod
+    def from_keys(cls, keys: list[str], isolate: bool = False) -> "Policy":
+        bad = [i for i, k in enumerate(keys) if not k or len(k) > MAX_KEY_CHARS or any(c.isspace() for c in k)]
+        if bad:
+            raise ValueError(f"API key #{bad[0] + 1} is empty, longer than {MAX_KEY_CHARS} characters "
+                             "or contains whitespace")
+        if isolate and not keys:
+            raise ValueError("--isolate-keys needs API keys (--api-key, --api-key-file or $KVSTORE_API_KEYS)")
+        return cls(tuple(dict.fromkeys(_digest(k) for k in keys)), isolate)
+
+    @property
+    def on(self) -> bool:
+        return bool(self.digests)
+
+    def accepts(self, key: str | None) -> bool:
+        """Whether ``key`` is one of the configured keys; compares against all of them in
+        constant time per key (digests: equal length whatever was sent)."""
+        given = _digest(key if key is not None else "")
+        ok = False
+        for d in self.digests:
+            ok |= hmac.compare_digest(given, d)
+        return ok and key is not None
+
+    def key_salt(self, key: str | None) -> Salt | None:
+        """The salt ``--isolate-keys`` gives ``key``'s requests (None when not isolating)."""
+        return b"apikey:" + _digest(key) if self.isolate and key is not None else None
+
+
+_POLICY = Policy()
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(b"kvstore/api-key\0" + key.encode("utf-8", "surrogatepass")).digest()
+
+
+# -- configuration ---------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("callers")
+    g.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="accept requests carrying this key (Authorization: Bearer KEY or x-api-key: KEY); "
+                        "repeatable; every endpoint but /health then needs one (default: $KVSTORE_API_KEYS, "
+                        "comma-separated)")
+    g.add_argument("--api-key-file", metavar="FILE", default=None,
+                   help="accepted keys, one per line (# comments and blank lines ignored)")
+    g.add_argument("--isolate-keys", action="store_true",
+                   help="salt every request with a digest of its key: callers with different keys never "
+                        "reuse each other's cached prompts (each keeps its own across restarts)")
+
+
+def policy_from(ours: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Policy:
+    """The ``Policy`` of ``--api-key`` / ``--api-key-file`` / ``$KVSTORE_API_KEYS``
+    (the environment only when neither flag is given); SystemExit naming a bad one."""
+    env = os.environ if environ is None else environ
+    keys = list(ours.api_key or [])
+    if ours.api_key_file:
+        try:
+            with open(ours.api_key_file, encoding="utf-8") as f:
+                lines = [ln.strip() for ln in f]
+        except (OSError, UnicodeDecodeError) as e:
+            raise SystemExit(f"kvstore serve: cannot read --api-key-file: {e}") from None
+        found = [ln for ln in lines if ln and not ln.startswith("#")]
+        if not found:
+            raise SystemExit(f"kvstore serve: --api-key-file {ours.api_key_file} holds no key")
+        keys += found
+    if not keys and env.get(ENV_KEYS, "").strip():
+        keys = [k.strip() for k in env[ENV_KEYS].split(",") if k.strip()]
+    try:
+        return Policy.from_keys(keys, ours.isolate_keys)
+    except ValueError as e:
+        raise SystemExit(f"kvstore serve: {e}") from None
+
+
+def configure(policy: Policy) -> None:
+    """Use ``policy`` for the requests served from now on (one server per process)."""
+    global _POLICY
+    _POLICY = policy
+
+
+def warn_if_exposed(host: str | None, policy: Policy) -> bool:
+    """Warn (True) when binding to a non-loopback address without any API key."""
+    if policy.on or _loopback(host or "127.0.0.1"):
+        return False
+    log.warning("kvstore serve: listening on %s without an API key: anyone who can reach it may generate, "
+                "read the cache statistics and probe the prompt cache for other callers' prompts; "
+                "use --api-key (and --isolate-keys) or bind to 127.0.0.1", host)
+    return True
+
+
+def host_of(argv: list[str]) -> str | None:
+    """mlx_lm.server's ``--host`` value in its arguments (None: its default, 127.0.0.1)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--host", default=None)
+    return p.parse_known_args(argv)[0].host
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+# -- the request side ------------------------------------------------------------------
+
+
+def presented_key(headers: Any) -> str | None:
+    """The key a request carries: ``Authorization: Bearer KEY``, else ``x-api-key``."""
+    auth = headers.get("Authorization")
+    if auth:
+        scheme, _, value = auth.strip().partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    key = headers.get("x-api-key")
+    return key.strip() if key and key.strip() else None
+
+
+def is_anthropic(path: str) -> bool:
+    return path.split("?")[0].startswith("/v1/messages")
+
+
+def error_body(path: str, status: int, message: str, *, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """An error in the shape of the API ``path`` belongs to (Anthropic's for /v1/messages*,
+    OpenAI's for the rest)."""
+    if is_anthropic(path):
+        kind = "authentication_error" if status == 401 else "invalid_request_error"
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    kind = "authentication_error" if status == 401 else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def request_salt(body: Any, key: str | None = None, policy: Policy | None = None) -> Salt | None:
+    """The salt a request runs under: its body's ``cache_salt`` (validated: SaltError), with
+    ``--isolate-keys`` combined with its key's. What a route that reads its own body calls."""
+    policy = _POLICY if policy is None else policy
+    own = salt_of_body(body) if isinstance(body, dict) else None
+    return combine(policy.key_salt(key), own)
+
+
+def tag_request(request: Any, salt: Salt | None) -> Any:
+    """Make mlx_lm.server's request object carry ``salt`` to the generation thread; a
+    request that cannot carry it is refused (RuntimeError), never served unsalted."""
+    if salt is not None and getattr(request, _REQUEST_SALT, None) is None:
+        try:
+            setattr(request, _REQUEST_SALT, salt)
+        except (AttributeError, TypeError) as e:
+            raise RuntimeError(f"kvstore: a {type(request).__name__} cannot carry its cache_salt ({e})") from None
+    return request
+
+
+def current_salt() -> Salt | None:
+    """The salt of the request this HTTP thread is serving (set by ``parse_request``)."""
+    return getattr(_LOCAL, "salt", None)
+
+
+def _send(handler: Any, status: int, body: dict[str, Any], close: bool) -> None:
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    if status == 401:
+        handler.send_header("WWW-Authenticate", "Bearer")
+    if close:
+        handler.send_header("Connection", "close")
+        handler.close_connection = True
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
+class _Replay(io.RawIOBase):
+    """A request's body, already read, served again before the rest of the connection."""
+
+    def __init__(self, head: bytes, rest: Any) -> None:
+        super().__init__()
+        self._head = io.BytesIO(head)
+        self._rest = rest
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int | None = -1) -> bytes:
+        got = self._head.read(n if n is not None and n >= 0 else -1)
+        if got or n == 0:
+            return got
+        return self._rest.read(n) if n is not None and n >= 0 else b""
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def readline(self, limit: int | None = -1) -> bytes:
+        got = self._head.readline(-1 if limit is None else limit)
+        return got if got else self._rest.readline(-1 if limit is None else limit)
+
+
+def _read_body(handler: Any) -> Any:
+    """The JSON body of a POST (put back for the route to read), or None when it has no
+    Content-Length or is not JSON (the route answers that itself)."""
+    try:
+        n = int(handler.headers.get("Content-Length", ""))
+    except ValueError:
+        return None
+    if n <= 0:
+        return None
+    raw = handler.rfile.read(n)
+    handler.rfile = _Replay(raw, handler.rfile)
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _admit(handler: Any) -> bool:
+    """The check every request passes once its headers are read: its key, its salt."""
+    _LOCAL.salt = None
+    path = handler.path.split("?")[0]
+    if handler.command == "OPTIONS" or path in OPEN_PATHS:
+        return True
+    policy = _POLICY
+    key = presented_key(handler.headers)
+    if policy.on and not policy.accepts(key):
+        msg = "missing API key: send Authorization: Bearer KEY or x-api-key: KEY" if key is None \
+            else "invalid API key"
+        _send(handler, 401, error_body(path, 401, msg, code="invalid_api_key"), close=True)
+        return False
+    if handler.command != "POST":
+        return True
+    body = _read_body(handler)
+    try:
+        _LOCAL.salt = request_salt(body, key, policy)
+    except SaltError as e:
+        _send(handler, 400, error_body(path, 400, str(e), param="cache_salt", code="invalid_cache_salt"), close=False)
+        return False
+    return True
+
+
+# -- install ---------------------------------------------------------------------------
+
+
+def install(server_mod: Any) -> None:
+    """Guard and salt ``server_mod``'s (mlx_lm.server's) requests; idempotent."""
+    handler, generator = server_mod.APIHandler, server_mod.ResponseGenerator
+    if getattr(handler, "_kvstore_tenants", False):
+        return
+    parse = handler.parse_request
+
+    def parse_request(self: Any) -> bool:
+        return bool(parse(self)) and _admit(self)
+
+    handler.parse_request = parse_request
+    handler._kvstore_tenants = True
+
+    generate = generator.generate
+
+    def generate_salted(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        return generate(self, tag_request(request, current_salt()), *args, **kwargs)
+
+    tokenize = generator._tokenize
+
+    def _tokenize(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
+        got = tokenize(self, tokenizer, request, args)
+        salt = getattr(request, _REQUEST_SALT, None)
+        if salt is None:
+            return got
+        prompt, *rest = got
+        vision = rest[-1] if rest else None
+        if vision is not None and hasattr(vision, "cache_key"):
+            vision.cache_key = SaltedTokens(vision.cache_key, salt)
+        return (SaltedTokens(prompt, salt), *rest)
+
+    generator.generate = generate_salted
+    generator._tokenize = _tokenize
+    server_mod.BatchGenerator = _salted_batches(server_mod.BatchGenerator)
+
+
+def _salted_batches(base: type) -> type:
+    """``base`` (mlx-lm's BatchGenerator) keeping each sequence's salt by uid: what it is
+    given as ``all_tokens`` (``SaltedTokens``) comes back on the token lists of
+    ``extract_cache`` and of finished responses, which mlx_lm.server inserts."""
+
+    class SaltedBatchGenerator(base):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._kvstore_salts: dict[int, Salt] = {}
+
+        def insert_segments(self, segments: Any, max_tokens: Any = None, caches: Any = None,
+                            all_tokens: Any = None, *args: Any, **kwargs: Any) -> Any:
+            salts = [salt_of(t) for t in all_tokens] if all_tokens else []
+            plain = [list(t) for t in all_tokens] if all_tokens else all_tokens
+            uids = super().insert_segments(segments, max_tokens, caches, plain, *args, **kwargs)
+            for uid, salt in zip(uids, salts):
+                if salt is not None:
+                    self._kvstore_salts[uid] = salt
+            return uids
+
+        def extract_cache(self, uids: Any) -> Any:
+            got = super().extract_cache(uids)
+            return {uid: (c, tag(k, self._kvstore_salts.get(uid))) if uid in self._kvstore_salts else (c, k)
+                    for uid, (c, k) in got.items()}
+
+        def next(self) -> Any:
+            prompts, gens = super().next()
+            for r in gens:
+                salt = self._kvstore_salts.get(r.uid)
+                if salt is not None and r.finish_reason is not None:
+                    r.all_tokens = SaltedTokens(r.all_tokens or [], salt)
+                    del self._kvstore_salts[r.uid]
+            return prompts, gens
+
+        def remove(self, uids: Any, *args: Any, **kwargs: Any) -> Any:
+            got = super().remove(uids, *args, **kwargs)
+            for uid in uids:
+                self._kvstore_salts.pop(uid, None)
+            return got
+
+    SaltedBatchGenerator.__name__ = SaltedBatchGenerator.__qualname__ = base.__name__
+    return SaltedBatchGenerator
