@@ -666,8 +666,8 @@ def _build(config: SharedConfig, wire: Wire) -> RedisClient:
 
 class _Cluster(RedisCluster):
     """RedisCluster asking ``COMMAND`` (once, at construction) of each primary in turn until
-    one answers: redis-py asks a random one, so a dead primary failed the construction of
-    every client, and with it every call, one time in three."""
+    one answers: redis-py asks its default node (the first primary it discovered), so that
+    primary dead failed the construction of every client, and with it every call."""
 
     def command(self, **kwargs: Any) -> Any:
         error: Exception = RedisClusterException("no cluster primary to ask COMMAND")

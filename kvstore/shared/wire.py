@@ -62,7 +62,7 @@ class Wire:
                 left = None if until is None else until - time.monotonic()
                 if left is not None and left <= 0:
                     raise socket.timeout("the call's deadline passed: no new connection")
-                saved = self.socket_connect_timeout
+                saved: float | None = getattr(self, "socket_connect_timeout")
                 if left is not None:
                     self.socket_connect_timeout = left if saved is None else min(saved, left)
                 try:
