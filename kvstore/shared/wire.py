@@ -62,13 +62,13 @@ class Wire:
                 left = None if until is None else until - time.monotonic()
                 if left is not None and left <= 0:
                     raise socket.timeout("the call's deadline passed: no new connection")
-                saved: float | None = getattr(self, "socket_connect_timeout")
+                saved = getattr(self, "socket_connect_timeout")
                 if left is not None:
-                    self.socket_connect_timeout = left if saved is None else min(saved, left)
+                    setattr(self, "socket_connect_timeout", left if saved is None else min(saved, left))
                 try:
                     sock = super()._connect()
                 finally:
-                    self.socket_connect_timeout = saved
+                    setattr(self, "socket_connect_timeout", saved)
                 wire.add(sock)
                 if until is not None and time.monotonic() >= until:  # a cut while connecting missed it
                     _shut(sock)
