@@ -373,13 +373,17 @@ def judge_publish(t: Tally, trial: str, a: dict, n: int) -> None:
     t.info["slowest_publish_flush"] = max(t.info.get("slowest_publish_flush", 0.0), a["flush_secs"] or 0.0)
 
 
-def judge_round(t: Tally, trial: str, rnd: dict, entries: list[list]) -> None:
-    """One of B's rounds: a clean trial's fetches hit the whole entry; a hit's next fetch
-    is local and holds as much."""
-    for (fam, toks), (n, src), (n2, src2) in zip(entries, rnd["hits"], rnd["again"]):
+def judge_round(t: Tally, trial: str, rnd: dict, entries: list[list], queries: list[list]) -> None:
+    """One of B's rounds: a clean trial's fetches hit the whole entry, unless B's memory
+    held a prefix the entry does not beat (``kept_memory_hit``); a hit's next fetch is
+    local and holds as much."""
+    for (fam, toks), (_, q), (n, src), (n2, src2) in zip(entries, queries, rnd["hits"], rnd["again"]):
         what = "full hit" if n >= len(toks) else "shorter hit" if n else "miss"
+        if what == "shorter hit" and kept_memory_hit(n, src, len(toks), len(q)):
+            what = "memory hit kept (the entry gains too little)"
+            t.info.setdefault("memory_hits_kept", []).append([trial, fam, n, len(toks), len(q)])
         t.outcomes[f"{trial}: {what}"] += 1
-        if what != "full hit" and bare(trial) in ("clean", "after_pause"):
+        if what in ("shorter hit", "miss") and bare(trial) in ("clean", "after_pause"):
             t.c["unexplained_misses"] += 1
             t.fail("clean trial: B did not get the whole entry", family=fam, tokens=len(toks), n=n, source=src,
                    stats=rnd["stats"])
@@ -388,7 +392,17 @@ def judge_round(t: Tally, trial: str, rnd: dict, entries: list[list]) -> None:
             t.fail("a shared hit's next fetch was not a local hit", trial=trial, n=n, again=[n2, src2])
 
 
-def judge_fetch(t: Tally, trial: str, b: dict, entries: list[list]) -> None:
+def kept_memory_hit(n: int, source: str | None, entry: int, wanted: int) -> bool:
+    """Did the store keep a memory hit of ``n`` of ``wanted`` tokens by its own rule
+    (``kvstore.store.restore_floor``: a disk or shared hit replaces a memory hit only if it
+    holds every token asked for or more than ``MIN_DISK_GAIN`` more), the published entry
+    of ``entry`` tokens not beating it? Then the shorter hit is the store's choice, not a
+    miss of the shared tier."""
+    from kvstore.store import restore_floor
+    return source == "memory" and 0 < n < entry <= restore_floor(n, wanted)
+
+
+def judge_fetch(t: Tally, trial: str, b: dict, entries: list[list], queries: list[list]) -> None:
     """Machine B's result: nothing escaped, no wrong hit, every call bounded, every shared
     hit on B's disk; a kill or pause it lived through counted in its stats."""
     t.add_escaped(b["escaped"], trial=trial, machine="B")
@@ -400,7 +414,7 @@ def judge_fetch(t: Tally, trial: str, b: dict, entries: list[list]) -> None:
     if b["lost"]:
         t.fail("a shared hit not kept on B's disk", trial=trial, lost=b["lost"][:5])
     for rnd in b["rounds"]:
-        judge_round(t, trial, rnd, entries)
+        judge_round(t, trial, rnd, entries, queries)
     t.info["slowest_fetch"] = max(t.info.get("slowest_fetch", 0.0), round(b["slowest"], 3))
     counted = sum((r["stats"].get("shared_errors") or 0) + (r["stats"].get("shared_skipped_calls") or 0)
                   for r in b["rounds"])
@@ -480,7 +494,7 @@ def one_trial(ctx: Ctx, t: Tally, rng: random.Random, redis: Redis, machines: di
             relay.close()
     if b is not None:
         b["fault"] = getattr(fault, "log", None)
-        judge_fetch(t, trial, b, entries)
+        judge_fetch(t, trial, b, entries, queries)
         judge_damage(t, trial, done, b, entries)
         if when == "slow":
             judge_slow(t, trial, b, entries)
@@ -488,7 +502,7 @@ def one_trial(ctx: Ctx, t: Tally, rng: random.Random, redis: Redis, machines: di
         time.sleep(FAST["breaker_backoff_max"] + 0.1)
         after = machines["B"].run(t, dict(fetch, dir=str(d / "b-after"), seconds=0.0), None)
         if after is not None:
-            judge_fetch(t, trial.replace("fetch_pause", "after_pause"), after, entries)
+            judge_fetch(t, trial.replace("fetch_pause", "after_pause"), after, entries, queries)
     check_dirs(ctx, t, trial, d, entries, b)
     t.c["trials"] += 1
     shutil.rmtree(d, ignore_errors=True)
