@@ -394,9 +394,11 @@ class SharedClient:
         return self._breaker.state
 
     def close(self) -> None:
-        """Drop the connections (a later call reconnects)."""
+        """Drop the connections (a later call reconnects); a call in flight fails at once
+        (its sockets are cut first)."""
         with self._lock:
             client, self._client = self._client, None
+        self._wire.cut()
         if client is not None:
             _close_quietly(client)
 
