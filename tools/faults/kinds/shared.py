@@ -438,7 +438,9 @@ def judge_round(t: Tally, trial: str, rnd: dict, entries: list[list], queries: l
         what = "full hit" if n >= len(toks) else "shorter hit" if n else "miss"
         if what == "shorter hit" and kept_memory_hit(n, src, len(toks), len(q)):
             what = "memory hit kept (the entry gains too little)"
-            t.info.setdefault("memory_hits_kept", []).append([trial, fam, n, len(toks), len(q)])
+            kept = t.info.setdefault("memory_hits_kept", [])  # [trial, family, kept, entry, asked]
+            if len(kept) < 40:
+                kept.append([trial, fam, n, len(toks), len(q)])
         t.outcomes[f"{trial}: {what}"] += 1
         if what in ("shorter hit", "miss") and bare(trial) in ("clean", "after_pause"):
             t.c["unexplained_misses"] += 1
