@@ -8,6 +8,7 @@ assertions use generous but real bounds: a 0.1 s command timeout must give up we
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -546,3 +547,20 @@ def test_cluster_client_built_while_a_primary_is_dead(redis_binary: str) -> None
             s = fresh.stats()
             assert (s["calls"], s["node_failures"], s["breaker_state"]) == (1, 1, "closed"), s
             fresh.close()
+
+
+def test_an_exception_raised_inside_redis_py_is_counted_not_raised(redis_server: RedisServer) -> None:
+    """An exception that is not a Redis error, raised inside redis-py's own code (here its
+    reply parser applying a C callable to a real score: ``itemgetter(9)(b"1.5")``, an
+    IndexError whose innermost Python frame is redis-py's), is caught:
+    counted as ``errors_client``, seen by the breaker, the client rebuilt; the caller's own
+    exceptions still propagate. (Before: it escaped into the calling thread.)"""
+    c = SharedClient(redis_server.url, breaker_failures=2, breaker_backoff=30.0, breaker_backoff_max=30.0)
+    z = c.key("z", tag="client-error")
+    assert c.run(lambda r: r.zadd(z, {"m": 1.5})) == 1
+    for _ in range(2):
+        assert c.run(lambda r: r.zrange(z, 0, -1, withscores=True, score_cast_func=operator.itemgetter(9))) is None
+    s = c.stats()
+    assert (s["errors_client"], s["errors"], s["breaker_state"]) == (2, 2, "open"), s
+    with pytest.raises(KeyError):  # not raised inside redis-py: the caller's bug propagates
+        SharedClient(redis_server.url).run(lambda r: {"present": 1}["missing"])
