@@ -37,6 +37,7 @@ class Wire:
     def __init__(self) -> None:
         self._socks: weakref.WeakSet[socket.socket] = weakref.WeakSet()
         self._lock = threading.Lock()
+        self._classes: dict[bool, type[Connection]] = {}
         self.cuts = 0
 
     def add(self, sock: socket.socket) -> None:
@@ -52,7 +53,13 @@ class Wire:
             _shut(s)
 
     def connection_class(self, tls: bool) -> type[Connection]:
-        """A redis-py connection class (plain TCP or TLS) whose sockets this wire tracks."""
+        """A redis-py connection class (plain TCP or TLS) whose sockets this wire tracks
+        (one per kind and wire: the clients rebuilt after a failure share it)."""
+        if tls not in self._classes:
+            self._classes[tls] = self._make(tls)
+        return self._classes[tls]
+
+    def _make(self, tls: bool) -> type[Connection]:
         wire = self
         base: type[Connection] = SSLConnection if tls else Connection
 
