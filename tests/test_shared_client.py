@@ -8,6 +8,7 @@ assertions use generous but real bounds: a 0.1 s command timeout must give up we
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -360,7 +361,8 @@ def test_tls_url_against_plain_server_fails_soft(redis_server: RedisServer) -> N
     c = SharedClient(f"rediss://127.0.0.1:{redis_server.port}/0", **FAST)
     got, took = timed(c.pipeline_get, [c.key("x", tag="tls")])
     assert got is None and took < 1.0
-    assert c.stats()["errors"] == 1
+    s = c.stats()  # the TLS handshake failed (our tracked TLS connection class was built fine)
+    assert s["errors"] == 1 and s["errors_timeout"] + s["errors_connection"] == 1, s
 
 
 # -- Redis Cluster ---------------------------------------------------------------------------
@@ -458,3 +460,108 @@ def test_write_values_sends_pieces_as_one_value(redis_server: RedisServer) -> No
     with redis_server.client() as r:
         assert 0 < r.pttl("kvstore:w4") <= 60_000
     assert c.stats()["bytes_out"] == len(big) + 10 + 1 + 2 + 1
+
+
+# -- work done on a call's behalf stays inside its guard (issue 31, item 1) ----------------
+
+
+def test_cluster_discovery_is_inside_the_calls_deadline(redis_cluster: RedisCluster) -> None:
+    """The only startup node drips its replies (a real relay sending 20 B/s of what a real
+    node answers: ``CLUSTER SLOTS`` alone takes ~12 s, and every read gets a byte well
+    within the socket timeout): the call that builds the client ends at its deadline,
+    counted as a deadline miss and seen by the breaker; a call given no deadline ends at
+    the client's default one. (Before: discovery ran before the call's guard and deadline
+    watch, and held it until the whole reply had dripped in.)"""
+    from tests.support.relay import Relay
+
+    for given in (1.0, None):
+        with Relay(redis_cluster.servers[0].port, rate=20, only="down") as relay:
+            c = SharedClient(f"redis+cluster://127.0.0.1:{relay.port}", command_timeout=0.5,
+                             publish_deadline=1.0, breaker_failures=1, breaker_backoff=30.0,
+                             breaker_backoff_max=30.0)
+            k = c.key("blob", tag="drip")
+            until = None if given is None else time.monotonic() + given
+            got, took = timed(c.pipeline_get, [k], until=until)
+            assert got is None and took < (given or 2.2) + 0.6, took  # 2.2: the default deadline
+            s = c.stats()
+            assert (s["calls"], s["errors_deadline"], s["errors"]) == (1, 1, 1), s
+            assert s["breaker_state"] == "open"
+            got, took = timed(c.run, lambda r: r.ping())  # open: no I/O at all
+            assert got is None and took < 0.05 and c.stats()["skipped_calls"] == 1
+            c.close()
+    assert c.default_deadline == pytest.approx(2.2)  # 4 x (connect + command timeout): longer
+    assert SharedClient("redis://h", command_timeout=0.1, publish_deadline=3.0).default_deadline == 3.0
+
+
+def test_cluster_with_every_node_stopped_fails_soft_and_opens_the_breaker(redis_binary: str) -> None:
+    """Every node of a cluster paused (SIGSTOP), then killed: each call of a client that
+    must discover the topology returns None / False in bounded time, counted, and the
+    breaker opens; nothing raises. (Before: ``RedisClusterException`` from the client's
+    construction escaped every call, uncounted, and the breaker never opened.)"""
+    from tests.support.redis_servers import RedisCluster as Cluster
+
+    with Cluster(3, binary=redis_binary) as cluster:
+        for server in cluster.servers:
+            server.pause()
+        c = SharedClient(cluster.url, **FAST)
+        k = c.key("blob", tag="stopped")
+        got, took = timed(c.pipeline_get, [k], until=time.monotonic() + 0.5)
+        assert got is None and took < 1.0, took
+        assert c.set_many({k: b"v"}) is False
+        assert c.pipeline_read([("GET", k)]) is None
+        s = c.stats()
+        assert s["errors"] == 3 and s["errors_deadline"] + s["errors_timeout"] + s["errors_cluster"] == 3, s
+        assert s["breaker_state"] == "open" and s["skipped_calls"] == 0
+        assert c.ping() is False and c.stats()["skipped_calls"] == 1
+
+        for server in cluster.servers:
+            server.kill()
+        c = SharedClient(cluster.url, **FAST)
+        for _ in range(3):
+            got, took = timed(c.pipeline_get, [k])
+            assert got is None and took < 0.5, took
+        assert c.hset_many({k: {"f": b"v"}}) is False and c.set_nx_many({k: b"v"}) is None
+        assert list(c.scan_iter(f"{c.config.prefix}:*")) == [] and c.delete_many([k]) is None
+        s = c.stats()
+        assert s["errors_cluster"] + s["errors_connection"] == 3 and s["breaker_state"] == "open", s
+        assert s["skipped_calls"] == 4
+
+
+def test_cluster_client_built_while_a_primary_is_dead(redis_binary: str) -> None:
+    """The primary redis-py asks ``COMMAND`` of while it builds a cluster client (its
+    default node: the first primary, holding slot 0) killed: a client built afterwards
+    works, and serves the live nodes' keys. (Before: every build asked the dead primary and
+    failed, raising redis-py's ConnectionError out of SharedClient.)"""
+    from tests.support.redis_servers import RedisCluster as Cluster
+
+    with Cluster(3, binary=redis_binary, config={"cluster-require-full-coverage": "no"}) as cluster:
+        c = SharedClient(cluster.url, **FAST)
+        keys = [c.key("blob", tag=f"{i:04x}") for i in range(30)]
+        assert c.set_many({k: b"v" for k in keys})
+        dead = cluster.servers[0]
+        dead.kill()
+        want = [None if cluster.node_for_slot(key_slot(k)) is dead else b"v" for k in keys]
+        assert None in want and b"v" in want
+        for _ in range(3):
+            fresh = SharedClient(cluster.url, **FAST)
+            assert fresh.pipeline_get(keys) == want
+            s = fresh.stats()
+            assert (s["calls"], s["node_failures"], s["breaker_state"]) == (1, 1, "closed"), s
+            fresh.close()
+
+
+def test_an_exception_raised_inside_redis_py_is_counted_not_raised(redis_server: RedisServer) -> None:
+    """An exception that is not a Redis error, raised inside redis-py's own code (here its
+    reply parser applying a C callable to a real score: ``itemgetter(9)(b"1.5")``, an
+    IndexError whose innermost Python frame is redis-py's), is caught:
+    counted as ``errors_client``, seen by the breaker, the client rebuilt; the caller's own
+    exceptions still propagate. (Before: it escaped into the calling thread.)"""
+    c = SharedClient(redis_server.url, breaker_failures=2, breaker_backoff=30.0, breaker_backoff_max=30.0)
+    z = c.key("z", tag="client-error")
+    assert c.run(lambda r: r.zadd(z, {"m": 1.5})) == 1
+    for _ in range(2):
+        assert c.run(lambda r: r.zrange(z, 0, -1, withscores=True, score_cast_func=operator.itemgetter(9))) is None
+    s = c.stats()
+    assert (s["errors_client"], s["errors"], s["breaker_state"]) == (2, 2, "open"), s
+    with pytest.raises(KeyError):  # not raised inside redis-py: the caller's bug propagates
+        SharedClient(redis_server.url).run(lambda r: {"present": 1}["missing"])

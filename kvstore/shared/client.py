@@ -10,16 +10,21 @@ Guarantees:
   ``command_timeout`` and redis-py's own retries are off, so a call to a dead or stopped
   server returns after about ``connect_timeout + command_timeout`` per node it touches.
   Those bound each read, not a call (a slow path that sends a few bytes per timeout keeps
-  a large reply going): a call given ``until`` (a ``time.monotonic()`` deadline) is also
-  bounded in wall time, by abandoning the client's connections when it passes
-  (``deadline.watch``: the sockets are closed, the call fails as ``errors_deadline``, the
-  next call connects afresh). Cluster pipelines are sent per node here, never replayed
-  command by command.
-* Never raises for server failures. Connection errors, timeouts, failed authentication,
-  cluster errors and error replies are caught, counted in ``stats()`` and returned as
-  ``None`` (reads, "unavailable") or ``False`` (writes). ``ValueError`` is raised only for
-  bad arguments; an exception from a callable given to ``run()`` that is not a Redis error
-  propagates unchanged.
+  a large reply going): every call is also bounded in wall time, by its ``until`` (a
+  ``time.monotonic()`` deadline; a call given none gets ``default_deadline``), by cutting
+  every socket of this client when it passes (``deadline.watch``, ``wire``: the call
+  fails as ``errors_deadline``, the next call connects afresh). That covers everything
+  redis-py does on the call's behalf: building the client, cluster topology discovery
+  (``CLUSTER SLOTS``, ``COMMAND``, again after a node failed), connection handshakes and
+  reconnects (no connection is opened once the deadline passed). Cluster pipelines are
+  sent per node here, never replayed command by command.
+* Never raises for server failures, and nothing redis-py raises escapes. Connection
+  errors, timeouts, failed authentication, cluster errors, error replies and any other
+  exception raised inside redis-py (``errors_client``: a client that failed is rebuilt)
+  are caught, counted in ``stats()``, seen by the breaker and returned as ``None``
+  (reads, "unavailable") or ``False`` (writes). ``ValueError`` is raised only for bad
+  arguments; an exception raised by a callable given to ``run()`` itself (not inside
+  redis-py) that is not a Redis error propagates unchanged.
 * A breaker: after ``breaker_failures`` consecutive failures every call returns at once,
   with no I/O, for a backoff (``breaker_backoff`` doubling to ``breaker_backoff_max``);
   then one probe call goes out and its outcome closes or reopens the breaker.
@@ -27,7 +32,8 @@ Guarantees:
 * Thread-safe: redis-py's clients are, and the breaker and counters are locked.
 
 ``round_trips`` counts the requests this client sends (one per pipeline per node, one per
-SCAN step); connection handshakes and cluster topology discovery are not counted.
+SCAN step); connection handshakes and cluster topology discovery are not counted (their
+failures are: the call they were made for fails).
 ``bytes_in`` / ``bytes_out`` count value bytes read and written, not wire bytes.
 """
 
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
@@ -54,6 +61,7 @@ from . import deadline
 from .bulk import Bulk, Tally, read_strings, write_strings
 from .config import SharedConfig
 from .keys import key_slot, make_key
+from .wire import Wire
 
 __all__ = ["SharedClient", "SharedConfig", "ERROR_KINDS", "READ_COMMANDS"]
 
@@ -65,8 +73,8 @@ Items = Mapping[str, Value] | Iterable[tuple[str, Value]]
 RedisClient = redis.Redis | RedisCluster
 Op = tuple[str, Callable[[Pipeline], object]]  # (key, queue the command on a pipeline)
 
-ERROR_KINDS = ("timeout", "deadline", "connection", "auth", "cluster", "other")
-_BREAKER_KINDS = frozenset({"timeout", "deadline", "connection", "auth", "cluster"})
+ERROR_KINDS = ("timeout", "deadline", "connection", "auth", "cluster", "client", "other")
+_BREAKER_KINDS = frozenset({"timeout", "deadline", "connection", "auth", "cluster", "client"})
 _CAUGHT = (RedisError, RedisClusterException, OSError)
 _REDIRECTS = (AskError, TryAgainError)  # AskError covers MovedError
 BULK_CONNECTIONS = 2  # connections per node reading values at once (hashing on one overlaps receiving on another)
@@ -108,6 +116,15 @@ class SharedClient:
         self._client: RedisClient | None = None
         self._secrets = tuple(s for s in (config.password, config.username) if s)
         self._next_refresh = 0.0  # a cluster node down: rediscover the topology at most this often
+        self._wire = Wire()  # every socket of the redis-py clients built here: cut at a deadline
+        self._warned = False
+
+    @property
+    def default_deadline(self) -> float:
+        """Seconds a call given no ``until`` may take: ``publish_deadline`` (the longest any
+        one job of the shared tier may take), or a few requests' timeouts if longer."""
+        c = self.config
+        return max(c.publish_deadline, 4 * (c.connect_timeout + c.command_timeout))
 
     def __repr__(self) -> str:
         return f"SharedClient({self.config.redacted()!r}, breaker={self._breaker.state})"
@@ -340,8 +357,9 @@ class SharedClient:
         """``fn(redis_client)`` behind the breaker and counters; None if unavailable.
 
         ``fn`` gets a ``redis.Redis`` or a ``RedisCluster`` configured with this client's
-        timeouts and no retries. Redis errors it raises are caught and counted; any other
-        exception propagates. (A RedisCluster may refresh its topology inside ``fn``.)
+        timeouts and no retries. Redis errors and whatever redis-py raises are caught and
+        counted; any other exception ``fn`` raises itself propagates. (A RedisCluster may
+        refresh its topology inside ``fn``: within the call's deadline like the rest.)
         """
         if round_trips < 0:
             raise ValueError("round_trips must be >= 0")
@@ -376,38 +394,46 @@ class SharedClient:
         return self._breaker.state
 
     def close(self) -> None:
-        """Drop the connections (a later call reconnects)."""
+        """Drop the connections (a later call reconnects); a call in flight fails at once
+        (its sockets are cut first)."""
         with self._lock:
             client, self._client = self._client, None
+        self._wire.cut()
         if client is not None:
             _close_quietly(client)
 
     # -- internals -------------------------------------------------------------------
 
     def _call(self, op: str, fn: Callable[[RedisClient], T], until: float | None = None) -> T | _Unavailable:
-        """Run ``fn`` with the breaker and counters, cut off at ``until`` (monotonic);
-        ``_UNAVAILABLE`` if skipped, failed or late."""
-        if until is not None and until <= time.monotonic():
+        """Run ``fn`` with the breaker and counters, cut off at ``until`` (monotonic; None:
+        ``default_deadline`` from now); ``_UNAVAILABLE`` if skipped, failed or late. The
+        redis-py client is built (a cluster's topology discovered) inside the call's guard
+        and deadline, like everything else redis-py does for it."""
+        now = time.monotonic()
+        until = now + self.default_deadline if until is None else until
+        if until <= now:
             self._count("errors_deadline")  # no time left: no I/O, not the server's fault
             return _UNAVAILABLE
         if not self._breaker.allow():
             self._count("skipped_calls")
             return _UNAVAILABLE
         self._count("calls")
-        client = self._redis()
-        watch = None if until is None else deadline.watch(until, lambda: _abandon(client))
+        watch = deadline.watch(until, self._wire.cut)
         try:
-            result = fn(client)
-        except _CAUGHT as e:
-            late = watch is not None and (watch.fired or time.monotonic() >= watch.until - 0.01)
+            with deadline.bound(until):
+                result = fn(self._redis())
+        except Exception as e:
+            if not isinstance(e, _CAUGHT) and not _raised_in_redis(e):
+                self._breaker.abandon()  # the caller's own bug (a callable given to run())
+                raise
+            late = watch.fired or time.monotonic() >= until - 0.01
             self._failed(op, DeadlineExceeded(f"{op} passed its deadline") if late else e)
             return _UNAVAILABLE
         except BaseException:
             self._breaker.abandon()
             raise
         finally:
-            if watch is not None:
-                watch.cancel()
+            watch.cancel()
         if self._breaker.success():
             log.info("shared tier %s answers again", self.config.redacted())
         return result
@@ -417,7 +443,7 @@ class SharedClient:
         with self._lock:
             client = self._client
         if client is None:
-            client = _build(self.config)
+            client = _build(self.config, self._wire)
             with self._lock:
                 if self._client is None:
                     self._client = client
@@ -528,8 +554,14 @@ class SharedClient:
         kind = error_kind(error)
         self._count(f"errors_{kind}")
         detail = self._scrub(f"{type(error).__name__}: {error}")
-        log.debug("shared %s on %s failed (%s): %s", op, self.config.redacted(), kind, detail)
-        if self.config.cluster and kind in ("timeout", "connection", "cluster"):
+        if kind == "client" and not self._warned:  # redis-py failed in itself: say it once, in full
+            self._warned = True
+            log.warning("shared %s on %s: redis-py raised %s (counted as errors_client; the "
+                        "client is rebuilt)", op, self.config.redacted(), detail,
+                        exc_info=(type(error), error, error.__traceback__))
+        else:
+            log.debug("shared %s on %s failed (%s): %s", op, self.config.redacted(), kind, detail)
+        if kind == "client" or (self.config.cluster and kind in ("timeout", "connection", "cluster")):
             with self._lock:  # rediscover the topology on the next call; calls in flight
                 self._client = None  # keep the old client, closed when it is collected
         if kind not in _BREAKER_KINDS:
@@ -583,7 +615,22 @@ def error_kind(error: BaseException) -> str:
         return "cluster"
     if isinstance(error, (RedisConnectionError, OSError)):
         return "connection"
+    if not isinstance(error, RedisError):
+        return "client"  # not a Redis error: redis-py itself failed (see _raised_in_redis)
     return "other"
+
+
+_REDIS_DIR = os.path.dirname(redis.__file__) + os.sep
+
+
+def _raised_in_redis(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside redis-py (its innermost frame is redis-py's)."""
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_filename.startswith(_REDIS_DIR)
 
 
 def client_kwargs(config: SharedConfig) -> dict[str, Any]:
@@ -603,15 +650,39 @@ def client_kwargs(config: SharedConfig) -> dict[str, Any]:
     return kw
 
 
-def _build(config: SharedConfig) -> RedisClient:
-    """A redis-py client with no retries of its own (the breaker decides when to retry)."""
-    no_retry = Retry(NoBackoff(), 0)
+def _build(config: SharedConfig, wire: Wire) -> RedisClient:
+    """A redis-py client with no retries of its own (the breaker decides when to retry),
+    every socket of which ``wire`` tracks. A cluster's is built from a URL (redis-py then
+    makes each node's pool with our connection class) and discovers the topology now."""
+    kw = client_kwargs(config)
+    kw["connection_class"] = wire.connection_class(bool(kw.pop("ssl", False)))
     if config.cluster:
-        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in config.hosts],
-                            retry=no_retry, require_full_coverage=False,
-                            **client_kwargs(config))
-    return redis.Redis(host=config.host, port=config.port, db=config.db, retry=no_retry,
-                       **client_kwargs(config))
+        (host, port), *others = config.hosts
+        return _Cluster(url=f"redis://{_url_host(host)}:{port}", retry=Retry(NoBackoff(), 0),
+                        startup_nodes=[ClusterNode(h, p) for h, p in others],
+                        require_full_coverage=False, **kw)
+    pool = redis.ConnectionPool(host=config.host, port=config.port, db=config.db,
+                                retry=Retry(NoBackoff(), 0), **kw)
+    return redis.Redis.from_pool(pool)
+
+
+class _Cluster(RedisCluster):
+    """RedisCluster asking ``COMMAND`` (once, at construction) of each primary in turn until
+    one answers: redis-py asks its default node (the first primary it discovered), so that
+    primary dead failed the construction of every client, and with it every call."""
+
+    def command(self, **kwargs: Any) -> Any:
+        error: Exception = RedisClusterException("no cluster primary to ask COMMAND")
+        for node in self.get_primaries():
+            try:
+                return self.execute_command("COMMAND", target_nodes=node, **kwargs)
+            except (RedisConnectionError, RedisTimeoutError) as e:
+                error = e
+        raise error
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def _split(items: list[int], parts: int) -> list[list[int]]:
@@ -622,8 +693,10 @@ def _split(items: list[int], parts: int) -> list[list[int]]:
 
 def _at_once(fn: Callable[[list[int]], None], parts: list[list[int]]) -> None:
     """``fn(part)`` for every part, the first on this thread and the others on threads of
-    their own; returns when all ended, raising the first error."""
+    their own (working for the same call: ``deadline.bound``); returns when all ended,
+    raising the first error."""
     errors: list[BaseException] = []
+    until = deadline.current()
 
     def run(part: list[int]) -> None:
         try:
@@ -631,7 +704,12 @@ def _at_once(fn: Callable[[list[int]], None], parts: list[list[int]]) -> None:
         except BaseException as e:  # re-raised on the caller's thread below
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(p,), name="kvstore-shared-read", daemon=True) for p in parts[1:]]
+    def spawned(part: list[int]) -> None:
+        with deadline.bound(until):
+            run(part)
+
+    threads = [threading.Thread(target=spawned, args=(p,), name="kvstore-shared-read", daemon=True)
+               for p in parts[1:]]
     for t in threads:
         t.start()
     run(parts[0])
@@ -639,20 +717,6 @@ def _at_once(fn: Callable[[list[int]], None], parts: list[list[int]]) -> None:
         t.join()
     if errors:
         raise errors[0]
-
-
-def _abandon(client: RedisClient) -> None:
-    """Close every connection of ``client`` (in use or idle): a reader blocked on one
-    fails at once, and the pools connect afresh on the next call. Runs on the watchdog."""
-    if isinstance(client, RedisCluster):
-        pools = [n.redis_connection.connection_pool for n in client.get_nodes() if n.redis_connection]
-    else:
-        pools = [client.connection_pool]
-    for pool in pools:
-        try:
-            pool.disconnect(inuse_connections=True)
-        except Exception:  # a connection already broken: nothing left to abandon
-            pass
 
 
 def _scan_targets(client: RedisClient) -> list[redis.Redis]:

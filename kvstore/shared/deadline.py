@@ -10,6 +10,10 @@ off: the error is then a deadline, not the server's) are the caller's.
 
 One daemon thread for the process, started on first use; ``abandon`` must not block and
 its exceptions are swallowed (the call is failing anyway).
+
+``bound(until)`` marks the current thread as working for a call with that deadline
+(``current()`` reads it), so that code the call reaches without being handed ``until`` (a
+redis-py reconnect, ``wire``) keeps to it; a thread a call starts takes the mark with it.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import heapq
 import itertools
 import threading
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
-__all__ = ["Watch", "watch", "remaining"]
+__all__ = ["Watch", "watch", "remaining", "bound", "current"]
 
 
 class Watch:
@@ -58,6 +63,26 @@ def watch(until: float, abandon: Callable[[], None]) -> Watch:
 def remaining(until: float | None) -> float | None:
     """Seconds left before ``until`` (never below 0), None for no deadline."""
     return None if until is None else max(0.0, until - time.monotonic())
+
+
+_local = threading.local()
+
+
+@contextmanager
+def bound(until: float | None) -> Iterator[None]:
+    """This thread works for a call with deadline ``until`` (None: no deadline) until the
+    block ends; the previous mark is restored after."""
+    saved = getattr(_local, "until", None)
+    _local.until = until
+    try:
+        yield
+    finally:
+        _local.until = saved
+
+
+def current() -> float | None:
+    """The deadline of the call this thread works for (``bound``), None outside one."""
+    return getattr(_local, "until", None)
 
 
 def _run() -> None:

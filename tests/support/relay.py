@@ -4,7 +4,8 @@ of a real redis-server.
 ``Relay(target_port, rate=10e6).start()`` listens on a free port (``relay.port``) and
 forwards every accepted connection to ``127.0.0.1:target_port``, both ways, at about
 ``rate`` bytes per second per direction, shared by all its connections as a link's
-bandwidth is (``rate=None``: as fast as it goes). ``stall()`` stops forwarding (connections stay open, nothing moves: a path that
+bandwidth is (``rate=None``: as fast as it goes; ``only="down"``: only the replies are paced,
+a server that drips its answers). ``stall()`` stops forwarding (connections stay open, nothing moves: a path that
 drops every packet) until ``resume()``; ``rate`` may be changed at any time. Threads in
 the calling process (one per direction and connection), or a process of its own::
 
@@ -25,9 +26,13 @@ PIECE = 64 << 10
 class Relay:
     """Forward 127.0.0.1:port -> 127.0.0.1:target_port at ``rate`` bytes/s (see module)."""
 
-    def __init__(self, target_port: int, rate: float | None = None, target_host: str = HOST) -> None:
+    def __init__(self, target_port: int, rate: float | None = None, target_host: str = HOST,
+                 only: str | None = None) -> None:
+        if only not in (None, "up", "down"):
+            raise ValueError("only must be None, 'up' or 'down'")
         self.target = (target_host, target_port)
         self.rate = rate
+        self.only = only
         self.port = 0
         self.moved = 0  # bytes forwarded, both directions
         self._open = threading.Event()
@@ -107,7 +112,7 @@ class Relay:
         try:
             while True:
                 self._open.wait()
-                rate = self.rate
+                rate = self.rate if self.only in (None, way) else None
                 data = src.recv(PIECE if rate is None else max(1, min(PIECE, int(rate / 100))))
                 if not data:
                     break
