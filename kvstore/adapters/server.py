@@ -24,6 +24,7 @@ Every other flag is mlx_lm.server's own and passed through unchanged.
 from __future__ import annotations
 
 import argparse
+import errno
 import faulthandler
 import json
 import logging
@@ -200,6 +201,15 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     if "-h" in rest or "--help" in rest:
         parser.print_help()
         print("\nmlx_lm.server flags:", flush=True)
+    else:  # fail before the seconds mlx-lm's import and model load take
+        where = _listen_args(rest)
+        if not where.model:
+            parser.error("--model is required: the MLX model to serve (a local directory or a Hugging Face "
+                         "repo id), e.g. `kvstore serve --model mlx-community/Qwen3-0.6B-4bit`; kvstore keeps "
+                         "its prompt cache per model, and warms up and preloads that model at start")
+        problem = listen_problem(where.host, where.port)
+        if problem:
+            raise SystemExit(f"kvstore serve: error: {problem}")
     import mlx_lm.server as server_mod
 
     options: dict[str, Any] = {
@@ -217,18 +227,69 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
         signal.signal(signal.SIGUSR1, _dump_stacks)
         faulthandler.register(signal.SIGUSR2, all_threads=True)
     sys.argv = ["mlx_lm.server", *rest]
+    code = 0
     try:
         server_mod.main()
     except KeyboardInterrupt:
         pass
+    except Exception as e:  # it could not start (or its HTTP loop died): say why, and end
+        code = 1
+        where = _listen_args(rest)
+        why = (listen_problem(where.host, where.port, e)
+               if isinstance(e, OSError) and e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
+               else None) or f"{type(e).__name__}: {e}"
+        print(f"kvstore serve: error: {why}", file=sys.stderr, flush=True)
+        if not exit_process:
+            raise
     finally:
         startup.shutdown()
         for s in _STORES:
             s.close()
         log.info("kvstore: store flushed and closed")
-    if exit_process:
-        _exit_now(0)
-    return 0
+    if exit_process:  # also when it failed: mlx-lm's generation thread (not a daemon) would keep it alive
+        _exit_now(code)
+    return code
+
+
+def _listen_args(rest: list[str]) -> argparse.Namespace:
+    """mlx_lm.server's ``--model``, ``--host`` and ``--port`` in ``rest`` (its defaults:
+    no model, 127.0.0.1, 8080); ``port`` None when it is not a number (mlx-lm says so)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", default="8080")
+    ns, _ = p.parse_known_args(rest)
+    ns.port = int(ns.port) if str(ns.port).isdigit() else None
+    return ns
+
+
+def listen_problem(host: str, port: int | None, error: OSError | None = None) -> str | None:
+    """Why ``kvstore serve`` cannot listen on ``host:port`` (None: it can), naming both and
+    what to do. Without ``error`` it binds a socket there as mlx_lm.server will (the first
+    address ``getaddrinfo`` gives, ``SO_REUSEADDR``) and closes it: a port another process
+    listens on fails here, before the model loads. The bind mlx_lm.server makes itself
+    still decides (another process may take the port in between): its error comes back
+    here as ``error``."""
+    if port is None:
+        return None
+    if error is None:
+        import socket
+
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(address)
+        except OSError as e:
+            error = e
+        else:
+            return None
+    why = getattr(error, "strerror", None) or str(error)
+    hint = ("another process is listening there: stop it, or choose another port with --port"
+            if getattr(error, "errno", None) == errno.EADDRINUSE else
+            "check --host (an address of this machine, e.g. 127.0.0.1 or 0.0.0.0) and --port")
+    return f"cannot listen on {host}:{port}: {why} ({hint})"
 
 
 def _dump_stacks(signum: int, frame: Any) -> None:

@@ -1,0 +1,116 @@
+"""What a newcomer meets first (issue 37), on real ``kvstore serve`` processes.
+
+- a server that cannot listen (its port held by another socket) exits non-zero at once,
+  naming the port, instead of hanging on mlx-lm's generation thread;
+- ``kvstore serve`` without ``--model`` is a usage error (exit 2 naming the flag), not a
+  server that says it is ready and serves nothing;
+- after a restart, the server's log has one line per request restored from disk;
+- a never-seen prompt that shares only a chat template's few header tokens with a stored
+  one is a miss (``cached_tokens`` 0), not a tiny disk hit.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.children import child_env
+from tests.support.servers import HOST, Server, cached_tokens, serve_command
+
+START_LIMIT = 20.0  # seconds: a refused start must end well within this, even on a busy machine
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from tools.models import model_path
+
+    return model_path("tiny-llama")
+
+
+def run_serve(args: list[str], timeout: float = START_LIMIT) -> tuple[int, str, float]:
+    """(exit code, stderr, seconds) of ``kvstore serve ARGS``; killed (and failed) if it
+    is still running after ``timeout`` seconds."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(serve_command() + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True, env=child_env(PYTHONUNBUFFERED="1"))
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate(10)
+        pytest.fail(f"`kvstore serve {' '.join(args)}` still running after {timeout} s\n"
+                    f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
+    return proc.returncode, err, time.monotonic() - t0
+
+
+def test_a_taken_port_ends_the_server_at_once(model_dir: Path, tmp_path: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind((HOST, 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        code, err, took = run_serve(["--model", str(model_dir), "--cache-dir", str(tmp_path / "c"),
+                                     "--host", HOST, "--port", str(port)])
+    assert code != 0, err
+    assert f"{HOST}:{port}" in err and "--port" in err, err
+    assert took < START_LIMIT
+
+
+def test_serve_without_model_is_a_usage_error(tmp_path: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        port = s.getsockname()[1]
+    code, err, _took = run_serve(["--cache-dir", str(tmp_path / "c"), "--host", HOST, "--port", str(port)])
+    assert code == 2, err
+    assert "--model is required" in err, err
+
+
+# -- after a restart -----------------------------------------------------------------------
+
+SYSTEM = " ".join(f"Rule {i}: answer like a careful archivist and cite section {i * 7 % 31}." for i in range(12))
+OTHER_SYSTEM = "Be brief. " + " ".join(f"Point {i}: never guess; say so." for i in range(8))
+
+
+def chat(system: str, user: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+@pytest.fixture(scope="module")
+def restarted(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A server that stored SYSTEM's chat on disk and stopped, then a new one on the same
+    directory (memory tier empty): the restart every test below starts from."""
+    root = tmp_path_factory.mktemp("restart")
+    with Server(model_dir, root / "cache", root / "first.log") as first:
+        first.chat(chat(SYSTEM, "Summarise the rules in one sentence."))
+        first.wait_flushed()
+        assert first.stop() == 0
+    with Server(model_dir, root / "cache", root / "second.log") as second:
+        yield second
+
+
+def test_a_restore_is_logged(restarted: Server) -> None:
+    resp = restarted.chat(chat(SYSTEM, "Which section does rule 3 cite?"))
+    n = cached_tokens(resp)
+    assert n > 0, resp
+    time.sleep(0.2)
+    lines = [ln for ln in restarted.log(1 << 20).splitlines() if "kvstore: restored" in ln]
+    assert len(lines) == 1, restarted.log()
+    assert f"restored {n:,} of {resp['usage']['prompt_tokens']:,} prompt tokens from disk in " in lines[0], lines
+
+
+def test_a_few_shared_header_tokens_are_no_disk_hit(restarted: Server, model_dir: Path) -> None:
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    a = tok.apply_chat_template(chat(SYSTEM, "x"), add_generation_prompt=True, tokenize=True)
+    b = tok.apply_chat_template(chat(OTHER_SYSTEM, "What is rule 1?"), add_generation_prompt=True, tokenize=True)
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert 0 < shared < 64, shared  # the template's system header and a little more: what this test is about
+    before = restarted.stats()
+    resp = restarted.chat(chat(OTHER_SYSTEM, "What is rule 1?"))
+    assert cached_tokens(resp) == 0, resp
+    after = restarted.stats()
+    assert after.get("hits_disk", 0) == before.get("hits_disk", 0), (before, after)
