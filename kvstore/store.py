@@ -76,6 +76,17 @@ class Fetched:
 # conversation on disk extends that prompt by its user header's few tokens).
 MIN_DISK_GAIN = 16
 
+# A disk or shared hit with nothing in memory must restore at least this many tokens
+# (``LRUPromptCache(min_disk_hit=)``, ``kvstore serve --min-disk-hit``, ``kvstore warm``;
+# ``KVStore`` itself defaults to 0), unless it holds the whole prompt. Without it a never-seen prompt "hits" on the few tokens a chat template's system
+# header shares with any stored prompt (``<|im_start|>system\nYou are``: 5 tokens) and pays a
+# lookup, a whole chunk segment read and checksummed, and a cache built, to save a prefill
+# of 5 tokens, while ``cached_tokens`` tells the client its prompt was cached. 64: 4x
+# MIN_DISK_GAIN, above any role header plus an opening sentence (~10-30 tokens), a quarter
+# of the default 256-token chunk the hit reads anyway, and below any system prompt worth
+# caching; 0 restores any shared prefix, as before.
+MIN_DISK_HIT = 64
+
 
 class KVStore:
     """A two-tier prefix cache for mlx-lm prompt caches.
@@ -92,6 +103,10 @@ class KVStore:
     default) reads ``$KVSTORE_SHARED``, False turns it off. It needs the disk tier.
     ``persist`` ("all", "system", "reused") and ``max_write_bytes_per_day``: what reaches
     the SSD (``kvstore.write_policy``); a job they skip stays in memory, counted.
+    ``min_disk_hit``: the fewest tokens a disk or shared hit must restore when memory has
+    none of the prompt (a hit holding the whole prompt always counts). 0 here: any stored
+    prefix, the exact lookup rules; the front ends a newcomer meets (``LRUPromptCache``,
+    so ``kvstore serve``, and ``kvstore warm``) pass ``MIN_DISK_HIT``.
     """
 
     def __init__(
@@ -112,8 +127,12 @@ class KVStore:
         shared: "str | SharedConfig | None | bool" = None,
         persist: str = "all",
         max_write_bytes_per_day: int | None = None,
+        min_disk_hit: int = 0,
     ) -> None:
         self.write_policy = WritePolicy(persist, max_write_bytes_per_day)  # raises ValueError first
+        if not isinstance(min_disk_hit, int) or min_disk_hit < 0:
+            raise ValueError(f"min_disk_hit must be a number of tokens >= 0, got {min_disk_hit!r}")
+        self.min_disk_hit = min_disk_hit
         self._memory = MemoryTier(max_entries, max_bytes, touch_on_hit=touch_on_hit)
         self._pending: list[tuple[Hashable, list[int], Snapshot]] = []  # inserts not in the tier yet
         self._inserting: dict[int, int] = {}  # thread id -> inserts under way that are not pending yet
@@ -250,7 +269,8 @@ class KVStore:
     def fetch(self, model: Any, tokens: list[int]) -> Fetched:
         """The longest reusable prefix of ``tokens`` in memory or on disk; a longer disk
         prefix replaces a memory hit only when it holds all of ``tokens`` or more than
-        ``MIN_DISK_GAIN`` tokens more (``restore_floor``).
+        ``MIN_DISK_GAIN`` tokens more, and any disk hit must hold the whole prompt or at
+        least ``min_disk_hit`` tokens (``restore_floor``).
 
         Raises ValueError (``keys.TokenError``) for token lists that are not token ids.
         """
@@ -272,7 +292,7 @@ class KVStore:
             self._hit("memory", n, snap)
             return Fetched(cache, n, "memory")
         if self._disk_on(ident) and tokens:
-            floor = restore_floor(n, len(tokens))  # what a disk or shared hit must beat
+            floor = restore_floor(n, len(tokens), self.min_disk_hit)  # what a disk or shared hit must beat
             shared = self.shared is not None and self._from_shared(ident, enc, floor)  # type: ignore[arg-type]
             got = shared if isinstance(shared, Fetched) else \
                 self._fetch_disk(ident, enc, better_than=floor, source="shared" if shared else "disk")  # type: ignore[arg-type]
@@ -297,7 +317,7 @@ class KVStore:
         if n < len(tokens) and self._disk_on(ident) and tokens:
             try:
                 plan = self.disk.plan(ident, enc)  # type: ignore[union-attr,arg-type]
-                n = plan.n if plan is not None and plan.n > restore_floor(n, len(tokens)) else n
+                n = plan.n if plan is not None and plan.n > restore_floor(n, len(tokens), self.min_disk_hit) else n
             except Exception:  # a disk problem is a miss, as in fetch
                 pass
         return n
@@ -838,11 +858,12 @@ def _check_cache(cache: Any) -> None:
         raise ValueError(f"cache {why}")
 
 
-def restore_floor(memory_n: int, wanted: int) -> int:
-    """The tokens a disk or shared hit must exceed to replace a memory hit of ``memory_n``
-    of ``wanted`` tokens: any hit beats none; otherwise it must hold all ``wanted`` tokens
-    or more than ``MIN_DISK_GAIN`` tokens more than memory."""
-    return min(memory_n + MIN_DISK_GAIN, wanted - 1) if memory_n > 0 else memory_n
+def restore_floor(memory_n: int, wanted: int, min_hit: int = MIN_DISK_HIT) -> int:
+    """The tokens a disk or shared hit must exceed, given a memory hit of ``memory_n`` of
+    ``wanted`` tokens: it must hold all ``wanted`` tokens, or at least ``min_hit`` tokens
+    and (over a memory hit) more than ``MIN_DISK_GAIN`` tokens more than memory."""
+    beat = memory_n + MIN_DISK_GAIN if memory_n > 0 else 0
+    return min(max(beat, min_hit - 1, 0), wanted - 1)
 
 
 

@@ -13,10 +13,14 @@ warn and run memory-only, so an engine never fails to start because of its cache
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 from typing import Any
 
-from ..store import KVStore, Preloaded
+from ..store import MIN_DISK_HIT, KVStore, Preloaded
+
+log = logging.getLogger("kvstore")
 
 
 class LRUPromptCache:
@@ -25,7 +29,8 @@ class LRUPromptCache:
     ``model`` is mlx-lm's ``(model path, adapter path, draft model path)`` key; it maps to
     the identity digest of those files, so entries survive restarts and never cross models.
     ``shared``: a shared tier behind the disk (a Redis URL or ``SharedConfig``; None reads
-    ``$KVSTORE_SHARED``, False turns it off; see ``KVStore``).
+    ``$KVSTORE_SHARED``, False turns it off; see ``KVStore``). ``min_disk_hit``: the fewest
+    tokens a disk hit must restore when memory holds none of the prompt (``KVStore``).
     """
 
     def __init__(
@@ -44,13 +49,14 @@ class LRUPromptCache:
         shared: Any = None,
         persist: str = "all",
         max_write_bytes_per_day: int | None = None,
+        min_disk_hit: int = MIN_DISK_HIT,
     ) -> None:
         self.store = store or KVStore(
             cache_dir, max_entries=max_size, max_bytes=max_bytes, max_disk_bytes=max_disk_bytes,
             chunk_tokens=chunk_tokens, queue_size=queue_size, touch_on_hit=False,
             memory_only=not disk, on_disk_error="memory", kv_bits=kv_bits,
             kv_group_size=kv_group_size, shared=shared,
-            persist=persist, max_write_bytes_per_day=max_write_bytes_per_day,
+            persist=persist, max_write_bytes_per_day=max_write_bytes_per_day, min_disk_hit=min_disk_hit,
         )
 
     @property
@@ -78,8 +84,12 @@ class LRUPromptCache:
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
         """(cache or None, the tokens still to process): exact, longer-trimmed or shorter
-        hit from memory, else the longest stored prefix on disk."""
+        hit from memory, else the longest stored prefix on disk. A restore from disk or
+        the shared tier is logged (``log_restore``)."""
+        t0 = time.perf_counter()
         got = self.store.fetch(model, tokens)
+        if got.source in ("disk", "shared"):
+            log_restore(got.n, len(tokens), got.source, time.perf_counter() - t0)
         return got.cache, tokens[got.n :]
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
@@ -105,3 +115,12 @@ class LRUPromptCache:
     def close(self) -> None:
         """Flush the write-behind queue and close the index."""
         self.store.close()
+
+
+def log_restore(n: int, of: int, source: str, seconds: float) -> None:
+    """One INFO line on the ``kvstore`` logger for a request served from disk or the shared
+    tier: what an operator reading a server's log looks for after a restart (a server's
+    own log shows only its memory cache). ``seconds``: the whole lookup, restore included."""
+    tier = "the shared tier" if source == "shared" else source
+    log.info("kvstore: restored %s of %s prompt tokens from %s in %.2f s; %s left to prefill",
+             f"{n:,}", f"{of:,}", tier, seconds, f"{of - n:,}")

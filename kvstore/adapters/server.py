@@ -36,6 +36,7 @@ from urllib.parse import unquote
 
 from .. import metrics
 from . import startup
+from ..store import MIN_DISK_HIT
 from .mlx_lm import LRUPromptCache
 
 log = logging.getLogger("kvstore")
@@ -166,6 +167,10 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-dir", help="kvstore cache directory (default: $KVSTORE_DIR or the user cache dir)")
     g.add_argument("--max-disk-bytes", type=_size, default=None, help="disk budget, e.g. 20G (LRU eviction)")
     g.add_argument("--chunk-tokens", type=int, default=256, help="tokens per stored chunk (default 256)")
+    g.add_argument("--min-disk-hit", type=_tokens, default=MIN_DISK_HIT, metavar="TOKENS",
+                   help=f"the fewest tokens a disk or shared hit must restore when memory holds none of the "
+                        f"prompt, unless it holds the whole prompt (default {MIN_DISK_HIT}: a prompt sharing "
+                        f"only a chat template's header with a stored one is a miss; 0: any shared prefix)")
     g.add_argument("--write-queue", type=int, default=16, help="write-behind queue length (default 16)")
     g.add_argument("--persist", choices=("all", "system", "reused"), default="all",
                    help="what is written to disk: every new prefix (all, the default), system prompts and "
@@ -216,6 +221,7 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
         "cache_dir": ours.cache_dir, "max_disk_bytes": ours.max_disk_bytes,
         "chunk_tokens": ours.chunk_tokens, "queue_size": ours.write_queue,
         "persist": ours.persist, "max_write_bytes_per_day": ours.max_write_bytes_per_day,
+        "min_disk_hit": ours.min_disk_hit,
     }
     shared = shared_config(ours)
     if shared is not None:
@@ -338,6 +344,16 @@ def shared_config(ours: argparse.Namespace) -> Any:
     if config is None:
         raise SystemExit("kvstore serve: --shared-* options need --shared URL (or $KVSTORE_SHARED)")
     return config
+
+
+def _tokens(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens >= 0, got {text!r}")
+    return n
 
 
 def _size(text: str) -> int:
