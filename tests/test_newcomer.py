@@ -116,3 +116,18 @@ def test_a_restore_is_logged(restarted: Server) -> None:
     lines = restores()[len(before):]
     assert len(lines) == 1, restarted.log()
     assert f"restored {n:,} of {resp['usage']['prompt_tokens']:,} prompt tokens from disk in " in lines[0], lines
+
+
+def test_hints_name_the_cache_dir_given(tmp_path: Path) -> None:
+    """A hint to run another command carries the --cache-dir the user gave, so it can be
+    pasted as it is (it said `run kvstore ls`, which looks at the default directory)."""
+    import sys
+
+    from kvstore import KVStore
+
+    KVStore(tmp_path / "c").close()
+    for args, hint in ((["inspect", "abcdef"], "ls"), (["gc", "--identity", "abcdef"], "ls")):
+        p = subprocess.run([sys.executable, "-m", "kvstore.cli", *args, "--cache-dir", str(tmp_path / "c")],
+                           capture_output=True, text=True, env=child_env(), timeout=120)
+        assert p.returncode == 1, p.stderr
+        assert f"run `kvstore {hint} --cache-dir {tmp_path / 'c'}`" in p.stderr, p.stderr

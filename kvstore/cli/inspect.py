@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"layers      {len(info['layers'])}")
     for line in _layer_summary(info["layers"]):
         print(f"  {line}")
-    print(f"blobs       {'all sizes and checksums match' if info['checksums_ok'] else 'PROBLEMS (run `kvstore verify --fix`)'}")
+    print(f"blobs       {'all sizes and checksums match' if info['checksums_ok'] else 'PROBLEMS (' + common.run_hint('verify --fix', args.cache_dir) + ')'}")
     rows = [[p["piece"], f"{p['tokens'][0]}-{p['tokens'][1]}", common.short_id(p["key"]), hb(p["bytes"]),
              "" if p["refs"] is None else p["refs"], p["state"] + (f": {p['detail']}" if p.get("detail") else "")]
             for p in info["pieces"]]

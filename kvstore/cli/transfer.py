@@ -105,15 +105,15 @@ def _restore(disk: Any, key: bytes, rec: Any, info: dict[str, Any]) -> tuple[lis
 
     raw = disk.index.tokens(key)
     if raw is None or len(raw) != rec.n * TOKEN_BYTES:
-        raise common.CLIError(f"entry {common.short_id(key)} has no token ids stored: run `kvstore verify --fix`")
+        raise common.CLIError(f"entry {common.short_id(key)} has no token ids stored: {common.run_hint('verify --fix', disk.root)}")
     ident = Identity(rec.identity, info)
     try:
         plan = disk.plan(ident, bytes(raw))
         if plan is None or plan.n != rec.n:
-            raise common.CLIError(f"entry {common.short_id(key)} cannot be read whole: run `kvstore verify`")
+            raise common.CLIError(f"entry {common.short_id(key)} cannot be read whole: {common.run_hint('verify', disk.root)}")
         got = disk.restore(plan, ident)
     except (BlobError, Unsupported, KeyError, ValueError) as e:
-        raise common.CLIError(f"entry {common.short_id(key)} is damaged ({e}): run `kvstore verify --fix`") from None
+        raise common.CLIError(f"entry {common.short_id(key)} is damaged ({e}): {common.run_hint('verify --fix', disk.root)}") from None
     return got.cache, decode_tokens(bytes(raw))
 
 
