@@ -131,3 +131,29 @@ def test_hints_name_the_cache_dir_given(tmp_path: Path) -> None:
                            capture_output=True, text=True, env=child_env(), timeout=120)
         assert p.returncode == 1, p.stderr
         assert f"run `kvstore {hint} --cache-dir {tmp_path / 'c'}`" in p.stderr, p.stderr
+
+
+def test_inspect_decodes_the_prompt_without_transformers(model_dir: Path, tmp_path: Path) -> None:
+    """``kvstore inspect`` decodes the prompt from the model's tokenizer.json with the
+    ``tokenizers`` library, not by importing transformers (seconds of start-up)."""
+    import json
+    import sys
+
+    system = "You keep the storage team's runbook short and exact. " * 4
+    (tmp_path / "system.txt").write_text(system)
+    env = child_env()
+    cache = str(tmp_path / "c")
+    p = subprocess.run([sys.executable, "-m", "kvstore.cli", "warm", "--model", str(model_dir), "--system-file",
+                        str(tmp_path / "system.txt"), "--cache-dir", cache], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    entry = json.loads(subprocess.run([sys.executable, "-m", "kvstore.cli", "ls", "--json", "--cache-dir", cache],
+                                      capture_output=True, text=True, env=env, timeout=120).stdout
+                       )["identities"][0]["entries"][0]["id"]
+    script = ("import json, sys\nfrom kvstore.cli.main import main\nrc = main(sys.argv[1:])\n"
+              "print(json.dumps({'rc': rc, 'transformers': 'transformers' in sys.modules}), file=sys.stderr)")
+    p = subprocess.run([sys.executable, "-c", script, "inspect", entry, "--prompt", "--cache-dir", cache],
+                       capture_output=True, text=True, env=env, timeout=120)
+    got = json.loads(p.stderr.strip().splitlines()[-1])
+    assert got == {"rc": 0, "transformers": False}, p.stderr
+    assert system.strip() in p.stdout, p.stdout

@@ -31,13 +31,15 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 from .. import metrics
+from ..floors import MIN_DISK_HIT
 from . import startup
-from ..store import MIN_DISK_HIT
-from .mlx_lm import LRUPromptCache
+
+if TYPE_CHECKING:  # imported when used: MLX and mlx-lm take seconds, --help and a refused start need neither
+    from .mlx_lm import LRUPromptCache
 
 log = logging.getLogger("kvstore")
 _STORES: list[LRUPromptCache] = []
@@ -47,6 +49,7 @@ _METRICS = metrics.registry(lambda: _STORES[0].stats() if _STORES else None)
 def bind_prompt_cache(**options: Any) -> type[LRUPromptCache]:
     """A ``LRUPromptCache`` class whose constructor takes mlx-lm's arguments only and adds
     ``options`` (cache_dir, max_disk_bytes, ...): what an engine instantiates itself."""
+    from .mlx_lm import LRUPromptCache
 
     class BoundPromptCache(LRUPromptCache):
         def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63) -> None:
@@ -144,6 +147,7 @@ def _learn_kv_quant(server_mod: Any) -> None:
     if getattr(generator, "_kvstore_patched", False):
         return
     original = generator.__init__
+    from .mlx_lm import LRUPromptCache
 
     def __init__(self: Any, model_provider: Any, prompt_cache: Any, *args: Any, **kwargs: Any) -> None:
         cli = getattr(model_provider, "cli_args", None)
@@ -198,14 +202,19 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     progress-bar factory for the preload (the CLI passes ``kvstore.cli.progress.Progress``)."""
     parser = argparse.ArgumentParser(
         prog="kvstore serve", add_help=False,  # -h / --help: ours, then mlx_lm.server's
-        description="mlx_lm.server with a persistent kvstore prompt cache. "
-                    "All mlx_lm.server flags are accepted (e.g. --model, --host, --port).")
+        description="mlx_lm.server with a persistent kvstore prompt cache. --model is required; "
+                    "every other mlx_lm.server flag is accepted (e.g. --host, --port).")
     setup_arg_parser(parser)
     startup.add_arguments(parser)
     ours, rest = parser.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         parser.print_help()
         print("\nmlx_lm.server flags:", flush=True)
+        import mlx_lm.server
+
+        sys.argv = ["mlx_lm.server", *rest]
+        mlx_lm.server.main()  # prints its help and exits (SystemExit 0)
+        return 0
     else:  # fail before the seconds mlx-lm's import and model load take
         where = _listen_args(rest)
         if not where.model:
