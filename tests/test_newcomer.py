@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
@@ -157,3 +158,17 @@ def test_inspect_decodes_the_prompt_without_transformers(model_dir: Path, tmp_pa
     got = json.loads(p.stderr.strip().splitlines()[-1])
     assert got == {"rc": 0, "transformers": False}, p.stderr
     assert system.strip() in p.stdout, p.stdout
+
+
+def test_the_upstream_suite_says_what_it_needs_when_pypi_is_out_of_reach(tmp_path: Path) -> None:
+    """With no cached copy and no registry, fetching mlx-lm's server suite stops with a
+    message saying what to run, and where (README's test command fetches it at install)."""
+    import sys
+
+    script = ("from tools import upstream_server as U\n"
+              "try:\n    U.suite_path()\nexcept U.SuiteMissing as e:\n    print('MISSING', e)\n")
+    env = child_env(XDG_CACHE_HOME=str(tmp_path / "xdg"), PIP_INDEX_URL="http://127.0.0.1:9/simple",
+                    PIP_RETRIES="0", PIP_TIMEOUT="2", PIP_NO_CACHE_DIR="1", PIP_CONFIG_FILE=os.devnull)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert p.stdout.startswith("MISSING"), p.stdout + p.stderr
+    assert "python -m tools.upstream_server --fetch" in p.stdout and "PyPI" in p.stdout, p.stdout
