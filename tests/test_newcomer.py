@@ -89,6 +89,7 @@ def restarted(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         first.wait_flushed()
         assert first.stop() == 0
     with Server(model_dir, root / "cache", root / "second.log") as second:
+        second.cache_dir = root / "cache"  # type: ignore[attr-defined]
         yield second
 
 
@@ -172,3 +173,25 @@ def test_the_upstream_suite_says_what_it_needs_when_pypi_is_out_of_reach(tmp_pat
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert p.stdout.startswith("MISSING"), p.stdout + p.stderr
     assert "python -m tools.upstream_server --fetch" in p.stdout and "PyPI" in p.stdout, p.stdout
+
+
+def test_export_says_what_the_file_holds_and_warns_on_a_conversation(restarted: Server, tmp_path: Path) -> None:
+    """`kvstore export` says the file holds the whole prompt's KV that mlx-lm continues
+    after, and warns when the entry is a conversation (it ends inside a chat)."""
+    import json
+    import sys
+
+    cache = str(restarted.cache_dir)  # type: ignore[attr-defined]
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kvstore.cli", *args, "--cache-dir", cache],
+                              capture_output=True, text=True, env=child_env(), timeout=300)
+
+    entries = [e for i in json.loads(cli("ls", "--json").stdout)["identities"] for e in i["entries"]]
+    kinds = {e["cache_type"]: e["id"] for e in entries}
+    assert "system" in kinds and "assistant" in kinds, entries
+    for kind, entry in kinds.items():
+        p = cli("export", entry, str(tmp_path / f"{kind}.safetensors"))
+        assert p.returncode == 0, p.stderr
+        assert f"holds the KV of this entry's whole prompt ({kind} entry)" in p.stdout, p.stdout
+        assert ("ends inside a conversation" in p.stderr) == (kind != "system"), (kind, p.stderr)
