@@ -39,14 +39,18 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 MARKER = ".kvstore-demo"  # in a directory the demo made: --clean removes only such a directory
 QUESTIONS = ["Which tool should I use to convert 100 US dollars to euros?",
              "Which tool tells me tomorrow's weather in Paris?"]
-# Prefill in steps of this many tokens: the progress bar moves every ~20 s even on MLX's
-# reference BLAS (~0.3 s a token on 2 cores; 512-token steps left it at 0/2,032 for 2.5 min).
-PREFILL_STEP = 64
-# Measured cold-prefill seconds per token of SmolLM2-135M float32 on 2 x86 cores (quiet
-# machine), and the rest of a run (two model loads, warm-up, restore, writes): what the
-# demo announces before it starts. Metal prefills far faster than either.
+# Prefill steps (tokens) by BLAS: the progress bar moves every ~20 s even on MLX's reference
+# BLAS (~0.3 s a token on 2 cores; 512-token steps left it at 0/2,032 for 2.5 min); with
+# OpenBLAS or Metal a 512-token step takes seconds, and larger steps prefill faster.
+PREFILL_STEP = {"reference": 64}
+# What the demo announces before it starts, measured on 2 x86 cores, quiet machine: the cold
+# prefill's seconds per token of SmolLM2-135M float32 (reference BLAS: 2,032 tokens in
+# 621.6 s; OpenBLAS: 4,235 in 52 s) and the rest of a run (imports, two model loads, the
+# answers, the restore; reference: 14 min 44 s in all). A busy machine takes longer (here,
+# load 16 on 2 cores: 363 s for 4,031 tokens on OpenBLAS). Metal is far faster than either.
 SECONDS_PER_TOKEN = {"reference": 0.31, "openblas": 0.013}
-OTHER_SECONDS = 45
+OTHER_SECONDS = {"reference": 260, "openblas": 60}
+CONVERT_SECONDS = 15  # the one-time GGUF conversion (12 s measured)
 
 
 def system_prompt(tokenizer, target: int) -> str:
@@ -79,7 +83,7 @@ def one_request(args: argparse.Namespace, question: str) -> dict:
     """One process's request: progress on stderr, the result as a dict."""
     from mlx_lm import load
 
-    from kvstore import KVStore
+    from kvstore import KVStore, blas
     from kvstore.cli.common import entry_key, short_id
     from kvstore.cli.progress import Progress, PromptSteps, write_behind
     from kvstore.generate import message_boundaries, stream_generate
@@ -97,7 +101,7 @@ def one_request(args: argparse.Namespace, question: str) -> dict:
     text, first = "", None
     with PromptSteps(len(prompt)) as steps:
         for step in stream_generate(store, model, tok, prompt, model_key=path, max_tokens=24, progress=steps,
-                                    prefill_step=PREFILL_STEP):
+                                    prefill_step=PREFILL_STEP.get(blas.in_use(), 512)):
             first = first or step
             text += step.text
     with write_behind(len(prompt)):
@@ -204,12 +208,12 @@ def expected(blas_in_use: str, tokens: int, convert: bool) -> str:
     if rate is None:
         return "expected duration: about a minute on Metal (the cold prefill is the longest step)"
     cold = tokens * rate
-    total = cold + OTHER_SECONDS + (60 if convert else 0)
-    with_openblas = 4000 * SECONDS_PER_TOKEN["openblas"] + OTHER_SECONDS  # --tokens' default then
-    faster = (f" (with OpenBLAS, apt-get install libopenblas0-pthread: ~{_minutes(with_openblas)} for 4,000 tokens)"
+    total = cold + OTHER_SECONDS[blas_in_use] + (CONVERT_SECONDS if convert else 0)
+    with_openblas = 4000 * SECONDS_PER_TOKEN["openblas"] + OTHER_SECONDS["openblas"]  # --tokens' default then
+    faster = (f"; with OpenBLAS (apt-get install libopenblas0-pthread) ~{_minutes(with_openblas)} for 4,000 tokens"
               if blas_in_use == "reference" else "")
-    return (f"expected duration: ~{_minutes(total)} on 2 cores, most of it the cold prefill of "
-            f"{tokens:,} tokens (~{_minutes(cold)}); longer on a busy machine{faster}")
+    return (f"expected duration: ~{_minutes(total)} on 2 quiet cores, the cold prefill of {tokens:,} tokens "
+            f"~{_minutes(cold)} of it; longer on a busy machine{faster}")
 
 
 def _minutes(seconds: float) -> str:
