@@ -197,8 +197,11 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     """Run the server until SIGTERM / Ctrl-C, then flush and close the store.
 
     With ``exit_process`` (the default: this is a process entry point) a server that ran
-    ends the process itself with status 0 once the store is closed (see ``_exit_now``);
-    ``--help`` and usage errors raise SystemExit as argparse does. ``progress``: the
+    ends the process itself once the store is closed (see ``_exit_now``): status 0, or 1
+    when it could not start or its HTTP loop failed (said on stderr; without
+    ``exit_process`` that exception is raised). ``--help``, usage errors, a missing
+    ``--model`` (2) and a port it cannot listen on (1, naming host:port) raise SystemExit
+    before anything heavy is imported. ``progress``: the
     progress-bar factory for the preload (the CLI passes ``kvstore.cli.progress.Progress``)."""
     parser = argparse.ArgumentParser(
         prog="kvstore serve", add_help=False,  # -h / --help: ours, then mlx_lm.server's
@@ -215,15 +218,14 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
         sys.argv = ["mlx_lm.server", *rest]
         mlx_lm.server.main()  # prints its help and exits (SystemExit 0)
         return 0
-    else:  # fail before the seconds mlx-lm's import and model load take
-        where = _listen_args(rest)
-        if not where.model:
-            parser.error("--model is required: the MLX model to serve (a local directory or a Hugging Face "
-                         "repo id), e.g. `kvstore serve --model mlx-community/Qwen3-0.6B-4bit`; kvstore keeps "
-                         "its prompt cache per model, and warms up and preloads that model at start")
-        problem = listen_problem(where.host, where.port)
-        if problem:
-            raise SystemExit(f"kvstore serve: error: {problem}")
+    where = _listen_args(rest)  # checked before the seconds mlx-lm's import and model load take
+    if not where.model:
+        parser.error("--model is required: the MLX model to serve (a local directory or a Hugging Face "
+                     "repo id), e.g. `kvstore serve --model mlx-community/Qwen3-0.6B-4bit`; kvstore keeps "
+                     "its prompt cache per model, and warms up and preloads that model at start")
+    problem = listen_problem(where.host, where.port)
+    if problem:
+        raise SystemExit(f"kvstore serve: error: {problem}")
     import mlx_lm.server as server_mod
 
     options: dict[str, Any] = {
@@ -249,7 +251,6 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
         pass
     except Exception as e:  # it could not start (or its HTTP loop died): say why, and end
         code = 1
-        where = _listen_args(rest)
         why = (listen_problem(where.host, where.port, e)
                if isinstance(e, OSError) and e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
                else None) or f"{type(e).__name__}: {e}"
