@@ -25,7 +25,7 @@ MIN_DISK_GAIN = 16
 MIN_DISK_HIT = 64
 
 
-def restore_floor(memory_n: int, wanted: int, min_hit: int = MIN_DISK_HIT) -> int:
+def restore_floor(memory_n: int, wanted: int, min_hit: int = 0) -> int:
     """The tokens a disk or shared hit must exceed, given a memory hit of ``memory_n`` of
     ``wanted`` tokens: it must hold all ``wanted`` tokens, or at least ``min_hit`` tokens
     and (over a memory hit) more than ``MIN_DISK_GAIN`` tokens more than memory."""

@@ -44,7 +44,7 @@ from .counters import Counters
 from .cuts import CutRefused
 from .disk import Commit, DiskTier, PersistJob, Plan, Restored
 from .errors import DiskErrors, Failure
-from .floors import MIN_DISK_GAIN, MIN_DISK_HIT, restore_floor
+from .floors import MIN_DISK_GAIN, restore_floor  # MIN_DISK_GAIN: re-exported (tests, README)
 from .identity import DigestMemo, Identity, file_stamp, model_identity, watch
 from .index import IndexFailure
 from .keys import TOKEN_BYTES, TokenError, boundaries, decode_tokens, encode_tokens, key_of, root_key

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..store import MIN_DISK_HIT, KVStore, Preloaded
+from ..floors import MIN_DISK_HIT
+from ..store import KVStore, Preloaded
 
 log = logging.getLogger("kvstore")
 

@@ -153,7 +153,8 @@ def _load(model_dir: Path) -> tuple[Any, Any]:
 
 
 def _open_store(args: argparse.Namespace) -> Any:
-    from ..store import MIN_DISK_HIT, KVStore, StoreOpenError
+    from ..floors import MIN_DISK_HIT
+    from ..store import KVStore, StoreOpenError
 
     try:  # MIN_DISK_HIT: a new prompt version sharing only a template header with an old one is prefilled whole
         return KVStore(common.cache_dir(args), chunk_tokens=args.chunk_tokens, max_entries=1, min_disk_hit=MIN_DISK_HIT,
