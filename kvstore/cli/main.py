@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "warm": ("warm", "prefill a system prompt or chat into the store ahead of traffic"),
     "pin": ("pin", "exempt an entry from age eviction, and evict it last by size"),
     "unpin": ("pin", "make a pinned entry evictable again"),
-    "export": ("transfer", "write an entry as an mlx-lm prompt-cache file (mlx_lm.generate --prompt-cache-file)"),
+    "export": ("transfer", "write an entry (a system prompt, to continue) as an mlx-lm prompt-cache file"),
     "import": ("transfer", "store an mlx-lm prompt-cache file (mlx_lm.cache_prompt) as an entry"),
     "serve": ("serve", "run an mlx-lm server backed by the store"),
 }

@@ -33,7 +33,7 @@ IDENTITY_KEY = "kvstore_identity"  # the identity (hex) the entry was stored und
 
 def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "export", help="write an entry as an mlx-lm prompt-cache file (mlx_lm.generate --prompt-cache-file)",
+        "export", help="write an entry (a system prompt, to continue) as an mlx-lm prompt-cache file",
         description="Write one entry as a prompt-cache file that `mlx_lm.generate --prompt-cache-file FILE` "
                     "uses as it is. The file holds the KV cache of the entry's whole prompt, exactly as "
                     "stored; mlx_lm.generate appends its --prompt after those tokens, whatever they end "
