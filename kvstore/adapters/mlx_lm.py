@@ -13,12 +13,17 @@ warn and run memory-only, so an engine never fails to start because of its cache
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 from typing import Any
 
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..salt import Salt, salt_of
+from ..floors import MIN_DISK_HIT
 from ..store import KVStore, Preloaded
+
+log = logging.getLogger("kvstore")
 
 
 class LRUPromptCache:
@@ -32,7 +37,8 @@ class LRUPromptCache:
     ``salt``: entries are reused only by calls with the same salt (``kvstore.salt``), in
     every tier; given as a keyword, or carried by the token list itself
     (``salt.SaltedTokens``: how ``kvstore serve`` hands a request's ``cache_salt`` through
-    mlx_lm.server's generation thread). None (the default) is mlx-lm's behaviour.
+    mlx_lm.server's generation thread). None (the default) is mlx-lm's behaviour. ``min_disk_hit``: the fewest
+    tokens a disk hit must restore when memory holds none of the prompt (``KVStore``).
     """
 
     def __init__(
@@ -52,6 +58,7 @@ class LRUPromptCache:
         persist: str = "all",
         max_write_bytes_per_day: int | None = None,
         memory_floor: float | int | None = DEFAULT_MEMORY_FLOOR,
+        min_disk_hit: int = MIN_DISK_HIT,
     ) -> None:
         self.store = store or KVStore(
             cache_dir, max_entries=max_size, max_bytes=max_bytes, max_disk_bytes=max_disk_bytes,
@@ -59,6 +66,7 @@ class LRUPromptCache:
             memory_only=not disk, on_disk_error="memory", kv_bits=kv_bits,
             kv_group_size=kv_group_size, shared=shared,
             persist=persist, max_write_bytes_per_day=max_write_bytes_per_day, memory_floor=memory_floor,
+            min_disk_hit=min_disk_hit,
         )
 
     @property
@@ -90,8 +98,12 @@ class LRUPromptCache:
     def fetch_nearest_cache(self, model: Any, tokens: list[int], *,
                             salt: Salt | None = None) -> tuple[list[Any] | None, list[int]]:
         """(cache or None, the tokens still to process): exact, longer-trimmed or shorter
-        hit from memory, else the longest stored prefix on disk."""
+        hit from memory, else the longest stored prefix on disk. A restore from disk or
+        the shared tier is logged (``log_restore``)."""
+        t0 = time.perf_counter()
         got = self.store.fetch(model, tokens, salt=salt if salt is not None else salt_of(tokens))
+        if got.source in ("disk", "shared"):
+            log_restore(got.n, len(tokens), got.source, time.perf_counter() - t0)
         return got.cache, tokens[got.n :]
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
@@ -118,3 +130,12 @@ class LRUPromptCache:
     def close(self) -> None:
         """Flush the write-behind queue and close the index."""
         self.store.close()
+
+
+def log_restore(n: int, of: int, source: str, seconds: float) -> None:
+    """One INFO line on the ``kvstore`` logger for a request served from disk or the shared
+    tier: what an operator reading a server's log looks for after a restart (a server's
+    own log shows only its memory cache). ``seconds``: the whole lookup, restore included."""
+    tier = "the shared tier" if source == "shared" else source
+    log.info("kvstore: restored %s of %s prompt tokens from %s in %.2f s; %s left to prefill",
+             f"{n:,}", f"{of:,}", tier, seconds, f"{of - n:,}")

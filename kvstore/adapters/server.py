@@ -24,20 +24,24 @@ Every other flag is mlx_lm.server's own and passed through unchanged.
 from __future__ import annotations
 
 import argparse
+import errno
 import faulthandler
 import json
 import logging
 import os
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 from .. import metrics
+from ..floors import MIN_DISK_HIT
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..units import memory_floor, parse_size
 from . import startup, tenants
-from .mlx_lm import LRUPromptCache
+
+if TYPE_CHECKING:  # imported when used: MLX and mlx-lm take seconds, --help and a refused start need neither
+    from .mlx_lm import LRUPromptCache
 
 log = logging.getLogger("kvstore")
 _STORES: list[LRUPromptCache] = []
@@ -47,6 +51,7 @@ _METRICS = metrics.registry(lambda: _STORES[0].stats() if _STORES else None)
 def bind_prompt_cache(**options: Any) -> type[LRUPromptCache]:
     """A ``LRUPromptCache`` class whose constructor takes mlx-lm's arguments only and adds
     ``options`` (cache_dir, max_disk_bytes, ...): what an engine instantiates itself."""
+    from .mlx_lm import LRUPromptCache
 
     class BoundPromptCache(LRUPromptCache):
         def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63) -> None:
@@ -145,6 +150,7 @@ def _learn_kv_quant(server_mod: Any) -> None:
     if getattr(generator, "_kvstore_patched", False):
         return
     original = generator.__init__
+    from .mlx_lm import LRUPromptCache
 
     def __init__(self: Any, model_provider: Any, prompt_cache: Any, *args: Any, **kwargs: Any) -> None:
         cli = getattr(model_provider, "cli_args", None)
@@ -168,6 +174,10 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-dir", help="kvstore cache directory (default: $KVSTORE_DIR or the user cache dir)")
     g.add_argument("--max-disk-bytes", type=parse_size, default=None, help="disk budget, e.g. 20G (LRU eviction)")
     g.add_argument("--chunk-tokens", type=int, default=256, help="tokens per stored chunk (default 256)")
+    g.add_argument("--min-disk-hit", type=_tokens, default=MIN_DISK_HIT, metavar="TOKENS",
+                   help=f"the fewest tokens a disk or shared hit must restore when memory holds none of the "
+                        f"prompt, unless it holds the whole prompt (default {MIN_DISK_HIT}: a prompt sharing "
+                        f"only a chat template's header with a stored one is a miss; 0: any shared prefix)")
     g.add_argument("--write-queue", type=int, default=16, help="write-behind queue length (default 16)")
     g.add_argument("--persist", choices=("all", "system", "reused"), default="all",
                    help="what is written to disk: every new prefix (all, the default), system prompts and "
@@ -198,13 +208,16 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     """Run the server until SIGTERM / Ctrl-C, then flush and close the store.
 
     With ``exit_process`` (the default: this is a process entry point) a server that ran
-    ends the process itself with status 0 once the store is closed (see ``_exit_now``);
-    ``--help`` and usage errors raise SystemExit as argparse does. ``progress``: the
+    ends the process itself once the store is closed (see ``_exit_now``): status 0, or 1
+    when it could not start or its HTTP loop failed (said on stderr; without
+    ``exit_process`` that exception is raised). ``--help``, usage errors, a missing
+    ``--model`` (2) and a port it cannot listen on (1, naming host:port) raise SystemExit
+    before anything heavy is imported. ``progress``: the
     progress-bar factory for the preload (the CLI passes ``kvstore.cli.progress.Progress``)."""
     parser = argparse.ArgumentParser(
         prog="kvstore serve", add_help=False,  # -h / --help: ours, then mlx_lm.server's
-        description="mlx_lm.server with a persistent kvstore prompt cache. "
-                    "All mlx_lm.server flags are accepted (e.g. --model, --host, --port).")
+        description="mlx_lm.server with a persistent kvstore prompt cache. --model is required; "
+                    "every other mlx_lm.server flag is accepted (e.g. --host, --port).")
     setup_arg_parser(parser)
     startup.add_arguments(parser)
     tenants.add_arguments(parser)
@@ -213,6 +226,19 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     if "-h" in rest or "--help" in rest:
         parser.print_help()
         print("\nmlx_lm.server flags:", flush=True)
+        import mlx_lm.server
+
+        sys.argv = ["mlx_lm.server", *rest]
+        mlx_lm.server.main()  # prints its help and exits (SystemExit 0)
+        return 0
+    where = _listen_args(rest)  # checked before the seconds mlx-lm's import and model load take
+    if not where.model:
+        parser.error("--model is required: the MLX model to serve (a local directory or a Hugging Face "
+                     "repo id), e.g. `kvstore serve --model mlx-community/Qwen3-0.6B-4bit`; kvstore keeps "
+                     "its prompt cache per model, and warms up and preloads that model at start")
+    problem = listen_problem(where.host, where.port)
+    if problem:
+        raise SystemExit(f"kvstore serve: error: {problem}")
     import mlx_lm.server as server_mod
 
     options: dict[str, Any] = {
@@ -220,6 +246,7 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
         "chunk_tokens": ours.chunk_tokens, "queue_size": ours.write_queue,
         "persist": ours.persist, "max_write_bytes_per_day": ours.max_write_bytes_per_day,
         "memory_floor": ours.memory_floor,
+        "min_disk_hit": ours.min_disk_hit,
     }
     shared = shared_config(ours)
     if shared is not None:
@@ -233,18 +260,68 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
         signal.signal(signal.SIGUSR1, _dump_stacks)
         faulthandler.register(signal.SIGUSR2, all_threads=True)
     sys.argv = ["mlx_lm.server", *rest]
+    code = 0
     try:
         server_mod.main()
     except KeyboardInterrupt:
         pass
+    except Exception as e:  # it could not start (or its HTTP loop died): say why, and end
+        code = 1
+        why = (listen_problem(where.host, where.port, e)
+               if isinstance(e, OSError) and e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
+               else None) or f"{type(e).__name__}: {e}"
+        print(f"kvstore serve: error: {why}", file=sys.stderr, flush=True)
+        if not exit_process:
+            raise
     finally:
         startup.shutdown()
         for s in _STORES:
             s.close()
         log.info("kvstore: store flushed and closed")
-    if exit_process:
-        _exit_now(0)
-    return 0
+    if exit_process:  # also when it failed: mlx-lm's generation thread (not a daemon) would keep it alive
+        _exit_now(code)
+    return code
+
+
+def _listen_args(rest: list[str]) -> argparse.Namespace:
+    """mlx_lm.server's ``--model``, ``--host`` and ``--port`` in ``rest`` (its defaults:
+    no model, 127.0.0.1, 8080); ``port`` None when it is not a number (mlx-lm says so)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", default="8080")
+    ns, _ = p.parse_known_args(rest)
+    ns.port = int(ns.port) if str(ns.port).isdigit() else None
+    return ns
+
+
+def listen_problem(host: str, port: int | None, error: OSError | None = None) -> str | None:
+    """Why ``kvstore serve`` cannot listen on ``host:port`` (None: it can), naming both and
+    what to do. Without ``error`` it binds a socket there as mlx_lm.server will (the first
+    address ``getaddrinfo`` gives, ``SO_REUSEADDR``) and closes it: a port another process
+    listens on fails here, before the model loads. The bind mlx_lm.server makes itself
+    still decides (another process may take the port in between): its error comes back
+    here as ``error``."""
+    if port is None:
+        return None
+    if error is None:
+        import socket
+
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(address)
+        except OSError as e:
+            error = e
+        else:
+            return None
+    why = getattr(error, "strerror", None) or str(error)
+    hint = ("another process is listening there: stop it, or choose another port with --port"
+            if getattr(error, "errno", None) == errno.EADDRINUSE else
+            "check --host (an address of this machine, e.g. 127.0.0.1 or 0.0.0.0) and --port")
+    return f"cannot listen on {host}:{port}: {why} ({hint})"
 
 
 def _dump_stacks(signum: int, frame: Any) -> None:
@@ -300,3 +377,14 @@ def shared_config(ours: argparse.Namespace) -> Any:
     if config is None:
         raise SystemExit("kvstore serve: --shared-* options need --shared URL (or $KVSTORE_SHARED)")
     return config
+
+
+
+def _tokens(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens >= 0, got {text!r}")
+    return n

@@ -32,8 +32,8 @@ from typing import Any, Callable
 log = logging.getLogger("kvstore")
 
 ProgressFactory = Callable[..., Any]
-"""``factory(label, total=, unit=)`` -> an object with ``update_to(done)`` and
-``close(label=None, note="")``: ``kvstore.cli.progress.Progress``."""
+"""``factory(label, total=, unit=, since=)`` -> an object with ``update_to(done)`` and
+``close(label=None, note="")`` returning the step's seconds: ``kvstore.cli.progress.Progress``."""
 
 
 @dataclass
@@ -144,10 +144,11 @@ def preload(cache: Any, model_key: Any, opts: Options, max_bytes: int | None,
     """``cache.preload`` with a progress bar (when a factory is given) and a summary line;
     None if it failed (logged: the server then starts without it)."""
     bars: list[Any] = []
+    t0 = time.perf_counter()  # the bar and the summary both measure from here: one duration
 
     def step(done: int, total: int) -> None:
         if progress is not None and not bars:
-            bars.append(progress(f"preload {entries(total)} ({opts.preload})", total=total, unit="entry"))
+            bars.append(progress(f"preload {entries(total)} ({opts.preload})", total=total, unit="entry", since=t0))
         if bars:
             bars[0].update_to(done)
 
@@ -158,10 +159,11 @@ def preload(cache: Any, model_key: Any, opts: Options, max_bytes: int | None,
         log.exception("kvstore: preload failed (a kvstore bug: please report); serving without it")
         STATE.info["preload"] = {"how": opts.preload, "running": False, "error": f"{type(e).__name__}: {e}"}
         return None
-    summary = (f"preloaded {report.entries} of {entries(report.candidates)} ({report.tokens:,} tokens, "
-               f"{report.nbytes / 1e9:.2f} GB) in {report.seconds:.2f} s")
+    seconds = time.perf_counter() - t0
     for bar in bars:
-        bar.close(f"preload: {entries(report.entries)}, {report.tokens:,} tokens")
+        seconds = bar.close(f"preload: {entries(report.entries)}, {report.tokens:,} tokens")
+    summary = (f"preloaded {report.entries} of {entries(report.candidates)} ({report.tokens:,} tokens, "
+               f"{report.nbytes / 1e9:.2f} GB) in {seconds:.2f} s")
     STATE.info["preload"] = {"how": opts.preload, **report.as_stats(), "stopped": report.stopped}
     log.info("kvstore: %s (--preload %s%s; stopped: %s, %d skipped)", summary, opts.preload,
              " in the background" if opts.background else "", report.stopped, report.skipped)

@@ -64,6 +64,19 @@ def add_json(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
 
 
+def run_hint(command: str, root: Path | str | None = None) -> str:
+    """"run `kvstore COMMAND`", with ``--cache-dir ROOT`` when ``root`` is not the default
+    cache directory: a hint the user can paste as it is, about the directory they named."""
+    from ..cachedir import default_cache_dir
+
+    where = ""
+    if root is not None and Path(root).expanduser() != default_cache_dir():
+        import shlex
+
+        where = f" --cache-dir {shlex.quote(str(root))}"
+    return f"run `kvstore {command}{where}`"
+
+
 def cache_dir(args: argparse.Namespace) -> Path:
     if getattr(args, "cache_dir", None) is not None:
         return Path(args.cache_dir).expanduser()
@@ -121,7 +134,7 @@ def resolve_entry(disk, prefix: str) -> tuple[bytes, Any]:
 
     keys = disk.index.view(run)
     if not keys:
-        raise CLIError(f"no entry matches {prefix!r} in {disk.root}: run `kvstore ls` to see the entry ids")
+        raise CLIError(f"no entry matches {prefix!r} in {disk.root}: {run_hint('ls', disk.root)} to see the entry ids")
     if len(keys) > 1:
         shown = ", ".join(short_id(k) for k in keys[:10])
         raise CLIError(f"{prefix!r} matches several entries ({shown}{', ...' if len(keys) > 10 else ''}): "
@@ -129,7 +142,8 @@ def resolve_entry(disk, prefix: str) -> tuple[bytes, Any]:
     try:
         rec = disk.index.entry(keys[0])
     except RecordError as e:
-        raise CLIError(f"entry {short_id(keys[0])} has a damaged record ({e}): run `kvstore verify --fix`") from None
+        raise CLIError(f"entry {short_id(keys[0])} has a damaged record ({e}): "
+                       f"{run_hint('verify --fix', disk.root)}") from None
     if rec is None:  # removed between the two reads
         raise CLIError(f"entry {short_id(keys[0])} was just removed by another process")
     return keys[0], rec
@@ -146,13 +160,15 @@ def entry_key(store: Any, model: Any, tokens: list[int]) -> bytes:
     return key_of(root_key(ident.digest), encode_tokens(tokens), store.disk.chunk)
 
 
-def resolve_identity(identities: dict[str, dict], prefix: str) -> str:
+def resolve_identity(identities: dict[str, dict], prefix: str, root: Path | None = None) -> str:
+    """The one identity (hex) in ``identities`` that starts with ``prefix``; ``root``: the
+    cache directory they were read from, for the hint. Raises CLIError."""
     p = prefix.strip().lower()
     if not p or not re.fullmatch(r"[0-9a-f]+", p):
         raise CLIError(f"--identity takes a hex prefix of an identity (as `kvstore ls` shows), got {prefix!r}")
     hits = [h for h in identities if h.startswith(p)]
     if not hits:
-        raise CLIError(f"no identity matches {prefix!r}: run `kvstore ls` to see the identities")
+        raise CLIError(f"no identity matches {prefix!r}: {run_hint('ls', root)} to see the identities")
     if len(hits) > 1:
         raise CLIError(f"{prefix!r} matches {len(hits)} identities ({', '.join(h[:12] for h in hits)}): "
                        "give more hex digits")

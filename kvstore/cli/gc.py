@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     disk = common.open_disk(args, write=not args.dry_run)  # a dry run opens the index read-only
     try:
         idents = disk.index.identities()
-        chosen = [common.resolve_identity(idents, p) for p in args.identity]
+        chosen = [common.resolve_identity(idents, p, disk.root) for p in args.identity]
         res = M.gc(disk, max_bytes=args.max_bytes, max_age=args.max_age, identities=chosen,
                    missing_models=args.missing_models, orphans=not args.keep_orphans,
                    dry_run=args.dry_run, blob_age=args.blob_age)
@@ -86,6 +86,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"{summary}; {remains} left")
     if unfixed:
-        print(f"{len(unfixed)} problem(s) could not be fixed now: run `kvstore verify --fix`")
+        print(f"{len(unfixed)} problem(s) could not be fixed now: {common.run_hint('verify --fix', disk.root)}")
         return 1
     return 0

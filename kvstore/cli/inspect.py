@@ -45,6 +45,9 @@ def load_decoder(model_path: str | None) -> tuple[Callable[[list[int]], str] | N
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     errors = []
+    fast = tokenizer_json_decoder(Path(model_path))
+    if fast is not None:
+        return fast, None
     try:
         from transformers import AutoTokenizer
 
@@ -62,6 +65,28 @@ def load_decoder(model_path: str | None) -> tuple[Callable[[list[int]], str] | N
     except Exception as e:
         errors.append(f"mlx_lm: {e}")
     return None, f"could not load a tokenizer from {model_path} ({'; '.join(errors)})"
+
+
+def tokenizer_json_decoder(model_dir: Path) -> Callable[[list[int]], str] | None:
+    """The model's ``tokenizer.json`` decoding as transformers' fast tokenizer does (the
+    same Rust ``tokenizers`` object underneath), in ~0.05 s instead of importing
+    transformers (2-6 s); None when there is no such file, it does not load, or the
+    tokenizer config asks for transformers' space clean-up on decode."""
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        import json
+
+        config = model_dir / "tokenizer_config.json"
+        if config.is_file() and json.loads(config.read_text()).get("clean_up_tokenization_spaces"):
+            return None
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(path))
+    except Exception:
+        return None
+    return lambda ids: str(tok.decode(ids, skip_special_tokens=False))
 
 
 def _pieces(disk, key: bytes, rec: Any, check: Any) -> list[dict[str, Any]]:
@@ -190,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"layers      {len(info['layers'])}")
     for line in _layer_summary(info["layers"]):
         print(f"  {line}")
-    print(f"blobs       {'all sizes and checksums match' if info['checksums_ok'] else 'PROBLEMS (run `kvstore verify --fix`)'}")
+    print(f"blobs       {'all sizes and checksums match' if info['checksums_ok'] else 'PROBLEMS (' + common.run_hint('verify --fix', args.cache_dir) + ')'}")
     rows = [[p["piece"], f"{p['tokens'][0]}-{p['tokens'][1]}", common.short_id(p["key"]), hb(p["bytes"]),
              "" if p["refs"] is None else p["refs"], p["state"] + (f": {p['detail']}" if p.get("detail") else "")]
             for p in info["pieces"]]

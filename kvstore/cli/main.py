@@ -25,9 +25,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("verify", "check every record against its blobs and every blob against the index"),
     "gc": ("gc", "enforce size and age budgets, drop models, remove orphans and temp files"),
     "warm": ("warm", "prefill a system prompt or chat into the store ahead of traffic"),
-    "pin": ("pin", "protect an entry from age and size eviction"),
+    "pin": ("pin", "exempt an entry from age eviction, and evict it last by size"),
     "unpin": ("pin", "make a pinned entry evictable again"),
-    "export": ("transfer", "write an entry as an mlx-lm prompt-cache file (mlx_lm.generate --prompt-cache-file)"),
+    "export": ("transfer", "write an entry (a system prompt, to continue) as an mlx-lm prompt-cache file"),
     "import": ("transfer", "store an mlx-lm prompt-cache file (mlx_lm.cache_prompt) as an entry"),
     "serve": ("serve", "run an mlx-lm server backed by the store"),
 }
@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(module: Any, args: argparse.Namespace) -> int:
     """Run a parsed command; the errors a user can act on become one line and an exit code."""
+    from . import common
     from .common import CLIError, error
 
     from ..visible import VisibleWriter
@@ -146,7 +147,8 @@ def _run(module: Any, args: argparse.Namespace) -> int:
 
         if not isinstance(e, lmdb.Error):
             raise
-        error(f"cannot read the index ({type(e).__name__}: {e}): run `kvstore verify` for details")
+        error(f"cannot read the index ({type(e).__name__}: {e}): "
+              f"{common.run_hint('verify', getattr(args, 'cache_dir', None))} for details")
         return 1
     finally:
         if sys.stdout is not out:

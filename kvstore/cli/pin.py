@@ -9,8 +9,9 @@ from . import common
 
 
 def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
-    for name, what in (("pin", "protect an entry from age and size eviction (gc --max-age never removes a "
-                               "pinned entry; --max-bytes only when nothing unpinned is left)"),
+    for name, what in (("pin", "exempt an entry from age eviction, and evict it last by size (gc --max-age never "
+                               "removes a pinned entry; gc --max-bytes and --max-disk-bytes remove pinned entries "
+                               "only when nothing unpinned is left to remove)"),
                        ("unpin", "make a pinned entry evictable again")):
         p = subparsers.add_parser(name, help=what.split(" (")[0], description=what[0].upper() + what[1:] + ".")
         p.add_argument("entry", metavar="ENTRY", help="entry id or any unique hex prefix of it (see `kvstore ls`)")

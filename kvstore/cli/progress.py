@@ -17,14 +17,17 @@ from typing import Any, TextIO
 class Progress:
     """One step. ``total``: units the step covers (None: unknown, only time is shown);
     ``initial``: units already done when it starts (e.g. tokens restored before prefill);
-    the rate counts only the units done during the step. Use as a context manager, or call
-    ``close``."""
+    the rate counts only the units done during the step; ``since``: the ``perf_counter()``
+    the step began at, when that was before its bar could be drawn (default: now). Use as a
+    context manager, or call ``close``."""
 
     def __init__(self, label: str, *, total: int | None = None, initial: int = 0,
-                 unit: str = "tok", file: TextIO | None = None) -> None:
+                 unit: str = "tok", file: TextIO | None = None, since: float | None = None,
+                 rate: bool = True) -> None:
         self.label, self.total, self.initial, self.done, self.unit = label, total, initial, initial, unit
+        self.rate = rate  # False: the end line gives the time only
         self.file = file or sys.stderr
-        self.t0 = time.perf_counter()
+        self.t0 = time.perf_counter() if since is None else since
         self.bar: Any = None
         self._stop = threading.Event()
         if _isatty(self.file):
@@ -59,7 +62,7 @@ class Progress:
             return seconds
         line = f"{label}: {seconds:.1f} s"
         n = self.done - self.initial
-        if self.total is not None and n > 0 and seconds > 0:
+        if self.rate and self.total is not None and n > 0 and seconds > 0:
             line += f", {n / seconds:,.0f} {self.unit}/s"
         print(line + (f" ({note})" if note else ""), file=self.file, flush=True)
         return seconds
@@ -106,8 +109,11 @@ class PromptSteps:
                 self.lookup.close(f"restore {done:,} of {total:,} prompt tokens")
             else:
                 self.lookup.close(note="nothing stored")
-            self.prefill = Progress(f"prefill {total - done:,} of {total:,} prompt tokens",
-                                    total=total, initial=done, file=self.file)
+            # after a restore: the few tokens left, without a rate (first-call costs make
+            # "14 tokens: 2.2 s, 6 tok/s" read as a slow machine, not as a cache that worked)
+            label = (f"prefill the last {total - done:,} of {total:,} prompt tokens (the rest restored)" if done
+                     else f"prefill {total:,} of {total:,} prompt tokens")
+            self.prefill = Progress(label, total=total, initial=done, file=self.file, rate=not done)
         elif self.prefill is not None:
             self.prefill.update_to(done)
         if self.prefill is not None and done >= total:

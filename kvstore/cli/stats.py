@@ -8,8 +8,8 @@ from typing import Any
 
 from . import common, shared_tier
 
-MEMORY_NOTE = ("per process: each server holds its own memory tier; ask the server "
-               "(KVStore.stats()) for its memory entries and bytes")
+MEMORY_NOTE = ("per process: each server holds its own memory tier; ask the server for its memory "
+               "entries and bytes (`GET /v1/cache/stats` on a `kvstore serve`)")
 
 
 def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:

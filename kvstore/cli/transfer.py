@@ -33,10 +33,15 @@ IDENTITY_KEY = "kvstore_identity"  # the identity (hex) the entry was stored und
 
 def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "export", help="write an entry as an mlx-lm prompt-cache file (mlx_lm.generate --prompt-cache-file)",
+        "export", help="write an entry (a system prompt, to continue) as an mlx-lm prompt-cache file",
         description="Write one entry as a prompt-cache file that `mlx_lm.generate --prompt-cache-file FILE` "
-                    "uses as it is. The token ids go into the file's metadata, so `kvstore import` can "
-                    "bring it back without the prompt.")
+                    "uses as it is. The file holds the KV cache of the entry's whole prompt, exactly as "
+                    "stored; mlx_lm.generate appends its --prompt after those tokens, whatever they end "
+                    "with. So export a prefix meant to be continued: a system prompt (TYPE system in "
+                    "`kvstore ls`, as `kvstore warm --system-file` stores it). A conversation entry "
+                    "(user / assistant) ends inside a chat, often in an open assistant turn: the model "
+                    "then answers that conversation, not the new prompt. The token ids go into the "
+                    "file's metadata, so `kvstore import` can bring it back without the prompt.")
     p.add_argument("entry", metavar="ENTRY", help="entry id or any unique hex prefix of it (see `kvstore ls`)")
     p.add_argument("file", metavar="FILE", type=Path, help="the file to write (must end in .safetensors)")
     p.add_argument("--force", action="store_true", help="replace FILE if it exists")
@@ -83,6 +88,13 @@ def export(args: argparse.Namespace) -> int:
         common.warn(f"model directory {model} no longer exists: mlx_lm.generate needs it to use the file")
     print(f"exported {common.short_id(key)} ({len(tokens)} tokens, {common.identity_name(rec.identity.hex(), info)}) "
           f"to {path}")
+    print(f"it holds the KV of this entry's whole prompt ({rec.cache_type} entry): "
+          f"`mlx_lm.generate --prompt-cache-file {path} --prompt ...` appends the new prompt after it")
+    if rec.cache_type != "system":
+        common.warn(f"a {rec.cache_type} entry ends inside a conversation (often an open assistant turn): "
+                    "a new prompt appended after it gets an answer to that conversation; export a system "
+                    "prompt entry (TYPE system in `kvstore ls`, as `kvstore warm --system-file` stores it) "
+                    "to reuse a prefix")
     return 0
 
 
@@ -105,15 +117,15 @@ def _restore(disk: Any, key: bytes, rec: Any, info: dict[str, Any]) -> tuple[lis
 
     raw = disk.index.tokens(key)
     if raw is None or len(raw) != rec.n * TOKEN_BYTES:
-        raise common.CLIError(f"entry {common.short_id(key)} has no token ids stored: run `kvstore verify --fix`")
+        raise common.CLIError(f"entry {common.short_id(key)} has no token ids stored: {common.run_hint('verify --fix', disk.root)}")
     ident = Identity(rec.identity, info)
     try:
         plan = disk.plan(ident, bytes(raw))
         if plan is None or plan.n != rec.n:
-            raise common.CLIError(f"entry {common.short_id(key)} cannot be read whole: run `kvstore verify`")
+            raise common.CLIError(f"entry {common.short_id(key)} cannot be read whole: {common.run_hint('verify', disk.root)}")
         got = disk.restore(plan, ident)
     except (BlobError, Unsupported, KeyError, ValueError) as e:
-        raise common.CLIError(f"entry {common.short_id(key)} is damaged ({e}): run `kvstore verify --fix`") from None
+        raise common.CLIError(f"entry {common.short_id(key)} is damaged ({e}): {common.run_hint('verify --fix', disk.root)}") from None
     return got.cache, decode_tokens(bytes(raw))
 
 

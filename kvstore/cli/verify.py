@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.fix:
         if left:
             counts = ", ".join(f"{n} {k}" for k, n in Counter(p.kind for p in left).items())
-            print(f"{P(len(left), 'problem')} found ({counts}): run `kvstore verify --fix` to repair")
+            print(f"{P(len(left), 'problem')} found ({counts}): {common.run_hint('verify --fix', disk.root)} to repair")
             return 1
         return 0
     ours = [p for p in problems if p.kind not in M.NOT_OURS]
@@ -79,6 +79,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"{P(len(ours), 'problem')} found ({counts}), {len(ours) - len(left)} fixed; "
           f"{P(n_entries, 'entry', 'entries')} and {P(n_chunks, 'chunk')} remain")
     if left:
-        print(f"{len(left)} could not be fixed now (a writer may be using them): run `kvstore verify --fix` again")
+        print(f"{len(left)} could not be fixed now (a writer may be using them): {common.run_hint('verify --fix', disk.root)} again")
         return 1
     return 0

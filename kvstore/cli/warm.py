@@ -153,10 +153,11 @@ def _load(model_dir: Path) -> tuple[Any, Any]:
 
 
 def _open_store(args: argparse.Namespace) -> Any:
+    from ..floors import MIN_DISK_HIT
     from ..store import KVStore, StoreOpenError
 
-    try:
-        return KVStore(common.cache_dir(args), chunk_tokens=args.chunk_tokens, max_entries=1,
+    try:  # MIN_DISK_HIT: a new prompt version sharing only a template header with an old one is prefilled whole
+        return KVStore(common.cache_dir(args), chunk_tokens=args.chunk_tokens, max_entries=1, min_disk_hit=MIN_DISK_HIT,
                        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                        shared_dir=getattr(args, "shared_dir", False))
     except StoreOpenError as e:

@@ -1,0 +1,33 @@
+"""What a disk or shared hit must restore to be taken: the floors a lookup applies.
+
+Plain integers and one function, importable without MLX (``kvstore serve --help`` shows
+``MIN_DISK_HIT`` before anything heavy is imported).
+"""
+
+from __future__ import annotations
+
+# A disk hit replaces a shorter memory hit only when it holds more than this many tokens
+# more: restoring a whole prefix to save the prefill of a chat template's role header
+# costs more than it saves (after a restart with a preloaded system prompt, every
+# conversation on disk extends that prompt by its user header's few tokens).
+MIN_DISK_GAIN = 16
+
+# A disk or shared hit with nothing in memory must restore at least this many tokens
+# (``LRUPromptCache(min_disk_hit=)``, ``kvstore serve --min-disk-hit``, ``kvstore warm``;
+# ``KVStore`` itself defaults to 0: the exact lookup rules), unless it holds the whole
+# prompt. Without it a never-seen prompt "hits" on the few tokens a chat template's
+# system header shares with any stored prompt (``<|im_start|>system\nYou are``: 5 tokens)
+# and pays a lookup, a whole chunk segment read and checksummed, and a cache built, to
+# save a prefill of 5 tokens, while ``cached_tokens`` tells the client its prompt was
+# cached. 64: 4x MIN_DISK_GAIN, above any role header plus an opening sentence (~10-30
+# tokens), a quarter of the default 256-token chunk such a hit reads anyway, and below
+# any system prompt worth caching.
+MIN_DISK_HIT = 64
+
+
+def restore_floor(memory_n: int, wanted: int, min_hit: int = 0) -> int:
+    """The tokens a disk or shared hit must exceed, given a memory hit of ``memory_n`` of
+    ``wanted`` tokens: it must hold all ``wanted`` tokens, or at least ``min_hit`` tokens
+    and (over a memory hit) more than ``MIN_DISK_GAIN`` tokens more than memory."""
+    beat = memory_n + MIN_DISK_GAIN if memory_n > 0 else 0
+    return min(max(beat, min_hit - 1, 0), wanted - 1)

@@ -1,0 +1,197 @@
+"""What a newcomer meets first (issue 37), on real ``kvstore serve`` processes.
+
+- a server that cannot listen (its port held by another socket) exits non-zero at once,
+  naming the port, instead of hanging on mlx-lm's generation thread;
+- ``kvstore serve`` without ``--model`` is a usage error (exit 2 naming the flag), not a
+  server that says it is ready and serves nothing;
+- after a restart, the server's log has one line per request restored from disk;
+- a never-seen prompt that shares only a chat template's few header tokens with a stored
+  one is a miss (``cached_tokens`` 0), not a tiny disk hit.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.children import child_env
+from tests.support.servers import HOST, Server, cached_tokens, serve_command
+
+START_LIMIT = 20.0  # seconds: a refused start must end well within this, even on a busy machine
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from tools.models import model_path
+
+    return model_path("tiny-llama")
+
+
+def run_serve(args: list[str], timeout: float = START_LIMIT) -> tuple[int, str, float]:
+    """(exit code, stderr, seconds) of ``kvstore serve ARGS``; killed (and failed) if it
+    is still running after ``timeout`` seconds."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(serve_command() + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True, env=child_env(PYTHONUNBUFFERED="1"))
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate(10)
+        pytest.fail(f"`kvstore serve {' '.join(args)}` still running after {timeout} s\n"
+                    f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
+    return proc.returncode, err, time.monotonic() - t0
+
+
+def test_a_taken_port_ends_the_server_at_once(model_dir: Path, tmp_path: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind((HOST, 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        code, err, took = run_serve(["--model", str(model_dir), "--cache-dir", str(tmp_path / "c"),
+                                     "--host", HOST, "--port", str(port)])
+    assert code != 0, err
+    assert f"{HOST}:{port}" in err and "--port" in err, err
+    assert took < START_LIMIT
+
+
+def test_serve_without_model_is_a_usage_error(tmp_path: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        port = s.getsockname()[1]
+    code, err, _took = run_serve(["--cache-dir", str(tmp_path / "c"), "--host", HOST, "--port", str(port)])
+    assert code == 2, err
+    assert "--model is required" in err, err
+
+
+# -- after a restart -----------------------------------------------------------------------
+
+SYSTEM = " ".join(f"Rule {i}: answer like a careful archivist and cite section {i * 7 % 31}." for i in range(12))
+OTHER_SYSTEM = "Be brief. " + " ".join(f"Point {i}: never guess; say so." for i in range(8))
+
+
+def chat(system: str, user: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+@pytest.fixture(scope="module")
+def restarted(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A server that stored SYSTEM's chat on disk and stopped, then a new one on the same
+    directory (memory tier empty): the restart every test below starts from."""
+    root = tmp_path_factory.mktemp("restart")
+    with Server(model_dir, root / "cache", root / "first.log") as first:
+        first.chat(chat(SYSTEM, "Summarise the rules in one sentence."))
+        first.wait_flushed()
+        assert first.stop() == 0
+    with Server(model_dir, root / "cache", root / "second.log") as second:
+        second.cache_dir = root / "cache"  # type: ignore[attr-defined]
+        yield second
+
+
+def test_a_few_shared_header_tokens_are_no_disk_hit(restarted: Server, model_dir: Path) -> None:
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    a = tok.apply_chat_template(chat(SYSTEM, "x"), add_generation_prompt=True, tokenize=True)
+    b = tok.apply_chat_template(chat(OTHER_SYSTEM, "What is rule 1?"), add_generation_prompt=True, tokenize=True)
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert 0 < shared < 64, shared  # the template's system header and a little more: what this test is about
+    resp = restarted.chat(chat(OTHER_SYSTEM, "What is rule 1?"))  # the first request: memory is empty
+    assert cached_tokens(resp) == 0, resp
+    assert restarted.stats().get("hits_disk", 0) == 0
+    assert "kvstore: restored" not in restarted.log(1 << 20)
+
+
+def test_a_restore_is_logged(restarted: Server) -> None:
+    def restores() -> list[str]:
+        return [ln for ln in restarted.log(1 << 20).splitlines() if "kvstore: restored" in ln]
+
+    before = restores()
+    resp = restarted.chat(chat(SYSTEM, "Which section does rule 3 cite?"))
+    n = cached_tokens(resp)
+    assert n > 0, resp
+    lines = restores()[len(before):]
+    assert len(lines) == 1, restarted.log()
+    assert f"restored {n:,} of {resp['usage']['prompt_tokens']:,} prompt tokens from disk in " in lines[0], lines
+
+
+def test_hints_name_the_cache_dir_given(tmp_path: Path) -> None:
+    """A hint to run another command carries the --cache-dir the user gave, so it can be
+    pasted as it is (it said `run kvstore ls`, which looks at the default directory)."""
+    import sys
+
+    from kvstore import KVStore
+
+    KVStore(tmp_path / "c").close()
+    for args, hint in ((["inspect", "abcdef"], "ls"), (["gc", "--identity", "abcdef"], "ls")):
+        p = subprocess.run([sys.executable, "-m", "kvstore.cli", *args, "--cache-dir", str(tmp_path / "c")],
+                           capture_output=True, text=True, env=child_env(), timeout=120)
+        assert p.returncode == 1, p.stderr
+        assert f"run `kvstore {hint} --cache-dir {tmp_path / 'c'}`" in p.stderr, p.stderr
+
+
+def test_inspect_decodes_the_prompt_without_transformers(model_dir: Path, tmp_path: Path) -> None:
+    """``kvstore inspect`` decodes the prompt from the model's tokenizer.json with the
+    ``tokenizers`` library, not by importing transformers (seconds of start-up)."""
+    import json
+    import sys
+
+    system = "You keep the storage team's runbook short and exact. " * 4
+    (tmp_path / "system.txt").write_text(system)
+    env = child_env()
+    cache = str(tmp_path / "c")
+    p = subprocess.run([sys.executable, "-m", "kvstore.cli", "warm", "--model", str(model_dir), "--system-file",
+                        str(tmp_path / "system.txt"), "--cache-dir", cache], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    entry = json.loads(subprocess.run([sys.executable, "-m", "kvstore.cli", "ls", "--json", "--cache-dir", cache],
+                                      capture_output=True, text=True, env=env, timeout=120).stdout
+                       )["identities"][0]["entries"][0]["id"]
+    script = ("import json, sys\nfrom kvstore.cli.main import main\nrc = main(sys.argv[1:])\n"
+              "print(json.dumps({'rc': rc, 'transformers': 'transformers' in sys.modules}), file=sys.stderr)")
+    p = subprocess.run([sys.executable, "-c", script, "inspect", entry, "--prompt", "--cache-dir", cache],
+                       capture_output=True, text=True, env=env, timeout=120)
+    got = json.loads(p.stderr.strip().splitlines()[-1])
+    assert got == {"rc": 0, "transformers": False}, p.stderr
+    assert system.strip() in p.stdout, p.stdout
+
+
+def test_the_upstream_suite_says_what_it_needs_when_pypi_is_out_of_reach(tmp_path: Path) -> None:
+    """With no cached copy and no registry, fetching mlx-lm's server suite stops with a
+    message saying what to run, and where (README's test command fetches it at install)."""
+    import sys
+
+    script = ("from tools import upstream_server as U\n"
+              "try:\n    U.suite_path()\nexcept U.SuiteMissing as e:\n    print('MISSING', e)\n")
+    env = child_env(XDG_CACHE_HOME=str(tmp_path / "xdg"), PIP_INDEX_URL="http://127.0.0.1:9/simple",
+                    PIP_RETRIES="0", PIP_TIMEOUT="2", PIP_NO_CACHE_DIR="1", PIP_CONFIG_FILE=os.devnull)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert p.stdout.startswith("MISSING"), p.stdout + p.stderr
+    assert "python -m tools.upstream_server --fetch" in p.stdout and "PyPI" in p.stdout, p.stdout
+
+
+def test_export_says_what_the_file_holds_and_warns_on_a_conversation(restarted: Server, tmp_path: Path) -> None:
+    """`kvstore export` says the file holds the whole prompt's KV that mlx-lm continues
+    after, and warns when the entry is a conversation (it ends inside a chat)."""
+    import json
+    import sys
+
+    cache = str(restarted.cache_dir)  # type: ignore[attr-defined]
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kvstore.cli", *args, "--cache-dir", cache],
+                              capture_output=True, text=True, env=child_env(), timeout=300)
+
+    entries = [e for i in json.loads(cli("ls", "--json").stdout)["identities"] for e in i["entries"]]
+    kinds = {e["cache_type"]: e["id"] for e in entries}
+    assert "system" in kinds and "assistant" in kinds, entries
+    for kind, entry in kinds.items():
+        p = cli("export", entry, str(tmp_path / f"{kind}.safetensors"))
+        assert p.returncode == 0, p.stderr
+        assert f"holds the KV of this entry's whole prompt ({kind} entry)" in p.stdout, p.stdout
+        assert ("ends inside a conversation" in p.stderr) == (kind != "system"), (kind, p.stderr)
