@@ -17,6 +17,22 @@ from tests.support.prompts import text_prompt
 # environment (tools/compat_env.sh). Where vllm-mlx is not installed it is not collected.
 collect_ignore = [] if importlib.util.find_spec("vllm_mlx") else ["compat"]
 
+# The fast tier: `pytest -m "not slow"`. A test is slow when tests/slow.txt names it (measured)
+# or its module starts real servers or child processes at every test (SLOW_MODULES).
+SLOW_MODULES = {"test_anthropic", "test_tenants_server", "test_memory_pressure", "test_newcomer", "test_benchmarks",
+                "test_demo", "test_faults", "test_upstream_server", "test_families"}
+
+
+def pytest_collection_modifyitems(config, items):
+    from pathlib import Path
+
+    listed = Path(__file__).with_name("slow.txt")
+    slow = {line.strip() for line in listed.read_text().splitlines() if line.strip() and not line.startswith("#")}
+    for item in items:
+        if item.nodeid in slow or item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
