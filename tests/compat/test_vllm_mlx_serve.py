@@ -62,21 +62,32 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text()[-6000:]
 
-    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
+    def stream(self, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """POST with ``stream: true``; the server-sent events' JSON payloads."""
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
+                                     data=json.dumps(dict(body, stream=True)).encode(),
                                      headers={"content-type": "application/json", "x-api-key": "x"})
-        return json.loads(urllib.request.urlopen(req, timeout=300).read())
+        events = []
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
+                    events.append(json.loads(line[5:]))
+        return events
 
     def ask(self, endpoint: str, model: str, question: str) -> str:
+        """The greedy reply, streamed (SimpleEngine's caches serve streaming requests only:
+        its non-streaming chat calls the model without them)."""
         if endpoint == "chat":
-            out = self.post("/v1/chat/completions", {
+            events = self.stream("/v1/chat/completions", {
                 "model": model, "max_tokens": MAX_TOKENS, "temperature": 0.0,
                 "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]})
-            return str(out["choices"][0]["message"]["content"])
-        out = self.post("/v1/messages", {
+            return "".join((e["choices"][0].get("delta") or {}).get("content") or ""
+                           for e in events if e.get("choices"))
+        events = self.stream("/v1/messages", {
             "model": model, "max_tokens": MAX_TOKENS, "temperature": 0.0, "system": SYSTEM,
             "messages": [{"role": "user", "content": question}]})
-        return "".join(b.get("text", "") for b in out["content"])
+        return "".join(e["delta"].get("text", "") for e in events if e.get("type") == "content_block_delta")
 
     def stop(self, sig: int) -> None:
         if self.proc.poll() is None:
@@ -107,6 +118,8 @@ def _serve(tmp: Path, name: str, model: str, flags: list[str], cache_dir: Path |
 
 
 def _entries(cache_dir: Path) -> list[dict[str, Any]]:
+    if not cache_dir.exists():  # created by the first cache the server builds
+        return []
     out = subprocess.run([sys.executable, "-m", "kvstore.cli", "ls", "--cache-dir", str(cache_dir), "--json"],
                          capture_output=True, text=True, env=child_env(), timeout=120)
     assert out.returncode == 0, out.stderr
