@@ -121,20 +121,18 @@ def _make_class() -> type:
         # -- helpers ---------------------------------------------------------------
 
         def _write_through(self, entry: Any) -> None:
-            """Queue ``entry`` for disk; never raises (vllm-mlx's store must not)."""
+            """Queue ``entry`` for disk; never raises (vllm-mlx's store must not). Its
+            arrays are the ones vllm-mlx's store just evaluated on this thread; quantised
+            layers go as mlx-lm ``QuantizedKVCache`` views of them (no full-precision copy)."""
             store = self._kv_store
             if store is None:
                 return
             try:
-                from vllm_mlx.memory_cache import _dequantize_cache, _QuantizedCacheWrapper
-
-                cache = entry.cache
-                if any(isinstance(c, _QuantizedCacheWrapper) for c in cache):
-                    cache = _dequantize_cache(cache)
-                store.insert(self._kv_model, list(entry.tokens), list(cache))
-            except Exception as e:
-                log.debug("kvstore: entry of %d tokens not written: %s", len(entry.tokens), e)
-                _warn_once(store, "write", "kvstore: an entry could not be queued for disk (%s); memory only", e)
+                store.insert(self._kv_model, list(entry.tokens), to_mlx_lm(entry.cache))
+            except Exception as e:  # str(e): a kept log record must not pin the arrays
+                log.debug("kvstore: entry of %d tokens not written: %s", len(entry.tokens), str(e))
+                _warn_once(store, "write", "kvstore: an entry could not be queued for disk (%s); memory only",
+                           str(e))
 
         def _from_disk(self, tokens: list[int], held: int) -> tuple[list[Any], int] | None:
             """A disk prefix of ``tokens[:-1]`` longer than the ``held`` tokens memory gave
@@ -149,13 +147,14 @@ def _make_class() -> type:
                 if store.peek(self._kv_model, want) <= restore_floor(held, len(want)):
                     return None
                 got = store.fetch(self._kv_model, want)
+                if got.cache is None or got.n <= held:
+                    return None
+                cache = from_mlx_lm(got.cache)
             except Exception as e:
-                _warn_once(store, "fetch", "kvstore: disk lookup failed (%s); a miss", e)
+                _warn_once(store, "fetch", "kvstore: disk lookup failed (%s); a miss", str(e))
                 return None
-            if got.cache is None or got.n <= held:
-                return None
-            self._promote(tokens[: got.n], got.cache)
-            return got.cache, got.n
+            self._promote(tokens[: got.n], cache)
+            return cache, got.n
 
         def _promote(self, tokens: list[int], cache: list[Any]) -> None:
             """A disk hit into vllm-mlx's memory tier (its own copy, within its limit), not
@@ -164,7 +163,7 @@ def _make_class() -> type:
             try:
                 base.store(self, tokens, cache, evict_prefixes=False)
             except Exception as e:
-                log.debug("kvstore: disk hit not kept in memory: %s", e)
+                log.debug("kvstore: disk hit not kept in memory: %s", str(e))
             finally:
                 self._kv_promoting.on = False
 
@@ -212,6 +211,45 @@ def prefix_cache_class() -> type:
     if not _CLASS:
         _CLASS.append(_make_class())
     return _CLASS[0]
+
+
+def to_mlx_lm(cache: list[Any]) -> list[Any]:
+    """vllm-mlx's quantised layers (``_QuantizedCacheWrapper`` of a ``KVCache``) as mlx-lm
+    ``QuantizedKVCache``s sharing their arrays; other layers as they are."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+    from vllm_mlx.memory_cache import _QuantizedCacheWrapper
+
+    out = []
+    for layer in cache:
+        if isinstance(layer, _QuantizedCacheWrapper):
+            if layer.orig_type is not KVCache:
+                raise ValueError(f"quantised {layer.orig_type.__name__} layers are not stored")
+            q = QuantizedKVCache(group_size=layer.group_size, bits=layer.bits)
+            q.keys, q.values, q.offset = layer.keys, layer.values, layer.offset
+            layer = q
+        out.append(layer)
+    return out
+
+
+def from_mlx_lm(cache: list[Any]) -> list[Any]:
+    """A restored cache as vllm-mlx's fetch hands one out: ``QuantizedKVCache`` layers
+    dequantised into ``KVCache``s (as vllm-mlx's ``_dequantize_cache`` does), evaluated here,
+    on the thread that restored them."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    out: list[Any] = []
+    for layer in cache:
+        if isinstance(layer, QuantizedKVCache):
+            kv = KVCache()
+            n, g, b = layer.offset, layer.group_size, layer.bits
+            kv.keys = mx.dequantize(*layer.keys, group_size=g, bits=b)[..., :n, :]
+            kv.values = mx.dequantize(*layer.values, group_size=g, bits=b)[..., :n, :]
+            kv.offset = n
+            layer = kv
+        out.append(layer)
+    mx.eval([c.state for c in out])
+    return out
 
 
 def _open_store(opts: dict[str, Any], config: Any) -> Any:
