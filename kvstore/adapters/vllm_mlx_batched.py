@@ -139,7 +139,7 @@ def _make_class() -> type:
             (by kvstore's margin), promoted into memory; None otherwise. Never raises."""
             from ..store import restore_floor
 
-            store = self._kv_store
+            store: Any = self._kv_store
             want = tokens[:-1]
             try:
                 if len(want) <= held:
@@ -161,7 +161,7 @@ def _make_class() -> type:
             written back."""
             self._kv_promoting.on = True
             try:
-                base.store(self, tokens, cache, evict_prefixes=False)
+                base.store(self, tokens, cache, evict_prefixes=False)  # type: ignore[attr-defined]
             except Exception as e:
                 log.debug("kvstore: disk hit not kept in memory: %s", str(e))
             finally:
@@ -243,8 +243,10 @@ def from_mlx_lm(cache: list[Any]) -> list[Any]:
         if isinstance(layer, QuantizedKVCache):
             kv = KVCache()
             n, g, b = layer.offset, layer.group_size, layer.bits
-            kv.keys = mx.dequantize(*layer.keys, group_size=g, bits=b)[..., :n, :]
-            kv.values = mx.dequantize(*layer.values, group_size=g, bits=b)[..., :n, :]
+            keys: Any = layer.keys
+            values: Any = layer.values
+            kv.keys = mx.dequantize(keys[0], keys[1], keys[2], group_size=g, bits=b)[..., :n, :]
+            kv.values = mx.dequantize(values[0], values[1], values[2], group_size=g, bits=b)[..., :n, :]
             kv.offset = n
             layer = kv
         out.append(layer)
