@@ -12,8 +12,8 @@ with kvstore's disk tier underneath:
 - the disk is consulted whenever it may hold a longer prefix than memory gave (a memory
   hit shorter than the prompt, or a miss), not only after a complete RAM miss; a disk hit
   is promoted into the memory tier (within its limit) and served as a ``"prefix"`` match;
-- a disk hit never covers the whole prompt: it is looked up for ``tokens[:-1]``, so at
-  least the last token is left to run (vllm-mlx drops an ``"exact"`` hit and prefills);
+- a disk hit never covers the whole prompt: a whole-prompt hit is trimmed by one token, so
+  the last token is left to run (vllm-mlx drops an ``"exact"`` hit and prefills);
 - the arrays go to disk from the snapshot vllm-mlx's ``store`` already evaluated on the
   thread that produced them; the writer thread only copies bytes (vllm-mlx #563: MLX >=
   0.31.2 aborts when a request's arrays are evaluated on another thread).
@@ -135,26 +135,38 @@ def _make_class() -> type:
                            str(e))
 
         def _from_disk(self, tokens: list[int], held: int) -> tuple[list[Any], int] | None:
-            """A disk prefix of ``tokens[:-1]`` longer than the ``held`` tokens memory gave
-            (by kvstore's margin), promoted into memory; None otherwise. Never raises."""
+            """A disk prefix of ``tokens`` longer than the ``held`` tokens memory gave (by
+            kvstore's margin), at most ``len(tokens) - 1`` (a whole-prompt hit is trimmed by
+            one token, or refused when its cache cannot be trimmed), promoted into memory;
+            None otherwise. Never raises."""
+            from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
             from ..store import restore_floor
 
             store: Any = self._kv_store
-            want = tokens[:-1]
+            top = len(tokens) - 1
             try:
-                if len(want) <= held:
+                if top <= held:
                     return None
-                if store.peek(self._kv_model, want) <= restore_floor(held, len(want)):
+                if min(store.peek(self._kv_model, tokens), top) <= restore_floor(held, top):
                     return None
-                got = store.fetch(self._kv_model, want)
-                if got.cache is None or got.n <= held:
+                got = store.fetch(self._kv_model, tokens)
+                if got.cache is None:
+                    return None
+                n = got.n
+                if n > top:  # the whole prompt: vllm-mlx needs one token to run
+                    if not can_trim_prompt_cache(got.cache):
+                        return None
+                    trim_prompt_cache(got.cache, n - top)
+                    n = top
+                if n <= held:
                     return None
                 cache = from_mlx_lm(got.cache)
             except Exception as e:
                 _warn_once(store, "fetch", "kvstore: disk lookup failed (%s); a miss", str(e))
                 return None
-            self._promote(tokens[: got.n], cache)
-            return cache, got.n
+            self._promote(tokens[:n], cache)
+            return cache, n
 
         def _promote(self, tokens: list[int], cache: list[Any]) -> None:
             """A disk hit into vllm-mlx's memory tier (its own copy, within its limit), not
@@ -249,6 +261,10 @@ def from_mlx_lm(cache: list[Any]) -> list[Any]:
             kv.values = mx.dequantize(values[0], values[1], values[2], group_size=g, bits=b)[..., :n, :]
             kv.offset = n
             layer = kv
+        elif type(layer) is KVCache and layer.keys is not None and layer.keys.shape[-2] > layer.offset:
+            # sliced to its offset, as vllm-mlx's trimmed hits are (its issue #384)
+            n = layer.offset
+            layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
         out.append(layer)
     mx.eval([c.state for c in out])
     return out
