@@ -80,6 +80,8 @@ def _make_class() -> type:
         def __init__(self, model: Any, config: Any = None, **options: Any) -> None:
             super().__init__(model, config)
             self._kv_promoting = threading.local()
+            self._kv_served: set[tuple[int, ...]] = set()  # keys handed out from disk
+            self._kv_reads_off = False
             opts = dict(_OPTIONS, **options)
             path = opts.pop("model_path", None) or model_path_of(model)
             self._kv_model = (str(path), None, None) if path else None
@@ -103,7 +105,8 @@ def _make_class() -> type:
 
         def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
             cache, remaining = super().fetch(tokens)
-            if self._kv_store is None or not tokens or len(tokens) < self._config.min_prefix_tokens:
+            if (self._kv_store is None or self._kv_reads_off or not tokens
+                    or len(tokens) < self._config.min_prefix_tokens):
                 return cache, remaining
             held = len(tokens) - len(remaining) if cache is not None else 0
             got = self._from_disk(list(tokens), held)
@@ -116,6 +119,8 @@ def _make_class() -> type:
             self._stats.tokens_saved += n - held
             self._last_match_type = "prefix"
             self._last_matched_key = tuple(tokens[:n])
+            if len(self._kv_served) < 4096:
+                self._kv_served.add(self._last_matched_key)
             return disk_cache, list(tokens[n:])
 
         # -- helpers ---------------------------------------------------------------
@@ -178,6 +183,18 @@ def _make_class() -> type:
                 log.debug("kvstore: disk hit not kept in memory: %s", str(e))
             finally:
                 self._kv_promoting.on = False
+
+        def remove(self, tokens: list[int], *, include_ssd: bool = False) -> bool:
+            """vllm-mlx's remove. ``include_ssd`` of an entry this cache restored from disk is
+            the scheduler refusing it (built under another ``--max-kv-size``): every disk
+            entry is then built so, and disk lookups stop for this cache (else each request
+            would restore one and prefill anyway)."""
+            removed = bool(super().remove(tokens, include_ssd=include_ssd))
+            if include_ssd and self._kv_store is not None and tuple(tokens) in self._kv_served:
+                self._kv_reads_off = True
+                log.warning("kvstore: vllm-mlx refused a cache restored from disk (its KV bound, "
+                            "--max-kv-size, differs); disk lookups off for this server")
+            return removed
 
         def save_to_disk(self, cache_dir: str) -> bool:
             """vllm-mlx's snapshot, after kvstore's pending writes reached disk."""

@@ -185,3 +185,30 @@ def test_kvstore_flags_are_taken_out_and_checked() -> None:
         split_args(["m", "--persist", "some"])
     with pytest.raises(ValueError, match="--max-disk-bytes needs a value"):
         split_args(["m", "--max-disk-bytes"])
+
+
+def test_entries_from_another_kv_bound_are_refused_once_then_not_read(model: str, tmp_path: Path) -> None:
+    """Entries written without ``--max-kv-size`` and a server restarted with it: vllm-mlx's
+    scheduler refuses the restored cache (another topology) and prefills; kvstore then stops
+    reading the disk for that server, and the replies are the plain server's."""
+    bound = ["--continuous-batching", "--max-kv-size", "4096"]
+    cold = _serve(tmp_path, "plain", model, bound, None)
+    try:
+        expected = [cold.ask("chat", model, q) for q in ("What is two plus two?", "Name a colour.")]
+    finally:
+        cold.stop(signal.SIGTERM)
+    cache_dir = tmp_path / "kv"
+    first = _serve(tmp_path, "kv-1", model, ["--continuous-batching"], cache_dir)
+    try:
+        first.ask("chat", model, "Say hello.")
+        _wait(lambda: _entries(cache_dir), "an entry on disk")
+    finally:
+        first.stop(signal.SIGKILL)
+    server = _serve(tmp_path, "kv-2", model, bound, cache_dir)
+    try:
+        got = [server.ask("chat", model, q) for q in ("What is two plus two?", "Name a colour.")]
+        assert got == expected, server.log()
+        log = server.log_path.read_text()
+        assert log.count("disk lookups off for this server") == 1, log[-3000:]
+    finally:
+        server.stop(signal.SIGKILL)
