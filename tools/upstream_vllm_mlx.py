@@ -103,6 +103,13 @@ def regressions(upstream: Outcome, ours: Outcome) -> list[str]:
     return sorted(t for t in upstream.passed - ours.passed if t not in DELIBERATE)
 
 
+def gate(work: Path) -> tuple[Outcome, Outcome, list[str]]:
+    """Both runs and the regressions (empty: the gate holds)."""
+    upstream = run_suite("vllm_mlx", work)
+    ours = run_suite("kvstore", work)
+    return upstream, ours, regressions(upstream, ours)
+
+
 # -- the pytest plugin (``-p tools.upstream_vllm_mlx``) -----------------------------------
 
 
@@ -127,9 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        upstream = run_suite("vllm_mlx", work)
-        ours = run_suite("kvstore", work)
-        bad = regressions(upstream, ours)
+        upstream, ours, bad = gate(work)
     print(f"vllm-mlx {vllm_mlx_version()}: {', '.join(SUITES)}")
     print(upstream.summary())
     print(ours.summary())
