@@ -105,6 +105,15 @@ def _make_class() -> type:
 
         def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
             cache, remaining = super().fetch(tokens)
+            if cache is not None:
+                # vllm-mlx keys a completion entry by prompt + output while its cache holds
+                # one position fewer, and trims it as if it held them all: the tokens to run
+                # start where the cache really ends
+                pos = held_positions(cache)
+                claimed = len(tokens) - len(remaining)
+                if pos is not None and 0 < pos < claimed:
+                    self._stats.tokens_saved -= claimed - pos
+                    remaining = list(tokens[pos:])
             if (self._kv_store is None or self._kv_reads_off or not tokens
                     or len(tokens) < self._config.min_prefix_tokens):
                 return cache, remaining
@@ -240,6 +249,18 @@ def prefix_cache_class() -> type:
     if not _CLASS:
         _CLASS.append(_make_class())
     return _CLASS[0]
+
+
+def held_positions(cache: list[Any]) -> int | None:
+    """The positions every layer of ``cache`` holds (its smallest ``offset``); None when a
+    layer does not say (recurrent state, test doubles)."""
+    offsets = []
+    for layer in cache:
+        off = getattr(layer, "offset", None)
+        if not isinstance(off, int) or isinstance(off, bool):
+            return None
+        offsets.append(off)
+    return min(offsets) if offsets else None
 
 
 def to_mlx_lm(cache: list[Any]) -> list[Any]:

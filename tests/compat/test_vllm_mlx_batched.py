@@ -131,3 +131,55 @@ def test_a_model_without_a_known_path_is_memory_only(tmp_path: Path) -> None:
     c = vb.prefix_cache_class()(Anonymous(), MemoryCacheConfig(max_memory_mb=64), cache_dir=tmp_path)
     assert c._kv_store is None and c.kv_stats() == {}
     assert not (tmp_path / "index").exists()
+
+
+def test_quantised_entries_restore_as_vllm_mlx_serves_them_from_ram(model: Any, tmp_path: Path) -> None:
+    """``--kv-cache-quantization``: stored quantised (under their own identity), restored
+    dequantised, equal to what vllm-mlx's own class hands out from RAM for the same entry."""
+    config = MemoryCacheConfig(max_memory_mb=64, kv_quantize=True, kv_bits=8, kv_group_size=32)
+    conv = tokens(600)
+    first = vb.prefix_cache_class()(model, config, cache_dir=tmp_path)
+    assert first.store(conv, prefill(model, conv[:-1]))
+    first._kv_store.flush(60)
+    assert first.kv_stats()["disk_entries"] == 1
+    first.close()
+
+    ask = conv[:512] + tokens(40, seed=4)
+    plain = kv_cache(model, tmp_path)  # another identity: the unquantised one
+    assert plain.fetch(ask)[0] is None
+    plain.close()
+
+    again = vb.prefix_cache_class()(model, config, cache_dir=tmp_path)
+    got, rest = again.fetch(ask)
+    n = len(ask) - len(rest)
+    assert got is not None and n == 512 and again._last_match_type == "prefix"
+    upstream = MemoryAwarePrefixCache(model, config)
+    assert upstream.store(conv, prefill(model, conv[:-1]))
+    ram, ram_rest = upstream.fetch(ask)
+    assert len(ram_rest) == len(rest)
+    for mine, theirs in zip(got, ram):
+        # vllm-mlx 0.6 trims its entry (which holds one position fewer than its key) as if
+        # it held them all: its cache covers 511 positions where it reports 512 cached
+        m = min(mine.offset, theirs.offset)
+        assert mine.offset == n and m >= n - 1
+        for a, b in zip(mine.state, theirs.state):
+            assert mx.array_equal(a[..., :m, :], b[..., :m, :]).item()
+    again.close()
+
+
+def test_a_completion_entry_hit_from_ram_runs_from_where_its_cache_ends(model: Any, tmp_path: Path) -> None:
+    """vllm-mlx's class trims a completion entry (key prompt + output, cache one position
+    short) as if it held every key token: 511 positions reported as 512 cached, the 512th
+    token never run. kvstore's class hands out the same cache with the tokens from 511 on."""
+    conv = tokens(600)
+    ask = conv[:512] + tokens(40, seed=4)
+    upstream = MemoryAwarePrefixCache(model, MemoryCacheConfig(max_memory_mb=64))
+    ours = kv_cache(model, tmp_path)
+    for c in (upstream, ours):
+        assert c.store(conv, prefill(model, conv[:-1]))
+    theirs, their_rest = upstream.fetch(ask)
+    got, rest = ours.fetch(ask)
+    assert theirs[0].offset == 511 and len(ask) - len(their_rest) == 512  # the gap
+    assert got[0].offset == 511 and rest == ask[511:]
+    assert same_kv(got, prefill(model, ask[:511]))
+    ours.close()
