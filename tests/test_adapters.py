@@ -22,7 +22,7 @@ def compat_recipe() -> list[str]:
     sh = (ROOT / "tools" / "compat_env.sh").read_text()
     pins = re.findall(r'^(?:MLX_LM|VLLM_MLX)="([^"]+)"', sh, re.M)
     deps = re.findall(r'"([^"]+)"', re.search(r"^VLLM_MLX_DEPS=\(([^)]*)\)", sh, re.M).group(1))
-    assert len(pins) == 2 and len(deps) == 2, (pins, deps)
+    assert len(pins) == 2 and len(deps) == 6, (pins, deps)  # engines: 2, server: 4
     return pins + deps
 
 
@@ -46,6 +46,20 @@ def test_vllm_mlx_install_says_how_to_install_vllm_mlx() -> None:
     docs = (ROOT / "docs" / "adapters.md").read_text()  # the recipe the user reads
     for pin in compat_recipe():
         assert pin in docs, pin
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm_mlx") is not None,
+                    reason="vllm-mlx is installed here (tests/compat runs the command)")
+def test_kvstore_vllm_mlx_serve_says_how_to_install_vllm_mlx(tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "-m", "kvstore.cli", "vllm-mlx", "serve", "some/model",
+                        "--continuous-batching", "--cache-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert p.returncode == 1, p
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvstore vllm-mlx: error: kvstore.adapters.vllm_mlx needs vllm-mlx"), p.stderr
+    for pin in compat_recipe():
+        assert pin in last, (pin, last)
+    assert "Traceback" not in p.stderr
 
 
 def test_vllm_mlx_install_names_a_missing_dependency(tmp_path: Path) -> None:

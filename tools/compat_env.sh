@@ -9,9 +9,10 @@
 # vllm-mlx 0.6.0 is installed with --no-deps. Its declared dependencies resolve to ~120
 # packages on Linux, including torch + torchvision + triton and 16 nvidia-* CUDA wheels
 # (several GB), gradio, opencv, mlx-vlm, mlx-audio, mcp, ... None of them is imported by
-# SimpleEngine's text path: beyond mlx-lm's own dependencies it needs only jsonschema and
-# requests. `pip check` therefore reports vllm-mlx's other requirements as missing; that is
-# expected.
+# the text path of its engines and server: beyond mlx-lm's own dependencies the engines need
+# jsonschema and requests, and its OpenAI/Anthropic server (`vllm-mlx serve`, also what
+# `kvstore vllm-mlx serve` starts) fastapi, starlette>=1.0.1, uvicorn and python-multipart.
+# `pip check` therefore reports vllm-mlx's other requirements as missing; that is expected.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,7 +21,8 @@ shift || true
 PYTHON="${PYTHON:-python3}"
 MLX_LM="mlx-lm==0.31.3"
 VLLM_MLX="vllm-mlx==0.6.0"
-VLLM_MLX_DEPS=("jsonschema>=4.0.0" "requests>=2.28.0")   # what SimpleEngine really imports
+VLLM_MLX_DEPS=("jsonschema>=4.0.0" "requests>=2.28.0"        # what its engines import
+               "fastapi" "starlette>=1.0.1" "uvicorn" "python-multipart")   # its server
 DEFAULT_TESTS=(tests/test_lru_parity.py tests/compat tests/test_codec.py tests/test_store.py)
 
 t0=$(date +%s)
@@ -50,6 +52,8 @@ import importlib.metadata as md
 for name in ("mlx", "mlx-lm", "vllm-mlx", "transformers", "kvstore"):
     print(f"   {name:13s} {md.version(name)}")
 from vllm_mlx.engine.simple import SimpleEngine  # noqa: F401  (fails here if a dep is missing)
+from vllm_mlx.engine.batched import BatchedEngine  # noqa: F401
+import vllm_mlx.server  # noqa: F401
 EOF
 size=$(du -sm "$VENV" | cut -f1)
 echo "== environment ready: $VENV (${size} MB, $((t1 - t0)) s)"

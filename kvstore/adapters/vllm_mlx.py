@@ -112,6 +112,23 @@ def install(engine: Any = None, *, cache_dir: str | Path | None = None, **store_
             engine._prefix_trie_cache = None   # rebuilt as kvstore's on next use
 
 
+def install_all(*, cache_dir: str | Path | None = None, **store_options: Any) -> None:
+    """kvstore in every vllm-mlx engine from now on (what ``kvstore vllm-mlx serve`` does):
+    SimpleEngine's prefix trie cache (``install``), its system-prompt KV slots
+    (``vllm_mlx_system``) and the batched engine's prefix cache (``vllm_mlx_batched``).
+    ``store_options``: ``max_disk_bytes``, ``persist``, ``max_write_bytes_per_day``. A
+    ModuleNotFoundError says how to install vllm-mlx when it cannot be imported."""
+    from . import vllm_mlx_batched
+
+    install(cache_dir=cache_dir, **store_options)
+    vllm_mlx_batched.install(cache_dir=cache_dir, **store_options)
+    try:
+        from . import vllm_mlx_system
+    except ImportError:
+        return
+    vllm_mlx_system.install(cache_dir=cache_dir, **store_options)
+
+
 def uninstall() -> None:
     """Undo ``install``: engines build mlx-lm's ``LRUPromptCache`` again (caches already
     built stay until their engine stops)."""
@@ -147,10 +164,11 @@ def make_cache(engine: Any, **options: Any) -> EnginePromptCache:
 
 
 INSTALL_HINT = (
-    "install it beside kvstore as tested (vllm-mlx 0.6 pins mlx-lm<0.32; its other declared "
-    "dependencies, torch and CUDA wheels among them, are not needed for SimpleEngine): "
-    "pip install 'mlx-lm==0.31.3' 'jsonschema>=4.0.0' 'requests>=2.28.0' && "
-    "pip install --no-deps 'vllm-mlx==0.6.0'  (see README, vllm-mlx)")
+    "install it beside kvstore as tested, in its own venv (vllm-mlx 0.6 pins mlx-lm<0.32; its "
+    "other declared dependencies, torch and CUDA wheels among them, are not needed for its "
+    "engines and server): pip install 'mlx-lm==0.31.3' 'jsonschema>=4.0.0' 'requests>=2.28.0' "
+    "fastapi 'starlette>=1.0.1' uvicorn python-multipart && "
+    "pip install --no-deps 'vllm-mlx==0.6.0'  (or tools/compat_env.sh VENV; see README, vllm-mlx)")
 
 
 def _simple_engine() -> type:

@@ -30,9 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("transfer", "write an entry (a system prompt, to continue) as an mlx-lm prompt-cache file"),
     "import": ("transfer", "store an mlx-lm prompt-cache file (mlx_lm.cache_prompt) as an entry"),
     "serve": ("serve", "run an mlx-lm server backed by the store"),
+    "vllm-mlx": ("vllm_mlx", "run vllm-mlx's server (any engine) backed by the store"),
 }
 # commands that run a model: as a process's entry point they preload OpenBLAS (kvstore.blas)
-MODEL_COMMANDS = {"serve", "warm"}
+MODEL_COMMANDS = {"serve", "warm", "vllm-mlx"}
 
 DESCRIPTION = ("Manage a kvstore cache directory: a persistent, disk-backed KV-cache tier for "
                "MLX inference. Every command works while servers are using the directory.")
@@ -122,7 +123,7 @@ def _run(module: Any, args: argparse.Namespace) -> int:
     from ..visible import VisibleWriter
 
     out = sys.stdout
-    if args.command != "serve" and not getattr(args, "json", False):
+    if args.command not in ("serve", "vllm-mlx") and not getattr(args, "json", False):
         sys.stdout = VisibleWriter(out)  # prompts, names, paths: stored by others, shown to an operator
     try:
         return int(module.run(args) or 0)

@@ -1,0 +1,95 @@
+"""``kvstore vllm-mlx serve MODEL [vllm-mlx flags] [kvstore flags]``: vllm-mlx's own CLI and
+server, with kvstore installed in whichever engine its flags select.
+
+- ``--continuous-batching``: the batched engine's ``MemoryAwarePrefixCache`` gets kvstore's
+  disk tier (kvstore.adapters.vllm_mlx_batched); ``--use-paged-cache`` is refused;
+- otherwise SimpleEngine: ``--prefix-trie-cache`` gets kvstore's prompt cache
+  (kvstore.adapters.vllm_mlx), and its system-prompt KV slots persist
+  (kvstore.adapters.vllm_mlx_system).
+
+kvstore's own flags are taken out before vllm-mlx parses the rest, unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+KV_FLAGS = {  # flag -> (install option, parser)
+    "--cache-dir": ("cache_dir", str),
+    "--max-disk-bytes": ("max_disk_bytes", int),
+    "--persist": ("persist", str),
+    "--max-write-bytes-per-day": ("max_write_bytes_per_day", int),
+}
+USAGE = ("usage: kvstore vllm-mlx serve MODEL [vllm-mlx serve flags] [--cache-dir DIR] "
+         "[--max-disk-bytes N] [--persist {all,system,reused}] [--max-write-bytes-per-day N]")
+
+
+def setup_arg_parser(subparsers: "argparse._SubParsersAction") -> None:
+    # every argument goes to vllm-mlx's parser (see serve.py for why prefix_chars="\0")
+    p = subparsers.add_parser("vllm-mlx", add_help=False, prefix_chars="\0",
+                              help="vllm-mlx's server (its CLI, any engine) with kvstore's disk tier")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+
+
+def split_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """(kvstore's options, the arguments left for vllm-mlx). Raises ValueError naming a
+    kvstore flag without a value or with a bad one."""
+    options: dict[str, Any] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        name, eq, val = a.partition("=")
+        if name in KV_FLAGS:
+            key, conv = KV_FLAGS[name]
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ValueError(f"{name} needs a value")
+                val, i = argv[i + 1], i + 1
+            try:
+                options[key] = conv(val)
+            except ValueError:
+                raise ValueError(f"{name}: not a valid value: {val!r}") from None
+        else:
+            rest.append(a)
+        i += 1
+    if "persist" in options and options["persist"] not in ("all", "system", "reused"):
+        raise ValueError(f"--persist must be one of all, system, reused (got {options['persist']!r})")
+    return options, rest
+
+
+def run(args: argparse.Namespace) -> int:
+    argv = list(args.args)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE + "\n\nvllm-mlx's flags: vllm-mlx serve --help", file=sys.stderr)
+        return 0 if argv else 2
+    if argv[0] != "serve":
+        print(f"kvstore vllm-mlx: error: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
+        return 2
+    try:
+        options, rest = split_args(argv[1:])
+    except ValueError as e:
+        print(f"kvstore vllm-mlx: error: {e}\n{USAGE}", file=sys.stderr)
+        return 2
+    if "--use-paged-cache" in rest:
+        from ..adapters.vllm_mlx_batched import PAGED_REFUSAL
+
+        print(f"kvstore vllm-mlx: error: {PAGED_REFUSAL}", file=sys.stderr)
+        return 2
+    from ..adapters import vllm_mlx as kv_vllm
+
+    try:
+        kv_vllm.install_all(**options)
+    except ModuleNotFoundError as e:
+        print(f"kvstore vllm-mlx: error: {e}", file=sys.stderr)
+        return 1
+    from vllm_mlx.cli import main as vllm_main
+
+    sys.argv = ["vllm-mlx", "serve", *rest]
+    try:
+        vllm_main()
+    except SystemExit as e:
+        return int(e.code) if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
