@@ -730,7 +730,7 @@ def _dest_rows(d: np.ndarray) -> Iterator[np.ndarray]:
     rows = [d] if d.flags.c_contiguous else (d[i] for i in np.ndindex(d.shape[:-2]))
     for r in rows:
         if not r.flags.c_contiguous or not r.flags.writeable:
-            raise ValueError("destination is not writable in contiguous rows")
+            raise RuntimeError("destination is not writable in contiguous rows")  # kvstore's arrays, not the file
         yield r
 
 

@@ -11,8 +11,9 @@ longest reusable prefix: an entry (exact or shorter) or a chunk chain trimmed ba
 common prefix. Every token of a plan is compared with the stored token ids; no hash is
 trusted alone. ``restore`` checks each segment's header against its record and the
 identity's layout before allocating anything, reads the segments straight into the final
-arrays, verifies every checksum, and builds the caches once. Any failure is a
-``BlobError`` naming the record; the store turns it into a miss and drops the record.
+arrays, verifies every checksum, and builds the caches once. A failure of a record's
+bytes is a ``BlobError`` naming the record (the store drops it: a miss); any other
+failure (I/O, memory or threads running out) passes as it is, and the entry is kept.
 """
 
 from __future__ import annotations
@@ -157,8 +158,9 @@ class DiskTier:
 
         ``check(specs, layout)`` names why the stored layout does not fit the model (see
         ``layouts.layout_problem``); it runs on the segments' headers, before anything is
-        allocated. Raises BlobError (naming the record in ``err.record``) on anything
-        unexpected; then nothing is returned and the arrays being filled are dropped.
+        allocated. Raises BlobError (naming the record in ``err.record``) when a record's
+        bytes are bad, anything else (OSError, MemoryError, RuntimeError) as it is; then
+        nothing is returned and the arrays being filled are dropped.
         Raises ``CutRefused`` (before allocating) when the plan cuts a snapshot at a point
         its layout refuses (``codec.can_cut``): the entry is valid, the query a miss."""
         pieces = self.index.view(lambda r: _pieces(r, plan))
@@ -600,7 +602,8 @@ def _checked(pieces: list[_Piece], heads: list[blobs.Header], ident: Identity, p
     ``check`` (the identity's layout check, on the specs) accept the pieces; CutRefused
     if the plan cuts a snapshot where its layout does not allow (nothing allocated yet)."""
     layout = _check_pieces(pieces, heads, ident, plan, C)
-    specs = _final_specs(heads[0], plan) if plan.chunked else heads[0].specs
+    with _blame(*pieces[0].record):
+        specs = _final_specs(heads[0], plan) if plan.chunked else heads[0].specs
     if check is not None:
         with _blame(*pieces[-1].record):
             why = check({n: ArraySpec(s, blobs.mlx_dtype_name(st)) for n, (st, s) in specs.items()}, layout)
@@ -671,14 +674,15 @@ def _built(plan: Plan, pieces: list[_Piece], specs: blobs.Specs, arrays: dict[st
 
     tensors = {name: alloc.finish(specs[name][0], a) for name, a in arrays.items()}
     nbytes = sum(p.segment.length for p in pieces)
-    if plan.chunked:
-        tensors = codec.slice_tokens(tensors, 0, plan.n)
-        layout = codec.with_offset(layout, plan.n)
-    cache = codec.decode_cache(tensors, layout)
-    if not plan.chunked and plan.n < plan.stored_n:
-        for c in cache:
-            c.trim(plan.stored_n - plan.n)
-        tensors, layout = codec.encode_cache(cache)
+    with _blame(*pieces[-1].record):  # verified bytes whose layout does not decode: the record's
+        if plan.chunked:
+            tensors = codec.slice_tokens(tensors, 0, plan.n)
+            layout = codec.with_offset(layout, plan.n)
+        cache = codec.decode_cache(tensors, layout)
+        if not plan.chunked and plan.n < plan.stored_n:
+            for c in cache:
+                c.trim(plan.stored_n - plan.n)
+            tensors, layout = codec.encode_cache(cache)
     why = codec.check_holds(cache, plan.n)
     if why:
         raise _blamed(pieces[-1].record, f"restored cache: {why}")
@@ -730,8 +734,10 @@ def _copy_into(data: Any, header: blobs.Header, dests: dict[str, np.ndarray]) ->
 @contextmanager
 def _blame(kind: str, key: bytes) -> Iterator[None]:
     """A failure in the block that is the record's or its file's becomes a BlobError naming
-    the record (``err.record``). An OSError passes as it is: what ``blobs`` leaves raised
-    (EMFILE, EIO, ENOMEM...) is about the process or the system, not this record."""
+    the record (``err.record``): the one way a restore says a record's bytes are bad
+    (``errors.names_record``). Anything else passes as it is: an OSError ``blobs`` leaves
+    raised (EMFILE, EIO, ENOMEM...), MemoryError, RuntimeError (a thread that cannot start,
+    an MLX allocation refused) is about the process or the system, not this record."""
     try:
         yield
     except blobs.BlobError as e:
