@@ -46,7 +46,7 @@ import lmdb
 from .. import blobs
 from ..keys import FORMAT_VERSION
 from ..records import IdentityRecord, RecordError, parse
-from .pages import last_txnid
+from .pages import last_txnid, unwritten_roots
 from .txn import DBS, Reader, WriteTxn, count
 
 log = logging.getLogger("kvstore")
@@ -235,11 +235,11 @@ class Index:
             with env.begin() as txn:  # a truncated / foreign file fails here, at open
                 txn.stat()
             # LMDB reads pages through a memory map: a page past the end of a truncated file
-            # is a SIGBUS, not an error. The meta page names the last page in use.
-            need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-            have = data.stat().st_size if data.exists() else 0
-            if have < need:
-                raise lmdb.CorruptedError(f"{data} is truncated: {have} bytes, its pages need {need}")
+            # is a SIGBUS, not an error. The trees' roots must be in the file (the child's
+            # walk, or the stamp, covers the other pages); ``last_pgno`` need not be.
+            why = unwritten_roots(data)
+            if why is not None:
+                raise lmdb.CorruptedError(why)
             if probe and not self.readonly:
                 # LMDB reads its free-page list only when a write allocates a page: probe one
                 # now, so a damaged list is found at open (and recovered from), not by the
