@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -168,7 +170,7 @@ class DiskTier:
             heads = [_header(packs, p) for p in pieces]
             layout, specs = _checked(pieces, heads, ident, plan, self.chunk, check)
             for p in pieces:  # the device reads ahead while MLX allocates the arrays
-                pool.submit(blobs.prefetch, packs.fd(p), p.segment.offset, p.segment.length)
+                pool.submit(packs.prefetch, p)
             reading = _Reading(pool, packs, pieces, heads, plan.chunked)
             arrays: dict[str, Any] = {}
             try:
@@ -538,32 +540,76 @@ def _need(r: Reader, kind: Kind, key: bytes) -> Any:
 
 
 class _Packs:
-    """Pack files opened once per restore (kvstore's own files only, see ``blobs``)."""
+    """The pack files of one restore (kvstore's own files only, see ``blobs``), opened as
+    its reads need them: one descriptor per pack while reads of it are in flight, and at
+    most ``OPEN`` idle ones kept for the next read (the least recently used is closed).
+
+    Why bounded: an agent conversation of T turns spans about T packs, and a restore
+    that kept every one open ran out of descriptors (EMFILE) at ~150-200 turns under
+    macOS's default soft limit of 256: a miss on every request. kvstore does not raise
+    the host's limit (it never changes host state); it holds at most ``OPEN`` plus one
+    per reader thread instead, whatever the number of packs."""
+
+    OPEN = 64
 
     def __init__(self, blob_root: Path) -> None:
         self.blob_root = blob_root
-        self.fds: dict[bytes, int] = {}
+        self._lock = threading.Lock()
+        self._idle: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
+        self._busy: dict[bytes, list[int]] = {}              # pack -> [descriptor, users]
 
-    def fd(self, piece: _Piece) -> int:
-        seg = piece.segment
-        with _blame(*piece.record):
-            if seg.pack not in self.fds:
-                self.fds[seg.pack] = blobs.open_own(blobs.pack_path(self.blob_root, seg.pack))
-            if os.fstat(self.fds[seg.pack]).st_size < seg.end:
-                raise blobs.BlobError(f"pack {seg.pack.hex()[:12]} is shorter than its segment")
-        return self.fds[seg.pack]
+    @contextmanager
+    def use(self, piece: _Piece) -> Iterator[int]:
+        """A descriptor of ``piece``'s pack file for the block (opened now if no reader
+        holds one): BlobError naming the piece's record if it is missing or not
+        kvstore's; an OSError about the process (EMFILE) as it is."""
+        pack = piece.segment.pack
+        with self._lock:
+            got = self._busy.get(pack)
+            if got is not None:
+                got[1] += 1
+            else:
+                fd = self._idle.pop(pack, None)
+                if fd is None:
+                    with _blame(*piece.record):
+                        fd = blobs.open_own(blobs.pack_path(self.blob_root, pack))
+                got = self._busy[pack] = [fd, 1]
+        try:
+            yield got[0]
+        finally:
+            with self._lock:
+                got[1] -= 1
+                if got[1] == 0:
+                    del self._busy[pack]
+                    self._idle[pack] = got[0]
+                    while len(self._idle) > self.OPEN:
+                        os.close(self._idle.popitem(last=False)[1])
+
+    def prefetch(self, piece: _Piece) -> None:
+        """Have the OS read ``piece``'s segment ahead (``blobs.prefetch``; advice only,
+        nothing raised: the read that follows reports any failure)."""
+        try:
+            with self.use(piece) as fd:
+                blobs.prefetch(fd, piece.segment.offset, piece.segment.length)
+        except (OSError, blobs.BlobError):
+            pass
 
     def __enter__(self) -> "_Packs":
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for fd in self.fds.values():
+        with self._lock:
+            fds = list(self._idle.values()) + [got[0] for got in self._busy.values()]
+            self._idle.clear()
+            self._busy.clear()
+        for fd in fds:
             os.close(fd)
 
 
 def _header(packs: _Packs, p: _Piece) -> blobs.Header:
-    fd = packs.fd(p)
-    with _blame(*p.record):
+    with packs.use(p) as fd, _blame(*p.record):
+        if os.fstat(fd).st_size < p.segment.end:
+            raise blobs.BlobError(f"pack {p.segment.pack.hex()[:12]} is shorter than its segment")
         return blobs.read_header(fd, p.segment, f"{p.record[0]} {p.record[1].hex()[:12]}")
 
 
@@ -635,11 +681,11 @@ class _Reading:
 
     def __init__(self, pool: ThreadPoolExecutor, packs: _Packs, pieces: list[_Piece],
                  heads: list[blobs.Header], chunked: bool) -> None:
-        self.pool, self.pieces, self.chunked = pool, pieces, chunked
+        self.pool, self.packs, self.pieces, self.chunked = pool, packs, pieces, chunked
         self.reads = []
         for p, h in zip(pieces, heads):
-            with _blame(*p.record):
-                self.reads.append(blobs.SegmentRead(packs.fd(p), p.segment, h, f"{p.record[0]} {p.record[1].hex()[:12]}"))
+            with _blame(*p.record):  # each span borrows its pack's descriptor as it is read
+                self.reads.append(blobs.SegmentRead(-1, p.segment, h, f"{p.record[0]} {p.record[1].hex()[:12]}"))
         self.futures: list[Future] = []
 
     def add(self, hosts: dict[str, np.ndarray]) -> None:
@@ -651,8 +697,8 @@ class _Reading:
             self.futures.extend(self.pool.submit(self._read, k, i) for i in spans)
 
     def _read(self, k: int, i: int) -> None:
-        with _blame(*self.pieces[k].record):
-            self.reads[k].read(i)
+        with self.packs.use(self.pieces[k]) as fd, _blame(*self.pieces[k].record):
+            self.reads[k].read(i, fd)
 
     def finish(self) -> None:
         for f in self.futures:
