@@ -4,6 +4,7 @@ is still readable (damage is confined to the node it is in)."""
 
 from __future__ import annotations
 
+import os
 import random
 import struct
 import subprocess
@@ -168,3 +169,67 @@ def test_salvage_keeps_the_intact_records_beside_a_damaged_node(tmp_path, monkey
     with KVStore(tmp_path) as s:
         served = [s.fetch(who, toks).n for toks in prompts]
     assert sorted(served) == [0] + [12] * 8, served
+
+
+# --------------------------------------------------------------------------- lock.mdb
+
+
+def test_lock_file_gets_real_blocks_without_posix_fallocate(tmp_path, monkeypatch):
+    """Issue 31, item 12: ``lock.mdb`` was preallocated with ``posix_fallocate`` only, which
+    macOS lacks: there LMDB's sparse lock file stayed sparse, and a reader-table write
+    through its map on a full disk is a SIGBUS. Without posix_fallocate (taken away here,
+    as on macOS) the open now writes zeros past the file's end: every byte of the lock
+    file has a real block before LMDB maps it."""
+    from kvstore.index.core import _LOCK_BYTES
+
+    monkeypatch.delattr(os, "posix_fallocate")
+    disk = DiskTier(tmp_path)
+    try:
+        st = (tmp_path / "index" / "lock.mdb").stat()
+        assert st.st_size >= _LOCK_BYTES and st.st_blocks * 512 >= st.st_size, (st.st_size, st.st_blocks)
+        with disk.index.env.begin() as txn:  # LMDB works on the file so made
+            txn.stat()
+    finally:
+        disk.close()
+
+
+_HOLD = r"""
+import json, sys, time, lmdb
+env = lmdb.open(sys.argv[1], max_dbs=16, max_readers=512)  # LMDB's own sparse lock file, live
+txn = env.begin()
+print("ready", flush=True)
+sys.stdin.readline()
+txn.abort()
+with env.begin(write=True) as w:
+    w.put(b"from-the-live-process", b"1")
+print("done", flush=True)
+"""
+
+
+def test_lock_file_fallback_keeps_a_live_process_reader_table(tmp_path, monkeypatch):
+    """The fallback never changes a byte a live process uses: with LMDB's own (shorter,
+    sparse) lock file held open by another process inside a read transaction, an open
+    without posix_fallocate appends zeros past its end; that process's reader slot is
+    still listed, and it still commits a write this process then reads."""
+    monkeypatch.delattr(os, "posix_fallocate")
+    idx = tmp_path / "index"
+    idx.mkdir(mode=0o700)
+    p = subprocess.Popen([sys.executable, "-c", _HOLD, str(idx)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, env=child_env())
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        before = (idx / "lock.mdb").stat().st_size
+        disk = DiskTier(tmp_path)
+        try:
+            assert (idx / "lock.mdb").stat().st_size > before
+            assert f"{p.pid}" in disk.index.env.readers()
+            p.stdin.write("\n")
+            p.stdin.flush()
+            assert p.stdout.readline().strip() == "done"
+            with disk.index.env.begin() as txn:
+                assert txn.get(b"from-the-live-process") == b"1"
+        finally:
+            disk.close()
+    finally:
+        p.kill()
+        p.wait()
