@@ -243,7 +243,7 @@ def run_full_disk(ctx: Ctx) -> dict:
         if not (res.get("crashed") or res.get("harness_error")):
             ctx.progress(t, i, n + 1)
     _lock_file_fallback_on_full_disk(t, base / "nofalloc")
-    _resource_trials(ctx, t, base / "resources", max(4, n))
+    _resource_trials(ctx, t, base / "resources", max(len(RESOURCE_CASES), n))
     shutil.rmtree(base, ignore_errors=True)
     return t.result()
 
