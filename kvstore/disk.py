@@ -548,12 +548,13 @@ class _Packs:
     that kept every one open ran out of descriptors (EMFILE) at ~150-200 turns under
     macOS's default soft limit of 256: a miss on every request. kvstore does not raise
     the host's limit (it never changes host state); it holds at most ``OPEN`` plus one
-    per reader thread instead, whatever the number of packs."""
-
-    OPEN = 64
+    per reader thread instead, whatever the number of packs. ``OPEN`` is half the soft
+    limit less 64 (for everything else the process has open), at least 64: 64 under
+    macOS's 256, 448 under Linux's 1024, where a 300-pack restore opens each pack once."""
 
     def __init__(self, blob_root: Path) -> None:
         self.blob_root = blob_root
+        self.OPEN = _open_cap()
         self._lock = threading.Lock()
         self._idle: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
         self._busy: dict[bytes, list[int]] = {}              # pack -> [descriptor, users]
@@ -604,6 +605,20 @@ class _Packs:
             self._busy.clear()
         for fd in fds:
             os.close(fd)
+
+
+def _open_cap() -> int:
+    """Idle pack files a restore may keep open (see ``_Packs``), from the soft limit on
+    open files (read, never changed)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 64
+    if soft == resource.RLIM_INFINITY:
+        return 1024
+    return max(64, min(1024, soft // 2 - 64))
 
 
 def _header(packs: _Packs, p: _Piece) -> blobs.Header:
