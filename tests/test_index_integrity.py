@@ -233,3 +233,41 @@ def test_lock_file_fallback_keeps_a_live_process_reader_table(tmp_path, monkeypa
     finally:
         p.kill()
         p.wait()
+
+
+def test_salvage_keeps_the_subtrees_beside_a_damaged_branch_node(tmp_path):
+    """The same unit one level up: a branch page whose one node points out of the page
+    loses that child's subtree only; every record under the other children is kept (a
+    damaged node made the salvage skip the whole branch page, here every token record)."""
+    who = ident("branch")
+    prompts = [rand_tokens(12, seed=400 + i) for i in range(120)]
+    with KVStore(tmp_path, chunk_tokens=64) as s:
+        for i, toks in enumerate(prompts):
+            s.insert(who, toks, synth_kv_cache(1, 1, 12, 4, seed=i))
+            if i % 8 == 7:
+                assert s.flush()  # the writer's queue is bounded: none dropped
+        assert s.flush()
+    data = tmp_path / "index" / "data.mdb"
+    psize = page_size(data)
+    root = db_roots(data)["tokens"]
+    b = data.read_bytes()[root * psize : (root + 1) * psize]
+    flags, lower = struct.unpack_from("<HH", b, 10)
+    n = (lower - 16) // 2
+    assert flags & 0x01 and n >= 3, "the tokens database must have a branch root for this test"
+    leaf_sizes = []
+    for i in range(n):
+        off = int.from_bytes(b[16 + 2 * i : 18 + 2 * i], "little")
+        lo, hi, fl = struct.unpack_from("<HHH", b, off)
+        child = data.read_bytes()[(lo | hi << 16 | fl << 32) * psize :][:psize]
+        leaf_sizes.append((struct.unpack_from("<H", child, 12)[0] - 16) // 2)
+    with open(data, "r+b") as f:  # node 1's pointer leaves the page
+        f.seek(root * psize + 16 + 2)
+        f.write((psize - 2).to_bytes(2, "little"))
+    disk = DiskTier(tmp_path)  # the open's check meets it: moved aside, salvaged
+    try:
+        assert list(tmp_path.glob("index.corrupt-*"))
+        with disk.index.env.begin() as txn:
+            kept = sum(1 for _ in txn.cursor(db=disk.index._db["tokens"]))
+    finally:
+        disk.close()
+    assert kept == sum(leaf_sizes) - leaf_sizes[1], (kept, leaf_sizes)
