@@ -166,8 +166,7 @@ class _Walk:
             if nd is None:
                 continue
             _, lohi, mflags, _key, _ = nd
-            self.visit(lohi | (mflags << 32), level + 1, lo if i == 0 else (keys[i] if keys[i] is not None else None),
-                       _next_key(keys, i + 1, hi))
+            self.visit(lohi | (mflags << 32), level + 1, lo if i == 0 else keys[i], _next_key(keys, i + 1, hi))
 
     def leaf(self, pgno: int, b: bytes, lo: Any, hi: Any) -> None:
         """Every readable record of the page to ``sink``. Each node is its own unit: one
