@@ -640,12 +640,13 @@ class SegmentRead:
             self._landed.extend([False] * len(spans))
         return range(first, first + len(spans))
 
-    def read(self, i: int) -> None:
-        """Read span ``i`` into its destinations, then hash every span that is next in
-        file order and has landed (unless another reader is already doing so)."""
+    def read(self, i: int, fd: int | None = None) -> None:
+        """Read span ``i`` into its destinations (from ``fd`` if given, an open descriptor
+        of the same pack file, else the one this read was made with), then hash every span
+        that is next in file order and has landed (unless another reader is doing so)."""
         pos, views = self.spans[i]
         for batch in _batches(views):
-            got = _preadv(self.fd, batch, pos)
+            got = _preadv(self.fd if fd is None else fd, batch, pos)
             if got != sum(len(v) for v in batch):
                 raise BlobError(f"{self.name}: short read (the pack file is truncated)")
             pos += got
@@ -730,7 +731,7 @@ def _dest_rows(d: np.ndarray) -> Iterator[np.ndarray]:
     rows = [d] if d.flags.c_contiguous else (d[i] for i in np.ndindex(d.shape[:-2]))
     for r in rows:
         if not r.flags.c_contiguous or not r.flags.writeable:
-            raise ValueError("destination is not writable in contiguous rows")
+            raise RuntimeError("destination is not writable in contiguous rows")  # kvstore's arrays, not the file
         yield r
 
 

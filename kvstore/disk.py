@@ -11,15 +11,18 @@ longest reusable prefix: an entry (exact or shorter) or a chunk chain trimmed ba
 common prefix. Every token of a plan is compared with the stored token ids; no hash is
 trusted alone. ``restore`` checks each segment's header against its record and the
 identity's layout before allocating anything, reads the segments straight into the final
-arrays, verifies every checksum, and builds the caches once. Any failure is a
-``BlobError`` naming the record; the store turns it into a miss and drops the record.
+arrays, verifies every checksum, and builds the caches once. A failure of a record's
+bytes is a ``BlobError`` naming the record (the store drops it: a miss); any other
+failure (I/O, memory or threads running out) passes as it is, and the entry is kept.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -157,8 +160,9 @@ class DiskTier:
 
         ``check(specs, layout)`` names why the stored layout does not fit the model (see
         ``layouts.layout_problem``); it runs on the segments' headers, before anything is
-        allocated. Raises BlobError (naming the record in ``err.record``) on anything
-        unexpected; then nothing is returned and the arrays being filled are dropped.
+        allocated. Raises BlobError (naming the record in ``err.record``) when a record's
+        bytes are bad, anything else (OSError, MemoryError, RuntimeError) as it is; then
+        nothing is returned and the arrays being filled are dropped.
         Raises ``CutRefused`` (before allocating) when the plan cuts a snapshot at a point
         its layout refuses (``codec.can_cut``): the entry is valid, the query a miss."""
         pieces = self.index.view(lambda r: _pieces(r, plan))
@@ -166,7 +170,7 @@ class DiskTier:
             heads = [_header(packs, p) for p in pieces]
             layout, specs = _checked(pieces, heads, ident, plan, self.chunk, check)
             for p in pieces:  # the device reads ahead while MLX allocates the arrays
-                pool.submit(blobs.prefetch, packs.fd(p), p.segment.offset, p.segment.length)
+                pool.submit(packs.prefetch, p)
             reading = _Reading(pool, packs, pieces, heads, plan.chunked)
             arrays: dict[str, Any] = {}
             try:
@@ -541,32 +545,91 @@ def _need(r: Reader, kind: Kind, key: bytes) -> Any:
 
 
 class _Packs:
-    """Pack files opened once per restore (kvstore's own files only, see ``blobs``)."""
+    """The pack files of one restore (kvstore's own files only, see ``blobs``), opened as
+    its reads need them: one descriptor per pack while reads of it are in flight, and at
+    most ``OPEN`` idle ones kept for the next read (the least recently used is closed).
+
+    Why bounded: an agent conversation of T turns spans about T packs, and a restore
+    that kept every one open ran out of descriptors (EMFILE) at ~150-200 turns under
+    macOS's default soft limit of 256: a miss on every request. kvstore does not raise
+    the host's limit (it never changes host state); it holds at most ``OPEN`` plus one
+    per reader thread instead, whatever the number of packs. ``OPEN`` is half the soft
+    limit less 64 (for everything else the process has open), at least 64: 64 under
+    macOS's 256, 448 under Linux's 1024, where a 300-pack restore opens each pack once."""
 
     def __init__(self, blob_root: Path) -> None:
         self.blob_root = blob_root
-        self.fds: dict[bytes, int] = {}
+        self.OPEN = _open_cap()
+        self._lock = threading.Lock()
+        self._idle: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
+        self._busy: dict[bytes, list[int]] = {}              # pack -> [descriptor, users]
 
-    def fd(self, piece: _Piece) -> int:
-        seg = piece.segment
-        with _blame(*piece.record):
-            if seg.pack not in self.fds:
-                self.fds[seg.pack] = blobs.open_own(blobs.pack_path(self.blob_root, seg.pack))
-            if os.fstat(self.fds[seg.pack]).st_size < seg.end:
-                raise blobs.BlobError(f"pack {seg.pack.hex()[:12]} is shorter than its segment")
-        return self.fds[seg.pack]
+    @contextmanager
+    def use(self, piece: _Piece) -> Iterator[int]:
+        """A descriptor of ``piece``'s pack file for the block (opened now if no reader
+        holds one): BlobError naming the piece's record if it is missing or not
+        kvstore's; an OSError about the process (EMFILE) as it is."""
+        pack = piece.segment.pack
+        with self._lock:
+            got = self._busy.get(pack)
+            if got is not None:
+                got[1] += 1
+            else:
+                fd = self._idle.pop(pack, None)
+                if fd is None:
+                    with _blame(*piece.record):
+                        fd = blobs.open_own(blobs.pack_path(self.blob_root, pack))
+                got = self._busy[pack] = [fd, 1]
+        try:
+            yield got[0]
+        finally:
+            with self._lock:
+                got[1] -= 1
+                if got[1] == 0:
+                    del self._busy[pack]
+                    self._idle[pack] = got[0]
+                    while len(self._idle) > self.OPEN:
+                        os.close(self._idle.popitem(last=False)[1])
+
+    def prefetch(self, piece: _Piece) -> None:
+        """Have the OS read ``piece``'s segment ahead (``blobs.prefetch``; advice only,
+        nothing raised: the read that follows reports any failure)."""
+        try:
+            with self.use(piece) as fd:
+                blobs.prefetch(fd, piece.segment.offset, piece.segment.length)
+        except (OSError, blobs.BlobError):
+            pass
 
     def __enter__(self) -> "_Packs":
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for fd in self.fds.values():
+        with self._lock:
+            fds = list(self._idle.values()) + [got[0] for got in self._busy.values()]
+            self._idle.clear()
+            self._busy.clear()
+        for fd in fds:
             os.close(fd)
 
 
+def _open_cap() -> int:
+    """Idle pack files a restore may keep open (see ``_Packs``), from the soft limit on
+    open files (read, never changed)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 64
+    if soft == resource.RLIM_INFINITY:
+        return 1024
+    return max(64, min(1024, soft // 2 - 64))
+
+
 def _header(packs: _Packs, p: _Piece) -> blobs.Header:
-    fd = packs.fd(p)
-    with _blame(*p.record):
+    with packs.use(p) as fd, _blame(*p.record):
+        if os.fstat(fd).st_size < p.segment.end:
+            raise blobs.BlobError(f"pack {p.segment.pack.hex()[:12]} is shorter than its segment")
         return blobs.read_header(fd, p.segment, f"{p.record[0]} {p.record[1].hex()[:12]}")
 
 
@@ -605,7 +668,8 @@ def _checked(pieces: list[_Piece], heads: list[blobs.Header], ident: Identity, p
     ``check`` (the identity's layout check, on the specs) accept the pieces; CutRefused
     if the plan cuts a snapshot where its layout does not allow (nothing allocated yet)."""
     layout = _check_pieces(pieces, heads, ident, plan, C)
-    specs = _final_specs(heads[0], plan) if plan.chunked else heads[0].specs
+    with _blame(*pieces[0].record):
+        specs = _final_specs(heads[0], plan) if plan.chunked else heads[0].specs
     if check is not None:
         with _blame(*pieces[-1].record):
             why = check({n: ArraySpec(s, blobs.mlx_dtype_name(st)) for n, (st, s) in specs.items()}, layout)
@@ -637,11 +701,11 @@ class _Reading:
 
     def __init__(self, pool: ThreadPoolExecutor, packs: _Packs, pieces: list[_Piece],
                  heads: list[blobs.Header], chunked: bool) -> None:
-        self.pool, self.pieces, self.chunked = pool, pieces, chunked
+        self.pool, self.packs, self.pieces, self.chunked = pool, packs, pieces, chunked
         self.reads = []
         for p, h in zip(pieces, heads):
-            with _blame(*p.record):
-                self.reads.append(blobs.SegmentRead(packs.fd(p), p.segment, h, f"{p.record[0]} {p.record[1].hex()[:12]}"))
+            with _blame(*p.record):  # each span borrows its pack's descriptor as it is read
+                self.reads.append(blobs.SegmentRead(-1, p.segment, h, f"{p.record[0]} {p.record[1].hex()[:12]}"))
         self.futures: list[Future] = []
 
     def add(self, hosts: dict[str, np.ndarray]) -> None:
@@ -653,8 +717,8 @@ class _Reading:
             self.futures.extend(self.pool.submit(self._read, k, i) for i in spans)
 
     def _read(self, k: int, i: int) -> None:
-        with _blame(*self.pieces[k].record):
-            self.reads[k].read(i)
+        with self.packs.use(self.pieces[k]) as fd, _blame(*self.pieces[k].record):
+            self.reads[k].read(i, fd)
 
     def finish(self) -> None:
         for f in self.futures:
@@ -676,14 +740,15 @@ def _built(plan: Plan, pieces: list[_Piece], specs: blobs.Specs, arrays: dict[st
 
     tensors = {name: alloc.finish(specs[name][0], a) for name, a in arrays.items()}
     nbytes = sum(p.segment.length for p in pieces)
-    if plan.chunked:
-        tensors = codec.slice_tokens(tensors, 0, plan.n)
-        layout = codec.with_offset(layout, plan.n)
-    cache = codec.decode_cache(tensors, layout)
-    if not plan.chunked and plan.n < plan.stored_n:
-        for c in cache:
-            c.trim(plan.stored_n - plan.n)
-        tensors, layout = codec.encode_cache(cache)
+    with _blame(*pieces[-1].record):  # verified bytes whose layout does not decode: the record's
+        if plan.chunked:
+            tensors = codec.slice_tokens(tensors, 0, plan.n)
+            layout = codec.with_offset(layout, plan.n)
+        cache = codec.decode_cache(tensors, layout)
+        if not plan.chunked and plan.n < plan.stored_n:
+            for c in cache:
+                c.trim(plan.stored_n - plan.n)
+            tensors, layout = codec.encode_cache(cache)
     why = codec.check_holds(cache, plan.n)
     if why:
         raise _blamed(pieces[-1].record, f"restored cache: {why}")
@@ -735,8 +800,10 @@ def _copy_into(data: Any, header: blobs.Header, dests: dict[str, np.ndarray]) ->
 @contextmanager
 def _blame(kind: str, key: bytes) -> Iterator[None]:
     """A failure in the block that is the record's or its file's becomes a BlobError naming
-    the record (``err.record``). An OSError passes as it is: what ``blobs`` leaves raised
-    (EMFILE, EIO, ENOMEM...) is about the process or the system, not this record."""
+    the record (``err.record``): the one way a restore says a record's bytes are bad
+    (``errors.names_record``). Anything else passes as it is: an OSError ``blobs`` leaves
+    raised (EMFILE, EIO, ENOMEM...), MemoryError, RuntimeError (a thread that cannot start,
+    an MLX allocation refused) is about the process or the system, not this record."""
     try:
         yield
     except blobs.BlobError as e:

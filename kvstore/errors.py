@@ -3,9 +3,10 @@
 ``DiskErrors`` decides what a failure of the disk tier does, so that every place in
 ``KVStore`` that reads or writes the disk handles one the same way: it is counted
 (``Counters``), logged once per kind (``warn_once``; later ones only counted), and never
-raised to the caller. A restore that fails on a record's own bytes drops the record
-(``Failure.DAMAGED``), unless a concurrent gc removed it (a counted race); an I/O error
-about the process or the system keeps it (``Failure.UNREADABLE``). A damaged index
+raised to the caller. A restore that fails on a record's own bytes (an error naming the
+record: ``names_record``) drops the record (``Failure.DAMAGED``), unless a concurrent gc
+removed it (a counted race); any other failure (an I/O error, memory or threads running
+out, a defect) keeps it (``Failure.UNREADABLE``). A damaged index
 (``index.DAMAGE``) switches the disk tier off for the process (``off`` says why): LMDB has
 no checksums, and walking a damaged tree further can abort the process.
 """
@@ -18,7 +19,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import blobs, codec
+from . import blobs
 from .counters import Counters
 from .index import DAMAGE, IndexFailure
 from .records import Kind
@@ -33,7 +34,7 @@ class Failure(Enum):
     """Why a restore gave nothing."""
 
     DAMAGED = "damaged"        # the record was dropped, or a gc raced it: a new plan may still hit
-    UNREADABLE = "unreadable"  # an I/O error about the process or the system: the entry is kept
+    UNREADABLE = "unreadable"  # not the record's bytes (I/O, memory, threads, a defect): the entry is kept
     REFUSED = "refused"        # the plan cuts a snapshot where its layout does not allow: kept
 
 
@@ -74,20 +75,27 @@ class DiskErrors:
         return True
 
     def restore_failed(self, disk: DiskTier, plan: Plan, e: Exception) -> Failure:
-        """What a failed ``DiskTier.restore`` of ``plan`` costs (see the module's docstring)."""
-        if isinstance(e, (blobs.BlobError, codec.Unsupported, KeyError, ValueError)):
+        """What a failed ``DiskTier.restore`` of ``plan`` costs (see the module's docstring).
+
+        A deny-list: only an error that names the record whose own bytes failed
+        (``names_record``) drops a record, and a damaged index switches the disk tier
+        off. Anything else (an OSError, MemoryError, a thread that cannot start, an MLX
+        allocation refused, an unexpected error) says nothing about the bytes: the entry
+        is kept, the miss counted in ``io_errors``."""
+        if names_record(e) is not None:
             self._damaged(disk, plan, e)
-        elif isinstance(e, OSError):
-            self.counters.add("io_errors")
-            self.warn_once("io", "kvstore: could not read an entry (%s); served as a miss, entry kept", e)
-            return Failure.UNREADABLE
-        elif not self.index_damaged(e, disk):  # a defect, not damage: still a miss, never a crash
-            self.counters.add("corrupt")
-            if "bug" not in self.warned:
-                self.warned.add("bug")
-                log.error("kvstore: unexpected error restoring an entry (a kvstore bug: please report)", exc_info=e)
-            self.drop(disk, plan, e)
-        return Failure.DAMAGED
+            return Failure.DAMAGED
+        if self.index_damaged(e, disk):
+            return Failure.DAMAGED
+        self.counters.add("io_errors")
+        if isinstance(e, (OSError, MemoryError, RuntimeError)):
+            self.warn_once("io", "kvstore: could not read an entry (%s: %s); served as a miss, entry kept",
+                           type(e).__name__, e)
+        elif "bug" not in self.warned:  # a defect, not damage: still a miss, never a crash, nothing lost
+            self.warned.add("bug")
+            log.error("kvstore: unexpected error restoring an entry (a kvstore bug: please report); "
+                      "served as a miss, entry kept", exc_info=e)
+        return Failure.UNREADABLE
 
     def _damaged(self, disk: DiskTier, plan: Plan, err: Exception) -> None:
         """A restore failed: a record whose file vanished because a gc removed the record
@@ -117,6 +125,13 @@ class DiskErrors:
         except Exception as e:
             if not self.index_damaged(e, disk):
                 self.warn_once("drop", "kvstore: could not drop damaged record: %s", e)
+
+
+def names_record(e: BaseException) -> tuple[str, bytes] | None:
+    """The record (``("entry" | "chunk", key)``) whose own bytes ``e`` proves bad: a
+    ``BlobError`` the disk tier raised naming it. None for anything else, which says
+    nothing about any record's bytes (the process or the system ran short, a defect)."""
+    return e.record if isinstance(e, blobs.BlobError) else None
 
 
 def _gone(disk: DiskTier, record: tuple[str, bytes]) -> bool:

@@ -43,7 +43,7 @@ from .cachedir import MEMO, StoreOpenError, default_cache_dir, open_disk
 from .counters import Counters
 from .cuts import CutRefused
 from .disk import Commit, DiskTier, PersistJob, Plan, Restored
-from .errors import DiskErrors, Failure
+from .errors import DiskErrors, Failure, names_record
 from .floors import MIN_DISK_GAIN, restore_floor  # MIN_DISK_GAIN: re-exported (tests, README)
 from .identity import DigestMemo, Identity, file_stamp, model_identity, watch
 from .index import IndexFailure
@@ -353,14 +353,14 @@ class KVStore:
         except CutRefused:  # the plan cuts the snapshot where its layout does not allow: a miss, kept
             self._counters.add("refused_cuts")
             return False
-        except (blobs.BlobError, codec.Unsupported, ValueError) as e:  # verified bytes that do not fit
-            kind, key = getattr(e, "record", None) or ("entry", found.key)
-            self.shared.drop(kind, key, ident.digest)
-            self._warn_once("shared-reject", "kvstore: dropping a shared entry: %s", e)
-            return False
-        except Exception as e:  # a defect: a miss, never a crash
-            self._warn_once("shared-bug", "kvstore: unexpected error restoring a shared hit (a kvstore bug: "
-                            "please report): %s", e)
+        except Exception as e:  # a miss, never a crash; only an error naming a record's bytes drops it
+            bad = names_record(e)
+            if bad is not None:  # verified bytes that do not fit
+                self.shared.drop(*bad, ident.digest)
+                self._warn_once("shared-reject", "kvstore: dropping a shared entry: %s", e)
+            else:  # memory or threads ran out, or a defect: says nothing about the entry, kept
+                self._warn_once("shared-bug", "kvstore: could not restore a shared hit (%s: %s); a miss, "
+                                "the entry is kept", type(e).__name__, e)
             return False
         took = time.perf_counter() - t0
         self._counters.add("restores", restore_seconds=took, bytes_read=got.nbytes)
@@ -386,13 +386,13 @@ class KVStore:
             self._describe(ident)
             status = self.disk.import_entry(ident, found.key, found.record, found.tokens, chunks, bytes(found.tail),
                                             lambda specs, layout: layout_problem(ident, specs, layout))
-        except blobs.BlobError as e:  # verified bytes that do not fit this model or directory
-            kind, key = getattr(e, "record", None) or ("entry", found.key)
-            self.shared.drop(kind, key, ident.digest)
-            self._warn_once("shared-reject", "kvstore: dropping a shared entry: %s", e)
-            return False
-        except (OSError, IndexFailure) as e:
-            self._counters.add("write_errors")
+        except (blobs.BlobError, OSError, IndexFailure) as e:
+            bad = names_record(e)
+            if bad is not None:  # verified bytes that do not fit this model or directory
+                self.shared.drop(*bad, ident.digest)
+                self._warn_once("shared-reject", "kvstore: dropping a shared entry: %s", e)
+                return False
+            self._counters.add("write_errors")  # this directory's problem (I/O, a blobs/ kvstore refuses)
             if not self._index_damaged(e):
                 self._warn_once("shared-write", "kvstore: could not keep a shared hit on disk (%s)", e)
             return False

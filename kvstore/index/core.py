@@ -46,7 +46,7 @@ import lmdb
 from .. import blobs
 from ..keys import FORMAT_VERSION
 from ..records import IdentityRecord, RecordError, parse
-from .pages import last_txnid
+from .pages import last_txnid, unwritten_roots
 from .txn import DBS, Reader, WriteTxn, count
 
 log = logging.getLogger("kvstore")
@@ -235,11 +235,11 @@ class Index:
             with env.begin() as txn:  # a truncated / foreign file fails here, at open
                 txn.stat()
             # LMDB reads pages through a memory map: a page past the end of a truncated file
-            # is a SIGBUS, not an error. The meta page names the last page in use.
-            need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-            have = data.stat().st_size if data.exists() else 0
-            if have < need:
-                raise lmdb.CorruptedError(f"{data} is truncated: {have} bytes, its pages need {need}")
+            # is a SIGBUS, not an error. The trees' roots must be in the file (the child's
+            # walk, or the stamp, covers the other pages); ``last_pgno`` need not be.
+            why = unwritten_roots(data)
+            if why is not None:
+                raise lmdb.CorruptedError(why)
             if probe and not self.readonly:
                 # LMDB reads its free-page list only when a write allocates a page: probe one
                 # now, so a damaged list is found at open (and recovered from), not by the
@@ -365,20 +365,22 @@ class Index:
     def _allocate_lock_file(self) -> None:
         """Give ``lock.mdb`` real blocks before LMDB maps it: LMDB extends the file sparse
         and writes its reader table through the map, which is a SIGBUS on a full disk.
-        ``posix_fallocate`` never changes existing bytes (safe next to live processes); a
-        full disk makes it raise ENOSPC, a clear error at open."""
+        Existing bytes (a live process's reader table) are never changed, and a full disk
+        is ENOSPC here, a clear error at open: ``posix_fallocate`` where there is one and
+        the filesystem supports it, else ``_append_zeros`` (macOS has no posix_fallocate)."""
         try:
             fd = blobs.create(self.path / "lock.mdb", self.modes)
         except FileExistsError:  # non-blocking: _own_files refused a FIFO, but it may have just appeared
             fd = os.open(self.path / "lock.mdb", os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        if not hasattr(os, "posix_fallocate"):
-            os.close(fd)
-            return
         try:
-            os.posix_fallocate(fd, 0, _LOCK_BYTES)
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise
+            if hasattr(os, "posix_fallocate"):
+                try:
+                    os.posix_fallocate(fd, 0, _LOCK_BYTES)
+                    return
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                        raise
+            _append_zeros(fd, _LOCK_BYTES)
         finally:
             os.close(fd)
 
@@ -535,6 +537,23 @@ class Index:
             return cur
 
         return self.transact(run)
+
+
+def _append_zeros(fd: int, size: int) -> None:
+    """Extend the file open for writing on ``fd`` to at least ``size`` bytes by writing
+    zeros at its end (real blocks, not a hole), where ``posix_fallocate`` is missing or
+    unsupported. Only past the end, in append mode (each write lands at the end as it is
+    then): a process that has the file mapped uses only bytes inside it, and one that
+    extended it meanwhile keeps its bytes; racing openers at most append a few zeros more."""
+    import fcntl
+
+    have = os.fstat(fd).st_size
+    if have >= size:
+        return
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+    zeros = memoryview(bytes(size - have))
+    while zeros:
+        zeros = zeros[os.write(fd, zeros):]
 
 
 def _unchecked(path: Path, why: str) -> tuple[bool, None]:

@@ -73,9 +73,9 @@ class _Pages:
         if root != _P_INVALID:
             _Walk(self, depth, sink, errors, name, order).visit(root, 1, None, None)
 
-    def nodes(self, pgno: int, b: bytes, want: int) -> list[tuple[int, int, int, bytes, int]]:
-        """The nodes of page ``pgno`` (bytes ``b``) that must be a leaf or a branch
-        (``want``): (offset, data size or child low bits, flags, key, key end)."""
+    def node_count(self, pgno: int, b: bytes, want: int) -> tuple[int, int]:
+        """(number of nodes, ``upper``) of page ``pgno`` (bytes ``b``), which must be a leaf
+        or a branch (``want``); _Damaged if its header is not one (nothing on it is usable)."""
         flags, lower, upper = struct.unpack_from("<HHH", b, 10)
         if flags & (_P_BRANCH | _P_LEAF | _P_OVERFLOW) != want:
             raise _Damaged(f"page {pgno} has flags {flags:#x}, its parent expects "
@@ -85,17 +85,19 @@ class _Pages:
         n = (lower - _HDR) // 2
         if n == 0 and want == _P_BRANCH:
             raise _Damaged(f"branch page {pgno} holds no nodes")
-        out = []
-        for i in range(n):
-            off = int.from_bytes(b[_HDR + 2 * i : _HDR + 2 * i + 2], "little")
-            if not upper <= off <= self.psize - _NODE:
-                raise _Damaged(f"page {pgno} node {i} is out of bounds")
-            mlo, mhi, mflags, ksize = struct.unpack_from("<HHHH", b, off)
-            kend = off + _NODE + ksize
-            if kend > self.psize:
-                raise _Damaged(f"page {pgno} node {i} key runs past the page")
-            out.append((off, mlo | (mhi << 16), mflags, bytes(b[off + _NODE : kend]), kend))
-        return out
+        return n, upper
+
+    def node(self, pgno: int, b: bytes, i: int, upper: int) -> tuple[int, int, int, bytes, int]:
+        """Node ``i`` of page ``pgno``: (offset, data size or child low bits, flags, key,
+        key end); _Damaged if it does not fit in the page (that node only)."""
+        off = int.from_bytes(b[_HDR + 2 * i : _HDR + 2 * i + 2], "little")
+        if not upper <= off <= self.psize - _NODE:
+            raise _Damaged(f"page {pgno} node {i} is out of bounds")
+        mlo, mhi, mflags, ksize = struct.unpack_from("<HHHH", b, off)
+        kend = off + _NODE + ksize
+        if kend > self.psize:
+            raise _Damaged(f"page {pgno} node {i} key runs past the page")
+        return off, mlo | (mhi << 16), mflags, bytes(b[off + _NODE : kend]), kend
 
     def value(self, pgno: int, b: bytes, i: int, dsize: int, mflags: int, kend: int) -> bytes:
         """The value of leaf node ``i`` of page ``pgno``: inline or on overflow pages."""
@@ -139,27 +141,61 @@ class _Walk:
             self.errors.append(f"{self.name}: {e}")
 
     def branch(self, pgno: int, b: bytes, level: int, lo: Any, hi: Any) -> None:
-        nodes = self.pages.nodes(pgno, b, _P_BRANCH)
+        """Visit every child whose node is readable. Each node is its own unit: a damaged
+        node (or separator out of order) is recorded and the other children are still
+        visited, so a salvage keeps every record under them."""
+        n, upper = self.pages.node_count(pgno, b, _P_BRANCH)
+        nodes: list[tuple[int, int, int, bytes, int] | None] = []
+        for i in range(n):
+            try:
+                nodes.append(self.pages.node(pgno, b, i, upper))
+            except _Damaged as e:
+                self.errors.append(f"{self.name}: {e}")
+                nodes.append(None)
         # separator i (node 0's key is implicit) bounds child i: [key_i, key_i+1)
-        keys = [self.order(nd[3]) for nd in nodes]
+        keys = [self.order(nd[3]) if nd is not None else None for nd in nodes]
         for i in range(1, len(nodes)):
-            if ((i > 1 and keys[i] <= keys[i - 1]) or (lo is not None and keys[i] < lo)
-                    or (hi is not None and keys[i] >= hi)):
-                raise _Damaged(f"page {pgno} branch keys are out of order")
-        for i, (_, lohi, mflags, _key, _) in enumerate(nodes):
-            self.visit(lohi | (mflags << 32), level + 1, lo if i == 0 else keys[i],
-                       keys[i + 1] if i + 1 < len(nodes) else hi)
+            k = keys[i]
+            if k is None:
+                continue
+            prev = keys[i - 1] if i > 1 else None
+            if (prev is not None and k <= prev) or (lo is not None and k < lo) or (hi is not None and k >= hi):
+                self.errors.append(f"{self.name}: page {pgno} branch keys are out of order")
+                keys[i] = None  # bounds nothing: its child is still walked
+        for i, nd in enumerate(nodes):
+            if nd is None:
+                continue
+            _, lohi, mflags, _key, _ = nd
+            self.visit(lohi | (mflags << 32), level + 1, lo if i == 0 else keys[i], _next_key(keys, i + 1, hi))
 
     def leaf(self, pgno: int, b: bytes, lo: Any, hi: Any) -> None:
-        for i, (_off, dsize, mflags, key, kend) in enumerate(self.pages.nodes(pgno, b, _P_LEAF)):
-            k = self.order(key)
-            if (lo is not None and k < lo) or (hi is not None and k >= hi) or (
-                    self.last is not None and k <= self.last):
-                raise _Damaged(f"page {pgno} leaf keys are out of order")
-            self.last = k
-            value = self.pages.value(pgno, b, i, dsize, mflags, kend)
+        """Every readable record of the page to ``sink``. Each node is its own unit: one
+        that does not decode (out of the page, a bad overflow value) or is out of order is
+        recorded as damage, and the others are still read (a salvage keeps each record
+        still readable; an out-of-order key is kept too: what is kept is checked again)."""
+        n, upper = self.pages.node_count(pgno, b, _P_LEAF)
+        for i in range(n):
+            try:
+                _off, dsize, mflags, key, kend = self.pages.node(pgno, b, i, upper)
+                k = self.order(key)
+                if (lo is not None and k < lo) or (hi is not None and k >= hi) or (
+                        self.last is not None and k <= self.last):
+                    self.errors.append(f"{self.name}: page {pgno} leaf keys are out of order")
+                self.last = k
+                value = self.pages.value(pgno, b, i, dsize, mflags, kend)
+            except _Damaged as e:
+                self.errors.append(f"{self.name}: {e}")
+                continue
             if self.sink is not None:
                 self.sink(key, value, mflags)
+
+
+def _next_key(keys: list[Any], i: int, hi: Any) -> Any:
+    """The upper bound of child ``i - 1``: the next usable separator, else ``hi``."""
+    for k in keys[i:]:
+        if k is not None:
+            return k
+    return hi
 
 
 def walk_all(path: Path, psize: int, txnid: int | None, *, collect: bool
@@ -216,6 +252,31 @@ def page_size(data: Path) -> int:
     if psize < 512 or psize > 65536 or psize & (psize - 1):
         psize = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
     return psize
+
+
+def unwritten_roots(data: Path) -> str | None:
+    """Why the newest meta page of ``data`` names a tree root past the end of the file
+    (a truncated file: reading that page through a map is a SIGBUS), or None.
+
+    Only what LMDB keeps is checked: a commit writes every page its trees reach before
+    the meta page naming them, so each root lies inside the file. ``last_pgno`` is no
+    bound: pages allocated and freed inside one transaction (a gc removing most entries)
+    count in it but are never written, and a healthy file ends before it. The meta page
+    is read before the file's size, so a commit in between only makes the file longer."""
+    try:
+        pages = _Pages(data, page_size(data), None)
+        try:
+            size = os.fstat(pages.fd).st_size
+        finally:
+            pages.close()
+    except (OSError, _Damaged, struct.error):
+        return None  # no meta page to go by: LMDB's own open says what is wrong
+    for name, db in (("free-page list", pages.free), ("main", pages.main)):
+        root = db[7]
+        if root != _P_INVALID and (root + 1) * pages.psize > size:
+            return (f"{data} is truncated: {size} bytes, the root page {root} of its {name} "
+                    f"needs {(root + 1) * pages.psize}")
+    return None
 
 
 def last_txnid(data: Path) -> int | None:

@@ -6,7 +6,11 @@ the check); flips, zeroed pages, truncation, deletion and garbage in ``index/dat
 and ``lock.mdb``; damage written through LMDB into one stored value (bit and byte flips
 inside a binary entry / chunk / pack / identity record, a truncated or partly zeroed
 record, token ids, a trie edge, a counter: what damage LMDB cannot detect looks like);
-and ``live`` flips of data.mdb under an open store that must keep serving from memory.
+and ``live`` flips of data.mdb under an open store that must keep serving from memory;
+``node``: one node of a leaf page of the entries database damaged beside intact ones (the
+salvage must keep every other entry); ``gc``: a gc (its own process) removing most
+entries in one transaction, then the read-only CLI and a writable open (the healthy
+index LMDB wrote must be read as it is, never called truncated or moved aside).
 An entry none of whose segments was damaged must survive a pack fault. A damaged index
 may give a clear error (StoreOpenError), be moved aside at open (the documented
 recovery, which must be logged) or degrade to misses, never a crash or a wrong hit.
@@ -153,7 +157,9 @@ def run_corruption(ctx: Ctx) -> dict:
                           "data_mdb_bytes": templates[0]["data_mdb"],
                           "models": dict(Counter(e["model"] for e in templates[0]["entries"]))}
     plan = ([("blob", i) for i in range(size["blob"])] + [("lmdb", i) for i in range(size["lmdb"])]
-            + [("live", i) for i in range(size["lmdb_live"])])
+            + [("live", i) for i in range(size["lmdb_live"])]
+            + [("node", i) for i in range(max(2, size["lmdb"] // 5))]
+            + [("gc", i) for i in range(max(2, size["lmdb"] // 10))])
     random.Random(ctx.seed).shuffle(plan)
     per_mode: Counter = Counter()
     for k, (where, i) in enumerate(plan):
@@ -166,6 +172,10 @@ def run_corruption(ctx: Ctx) -> dict:
             res = _blob_case(ctx, t, cdir, tpl, rng, BLOB_MODES[i % len(BLOB_MODES)], ctx_info)
         elif where == "lmdb":
             res = _lmdb_case(ctx, t, cdir, tpl, rng, LMDB_MODES[i % len(LMDB_MODES)], ctx_info, per_mode)
+        elif where == "node":
+            res = _node_case(ctx, t, cdir, tpl, rng, NODE_MODES[i % len(NODE_MODES)], ctx_info)
+        elif where == "gc":
+            res = _gc_case(ctx, t, cdir, tpl, rng, ctx_info)
         else:
             res = _live_case(ctx, t, cdir, tpl, rng, ctx_info)
         t.c["trials"] += 1
@@ -174,7 +184,8 @@ def run_corruption(ctx: Ctx) -> dict:
                   f"crashed={res.get('crashed')}")
         shutil.rmtree(cdir, ignore_errors=True)
         ctx.progress(t, k, len(plan))
-    t.info["cases"] = {"blob": size["blob"], "lmdb": size["lmdb"], "lmdb_live": size["lmdb_live"]}
+    t.info["cases"] = {"blob": size["blob"], "lmdb": size["lmdb"], "lmdb_live": size["lmdb_live"],
+                       "lmdb_node": sum(w == "node" for w, _ in plan), "gc_most": sum(w == "gc" for w, _ in plan)}
     t.info["lmdb_outcomes_by_mode"] = dict(sorted(per_mode.items()))
     shutil.rmtree(base, ignore_errors=True)
     return t.result()
@@ -251,4 +262,152 @@ def _live_case(ctx: Ctx, t: Tally, cdir: Path, tpl: dict, rng: random.Random, ct
     if not served:
         t.fail("live damage: memory tier stopped serving", **ctx_info, res={
             k: res.get(k) for k in ("memory_served", "known", "logs")})
+    return res
+
+
+# ------------------------------------------------ one damaged node beside intact ones (salvage)
+
+NODE_MODES = ("offset", "key_size")  # a node's pointer leaves its page; its key runs past the page
+
+
+def _leaves(data: Path, db: str) -> list[tuple[int, list[tuple[int, bytes]]]]:
+    """The leaf pages of database ``db`` in ``data`` (an undamaged file): (page number,
+    [(node offset, key)]), read with LMDB 0.9's page layout (64-bit)."""
+    import struct
+
+    from kvstore.index.pages import db_roots, page_size
+
+    psize = page_size(data)
+    raw = data.read_bytes()
+    out: list[tuple[int, list[tuple[int, bytes]]]] = []
+    todo = [db_roots(data)[db]]
+    while todo:
+        pgno = todo.pop()
+        b = raw[pgno * psize : (pgno + 1) * psize]
+        flags, lower = struct.unpack_from("<HH", b, 10)
+        nodes = []
+        for i in range((lower - 16) // 2):
+            off = int.from_bytes(b[16 + 2 * i : 18 + 2 * i], "little")
+            lo, hi, nflags, ksize = struct.unpack_from("<HHHH", b, off)
+            nodes.append((off, lo | (hi << 16) | (nflags << 32), bytes(b[off + 8 : off + 8 + ksize])))
+        if flags & 0x02:  # a leaf
+            out.append((pgno, [(off, key) for off, _, key in nodes]))
+        else:  # a branch: its children
+            todo.extend(child for _, child, _ in nodes)
+    return out
+
+
+def damage_node(cdir: Path, rng: random.Random, mode: str) -> tuple[str, bytes] | None:
+    """Damage one node (not the first or last) of a leaf page of the entries database
+    holding at least 3: its pointer leaves the page (``offset``) or its key runs past it
+    (``key_size``). Returns (what was done, the damaged entry's key), None if no page fits."""
+    from kvstore.index.pages import page_size
+
+    data = cdir / "index" / "data.mdb"
+    psize = page_size(data)
+    fit = [(pg, nodes) for pg, nodes in _leaves(data, "entries") if len(nodes) >= 3]
+    if not fit:
+        return None
+    pgno, nodes = rng.choice(fit)
+    i = rng.randrange(1, len(nodes) - 1)
+    off, key = nodes[i]
+    with open(data, "r+b") as f:
+        if mode == "offset":
+            f.seek(pgno * psize + 16 + 2 * i)
+            f.write((psize - 2).to_bytes(2, "little"))
+        else:
+            f.seek(pgno * psize + off + 6)
+            f.write((0xFFFF).to_bytes(2, "little"))
+    return f"entries page {pgno} node {i}/{len(nodes)}: {mode}", key
+
+
+def _node_case(ctx: Ctx, t: Tally, cdir: Path, tpl: dict, rng: random.Random, mode: str, ctx_info: dict) -> dict:
+    """One node of a leaf page damaged, its neighbours intact: the salvage (at open, or
+    by verify --fix) keeps every other entry, so each one is still served in full
+    (``lost`` otherwise); only the damaged entry may miss."""
+    got = damage_node(cdir, rng, mode)
+    if got is None:
+        t.skipped.append("node: no entries leaf page with 3 nodes")
+        return {}
+    desc, key = got
+    ctx_info.update(mode=f"node:{mode}", damage=desc)
+    res = ctx.checker.call({"op": "check", "dir": str(cdir), "known": tpl["known"], "targets": [key.hex()],
+                            "committed": sorted(tpl["keys"] - {key.hex()}), "fix": True})
+    t.add_check(res, **ctx_info)
+    t.outcomes[f"node:{mode}:{res.get('open')}:{'kept' if not res.get('lost') else 'lost'}"] += 1
+    return res
+
+
+# ------------------------------------------------ a gc removing most entries, then read-only opens
+
+# Many more entries (one commit each, many chunk, trie and token records) in the copy, so
+# that a gc removing most of them needs new pages inside its one transaction.
+_FILL = r"""
+import random, sys
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+from kvstore import KVStore
+from kvstore.identity import Identity
+from kvstore.layouts import layout_of
+d, n, seed, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+rng = random.Random(seed)
+def cache(L):
+    c = KVCache()
+    c.keys = mx.random.normal((1, 1, L, 4), key=mx.random.key(rng.randrange(1 << 30)))
+    c.values, c.offset = c.keys + 1, L
+    return [c]
+who = Identity.from_components({"test": "gc-most", "layout": layout_of(cache(1))})
+with KVStore(d, chunk_tokens=chunk) as s:
+    for _ in range(n):
+        L = rng.randrange(20, 600)
+        s.insert(who, [rng.randrange(1, 50000) for _ in range(L)], cache(L))
+        assert s.flush()
+"""
+
+
+def _gc_case(ctx: Ctx, t: Tally, cdir: Path, tpl: dict, rng: random.Random, ctx_info: dict) -> dict:
+    """``kvstore gc`` (its own process) down to a few percent of the bytes, in one
+    transaction, then the read-only CLI and a writable open: the index LMDB wrote is
+    healthy, so `ls`/`stats`/`verify` exit 0 and the open keeps it (``ok``, never moved
+    aside); the file is often shorter than ``last_pgno`` says (counted in outcomes)."""
+    import os
+    import subprocess
+    import sys
+
+    import lmdb
+
+    keep = rng.choice([1, 4096, 1 << 16, 1 << 18])
+    n = rng.randint(20, 40)
+    ctx_info.update(mode="gc_most", damage=f"{n} more entries, then gc --max-bytes {keep}")
+    cli = [sys.executable, "-m", "kvstore.cli"]
+    p = subprocess.run([sys.executable, "-c", _FILL, str(cdir), str(n), str(rng.randrange(1 << 30)), str(CHUNK)],
+                       capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        t.fail("harness error", **ctx_info, error=p.stderr[-600:])
+        return {}
+    p = subprocess.run([*cli, "gc", "--max-bytes", str(keep), "--blob-age", "0", "--cache-dir", str(cdir)],
+                       capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        t.c["failed_cases"] += 1
+        t.fail("gc failed", **ctx_info, stderr=p.stderr[-600:])
+        return {}
+    env = lmdb.open(str(cdir / "index"), readonly=True, lock=False, max_dbs=16)
+    try:
+        short = os.path.getsize(cdir / "index" / "data.mdb") < (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    finally:
+        env.close()
+    for cmd in ("ls", "stats", "verify"):
+        p = subprocess.run([*cli, cmd, "--cache-dir", str(cdir)], capture_output=True, text=True, timeout=600)
+        if p.returncode != 0:
+            t.c["failed_cases"] += 1
+            t.fail(f"`kvstore {cmd}` after a gc of most entries exited {p.returncode}", **ctx_info,
+                   short_file=short, stderr=p.stderr[-600:])
+    res = ctx.checker.call({"op": "check", "dir": str(cdir), "known": tpl["known"], "targets": sorted(tpl["keys"]),
+                            "fix": True})
+    t.add_check(res, **ctx_info)
+    if res.get("open") != "ok":
+        t.c["failed_cases"] += 1
+        t.fail("a healthy index after a gc was not opened as it is", **ctx_info, open=res.get("open"),
+               short_file=short, logs=res.get("logs"))
+    t.outcomes[f"gc_most:{'short_file' if short else 'full_file'}:{res.get('open')}"] += 1
     return res

@@ -2,7 +2,9 @@
 filler file of random size and then by the store itself: serving continues from memory,
 every failed write is counted in ``stats()["write_errors"]``, nothing half-written is
 indexed, and writes resume once the filler is removed. Also: opening a store on a disk
-that is already full.
+that is already full, and where ``posix_fallocate`` is missing (macOS: the lock file's
+fallback). And restores under a lowered RLIMIT_AS or RLIMIT_NOFILE (``_resource_trials``,
+each in a process of its own): a hit or a miss that keeps the entry, never a drop.
 
 Worker half: ``op_full_disk`` (``FullDiskTrial``) and ``op_open_full``. Parent half:
 ``run_full_disk`` mounts the tmpfs for each trial and judges what the worker reports."""
@@ -240,6 +242,8 @@ def run_full_disk(ctx: Ctx) -> dict:
         t.c["trials"] += 1
         if not (res.get("crashed") or res.get("harness_error")):
             ctx.progress(t, i, n + 1)
+    _lock_file_fallback_on_full_disk(t, base / "nofalloc")
+    _resource_trials(ctx, t, base / "resources", max(len(RESOURCE_CASES), n))
     shutil.rmtree(base, ignore_errors=True)
     return t.result()
 
@@ -303,3 +307,164 @@ def _judge_full_disk(t: Tally, res: dict, msg: dict, ctx_info: dict) -> None:
         "write_errors": res.get("write_errors"), "writer_failed": res["writer_failed"],
         "reopen_checked": res["reopen_checked"], "resumed": res["resumed"],
         "errors": res["error_messages"][:4]})
+
+
+# ======================================================================= resource limits
+#
+# A restore that fails for the process's reasons (address space, threads, open files) is a
+# miss that keeps the entry; with the limit lifted the same process serves it, exactly.
+# Each trial is a child process (the limit is lowered there, with resource.setrlimit).
+
+_RES_BUILD = r"""
+import json, random, sys
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+from kvstore import KVStore
+from kvstore.identity import Identity
+d, kind = sys.argv[1], sys.argv[2]
+def cache(toks, heads, dim):  # keys hold each position's token id, values id + 0.5
+    k = mx.broadcast_to(mx.array(toks, dtype=mx.float32)[None, None, :, None], (1, heads, len(toks), dim))
+    c = KVCache()
+    c.keys, c.values, c.offset = k + 0, k + 0.5, len(toks)
+    return c
+rng = random.Random(7)
+who = Identity.from_components({"test": "resources", "kind": kind})
+if kind == "big":  # 4 layers x 8 heads x 128 dims x 4096 tokens, float32: 128 MiB
+    toks = [rng.randrange(1, 50000) for _ in range(4096)]
+    with KVStore(d, chunk_tokens=1024) as s:
+        s.insert(who, toks, [cache(toks, 8, 128) for _ in range(4)])
+        assert s.flush()
+else:  # a conversation of 300 turns: its last entry reads 300 pack files
+    toks = [rng.randrange(1, 50000) for _ in range(300 * 16 + 5)]
+    with KVStore(d, chunk_tokens=16) as s:
+        for k in range(1, 301):
+            s.insert(who, toks[: 16 * k + 5], [cache(toks[: 16 * k + 5], 1, 4)])
+            assert s.flush()
+print(json.dumps({"tokens": toks}))
+"""
+
+_RES_TRIAL = r"""
+import json, logging, os, resource, sys
+import mlx.core as mx
+from kvstore import KVStore
+from kvstore.identity import Identity
+a = json.loads(sys.argv[1])
+toks, who = a["tokens"], Identity.from_components({"test": "resources", "kind": a["kind"]})
+logs = []
+class Keep(logging.Handler):
+    def emit(self, r):
+        logs.append(r.getMessage()[:200])
+logging.getLogger("kvstore").addHandler(Keep())
+def exact(f):
+    if f.cache is None:
+        return True
+    return all(mx.array_equal(c.keys[0, 0, : f.n, 0], mx.array(toks[: f.n], dtype=mx.float32)).item()
+               and mx.array_equal(c.values[0, 0, : f.n, 0], mx.array(toks[: f.n], dtype=mx.float32) + 0.5).item()
+               for c in f.cache)
+with KVStore(a["dir"]) as s:
+    assert s.disk.plan(who, toks) is not None
+    from kvstore import alloc
+    alloc.alloc({"x": ("F32", (4, 4))})  # MLX's loader pool started (MLX aborts if it cannot start it)
+    if a["limit"] == "as":
+        with open("/proc/self/status") as f:
+            vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
+        lim, at = resource.RLIMIT_AS, vm + (a["spare"] << 20)
+    else:
+        lim, at = resource.RLIMIT_NOFILE, len(os.listdir("/proc/self/fd")) + a["spare"]
+    soft, hard = resource.getrlimit(lim)
+    resource.setrlimit(lim, (at, hard))
+    try:
+        low = s.fetch(who, toks)
+        low_exact = exact(low)
+    finally:
+        resource.setrlimit(lim, (soft, hard))
+    st = s.stats()
+    s.memory.clear()
+    again = s.fetch(who, toks)
+    print(json.dumps({"low": [low.n, low.source], "low_exact": low_exact, "again": [again.n, again.source],
+                      "again_exact": exact(again), "corrupt": st["corrupt"], "io_errors": st["io_errors"],
+                      "entries": st["disk_entries"], "logs": logs[:4]}))
+"""
+
+# (limit, spare MiB or descriptors, entry): each one fails the restore a different way, or not at all
+RESOURCE_CASES = (("as", 16, "big"), ("as", 48, "big"), ("as", 100, "big"), ("as", 1024, "big"),
+                  ("nofile", 100, "turns"), ("nofile", 40, "turns"), ("nofile", 3, "turns"))
+
+
+def _resource_trials(ctx: Ctx, t: Tally, base: Path, n: int) -> None:
+    """A restore under a lowered RLIMIT_AS (a 128 MiB entry) or RLIMIT_NOFILE (an entry
+    spanning 300 packs), each in its own process: served in full and exactly, or a miss
+    that drops nothing (``corrupt`` 0, the entry still indexed) and is served in full
+    once the limit is lifted. A signal kills the trial: a crash."""
+    import json
+    import subprocess
+    import sys
+
+    built: dict[str, list[int]] = {}
+    for kind in ("big", "turns"):
+        d = base / kind
+        p = subprocess.run([sys.executable, "-c", _RES_BUILD, str(d), kind], capture_output=True, text=True, timeout=1200)
+        if p.returncode != 0:
+            t.fail("harness error", trial=f"resources build {kind}", error=p.stderr[-600:])
+            return
+        built[kind] = json.loads(p.stdout.strip().splitlines()[-1])["tokens"]
+    for i in range(n):
+        limit, spare, kind = RESOURCE_CASES[i % len(RESOURCE_CASES)]
+        info = {"trial": f"resources-{i}", "limit": limit, "spare": spare}
+        case = base / f"case-{i}"  # a copy each: what one trial does to the entry stays there
+        shutil.copytree(base / kind, case)
+        arg = json.dumps({"dir": str(case), "kind": kind, "tokens": built[kind], "limit": limit, "spare": spare})
+        try:
+            p = subprocess.run([sys.executable, "-c", _RES_TRIAL, arg], capture_output=True, text=True, timeout=1200)
+        finally:
+            shutil.rmtree(case, ignore_errors=True)
+        t.c["trials"] += 1
+        if p.returncode != 0:
+            t.c["crashes" if p.returncode < 0 else "failed_cases"] += 1
+            t.fail("restore under a resource limit: the process died" if p.returncode < 0 else "harness error",
+                   **info, returncode=p.returncode, stderr=p.stderr[-800:])
+            continue
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+        whole = len(built[kind])
+        if not (r["low_exact"] and r["again_exact"]):
+            t.c["wrong_restores"] += 1
+            t.fail("restore under a resource limit: wrong content", **info, res=r)
+        if r["corrupt"] or r["entries"] < 1:
+            t.c["entries_lost"] += 1
+            t.fail("restore under a resource limit dropped the entry", **info, res=r)
+        if r["again"] != [whole, "disk"]:
+            t.c["unexplained_misses"] += 1
+            t.fail("entry not served once the limit was lifted", **info, res=r)
+        low = "hit" if r["low"][0] == whole else ("miss_kept" if r["low"][0] == 0 and r["io_errors"] else "other")
+        if low == "other":
+            t.c["unexplained_misses"] += 1
+            t.fail("restore under a resource limit: neither a hit nor a counted miss", **info, res=r)
+        t.outcomes[f"resources:{limit}:{spare}:{low}"] += 1
+
+
+def _lock_file_fallback_on_full_disk(t: Tally, mnt: Path) -> None:
+    """Open a store on a full disk where ``posix_fallocate`` is missing (macOS; taken away
+    here): the lock file's fallback must fail the open cleanly (ENOSPC) or have real
+    blocks, never leave LMDB a sparse lock file to SIGBUS on. In its own process."""
+    import subprocess
+    import sys
+
+    err = mount_tmpfs(mnt)
+    if err:
+        t.skipped.append(err)
+        return
+    try:
+        fill(mnt / "filler", 8 << 20)
+        script = ("import os, sys\ndel os.posix_fallocate\nfrom kvstore import KVStore\n"
+                  "try:\n    s = KVStore(sys.argv[1], on_disk_error='raise')\nexcept Exception as e:\n"
+                  "    print('refused', type(e).__name__)\nelse:\n    print('opened', s.disk is not None)\n    s.close()\n")
+        p = subprocess.run([sys.executable, "-c", script, str(mnt / "cache")], capture_output=True, text=True,
+                           timeout=300)
+    finally:
+        umount(mnt)
+    t.c["trials"] += 1
+    if p.returncode < 0:
+        t.c["crashes"] += 1
+        t.fail("open on a full disk without posix_fallocate: the process died", signal=-p.returncode,
+               stderr=p.stderr[-600:])
+    t.outcomes[f"nofalloc_full_disk:{(p.stdout.split() or ['exit'])[0]}:{p.returncode}"] += 1
