@@ -181,3 +181,50 @@ def test_a_planted_entry_of_another_shape_is_a_miss_and_the_server_answers_as_co
             assert s.get("/health") is not None  # 200 (get() asserts it)
             assert reply(s.chat(msgs)) == cold
             s.wait_flushed()
+
+
+pytest_plugins = ("tests.support.redis_servers",)
+
+
+def test_a_shared_entry_of_another_shape_is_a_miss_and_dropped_there(tmp_path, load_named, redis_server):
+    """Machine A publishes an entry (two chunks and a tail) whose arrays have a batch of 2
+    (planted behind ``insert``'s check, as an older or foreign publisher would): each
+    other machine's fetch is a miss that writes nothing and deletes from the shared tier
+    the record it met (the entry, then a chunk, then the other), until none is found.
+    Before the check the first one handed out the batch-2 cache."""
+    from kvstore import KVStore
+    from kvstore.blobs import host_views
+    from kvstore.codec import encode_cache
+    from kvstore.disk import PersistJob
+    from kvstore.keys import encode_tokens, key_of, root_key
+    from kvstore.shared import SharedConfig
+    from kvstore.shared.tier import PublishItem
+    from tools.oracle import prefill
+
+    C = 16
+    ident = _identity("tiny-llama")
+    tokens = list(range(1, 41))
+    tensors, layout = encode_cache(prefill(load_named("tiny-llama")[0], tokens))
+    tensors = {n: CRAFTS["batch 2"](a) for n, a in tensors.items()}
+    mx.eval(tensors)
+    enc = encode_tokens(tokens)
+    key = key_of(root_key(ident.digest), enc, C)
+
+    def machine(name: str) -> KVStore:
+        return KVStore(tmp_path / name, chunk_tokens=C, shared=SharedConfig.from_url(redis_server.url))
+
+    with machine("a") as a:
+        assert a.disk is not None and a.shared is not None
+        a.disk.persist(PersistJob(ident, enc, key, host_views(tensors), layout))
+        rec, toks, chunks = a.disk.export_entry(key)  # type: ignore[misc]
+        assert a.shared.publish(PublishItem(ident.digest, key, rec, toks, chunks, a.disk.segment_bytes))
+    for i in range(4):  # the entry, then (as each is met) its two chunks: each a miss that drops what it met
+        with machine(f"b{i}") as b:
+            got = b.fetch(ident, tokens + [7])
+            assert got.cache is None, got.n
+            assert b.flush(30)
+            s = b.stats()
+            assert s["disk_entries"] == 0 and s["shared_rejected"] == s["shared_lookup_hits"], s
+            if not s["shared_lookup_hits"]:
+                break
+    assert i == 3, "the entry and its two chunks are met and dropped, one per fetch"
