@@ -209,14 +209,15 @@ def shape_problem(ident: IdentityLike, tensors: dict[str, Any], layout: list) ->
     with the whole shape the model's own cache gives it but for the token axis (batch 1,
     the recorded heads, head_dim, state sizes; ``codec`` ``shapes``), the same token
     length across the layer, and the recorded dtype; a quantised layer must be of the
-    identity's ``kv_bits`` / ``kv_group_size``. Where the identity records no layout (or
+    identity's ``kv_bits`` / ``kv_group_size`` when it names them (an engine that
+    quantises on its own, as exo does, leaves them None: then the layer's own bits). Where the identity records no layout (or
     one the engine extends: a draft model), each class's own rules still hold (batch 1,
     four axes for attention KV). Runs on shapes alone, before anything is allocated."""
     from .codec import STORED
 
     comps = ident.info.get("components") or {}
     want = comps.get("layout") if isinstance(comps.get("layout"), list) and not comps.get("draft") else None
-    quant = (comps.get("kv_bits"), comps.get("kv_group_size")) if "kv_bits" in comps else None
+    quant = (comps["kv_bits"], comps.get("kv_group_size")) if isinstance(comps.get("kv_bits"), int) else None
     groups: dict[str, dict[str, Any]] = {}
     for name, a in tensors.items():
         p, _, n = name.rpartition(".")
@@ -228,7 +229,7 @@ def shape_problem(ident: IdentityLike, tensors: dict[str, Any], layout: list) ->
             p, at = f"{prefix}{i}", f"cache layer {i}{where}"
             if "bits" in m and quant is not None and (m["bits"], m["group_size"]) != quant:
                 return (f"{at} is {m['bits']}-bit KV in groups of {m['group_size']}, {ident.name} runs "
-                        + (f"{quant[0]}-bit in groups of {quant[1]}" if quant[0] else "unquantised KV"))
+                        f"{quant[0]}-bit in groups of {quant[1]}")
             try:
                 expected, rule = STORED[m["class"]].shapes(m, y)
             except ValueError as e:
