@@ -239,9 +239,10 @@ class _ArraysCodec(_Codec):
     cls = C.ArraysCache
 
     def shapes(self, meta: dict, want: dict) -> tuple[Expected, str]:
-        """The state arrays the identity records (``layouts.describe_layout``), exactly and all
-        of them (state a forward leaves empty is not the model's); without a record, any
-        of ``size`` arrays of batch 1 (mlx-lm's ``ArraysCache.batch_size`` is
+        """The state arrays the identity records (``layouts.describe_layout``), exactly (but
+        for an axis recorded as None: one that grows with the prompt) and all of them
+        (state a forward leaves empty is not the model's); without a record, any of
+        ``size`` arrays of batch 1 (mlx-lm's ``ArraysCache.batch_size`` is
         their first axis)."""
         rec, dts = want.get("shapes"), want.get("dtypes") or {}
         if isinstance(rec, dict):

@@ -61,9 +61,32 @@ def _layout(model_dir: Path) -> list:
     model, real = _lazy_model(model_dir)
     try:
         layout = layout_of(_probe(model))
+        if _has_shapes(layout):  # recurrent state: which of its axes grow with the prompt?
+            layout = _fixed_axes(layout, layout_of(_probe(model, 2)))
     except Exception:  # an architecture the probe cannot run: classes only
         return layout_of(make_prompt_cache(model))
     return layout if real else _without_dtype(layout)
+
+
+def _has_shapes(layout: list) -> bool:
+    return any("shapes" in m or _has_shapes(m.get("sub") or []) for m in layout)
+
+
+def _fixed_axes(one: list, two: list) -> list:
+    """``one``'s layout (after one token) with each recorded state axis that another
+    length gives otherwise (``two``: after two tokens) made None, any length: a state
+    that keeps the last few tokens (longcat_flash_ngram's n-gram context) grows up to
+    its size, while a conv or SSM state is the same whatever the prompt."""
+    out = []
+    for a, b in zip(one, two):
+        a = dict(a)
+        if "sub" in a:
+            a["sub"] = _fixed_axes(a["sub"], b.get("sub") or [])
+        if "shapes" in a:
+            other = b.get("shapes") or {}
+            a["shapes"] = {n: [d if d == e else None for d, e in zip(s, other.get(n, s))] for n, s in a["shapes"].items()}
+        out.append(a)
+    return out
 
 
 def _lazy_model(model_dir: Path) -> tuple[Any, bool]:
@@ -81,8 +104,8 @@ def _lazy_model(model_dir: Path) -> tuple[Any, bool]:
         return model_cls(args_cls.from_dict(config)), False
 
 
-def _probe(model: Any) -> list:
-    """A prompt cache after one token went through ``model``, never evaluated: its arrays
+def _probe(model: Any, n: int = 1) -> list:
+    """A prompt cache after ``n`` tokens went through ``model``, never evaluated: its arrays
     have the shapes and dtype the engine's caches will have. The forward runs while
     ``mx.compile`` traces it, where MLX refuses any evaluation (an architecture that reads
     a value mid-forward raises instead of computing, or reading, the whole model)."""
@@ -90,7 +113,7 @@ def _probe(model: Any) -> list:
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
-    mx.compile(lambda tokens: model(tokens, cache=cache))(mx.array([[0]]))
+    mx.compile(lambda tokens: model(tokens, cache=cache))(mx.array([[0] * n]))
     return cache
 
 
