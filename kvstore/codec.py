@@ -139,15 +139,19 @@ class _QuantKVCodec(_KVCodec):
 
     def shapes(self, meta: dict, want: dict) -> tuple[Expected, str]:
         """``mx.quantize``'s parts of keys and values: the packed words (head_dim * bits / 32
-        uint32) and the scales and biases (head_dim / group_size, the KV dtype)."""
-        bits, group = meta["bits"], meta["group_size"]
-        if want.get("class") == self.cls.__name__ and (want.get("bits"), want.get("group_size")) != (bits, group):
-            raise ValueError(f"is {bits}-bit KV in groups of {group}, the model's {want.get('bits')}-bit in groups "
+        uint32) and the scales and biases (head_dim / group_size, the KV dtype), of the
+        bits and group size ``want`` names (the identity's ``kv_bits``, or a recorded
+        QuantizedKVCache layer's) when it names them."""
+        bits, group = meta.get("bits"), meta.get("group_size")
+        if not isinstance(bits, int) or not 0 < bits <= 8 or not isinstance(group, int) or group <= 0:
+            raise ValueError(f"is {bits}-bit KV in groups of {group}, which no quantisation makes")
+        if want.get("bits") is not None and (want["bits"], want.get("group_size")) != (bits, group):
+            raise ValueError(f"is {bits}-bit KV in groups of {group}, the model's is {want['bits']}-bit in groups "
                              f"of {want.get('group_size')}")
         out: Expected = {}
         for n in "kv":
             h, d = want.get(n) or (None, None)
-            if d is not None and (d * bits % 32 or not group or d % group):
+            if d is not None and (d * bits % 32 or d % group):
                 raise ValueError(f"is {bits}-bit KV in groups of {group}, which head_dim {d} does not fit")
             out[f"{n}0"] = ((1, h, TOKENS, None if d is None else d * bits // 32), "uint32")
             out[f"{n}1"] = out[f"{n}2"] = ((1, h, TOKENS, None if d is None else d // group), want.get("dtype"))
