@@ -14,7 +14,6 @@ import json
 import os
 import random
 import shutil
-import struct
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -199,7 +198,8 @@ def tokens_of_another_prompt(case: Path, tpl: dict, rng: random.Random) -> Craft
     longer hashes from them (a fetch of those ids must not get this KV)."""
     cache = case / "cache"
     key, rec = _pick(cache, rng, lambda r: True)
-    toks = struct.pack(f"<{rec.n}I", *(rng.randrange(256) for _ in range(rec.n)))  # byte tokens, as prompts use
+    from kvstore.keys import encode_tokens
+    toks = encode_tokens([rng.randrange(256) for _ in range(rec.n)])  # byte tokens, as prompts use; the format's width
     craft.put_raw(cache, "tokens", key, toks)
     return Crafted(f"entry {key.hex()[:12]}: token ids of another prompt", {key.hex()})
 
