@@ -233,9 +233,10 @@ def shape_problem(ident: IdentityLike, tensors: dict[str, Any], layout: list) ->
     the recorded heads, head_dim, state sizes; ``codec`` ``shapes``), the same token
     length across the layer, and the recorded dtype; a quantised layer must be of the
     identity's ``kv_bits`` / ``kv_group_size`` when it names them (an engine that
-    quantises on its own, as exo does, leaves them None: then the layer's own bits). Where the identity records no layout (or
-    one the engine extends: a draft model), each class's own rules still hold (batch 1,
-    four axes for attention KV). Runs on shapes alone, before anything is allocated."""
+    quantises on its own, as exo does, leaves them None: then the layer's own bits).
+    Where the identity records no layout (or one the engine extends: a draft model),
+    each class's own rules still hold (batch 1, four axes for attention KV). Runs on
+    shapes alone, before anything is allocated."""
     from .codec import STORED
 
     comps = ident.info.get("components") or {}
