@@ -28,6 +28,13 @@ from mlx_lm.models import cache as C
 
 Tensors = dict[str, mx.array]
 Layout = list[dict[str, Any]]
+# The shape an array must have, axis by axis: an int (that length), TOKENS (the token axis:
+# any length, the same in every array of the layer), None (any length: an axis the
+# identity's record does not fix) and, last, ``...`` (any further axes).
+Pattern = tuple[Any, ...]
+Expected = dict[str, tuple[Pattern, "str | None"]]  # array name -> (pattern, dtype name or None: any)
+TOKENS = "T"
+ALL, ALL_OR_NONE, ANY = "all", "all or none", "any"  # which of its expected arrays a layer holds
 
 ATTENTION = "attention KV"  # the family of the attention-KV classes: a model may hold any of them
 
@@ -79,6 +86,22 @@ class _Codec:
         """The layer's meta without lengths (what an identity's layout records)."""
         return {k: v for k, v in meta.items() if k not in ("offset", "idx", "start")}
 
+    def shapes(self, meta: dict, want: dict) -> tuple[Expected, str]:
+        """Every array a layer of this class (stored ``meta``) may hold, with the shape and
+        dtype the model's own cache gives it (``want``: the identity's record of the
+        layer, {} when it has none: then only what every prompt cache of the class has,
+        such as batch 1), and which of them it holds (ALL, ALL_OR_NONE, ANY). ValueError when no
+        cache the model makes is of this meta. A cache of these shapes is one the
+        model's code can run (mlx-lm's batching merges a layer's arrays into a batch-1
+        slot; a batch of 2 or a fifth axis kills the generation thread)."""
+        return {}, ALL
+
+
+def _kv_shapes(want: dict) -> tuple[Expected, str]:
+    """Keys and values as mlx-lm's attention caches hold them: (1, KV heads, tokens, head_dim)."""
+    (kh, kd), (vh, vd) = (want.get(n) or (None, None) for n in ("k", "v"))
+    return {"k": ((1, kh, TOKENS, kd), want.get("dtype")), "v": ((1, vh, TOKENS, vd), want.get("dtype"))}, ALL_OR_NONE
+
 
 class _KVCodec(_Codec):
     cls: type = C.KVCache
@@ -95,6 +118,9 @@ class _KVCodec(_Codec):
             return f"{type(c).__name__} claims {off} positions but its arrays hold {k.shape[-2]}"
         return None
 
+    def shapes(self, meta: dict, want: dict) -> tuple[Expected, str]:
+        return _kv_shapes(want)
+
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         if c.keys is None:
             return {}, {"offset": 0}
@@ -110,6 +136,26 @@ class _KVCodec(_Codec):
 
 class _QuantKVCodec(_KVCodec):
     cls = C.QuantizedKVCache
+
+    def shapes(self, meta: dict, want: dict) -> tuple[Expected, str]:
+        """``mx.quantize``'s parts of keys and values: the packed words (head_dim * bits / 32
+        uint32) and the scales and biases (head_dim / group_size, the KV dtype), of the
+        bits and group size ``want`` names (the identity's ``kv_bits``, or a recorded
+        QuantizedKVCache layer's) when it names them."""
+        bits, group = meta.get("bits"), meta.get("group_size")
+        if not isinstance(bits, int) or not 0 < bits <= 8 or not isinstance(group, int) or group <= 0:
+            raise ValueError(f"is {bits}-bit KV in groups of {group}, which no quantisation makes")
+        if want.get("bits") is not None and (want["bits"], want.get("group_size")) != (bits, group):
+            raise ValueError(f"is {bits}-bit KV in groups of {group}, the model's is {want['bits']}-bit in groups "
+                             f"of {want.get('group_size')}")
+        out: Expected = {}
+        for n in "kv":
+            h, d = want.get(n) or (None, None)
+            if d is not None and (d * bits % 32 or d % group):
+                raise ValueError(f"is {bits}-bit KV in groups of {group}, which head_dim {d} does not fit")
+            out[f"{n}0"] = ((1, h, TOKENS, None if d is None else d * bits // 32), "uint32")
+            out[f"{n}1"] = out[f"{n}2"] = ((1, h, TOKENS, None if d is None else d // group), want.get("dtype"))
+        return out, ALL_OR_NONE
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         meta = {"offset": int(c.offset), "group_size": int(c.group_size), "bits": int(c.bits)}
@@ -136,6 +182,9 @@ class _RotatingCodec(_Codec):
 
     cls = C.RotatingKVCache
     family = ATTENTION
+
+    def shapes(self, meta: dict, want: dict) -> tuple[Expected, str]:
+        return _kv_shapes(want)
 
     def can_cut(self, meta: dict, n: int) -> bool:
         return 0 <= n <= meta["offset"] < meta["max_size"]
@@ -166,6 +215,9 @@ class _ChunkedCodec(_Codec):
     cls = C.ChunkedKVCache
     family = ATTENTION
 
+    def shapes(self, meta: dict, want: dict) -> tuple[Expected, str]:
+        return _kv_shapes(want)
+
     def can_cut(self, meta: dict, n: int) -> bool:
         size = meta["chunk_size"]
         return size > 0 and 0 <= n <= meta["offset"] and meta["start"] <= n // size * size
@@ -189,6 +241,17 @@ class _ArraysCodec(_Codec):
     """Recurrent state (conv and SSM states): only valid at exactly its own length."""
 
     cls = C.ArraysCache
+
+    def shapes(self, meta: dict, want: dict) -> tuple[Expected, str]:
+        """The state arrays the identity records (``layouts.describe_layout``), exactly (but
+        for an axis recorded as None: one that grows with the prompt) and all of them
+        (state a forward leaves empty is not the model's); without a record, any of
+        ``size`` arrays of batch 1 (mlx-lm's ``ArraysCache.batch_size`` is
+        their first axis)."""
+        rec, dts = want.get("shapes"), want.get("dtypes") or {}
+        if isinstance(rec, dict):
+            return {n: (tuple(s), dts.get(n)) for n, s in rec.items()}, ALL
+        return {f"a{i}": ((1, ...), None) for i in range(meta["size"])}, ANY
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         if getattr(c, "left_padding", None) is not None or getattr(c, "lengths", None) is not None:
@@ -300,6 +363,17 @@ class _StateCodec(_Codec):
 
     def signature(self, meta: dict) -> dict:
         return {"class": meta["class"], "type": meta["type"], "items": [x[0] for x in meta["items"]]}
+
+    def shapes(self, meta: dict, want: dict) -> tuple[Expected, str]:
+        """Every array item; where the identity records it, of its number of axes, batch and
+        dtype (which axis holds tokens is the class's own: not known here)."""
+        rec, dts = want.get("shapes") or {}, want.get("dtypes") or {}
+        out: Expected = {}
+        for i, it in enumerate(meta["items"]):
+            if it[0] == "a":
+                s = rec.get(f"t{i}")
+                out[f"t{i}"] = ((*s[:1], *[None] * (len(s) - 1)) if isinstance(s, list) else (...,), dts.get(f"t{i}"))
+        return out, ALL
 
 
 def _item_ok(x: Any) -> bool:

@@ -61,9 +61,32 @@ def _layout(model_dir: Path) -> list:
     model, real = _lazy_model(model_dir)
     try:
         layout = layout_of(_probe(model))
+        if _has_shapes(layout):  # recurrent state: which of its axes grow with the prompt?
+            layout = _fixed_axes(layout, layout_of(_probe(model, 2)))
     except Exception:  # an architecture the probe cannot run: classes only
         return layout_of(make_prompt_cache(model))
     return layout if real else _without_dtype(layout)
+
+
+def _has_shapes(layout: list) -> bool:
+    return any("shapes" in m or _has_shapes(m.get("sub") or []) for m in layout)
+
+
+def _fixed_axes(one: list, two: list) -> list:
+    """``one``'s layout (after one token) with each recorded state axis that another
+    length gives otherwise (``two``: after two tokens) made None, any length: a state
+    that keeps the last few tokens (longcat_flash_ngram's n-gram context) grows up to
+    its size, while a conv or SSM state is the same whatever the prompt."""
+    out = []
+    for a, b in zip(one, two):
+        a = dict(a)
+        if "sub" in a:
+            a["sub"] = _fixed_axes(a["sub"], b.get("sub") or [])
+        if "shapes" in a:
+            other = b.get("shapes") or {}
+            a["shapes"] = {n: [d if d == e else None for d, e in zip(s, other.get(n, s))] for n, s in a["shapes"].items()}
+        out.append(a)
+    return out
 
 
 def _lazy_model(model_dir: Path) -> tuple[Any, bool]:
@@ -81,8 +104,8 @@ def _lazy_model(model_dir: Path) -> tuple[Any, bool]:
         return model_cls(args_cls.from_dict(config)), False
 
 
-def _probe(model: Any) -> list:
-    """A prompt cache after one token went through ``model``, never evaluated: its arrays
+def _probe(model: Any, n: int = 1) -> list:
+    """A prompt cache after ``n`` tokens went through ``model``, never evaluated: its arrays
     have the shapes and dtype the engine's caches will have. The forward runs while
     ``mx.compile`` traces it, where MLX refuses any evaluation (an architecture that reads
     a value mid-forward raises instead of computing, or reading, the whole model)."""
@@ -90,14 +113,14 @@ def _probe(model: Any) -> list:
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
-    mx.compile(lambda tokens: model(tokens, cache=cache))(mx.array([[0]]))
+    mx.compile(lambda tokens: model(tokens, cache=cache))(mx.array([[0] * n]))
     return cache
 
 
 def _without_dtype(layout: list) -> list:
     out = []
     for m in layout:
-        m = {k: v for k, v in m.items() if k != "dtype"}
+        m = {k: v for k, v in m.items() if k not in ("dtype", "dtypes")}
         if "sub" in m:
             m["sub"] = _without_dtype(m["sub"])
         out.append(m)
@@ -116,7 +139,10 @@ def describe_layout(tensors: dict[str, Any], layout: list) -> list:
     """``codec.layout_signature(layout)`` plus, for every attention-KV layer (also inside a
     CacheList) whose tensors are present, ``k`` / ``v`` = [KV heads, head_dim] and
     ``dtype``: what tells a cache of this model from one of another model with the same
-    layer classes. Reads array shapes and dtypes only."""
+    layer classes; for every other layer holding arrays (recurrent state, a ``State``
+    class), their whole ``shapes`` and ``dtypes`` by name (they hold no token axis kvstore
+    knows). With batch 1 and the token axis, that is every array's whole shape
+    (``codec`` ``shapes``). Reads array shapes and dtypes only."""
     from .codec import layout_signature
 
     sig = layout_signature(layout)
@@ -133,6 +159,16 @@ def _add_geometry(sig: dict, meta: dict, tensors: dict[str, Any], prefix: str) -
             _add_geometry(s, m, tensors, f"{prefix}s{j}.")
     elif family(str(meta.get("class"))) == ATTENTION:
         sig.update(kv_geometry(tensors, meta, prefix))
+    else:
+        held = {n[len(prefix):]: a for n, a in tensors.items() if n.startswith(prefix) and "." not in n[len(prefix):]}
+        if held:
+            sig["shapes"] = {n: [int(d) for d in a.shape] for n, a in sorted(held.items())}
+            sig["dtypes"] = {n: _dtype(a) for n, a in sorted(held.items())}
+
+
+def _dtype(a: Any) -> str:
+    """An array's dtype name (``float32``) for an mx / numpy array or an ``ArraySpec``."""
+    return str(a.dtype).rsplit(".", 1)[-1]
 
 
 def kv_geometry(tensors: dict[str, Any], meta: dict, prefix: str = "") -> dict:
@@ -150,7 +186,7 @@ def kv_geometry(tensors: dict[str, Any], meta: dict, prefix: str = "") -> dict:
         return {}
     return {"k": [int(k.shape[1]), int(k.shape[-1]) * 32 // bits],
             "v": [int(v.shape[1]), int(v.shape[-1]) * 32 // bits],
-            "dtype": str(scales.dtype).rsplit(".", 1)[-1]}
+            "dtype": _dtype(scales)}
 
 
 def layout_problem(ident: IdentityLike, tensors: dict[str, Any], layout: list) -> str | None:
@@ -163,7 +199,7 @@ def layout_problem(ident: IdentityLike, tensors: dict[str, Any], layout: list) -
     comps = ident.info.get("components") or {}
     want = comps.get("layout")  # ``tensors``: arrays, or ``ArraySpec`` from a blob header
     if not isinstance(want, list) or comps.get("draft"):
-        return None
+        return shape_problem(ident, tensors, layout)
 
     def fam(m: dict) -> str:
         return family(str(m.get("class")))
@@ -175,8 +211,9 @@ def layout_problem(ident: IdentityLike, tensors: dict[str, Any], layout: list) -
             if fam(x) != fam(y):
                 return (f"cache layer {i}{where} is {x.get('class')}, {ident.name} makes {y.get('class')} "
                         "(a cache from another model?)")
-            if fam(x) not in ("attention KV", "CacheList") and x != y:  # recurrent state: exact
-                return f"cache layer {i}{where} is {x}, {ident.name} makes {y} (a cache from another model?)"
+            if fam(x) not in ("attention KV", "CacheList") and _params(x) != _params(y):  # recurrent state: exact
+                return (f"cache layer {i}{where} is {_params(x)}, {ident.name} makes {_params(y)} "
+                        "(a cache from another model?)")
             d = _geometry_problem(x, y) if fam(x) == "attention KV" else None
             if d:
                 return f"cache layer {i}{where} {d[0]}, {ident.name} makes {d[1]} (a cache from another model?)"
@@ -186,7 +223,96 @@ def layout_problem(ident: IdentityLike, tensors: dict[str, Any], layout: list) -
                     return sub
         return None
 
-    return diff(describe_layout(tensors, layout), want, "")
+    return diff(describe_layout(tensors, layout), want, "") or shape_problem(ident, tensors, layout)
+
+
+def shape_problem(ident: IdentityLike, tensors: dict[str, Any], layout: list) -> str | None:
+    """Why an array of the cache is not one the identity's model makes, or None: every
+    array of every layer (any class, inside CacheLists too) must be one its class holds,
+    with the whole shape the model's own cache gives it but for the token axis (batch 1,
+    the recorded heads, head_dim, state sizes; ``codec`` ``shapes``), the same token
+    length across the layer, and the recorded dtype; a quantised layer must be of the
+    identity's ``kv_bits`` / ``kv_group_size`` when it names them (an engine that
+    quantises on its own, as exo does, leaves them None: then the layer's own bits).
+    Where the identity records no layout (or one the engine extends: a draft model),
+    each class's own rules still hold (batch 1, four axes for attention KV). Runs on
+    shapes alone, before anything is allocated."""
+    from .codec import STORED
+
+    comps = ident.info.get("components") or {}
+    want = comps.get("layout") if isinstance(comps.get("layout"), list) and not comps.get("draft") else None
+    quant = (comps["kv_bits"], comps.get("kv_group_size")) if isinstance(comps.get("kv_bits"), int) else None
+    groups: dict[str, dict[str, Any]] = {}
+    for name, a in tensors.items():
+        p, _, n = name.rpartition(".")
+        groups.setdefault(p, {})[n] = a
+
+    def layers(metas: list, wants: list | None, prefix: str, where: str) -> str | None:
+        for i, m in enumerate(metas):
+            y = wants[i] if wants is not None and i < len(wants) and isinstance(wants[i], dict) else {}
+            if quant is not None and m["class"] != "CacheList":  # the quantisation the engine runs
+                y = {**y, "bits": quant[0], "group_size": quant[1]}
+            p, at = f"{prefix}{i}", f"cache layer {i}{where}"
+            try:
+                expected, rule = STORED[m["class"]].shapes(m, y)
+            except ValueError as e:
+                return f"{at} {e} ({ident.name})"
+            why = _arrays_problem(groups.pop(p, {}), expected, rule)
+            if why:
+                return f"{at} {why[0]}, {ident.name} makes {why[1]} (not a cache this model makes)"
+            if m["class"] == "CacheList":
+                sub = layers(m["sub"], y.get("sub") if wants is not None else None, f"{p}.s", f" (in layer {i})")
+                if sub:
+                    return sub
+        return None
+
+    why = layers(layout, want, "", "")
+    if why is None and groups:
+        name = next(f"{p}.{n}" for p, g in groups.items() for n in g)
+        why = f"the cache holds an array {name!r} of no layer"
+    return why
+
+
+def _arrays_problem(held: dict[str, Any], expected: dict[str, tuple[tuple, str | None]],
+                    rule: str) -> tuple[str, str] | None:
+    """(what one layer's arrays ``held`` (name -> array or spec) are, what the model
+    makes) when they differ, else None."""
+    from .codec import ALL, ANY, TOKENS
+
+    extra = sorted(set(held) - set(expected))
+    if extra:
+        return f"holds an array {extra[0]!r}", _expected_text(expected)
+    if rule != ANY and len(held) != len(expected) and (held or rule == ALL):
+        return f"holds {', '.join(sorted(held)) or 'no arrays'} only", _expected_text(expected)
+    tokens = set()
+    for n, a in sorted(held.items()):
+        pattern, dtype = expected[n]
+        shape = tuple(int(d) for d in a.shape)
+        open_ = bool(pattern) and pattern[-1] is ...
+        fixed = pattern[:-1] if open_ else pattern
+        if len(shape) < len(fixed) or (not open_ and len(shape) != len(fixed)) or any(
+                p is not None and p != TOKENS and p != d for p, d in zip(fixed, shape)):
+            return f"holds {n} of shape {list(shape)}", _pattern_text(pattern)
+        tokens |= {d for p, d in zip(fixed, shape) if p == TOKENS}
+        if dtype is not None and _dtype(a) != dtype:
+            return f"holds {n} of dtype {_dtype(a)}", dtype
+    if len(tokens) > 1:
+        return f"holds arrays of {' and '.join(map(str, sorted(tokens)))} positions", "one length"
+    return None
+
+
+def _pattern_text(pattern: tuple) -> str:
+    """``[1, 2, T, 32]``: T the token axis, ? any length, ... any further axes."""
+    return "[" + ", ".join("?" if p is None else "..." if p is ... else str(p) for p in pattern) + "]"
+
+
+def _expected_text(expected: dict[str, tuple[tuple, str | None]]) -> str:
+    return ", ".join(f"{n} {_pattern_text(p)}" for n, (p, _) in sorted(expected.items())) or "no arrays"
+
+
+def _params(m: dict) -> dict:
+    """A layer's class and parameters without its arrays' shapes (``shape_problem``'s)."""
+    return {k: v for k, v in m.items() if k not in ("shapes", "dtypes")}
 
 
 def _geometry_problem(got: dict, want: dict) -> tuple[str, str] | None:

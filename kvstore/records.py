@@ -26,9 +26,9 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, ClassVar
 
-from .keys import FORMAT_VERSION
+from .keys import FORMAT_VERSION, KEY_BYTES
 
-KEY = 16  # bytes of a key, an identity digest, a pack id, a checksum
+KEY = KEY_BYTES  # bytes of a key, an identity digest, a pack id, a checksum
 CACHE_TYPES = ("assistant", "user", "system")
 MAX_TOKENS = 1 << 28          # tokens in one entry
 MAX_CHUNK = 1 << 20           # tokens per chunk
@@ -89,7 +89,7 @@ class Segment:
     length: int
     checksum: bytes
 
-    FMT: ClassVar[struct.Struct] = struct.Struct("<16sQQ16s")
+    FMT: ClassVar[struct.Struct] = struct.Struct(f"<{KEY}sQQ{KEY}s")
 
     def to_bytes(self) -> bytes:
         return self.FMT.pack(self.pack, self.offset, self.length, self.checksum)
@@ -137,14 +137,14 @@ class EntryRecord:
     pinned: bool = False
 
     TAG: ClassVar[bytes] = _tag(b"E")
-    FMT: ClassVar[struct.Struct] = struct.Struct("<2sBB16sIIddQ16sI")
+    FMT: ClassVar[struct.Struct] = struct.Struct(f"<2sBB{KEY}sIIddQ{KEY}sI")
 
     def __post_init__(self) -> None:
-        _need(len(self.identity) == KEY and len(self.boundary) == KEY, "identity / boundary must be 16 bytes")
+        _need(len(self.identity) == KEY and len(self.boundary) == KEY, f"identity / boundary must be {KEY} bytes")
         _need(0 < self.n <= MAX_TOKENS, f"n={self.n} out of range")
         _need(0 < self.chunk <= MAX_CHUNK, f"chunk={self.chunk} out of range")
         _need(self.cache_type in CACHE_TYPES, f"cache_type {self.cache_type!r}")
-        _need(all(len(k) == KEY for k in self.chunks), "chunk keys must be 16 bytes")
+        _need(all(len(k) == KEY for k in self.chunks), f"chunk keys must be {KEY} bytes")
         for name in ("created", "last_used"):
             v = getattr(self, name)
             _need(isinstance(v, float) and math.isfinite(v) and v >= 0, f"{name}={v!r}")
@@ -208,10 +208,10 @@ class ChunkRecord:
     segment: Segment
 
     TAG: ClassVar[bytes] = _tag(b"C")
-    FMT: ClassVar[struct.Struct] = struct.Struct("<2s16s16sII")
+    FMT: ClassVar[struct.Struct] = struct.Struct(f"<2s{KEY}s{KEY}sII")
 
     def __post_init__(self) -> None:
-        _need(len(self.identity) == KEY and len(self.parent) == KEY, "identity / parent must be 16 bytes")
+        _need(len(self.identity) == KEY and len(self.parent) == KEY, f"identity / parent must be {KEY} bytes")
         _need(0 < self.n <= MAX_CHUNK, f"n={self.n} out of range")
         _need(0 <= self.refs < 1 << 32, f"refs={self.refs}")
 

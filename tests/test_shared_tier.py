@@ -26,7 +26,7 @@ from tests.support.models import TINY_FAMILIES, TRIMMABLE, store_kwargs
 
 from kvstore import KVStore
 from kvstore.identity import Identity
-from kvstore.keys import boundaries, common_tokens, encode_tokens, key_of, root_key
+from kvstore.keys import TOKEN_BYTES, boundaries, common_tokens, encode_tokens, key_of, root_key
 from kvstore.shared import SharedConfig
 from kvstore.shared import values as V
 
@@ -288,7 +288,7 @@ def test_a_missing_or_rejected_chunk_to_trim_gives_the_whole_chunks(tmp_path, re
         r.set(name, r.get(V.name("kvstore", "chunk", b_[2], who.digest)))
     else:
         toks = bytearray(r.hget(hname, field))
-        toks[22 * 4 : 26 * 4] = encode_tokens(q[150:151]) * 4  # claims a token more in common
+        toks[22 * TOKEN_BYTES : 26 * TOKEN_BYTES] = encode_tokens(q[150:151]) * 4  # claims a token more in common
         r.hset(hname, field, bytes(toks))
     rejected, missing, bad = TRIM_DAMAGE[damage]
     with store(tmp_path / "b", redis_server.url) as b:

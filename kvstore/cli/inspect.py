@@ -47,12 +47,12 @@ def load_decoder(model_path: str | None) -> tuple[Callable[[list[int]], str] | N
     errors = []
     fast = tokenizer_json_decoder(Path(model_path))
     if fast is not None:
-        return fast, None
+        return readable(fast), None
     try:
         from transformers import AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-        return lambda ids: str(hf.decode(ids)), None
+        return readable(lambda ids: str(hf.decode(ids))), None
     except Exception as e:
         errors.append(f"transformers: {e}")
     try:
@@ -61,7 +61,7 @@ def load_decoder(model_path: str | None) -> tuple[Callable[[list[int]], str] | N
         except ImportError:
             from mlx_lm.tokenizer_utils import load_tokenizer  # type: ignore[no-redef, attr-defined]
         tok = load_tokenizer(Path(model_path))
-        return lambda ids: str(tok.decode(ids)), None
+        return readable(lambda ids: str(tok.decode(ids))), None
     except Exception as e:
         errors.append(f"mlx_lm: {e}")
     return None, f"could not load a tokenizer from {model_path} ({'; '.join(errors)})"
@@ -87,6 +87,32 @@ def tokenizer_json_decoder(model_dir: Path) -> Callable[[list[int]], str] | None
     except Exception:
         return None
     return lambda ids: str(tok.decode(ids, skip_special_tokens=False))
+
+
+_DECODABLE = range(0, 1 << 31)  # ids every tokenizer's decode takes (a Rust u32 / C int); others are shown as ids
+
+
+def readable(decode: Callable[[list[int]], str]) -> Callable[[list[int]], str]:
+    """``decode`` for any stored ids: an entry holds signed 64-bit ids (format 4), such as
+    mlx_lm.server's negative image ids, which a tokenizer refuses (OverflowError). Those,
+    and any id its decode refuses, are shown as ``[id N]`` (a run of one id as
+    ``[id N xCOUNT]``: an image's patches) between the decoded text of the others."""
+    def text(ids: list[int]) -> str:  # ids in _DECODABLE
+        try:
+            return decode(ids)
+        except Exception:  # an id out of this tokenizer's range: the others still decode
+            return f"[id {ids[0]}]" if len(ids) == 1 else "".join(text([t]) for t in ids)
+
+    def run(ids: list[int]) -> str:
+        out, i = [], 0
+        while i < len(ids):
+            ok, j = ids[i] in _DECODABLE, i + 1
+            while j < len(ids) and (ids[j] in _DECODABLE if ok else ids[j] == ids[i]):
+                j += 1
+            out.append(text(ids[i:j]) if ok else f"[id {ids[i]}{f' x{j - i}' if j > i + 1 else ''}]")
+            i = j
+        return "".join(out)
+    return run
 
 
 def _pieces(disk, key: bytes, rec: Any, check: Any) -> list[dict[str, Any]]:

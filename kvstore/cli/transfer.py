@@ -9,8 +9,9 @@ file can come back without its prompt. A file made by ``mlx_lm.cache_prompt`` ca
 token ids: ``--prompt-file`` re-tokenises its prompt as ``cache_prompt`` did.
 
 Guarantees: import stores nothing unless the token ids match the cache's length, the
-model (its identity, when the file names one, and its layer layout) matches ``--model``,
-and the ids are in the model's vocabulary; export writes the file under a temporary
+model (its identity, when the file names one, its layer layout and every array's whole
+shape but the token axis, batch included) matches ``--model``, and the ids are in the
+model's vocabulary; export writes the file under a temporary
 name (mode 0600: a cache holds the prompt) and renames it into place, so a reader never
 sees half a file, and never replaces an existing file without ``--force``. mlx is
 imported inside the commands only, so the other commands never load it.
@@ -164,6 +165,7 @@ def import_file(args: argparse.Namespace) -> int:
     store = _open_store(args, cache)
     try:
         ident = _check_identity(store, model_dir, meta)
+        _check_fits(ident, cache, args.file)
         key = common.entry_key(store, model_dir, tokens)
         try:
             store.insert(model_dir, tokens, cache, cache_type="system")
@@ -257,6 +259,22 @@ def _open_store(args: argparse.Namespace, cache: list[Any]) -> Any:
                        shared_dir=getattr(args, "shared_dir", False))
     except StoreOpenError as e:
         raise common.CLIError(str(e)) from None
+
+
+def _check_fits(ident: Any, cache: list[Any], path: Path) -> None:
+    """Refuse a cache whose layers or arrays are not what ``ident``'s model makes (every
+    array's whole shape but the token axis, its dtype: ``layouts.layout_problem``), before
+    anything is stored: a batch of 2 or a fifth axis kills mlx_lm.server's generation
+    thread at the first request that restores it."""
+    from ..codec import Unsupported, encode_cache
+    from ..layouts import layout_problem
+
+    try:
+        why = layout_problem(ident, *encode_cache(cache))
+    except Unsupported as e:
+        why = str(e)
+    if why:
+        raise common.CLIError(f"{path} does not fit --model: {why}; nothing stored")
 
 
 def _check_identity(store: Any, model_dir: Path, meta: dict[str, str]) -> Any:

@@ -46,7 +46,7 @@ def child_edges(txn: Any, db: Any, boundary: bytes, child: bytes) -> list[bytes]
     return out
 
 
-def _lcp5(a: bytes, b: bytes) -> int:
+def _lcp(a: bytes, b: bytes) -> int:
     """Common prefix, in tokens, of two ``edge_tokens`` spellings."""
     n = 0
     w = EDGE_WIDTH
@@ -111,14 +111,14 @@ def _neighbours(cur: Any, boundary: bytes, head: bytes, q: bytes, base: int,
     if cur.set_range(head):
         nxt = cur.key()
         if nxt[:KEY_BYTES] == boundary:
-            side.append((_lcp5(_spelled(nxt), q), 1))
+            side.append((_lcp(_spelled(nxt), q), 1))
         if cur.prev() and cur.key()[:KEY_BYTES] == boundary:
-            side.append((_lcp5(_spelled(cur.key()), q), -1))
+            side.append((_lcp(_spelled(cur.key()), q), -1))
     elif cur.last() and cur.key()[:KEY_BYTES] == boundary:
-        side.append((_lcp5(_spelled(cur.key()), q), -1))
+        side.append((_lcp(_spelled(cur.key()), q), -1))
     shared = max((n for n, _ in side), default=0)
     if shared:
-        pre = boundary + q[: shared * 5]
+        pre = boundary + q[: shared * EDGE_WIDTH]
         for _, step in (x for x in side if x[0] == shared):
             if not cur.set_range(head):
                 cur.last()
@@ -126,11 +126,11 @@ def _neighbours(cur: Any, boundary: bytes, head: bytes, q: bytes, base: int,
                 cur.prev()
             for _ in range(32):  # children sharing exactly `shared`: any usable one will do
                 k = cur.key()
-                if k[: len(pre)] != pre or _lcp5(_spelled(k), q) != shared:
+                if k[: len(pre)] != pre or _lcp(_spelled(k), q) != shared:
                     break
                 if bytes(k) not in seen:
                     seen.add(bytes(k))
-                    yield (*_child(k, cur.value()), base + shared, _complete(k) and len(_spelled(k)) == shared * 5)  # type: ignore[misc]
+                    yield (*_child(k, cur.value()), base + shared, _complete(k) and len(_spelled(k)) == shared * EDGE_WIDTH)  # type: ignore[misc]
                 if not (cur.next() if step > 0 else cur.prev()):
                     break
     elif base and cur.set_range(boundary):  # none shares the next token, all share `base`
@@ -149,7 +149,7 @@ def _neighbours(cur: Any, boundary: bytes, head: bytes, q: bytes, base: int,
 def _shorter(cur: Any, boundary: bytes, q: bytes, top: int, base: int, seen: set[bytes]) -> Iterator[Edge]:
     """Children whose whole residual is a shorter prefix of the query, longest first."""
     for n in range(top, -1, -1):
-        pre = boundary + q[: n * 5] + COMPLETE
+        pre = boundary + q[: n * EDGE_WIDTH] + COMPLETE
         if cur.set_range(pre):
             for k, v in cur:
                 if k[: len(pre)] != pre:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .. import blobs
-from ..keys import TOKEN_BYTES, boundaries, entry_key, root_key
+from ..keys import KEY_BYTES, TOKEN_BYTES, boundaries, entry_key, root_key
 from ..records import (ChunkRecord, EntryRecord, IdentityRecord, Kind, PackRecord, RecordError, Segment,
                        parse)
 from . import trie
@@ -255,7 +255,7 @@ class WriteTxn(Reader):
         self._delete(db, key)
         self._delete("tokens", key)
         dead = [bytes(k) for k in self.txn.cursor(db=self.db["bounds"]).iternext(keys=True, values=False)
-                if bytes(k[-16:]) == key]
+                if bytes(k[-KEY_BYTES:]) == key]
         for k in dead:
             self._delete("bounds", k)
 

@@ -14,7 +14,6 @@ import json
 import os
 import random
 import shutil
-import struct
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -199,7 +198,8 @@ def tokens_of_another_prompt(case: Path, tpl: dict, rng: random.Random) -> Craft
     longer hashes from them (a fetch of those ids must not get this KV)."""
     cache = case / "cache"
     key, rec = _pick(cache, rng, lambda r: True)
-    toks = struct.pack(f"<{rec.n}I", *(rng.randrange(256) for _ in range(rec.n)))  # byte tokens, as prompts use
+    from kvstore.keys import encode_tokens
+    toks = encode_tokens([rng.randrange(256) for _ in range(rec.n)])  # byte tokens, as prompts use; the format's width
     craft.put_raw(cache, "tokens", key, toks)
     return Crafted(f"entry {key.hex()[:12]}: token ids of another prompt", {key.hex()})
 
@@ -238,6 +238,34 @@ def arrays_cache_size_huge(case: Path, tpl: dict, rng: random.Random) -> Crafted
     (seg,) = craft.new_pack(cache, [craft.reframed(header, body)], rec.created)
     _put_entry(cache, key, replace(rec, tail=seg))
     return Crafted(f"qwen entry {key.hex()[:12]}: layout claims ArraysCache size 20,000,000", {key.hex()})
+
+
+def arrays_of_another_shape(case: Path, tpl: dict, rng: random.Random) -> Crafted:
+    """A tiny-qwen3next or tiny-gemma3 snapshot rewritten, in a new pack, checksum true,
+    with every array of batch 2 (its data twice) or given a fifth axis: the model's
+    layer classes, heads and head_dim, but no cache the model makes (it killed
+    mlx_lm.server's generation thread). Only the whole-shape check stands between it
+    and a hit (issue 31.2)."""
+    cache = case / "cache"
+    snaps = sorted(e["key"] for e in tpl["entries"] if e["model"] in ("qwen", "gemma"))
+    if not snaps:
+        raise RuntimeError("the template has no tiny-qwen3next or tiny-gemma3 entry")
+    key = bytes.fromhex(rng.choice(snaps))
+    rec = _entries(cache)[key]
+    header, body = craft.frame_of(craft.segment_bytes(cache, rec.tail))
+    batch = rng.random() < 0.5
+    out, parts, pos = {"__metadata__": header.pop("__metadata__")}, [], 0
+    for name, spec in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        a, b = spec["data_offsets"]
+        data = body[a:b] * 2 if batch else body[a:b]
+        shape = [2 * spec["shape"][0], *spec["shape"][1:]] if batch else [1, *spec["shape"]]
+        out[name] = {"dtype": spec["dtype"], "shape": shape, "data_offsets": [pos, pos + len(data)]}
+        parts.append(data)
+        pos += len(data)
+    (seg,) = craft.new_pack(cache, [craft.reframed(out, b"".join(parts))], rec.created)
+    _put_entry(cache, key, replace(rec, tail=seg))
+    return Crafted(f"entry {key.hex()[:12]}: every array {'of batch 2' if batch else 'given a fifth axis'}",
+                   {key.hex()})
 
 
 def _model_identity_key(cache: Path, tpl: dict, name: str) -> bytes:
@@ -300,6 +328,7 @@ RECORD_CASES = [
     Case("token ids of another prompt", tokens_of_another_prompt, "records"),
     Case("trie edge to another identity's entry", edge_to_another_entry, "records"),
     Case("ArraysCache size 20,000,000 in a segment header", arrays_cache_size_huge, "records", ci=True),
+    Case("arrays of batch 2 or a fifth axis in a segment header", arrays_of_another_shape, "records", ci=True),
     Case("identity JSON nested 100,000 deep", identity_deep_json, "records", ci=True),
     Case("identity fields of the wrong type", identity_wrong_types, "records"),
     Case("chunk size record kvstore never writes", meta_chunk_size, "records", ci=True),

@@ -1,6 +1,7 @@
 """``bad_input``: empty, non-integer, negative, out-of-range and out-of-vocabulary token
 lists, enormous token lists, caches of the wrong length or classes, caches from another
-model (other layer classes, or the same classes with other KV heads, head_dim or dtype):
+model (other layer classes, or the same classes with other KV heads, head_dim or dtype),
+the model's own caches with arrays of batch 2 or a fifth axis:
 a ValueError/TokenError naming the problem, a documented miss, or (a cache that does not
 fit the model) a documented refusal: counted in ``stats()["unpersistable"]``, warned,
 kept in memory only. The store (index records, blob files; the memory tier too for
@@ -111,6 +112,23 @@ class BadInputs:
         mx.eval([a for c in out for a in (c.keys, c.values)])
         return out
 
+    def reshaped(self, like: list, batch: bool) -> list:
+        """``like``'s layers (this model's own cache, classes and KV geometry) with every
+        array of batch 2 or given a fifth axis: no cache the model makes (a batch of 2
+        killed mlx_lm.server's generation thread once restored; issue 31.2)."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
+        out = []
+        for c in like:
+            o = RotatingKVCache(max_size=c.max_size, keep=c.keep) if isinstance(c, RotatingKVCache) else KVCache()
+            k, v = (mx.concatenate([a, a], axis=0) if batch else a[None] for a in (c.keys, c.values))
+            o.keys, o.values, o.offset = k, v, c.offset
+            if isinstance(o, RotatingKVCache):
+                o._idx = c._idx
+            out.append(o)
+        mx.eval([a for c in out for a in (c.keys, c.values)])
+        return out
+
     def llama_variant(self, **changes: int) -> list:
         """A real prefill of another model: tiny-llama's layers, other KV."""
         from mlx_lm.models import llama as llama_arch
@@ -211,6 +229,12 @@ class BadInputs:
              lambda: store.insert(llama, t_other, self.llama_variant(head_dim=16)), "not_persisted", None),
             ("insert: tiny-gemma3 classes, other head_dim (2 x 64) under tiny-gemma3", I,
              lambda: store.insert(gemma, self.ofresh(), self.other_kv(self.g60, 2, 64)), "not_persisted", None),
+            ("insert: tiny-llama's own cache, arrays of batch 2", I,
+             lambda: store.insert(llama, self.ofresh(), self.reshaped(c60, True)), "not_persisted", None),
+            ("insert: tiny-llama's own cache, arrays given a fifth axis", I,
+             lambda: store.insert(llama, self.ofresh(), self.reshaped(c60, False)), "not_persisted", None),
+            ("insert: tiny-gemma3's own cache, arrays of batch 2", I,
+             lambda: store.insert(gemma, self.ofresh(), self.reshaped(self.g60, True)), "not_persisted", None),
         ]
 
     def bad_cache_cases(self) -> list[Case]:
