@@ -485,8 +485,6 @@ class KVStore:
                 if not self._inserting[me]:
                     del self._inserting[me]
                 self._inserted.notify_all()
-        if snap.tensors is not None:
-            mx.eval(list(snap.tensors.values()))  # views: free once the cache is computed
         if snap.tensors is not None and self._disk_on(ident) and covered > 0:
             host = self._host_views(snap)
             if host is not None:
@@ -517,7 +515,12 @@ class KVStore:
         snap, covered, why = self._snapshot(cache, len(tokens), cache_type)
         if why is not None:
             self._note_memory_only(model, ident, why)
-        with self._lock:  # from here on a lookup finds it (its arrays may still be computing)
+        # Evaluated before any lookup can find it: its views are made on this thread's
+        # stream, and MLX streams are per thread (Metal, MLX >= 0.31.2), so no other thread
+        # could evaluate them. (Views: free once the caller's cache is computed.)
+        mx.eval([a for c in snap.opaque for a in codec.layer_arrays(c)] if snap.opaque is not None
+                else list((snap.tensors or {}).values()))
+        with self._lock:  # from here on a lookup finds it
             self._pending.append((self._mem_key(model, ident), tokens, snap))
         return snap, covered, ident, enc
 
