@@ -138,6 +138,7 @@ class KVStore:
                 if on_disk_error != "memory":
                     raise
                 log.warning("kvstore: %s; serving from memory only", e)
+                self._record_memory_only("*", f"the cache directory cannot be used: {e}")
         self.memo = DigestMemo(self.cache_dir / MEMO if self.disk else None, self.disk.modes if self.disk else None)
         self.shared = _open_shared(shared, queue_size) if self.disk else None
         self.writer = Writer(queue_size) if self.disk else None
@@ -200,11 +201,13 @@ class KVStore:
                                        kv_bits=self._kv_quant[0], kv_group_size=self._kv_quant[1])
                 if self.disk is not None:
                     self.disk.index.put_identity(ident.digest, ident.info)
-        except Exception as e:  # unresolvable: memory only, said once
+        except Exception as e:  # unresolvable: memory only, said once (and in stats())
             self._warn_once("identity", "kvstore: no identity for model %r (%s); memory only", model, e)
+            self._record_memory_only(str(model)[:200], f"no identity for the model ({e})")
         if ident is None:
             dirs = None
             self._warn_once("identity", "kvstore: model %r is not a local directory; memory only", model)
+            self._record_memory_only(str(model)[:200], "the model is not a local directory: no identity")
         self._idents[key] = (ident, dirs, stamp)
         return ident
 
@@ -224,8 +227,9 @@ class KVStore:
         path = ident.info.get("path")
         if path:
             try:
-                import json
-                cfg = json.loads((Path(path) / "config.json").read_text())
+                from .identity import read_config
+
+                cfg = read_config(Path(path))
                 v = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
                 vocab = int(v) if v else None
             except (OSError, ValueError, TypeError, AttributeError):
@@ -552,12 +556,23 @@ class KVStore:
         """Count a cache kvstore cannot persist; say why once per model (in the log and in
         ``stats()["memory_only_reason"]``, at most 64 models named)."""
         self._counters.add("unpersistable")
-        name = ident.name if ident is not None else str(model)[:200]
+        self.note_memory_only(ident.name if ident is not None else str(model)[:200], why)
+
+    def note_memory_only(self, name: str, why: str) -> None:
+        """Say once, in the log and in ``stats()["memory_only_reason"]``, that ``name``'s
+        caches are kept in memory only and why (an engine adapter that cannot give the
+        store an identity says so here: a restart then prefills everything again)."""
+        if self._record_memory_only(name, why):
+            log.warning("kvstore: %s: %s; its caches are served from memory only", name, why)
+
+    def _record_memory_only(self, name: str, why: str) -> bool:
+        """``why`` into ``stats()["memory_only_reason"][name]`` (at most 64 names); True if
+        it is new."""
         with self._lock:
             if name in self._memory_only or len(self._memory_only) >= 64:
-                return
+                return False
             self._memory_only[name] = why
-        log.warning("kvstore: %s: %s; its caches are served from memory only", name, why)
+        return True
 
     def _snapshot(self, cache: list[Any], n_tokens: int, cache_type: str) -> tuple[Snapshot, int, str | None]:
         """(the snapshot, positions it covers, why it cannot be persisted or None)."""

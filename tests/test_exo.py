@@ -276,3 +276,29 @@ def test_a_node_group_restores_the_same_length_on_every_node(tmp_path: Path, fam
     assert all(p.returncode == 0 for p in procs), [err[-3000:] for _, err in outs]
     got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert [(g["n"], g["oracle"], g["index"], g["entries"]) for g in got] == [(want, True, 0, 1)] * 2, got
+
+
+def test_built_without_a_model_path_says_memory_only_once(tmp_path: Path, tiny_llama, caplog) -> None:
+    """An ``ExoPrefixCache`` built without a model path (outside ``install()``, or by an exo
+    whose builder the patch misses) still serves from memory, and says once, in the log and
+    in ``stats()["memory_only_reason"]``, that nothing reaches disk; so does one whose model
+    directory has no identity. Before: it ran memory-only without a word (no ``stats()``)."""
+    import logging
+
+    model, _ = tiny_llama
+    prompt = tokens(80, 7)
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        pc = ExoPrefixCache(None, cache_dir=tmp_path / "kv", chunk_tokens=64)
+        for _ in range(2):
+            pc.add_kv_cache(mx.array(prompt), oracle.prefill(model, prompt))
+            assert pc.get_kv_cache(model, mx.array(prompt))[2] is not None  # memory hits
+    said = [r.getMessage() for r in caplog.records if "without a model path" in r.getMessage()]
+    assert len(said) == 1 and "prefilled again" in said[0], said
+    assert "without a model path" in pc.stats()["memory_only_reason"]["exo"]
+    assert not (tmp_path / "kv").exists()
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("[")
+    pc = ExoPrefixCache(None, model_path=broken, cache_dir=tmp_path / "kv2", chunk_tokens=64)
+    pc.add_kv_cache(mx.array(prompt), oracle.prefill(model, prompt))
+    assert "no identity for exo model" in pc.stats()["memory_only_reason"]["exo"]
