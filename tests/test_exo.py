@@ -302,3 +302,68 @@ def test_built_without_a_model_path_says_memory_only_once(tmp_path: Path, tiny_l
     pc = ExoPrefixCache(None, model_path=broken, cache_dir=tmp_path / "kv2", chunk_tokens=64)
     pc.add_kv_cache(mx.array(prompt), oracle.prefill(model, prompt))
     assert "no identity for exo model" in pc.stats()["memory_only_reason"]["exo"]
+
+
+EXO_MAIN = '''
+import multiprocessing as mp
+import os
+
+
+def runner(log):
+    with open(log, "a") as f:
+        f.write(f"runner {os.getpid()}\\n")
+
+
+def main():
+    """exo's main's shape for this purpose: it spawns its runners (macOS's default start
+    method, and Python 3.14's forkserver on Linux, import the launcher again in each)."""
+    log = os.environ["EXO_LAUNCH_LOG"]
+    with open(log, "a") as f:
+        f.write(f"main {os.getpid()}\\n")
+    p = mp.get_context("spawn").Process(target=runner, args=(log,))
+    p.start()
+    p.join()
+    assert p.exitcode == 0, p.exitcode
+'''
+
+
+def _launchers() -> dict[str, str]:
+    """The exo launcher as README and the adapter's docstring give it."""
+    import re
+
+    import kvstore.adapters.exo as adapter
+
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```python\n(from kvstore\.adapters import exo as kv_exo\n.*?)```", readme, re.S)
+    doc = adapter.__doc__ or ""
+    usage = doc[doc.index("Usage"):].split("::\n", 1)[1]
+    lines = []
+    for line in usage.splitlines()[1:]:
+        if line and not line.startswith("    "):
+            break
+        lines.append(line[4:])
+    assert block is not None and lines
+    return {"README": block.group(1), "docstring": textwrap.dedent("\n".join(lines))}
+
+
+@pytest.mark.parametrize("where", ["README", "docstring"])
+def test_launcher_runs_main_once_when_exo_spawns_runners(tmp_path: Path, where: str) -> None:
+    """The exo launcher of README and of the adapter's docstring, run as a script whose
+    ``exo.main.main`` spawns a runner (exo's shape, stand-in packages: exo cannot be
+    installed here): ``install`` and ``main`` run once, in the launcher's process, and the
+    spawned runner runs. Before: both sat at module level, so the spawned runner, importing
+    the launcher again, ran ``main`` again (and could not start its own runner)."""
+    root = tmp_path / "pkgs"
+    mlx_pkg = root / "exo" / "worker" / "engines" / "mlx"
+    mlx_pkg.mkdir(parents=True)
+    for d in (root / "exo", root / "exo" / "worker", root / "exo" / "worker" / "engines", mlx_pkg):
+        (d / "__init__.py").write_text("")
+    (mlx_pkg / "builder.py").write_text(BUILDER)
+    (root / "exo" / "main.py").write_text(EXO_MAIN)
+    launcher = tmp_path / "launch_exo.py"
+    launcher.write_text(_launchers()[where].replace("~/.cache/kvstore", str(tmp_path / "kv")))
+    log = tmp_path / "launch.log"
+    p = subprocess.run([sys.executable, str(launcher)], capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+                       env=dict(os.environ, PYTHONPATH=f"{root}:{ROOT}", EXO_LAUNCH_LOG=str(log)))
+    runs = [ln.split()[0] for ln in log.read_text().splitlines()] if log.exists() else []
+    assert p.returncode == 0 and runs == ["main", "runner"], (runs, p.stderr[-3000:])

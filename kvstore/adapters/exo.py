@@ -29,8 +29,11 @@ of tokens (``_agree``), as exo's pipeline needs.
 Usage (exo is not on PyPI; see README, exo)::
 
     from kvstore.adapters import exo as kv_exo
-    kv_exo.install(cache_dir="~/.cache/kvstore")   # in exo's main process, before it starts
-    from exo.main import main; main()              # runners (spawned) install it themselves
+
+    if __name__ == "__main__":  # exo spawns its runners: each imports this file again
+        kv_exo.install(cache_dir="~/.cache/kvstore")  # in exo's main process, before it starts
+        from exo.main import main
+        main()                                         # runners (spawned) install it themselves
 
 ``ExoPrefixCache(group, model_path=..., shard=...)`` can also be built directly; without a
 ``model_path`` it runs memory-only (no identity for the disk), and says so once in the log
