@@ -869,10 +869,10 @@ def _open_shared(shared: Any, queue_size: int) -> "SharedTier | None":
     """The shared tier named by ``shared`` (see ``KVStore``), or None. A URL that does not
     parse raises ValueError (a configuration error, said at start-up); a server that does
     not answer is not an error here: every call is then a counted miss."""
+    if shared is False or ((shared is None or shared is True) and not os.environ.get("KVSTORE_SHARED", "").strip()):
+        return None  # (the shared package is not even imported: a start without it is sooner)
     from .shared import SharedConfig
 
-    if shared is False:
-        return None
     config = SharedConfig.from_env() if shared is None or shared is True else (
         shared if isinstance(shared, SharedConfig) else SharedConfig.from_url(str(shared)))
     if config is None:

@@ -68,3 +68,16 @@ def test_private_open_cost_does_not_grow_with_fanout_dirs(tmp_path: Path) -> Non
             (root / "blobs" / f"{i:02x}").mkdir(mode=0o700)
         counts[n] = _stats_during_open(root)
     assert counts[1] == counts[256], counts
+
+
+def test_store_without_a_shared_tier_does_not_import_it(tmp_path: Path) -> None:
+    """A store opened with no shared tier configured (``$KVSTORE_SHARED`` unset) imports
+    none of the shared tier's code (10 ms of a cold open here). Before: it imported the
+    package to read the environment."""
+    got = run_py("""
+        import json, sys
+        from kvstore import KVStore
+        with KVStore(json.loads(sys.argv[1])) as s:
+            print(json.dumps([m for m in sys.modules if m.startswith("kvstore.shared")]))
+    """, str(tmp_path / "cache"), env={"KVSTORE_SHARED": ""})
+    assert got == [], got
