@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 from . import blobs
 from .index import CORRUPTION, Index, IndexFailure, IndexOpenError
 from .index.core import DAMAGED, STAMP
+from .records import MAX_CHUNK
 
 if TYPE_CHECKING:  # imported by ``open_disk`` only: ``kvstore ls`` starts without it
     from .disk import DiskTier
@@ -156,6 +157,22 @@ def _make_root(path: Path, shared: bool) -> None:
         os.chmod(path, 0o2770)
 
 
+def chunk_size(stored: bytes | None, asked: int, where: Path) -> int:
+    """The directory's chunk size: the stored one (``asked`` if none is stored yet);
+    IndexOpenError if it is not one kvstore writes (a damaged or crafted record)."""
+    if stored is None:
+        return int(asked)
+    try:
+        n = int(stored)
+    except ValueError:
+        n = 0
+    if not 0 < n <= MAX_CHUNK:
+        raise IndexOpenError(f"index {where} records chunk_tokens={stored[:24]!r}, which kvstore never writes "
+                             "(a damaged or foreign index): use another cache directory, or remove this one "
+                             "(its cache is rebuilt as requests come)")
+    return n
+
+
 class IndexDir:
     """A cache directory opened for reading its index only (``kvstore ls``): what a
     ``DiskTier`` holds without its lookup and restore code, so the command starts without
@@ -166,6 +183,11 @@ class IndexDir:
         self.blob_root = self.root / "blobs"
         self.modes = blobs.Modes.of(self.root, shared_dir)
         self.index = Index(self.root, readonly=True, modes=self.modes)
+        try:  # refused as the disk tier refuses it: a chunk size kvstore never writes
+            chunk_size(self.index.meta(b"chunk_tokens"), 1, self.index.path)
+        except IndexOpenError:
+            self.index.close()
+            raise
 
     def close(self) -> None:
         self.index.close()
