@@ -12,7 +12,8 @@ An entry is only ever returned to the identity that wrote it. The digest covers:
 - adapter and draft model files, when the caller has them,
 - custom model code (``model_code``): with ``"model_file"`` in config.json mlx-lm builds
   the model from that file (``trust_remote_code``); it and every ``*.py`` under the model
-  directory (what it may import or load beside it) are hashed and watched like weights,
+  directory (what it may import or load beside it) are hashed, the model file also
+  watched like weights (``source_files`` says why the rest is not),
 - the model's implementation (``code_digest``): the source of the mlx-lm module that
   builds the model, of every ``mlx_lm.models`` module it uses (RoPE, attention helpers),
   and of the cache classes in its layout, so an mlx-lm upgrade that changes how KV is
@@ -173,7 +174,7 @@ def _text(path: Path) -> str | None:
     """A model file's text (``read_foreign``), None when there is none; OSError for a
     file that is there but not a regular file or not readable."""
     try:
-        return read_foreign(path).decode("utf-8", "surrogateescape")
+        return read_foreign(path).decode("utf-8")
     except FileNotFoundError:
         return None
 
