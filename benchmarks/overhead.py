@@ -13,9 +13,16 @@ For SmolLM2 float32 at 1k and 2k prompt tokens (tiny-llama with --quick):
 
 Each store call is repeated (median reported); the prefill runs once per length.
 
-Plus one CLI row: ``kvstore ls`` on an empty cache directory, each run a fresh process
-(median of ``CLI_RUNS``), against ``python -c pass`` in the same run: the maintenance
-commands must start without importing MLX or mlx-lm (issue 21).
+Plus two start-up rows (issue 31.11), so a regression shows:
+
+- ``kvstore ls`` on an empty cache directory, each run a fresh process (median of
+  ``CLI_RUNS``), against ``python -c pass`` in the same run: the maintenance commands start
+  without importing MLX, mlx-lm or the disk tier's lookup code (issue 21). Run as this
+  environment runs Python (``PYTHONDONTWRITEBYTECODE`` compiles every module each time) and
+  as an installed package runs (its bytecode cached: ``PYTHONPYCACHEPREFIX``, one warm-up).
+- a new process's ``KVStore`` open + first lookup on a store of ``OPEN_ENTRIES`` entries
+  (2,000 with --quick) after a page-cache drop (median of ``OPEN_RUNS`` fresh processes;
+  the ``scale`` benchmark's child): what a server restart costs before its first hit.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from . import common as C
 NAME = "overhead"
 REPS = 5
 CLI_RUNS = 10
+OPEN_ENTRIES = 20_000
+OPEN_RUNS = 5
 PREFILL_STEP = 512
 
 
@@ -48,7 +57,9 @@ def _prefill(model: Any, tokens: list[int]) -> tuple[list[Any], float]:
 
 def cli_startup(ctx: C.Context) -> dict[str, Any]:
     """Median wall time of ``kvstore ls`` on an empty directory and of ``python -c pass``,
-    each a fresh process (``CLI_RUNS`` of each, interleaved)."""
+    each a fresh process (``CLI_RUNS`` of each, interleaved), compiling every module as
+    this environment does and with the bytecode cached as an installed package has it."""
+    import os
     import subprocess
     import sys
 
@@ -56,17 +67,57 @@ def cli_startup(ctx: C.Context) -> dict[str, Any]:
     from kvstore.cachedir import open_disk
 
     open_disk(d).close()  # an empty store: an index, no entries
-    cmds = {"ls": [sys.executable, "-m", "kvstore.cli", "ls", "--cache-dir", str(d)],
-            "python": [sys.executable, "-c", "pass"]}
+    cached = dict(os.environ, PYTHONPYCACHEPREFIX=str(ctx.scratch("pycache")))
+    cached.pop("PYTHONDONTWRITEBYTECODE", None)
+    ls = [sys.executable, "-m", "kvstore.cli", "ls", "--cache-dir", str(d)]
+    cmds = {"ls": (ls, None), "ls_bytecode": (ls, cached), "python": ([sys.executable, "-c", "pass"], None)}
+    subprocess.run(ls, check=True, capture_output=True, env=cached)  # writes the bytecode cache
     times: dict[str, list[float]] = {k: [] for k in cmds}
     for _ in range(CLI_RUNS):
-        for k, cmd in cmds.items():
+        for k, (cmd, env) in cmds.items():
             t0 = time.perf_counter()
-            subprocess.run(cmd, check=True, capture_output=True)
+            subprocess.run(cmd, check=True, capture_output=True, env=env)
             times[k].append(time.perf_counter() - t0)
-    out = {"ls_empty_s": C.median(times["ls"]), "python_s": C.median(times["python"]), "runs": times}
+    out = {"ls_empty_s": C.median(times["ls"]), "ls_empty_bytecode_s": C.median(times["ls_bytecode"]),
+           "python_s": C.median(times["python"]), "runs": times,
+           "dont_write_bytecode": bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))}
     out["ls_minus_python_s"] = out["ls_empty_s"] - out["python_s"]
-    ctx.log(f"  kvstore ls (empty dir): {C.fmt(out['ls_empty_s'], 's')}, python -c pass {C.fmt(out['python_s'], 's')}")
+    ctx.log(f"  kvstore ls (empty dir): {C.fmt(out['ls_empty_s'], 's')} (bytecode cached "
+            f"{C.fmt(out['ls_empty_bytecode_s'], 's')}), python -c pass {C.fmt(out['python_s'], 's')}")
+    return out
+
+
+def open_startup(ctx: C.Context) -> dict[str, Any]:
+    """A new process's open + first lookup on a store of ``OPEN_ENTRIES`` entries after a
+    page-cache drop (``scale.open_child``; median of ``OPEN_RUNS``)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from kvstore import KVStore
+
+    from .scale import DIM, HEADS, _prompts
+
+    n = 2_000 if ctx.quick else OPEN_ENTRIES
+    d = ctx.scratch("open-startup")
+    ident = C.bench_identity("scale")
+    base = mx.random.normal((1, HEADS, 1024, DIM), key=mx.random.key(1)).astype(mx.float16)
+    mx.eval(base)
+    store = KVStore(d, max_entries=10, queue_size=n + 1024)
+    for i, p in enumerate(_prompts(n)):
+        c = KVCache()
+        c.keys, c.values, c.offset = base[..., : len(p), :], base[..., 1: len(p) + 1, :], len(p)
+        store.insert(ident, p, [c])
+    store.close()  # a clean close: the next open matches the stamp, as a restart does
+    runs = [C.run_child("scale:open_child", {"cache_dir": str(d), "n_entries": n, "samples": 0, "drop": ctx.drop})
+            for _ in range(OPEN_RUNS)]
+    total = [r["open_s"] + r["first_lookup_s"] for r in runs]
+    out = {"entries": n, "open_plus_first_lookup_s": C.median(total), "runs": total,
+           "open_s": C.median([r["open_s"] for r in runs]),
+           "first_lookup_s": C.median([r["first_lookup_s"] for r in runs]),
+           "page_cache_dropped": all(r["page_cache"].get("dropped") for r in runs),
+           "sources": [r["first_lookup_source"] for r in runs]}
+    ctx.log(f"  open + first lookup, {n} entries, page cache "
+            f"{'dropped' if out['page_cache_dropped'] else 'NOT dropped'}: {C.fmt(out['open_plus_first_lookup_s'], 's')}")
     return out
 
 
@@ -138,6 +189,7 @@ def run(ctx: C.Context) -> dict[str, Any]:
              "On a machine with few cores the background write competes with the next request for CPU."]
     doc = C.document(NAME, ctx, settings, rows, medians, headline, notes, started)
     doc["cli_startup"] = cli_startup(ctx)
+    doc["open_startup"] = open_startup(ctx)
     return doc
 
 
@@ -157,7 +209,15 @@ def report(doc: dict[str, Any]) -> str:
         out += "\n\n" + C.table(f"CLI start-up (median of {len(cli['runs']['ls'])} fresh processes)",
                                 ["command", "wall time"],
                                 [["kvstore ls (empty directory)", C.fmt(cli["ls_empty_s"], "s")],
+                                 ["kvstore ls, bytecode cached", C.fmt(cli.get("ls_empty_bytecode_s"), "s")],
                                  ["python -c pass (baseline)", C.fmt(cli["python_s"], "s")]])
+    op = doc.get("open_startup")
+    if op:
+        out += "\n\n" + C.table(f"New process: open + first lookup, {op['entries']} entries "
+                                 f"(page cache {'dropped' if op['page_cache_dropped'] else 'not dropped'})",
+                                 ["open", "first lookup", "open + first lookup"],
+                                 [[C.fmt(op["open_s"], "s"), C.fmt(op["first_lookup_s"], "s"),
+                                   C.fmt(op["open_plus_first_lookup_s"], "s")]])
     return out
 
 
@@ -174,4 +234,9 @@ def headline_rows(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
     if cli:
         out.append(("kvstore ls on an empty directory", C.fmt(cli["ls_empty_s"], "s"),
                     f"python -c pass {C.fmt(cli['python_s'], 's')} (fresh processes, median)"))
+    op = doc.get("open_startup")
+    if op:
+        out.append((f"new process: open + first lookup, {op['entries']} entries",
+                    C.fmt(op["open_plus_first_lookup_s"], "s"),
+                    f"page cache {'dropped' if op['page_cache_dropped'] else 'not dropped'} (median of {len(op['runs'])})"))
     return out

@@ -182,6 +182,57 @@ def open_regular(path: Path, *, dir_fd: int | None = None) -> int:
     return fd
 
 
+MAX_FOREIGN = 64 << 20  # bytes ``read_foreign`` reads of a file kvstore did not write
+
+
+def open_foreign(path: Path, *, follow: bool = True) -> int:
+    """A blocking read-only descriptor of a file kvstore did not write (a model
+    directory's config, tokenizer, weights, code; a file a record's metadata names) if it
+    is a regular file; OSError otherwise (EINVAL for a FIFO, device, socket or directory).
+    The open itself never blocks on a FIFO or device: it is non-blocking, the type checked
+    on the open descriptor. ``follow=False`` refuses a symlink at the last component
+    (ELOOP); hub snapshots are made of symlinks, so model files follow them."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_foreign(path: Path, *, follow: bool = True, limit: int = MAX_FOREIGN) -> bytes:
+    """The bytes of a file kvstore did not write, opened by ``open_foreign``; OSError
+    (EFBIG) when it holds more than ``limit`` bytes, which no metadata file does."""
+    fd = open_foreign(path, follow=follow)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+    return data
+
+
+def special_files(directory: Path) -> list[Path]:
+    """The entries of ``directory`` (not recursive) that are FIFOs, devices or sockets,
+    symlinks followed: what a library opening the directory's files would block on."""
+    out = []
+    try:
+        with os.scandir(directory) as it:
+            for e in it:
+                try:
+                    mode = e.stat().st_mode
+                except OSError:
+                    continue
+                if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                    out.append(Path(e.path))
+    except OSError:
+        pass
+    return out
+
+
 def real_dir(path: Path) -> bool:
     """``path`` is a directory itself, not a symlink to one."""
     try:

@@ -20,11 +20,17 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from . import blobs
-from .disk import DiskTier
-from .index import CORRUPTION, IndexFailure, IndexOpenError
+from .index import CORRUPTION, Index, IndexFailure, IndexOpenError
 from .index.core import DAMAGED, STAMP
+from .records import MAX_CHUNK
+
+if TYPE_CHECKING:  # imported by ``open_disk`` only: ``kvstore ls`` starts without it
+    from .disk import DiskTier
+
+T = TypeVar("T")
 
 MEMO = "file-digests.json"  # the identity's file-digest memo (``identity.DigestMemo``)
 
@@ -115,10 +121,14 @@ def access_problem(path: Path, *, write: bool, shared: bool) -> str | None:
 
 
 def _access(path: Path, *, readonly: bool, shared: bool) -> None:
-    """StoreOpenError naming the first file or directory of the store this user cannot use."""
+    """StoreOpenError naming the first file or directory of the store this user cannot use.
+    The fan-out directories (up to 256: as many inode reads on a cold start) are checked
+    only in a shared directory, where other members make them: in a private one, nobody
+    else can write ``blobs/`` (``untrusted_dir``), so they are this user's; a write kvstore
+    cannot make there still fails counted (``write_errors``) and said in the log."""
     checks = [(path / "index", not readonly), (path / "index" / "lock.mdb", True),
               (path / "index" / "data.mdb", not readonly), (path / "blobs", not readonly)]
-    if not readonly:  # (the digest memo only costs a warning: ``identity.DigestMemo``)
+    if shared and not readonly:  # (the digest memo only costs a warning: ``identity.DigestMemo``)
         checks += [(Path(d.path), True) for d in _subdirs(path / "blobs")]
     for p, write in checks:
         why = access_problem(p, write=write, shared=shared)
@@ -147,12 +157,62 @@ def _make_root(path: Path, shared: bool) -> None:
         os.chmod(path, 0o2770)
 
 
-def open_disk(path: Path, chunk_tokens: int = 256, *, shared_dir: bool = False, readonly: bool = False) -> DiskTier:
+def chunk_size(stored: bytes | None, asked: int, where: Path) -> int:
+    """The directory's chunk size: the stored one (``asked`` if none is stored yet);
+    IndexOpenError if it is not one kvstore writes (a damaged or crafted record)."""
+    if stored is None:
+        return int(asked)
+    try:
+        n = int(stored)
+    except ValueError:
+        n = 0
+    if not 0 < n <= MAX_CHUNK:
+        raise IndexOpenError(f"index {where} records chunk_tokens={stored[:24]!r}, which kvstore never writes "
+                             "(a damaged or foreign index): use another cache directory, or remove this one "
+                             "(its cache is rebuilt as requests come)")
+    return n
+
+
+class IndexDir:
+    """A cache directory opened for reading its index only (``kvstore ls``): what a
+    ``DiskTier`` holds without its lookup and restore code, so the command starts without
+    importing them. ``root``, ``blob_root``, ``modes``, ``index``, ``close``."""
+
+    def __init__(self, root: Path, *, shared_dir: bool = False) -> None:
+        self.root = Path(root)
+        self.blob_root = self.root / "blobs"
+        self.modes = blobs.Modes.of(self.root, shared_dir)
+        self.index = Index(self.root, readonly=True, modes=self.modes)
+        try:  # refused as the disk tier refuses it: a chunk size kvstore never writes
+            chunk_size(self.index.meta(b"chunk_tokens"), 1, self.index.path)
+        except IndexOpenError:
+            self.index.close()
+            raise
+
+    def close(self) -> None:
+        self.index.close()
+
+
+def open_disk(path: Path, chunk_tokens: int = 256, *, shared_dir: bool = False, readonly: bool = False) -> "DiskTier":
     """The disk tier of cache directory ``path``, created if needed (unless ``readonly``),
-    after checking that kvstore may trust it (``untrusted_dir``) and that this user can
-    use every file of it (``access_problem``); StoreOpenError saying why and what to do
-    otherwise. A private directory this user owns is made 0700 if an earlier version left
-    it readable by others."""
+    after the checks of ``_opened``; StoreOpenError saying why and what to do otherwise."""
+    from .disk import DiskTier
+
+    return _opened(lambda: DiskTier(path, chunk_tokens=chunk_tokens, readonly=readonly, shared_dir=shared_dir),
+                   path, shared_dir=shared_dir, readonly=readonly)
+
+
+def open_index_dir(path: Path, *, shared_dir: bool = False) -> IndexDir:
+    """Cache directory ``path`` opened read-only for its index (``IndexDir``), after the
+    same checks as ``open_disk``."""
+    return _opened(lambda: IndexDir(path, shared_dir=shared_dir), path, shared_dir=shared_dir, readonly=True)
+
+
+def _opened(make: "Callable[[], T]", path: Path, *, shared_dir: bool, readonly: bool) -> "T":
+    """``make()`` after checking that kvstore may trust directory ``path``
+    (``untrusted_dir``) and that this user can use every file of it (``access_problem``);
+    StoreOpenError saying why and what to do otherwise. A private directory this user
+    owns is made 0700 if an earlier version left it readable by others."""
     try:
         is_file = path.exists() and not path.is_dir()
     except OSError as e:  # ENAMETOOLONG, EACCES on a parent, ELOOP...: pathlib does not swallow these
@@ -175,7 +235,7 @@ def open_disk(path: Path, chunk_tokens: int = 256, *, shared_dir: bool = False, 
         raise StoreOpenError(f"cache directory {path} is not writable: fix its permissions or pass another --cache-dir")
     _access(path, readonly=readonly, shared=shared_dir)
     try:
-        return DiskTier(path, chunk_tokens=chunk_tokens, readonly=readonly, shared_dir=shared_dir)
+        return make()
     except OSError as e:
         raise StoreOpenError(f"cannot open cache directory {path}: {e}") from None
     except (IndexOpenError, blobs.BlobError, *CORRUPTION, IndexFailure) as e:

@@ -33,13 +33,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import xxhash
 
 from . import alloc, blobs, written
+from .cachedir import chunk_size as _chunk_size  # the index-only open checks it too
 from .cuts import CutRefused, bound, serves
 from .identity import Identity
 from .layouts import ArraySpec
 from .index import Index, IndexOpenError, Reader, WriteTxn
 from .keys import TOKEN_BYTES, boundaries, chunk_key, encode_tokens, entry_key, root_key
 from .keys import common_tokens as _common
-from .records import MAX_CHUNK, ChunkRecord, EntryRecord, Kind, PackRecord, RecordError, Segment
+from .records import ChunkRecord, EntryRecord, Kind, PackRecord, RecordError, Segment
 from .segments import SegmentMeta, SegmentMismatch
 
 if TYPE_CHECKING:
@@ -400,22 +401,6 @@ class DiskTier:
                     t.set_entry(key, rec.touched(when, n))
 
         self.index.transact(run)
-
-
-def _chunk_size(stored: bytes | None, asked: int, where: Path) -> int:
-    """The directory's chunk size: the stored one (``asked`` if none is stored yet);
-    IndexOpenError if it is not one kvstore writes (a damaged or crafted record)."""
-    if stored is None:
-        return int(asked)
-    try:
-        n = int(stored)
-    except ValueError:
-        n = 0
-    if not 0 < n <= MAX_CHUNK:
-        raise IndexOpenError(f"index {where} records chunk_tokens={stored[:24]!r}, which kvstore never writes "
-                             "(a damaged or foreign index): use another cache directory, or remove this one "
-                             "(its cache is rebuilt as requests come)")
-    return n
 
 
 # ----------------------------------------------------------------------------- planning

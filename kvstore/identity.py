@@ -12,7 +12,8 @@ An entry is only ever returned to the identity that wrote it. The digest covers:
 - adapter and draft model files, when the caller has them,
 - custom model code (``model_code``): with ``"model_file"`` in config.json mlx-lm builds
   the model from that file (``trust_remote_code``); it and every ``*.py`` under the model
-  directory (what it may import or load beside it) are hashed and watched like weights,
+  directory (what it may import or load beside it) are hashed, the model file also
+  watched like weights (``source_files`` says why the rest is not),
 - the model's implementation (``code_digest``): the source of the mlx-lm module that
   builds the model, of every ``mlx_lm.models`` module it uses (RoPE, attention helpers),
   and of the cache classes in its layout, so an mlx-lm upgrade that changes how KV is
@@ -20,8 +21,14 @@ An entry is only ever returned to the identity that wrote it. The digest covers:
 - kvstore's format version.
 
 mlx / mlx-lm versions are recorded, not hashed: the code digest is what decides.
-``watch`` gives the stat signature of every file an identity was derived from, so a
-process notices a model directory that changed under it (see ``KVStore.identity``).
+``watch`` gives the stat signature of the files an identity was derived from, so a
+process notices a model directory that changed under it (see ``KVStore.identity``): a
+fixed set whatever the directory holds (it is taken on every fetch and insert).
+
+A model directory is not kvstore's: every file of it is read through ``blobs.read_foreign``
+/ ``open_foreign`` (non-blocking open, regular files only), and a directory holding a FIFO,
+device or socket is refused before mlx-lm opens anything in it (``check_model_dir``), so a
+directory named by a file's metadata can never block an import or a server.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from typing import Any
 
 import xxhash
 
+from .blobs import open_foreign, read_foreign, special_files
 from .keys import FORMAT_VERSION
 from .layouts import layout_from_config
 
@@ -144,14 +152,7 @@ class DigestMemo:
 def hash_file(path: Path) -> str:
     """xxh3-128 of a regular file (a symlink to one is fine: hub snapshots are made of
     them). OSError for a FIFO or device, without waiting on it."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
+    fd = open_foreign(path)
     h = xxhash.xxh3_128()
     with os.fdopen(fd, "rb") as f:
         while chunk := f.read(16 << 20):
@@ -169,17 +170,45 @@ def _hash_files(files: list[Path], memo: DigestMemo | None = None) -> str | None
     return h.hexdigest()
 
 
+def _text(path: Path) -> str | None:
+    """A model file's text (``read_foreign``), None when there is none; OSError for a
+    file that is there but not a regular file or not readable."""
+    try:
+        return read_foreign(path).decode("utf-8")
+    except FileNotFoundError:
+        return None
+
+
+def read_config(model_dir: Path) -> dict:
+    """A model directory's config.json ({} when it has none); OSError for one that is not
+    a regular file, ValueError for one that is not a JSON object."""
+    text = _text(Path(model_dir) / "config.json")
+    config = json.loads(text) if text is not None else {}
+    if not isinstance(config, dict):
+        raise ValueError(f"{model_dir}/config.json is not a JSON object")
+    return config
+
+
+def check_model_dir(model_dir: Path) -> None:
+    """OSError naming the first FIFO, device or socket in ``model_dir``: mlx-lm and the
+    tokenizer libraries open its files with a blocking open."""
+    odd = special_files(Path(model_dir))
+    if odd:
+        raise OSError(errno.EINVAL, "not a regular file (a FIFO, device or socket in a model directory)", str(odd[0]))
+
+
 def _chat_template(model_dir: Path) -> str | None:
     parts = []
-    cfg = model_dir / "tokenizer_config.json"
-    if cfg.exists():
+    cfg = _text(model_dir / "tokenizer_config.json")
+    if cfg is not None:
         try:
-            parts.append(json.dumps(json.loads(cfg.read_text()).get("chat_template"), sort_keys=True))
-        except ValueError:
-            parts.append(cfg.read_text())
+            parts.append(json.dumps(json.loads(cfg).get("chat_template"), sort_keys=True))
+        except (ValueError, AttributeError):
+            parts.append(cfg)
     for name in TEMPLATE_FILES:
-        if (model_dir / name).exists():
-            parts.append((model_dir / name).read_text())
+        text = _text(model_dir / name)
+        if text is not None:
+            parts.append(text)
     return xxhash.xxh3_128_hexdigest("\0".join(parts).encode()) if parts else None
 
 
@@ -197,8 +226,8 @@ def code_files(model_dir: Path) -> tuple[list[Path], list[Path]]:
     static reading sees (``importlib``, ``exec``, paths built from ``__file__``), a model
     directory holds few of them, and hashing one too many only costs a cold cache."""
     try:
-        main = json.loads((model_dir / "config.json").read_text()).get("model_file")
-    except (OSError, ValueError, AttributeError):
+        main = read_config(model_dir).get("model_file")
+    except (OSError, ValueError):
         return [], []
     if not isinstance(main, str) or not main:
         return [], []
@@ -227,18 +256,28 @@ def _code_component(model_dir: Path) -> str | None:
 
 
 def source_files(model_dir: Path) -> list[Path]:
-    """Every file an identity of ``model_dir`` is derived from, the directories included
-    (their mtime changes when a file is added, removed or renamed in)."""
+    """The files ``watch`` follows for an identity of ``model_dir``: the directory itself
+    (its mtime changes when a file is added, removed or renamed in), its weights, config,
+    tokenizer and template files and its ``model_file``: a set that does not grow with the
+    directory's tree. The other ``*.py`` of a ``model_file`` model are hashed when the
+    identity is derived, not watched: Python imports a module once per process (mlx-lm
+    runs ``model_file`` afresh at each load, its imports come from ``sys.modules``), so
+    the code a running process computes with is the code it derived its identity from,
+    and a new process hashes the tree again."""
     names = ("config.json",) + TOKENIZER_FILES + TEMPLATE_FILES
-    code, dirs = code_files(model_dir)
-    extra = [p for p in dirs[1:] + code if p.exists()]
+    try:
+        main = read_config(model_dir).get("model_file")
+    except (OSError, ValueError):
+        main = None
+    code = [model_dir / main] if isinstance(main, str) and main else []
+    extra = [p for p in code if p.exists()]
     return [model_dir] + weight_files(model_dir) + [model_dir / n for n in names if (model_dir / n).exists()] + extra
 
 
 def watch(*dirs: Path | None) -> tuple:
     """The stat signature of every file identities of ``dirs`` derive from: equal
-    signatures mean unchanged files (see ``file_stamp``). A few stat calls per directory,
-    cheap enough to take on every use of an identity."""
+    signatures mean unchanged files (see ``file_stamp``). A few stat calls per directory
+    (``source_files``: a fixed set), cheap enough to take on every use of an identity."""
     out: list = []
     for d in dirs:
         if d is None:
@@ -256,8 +295,8 @@ def dir_components(model_dir: Path, memo: DigestMemo | None = None) -> dict[str,
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
-    config_path = model_dir / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    check_model_dir(model_dir)
+    config = read_config(model_dir)
     comps = {
         "weights": _hash_files(weight_files(model_dir), memo),
         "config": xxhash.xxh3_128_hexdigest(json.dumps(config, sort_keys=True).encode()),
@@ -351,7 +390,7 @@ def model_identity(
     comps["kv_bits"] = kv_bits
     comps["kv_group_size"] = kv_group_size if kv_bits else None
     comps["layout"] = layout if layout is not None else layout_from_config(model_path)
-    config = json.loads((model_path / "config.json").read_text()) if (model_path / "config.json").exists() else {}
+    config = read_config(model_path)
     comps["code"] = code_digest(config, comps["layout"])
     try:
         import mlx.core as mx

@@ -99,7 +99,9 @@ def _lazy_model(model_dir: Path) -> tuple[Any, bool]:
     except Exception:
         from mlx_lm.utils import _get_classes  # present in mlx-lm 0.31 and 0.32
 
-        config = json.loads((model_dir / "config.json").read_text())
+        from .blobs import read_foreign
+
+        config = json.loads(read_foreign(model_dir / "config.json"))
         model_cls, args_cls = _get_classes(config)
         return model_cls(args_cls.from_dict(config)), False
 

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Hashable
 
+import mlx.core as mx
 from mlx_lm.models.cache import PromptTrie, PromptTrieResult
 
 from . import codec
@@ -175,12 +176,16 @@ class MemoryTier:
 
     def lookup(self, model: Hashable, tokens: list[int]) -> tuple[list[Any] | None, int, Snapshot | None]:
         """mlx-lm's ``fetch_nearest_cache`` rules: (fresh cache or None, tokens it holds,
-        the snapshot it came from)."""
+        the snapshot it came from). The cache's arrays are evaluated: any thread may use them."""
         for snap, stored, n in self._find(model, tokens):
             cache = snap.materialize()
             if n < len(stored):  # a longer entry, trimmed back to the common prefix (_find allowed it)
                 for c in cache:
                     c.trim(len(stored) - n)
+            # Evaluated here, as a disk restore is: the views were made on this thread's
+            # stream, and MLX streams are per thread (Metal, MLX >= 0.31.2), so a host
+            # running the model on another thread could not evaluate them.
+            mx.eval([a for c in cache for a in codec.layer_arrays(c)])
             self._touch(model, stored)
             return cache, n, snap
         return None, 0, None

@@ -146,6 +146,7 @@ class KVStore:
                 if on_disk_error != "memory":
                     raise
                 log.warning("kvstore: %s; serving from memory only", e)
+                self._record_memory_only("*", f"the cache directory cannot be used: {e}")
         self.memo = DigestMemo(self.cache_dir / MEMO if self.disk else None, self.disk.modes if self.disk else None)
         self.shared = _open_shared(shared, queue_size) if self.disk else None
         self.writer = Writer(queue_size) if self.disk else None
@@ -213,11 +214,13 @@ class KVStore:
                                        kv_bits=self._kv_quant[0], kv_group_size=self._kv_quant[1])
                 if self.disk is not None:
                     self.disk.index.put_identity(ident.digest, ident.info)
-        except Exception as e:  # unresolvable: memory only, said once
+        except Exception as e:  # unresolvable: memory only, said once (and in stats())
             self._warn_once("identity", "kvstore: no identity for model %r (%s); memory only", model, e)
+            self._record_memory_only(str(model)[:200], f"no identity for the model ({e})")
         if ident is None:
             dirs = None
             self._warn_once("identity", "kvstore: model %r is not a local directory; memory only", model)
+            self._record_memory_only(str(model)[:200], "the model is not a local directory: no identity")
         self._idents[key] = (ident, dirs, stamp)
         return ident
 
@@ -237,8 +240,9 @@ class KVStore:
         path = ident.info.get("path")
         if path:
             try:
-                import json
-                cfg = json.loads((Path(path) / "config.json").read_text())
+                from .identity import read_config
+
+                cfg = read_config(Path(path))
                 v = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
                 vocab = int(v) if v else None
             except (OSError, ValueError, TypeError, AttributeError):
@@ -518,8 +522,6 @@ class KVStore:
                 if not self._inserting[me]:
                     del self._inserting[me]
                 self._inserted.notify_all()
-        if snap.tensors is not None:
-            mx.eval(list(snap.tensors.values()))  # views: free once the cache is computed
         if snap.tensors is not None and self._disk_on(ident) and covered > 0:
             host = self._host_views(snap)
             if host is not None:
@@ -550,7 +552,12 @@ class KVStore:
         snap, covered, why = self._snapshot(cache, len(tokens), cache_type)
         if why is not None:
             self._note_memory_only(model, ident, why)
-        with self._lock:  # from here on a lookup finds it (its arrays may still be computing)
+        # Evaluated before any lookup can find it: its views are made on this thread's
+        # stream, and MLX streams are per thread (Metal, MLX >= 0.31.2), so no other thread
+        # could evaluate them. (Views: free once the caller's cache is computed.)
+        mx.eval([a for c in snap.opaque for a in codec.layer_arrays(c)] if snap.opaque is not None
+                else list((snap.tensors or {}).values()))
+        with self._lock:  # from here on a lookup finds it
             self._pending.append((self._mem_key(model, ident, salt), tokens, snap))
         return snap, covered, ident, enc
 
@@ -582,12 +589,23 @@ class KVStore:
         """Count a cache kvstore cannot persist; say why once per model (in the log and in
         ``stats()["memory_only_reason"]``, at most 64 models named)."""
         self._counters.add("unpersistable")
-        name = ident.name if ident is not None else str(model)[:200]
+        self.note_memory_only(ident.name if ident is not None else str(model)[:200], why)
+
+    def note_memory_only(self, name: str, why: str) -> None:
+        """Say once, in the log and in ``stats()["memory_only_reason"]``, that ``name``'s
+        caches are kept in memory only and why (an engine adapter that cannot give the
+        store an identity says so here: a restart then prefills everything again)."""
+        if self._record_memory_only(name, why):
+            log.warning("kvstore: %s: %s; its caches are served from memory only", name, why)
+
+    def _record_memory_only(self, name: str, why: str) -> bool:
+        """``why`` into ``stats()["memory_only_reason"][name]`` (at most 64 names); True if
+        it is new."""
         with self._lock:
             if name in self._memory_only or len(self._memory_only) >= 64:
-                return
+                return False
             self._memory_only[name] = why
-        log.warning("kvstore: %s: %s; its caches are served from memory only", name, why)
+        return True
 
     def _snapshot(self, cache: list[Any], n_tokens: int, cache_type: str) -> tuple[Snapshot, int, str | None]:
         """(the snapshot, positions it covers, why it cannot be persisted or None)."""
@@ -951,10 +969,10 @@ def _open_shared(shared: Any, queue_size: int) -> "SharedTier | None":
     """The shared tier named by ``shared`` (see ``KVStore``), or None. A URL that does not
     parse raises ValueError (a configuration error, said at start-up); a server that does
     not answer is not an error here: every call is then a counted miss."""
+    if shared is False or ((shared is None or shared is True) and not os.environ.get("KVSTORE_SHARED", "").strip()):
+        return None  # (the shared package is not even imported: a start without it is sooner)
     from .shared import SharedConfig
 
-    if shared is False:
-        return None
     config = SharedConfig.from_env() if shared is None or shared is True else (
         shared if isinstance(shared, SharedConfig) else SharedConfig.from_url(str(shared)))
     if config is None:

@@ -163,3 +163,25 @@ def test_image_keys_through_the_shared_tier(tiny_llama: Any, tmp_path: Path, red
         assert all(np.array_equal(x, y) for x, y in zip(arrays(got.cache), arrays(cache_a)))
         other = b.fetch(model, key_b)
         assert other.n <= start, other.n
+
+
+def test_memory_only_fallbacks_are_in_stats(tmp_path) -> None:
+    """Every way the store falls back to memory only is said in ``stats()`` as well as the
+    log, for the adapters built on it (mlx-lm's LRUPromptCache, vllm-mlx, the server): a
+    model key that is not a local directory, and a cache directory that cannot be used.
+    Before: only the log said so (``memory_only_reason`` stayed empty)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from kvstore import LRUPromptCache
+
+    cache = LRUPromptCache(cache_dir=tmp_path / "kv")
+    c = KVCache()
+    c.update_and_fetch(mx.zeros((1, 2, 8, 4)), mx.zeros((1, 2, 8, 4)))
+    cache.insert_cache("no-such-model-dir", list(range(8)), [c])
+    assert "not a local directory" in cache.stats()["memory_only_reason"]["no-such-model-dir"]
+    cache.close()
+    (tmp_path / "file").write_text("x")
+    broken = LRUPromptCache(cache_dir=tmp_path / "file")
+    assert "cannot be used" in broken.stats()["memory_only_reason"]["*"]
+    broken.close()

@@ -276,3 +276,94 @@ def test_a_node_group_restores_the_same_length_on_every_node(tmp_path: Path, fam
     assert all(p.returncode == 0 for p in procs), [err[-3000:] for _, err in outs]
     got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert [(g["n"], g["oracle"], g["index"], g["entries"]) for g in got] == [(want, True, 0, 1)] * 2, got
+
+
+def test_built_without_a_model_path_says_memory_only_once(tmp_path: Path, tiny_llama, caplog) -> None:
+    """An ``ExoPrefixCache`` built without a model path (outside ``install()``, or by an exo
+    whose builder the patch misses) still serves from memory, and says once, in the log and
+    in ``stats()["memory_only_reason"]``, that nothing reaches disk; so does one whose model
+    directory has no identity. Before: it ran memory-only without a word (no ``stats()``)."""
+    import logging
+
+    model, _ = tiny_llama
+    prompt = tokens(80, 7)
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        pc = ExoPrefixCache(None, cache_dir=tmp_path / "kv", chunk_tokens=64)
+        for _ in range(2):
+            pc.add_kv_cache(mx.array(prompt), oracle.prefill(model, prompt))
+            assert pc.get_kv_cache(model, mx.array(prompt))[2] is not None  # memory hits
+    said = [r.getMessage() for r in caplog.records if "without a model path" in r.getMessage()]
+    assert len(said) == 1 and "prefilled again" in said[0], said
+    assert "without a model path" in pc.stats()["memory_only_reason"]["exo"]
+    assert not (tmp_path / "kv").exists()
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("[")
+    pc = ExoPrefixCache(None, model_path=broken, cache_dir=tmp_path / "kv2", chunk_tokens=64)
+    pc.add_kv_cache(mx.array(prompt), oracle.prefill(model, prompt))
+    assert "no identity for exo model" in pc.stats()["memory_only_reason"]["exo"]
+
+
+EXO_MAIN = '''
+import multiprocessing as mp
+import os
+
+
+def runner(log):
+    with open(log, "a") as f:
+        f.write(f"runner {os.getpid()}\\n")
+
+
+def main():
+    """exo's main's shape for this purpose: it spawns its runners (macOS's default start
+    method, and Python 3.14's forkserver on Linux, import the launcher again in each)."""
+    log = os.environ["EXO_LAUNCH_LOG"]
+    with open(log, "a") as f:
+        f.write(f"main {os.getpid()}\\n")
+    p = mp.get_context("spawn").Process(target=runner, args=(log,))
+    p.start()
+    p.join()
+    assert p.exitcode == 0, p.exitcode
+'''
+
+
+def _launchers() -> dict[str, str]:
+    """The exo launcher as the docs (docs/adapters.md) and the adapter's docstring give it."""
+    import re
+
+    import kvstore.adapters.exo as adapter
+
+    readme = (ROOT / "docs" / "adapters.md").read_text()
+    block = re.search(r"```python\n(from kvstore\.adapters import exo as kv_exo\n.*?)```", readme, re.S)
+    doc = adapter.__doc__ or ""
+    usage = doc[doc.index("Usage"):].split("::\n", 1)[1]
+    lines = []
+    for line in usage.splitlines()[1:]:
+        if line and not line.startswith("    "):
+            break
+        lines.append(line[4:])
+    assert block is not None and lines
+    return {"docs": block.group(1), "docstring": textwrap.dedent("\n".join(lines))}
+
+
+@pytest.mark.parametrize("where", ["docs", "docstring"])
+def test_launcher_runs_main_once_when_exo_spawns_runners(tmp_path: Path, where: str) -> None:
+    """The exo launcher of README and of the adapter's docstring, run as a script whose
+    ``exo.main.main`` spawns a runner (exo's shape, stand-in packages: exo cannot be
+    installed here): ``install`` and ``main`` run once, in the launcher's process, and the
+    spawned runner runs. Before: both sat at module level, so the spawned runner, importing
+    the launcher again, ran ``main`` again (and could not start its own runner)."""
+    root = tmp_path / "pkgs"
+    mlx_pkg = root / "exo" / "worker" / "engines" / "mlx"
+    mlx_pkg.mkdir(parents=True)
+    for d in (root / "exo", root / "exo" / "worker", root / "exo" / "worker" / "engines", mlx_pkg):
+        (d / "__init__.py").write_text("")
+    (mlx_pkg / "builder.py").write_text(BUILDER)
+    (root / "exo" / "main.py").write_text(EXO_MAIN)
+    launcher = tmp_path / "launch_exo.py"
+    launcher.write_text(_launchers()[where].replace("~/.cache/kvstore", str(tmp_path / "kv")))
+    log = tmp_path / "launch.log"
+    p = subprocess.run([sys.executable, str(launcher)], capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+                       env=dict(os.environ, PYTHONPATH=f"{root}:{ROOT}", EXO_LAUNCH_LOG=str(log)))
+    runs = [ln.split()[0] for ln in log.read_text().splitlines()] if log.exists() else []
+    assert p.returncode == 0 and runs == ["main", "runner"], (runs, p.stderr[-3000:])

@@ -26,14 +26,19 @@ the device rank and world size. A node never restores another shard's KV; a rest
 node with the same shard finds its own. With a group, every node restores the same number
 of tokens (``_agree``), as exo's pipeline needs.
 
-Usage (exo is not on PyPI; see README, exo)::
+Usage (exo is not on PyPI; see docs/adapters.md, exo)::
 
     from kvstore.adapters import exo as kv_exo
-    kv_exo.install(cache_dir="~/.cache/kvstore")   # in exo's main process, before it starts
-    from exo.main import main; main()              # runners (spawned) install it themselves
+
+    if __name__ == "__main__":  # exo spawns its runners: each imports this file again
+        kv_exo.install(cache_dir="~/.cache/kvstore")  # in exo's main process, before it starts
+        from exo.main import main
+        main()                                         # runners (spawned) install it themselves
 
 ``ExoPrefixCache(group, model_path=..., shard=...)`` can also be built directly; without a
-``model_path`` it runs memory-only (no identity for the disk). exo's own prefix-cache tests
+``model_path`` it runs memory-only (no identity for the disk), and says so once in the log
+and in ``stats()["memory_only_reason"]``: built outside ``install()``, or by an exo whose
+builder the patch does not reach, every prompt is prefilled again after a restart. exo's own prefix-cache tests
 (at b5375f8) pass against this class, with hits from memory and from disk.
 """
 
@@ -64,7 +69,10 @@ _EXO_CACHE = "exo.worker.engines.mlx.cache"
 _BUILDER = "exo.worker.engines.mlx.builder"
 INSTALL_HINT = ("exo is not on PyPI: install it from its git repository, "
                 "git clone https://github.com/exo-explore/exo && cd exo && uv sync "
-                "(or pip install -e . in a Python 3.13 environment); see README, exo")
+                "(or pip install -e . in a Python 3.13 environment); see docs/adapters.md, exo")
+NO_MODEL_PATH = ("ExoPrefixCache was built without a model path (outside kvstore.adapters.exo.install(), or by "
+                 "an exo version whose builder the patch misses): no identity, nothing reaches disk, and after a "
+                 "restart every prompt is prefilled again")
 # What ``install`` hands to caches built while exo's builder runs: options, model, shard.
 _BUILD: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("kvstore_exo", default=None)
 
@@ -236,6 +244,8 @@ class ExoPrefixCache:
                    **ctx.get("store_options", {}), **store_options}
         self.store = store or KVStore(cache_dir if cache_dir is not None else ctx.get("cache_dir"),
                                       memory_only=self.model_path is None, **options)
+        if self.model_path is None:
+            self.store.note_memory_only("exo", NO_MODEL_PATH)
         self._ident: Identity | None = None
         self.prompts: list[mx.array] = []
         self.prefill_tps: list[float] = []
@@ -340,6 +350,11 @@ class ExoPrefixCache:
         so the first request does not wait for it; ``install`` calls it when exo builds."""
         self._identity(make_kv_cache(model))
 
+    def stats(self) -> dict[str, Any]:
+        """The store's counters; ``memory_only_reason`` says why this node's caches are
+        kept in memory only, when they are."""
+        return self.store.stats()
+
     def close(self) -> None:
         """Flush pending disk writes and release the index (exo never calls it; the store
         also flushes at interpreter exit)."""
@@ -351,18 +366,20 @@ class ExoPrefixCache:
         """This node's identity, derived once from the first cache seen (its layout is the
         same for every cache of this node); memory-only without a model directory."""
         if self._ident is None:
-            ident = None
+            ident, why = None, None
             if self.model_path is not None:
                 try:
                     ident = exo_identity(self.model_path, self.shard, cache, self.store.memo)
                 except Exception as e:  # an unusable model dir costs the disk tier, never a request
-                    log.warning("kvstore: no identity for exo model %s (%s); memory only", self.model_path, e)
+                    why = f"no identity for exo model {self.model_path} ({e})"
             if ident is None:  # a throwaway identity, in a store that never writes to disk
                 ident = Identity.from_components({"exo-memory-only": os.urandom(16).hex()}, name="exo (memory only)")
                 if self.store.disk is not None:
                     self.store.close()
                     self.store = KVStore(memory_only=True, max_entries=self.store.memory.max_entries,
                                          max_bytes=self.store.memory.max_bytes, touch_on_hit=True)
+                if why is not None:
+                    self.store.note_memory_only("exo", why)
             self._ident = salted(ident, self.salt) or ident
             self.store.register(self._ident.digest, self._ident)
         return self._ident

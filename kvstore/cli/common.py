@@ -85,9 +85,11 @@ def cache_dir(args: argparse.Namespace) -> Path:
     return default_cache_dir()
 
 
-def open_disk(args: argparse.Namespace, *, write: bool = False):
-    """The cache directory's DiskTier: read-only unless ``write``. Raises CLIError."""
-    from ..cachedir import StoreOpenError, open_disk as open_store_disk
+def open_disk(args: argparse.Namespace, *, write: bool = False, index_only: bool = False):
+    """The cache directory's DiskTier: read-only unless ``write``; with ``index_only`` a
+    read-only ``cachedir.IndexDir`` (its index, no lookup or restore code: the command
+    starts sooner). Raises CLIError."""
+    from ..cachedir import StoreOpenError, open_disk as open_store_disk, open_index_dir
 
     root = cache_dir(args)
     hint = "pass --cache-dir DIR (or set KVSTORE_DIR) naming the directory your servers use"
@@ -98,6 +100,8 @@ def open_disk(args: argparse.Namespace, *, write: bool = False):
     if not (root / "index" / "data.mdb").is_file():
         raise CLIError(f"{root} is not a kvstore cache directory (it has no index/data.mdb): {hint}")
     try:
+        if index_only and not write:
+            return open_index_dir(root, shared_dir=getattr(args, "shared_dir", False))
         return open_store_disk(root, shared_dir=getattr(args, "shared_dir", False), readonly=not write)
     except StoreOpenError as e:
         extra = "" if write else " (read-only commands still need write access to index/lock.mdb)"

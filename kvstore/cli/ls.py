@@ -69,7 +69,7 @@ def _dtype(disk, items: list[tuple[bytes, Any]], info: Any) -> str | None:
 def run(args: argparse.Namespace) -> int:
     if args.shared is not None:  # a shared tier, not a cache directory
         return shared_tier.run_ls(args)
-    disk = common.open_disk(args)
+    disk = common.open_disk(args, index_only=True)
     try:
         data = collect(disk)
     finally:

@@ -152,9 +152,14 @@ def _write(path: Path, cache: list[Any], meta: dict[str, str]) -> None:
 def import_file(args: argparse.Namespace) -> int:
     from ..store import local_model_dir
 
+    from ..blobs import special_files
+
     model_dir = local_model_dir(args.model)
     if model_dir is None:
         raise common.CLIError(f"model {args.model!r} is not a directory (nor a repo in the local Hugging Face cache)")
+    odd = special_files(model_dir)  # mlx-lm and the tokenizer would block on a FIFO there
+    if odd:
+        raise common.CLIError(f"--model {model_dir}: {odd[0]} is not a regular file; nothing stored")
     cache, meta = _load(args.file)
     held = _held(cache)
     tokens = _tokens(meta, args, model_dir)

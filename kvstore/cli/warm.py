@@ -144,6 +144,11 @@ def _load(model_dir: Path) -> tuple[Any, Any]:
 
     from .progress import Progress
 
+    from ..blobs import special_files
+
+    odd = special_files(model_dir)  # mlx-lm would block on a FIFO there
+    if odd:
+        raise common.CLIError(f"cannot load model {model_dir}: {odd[0]} is not a regular file")
     try:
         with Progress(f"load model {model_dir}"):
             loaded = mlx_lm.load(str(model_dir))

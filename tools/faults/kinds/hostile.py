@@ -12,6 +12,11 @@ Trials, on copies of a populated template (``hostile_cases``):
   places, ``*.tmp`` and ``sha256-*`` files;
 - swapped weights: a model's weights replaced by others of the same size under the old
   mtime: a fresh process must miss or restore what a cold run of the new weights gives;
+- FIFOs in a model directory (issue 31.8: files kvstore did not write), at its config,
+  tokenizer, template, weights or ``model_file``: ``kvstore import`` of a file whose
+  metadata names that directory, ``import --model`` naming it, ``inspect`` decoding an
+  entry recorded under it, and a fresh process fetching under it each finish in time,
+  by themselves (a refusal, a miss or a store under the other model);
 - foreign owners and modes (root only): a group- or world-writable cache dir, index/ or
   blobs/, a cache dir of another user: StoreOpenError naming the problem and the fix,
   memory-only with a warning (``on_disk_error="memory"``, LRUPromptCache), accepted with
@@ -456,6 +461,86 @@ def _weights_trial(ctx: Ctx, t: Tally, base: Path) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
+MODEL_FIFOS = ("config.json", "model.safetensors", "tokenizer_config.json", "tokenizer.json",
+               "chat_template.jinja", "custom.py")
+FIFO_FETCH = r"""
+import json, sys
+from kvstore import KVStore
+a = json.loads(sys.argv[1])
+with KVStore(a["dir"], chunk_tokens=a["chunk"]) as s:
+    got = [s.fetch(a["model"], p).n for p in a["prompts"]]
+    print(json.dumps({"n": got, "memory_only": s.stats()["memory_only_reason"]}))
+"""
+
+
+def _model_fifo_trial(ctx: Ctx, t: Tally, base: Path) -> None:
+    """A FIFO planted in a model directory kvstore reads (config, tokenizer, template,
+    weights, custom ``model_file`` code) after a store was filled under it: every command
+    reaching that directory (through an exported file's ``model`` metadata, ``--model``,
+    the identity's recorded path, a fetch) finishes within its bound, by itself: a
+    refusal, a miss or a store under the other model, never a wait on the FIFO."""
+    from tools.models import model_path
+    work = base / "model-fifo"
+    model, cache = work / "model", work / "cache"
+    shutil.copytree(model_path("tiny-llama"), model)
+    rng = random.Random(ctx.seed * 37 + 5)
+    prompts = [random_prompt(rng, 40, 90) for _ in range(2)]
+    ctx.checker.call({"op": "weights_populate", "dir": str(cache), "model": str(model), "prompts": prompts})
+    listed = _real_cli(["ls", "--json", "--cache-dir", str(cache)])
+    try:
+        key = json.loads(listed["stdout"])["identities"][0]["entries"][0]["key"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        t.c["failed_cases"] += 1
+        t.fail("model fifo: no entry to export", stderr=listed.get("stderr"))
+        return
+    exported = work / "entry.safetensors"
+    made = _real_cli(["export", key, str(exported), "--cache-dir", str(cache)])
+    names = MODEL_FIFOS if ctx.size["hostile_all"] else MODEL_FIFOS[:2]
+    for name in names:
+        t.c["trials"] += 1
+        info = {"case": f"FIFO at {name} in the model directory"}
+        target = model / name
+        if name == "custom.py":
+            cfg = json.loads((model / "config.json").read_text())
+            (model / "config.json").write_text(json.dumps({**cfg, "model_file": name}))
+        saved = target.read_bytes() if target.is_file() else None
+        target.unlink(missing_ok=True)
+        os.mkfifo(target, 0o600)
+        d2 = ["--cache-dir", str(work / f"import-{name}")]
+        runs = {
+            "import (metadata names it)": _process([sys.executable, "-m", "kvstore.cli", "import", str(exported),
+                                                    "--model", str(model_path("tiny-llama")), *d2], 90),
+            "import --model": _process([sys.executable, "-m", "kvstore.cli", "import", str(exported),
+                                        "--model", str(model), *d2], 90),
+            "inspect": _process([sys.executable, "-m", "kvstore.cli", "inspect", key, "--cache-dir", str(cache)], 90),
+            "fetch": _process([sys.executable, "-c", FIFO_FETCH, json.dumps(
+                {"dir": str(cache), "chunk": CHUNK, "model": str(model), "prompts": prompts})], 90),
+        }
+        if made.get("rc") != 0:
+            runs.pop("import (metadata names it)")
+            runs.pop("import --model")
+        bad = {w: r for w, r in runs.items() if r.get("hung") or r.get("signal") or r.get("rc") not in (0, 1)
+               or "Traceback" in (r.get("stderr") or "")}
+        for w, r in bad.items():
+            if r.get("signal"):
+                t.c["crashes"] += 1
+            elif r.get("hung"):
+                t.c["failed_cases"] += 1
+            else:
+                t.c["escaped_exceptions"] += 1
+            t.fail(f"model fifo: {w} {'hung' if r.get('hung') else 'failed'}", **info, rc=r.get("rc"),
+                   signal=r.get("signal"), stderr=r.get("stderr"))
+        t.outcomes["model_fifo:" + ("ok" if not bad else "failed")] += 1
+        target.unlink()
+        if saved is not None:
+            target.write_bytes(saved)
+        if name == "custom.py":
+            shutil.copy(model_path("tiny-llama") / "config.json", model / "config.json")
+    if made.get("rc") != 0:
+        t.fail("model fifo: export failed, imports not tried", stderr=made.get("stderr"))
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def _modes_trial(ctx: Ctx, t: Tally, cli: Checker, base: Path) -> None:
     """Under umask 022: every directory a private store creates is 0700 and every file
     0600; a shared one gives nothing to other users."""
@@ -593,6 +678,7 @@ def run_hostile(ctx: Ctx) -> dict:
             _dir_case(ctx, t, cli, base, tpl, case, i)
             ctx.progress(t, i, len(cases))
         _weights_trial(ctx, t, base)
+        _model_fifo_trial(ctx, t, base)
         _modes_trial(ctx, t, cli, base)
         _clock_trial(ctx, t, cli, base, tpl)
         if os.geteuid() == 0:

@@ -1,0 +1,83 @@
+"""Start-up costs that must not grow back (issue 31.11): what ``kvstore ls`` imports, and
+what opening a cache directory looks at, whatever the store holds."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tests.support.children import run_py
+
+
+def test_ls_imports_no_lookup_or_identity_code(tmp_path: Path) -> None:
+    """``kvstore ls`` (empty and missing directory) imports neither the disk tier's lookup
+    and restore code nor the identity's (nor MLX): only what listing the index needs.
+    Before: ``kvstore.cachedir`` imported ``kvstore.disk`` (and through it the identity,
+    layouts, allocation code) for every command."""
+    from kvstore.cachedir import open_disk
+
+    d = tmp_path / "cache"
+    open_disk(d).close()
+    got = run_py("""
+        import json, sys
+        from kvstore.cli.main import main
+        rc = main(["ls", "--cache-dir", json.loads(sys.argv[1])])
+        heavy = ("kvstore.disk", "kvstore.identity", "kvstore.layouts", "kvstore.alloc", "mlx", "mlx_lm")
+        print(json.dumps({"rc": rc, "loaded": [m for m in heavy if m in sys.modules]}))
+    """, str(d))
+    assert got == {"rc": 0, "loaded": []}, got
+
+
+def _stats_during_open(root: Path) -> int:
+    """How many stat-like calls (lstat, stat, access) opening ``root`` writable makes."""
+    import kvstore.cachedir as cachedir
+
+    calls = 0
+    real = {n: getattr(os, n) for n in ("lstat", "stat", "access")}
+
+    def counting(name):
+        def call(*a, **k):
+            nonlocal calls
+            calls += 1
+            return real[name](*a, **k)
+        return call
+
+    try:
+        for n in real:
+            setattr(os, n, counting(n))
+        disk = cachedir.open_disk(root)
+    finally:
+        for n, f in real.items():
+            setattr(os, n, f)
+    disk.close()
+    return calls
+
+
+def test_private_open_cost_does_not_grow_with_fanout_dirs(tmp_path: Path) -> None:
+    """Opening a private cache directory looks at a fixed set of files whatever ``blobs/``
+    holds: 1 or 256 fan-out directories, the same number of stat calls (a cold start paid
+    one inode read per fan-out directory, tens of ms after a page-cache drop). Before:
+    every fan-out directory was checked at every open."""
+    from kvstore.cachedir import open_disk
+
+    counts = {}
+    for n in (1, 256):
+        root = tmp_path / f"c{n}"
+        open_disk(root).close()
+        for i in range(n):
+            (root / "blobs" / f"{i:02x}").mkdir(mode=0o700)
+        counts[n] = _stats_during_open(root)
+    assert counts[1] == counts[256], counts
+
+
+def test_store_without_a_shared_tier_does_not_import_it(tmp_path: Path) -> None:
+    """A store opened with no shared tier configured (``$KVSTORE_SHARED`` unset) imports
+    none of the shared tier's code (10 ms of a cold open here). Before: it imported the
+    package to read the environment."""
+    got = run_py("""
+        import json, sys
+        from kvstore import KVStore
+        with KVStore(json.loads(sys.argv[1])) as s:
+            print(json.dumps([m for m in sys.modules if m.startswith("kvstore.shared")]))
+    """, str(tmp_path / "cache"), env={"KVSTORE_SHARED": ""})
+    assert got == [], got
