@@ -95,7 +95,7 @@ def open_startup(ctx: C.Context) -> dict[str, Any]:
 
     from kvstore import KVStore
 
-    from .scale import DIM, HEADS, _prompts
+    from .scale import DIM, HEADS, scale_prompts
 
     n = 2_000 if ctx.quick else OPEN_ENTRIES
     d = ctx.scratch("open-startup")
@@ -103,7 +103,7 @@ def open_startup(ctx: C.Context) -> dict[str, Any]:
     base = mx.random.normal((1, HEADS, 1024, DIM), key=mx.random.key(1)).astype(mx.float16)
     mx.eval(base)
     store = KVStore(d, max_entries=10, queue_size=n + 1024)
-    for i, p in enumerate(_prompts(n)):
+    for i, p in enumerate(scale_prompts(n)):
         c = KVCache()
         c.keys, c.values, c.offset = base[..., : len(p), :], base[..., 1: len(p) + 1, :], len(p)
         store.insert(ident, p, [c])

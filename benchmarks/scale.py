@@ -36,7 +36,7 @@ HEADS, DIM = 2, 16
 LOOKUP_BUDGET_S = 30.0
 
 
-def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+def scale_prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     fam = [[rng.randrange(1, 50000) for _ in range(rng.randint(8, 24))] for _ in range(FAMILIES)]
     out = []
@@ -98,7 +98,7 @@ def open_child(cache_dir: str, n_entries: int, samples: int, drop: bool, budget_
     import_s = time.perf_counter() - t0
     store, open_s = C.timed(KVStore, cache_dir, max_entries=10)
     ident = C.bench_identity("scale")
-    prompts = _prompts(n_entries)
+    prompts = scale_prompts(n_entries)
     rng = random.Random(7)
     present = [prompts[rng.randrange(n_entries)] for _ in range(samples + 1)]
     got, first_s = C.timed(store.fetch, ident, present[0])
@@ -155,7 +155,7 @@ def run(ctx: C.Context) -> dict[str, Any]:
         open_samples = 10
     d = ctx.scratch("scale")
     ident = C.bench_identity("scale")
-    prompts = _prompts(N)
+    prompts = scale_prompts(N)
     ctx.log(f"  filling {N} entries ...")
     store = KVStore(d, max_entries=10, queue_size=N + 1024)
     base_k = mx.random.normal((1, HEADS, 4096, DIM), key=mx.random.key(1)).astype(mx.float16)
