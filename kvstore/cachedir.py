@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from . import blobs
-from .index import CORRUPTION, Index, IndexFailure, IndexOpenError
+from .index import CORRUPTION, Index, IndexFailure, IndexOpenError, chunk_size
 from .index.core import DAMAGED, STAMP
-from .records import MAX_CHUNK
 
 if TYPE_CHECKING:  # imported by ``open_disk`` only: ``kvstore ls`` starts without it
     from .disk import DiskTier
@@ -155,22 +154,6 @@ def _make_root(path: Path, shared: bool) -> None:
         return
     if shared:
         os.chmod(path, 0o2770)
-
-
-def chunk_size(stored: bytes | None, asked: int, where: Path) -> int:
-    """The directory's chunk size: the stored one (``asked`` if none is stored yet);
-    IndexOpenError if it is not one kvstore writes (a damaged or crafted record)."""
-    if stored is None:
-        return int(asked)
-    try:
-        n = int(stored)
-    except ValueError:
-        n = 0
-    if not 0 < n <= MAX_CHUNK:
-        raise IndexOpenError(f"index {where} records chunk_tokens={stored[:24]!r}, which kvstore never writes "
-                             "(a damaged or foreign index): use another cache directory, or remove this one "
-                             "(its cache is rebuilt as requests come)")
-    return n
 
 
 class IndexDir:

@@ -33,11 +33,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import xxhash
 
 from . import alloc, blobs, written
-from .cachedir import chunk_size as _chunk_size  # the index-only open checks it too
 from .cuts import CutRefused, bound, serves
 from .identity import Identity
 from .layouts import ArraySpec
-from .index import Index, IndexOpenError, Reader, WriteTxn
+from .index import Index, IndexOpenError, Reader, WriteTxn, chunk_size
 from .keys import TOKEN_BYTES, boundaries, chunk_key, encode_tokens, entry_key, root_key
 from .keys import common_tokens as _common
 from .records import ChunkRecord, EntryRecord, Kind, PackRecord, RecordError, Segment
@@ -128,7 +127,7 @@ class DiskTier:
         # the first opener fixes it, later openers use it whatever they ask for.
         stored = self.index.meta_setdefault(b"chunk_tokens", str(int(chunk_tokens)).encode())
         try:
-            self.chunk = _chunk_size(stored, chunk_tokens, self.index.path)
+            self.chunk = chunk_size(stored, chunk_tokens, self.index.path)
         except IndexOpenError:
             self.index.close()
             raise

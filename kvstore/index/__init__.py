@@ -7,10 +7,10 @@ salvaged when damaged) and runs transactions; ``txn`` reads and writes records i
 in one transaction; ``errors`` names the errors its operations raise.
 """
 
-from .core import CORRUPTION, Index, IndexOpenError
+from .core import CORRUPTION, Index, IndexOpenError, chunk_size
 from .errors import DAMAGE, IndexFailure
 from .scan import Snapshot, scan
 from .txn import DBS, Reader, WriteTxn
 
-__all__ = ["CORRUPTION", "DAMAGE", "DBS", "Index", "IndexFailure", "IndexOpenError", "Reader", "Snapshot", "WriteTxn",
+__all__ = ["chunk_size", "CORRUPTION", "DAMAGE", "DBS", "Index", "IndexFailure", "IndexOpenError", "Reader", "Snapshot", "WriteTxn",
            "scan"]

@@ -45,7 +45,7 @@ import lmdb
 
 from .. import blobs
 from ..keys import FORMAT_VERSION
-from ..records import IdentityRecord, RecordError, parse
+from ..records import MAX_CHUNK, IdentityRecord, RecordError, parse
 from .pages import last_txnid, unwritten_roots
 from .txn import DBS, Reader, WriteTxn, count
 
@@ -596,3 +596,19 @@ def salvage_into(env: lmdb.Environment, data: Path) -> int:
 
 
 __all__ = ["CHECK_AT_OPEN", "CORRUPTION", "Index", "IndexOpenError", "count", "salvage_into"]
+
+
+def chunk_size(stored: bytes | None, asked: int, where: Path) -> int:
+    """The directory's chunk size: the stored one (``asked`` if none is stored yet);
+    IndexOpenError if it is not one kvstore writes (a damaged or crafted record)."""
+    if stored is None:
+        return int(asked)
+    try:
+        n = int(stored)
+    except ValueError:
+        n = 0
+    if not 0 < n <= MAX_CHUNK:
+        raise IndexOpenError(f"index {where} records chunk_tokens={stored[:24]!r}, which kvstore never writes "
+                             "(a damaged or foreign index): use another cache directory, or remove this one "
+                             "(its cache is rebuilt as requests come)")
+    return n
