@@ -13,6 +13,10 @@ Trials, in turn:
   fetches, round after round, each round an empty machine (a fresh directory);
 - ``publish_kill`` / ``publish_pause`` / ``publish_restart``: the same while A inserts
   (paced over a window) and its publisher writes to Redis;
+- ``limits``: B runs under a write limit (``persist="system"``, a daily write budget of
+  0, or ``max_disk_bytes=1``): its shared hits are served whole from the bytes received,
+  and none of them is left on B's disk (the one door every disk write passes: a shared
+  hit filed locally once skipped the write policy, the budget and eviction);
 - ``damage``: after A published, keys under the store's prefix are deleted or have a byte
   flipped (strings: anywhere in the value; hashes: in a field's value) with redis-py;
 - ``publish_down`` / ``fetch_allstop`` / ``publish_allstop`` (cluster only): a master
@@ -79,7 +83,8 @@ if TYPE_CHECKING:
 
 FAMILIES = ("kv", "snap")
 TRIALS = ("clean", "fetch_kill", "fetch_pause", "fetch_restart", "publish_kill", "publish_pause",
-          "publish_restart", "damage", "slow_link")
+          "publish_restart", "damage", "limits", "slow_link")
+LIMITS = ({"persist": "system"}, {"max_write_bytes_per_day": 0}, {"max_disk_bytes": 1})  # B's, in ``limits``
 # a relay fronts one server (a cluster redirects to its nodes' own ports); a cluster has
 # nodes to lose one of, or all of
 CLUSTER_TRIALS = TRIALS[:-1] + ("publish_down", "fetch_allstop", "publish_allstop")
@@ -122,12 +127,13 @@ def other_identity(fam: str) -> Any:
                                     name=f"other-{fam}")
 
 
-def open_store(cache_dir: str, url: str | None) -> Any:
-    """A machine's store: its own directory, the shared tier at ``url`` (none if None)."""
+def open_store(cache_dir: str, url: str | None, limits: dict | None = None) -> Any:
+    """A machine's store: its own directory, the shared tier at ``url`` (none if None),
+    the write ``limits`` given (``KVStore`` arguments)."""
     from kvstore import KVStore
     from kvstore.shared import SharedConfig
     shared = SharedConfig.from_url(url, **FAST) if url else False
-    return KVStore(cache_dir, chunk_tokens=CHUNK, shared=shared)
+    return KVStore(cache_dir, chunk_tokens=CHUNK, shared=shared, **(limits or {}))
 
 
 def store_stats(store: Any, escaped: list) -> dict:
@@ -197,7 +203,8 @@ def fetch_round(zoo: Zoo, msg: dict, cache_dir: str, res: dict) -> dict:
     and under another identity (a miss); then the same directory reopened without the
     shared tier must serve every shared hit from disk."""
     rnd: dict[str, Any] = dict(t0=time.time(), hits=[], again=[], stats={})
-    store = guarded("open", res["escaped"], open_store, cache_dir, msg["url"])
+    limits = msg.get("limits")
+    store = guarded("open", res["escaped"], open_store, cache_dir, msg["url"], limits)
     if store is None:
         return rnd
     for fam, q in msg["queries"]:
@@ -216,7 +223,9 @@ def fetch_round(zoo: Zoo, msg: dict, cache_dir: str, res: dict) -> dict:
         for (fam, q), (n, src) in zip(msg["queries"], rnd["hits"]):
             if src == "shared":
                 got, where, _ = fetch_checked(zoo, local, zoo.model_arg(f"syn-{fam}"), fam, q, res, "reopened")
-                if got < n or where != "disk":
+                if limits and got:  # under a write limit nothing of it may reach this disk
+                    res["past_limits"].append({"family": fam, "limits": limits, "on_disk": got})
+                elif not limits and (got < n or where != "disk"):
                     res["lost"].append({"family": fam, "shared_n": n, "reopened_n": got, "source": where})
         guarded("close", res["escaped"], local.close, 30)
     return rnd
@@ -225,7 +234,8 @@ def fetch_round(zoo: Zoo, msg: dict, cache_dir: str, res: dict) -> dict:
 def op_shared_fetch(zoo: Zoo, msg: dict, emit: Emit) -> dict:
     """Machine B: rounds of ``fetch_round`` (a fresh directory each) for ``seconds`` (at
     least one). Emits ``go`` before the first (the parent's cue for a fault)."""
-    res: dict[str, Any] = dict(escaped=[], wrong=[], lost=[], slow=[], slowest=0.0, bound=msg["bound"], rounds=[])
+    res: dict[str, Any] = dict(escaped=[], wrong=[], lost=[], past_limits=[], slow=[], slowest=0.0, bound=msg["bound"],
+                               rounds=[])
     emit({"ev": "go"})
     end = time.monotonic() + msg["seconds"]
     with LogCapture() as cap:
@@ -442,7 +452,7 @@ def judge_round(t: Tally, trial: str, rnd: dict, entries: list[list], queries: l
             if len(kept) < 40:
                 kept.append([trial, fam, n, len(toks), len(q)])
         t.outcomes[f"{trial}: {what}"] += 1
-        if what in ("shorter hit", "miss") and bare(trial) in ("clean", "after_pause"):
+        if what in ("shorter hit", "miss") and bare(trial) in ("clean", "after_pause", "limits"):
             t.c["unexplained_misses"] += 1
             t.fail("clean trial: B did not get the whole entry", family=fam, tokens=len(toks), n=n, source=src,
                    stats=rnd["stats"])
@@ -472,6 +482,9 @@ def judge_fetch(t: Tally, trial: str, b: dict, entries: list[list], queries: lis
     t.c["entries_lost"] += len(b["lost"])
     if b["lost"]:
         t.fail("a shared hit not kept on B's disk", trial=trial, lost=b["lost"][:5])
+    if b.get("past_limits"):
+        t.c["failed_cases"] += len(b["past_limits"])
+        t.fail("a shared hit written to disk past B's write limits", trial=trial, past=b["past_limits"][:5])
     for rnd in b["rounds"]:
         judge_round(t, trial, rnd, entries, queries)
     t.info["slowest_fetch"] = max(t.info.get("slowest_fetch", 0.0), round(b["slowest"], 3))
@@ -546,7 +559,8 @@ def one_trial(ctx: Ctx, t: Tally, rng: random.Random, redis: Redis, machines: di
     t.info.setdefault("damage", Counter()).update(done)
     queries = [[fam, toks + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 3))]] for fam, toks in entries]
     fetch = {"op": "shared_fetch", "dir": str(d / "b"), "url": redis.url, "queries": queries, "bound": FETCH_BOUND,
-             "seconds": WINDOW if when in ("fetch", "slow") else 0.0}
+             "seconds": WINDOW if when in ("fetch", "slow") else 0.0,
+             "limits": rng.choice(LIMITS) if when == "limits" else None}
     fault = fault_of(redis, action, rng) if when == "fetch" else None
     relay = slow_relay(redis, rng, fetch) if when == "slow" else None
     try:  # (until now the fetch trials' fault was never run: only the relay's was passed)
