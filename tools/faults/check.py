@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from .common import CHUNK, Emit, LogCapture, decode, exc_info, guard
+from .damage import segment_target
 
 if TYPE_CHECKING:
     from kvstore.index import Reader
@@ -105,12 +106,14 @@ def check_store(zoo: Zoo, cache_dir: str, *, known: list | None = None, targets:
 
     ``known``: [(model, tokens)] the directory should serve (fetched too; a hit must pass);
     ``targets``: entry keys (hex) the fault damaged or legitimately removed (their misses
-    are explained); ``committed``: entry keys that must still be served in full;
+    are explained), and damaged segments (``damage.segment_target``: every entry using one
+    when the check runs is explained, one a later persist built on it included); ``committed``: entry keys that must still be served in full;
     ``keep``: files kvstore did not write (path relative to ``cache_dir`` -> xxh3) that
     must still be there, unchanged, after the check (``res["foreign_changed"]`` otherwise).
     """
     targets = set(targets or ())
     committed = set(committed or ())
+    segments = {x for x in targets if x.startswith("segment:")}  # damage.segment_target
     res: dict[str, Any] = dict(open="ok", escaped=[], wrong=[], claimed=0, full=0, partial=0, miss=0,
                                unexplained=[], lost=[], verify={}, verify_after_fix=None, verify_errors=[],
                                post_fix_misses=0, logs=[], aside=False, aside_logged=None, foreign=0,
@@ -121,6 +124,8 @@ def check_store(zoo: Zoo, cache_dir: str, *, known: list | None = None, targets:
         if store is None:
             return res
         try:
+            if segments and store.disk is not None:  # every entry using a damaged segment now
+                targets |= {u for seg in segment_users(store) if segment_target(seg) in segments for u in seg["users"]}
             _judge(zoo, store, res, known or [], targets, committed, max_fetch)
             if store.disk is not None and fix:
                 _verify_fix(store, res)

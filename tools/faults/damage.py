@@ -121,13 +121,20 @@ def damage_segments(cdir: Path, segs: list[Seg], n: int, rng: random.Random,
         if seg["pack"] in whole or not path.exists():
             continue
         mode = rng.choice(["flip", "truncate", "delete", "zero"])
-        if mode in IN_SEGMENT:
-            excuse(set(seg["users"]))
+        if mode in IN_SEGMENT:  # its users now, and any entry that shares it later (``segment_target``)
+            excuse(set(seg["users"]) | {segment_target(seg)})
             damage_in_segment(path, seg["offset"], seg["length"], mode, rng)
         else:
             whole.add(seg["pack"])
             excuse(_users([s for s in segs if s["pack"] == seg["pack"]]))
             damage_file(path, mode, rng)
+
+
+def segment_target(seg: Seg) -> str:
+    """A damaged segment as a check target: every entry that uses it when the check runs
+    is explained, including one a later persist built on it (a persist shares an indexed
+    chunk without reading its bytes: damage inside a file is a read's to find)."""
+    return f"segment:{seg['pack']}@{seg['offset']}"
 
 
 def _new_pack_name(rng: random.Random) -> str:
