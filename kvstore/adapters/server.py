@@ -15,6 +15,8 @@ No mlx-lm file is edited. Before ``mlx_lm.server.main()`` runs, this module
   report it, streamed usage included: the prompt tokens the prompt cache restored),
 - turns SIGTERM into the KeyboardInterrupt mlx-lm already handles (``httpd.shutdown()``),
   then closes the store, which flushes the write-behind queue before the process exits,
+- routes ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (the Anthropic Messages
+  API) through mlx_lm.server's own chat handler (``kvstore.adapters.anthropic``),
 - makes SIGUSR1 print every thread's Python stack to stderr, so a server that stops
   answering can be looked into without stopping it; SIGUSR2 does the same from the
   signal itself, for a process whose Python no longer runs at all (see ``_dump_stacks``).
@@ -34,7 +36,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from .. import metrics
-from . import startup
+from . import anthropic, startup
 from .mlx_lm import LRUPromptCache
 
 log = logging.getLogger("kvstore")
@@ -113,6 +115,7 @@ def _install_routes(server_mod: Any) -> None:
 
     handler.do_GET = do_GET
     handler._kvstore_patched = True
+    anthropic.install(server_mod)  # POST /v1/messages[/count_tokens]
 
 
 def cache_stats() -> dict[str, Any]:
@@ -180,6 +183,10 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
                    help="expire shared values after this long (default: never; use maxmemory + allkeys-lru)")
     g.add_argument("--shared-timeout", metavar="MS", type=float, default=None,
                    help="per-command timeout of the shared tier in milliseconds (default 100)")
+    g.add_argument("--keep-billing-header", action="store_true",
+                   help="/v1/messages: keep Claude Code's per-request x-anthropic-billing-header system text "
+                        "in the prompt (by default it is left out: it changes every request and would defeat "
+                        "every cached prefix)")
 
 
 def main(argv: list[str] | None = None, *, exit_process: bool = True,
@@ -211,6 +218,7 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     if shared is not None:
         options["shared"] = shared
     patch(server_mod, **options)
+    anthropic.KEEP_BILLING_HEADER = ours.keep_billing_header
     startup.install(server_mod, startup.options(ours), _STORES, progress)
     signal.signal(signal.SIGTERM, _sigterm)
     if hasattr(signal, "SIGUSR1"):  # POSIX (Linux, macOS)
