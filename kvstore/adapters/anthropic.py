@@ -509,6 +509,8 @@ def _run(handler: Any, original: Callable[[Any], None], chat: dict[str, Any], mo
         log.exception("kvstore: /v1/messages failed")
     finally:
         handler.wfile, handler.rfile, handler.path, handler.response_generator = real_out, real_in, real_path, real_gen
+    if isinstance(failure, (BrokenPipeError, ConnectionResetError)):
+        return  # the client went away (mlx-lm's handler stopped the generation)
     if cap.stream and cap.status == 200:
         head(cap)
         if failure is not None:
@@ -523,7 +525,8 @@ def _run(handler: Any, original: Callable[[Any], None], chat: dict[str, Any], mo
     elif cap.status is not None:
         status, text = _chat_error(cap.status, body.getvalue())
         _send(handler, status, error_body(status, text))
-    else:
+    else:  # failed before anything was written: drop the status line mlx-lm may have buffered
+        handler._headers_buffer = []
         _send(handler, 500, error_body(500, f"generation failed: {failure}"))
 
 
