@@ -15,7 +15,7 @@ after turn ``--restart-after`` and started again on the same cache directory.
 Per turn, through the official ``anthropic`` SDK, streamed: time to the first content delta
 (TTFT), the prompt tokens (input + cache read + cache creation) and the share of them read
 from the cache. ``--other NAME=COMMAND`` runs the same trace against another server command
-(``{model}``, ``{port}`` substituted; e.g. vllm-mlx's ``/v1/messages`` from its own env),
+(``{model}``, ``{port}``, ``{work}`` substituted; e.g. vllm-mlx's ``/v1/messages`` from its own env),
 restarted the same way. Results: ``<out>/agent_session.json`` and ``.md``.
 """
 
@@ -109,8 +109,9 @@ class Session:
     sent back as the assistant's text, as a client does."""
 
     def __init__(self, system: str, tool_defs: list[dict[str, Any]], max_tokens: int, seed: int = 3,
-                 result_lines: int = 8) -> None:
+                 result_lines: int = 8, model: str = "local") -> None:
         self.system, self.tools, self.max_tokens, self.result_lines = system, tool_defs, max_tokens, result_lines
+        self.model = model  # vllm-mlx answers 404 to any name but the served one
         self.rng = random.Random(seed)
         self.messages: list[dict[str, Any]] = []
         self.turn = 0
@@ -119,7 +120,7 @@ class Session:
         self.turn += 1
         if not self.messages:
             self.messages.append({"role": "user", "content": "Fix the failing test in the " + _prose(self.rng, 8)})
-        return {"model": "local", "max_tokens": self.max_tokens, "tools": self.tools,
+        return {"model": self.model, "max_tokens": self.max_tokens, "tools": self.tools,
                 "system": [billing_header(self.turn, self.rng), {"type": "text", "text": self.system}],
                 "messages": list(self.messages), "extra_body": {"temperature": 0}}
 
@@ -243,10 +244,23 @@ def wait_flushed(url: str, timeout: float = 300) -> None:
     raise RuntimeError("kvstore's write-behind queue did not drain")
 
 
+def with_tool_template(src: Path, dst: Path) -> Path:
+    """``src``'s model with ``TOOL_TEMPLATE`` as its chat template, in ``dst`` (the other
+    files linked): one model directory every server on the trace loads as it is."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "tokenizer_config.json" and not (dst / f.name).exists():
+            (dst / f.name).symlink_to(f.resolve())
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOL_TEMPLATE
+    (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return dst
+
+
 def kvstore_command(model: Path, cache_dir: Path, extra: list[str] = ()) -> Callable[[int], list[str]]:
     def command(port: int) -> list[str]:
         return [sys.executable, "-m", "kvstore.cli", "serve", "--model", str(model), "--cache-dir", str(cache_dir),
-                "--host", HOST, "--port", str(port), "--chat-template", TOOL_TEMPLATE, *extra]
+                "--host", HOST, "--port", str(port), *extra]
     return command
 
 
@@ -270,7 +284,7 @@ def run_server(name: str, command: Callable[[int], list[str]], args: argparse.Na
         state["restart_ready_s"] = state["ready_s"]
 
     start()
-    session = Session(system_prompt(args.paragraphs), tools(), args.max_tokens)
+    session = Session(system_prompt(args.paragraphs), tools(), args.max_tokens, model=str(args.model_dir))
     try:
         rows = play(session, args.turns, args.restart_after,
                     lambda: anthropic.Anthropic(base_url=state["proc"].url, api_key="local", max_retries=0, timeout=3600),
@@ -316,18 +330,20 @@ def report(doc: dict[str, Any]) -> str:
              f"{len(tools())} tools, billing header changing every request). TTFT in seconds; "
              "read = cache_read_input_tokens / prompt tokens.", ""]
     names = [r["name"] for r in doc["servers"]]
-    lines.append("| turn | prompt tokens | " + " | ".join(f"{n} TTFT | {n} read" for n in names) + " |")
+    lines.append("| turn | prompt tokens (kvstore) | " + " | ".join(f"{n} TTFT | {n} read" for n in names) + " |")
     lines.append("|---:|---:|" + "---:|---:|" * len(names))
     for i, row in enumerate(doc["servers"][0]["rows"]):
         mark = " (after restart)" if row["after_restart"] else ""
         cells = []
         for srv in doc["servers"]:
             r = srv["rows"][i] if i < len(srv["rows"]) else None
-            cells += [f"{r['ttft_s']:.3f}", f"{100 * r['read_share']:.1f}%"] if r else ["-", "-"]
+            share = f"{100 * r['read_share']:.1f}%" if r and r["prompt_tokens"] else "n/a"  # no usage reported
+            cells += [f"{r['ttft_s']:.3f}", share] if r else ["-", "-"]
         lines.append(f"| {row['turn']}{mark} | {row['prompt_tokens']} | " + " | ".join(cells) + " |")
     lines.append("")
     for srv in doc["servers"]:
-        lines.append(f"- {srv['name']}: lowest read share after turn 1 {100 * (srv['min_read_share_after_turn_1'] or 0):.1f}%, "
+        lines.append(f"- {srv['name']}: lowest read share after turn 1 {100 * (srv['min_read_share_after_turn_1'] or 0):.1f}%"
+                     f"{' (no usage reported)' if not srv['rows'][0]['prompt_tokens'] else ''}, "
                      f"TTFT of the first turn after the restart {srv['ttft_after_restart_s']:.3f} s, "
                      f"restart to ready {srv['restart_ready_s']:.1f} s")
     lines += [f"- {n}" for n in doc.get("notes", [])]
@@ -344,8 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--stop", choices=("kill", "term"), default="kill", help="SIGKILL (default) or SIGTERM at the restart")
     p.add_argument("--other", action="append", default=[], metavar="NAME=COMMAND",
-                   help="another server on the same trace: a command line with {model} and {port}, e.g. "
-                        "'vllm-mlx-cb=/opt/vllm-env/bin/vllm-mlx serve {model} --port {port} --continuous-batching'")
+                   help="another server on the same trace: a command line with {model} (the model directory "
+                        "with the tool template) and {port}, e.g. 'vllm-mlx-cb=/opt/vllm-env/bin/vllm-mlx serve "
+                        "{model} --port {port} --continuous-batching'")
+    p.add_argument("--no-kvstore", action="store_true", help="run only the --other servers")
+    p.add_argument("--tag", default="", help="results go to agent_session[_TAG].json / .md")
     p.add_argument("--ready-path", default="/health", help="the other servers' readiness URL path (default /health)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--work", default=None, help="scratch directory (default: a new temp dir)")
@@ -356,16 +375,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from tools.models import model_path
 
-    model = Path(args.model) if Path(args.model).is_dir() else model_path(args.model)
     work = Path(args.work or tempfile.mkdtemp(prefix="agent-session-"))
     work.mkdir(parents=True, exist_ok=True)
+    model = with_tool_template(Path(args.model) if Path(args.model).is_dir() else model_path(args.model), work / "model")
+    args.model_dir = model
     args.paragraphs = size_system(model, args.system_tokens, work)
-    servers = [run_server("kvstore", kvstore_command(model, work / "cache"), args, work, True)]
+    servers = [] if args.no_kvstore else [run_server("kvstore", kvstore_command(model, work / "cache"), args, work, True)]
     for spec in args.other:
         name, _, cmd = spec.partition("=")
 
         def other(port: int, cmd: str = cmd) -> list[str]:
-            return shlex.split(cmd.format(model=model, port=port))
+            return shlex.split(cmd.format(model=model, port=port, work=work))
 
         servers.append(run_server(name, other, args, work, False, args.ready_path))
     doc = {"benchmark": "agent_session", "machine": C.machine(work),
@@ -377,8 +397,9 @@ def main(argv: list[str] | None = None) -> int:
                      "kvstore's write-behind queue is drained before the restart (an agent idles between turns)."]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "agent_session.json").write_text(json.dumps(doc, indent=1))
-    (out / "agent_session.md").write_text(report(doc))
+    name = "agent_session" + (f"_{args.tag}" if args.tag else "")
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    (out / f"{name}.md").write_text(report(doc))
     print(report(doc))
     return 0
 

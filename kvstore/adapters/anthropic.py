@@ -224,6 +224,12 @@ def usage(prompt: int, cached: int, output: int) -> dict[str, int]:
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
+def chat_usage(u: dict[str, Any]) -> dict[str, int]:
+    """Messages usage from a chat completion's (``cached_tokens`` -> ``cache_read_input_tokens``)."""
+    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return usage(u["prompt_tokens"], cached, u["completion_tokens"])
+
+
 def stop_reason(finish: str | None, tokens: list[int], stop_words: list[str], tokenizer: Any) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) of a generation that ended with ``finish`` after ``tokens``."""
     if finish == "tool_calls":
@@ -257,11 +263,9 @@ def message(chat: dict[str, Any], model: str, reason: tuple[str, str | None]) ->
     if m.get("content"):
         content.append({"type": "text", "text": m["content"]})
     content.extend(tool_use(c) for c in m.get("tool_calls") or [])
-    u = chat["usage"]
     return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason[0], "stop_sequence": reason[1],
-            "usage": usage(u["prompt_tokens"], (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-                           u["completion_tokens"])}
+            "usage": chat_usage(chat["usage"])}
 
 
 def sse(event: str, data: dict[str, Any]) -> bytes:
@@ -285,11 +289,14 @@ class Events:
     def _start(self) -> None:
         if not self.started:
             self.started = True
-            msg: dict[str, Any] = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": self.model,
-                   "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(*self.prompt(), 0)}
+            msg: dict[str, Any] = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+                                   "model": self.model, "content": [], "stop_reason": None, "stop_sequence": None,
+                                   "usage": usage(*self.prompt(), 0)}
             self.out(sse("message_start", {"type": "message_start", "message": msg}))
 
     def _block(self, kind: str | None, start: dict[str, Any] | None = None) -> None:
+        """Make a ``kind`` block the open one (None: none): the open block is closed first
+        unless it is of that kind and no ``start`` (a new block's header) is given."""
         if self.open is not None and (kind is None or kind != self.open or start is not None):
             self.out(sse("content_block_stop", {"type": "content_block_stop", "index": self.index}))
             self.open = None
@@ -312,7 +319,8 @@ class Events:
         for choice in chunk.get("choices") or []:
             d = choice.get("delta") or {}
             if d.get("reasoning"):
-                self._block("thinking", {"type": "thinking", "thinking": "", "signature": ""} if self.open != "thinking" else None)
+                fresh = self.open != "thinking"
+                self._block("thinking", {"type": "thinking", "thinking": "", "signature": ""} if fresh else None)
                 self._delta({"type": "thinking_delta", "thinking": d["reasoning"]})
             if d.get("content"):
                 self._block("text")
@@ -323,9 +331,7 @@ class Events:
                 self._delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
             self.finish = choice.get("finish_reason") or self.finish
         if chunk.get("usage"):
-            u = chunk["usage"]
-            self.end(usage(u["prompt_tokens"], (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-                           u["completion_tokens"]))
+            self.end(chat_usage(chunk["usage"]))
 
     def end(self, u: dict[str, int]) -> None:
         if self.ended:
