@@ -284,7 +284,7 @@ def run_server(name: str, command: Callable[[int], list[str]], args: argparse.Na
         state["restart_ready_s"] = state["ready_s"]
 
     start()
-    session = Session(system_prompt(args.paragraphs), tools(), args.max_tokens, model=str(args.model_dir))
+    session = Session(system_prompt(args.paragraphs), tools(args.tools), args.max_tokens, model=str(args.model_dir))
     try:
         rows = play(session, args.turns, args.restart_after,
                     lambda: anthropic.Anthropic(base_url=state["proc"].url, api_key="local", max_retries=0, timeout=3600),
@@ -297,7 +297,7 @@ def run_server(name: str, command: Callable[[int], list[str]], args: argparse.Na
             "ttft_after_restart_s": rows[args.restart_after]["ttft_s"] if len(rows) > args.restart_after else None}
 
 
-def size_system(model: Path, target: int, work: Path) -> int:
+def size_system(model: Path, target: int, work: Path, n_tools: int = 8) -> int:
     """Paragraphs of ``system_prompt`` for a first request of >= ``target`` prompt tokens,
     measured by kvstore serve's own ``count_tokens``."""
     import anthropic
@@ -310,7 +310,7 @@ def size_system(model: Path, target: int, work: Path) -> int:
         msgs = [{"role": "user", "content": "x"}]
 
         def count(n: int) -> int:
-            return c.messages.count_tokens(model="local", system=system_prompt(n), tools=tools(),
+            return c.messages.count_tokens(model="local", system=system_prompt(n), tools=tools(n_tools),
                                            messages=msgs).input_tokens  # type: ignore[arg-type]
 
         base, one = count(0), count(10)
@@ -327,7 +327,7 @@ def report(doc: dict[str, Any]) -> str:
     lines = [f"# Coding-agent session over /v1/messages ({s['model']}, {s['turns']} turns, "
              f"{'SIGKILL' if s['stop'] == 'kill' else 'SIGTERM'} + restart after turn {s['restart_after']})", "",
              f"First prompt: {doc['servers'][0]['rows'][0]['prompt_tokens']} tokens (system prompt with "
-             f"{len(tools())} tools, billing header changing every request). TTFT in seconds; "
+             f"{s['tools']} tools, billing header changing every request). TTFT in seconds; "
              "read = cache_read_input_tokens / prompt tokens.", ""]
     names = [r["name"] for r in doc["servers"]]
     lines.append("| turn | prompt tokens (kvstore) | " + " | ".join(f"{n} TTFT | {n} read" for n in names) + " |")
@@ -355,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="a tools.models name or a model directory (default smollm2)")
     p.add_argument("--system-tokens", type=int, default=8192, help="first prompt at least this long (default 8192)")
+    p.add_argument("--tools", type=int, default=8, help="tool definitions in the system prompt (default 8)")
     p.add_argument("--turns", type=int, default=12)
     p.add_argument("--restart-after", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -379,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     model = with_tool_template(Path(args.model) if Path(args.model).is_dir() else model_path(args.model), work / "model")
     args.model_dir = model
-    args.paragraphs = size_system(model, args.system_tokens, work)
+    args.paragraphs = size_system(model, args.system_tokens, work, args.tools)
     servers = [] if args.no_kvstore else [run_server("kvstore", kvstore_command(model, work / "cache"), args, work, True)]
     for spec in args.other:
         name, _, cmd = spec.partition("=")
@@ -389,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
 
         servers.append(run_server(name, other, args, work, False, args.ready_path))
     doc = {"benchmark": "agent_session", "machine": C.machine(work),
-           "settings": {"model": str(args.model), "system_tokens": args.system_tokens, "paragraphs": args.paragraphs,
+           "settings": {"model": str(args.model), "system_tokens": args.system_tokens, "paragraphs": args.paragraphs, "tools": args.tools,
                         "turns": args.turns, "restart_after": args.restart_after, "max_tokens": args.max_tokens,
                         "stop": args.stop, "others": args.other},
            "servers": servers,
