@@ -347,6 +347,9 @@ def report(doc: dict[str, Any]) -> str:
                      f"TTFT of the first turn after the restart {srv['ttft_after_restart_s']:.3f} s, "
                      f"restart to ready {srv['restart_ready_s']:.1f} s")
     lines += [f"- {n}" for n in doc.get("notes", [])]
+    if doc.get("loadavg"):
+        lines.append(f"- 1-minute load average {doc['loadavg']['start']} at start, {doc['loadavg']['end']} at end "
+                     f"({doc['machine'].get('cores')} cores): TTFTs scale with it.")
     return "\n".join(lines) + "\n"
 
 
@@ -380,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     model = with_tool_template(Path(args.model) if Path(args.model).is_dir() else model_path(args.model), work / "model")
     args.model_dir = model
+    load_start = C.loadavg1()
     args.paragraphs = size_system(model, args.system_tokens, work, args.tools)
     servers = [] if args.no_kvstore else [run_server("kvstore", kvstore_command(model, work / "cache"), args, work, True)]
     for spec in args.other:
@@ -393,9 +397,12 @@ def main(argv: list[str] | None = None) -> int:
            "settings": {"model": str(args.model), "system_tokens": args.system_tokens, "paragraphs": args.paragraphs, "tools": args.tools,
                         "turns": args.turns, "restart_after": args.restart_after, "max_tokens": args.max_tokens,
                         "stop": args.stop, "others": args.other},
+           "loadavg": {"start": load_start, "end": C.loadavg1()},
            "servers": servers,
            "notes": ["TTFT: request sent -> first content_block_delta, through the anthropic SDK's stream.",
-                     "kvstore's write-behind queue is drained before the restart (an agent idles between turns)."]}
+                     "kvstore's write-behind queue is drained before the restart (an agent idles between turns).",
+                     "The servers' BLAS is in their logs (kvstore serve preloads OpenBLAS when installed); "
+                     "machine.blas describes the client process."]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "agent_session" + (f"_{args.tag}" if args.tag else "")
