@@ -195,6 +195,7 @@ class Proc:
     def __init__(self, command: list[str], port: int, log: Path, ready_path: str = "/health") -> None:
         self.command, self.port, self.log, self.ready_path = command, port, log, ready_path
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        env.update(same_blas())
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         self._log = open(log, "ab")
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
@@ -227,6 +228,18 @@ class Proc:
                 self.proc.kill()
                 self.proc.wait(30)
         self._log.close()
+
+
+def same_blas() -> dict[str, str]:
+    """The environment that gives any server the BLAS ``kvstore serve`` preloads (OpenBLAS
+    when installed, kvstore.blas): float32 prefill differs ~15x between the two, so a side
+    by side on different BLAS would measure the BLAS."""
+    from kvstore import blas
+
+    lib = blas.openblas_path()
+    if sys.platform != "linux" or os.environ.get("KVSTORE_NO_OPENBLAS") or not lib.exists():
+        return {}
+    return {"LD_PRELOAD": ":".join(p for p in (str(lib), os.environ.get("LD_PRELOAD", "")) if p)}
 
 
 def wait_flushed(url: str, timeout: float = 300) -> None:
