@@ -15,6 +15,8 @@ No mlx-lm file is edited. Before ``mlx_lm.server.main()`` runs, this module
   report it, streamed usage included: the prompt tokens the prompt cache restored),
 - turns SIGTERM into the KeyboardInterrupt mlx-lm already handles (``httpd.shutdown()``),
   then closes the store, which flushes the write-behind queue before the process exits,
+- routes ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (the Anthropic Messages
+  API) through mlx_lm.server's own chat handler (``kvstore.adapters.anthropic``),
 - makes SIGUSR1 print every thread's Python stack to stderr, so a server that stops
   answering can be looked into without stopping it; SIGUSR2 does the same from the
   signal itself, for a process whose Python no longer runs at all (see ``_dump_stacks``).
@@ -38,7 +40,7 @@ from .. import metrics
 from ..floors import MIN_DISK_HIT
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..units import memory_floor, parse_size
-from . import startup, tenants
+from . import anthropic, startup, tenants
 
 if TYPE_CHECKING:  # imported when used: MLX and mlx-lm take seconds, --help and a refused start need neither
     from .mlx_lm import LRUPromptCache
@@ -120,6 +122,7 @@ def _install_routes(server_mod: Any) -> None:
 
     handler.do_GET = do_GET
     handler._kvstore_patched = True
+    anthropic.install(server_mod)  # POST /v1/messages[/count_tokens]
 
 
 def cache_stats() -> dict[str, Any]:
@@ -201,6 +204,10 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shared-secret-file", metavar="FILE", default=None,
                    help="fleet secret (>= 16 bytes) signing every shared value; values without a valid "
                         "signature are rejected (default: $KVSTORE_SHARED_SECRET[_FILE])")
+    g.add_argument("--keep-billing-header", action="store_true",
+                   help="/v1/messages: keep Claude Code's per-request x-anthropic-billing-header system text "
+                        "in the prompt (by default it is left out: it changes every request and would defeat "
+                        "every cached prefix)")
 
 
 def main(argv: list[str] | None = None, *, exit_process: bool = True,
@@ -254,6 +261,7 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     patch(server_mod, **options)
     tenants.configure(policy)
     tenants.warn_if_exposed(tenants.host_of(rest), policy)
+    anthropic.KEEP_BILLING_HEADER = ours.keep_billing_header
     startup.install(server_mod, startup.options(ours), _STORES, progress)
     signal.signal(signal.SIGTERM, _sigterm)
     if hasattr(signal, "SIGUSR1"):  # POSIX (Linux, macOS)

@@ -1,0 +1,429 @@
+"""A coding-agent session over the Anthropic Messages API, with a server restart midway.
+
+    python -m benchmarks.agent_session                        # smollm2, 8k-token system, 12 turns
+    python -m benchmarks.agent_session --system-tokens 2048   # a smaller run
+    python -m benchmarks.agent_session --other 'vllm-mlx-simple=/venv/bin/vllm-mlx serve {model} --port {port}'
+
+What Claude Code sends, reduced: a system prompt with tool definitions (the tools rendered by
+the model's chat template, ``TOOL_TEMPLATE``: Hermes/Qwen style, so mlx-lm's ``json_tools``
+parser reads the calls) whose first system block is a billing header that changes on every
+request (``x-anthropic-billing-header: ...; cch=...;``), then turns that mix text, tool_use
+answered by tool_result, and text; the client sends back each reply it got. The server is
+killed (SIGKILL by default, ``--stop term`` for SIGTERM) once the write-behind queue is empty
+after turn ``--restart-after`` and started again on the same cache directory.
+
+Per turn, through the official ``anthropic`` SDK, streamed: time to the first content delta
+(TTFT), the prompt tokens (input + cache read + cache creation) and the share of them read
+from the cache. ``--other NAME=COMMAND`` runs the same trace against another server command
+(``{model}``, ``{port}``, ``{work}`` substituted; e.g. vllm-mlx's ``/v1/messages`` from its own env),
+restarted the same way. Results: ``<out>/agent_session.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+HOST = "127.0.0.1"
+
+# A Hermes/Qwen2.5-style ChatML template that renders tools, tool calls and tool responses;
+# "<tool_call>" and "tool_call.name" in it make mlx-lm pick its json_tools parser.
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content + '\\n\\n' }}{% endif %}"
+    "# Tools\n\nYou may call one or more functions. Their signatures, within <tools></tools>:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a json object with the function name and arguments within "
+    "<tool_call></tool_call> tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
+    "</tool_call><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}{{ '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' and loop.first %}"
+    "{% elif message.role == 'user' or message.role == 'system' %}"
+    "{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{% elif message.role == 'assistant' %}{{ '<|im_start|>assistant\\n' + message.content }}"
+    "{% for tool_call in message.tool_calls or [] %}{% set tool_call = tool_call.function or tool_call %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' + (tool_call.arguments | tojson)"
+    " + '}\\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{% elif message.role == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_WORDS = ("file module function test commit branch diff patch error trace import class value path "
+          "config build lint format review index cache token buffer stream thread lock queue").split()
+
+
+def _prose(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words)).capitalize() + "."
+
+
+def tools(n: int = 8, seed: int = 1) -> list[dict[str, Any]]:
+    """``n`` client tool definitions the way Claude Code sends them (long descriptions)."""
+    rng = random.Random(seed)
+    names = ["Read", "Write", "Edit", "Bash", "Grep", "Glob", "TodoWrite", "WebFetch", "Task", "NotebookEdit"]
+    out = []
+    for i in range(n):
+        props = {f"arg_{j}": {"type": "string", "description": _prose(rng, 12)} for j in range(4)}
+        out.append({"name": names[i % len(names)] + ("" if i < len(names) else str(i)),
+                    "description": " ".join(_prose(rng, 20) for _ in range(6)),
+                    "input_schema": {"type": "object", "properties": props, "required": ["arg_0"]}})
+    return out
+
+
+def system_prompt(paragraphs: int, seed: int = 2) -> str:
+    rng = random.Random(seed)
+    head = "You are a coding agent. Use the tools to read, edit and test the code of the user's repository.\n"
+    return head + "\n".join(f"Rule {i}: " + _prose(rng, 40) for i in range(paragraphs))
+
+
+def billing_header(turn: int, rng: random.Random) -> dict[str, str]:
+    """Claude Code's per-request first system block: a new ``cch`` on every request."""
+    return {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.0.{turn}.{rng.randrange(1000)}; "
+                                    f"cc_entrypoint=cli; cch={rng.getrandbits(20):05x};"}
+
+
+class Session:
+    """The request of each turn, built from the replies so far (the client's side).
+
+    Turn kinds cycle: a user question (text), then a reply answered with a tool_use the agent
+    made plus its tool_result, then a plain follow-up. The reply text the server gave is
+    sent back as the assistant's text, as a client does."""
+
+    def __init__(self, system: str, tool_defs: list[dict[str, Any]], max_tokens: int, seed: int = 3,
+                 result_lines: int = 8, model: str = "local") -> None:
+        self.system, self.tools, self.max_tokens, self.result_lines = system, tool_defs, max_tokens, result_lines
+        self.model = model  # vllm-mlx answers 404 to any name but the served one
+        self.rng = random.Random(seed)
+        self.messages: list[dict[str, Any]] = []
+        self.turn = 0
+
+    def request(self) -> dict[str, Any]:
+        self.turn += 1
+        if not self.messages:
+            self.messages.append({"role": "user", "content": "Fix the failing test in the " + _prose(self.rng, 8)})
+        return {"model": self.model, "max_tokens": self.max_tokens, "tools": self.tools,
+                "system": [billing_header(self.turn, self.rng), {"type": "text", "text": self.system}],
+                "messages": list(self.messages), "extra_body": {"temperature": 0}}
+
+    def answer(self, content: list[dict[str, Any]]) -> None:
+        """Record the reply of the current turn and add the user's next message."""
+        text = "".join(b.get("text", "") for b in content if b.get("type") == "text")
+        calls = [b for b in content if b.get("type") == "tool_use"]
+        kind = self.turn % 3
+        if kind == 1 and not calls:  # the agent decided to look at a file
+            calls = [{"type": "tool_use", "id": f"toolu_{self.turn:03d}", "name": self.tools[0]["name"],
+                      "input": {"arg_0": f"src/module_{self.turn}.py"}}]
+        blocks: list[dict[str, Any]] = ([{"type": "text", "text": text}] if text else []) + [
+            {"type": "tool_use", "id": c["id"], "name": c["name"], "input": c["input"]} for c in calls]
+        self.messages.append({"role": "assistant", "content": blocks or [{"type": "text", "text": "."}]})
+        if calls:
+            body = "\n".join(f"{n:4d}  " + _prose(self.rng, 10) for n in range(1, self.result_lines + 1))
+            self.messages.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": c["id"], "content": body} for c in calls]})
+        else:
+            self.messages.append({"role": "user", "content": [{"type": "text", "text": _prose(self.rng, 15)}]})
+
+
+def run_turn(client: Any, req: dict[str, Any]) -> dict[str, Any]:
+    """One streamed request: TTFT (to the first content delta), usage, the content blocks."""
+    extra = req.pop("extra_body", None)
+    t0 = time.perf_counter()
+    ttft = None
+    with client.messages.stream(**req, extra_body=extra) as stream:
+        for event in stream:
+            if ttft is None and event.type == "content_block_delta":
+                ttft = time.perf_counter() - t0
+        final = stream.get_final_message()
+    total = time.perf_counter() - t0
+    u = final.usage
+    prompt = u.input_tokens + (u.cache_read_input_tokens or 0) + (u.cache_creation_input_tokens or 0)
+    return {"ttft_s": ttft if ttft is not None else total, "total_s": total, "prompt_tokens": prompt,
+            "input_tokens": u.input_tokens, "cache_read_input_tokens": u.cache_read_input_tokens or 0,
+            "cache_creation_input_tokens": u.cache_creation_input_tokens or 0, "output_tokens": u.output_tokens,
+            "stop_reason": final.stop_reason, "read_share": (u.cache_read_input_tokens or 0) / max(prompt, 1),
+            "content": [b.model_dump(exclude_none=True) for b in final.content]}
+
+
+def play(session: Session, turns: int, restart_after: int, client: Callable[[], Any],
+         restart: Callable[[], None], log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Run ``turns`` turns of ``session``; ``restart()`` after turn ``restart_after``."""
+    rows = []
+    for turn in range(1, turns + 1):
+        row = run_turn(client(), session.request())
+        session.answer(row.pop("content"))
+        row["turn"] = turn
+        row["after_restart"] = turn == restart_after + 1
+        rows.append(row)
+        log(f"  turn {turn:2d}: prompt {row['prompt_tokens']:6d}  read {row['cache_read_input_tokens']:6d} "
+            f"({100 * row['read_share']:5.1f}%)  ttft {row['ttft_s']:.3f} s")
+        if turn == restart_after:
+            restart()
+    return rows
+
+
+# -- servers ------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """A server subprocess from a command line, ready when ``ready_path`` answers 200."""
+
+    def __init__(self, command: list[str], port: int, log: Path, ready_path: str = "/health") -> None:
+        self.command, self.port, self.log, self.ready_path = command, port, log, ready_path
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        env.update(same_blas())
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        self._log = open(log, "ab")
+        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def wait_ready(self, timeout: float = 600) -> float:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.command[0]} exited with {self.proc.returncode}; see {self.log}")
+            try:
+                with urllib.request.urlopen(self.url + self.ready_path, timeout=2) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - t0
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"not ready after {timeout} s; see {self.log}")
+
+    def stop(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(300)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        self._log.close()
+
+
+def same_blas() -> dict[str, str]:
+    """The environment that gives any server the BLAS ``kvstore serve`` preloads (OpenBLAS
+    when installed, kvstore.blas): float32 prefill differs ~15x between the two, so a side
+    by side on different BLAS would measure the BLAS."""
+    from kvstore import blas
+
+    lib = blas.openblas_path()
+    if sys.platform != "linux" or os.environ.get("KVSTORE_NO_OPENBLAS") or not lib.exists():
+        return {}
+    return {"LD_PRELOAD": ":".join(p for p in (str(lib), os.environ.get("LD_PRELOAD", "")) if p)}
+
+
+def wait_flushed(url: str, timeout: float = 300) -> None:
+    """kvstore serve: until the write-behind queue is empty and the counters stay put."""
+    last = None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url + "/v1/cache/stats", timeout=10) as r:
+            s = json.loads(r.read())
+        now = (s.get("queue_depth"), s.get("writes"), s.get("bytes_written"))
+        if s.get("queue_depth") == 0 and now == last:
+            return
+        last = now
+        time.sleep(0.5)
+    raise RuntimeError("kvstore's write-behind queue did not drain")
+
+
+def with_tool_template(src: Path, dst: Path) -> Path:
+    """``src``'s model with ``TOOL_TEMPLATE`` as its chat template, in ``dst`` (the other
+    files linked): one model directory every server on the trace loads as it is."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "tokenizer_config.json" and not (dst / f.name).exists():
+            (dst / f.name).symlink_to(f.resolve())
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOL_TEMPLATE
+    (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return dst
+
+
+def kvstore_command(model: Path, cache_dir: Path, extra: list[str] = ()) -> Callable[[int], list[str]]:
+    def command(port: int) -> list[str]:
+        return [sys.executable, "-m", "kvstore.cli", "serve", "--model", str(model), "--cache-dir", str(cache_dir),
+                "--host", HOST, "--port", str(port), *extra]
+    return command
+
+
+def run_server(name: str, command: Callable[[int], list[str]], args: argparse.Namespace, work: Path,
+               is_kvstore: bool, ready_path: str = "/health") -> dict[str, Any]:
+    import anthropic
+
+    sig = signal.SIGKILL if args.stop == "kill" else signal.SIGTERM
+    state: dict[str, Any] = {}
+
+    def start() -> None:
+        port = free_port()
+        state["proc"] = Proc(command(port), port, work / f"{name}.log", ready_path)
+        state["ready_s"] = state["proc"].wait_ready()
+
+    def restart() -> None:
+        if is_kvstore:
+            wait_flushed(state["proc"].url)
+        state["proc"].stop(sig)
+        start()
+        state["restart_ready_s"] = state["ready_s"]
+
+    start()
+    session = Session(system_prompt(args.paragraphs), tools(args.tools), args.max_tokens, model=str(args.model_dir))
+    try:
+        rows = play(session, args.turns, args.restart_after,
+                    lambda: anthropic.Anthropic(base_url=state["proc"].url, api_key="local", max_retries=0, timeout=3600),
+                    restart, log=lambda s: print(f"[{name}]{s}", flush=True))
+    finally:
+        state["proc"].stop(signal.SIGTERM)
+    later = [r["read_share"] for r in rows[1:]]
+    return {"name": name, "rows": rows, "restart_ready_s": state.get("restart_ready_s"),
+            "min_read_share_after_turn_1": min(later) if later else None,
+            "ttft_after_restart_s": rows[args.restart_after]["ttft_s"] if len(rows) > args.restart_after else None}
+
+
+def size_system(model: Path, target: int, work: Path, n_tools: int = 8) -> int:
+    """Paragraphs of ``system_prompt`` for a first request of >= ``target`` prompt tokens,
+    measured by kvstore serve's own ``count_tokens``."""
+    import anthropic
+
+    port = free_port()
+    p = Proc(kvstore_command(model, work / "count-cache")(port), port, work / "count.log")
+    try:
+        p.wait_ready()
+        c = anthropic.Anthropic(base_url=p.url, api_key="local", max_retries=0)
+        msgs = [{"role": "user", "content": "x"}]
+
+        def count(n: int) -> int:
+            return c.messages.count_tokens(model="local", system=system_prompt(n), tools=tools(n_tools),
+                                           messages=msgs).input_tokens  # type: ignore[arg-type]
+
+        base, one = count(0), count(10)
+        n = max(0, -(-(target - base) * 10 // max(one - base, 1)))
+        while count(n) < target:
+            n += 1
+        return n
+    finally:
+        p.stop(signal.SIGTERM)
+
+
+def report(doc: dict[str, Any]) -> str:
+    s = doc["settings"]
+    lines = [f"# Coding-agent session over /v1/messages ({s['model']}, {s['turns']} turns, "
+             f"{'SIGKILL' if s['stop'] == 'kill' else 'SIGTERM'} + restart after turn {s['restart_after']})", "",
+             f"First prompt: {doc['servers'][0]['rows'][0]['prompt_tokens']} tokens (system prompt with "
+             f"{s['tools']} tools, billing header changing every request). TTFT in seconds; "
+             "read = cache_read_input_tokens / prompt tokens.", ""]
+    names = [r["name"] for r in doc["servers"]]
+    lines.append("| turn | prompt tokens (kvstore) | " + " | ".join(f"{n} TTFT | {n} read" for n in names) + " |")
+    lines.append("|---:|---:|" + "---:|---:|" * len(names))
+    for i, row in enumerate(doc["servers"][0]["rows"]):
+        mark = " (after restart)" if row["after_restart"] else ""
+        cells = []
+        for srv in doc["servers"]:
+            r = srv["rows"][i] if i < len(srv["rows"]) else None
+            share = f"{100 * r['read_share']:.1f}%" if r and r["prompt_tokens"] else "n/a"  # no usage reported
+            cells += [f"{r['ttft_s']:.3f}", share] if r else ["-", "-"]
+        lines.append(f"| {row['turn']}{mark} | {row['prompt_tokens']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for srv in doc["servers"]:
+        lines.append(f"- {srv['name']}: lowest read share after turn 1 {100 * (srv['min_read_share_after_turn_1'] or 0):.1f}%"
+                     f"{' (no usage reported)' if not srv['rows'][0]['prompt_tokens'] else ''}, "
+                     f"TTFT of the first turn after the restart {srv['ttft_after_restart_s']:.3f} s, "
+                     f"restart to ready {srv['restart_ready_s']:.1f} s")
+    lines += [f"- {n}" for n in doc.get("notes", [])]
+    if doc.get("loadavg"):
+        lines.append(f"- 1-minute load average {doc['loadavg']['start']} at start, {doc['loadavg']['end']} at end "
+                     f"({doc['machine'].get('cores')} cores): TTFTs scale with it.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.agent_session", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="a tools.models name or a model directory (default smollm2)")
+    p.add_argument("--system-tokens", type=int, default=8192, help="first prompt at least this long (default 8192)")
+    p.add_argument("--tools", type=int, default=8, help="tool definitions in the system prompt (default 8)")
+    p.add_argument("--turns", type=int, default=12)
+    p.add_argument("--restart-after", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--stop", choices=("kill", "term"), default="kill", help="SIGKILL (default) or SIGTERM at the restart")
+    p.add_argument("--other", action="append", default=[], metavar="NAME=COMMAND",
+                   help="another server on the same trace: a command line with {model} (the model directory "
+                        "with the tool template) and {port}, e.g. 'vllm-mlx-cb=/opt/vllm-env/bin/vllm-mlx serve "
+                        "{model} --port {port} --continuous-batching'")
+    p.add_argument("--no-kvstore", action="store_true", help="run only the --other servers")
+    p.add_argument("--tag", default="", help="results go to agent_session[_TAG].json / .md")
+    p.add_argument("--ready-path", default="/health", help="the other servers' readiness URL path (default /health)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--work", default=None, help="scratch directory (default: a new temp dir)")
+    args = p.parse_args(argv)
+    import tempfile
+
+    from benchmarks import common as C
+
+    from tools.models import model_path
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="agent-session-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = with_tool_template(Path(args.model) if Path(args.model).is_dir() else model_path(args.model), work / "model")
+    args.model_dir = model
+    load_start = C.loadavg1()
+    args.paragraphs = size_system(model, args.system_tokens, work, args.tools)
+    servers = [] if args.no_kvstore else [run_server("kvstore", kvstore_command(model, work / "cache"), args, work, True)]
+    for spec in args.other:
+        name, _, cmd = spec.partition("=")
+
+        def other(port: int, cmd: str = cmd) -> list[str]:
+            return shlex.split(cmd.format(model=model, port=port, work=work))
+
+        servers.append(run_server(name, other, args, work, False, args.ready_path))
+    doc = {"benchmark": "agent_session", "machine": C.machine(work),
+           "settings": {"model": str(args.model), "system_tokens": args.system_tokens, "paragraphs": args.paragraphs, "tools": args.tools,
+                        "turns": args.turns, "restart_after": args.restart_after, "max_tokens": args.max_tokens,
+                        "stop": args.stop, "others": args.other},
+           "loadavg": {"start": load_start, "end": C.loadavg1()},
+           "servers": servers,
+           "notes": ["TTFT: request sent -> first content_block_delta, through the anthropic SDK's stream.",
+                     "kvstore's write-behind queue is drained before the restart (an agent idles between turns).",
+                     "The servers' BLAS is in their logs (kvstore serve preloads OpenBLAS when installed); "
+                     "machine.blas describes the client process."]}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "agent_session" + (f"_{args.tag}" if args.tag else "")
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    (out / f"{name}.md").write_text(report(doc))
+    print(report(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
