@@ -231,15 +231,10 @@ class Proc:
 
 
 def same_blas() -> dict[str, str]:
-    """The environment that gives any server the BLAS ``kvstore serve`` preloads (OpenBLAS
-    when installed, kvstore.blas): float32 prefill differs ~15x between the two, so a side
-    by side on different BLAS would measure the BLAS."""
+    """The environment that gives any server the BLAS ``kvstore serve`` preloads."""
     from kvstore import blas
 
-    lib = blas.openblas_path()
-    if sys.platform != "linux" or os.environ.get("KVSTORE_NO_OPENBLAS") or not lib.exists():
-        return {}
-    return {"LD_PRELOAD": ":".join(p for p in (str(lib), os.environ.get("LD_PRELOAD", "")) if p)}
+    return blas.preload_environment()
 
 
 def wait_flushed(url: str, timeout: float = 300) -> None:

@@ -38,17 +38,26 @@ def in_use() -> str:
     return "openblas" if str(lib) in maps or os.path.realpath(lib) in maps else "reference"
 
 
+def preload_environment() -> dict[str, str]:
+    """The ``LD_PRELOAD`` that gives a process (this one re-executed, or any server a
+    benchmark starts beside ``kvstore serve``) the BLAS kvstore's commands run with:
+    OpenBLAS where installed and not opted out, else {} (MLX's reference BLAS). A side by
+    side on different BLAS would measure the BLAS: float32 prefill differs ~15x."""
+    lib = openblas_path()
+    if sys.platform != "linux" or os.environ.get(OPT_OUT) or not lib.exists():
+        return {}
+    preload = os.environ.get("LD_PRELOAD", "")
+    return {"LD_PRELOAD": ":".join(p for p in (str(lib), preload) if p) if str(lib) not in preload else preload}
+
+
 def preload_openblas() -> None:
     """Re-execute this process with OpenBLAS preloaded when it is installed, not loaded yet
     and not opted out (``KVSTORE_NO_OPENBLAS``); otherwise return. Never loops: a process
     whose ``LD_PRELOAD`` already names the library is left alone."""
-    lib = openblas_path()
-    if sys.platform != "linux" or os.environ.get(OPT_OUT) or not lib.exists():
+    extra = preload_environment()
+    if not extra or extra["LD_PRELOAD"] == os.environ.get("LD_PRELOAD", ""):
         return
-    preload = os.environ.get("LD_PRELOAD", "")
-    if str(lib) in preload:
-        return
-    env = dict(os.environ, LD_PRELOAD=":".join(p for p in (str(lib), preload) if p))
+    env = dict(os.environ, **extra)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     try:  # sys.orig_argv keeps `-m module` / `-c code`, which sys.argv loses

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import tempfile
 import time
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=30, help="the system prompt: a sentence this many times")
     args = p.parse_args(argv)
     model = str(model_path(args.model))
+    from kvstore import blas
+
+    os.environ.update(blas.preload_environment())  # every server on the BLAS kvstore's commands preload
     system = SYSTEM.split(". ")[0] + ". "
     system = system * args.repeat
     rows = []
