@@ -446,7 +446,7 @@ def handle(handler: Any, original: Callable[[Any], None], server_mod: Any) -> No
         model = (body.get("model") if isinstance(body, dict) else None) or str(handler.response_generator.cli_args.model)
         if path == COUNT and isinstance(body, dict):
             body = {**body, "max_tokens": 1, "stream": False}
-        images = handler.response_generator.model_provider.processor is not None
+        images = getattr(handler.response_generator.model_provider, "processor", None) is not None  # none in mlx-lm 0.31
         chat = chat_request(body, images, KEEP_BILLING_HEADER)
         if path == COUNT:
             _send(handler, 200, {"input_tokens": count_tokens(handler.response_generator, chat, server_mod)})

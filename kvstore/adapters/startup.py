@@ -194,12 +194,22 @@ def health(generator: Any) -> tuple[int, dict[str, Any]]:
     503 ``{"status": "unavailable"}`` when the generation thread died; and, only while
     ``kvstore serve`` loads, warms up and preloads (``install`` was called, not ready yet),
     503 ``{"status": "starting"}``. Details (phase, timings) are in ``startup_stats``."""
-    alive = generator is None or generator.generation_available()
+    alive = generator is None or _generation_alive(generator)
     if not alive:
         return 503, {"status": "unavailable"}
     if STATE.installed and not STATE.ready.is_set():
         return 503, {"status": "starting"}
     return 200, {"status": "ok"}
+
+
+def _generation_alive(generator: Any) -> bool:
+    """mlx-lm 0.32's ``generation_available()``; 0.31 has none (its ``/health`` always says
+    ok), so there the generation thread's own liveness stands in."""
+    available = getattr(generator, "generation_available", None)
+    if available is not None:
+        return bool(available())
+    thread = getattr(generator, "_generation_thread", None)
+    return thread is None or thread.is_alive()
 
 
 def startup_stats() -> dict[str, Any]:
