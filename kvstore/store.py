@@ -138,15 +138,7 @@ class KVStore:
         self._touches: dict[bytes, tuple[float, int]] = {}
         self._touch_scheduled = False
         self._described: set[bytes] = set()  # salted identities filed in the index
-        self.disk: DiskTier | None = None
-        if not memory_only:
-            try:
-                self.disk = open_disk(self.cache_dir, chunk_tokens, shared_dir=shared_dir)
-            except StoreOpenError as e:
-                if on_disk_error != "memory":
-                    raise
-                log.warning("kvstore: %s; serving from memory only", e)
-                self._record_memory_only("*", f"the cache directory cannot be used: {e}")
+        self.disk: DiskTier | None = None if memory_only else self._open_disk(chunk_tokens, shared_dir, on_disk_error)
         self.memo = DigestMemo(self.cache_dir / MEMO if self.disk else None, self.disk.modes if self.disk else None)
         self.shared = _open_shared(shared, queue_size) if self.disk else None
         self.writer = Writer(queue_size) if self.disk else None
@@ -155,6 +147,18 @@ class KVStore:
         self._relief_queued = False
         self._watch = _watch_memory(self) if self._gauge is not None else None
         _open_stores.add(self)
+
+    def _open_disk(self, chunk_tokens: int, shared_dir: bool, on_disk_error: str) -> DiskTier | None:
+        """The disk tier of ``cache_dir``; a directory that cannot be used raises
+        ``StoreOpenError``, or with ``on_disk_error="memory"`` is said once and gives None."""
+        try:
+            return open_disk(self.cache_dir, chunk_tokens, shared_dir=shared_dir)
+        except StoreOpenError as e:
+            if on_disk_error != "memory":
+                raise
+            log.warning("kvstore: %s; serving from memory only", e)
+            self._record_memory_only("*", f"the cache directory cannot be used: {e}")
+            return None
 
     @property
     def memory(self) -> MemoryTier:

@@ -519,17 +519,26 @@ def _run(handler: Any, original: Callable[[Any], None], chat: dict[str, Any], mo
         return  # the client went away (mlx-lm's handler stopped the generation)
     if cap.stream and cap.status == 200:
         head(cap)
+    _answer(handler, cap, body.getvalue(), events, tap, chat, model, failure)
+
+
+def _answer(handler: Any, cap: "Capture", body: bytes, events: "Events", tap: "Tap", chat: dict[str, Any],
+            model: str, failure: Exception | None) -> None:
+    """What ``/v1/messages`` answers once mlx-lm's handler returned: the stream's last
+    events, the message, or the error in Anthropic's shape."""
+    tokenizer = getattr(tap.model_provider, "tokenizer", None)
+    if cap.stream and cap.status == 200:
         if failure is not None:
             events.error(500, f"generation failed: {failure}")
         else:
             events.end(usage(*tap.prompt(), len(tap.tokens)))
-        real_out.flush()
+        handler.wfile.flush()
     elif cap.status == 200:
-        chat_resp = json.loads(body.getvalue())
+        chat_resp = json.loads(body)
         finish = chat_resp["choices"][0].get("finish_reason")
         _send(handler, 200, message(chat_resp, model, stop_reason(finish, tap.tokens, chat["stop"], tokenizer)))
     elif cap.status is not None:
-        status, text = _chat_error(cap.status, body.getvalue())
+        status, text = _chat_error(cap.status, body)
         _send(handler, status, error_body(status, text))
     else:  # failed before anything was written: drop the status line mlx-lm may have buffered
         handler._headers_buffer = []

@@ -219,8 +219,7 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     when it could not start or its HTTP loop failed (said on stderr; without
     ``exit_process`` that exception is raised). ``--help``, usage errors, a missing
     ``--model`` (2) and a port it cannot listen on (1, naming host:port) raise SystemExit
-    before anything heavy is imported. ``progress``: the
-    progress-bar factory for the preload (the CLI passes ``kvstore.cli.progress.Progress``)."""
+    before anything heavy is imported. ``progress``: the preload's progress-bar factory."""
     parser = argparse.ArgumentParser(
         prog="kvstore serve", add_help=False,  # -h / --help: ours, then mlx_lm.server's
         description="mlx_lm.server with a persistent kvstore prompt cache. --model is required; "
@@ -229,7 +228,7 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     startup.add_arguments(parser)
     tenants.add_arguments(parser)
     ours, rest = parser.parse_known_args(argv)
-    policy = tenants.policy_from(ours)
+    policy = tenants.policy_from(ours)  # a bad key flag ends the start before anything heavy
     if "-h" in rest or "--help" in rest:
         parser.print_help()
         print("\nmlx_lm.server flags:", flush=True)
@@ -248,25 +247,7 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
         raise SystemExit(f"kvstore serve: error: {problem}")
     import mlx_lm.server as server_mod
 
-    options: dict[str, Any] = {
-        "cache_dir": ours.cache_dir, "max_disk_bytes": ours.max_disk_bytes,
-        "chunk_tokens": ours.chunk_tokens, "queue_size": ours.write_queue,
-        "persist": ours.persist, "max_write_bytes_per_day": ours.max_write_bytes_per_day,
-        "memory_floor": ours.memory_floor,
-        "min_disk_hit": ours.min_disk_hit,
-    }
-    shared = shared_config(ours)
-    if shared is not None:
-        options["shared"] = shared
-    patch(server_mod, **options)
-    tenants.configure(policy)
-    tenants.warn_if_exposed(tenants.host_of(rest), policy)
-    anthropic.KEEP_BILLING_HEADER = ours.keep_billing_header
-    startup.install(server_mod, startup.options(ours), _STORES, progress)
-    signal.signal(signal.SIGTERM, _sigterm)
-    if hasattr(signal, "SIGUSR1"):  # POSIX (Linux, macOS)
-        signal.signal(signal.SIGUSR1, _dump_stacks)
-        faulthandler.register(signal.SIGUSR2, all_threads=True)
+    _install(server_mod, ours, rest, policy, progress)
     sys.argv = ["mlx_lm.server", *rest]
     code = 0
     try:
@@ -289,6 +270,31 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     if exit_process:  # also when it failed: mlx-lm's generation thread (not a daemon) would keep it alive
         _exit_now(code)
     return code
+
+
+def _install(server_mod: Any, ours: argparse.Namespace, rest: list[str], policy: Any,
+             progress: startup.ProgressFactory | None) -> None:
+    """Everything kvstore adds to ``mlx_lm.server`` before its ``main()`` runs: the prompt
+    cache with our flags, the callers' policy, the Anthropic routes, the start's phases and
+    the signals (this process is the server's: the handlers are ours to set)."""
+    options: dict[str, Any] = {
+        "cache_dir": ours.cache_dir, "max_disk_bytes": ours.max_disk_bytes,
+        "chunk_tokens": ours.chunk_tokens, "queue_size": ours.write_queue,
+        "persist": ours.persist, "max_write_bytes_per_day": ours.max_write_bytes_per_day,
+        "memory_floor": ours.memory_floor, "min_disk_hit": ours.min_disk_hit,
+    }
+    shared = shared_config(ours)
+    if shared is not None:
+        options["shared"] = shared
+    patch(server_mod, **options)
+    tenants.configure(policy)
+    tenants.warn_if_exposed(tenants.host_of(rest), policy)
+    anthropic.KEEP_BILLING_HEADER = ours.keep_billing_header
+    startup.install(server_mod, startup.options(ours), _STORES, progress)
+    signal.signal(signal.SIGTERM, _sigterm)
+    if hasattr(signal, "SIGUSR1"):  # POSIX (Linux, macOS)
+        signal.signal(signal.SIGUSR1, _dump_stacks)
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 
 def _listen_args(rest: list[str]) -> argparse.Namespace:

@@ -33,7 +33,7 @@ import logging
 import threading
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 log = logging.getLogger("kvstore")
 
@@ -65,180 +65,186 @@ def model_path_of(model: Any) -> str | None:
     return _OPTIONS.get("model_path")
 
 
+if TYPE_CHECKING:  # the mixin's super() is vllm-mlx's class, known only at run time
+    _Base = Any
+else:
+    _Base = object
+
+
 def _base() -> type:
     from vllm_mlx.memory_cache import MemoryAwarePrefixCache
 
     return MemoryAwarePrefixCache
 
 
-def _make_class() -> type:
-    base = _base()
+class _DiskTier(_Base):
+    """vllm-mlx's ``MemoryAwarePrefixCache`` with kvstore's disk tier underneath: mixed in
+    over vllm-mlx's installed class by ``_make_class`` (vllm-mlx is imported only then)."""
 
-    class KVPrefixCache(base):  # type: ignore[misc,valid-type]
-        """vllm-mlx's ``MemoryAwarePrefixCache`` with kvstore's disk tier underneath."""
+    def __init__(self, model: Any, config: Any = None, **options: Any) -> None:
+        super().__init__(model, config)
+        self._kv_promoting = threading.local()
+        self._kv_served: set[tuple[int, ...]] = set()  # keys handed out from disk
+        self._kv_reads_off = False
+        opts = dict(_OPTIONS, **options)
+        path = opts.pop("model_path", None) or model_path_of(model)
+        self._kv_model = (str(path), None, None) if path else None
+        self._kv_store = None
+        if self._kv_model is None:
+            log.warning("kvstore: no model path for %s; vllm-mlx's prefix cache stays memory only "
+                        "(kvstore.adapters.vllm_mlx_batched.remember_model names one)", type(model).__name__)
+            return
+        try:
+            self._kv_store = _open_store(opts, self._config)
+        except Exception as e:  # a cache directory that cannot be used: memory only
+            log.warning("kvstore: cannot open the store (%s); memory only", e)
 
-        def __init__(self, model: Any, config: Any = None, **options: Any) -> None:
-            super().__init__(model, config)
-            self._kv_promoting = threading.local()
-            self._kv_served: set[tuple[int, ...]] = set()  # keys handed out from disk
-            self._kv_reads_off = False
-            opts = dict(_OPTIONS, **options)
-            path = opts.pop("model_path", None) or model_path_of(model)
-            self._kv_model = (str(path), None, None) if path else None
-            self._kv_store = None
-            if self._kv_model is None:
-                log.warning("kvstore: no model path for %s; vllm-mlx's prefix cache stays memory only "
-                            "(kvstore.adapters.vllm_mlx_batched.remember_model names one)", type(model).__name__)
-                return
-            try:
-                self._kv_store = _open_store(opts, self._config)
-            except Exception as e:  # a cache directory that cannot be used: memory only
-                log.warning("kvstore: cannot open the store (%s); memory only", e)
+    # -- the two places vllm-mlx's class is extended ---------------------------
 
-        # -- the two places vllm-mlx's class is extended ---------------------------
+    def commit_prepared(self, entry: Any, evict_prefixes: bool = True, **kw: Any) -> bool:
+        ok = super().commit_prepared(entry, evict_prefixes, **kw)
+        if ok and not getattr(self._kv_promoting, "on", False):
+            self._write_through(entry)
+        return bool(ok)
 
-        def commit_prepared(self, entry: Any, evict_prefixes: bool = True, **kw: Any) -> bool:
-            ok = super().commit_prepared(entry, evict_prefixes, **kw)
-            if ok and not getattr(self._kv_promoting, "on", False):
-                self._write_through(entry)
-            return bool(ok)
+    def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
+        cache, remaining = super().fetch(tokens)
+        if cache is not None:
+            # vllm-mlx keys a completion entry by prompt + output while its cache holds
+            # one position fewer, and trims it as if it held them all: the tokens to run
+            # start where the cache really ends
+            pos = held_positions(cache)
+            claimed = len(tokens) - len(remaining)
+            if pos is not None and 0 < pos < claimed:
+                self._stats.tokens_saved -= claimed - pos
+                remaining = list(tokens[pos:])
+        if (self._kv_store is None or self._kv_reads_off or not tokens
+                or len(tokens) < self._config.min_prefix_tokens):
+            return cache, remaining
+        held = len(tokens) - len(remaining) if cache is not None else 0
+        got = self._from_disk(list(tokens), held)
+        if got is None:
+            return cache, remaining
+        if cache is None:  # the miss super() counted is a hit after all
+            self._stats.misses = max(0, self._stats.misses - 1)
+        disk_cache, n = got
+        self._stats.hits += 1 if cache is None else 0
+        self._stats.tokens_saved += n - held
+        self._last_match_type = "prefix"
+        self._last_matched_key = tuple(tokens[:n])
+        if len(self._kv_served) < 4096:
+            self._kv_served.add(self._last_matched_key)
+        return disk_cache, list(tokens[n:])
 
-        def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
-            cache, remaining = super().fetch(tokens)
-            if cache is not None:
-                # vllm-mlx keys a completion entry by prompt + output while its cache holds
-                # one position fewer, and trims it as if it held them all: the tokens to run
-                # start where the cache really ends
-                pos = held_positions(cache)
-                claimed = len(tokens) - len(remaining)
-                if pos is not None and 0 < pos < claimed:
-                    self._stats.tokens_saved -= claimed - pos
-                    remaining = list(tokens[pos:])
-            if (self._kv_store is None or self._kv_reads_off or not tokens
-                    or len(tokens) < self._config.min_prefix_tokens):
-                return cache, remaining
-            held = len(tokens) - len(remaining) if cache is not None else 0
-            got = self._from_disk(list(tokens), held)
-            if got is None:
-                return cache, remaining
-            if cache is None:  # the miss super() counted is a hit after all
-                self._stats.misses = max(0, self._stats.misses - 1)
-            disk_cache, n = got
-            self._stats.hits += 1 if cache is None else 0
-            self._stats.tokens_saved += n - held
-            self._last_match_type = "prefix"
-            self._last_matched_key = tuple(tokens[:n])
-            if len(self._kv_served) < 4096:
-                self._kv_served.add(self._last_matched_key)
-            return disk_cache, list(tokens[n:])
+    # -- helpers ---------------------------------------------------------------
 
-        # -- helpers ---------------------------------------------------------------
+    def _write_through(self, entry: Any) -> None:
+        """Queue ``entry`` for disk; never raises (vllm-mlx's store must not). Its
+        arrays are the ones vllm-mlx's store just evaluated on this thread; quantised
+        layers go as mlx-lm ``QuantizedKVCache`` views of them (no full-precision copy)."""
+        store = self._kv_store
+        if store is None:
+            return
+        try:
+            store.insert(self._kv_model, list(entry.tokens), to_mlx_lm(entry.cache))
+        except Exception as e:  # str(e): a kept log record must not pin the arrays
+            log.debug("kvstore: entry of %d tokens not written: %s", len(entry.tokens), str(e))
+            _warn_once(store, "write", "kvstore: an entry could not be queued for disk (%s); memory only",
+                       str(e))
 
-        def _write_through(self, entry: Any) -> None:
-            """Queue ``entry`` for disk; never raises (vllm-mlx's store must not). Its
-            arrays are the ones vllm-mlx's store just evaluated on this thread; quantised
-            layers go as mlx-lm ``QuantizedKVCache`` views of them (no full-precision copy)."""
-            store = self._kv_store
-            if store is None:
-                return
-            try:
-                store.insert(self._kv_model, list(entry.tokens), to_mlx_lm(entry.cache))
-            except Exception as e:  # str(e): a kept log record must not pin the arrays
-                log.debug("kvstore: entry of %d tokens not written: %s", len(entry.tokens), str(e))
-                _warn_once(store, "write", "kvstore: an entry could not be queued for disk (%s); memory only",
-                           str(e))
+    def _from_disk(self, tokens: list[int], held: int) -> tuple[list[Any], int] | None:
+        """A disk prefix of ``tokens`` longer than the ``held`` tokens memory gave (by
+        kvstore's margin), at most ``len(tokens) - 1`` (a whole-prompt hit is trimmed by
+        one token, or refused when its cache cannot be trimmed), promoted into memory;
+        None otherwise. Never raises."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-        def _from_disk(self, tokens: list[int], held: int) -> tuple[list[Any], int] | None:
-            """A disk prefix of ``tokens`` longer than the ``held`` tokens memory gave (by
-            kvstore's margin), at most ``len(tokens) - 1`` (a whole-prompt hit is trimmed by
-            one token, or refused when its cache cannot be trimmed), promoted into memory;
-            None otherwise. Never raises."""
-            from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+        from ..store import restore_floor
 
-            from ..store import restore_floor
-
-            store: Any = self._kv_store
-            top = len(tokens) - 1
-            try:
-                if top <= held:
-                    return None
-                if min(store.peek(self._kv_model, tokens), top) <= restore_floor(held, top):
-                    return None
-                got = store.fetch(self._kv_model, tokens)
-                if got.cache is None:
-                    return None
-                n = got.n
-                if n > top:  # the whole prompt: vllm-mlx needs one token to run
-                    if not can_trim_prompt_cache(got.cache):
-                        return None
-                    trim_prompt_cache(got.cache, n - top)
-                    n = top
-                if n <= held:
-                    return None
-                cache = from_mlx_lm(got.cache)
-            except Exception as e:
-                _warn_once(store, "fetch", "kvstore: disk lookup failed (%s); a miss", str(e))
+        store: Any = self._kv_store
+        top = len(tokens) - 1
+        try:
+            if top <= held:
                 return None
-            self._promote(tokens[:n], cache)
-            return cache, n
+            if min(store.peek(self._kv_model, tokens), top) <= restore_floor(held, top):
+                return None
+            got = store.fetch(self._kv_model, tokens)
+            if got.cache is None:
+                return None
+            n = got.n
+            if n > top:  # the whole prompt: vllm-mlx needs one token to run
+                if not can_trim_prompt_cache(got.cache):
+                    return None
+                trim_prompt_cache(got.cache, n - top)
+                n = top
+            if n <= held:
+                return None
+            cache = from_mlx_lm(got.cache)
+        except Exception as e:
+            _warn_once(store, "fetch", "kvstore: disk lookup failed (%s); a miss", str(e))
+            return None
+        self._promote(tokens[:n], cache)
+        return cache, n
 
-        def _promote(self, tokens: list[int], cache: list[Any]) -> None:
-            """A disk hit into vllm-mlx's memory tier (its own copy, within its limit), not
-            written back."""
-            self._kv_promoting.on = True
+    def _promote(self, tokens: list[int], cache: list[Any]) -> None:
+        """A disk hit into vllm-mlx's memory tier (its own copy, within its limit), not
+        written back."""
+        self._kv_promoting.on = True
+        try:
+            super().store(tokens, cache, evict_prefixes=False)
+        except Exception as e:
+            log.debug("kvstore: disk hit not kept in memory: %s", str(e))
+        finally:
+            self._kv_promoting.on = False
+
+    def remove(self, tokens: list[int], *, include_ssd: bool = False) -> bool:
+        """vllm-mlx's remove. ``include_ssd`` of an entry this cache restored from disk is
+        the scheduler refusing it (built under another ``--max-kv-size``): every disk
+        entry is then built so, and disk lookups stop for this cache (else each request
+        would restore one and prefill anyway)."""
+        removed = bool(super().remove(tokens, include_ssd=include_ssd))
+        if include_ssd and self._kv_store is not None and tuple(tokens) in self._kv_served:
+            self._kv_reads_off = True
+            log.warning("kvstore: vllm-mlx refused a cache restored from disk (its KV bound, "
+                        "--max-kv-size, differs); disk lookups off for this server")
+        return removed
+
+    def save_to_disk(self, cache_dir: str) -> bool:
+        """vllm-mlx's snapshot, after kvstore's pending writes reached disk."""
+        if self._kv_store is not None:
             try:
-                base.store(self, tokens, cache, evict_prefixes=False)  # type: ignore[attr-defined]
-            except Exception as e:
-                log.debug("kvstore: disk hit not kept in memory: %s", str(e))
-            finally:
-                self._kv_promoting.on = False
+                self._kv_store.flush(60)
+            except Exception:
+                pass
+        return bool(super().save_to_disk(cache_dir))
 
-        def remove(self, tokens: list[int], *, include_ssd: bool = False) -> bool:
-            """vllm-mlx's remove. ``include_ssd`` of an entry this cache restored from disk is
-            the scheduler refusing it (built under another ``--max-kv-size``): every disk
-            entry is then built so, and disk lookups stop for this cache (else each request
-            would restore one and prefill anyway)."""
-            removed = bool(super().remove(tokens, include_ssd=include_ssd))
-            if include_ssd and self._kv_store is not None and tuple(tokens) in self._kv_served:
-                self._kv_reads_off = True
-                log.warning("kvstore: vllm-mlx refused a cache restored from disk (its KV bound, "
-                            "--max-kv-size, differs); disk lookups off for this server")
-            return removed
+    def get_stats(self) -> dict[str, Any]:
+        stats = dict(super().get_stats())
+        if self._kv_store is not None:
+            try:
+                s = self._kv_store.stats()
+                stats["kvstore"] = {k: s.get(k, 0) for k in (
+                    "hits_disk", "tokens_disk", "writes", "bytes_written", "dropped_writes",
+                    "write_errors", "disk_entries", "disk_bytes", "cache_dir") if k in s}
+            except Exception:
+                pass
+        return stats
 
-        def save_to_disk(self, cache_dir: str) -> bool:
-            """vllm-mlx's snapshot, after kvstore's pending writes reached disk."""
-            if self._kv_store is not None:
-                try:
-                    self._kv_store.flush(60)
-                except Exception:
-                    pass
-            return bool(super().save_to_disk(cache_dir))
+    def kv_stats(self) -> dict[str, Any]:
+        """kvstore's counters for this cache's store ({} when memory only)."""
+        return self._kv_store.stats() if self._kv_store is not None else {}
 
-        def get_stats(self) -> dict[str, Any]:
-            stats = dict(super().get_stats())
-            if self._kv_store is not None:
-                try:
-                    s = self._kv_store.stats()
-                    stats["kvstore"] = {k: s.get(k, 0) for k in (
-                        "hits_disk", "tokens_disk", "writes", "bytes_written", "dropped_writes",
-                        "write_errors", "disk_entries", "disk_bytes", "cache_dir") if k in s}
-                except Exception:
-                    pass
-            return stats
+    def close(self) -> None:
+        """Flush pending writes and release the index (also done at exit)."""
+        store, self._kv_store = self._kv_store, None
+        if store is not None:
+            store.close()
 
-        def kv_stats(self) -> dict[str, Any]:
-            """kvstore's counters for this cache's store ({} when memory only)."""
-            return self._kv_store.stats() if self._kv_store is not None else {}
 
-        def close(self) -> None:
-            """Flush pending writes and release the index (also done at exit)."""
-            store, self._kv_store = self._kv_store, None
-            if store is not None:
-                store.close()
-
-    KVPrefixCache.__module__ = __name__
-    KVPrefixCache.__qualname__ = "KVPrefixCache"
-    return KVPrefixCache
+def _make_class() -> type:
+    """``KVPrefixCache``: ``_DiskTier`` over vllm-mlx's installed ``MemoryAwarePrefixCache``."""
+    return type("KVPrefixCache", (_DiskTier, _base()), {"__module__": __name__, "__qualname__": "KVPrefixCache",
+                                                        "__doc__": _DiskTier.__doc__})
 
 
 _CLASS: list[type] = []
