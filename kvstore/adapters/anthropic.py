@@ -27,6 +27,8 @@ import types
 import uuid
 from typing import Any, Callable
 
+from .http import send_json
+
 log = logging.getLogger("kvstore")
 BILLING_PREFIX = "x-anthropic-billing-header:"
 KEEP_BILLING_HEADER = False
@@ -408,15 +410,6 @@ class Tap:
         return (len(self.ctx.prompt), self.ctx.prompt_cache_count) if self.ctx is not None else (0, 0)
 
 
-def _send(handler: Any, status: int, obj: Any) -> None:
-    body = json.dumps(obj).encode()
-    handler.send_response(status)
-    handler.send_header("Content-Type", "application/json")
-    handler.send_header("Content-Length", str(len(body)))
-    handler.end_headers()
-    handler.wfile.write(body)
-
-
 def _read_json(handler: Any) -> Any:
     try:
         return json.loads(handler.rfile.read(int(handler.headers.get("Content-Length") or 0)) or b"null")
@@ -449,10 +442,10 @@ def handle(handler: Any, original: Callable[[Any], None], server_mod: Any) -> No
         images = getattr(handler.response_generator.model_provider, "processor", None) is not None  # none in mlx-lm 0.31
         chat = chat_request(body, images, KEEP_BILLING_HEADER)
         if path == COUNT:
-            _send(handler, 200, {"input_tokens": count_tokens(handler.response_generator, chat, server_mod)})
+            send_json(handler, 200, {"input_tokens": count_tokens(handler.response_generator, chat, server_mod)})
             return
     except RequestError as e:
-        _send(handler, e.status, error_body(e.status, str(e)))
+        send_json(handler, e.status, error_body(e.status, str(e)))
         return
     _run(handler, original, chat, model)
 
@@ -536,13 +529,13 @@ def _answer(handler: Any, cap: "Capture", body: bytes, events: "Events", tap: "T
     elif cap.status == 200:
         chat_resp = json.loads(body)
         finish = chat_resp["choices"][0].get("finish_reason")
-        _send(handler, 200, message(chat_resp, model, stop_reason(finish, tap.tokens, chat["stop"], tokenizer)))
+        send_json(handler, 200, message(chat_resp, model, stop_reason(finish, tap.tokens, chat["stop"], tokenizer)))
     elif cap.status is not None:
         status, text = _chat_error(cap.status, body)
-        _send(handler, status, error_body(status, text))
+        send_json(handler, status, error_body(status, text))
     else:  # failed before anything was written: drop the status line mlx-lm may have buffered
         handler._headers_buffer = []
-        _send(handler, 500, error_body(500, f"generation failed: {failure}"))
+        send_json(handler, 500, error_body(500, f"generation failed: {failure}"))
 
 
 def install(server_mod: Any) -> None:

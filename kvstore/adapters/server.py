@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import errno
 import faulthandler
-import json
 import logging
 import os
 import signal
@@ -41,6 +40,7 @@ from ..floors import MIN_DISK_HIT
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..units import memory_floor, parse_size
 from . import anthropic, startup, tenants
+from .http import send_json
 
 if TYPE_CHECKING:  # imported when used: MLX and mlx-lm take seconds, --help and a refused start need neither
     from .mlx_lm import LRUPromptCache
@@ -69,26 +69,17 @@ def served_models(cli_args: Any) -> list[str]:
     return [cli_args.model] if getattr(cli_args, "model", None) else []
 
 
-def _send_json(handler: Any, status: int, obj: Any) -> None:
-    body = json.dumps(obj).encode()
-    handler.send_response(status)
-    handler.send_header("Content-Type", "application/json")
-    handler.send_header("Content-Length", str(len(body)))
-    handler.end_headers()
-    handler.wfile.write(body)
-
-
 def _models(handler: Any, path: str) -> None:
     """``GET /v1/models`` (a list) or ``GET /v1/models/ID`` (one model, 404 if not served)."""
     ids = served_models(handler.response_generator.cli_args)
     card = {i: {"id": i, "object": "model", "created": handler.created, "owned_by": "kvstore"} for i in ids}
     wanted = unquote(path[len("/v1/models"):].lstrip("/"))
     if not wanted:
-        _send_json(handler, 200, {"object": "list", "data": list(card.values())})
+        send_json(handler, 200, {"object": "list", "data": list(card.values())})
     elif wanted in card or "/" + wanted in card:
-        _send_json(handler, 200, card.get(wanted) or card["/" + wanted])
+        send_json(handler, 200, card.get(wanted) or card["/" + wanted])
     else:
-        _send_json(handler, 404, {"error": {
+        send_json(handler, 404, {"error": {
             "message": f"model {wanted!r} is not served here; GET /v1/models lists the models that are",
             "type": "invalid_request_error", "param": None, "code": "model_not_found"}})
 
@@ -103,11 +94,11 @@ def _install_routes(server_mod: Any) -> None:
         path = self.path.split("?")[0]
         models = path == "/v1/models" or path.startswith("/v1/models/")
         if path == "/health":  # mlx_lm.server's; 503 while kvstore serve starts (kvstore.adapters.startup)
-            _send_json(self, *startup.health(self.response_generator))
+            send_json(self, *startup.health(self.response_generator))
         elif models and startup.STATE.installed and not startup.STATE.ready.is_set():
-            _send_json(self, 503, startup.not_ready_error())
+            send_json(self, 503, startup.not_ready_error())
         elif path == "/v1/cache/stats":
-            _send_json(self, 200, cache_stats())
+            send_json(self, 200, cache_stats())
         elif path == "/metrics":  # Prometheus text format, read from the same stats (kvstore.metrics)
             body, ctype = metrics.exposition(_METRICS)
             self.send_response(200)

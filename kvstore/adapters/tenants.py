@@ -38,6 +38,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .http import send_json
 from ..salt import Salt, SaltedTokens, SaltError, combine, salt_of, salt_of_body, tag
 
 log = logging.getLogger("kvstore")
@@ -216,17 +217,7 @@ def current_salt() -> Salt | None:
 
 
 def _send(handler: Any, status: int, body: dict[str, Any], close: bool) -> None:
-    data = json.dumps(body).encode()
-    handler.send_response(status)
-    handler.send_header("Content-Type", "application/json")
-    handler.send_header("Content-Length", str(len(data)))
-    if status == 401:
-        handler.send_header("WWW-Authenticate", "Bearer")
-    if close:
-        handler.send_header("Connection", "close")
-        handler.close_connection = True
-    handler.end_headers()
-    handler.wfile.write(data)
+    send_json(handler, status, body, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None, close=close)
 
 
 class _Replay(io.RawIOBase):
