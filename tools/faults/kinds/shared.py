@@ -98,6 +98,10 @@ FETCH_BOUND = 3.0    # seconds: 2 round trips at <= ~1.1 s each, with slack for 
 INSERT_BOUND = 1.0   # insert never waits for Redis
 PUBLISH_BOUND = 3.0  # seconds of flush per entry published
 WINDOW = 2.5         # seconds B fetches (A inserts) while a fault comes and goes
+# A pause must outlast a call that starts reading during it (BULK_TIMEOUT, 1 s) with room for
+# calls to start in it: a read begun in a pause's last second may wait it out and succeed
+# (seen: a 1.34 s allstop that B's rounds met and lived through without an error to count)
+PAUSE = (2.2, 2.8)
 STAT_KEYS = ("hits_shared", "hits_disk", "hits_memory", "misses", "writes", "write_errors", "corrupt",
              "shared_lookups", "shared_lookup_hits", "shared_trim_hits", "shared_rejected", "shared_missing",
              "shared_bad_fields", "shared_too_large", "shared_deleted", "shared_published",
@@ -361,7 +365,7 @@ def fault_of(redis: Redis, action: str, rng: random.Random) -> Callable[[], None
         if action == "allstop":
             for s in redis.servers:
                 s.pause()
-            time.sleep(rng.uniform(1.1, 1.5))
+            time.sleep(rng.uniform(*PAUSE))
             for s in redis.servers:
                 s.resume()
         elif action == "kill":
@@ -369,8 +373,8 @@ def fault_of(redis: Redis, action: str, rng: random.Random) -> Callable[[], None
             time.sleep(rng.uniform(0.2, 0.6))
             server.start()
         elif action == "pause":
-            server.pause()  # longer than any socket timeout (BULK_TIMEOUT 1 s): every call meets it
-            time.sleep(rng.uniform(1.1, 1.5))
+            server.pause()
+            time.sleep(rng.uniform(*PAUSE))
             server.resume()
         else:
             server.restart()
@@ -456,7 +460,8 @@ def judge_round(t: Tally, trial: str, rnd: dict, entries: list[list], queries: l
             t.c["unexplained_misses"] += 1
             t.fail("clean trial: B did not get the whole entry", family=fam, tokens=len(toks), n=n, source=src,
                    stats=rnd["stats"])
-        if n and (n2 < n or src2 not in ("memory", "disk")):
+        # local and as long, or longer from the shared tier (right after a fault cut the first short)
+        if n and (n2 < n or (src2 not in ("memory", "disk") and not (src2 == "shared" and n2 > n))):
             t.c["failed_cases"] += 1
             t.fail("a shared hit's next fetch was not a local hit", trial=trial, n=n, again=[n2, src2])
 
