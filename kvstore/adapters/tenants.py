@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import threading
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -115,8 +116,9 @@ def policy_from(ours: argparse.Namespace, environ: Mapping[str, str] | None = No
     keys = list(ours.api_key or [])
     if ours.api_key_file:
         try:
-            with open(ours.api_key_file, encoding="utf-8") as f:
-                lines = [ln.strip() for ln in f]
+            from ..blobs import read_foreign  # never blocks on a FIFO, regular files only
+
+            lines = [ln.strip() for ln in read_foreign(Path(ours.api_key_file), limit=1 << 20).decode().splitlines()]
         except (OSError, UnicodeDecodeError) as e:
             raise SystemExit(f"kvstore serve: cannot read --api-key-file: {e}") from None
         found = [ln for ln in lines if ln and not ln.startswith("#")]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from pathlib import Path
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 from urllib.parse import parse_qsl, unquote
@@ -186,9 +187,10 @@ class SharedConfig:
 def read_secret(path: str) -> bytes:
     """A fleet secret from a file (trailing whitespace dropped); ValueError naming the file,
     never its content, when it cannot be read or is too short."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(1 << 16).rstrip()
+    from .. import blobs
+
+    try:  # a file kvstore did not write: never blocks on a FIFO, regular files only
+        data = blobs.read_foreign(Path(path), limit=1 << 16).rstrip()
     except OSError as e:
         raise ValueError(f"cannot read the shared secret file {path}: {e.strerror}") from None
     if len(data) < MIN_SECRET_BYTES:
