@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Hashable
+from typing import TYPE_CHECKING, Any, Hashable
 
 from . import codec
 from .cachedir import MEMO, StoreOpenError, default_cache_dir, open_disk
@@ -42,7 +42,6 @@ from .errors import DiskErrors, Failure
 from .fleet import Fleet, SharedHit, open_shared
 from .floors import MIN_DISK_GAIN, restore_floor  # MIN_DISK_GAIN: re-exported (tests, README)
 from .identity import DigestMemo, Identity
-from .index import IndexFailure
 from .keys import TokenError, encode_tokens
 from .layouts import layout_problem
 from .memory import ORDERING, MemoryTier, Snapshot
@@ -55,7 +54,9 @@ from .salt import Salt, check_salt, memory_key, salted
 from .write_policy import WritePolicy
 from .writer import Writer
 from .writes import WritePath
-from .written import written as written_bytes
+
+if TYPE_CHECKING:
+    from .shared import SharedConfig
 
 __all__ = ["KVStore", "Fetched", "MIN_DISK_GAIN", "local_model_dir"]
 log = logging.getLogger("kvstore")
@@ -93,28 +94,13 @@ class KVStore:
     so ``kvstore serve``, and ``kvstore warm``) pass ``MIN_DISK_HIT``.
     """
 
-
-    def __init__(
-        self,
-        cache_dir: str | Path | None = None,
-        *,
-        max_entries: int = 10,
-        max_bytes: int = 1 << 63,
-        max_disk_bytes: int | None = None,
-        chunk_tokens: int = 256,
-        queue_size: int = 16,
-        touch_on_hit: bool = True,
-        memory_only: bool = False,
-        on_disk_error: str = "raise",
-        kv_bits: int | None = None,
-        kv_group_size: int = 64,
-        shared_dir: bool = False,
-        shared: "str | Any | None | bool" = None,
-        persist: str = "all",
-        max_write_bytes_per_day: int | None = None,
-        memory_floor: float | int | None = DEFAULT_MEMORY_FLOOR,
-        min_disk_hit: int = 0,
-    ) -> None:
+    def __init__(self, cache_dir: str | Path | None = None, *, max_entries: int = 10, max_bytes: int = 1 << 63,
+                 max_disk_bytes: int | None = None, chunk_tokens: int = 256, queue_size: int = 16,
+                 touch_on_hit: bool = True, memory_only: bool = False, on_disk_error: str = "raise",
+                 kv_bits: int | None = None, kv_group_size: int = 64, shared_dir: bool = False,
+                 shared: "str | SharedConfig | None | bool" = None, persist: str = "all",
+                 max_write_bytes_per_day: int | None = None,
+                 memory_floor: float | int | None = DEFAULT_MEMORY_FLOOR, min_disk_hit: int = 0) -> None:
         self.write_policy = WritePolicy(persist, max_write_bytes_per_day)  # raises ValueError first
         gauge = Gauge(memory_floor) if memory_floor else None  # raises ValueError first
         if not isinstance(min_disk_hit, int) or min_disk_hit < 0:
@@ -144,7 +130,6 @@ class KVStore:
         if self.disk is None and shared:
             log.warning("kvstore: the shared tier needs the disk tier (it restores through it); off")
         self._gauge = gauge
-        self._relief_queued = False
         self._watch = _watch_memory(self) if gauge is not None else None
         self._preloaded: Preloaded | None = None  # the last preload's report (stats() shows it)
         _open_stores.add(self)
@@ -306,12 +291,8 @@ class KVStore:
             return None
 
     def _restore(self, ident: Identity, plan: Plan) -> Restored | Failure:
-        """Read ``plan`` from disk, or say why not (``errors.Failure``): DAMAGED (the record
-        was dropped, or a concurrent gc removed it: a counted race; a new plan may still
-        hit, unless the index itself is damaged and the disk tier is off), UNREADABLE (an
-        I/O error about the process or the system, EMFILE or EIO: the entry is kept,
-        counted in ``io_errors``) or REFUSED (the plan cuts a snapshot where its layout does
-        not allow: a miss, the entry is kept, counted in ``refused_cuts``)."""
+        """Read ``plan`` from disk, or say why not (``errors.Failure``: DAMAGED, dropped or
+        raced; UNREADABLE, I/O or resources, kept; REFUSED, a cut its layout refuses, kept)."""
         try:
             return self.disk.restore(plan, ident, lambda specs, layout: layout_problem(ident, specs, layout))  # type: ignore[union-attr]
         except CutRefused:
@@ -380,25 +361,6 @@ class KVStore:
 
     # -- limits, stats, lifecycle ------------------------------------------------------
 
-    def _memory_tick(self) -> None:
-        """The watch's look (every ``WATCH_SECONDS``): when the tier holds more than the
-        budget allows, relief is queued on the writer thread (once at a time), where each
-        evicted entry is written before it goes."""
-        with self._lock:
-            over = self._memory.nbytes > self.writes.follow_memory() and len(self._memory) > 0
-            if not over or self._relief_queued:
-                return
-            self._relief_queued = True
-
-        def relief() -> None:
-            try:
-                self.writes.relieve_memory()
-            finally:
-                self._relief_queued = False
-
-        if self.writer is None or not self.writer.submit(relief):
-            relief()  # memory only (nothing to write first), or a full queue: relieve now
-
     def relieve_memory(self) -> int:
         """Give memory back now (``WritePath.relieve_memory``); returns the entries evicted."""
         return self.writes.relieve_memory()
@@ -431,28 +393,12 @@ class KVStore:
         s["memory_only_reason"] = dict(self._memory_only.reasons)
         s["memory_bytes"] = self._memory.nbytes
         s["memory_budget_bytes"] = min(self._memory.max_bytes, self.max_bytes)
-        if self._gauge is not None:
-            r = self._gauge.reading()
-            s["memory_available_bytes"] = r.available if r is not None else None
-            s["memory_floor_bytes"] = self._gauge.floor_of()
-        s.update(self.write_policy.stats())
-        if self.writer is not None:
-            s["queue_depth"] = self.writer.depth
-            s["pending_writes"] = self.writer.pending
-            s["dropped_writes"] = self.writer.dropped
+        s.update(self._gauge.stats() if self._gauge is not None else {})
+        s.update(self.writes.stats())
         if self.shared is not None:
             s.update(self.shared.stats())
         if self.disk is not None:
             s["cache_dir"] = str(self.cache_dir)
-            try:
-                if not self._errors.off:
-                    s["disk_bytes"] = self.disk.index.total_bytes()
-                    s.update({f"disk_{k}": v for k, v in self.disk.index.counts().items()})
-                    s["written_today_bytes"], s["written_total_bytes"] = written_bytes(self.disk.index)
-            except IndexFailure as e:
-                self._errors.index_damaged(e, self.disk)
-            if self._errors.off:
-                s["disk_off"] = self._errors.off
         s.update((self._preloaded or Preloaded()).as_stats())
         s.update(self._counters.histograms())
         return s
@@ -498,41 +444,19 @@ class KVStore:
     def preload(self, model: Any, how: int | str = "auto", *, max_bytes: int | None = None,
                 progress: Callable[[int, int], None] | None = None,
                 stop: threading.Event | None = None, salt: Salt | None = None) -> Preloaded:
-        """Restore ``model``'s entries from disk into the memory tier, ahead of traffic.
-
-        Order: pinned entries first, then by value, ``(1 + hits) x tokens`` (an entry's write
-        counts as its first use), the most recently used first on ties. ``how``: "pinned"
-        (pinned entries only), "auto" (all of them), or an int N (the first N).
-        Guarantees: nothing already in memory is evicted or replaced. An entry goes in only
-        if it fits the room left (``max_entries``, the memory tier's ``max_bytes``, and
-        ``max_bytes`` here) and its insertion drops no stored prefix (mlx-lm's rule for a
-        trimmable entry); the first entry that does not fit ends the preload (its bytes
-        are known once read, so that one entry may be read for nothing). A preloaded
-        entry is an ordinary memory entry (same LRU lists, limits, byte accounting) filed
-        least recently used, so live inserts outrank it. No hit is credited on disk; a
-        damaged entry is dropped and counted as ``fetch`` does; nothing is raised.
-        Thread-safe: may run beside live traffic; ``stop`` ends it between two entries.
-        ``progress(done, total)`` is called once the candidates are known, then after each.
+        """Restore ``model``'s entries from disk into the memory tier, ahead of traffic:
+        pinned first, then by value; ``how`` is "pinned", "auto" (all) or an int N.
+        Nothing already in memory is evicted or replaced; an entry goes in only if it fits
+        the room left (and ``max_bytes``), filed least recently used; nothing is raised
+        (``preload.Preloader.run`` has the whole contract). Thread-safe beside live
+        traffic; ``stop`` ends it between two entries; ``progress(done, total)``.
         ``salt``: the entries inserted with that salt (none: the unsalted ones only)."""
         check_salt(salt, "salt")
         report = self._preloaded = Preloaded(running=True)
         self.settle()
-        preloader = Preloader(self._memory, self._lock, lambda m: self.models.salted(m, salt), self._disk_on,
-                              self._disk_entries, lambda key: self.disk.index.view(lambda r: r.tokens(key)),  # type: ignore[union-attr]
-                              self._read_whole)
+        preloader = Preloader(self._memory, self._lock, self.disk, self._errors,
+                              lambda m: self.models.salted(m, salt), self._read_whole)
         return preloader.run(report, model, how, max_bytes, progress, stop)
-
-    def _disk_entries(self) -> dict[bytes, Any] | None:
-        """Every entry record on disk (None for unreadable ones), or None if they cannot
-        be listed (logged once; a damaged index switches the disk tier off)."""
-        from .index import scan
-
-        try:
-            return scan(self.disk.index, full=False).entries  # type: ignore[union-attr]
-        except IndexFailure as e:
-            if not self._errors.index_damaged(e, self.disk):
-                self._errors.warn_once("preload", "kvstore: cannot list entries to preload (%s)", e)
-            return None
 
     def _read_whole(self, ident: Identity, enc: bytes) -> Restored | None:
         """Read one entry's whole token list from disk, or None (a miss, handled as in fetch)."""
@@ -570,7 +494,7 @@ def _watch_memory(store: KVStore) -> Watch:
         s = ref()
         if s is None:
             return False
-        s._memory_tick()
+        s.writes.memory_tick()
         return True
 
     return Watch(tick)

@@ -36,6 +36,7 @@ from .pressure import Gauge
 from .query import Query
 from .write_policy import WritePolicy
 from .writer import Writer
+from .written import written
 
 log = logging.getLogger("kvstore")
 Evicted = list[tuple[Hashable, list[int], Snapshot]]
@@ -61,6 +62,7 @@ class WritePath:
         self._described: set[bytes] = set()  # salted identities filed in the index
         self._touches: dict[bytes, tuple[float, int]] = {}
         self._touch_scheduled = False
+        self._relief_queued = False
 
     @property
     def disk_on(self) -> bool:
@@ -303,6 +305,44 @@ class WritePath:
             return self.memory.max_bytes
         self.memory.max_bytes = self.gauge.budget(self.memory.nbytes, self.max_bytes)
         return self.memory.max_bytes
+
+    def memory_tick(self) -> None:
+        """The memory watch's look (every ``pressure.WATCH_SECONDS``): when the tier holds
+        more than the budget allows, relief is queued on the writer thread (once at a
+        time), where each evicted entry is written before it goes."""
+        with self.lock:
+            over = self.memory.nbytes > self.follow_memory() and len(self.memory) > 0
+            if not over or self._relief_queued:
+                return
+            self._relief_queued = True
+
+        def relief() -> None:
+            try:
+                self.relieve_memory()
+            finally:
+                self._relief_queued = False
+
+        if self.writer is None or not self.writer.submit(relief):
+            relief()  # memory only (nothing to write first), or a full queue: relieve now
+
+    def stats(self) -> dict[str, Any]:
+        """The write side's figures: the policy, the queue, what the disk holds and was
+        written today (a damaged index switches the disk tier off: ``disk_off`` says why)."""
+        s: dict[str, Any] = dict(self.policy.stats())
+        if self.writer is not None:
+            s.update(queue_depth=self.writer.depth, pending_writes=self.writer.pending,
+                     dropped_writes=self.writer.dropped)
+        if self.disk is not None:
+            try:
+                if not self.errors.off:
+                    s["disk_bytes"] = self.disk.index.total_bytes()
+                    s.update({f"disk_{k}": v for k, v in self.disk.index.counts().items()})
+                    s["written_today_bytes"], s["written_total_bytes"] = written(self.disk.index)
+            except IndexFailure as e:
+                self.errors.index_damaged(e, self.disk)
+            if self.errors.off:
+                s["disk_off"] = self.errors.off
+        return s
 
     def relieve_memory(self) -> int:
         """Give memory back when available memory fell under the floor: entries leave the
