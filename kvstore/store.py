@@ -40,6 +40,7 @@ import numpy as np
 from . import blobs, codec
 from .budget import evict_to
 from .cachedir import MEMO, StoreOpenError, default_cache_dir, open_disk
+from .cachelayout import Layout
 from .counters import Counters
 from .cuts import CutRefused
 from .disk import Commit, DiskTier, PersistJob, Plan, Restored
@@ -356,8 +357,7 @@ class KVStore:
             return self._import_shared(ident, found)
         try:
             t0 = time.perf_counter()
-            got = disk.restore_framed(ident, found.key, found.record, found.n, found.chunks, found.tail,
-                                      lambda specs, layout: layout_problem(ident, specs, layout))
+            got = disk.restore_framed(ident, found.key, found.record, found.n, found.chunks, found.tail)
         except CutRefused:  # the plan cuts the snapshot where its layout does not allow: a miss, kept
             self._counters.add("refused_cuts")
             return False
@@ -388,12 +388,11 @@ class KVStore:
         assert self.shared is not None and self.disk is not None
         chunks = [(ck, rec, toks, bytes(seg)) for ck, rec, toks, seg in found.chunks]
         try:
-            job = PersistJob(ident, bytes(found.tokens), found.key, {}, [], found.record.cache_type)
+            job = PersistJob(ident, bytes(found.tokens), found.key, {}, Layout(), found.record.cache_type)
             if self._admit(job, framed=True) is None:  # the policy or the budget says no: nothing written
                 return False
             self._describe(ident)
-            status = self.disk.import_entry(ident, found.key, found.record, found.tokens, chunks, bytes(found.tail),
-                                            lambda specs, layout: layout_problem(ident, specs, layout))
+            status = self.disk.import_entry(ident, found.key, found.record, found.tokens, chunks, bytes(found.tail))
         except (blobs.BlobError, OSError, IndexFailure) as e:
             bad = names_record(e)
             if bad is not None:  # verified bytes that do not fit this model or directory
@@ -460,7 +459,7 @@ class KVStore:
         counted in ``io_errors``) or REFUSED (the plan cuts a snapshot where its layout does
         not allow: a miss, the entry is kept, counted in ``refused_cuts``)."""
         try:
-            return self.disk.restore(plan, ident, lambda specs, layout: layout_problem(ident, specs, layout))  # type: ignore[union-attr]
+            return self.disk.restore(plan, ident)  # type: ignore[union-attr]
         except CutRefused:
             self._counters.add("refused_cuts")
             return Failure.REFUSED
@@ -472,7 +471,7 @@ class KVStore:
         ``source`` ("disk" | "shared") is where it came from for this request."""
         ctype = plan.cache_type if plan.cache_type in ORDERING else "assistant"
         snap = Snapshot(got.tensors, got.layout, None, codec.cache_nbytes(got.tensors),
-                        codec.covers_prefixes(got.layout), ctype, persisted=True, disk_key=plan.entry)
+                        got.layout.covers_prefixes, ctype, persisted=True, disk_key=plan.entry)
         with self._lock:
             evicted = self.memory.insert(ident.digest, decode_tokens(enc[: got.n * TOKEN_BYTES]), snap)
         self._persist_evicted(evicted)
@@ -619,7 +618,7 @@ class KVStore:
             nbytes = sum(getattr(c, "nbytes", 0) for c in cache) if isinstance(cache, (list, tuple)) else 0
             trim = bool(cache) and all(getattr(c, "is_trimmable", lambda: False)() for c in cache)
             return Snapshot(None, None, cache, nbytes, trim, cache_type), 0, str(e)
-        offsets = [m["offset"] for m in codec.flat_layout(layout) if "offset" in m]
+        offsets = [m["offset"] for m in layout.flat if "offset" in m]
         covered = min(offsets) if offsets else n_tokens
         if covered > n_tokens:
             raise ValueError(f"cache holds {covered} positions but only {n_tokens} tokens were given")
@@ -632,7 +631,7 @@ class KVStore:
             nbytes = int(sum(c.nbytes for c in cache))
         except Exception:
             nbytes = codec.cache_nbytes(tensors)
-        return Snapshot(tensors, layout, None, nbytes, codec.covers_prefixes(layout), cache_type), covered, None
+        return Snapshot(tensors, layout, None, nbytes, layout.covers_prefixes, cache_type), covered, None
 
     def _host_views(self, snap: Snapshot) -> dict[str, Any] | None:
         """``blobs.host_views`` of a snapshot (MLX work: the caller's thread), None if its
@@ -650,7 +649,7 @@ class KVStore:
         if host is None:
             return False
         key = key_of(root_key(ident.digest), enc, self.disk.chunk)
-        job = PersistJob(ident, enc, key, host, snap.layout or [], snap.cache_type)
+        job = PersistJob(ident, enc, key, host, snap.layout or Layout(), snap.cache_type)
         snap.disk_key = key
         if self.writer.on_thread():  # settling on the writer thread: write now, keep the queue's room
             self._persist(job)
