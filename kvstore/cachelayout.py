@@ -96,9 +96,6 @@ class Layer(Mapping[str, Any]):
         """The stored class name."""
         return str(self.get("class"))
 
-    def to_json(self) -> dict[str, Any]:
-        return {k: _thaw(v) for k, v in self.fields}
-
     def replaced(self, key: str, value: Any) -> Layer:
         """This layer with ``key`` set to ``value`` (in its place, else last)."""
         if key in self:
@@ -143,13 +140,13 @@ class Layout:
         return cls(tuple(Layer(tuple((k, _freeze(k, v)) for k, v in m.items())) for m in metas))
 
     @classmethod
-    def from_json(cls, obj: Any, depth: int = 0) -> Layout:
+    def from_json(cls, obj: Any) -> Layout:
         """The layout of stored JSON ``obj`` if it is one ``codec`` writes, else ValueError."""
-        _check(obj, depth)
+        _check(obj, 0)
         return cls.of(obj)
 
     def to_json(self) -> list[dict[str, Any]]:
-        return [m.to_json() for m in self.layers]
+        return [{k: _thaw(v) for k, v in m.fields} for m in self.layers]
 
     def __iter__(self) -> Iterator[Layer]:
         return iter(self.layers)

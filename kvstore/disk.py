@@ -793,8 +793,8 @@ def _blamed(record: tuple[str, bytes], why: str) -> blobs.BlobError:
 # ----------------------------------------------------------------------------- persisting
 
 
-def _meta(job: PersistJob, kind: str, key: bytes, lo: int, hi: int, layout: Layout) -> dict[str, str]:
-    return SegmentMeta(job.identity.hex, kind, key, lo, hi, layout.to_json()).to_meta()
+def _meta(job: PersistJob, kind: str, key: bytes, lo: int, hi: int, layout: list) -> dict[str, str]:
+    return SegmentMeta(job.identity.hex, kind, key, lo, hi, layout).to_meta()
 
 
 def _write_segments(w: blobs.PackWriter, job: PersistJob, bounds: list[bytes], K: int, chunked: bool,
@@ -806,9 +806,10 @@ def _write_segments(w: blobs.PackWriter, job: PersistJob, bounds: list[bytes], K
     n, enc = job.n, job.tokens
     host = {nm: (st, np.asarray(a)) for nm, (st, a) in job.tensors.items()}  # no MLX op on this thread
     if not chunked:
-        return {}, w.add(host, _meta(job, "snapshot", job.key, 0, n, job.layout))
+        return {}, w.add(host, _meta(job, "snapshot", job.key, 0, n, job.layout.to_json()))
+    # the layouts its chunks and its tail record, as JSON once (each chunk's is the same)
+    chunk_layout, tail_layout = (job.layout.with_offset(m).to_json() for m in (C, n - K * C))
     new: dict[bytes, tuple[ChunkRecord, bytes]] = {}
-    chunk_layout = job.layout.with_offset(C)
     for k in range(K):
         ck = bounds[k + 1]
         if ck not in have:
@@ -818,7 +819,7 @@ def _write_segments(w: blobs.PackWriter, job: PersistJob, bounds: list[bytes], K
     if n == K * C:
         return new, None
     part = {nm: (st, a[..., K * C : n, :]) for nm, (st, a) in host.items()}
-    return new, w.add(part, _meta(job, "tail", job.key, K * C, n, job.layout.with_offset(n - K * C)))
+    return new, w.add(part, _meta(job, "tail", job.key, K * C, n, tail_layout))
 
 
 def _entry_record(job: PersistJob, bounds: list[bytes], K: int, chunked: bool, tail: Segment | None,
