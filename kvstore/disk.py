@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import xxhash
 
 from . import alloc, blobs, written
+from .cachelayout import Layout
 from .cuts import CutRefused, bound, serves
 from .identity import Identity
-from .layouts import ArraySpec
+from .layouts import ArraySpec, layout_problem
 from .index import Index, IndexOpenError, Reader, WriteTxn, chunk_size
 from .keys import TOKEN_BYTES, chunk_key, encode_tokens, entry_key
 from .misses import Near
@@ -85,7 +86,7 @@ class Restored:
 
     cache: list[Any]
     tensors: dict[str, Any]
-    layout: list
+    layout: Layout
     n: int
     nbytes: int
 
@@ -99,7 +100,7 @@ class PersistJob:
     tokens: bytes
     key: bytes
     tensors: dict[str, tuple[str, Any]]
-    layout: list
+    layout: Layout
     cache_type: str = "assistant"
     created: float = field(default_factory=time.time)
     query: Query | None = None  # ``tokens`` as a Query whose chain a caller may have hashed already
@@ -114,9 +115,6 @@ class PersistJob:
         if self.query is None or self.query.chunk != chunk:
             self.query = Query(self.tokens, self.identity.digest, chunk)
         return self.query
-
-
-LayoutCheck = Callable[[dict[str, ArraySpec], list], "str | None"]
 
 
 class DiskTier:
@@ -169,20 +167,19 @@ class DiskTier:
 
     # -- restore -----------------------------------------------------------------------
 
-    def restore(self, plan: Plan, ident: Identity, check: LayoutCheck | None = None) -> Restored:
+    def restore(self, plan: Plan, ident: Identity) -> Restored:
         """Read a plan's segments (verified) and build live caches holding ``plan.n`` tokens.
 
-        ``check(specs, layout)`` names why the stored layout does not fit the model (see
-        ``layouts.layout_problem``); it runs on the segments' headers, before anything is
-        allocated. Raises BlobError (naming the record in ``err.record``) when a record's
+        The stored layout must fit ``ident``'s model (``layouts.layout_problem``), checked
+        on the segments' headers before anything is allocated. Raises BlobError (naming the record in ``err.record``) when a record's
         bytes are bad, anything else (OSError, MemoryError, RuntimeError) as it is; then
         nothing is returned and the arrays being filled are dropped.
         Raises ``CutRefused`` (before allocating) when the plan cuts a snapshot at a point
-        its layout refuses (``codec.can_cut``): the entry is valid, the query a miss."""
+        its layout refuses (``Layout.can_cut``): the entry is valid, the query a miss."""
         pieces = self.index.view(lambda r: _pieces(r, plan))
         with _Packs(self.blob_root) as packs, ThreadPoolExecutor(READ_THREADS, "kvstore-restore") as pool:
             heads = [_header(packs, p) for p in pieces]
-            layout, specs = _checked(pieces, heads, ident, plan, self.chunk, check)
+            layout, specs = _checked(pieces, heads, ident, plan, self.chunk)
             for p in pieces:  # the device reads ahead while MLX allocates the arrays
                 pool.submit(packs.prefetch, p)
             reading = _Reading(pool, packs, pieces, heads, plan.chunked)
@@ -199,8 +196,7 @@ class DiskTier:
         return _built(plan, pieces, specs, arrays, layout)
 
     def restore_framed(self, ident: Identity, key: bytes, rec: EntryRecord, n: int,
-                       chunks: list[tuple[bytes, ChunkRecord, bytes, Any]], tail: Any,
-                       check: LayoutCheck | None = None) -> Restored:
+                       chunks: list[tuple[bytes, ChunkRecord, bytes, Any]], tail: Any) -> Restored:
         """``n`` tokens of the entry ``import_entry`` would file (every chunk of ``rec``
         given: nothing is read from here), restored straight from the segment bytes in
         memory (a shared hit, before it is written here): each segment checked as
@@ -217,7 +213,7 @@ class DiskTier:
             with _blame(*p.record):
                 hlen = int.from_bytes(bytes(d[:8]), "little") if len(d) >= 8 else 0
                 heads.append(blobs.parse_header(bytes(d[: 8 + min(hlen, len(d))]), len(d)))
-        layout, specs = _checked(pieces, heads, ident, plan, C, check)
+        layout, specs = _checked(pieces, heads, ident, plan, C)
         arrays, hosts = alloc.alloc(specs)
         for p, d, h in zip(pieces, data, heads):
             with _blame(*p.record):
@@ -231,11 +227,9 @@ class DiskTier:
         transaction; returns the pack bytes written (0 if the entry already existed).
         Chunks already indexed are shared, not written. Raises OSError on a failed write
         (nothing is indexed then, and the pack file is removed)."""
-        from . import codec  # lazy: keeps mlx_lm (3 s) out of CLI start-up
-
         C = self.chunk
         bounds = job.chained(C).bounds
-        chunked = codec.is_chunkable(job.layout, job.n)
+        chunked = job.layout.chunkable(job.n)
         K = len(bounds) - 1 if chunked else 0
         held = self.index.view(lambda r: None if r.raw("entries", job.key) else
                                {bounds[k + 1]: _readable_chunk(r, bounds[k + 1]) for k in range(K)
@@ -282,8 +276,7 @@ class DiskTier:
         return self.index.view(run)
 
     def import_entry(self, ident: Identity, key: bytes, rec: EntryRecord, tokens: bytes,
-                     chunks: list[tuple[bytes, ChunkRecord, bytes, bytes]], tail: bytes,
-                     check: LayoutCheck | None = None) -> Commit:
+                     chunks: list[tuple[bytes, ChunkRecord, bytes, bytes]], tail: bytes) -> Commit:
         """File segments framed elsewhere (another machine's, from a shared tier) as entry
         ``key`` of ``tokens``: ``rec`` its record (its tail segment's place is ignored),
         ``chunks`` the (key, record, token ids, segment bytes) of its chunks not indexed
@@ -292,7 +285,7 @@ class DiskTier:
 
         Before anything is written, every segment is checked as ``restore`` checks it: its
         header's metadata names this record, identity and token range, all share one
-        layout, and ``check`` accepts it. Then, as ``persist`` does: one new pack,
+        layout, and it fits ``ident``'s model. Then, as ``persist`` does: one new pack,
         checksums verified as it is written, synced, and one transaction (``_commit``:
         chunks indexed meanwhile are shared, the pack re-checked). Returns ``Commit``: OK,
         EXISTS or RETRY (a gc removed what it needed; nothing is indexed). Raises
@@ -307,10 +300,10 @@ class DiskTier:
             with _blame(*p.record):
                 heads.append(blobs.parse_header(d, len(d)))
         if pieces:
-            _checked(pieces, heads, ident, plan, C, check)
+            _checked(pieces, heads, ident, plan, C)
         have = set(rec.chunks) - {ck for ck, *_ in chunks}
         now = time.time()
-        job = PersistJob(ident, tokens, key, {}, [], rec.cache_type, now)
+        job = PersistJob(ident, tokens, key, {}, Layout(), rec.cache_type, now)
         writer = blobs.PackWriter(self.blob_root, modes=self.modes)
         try:
             segs = []
@@ -639,13 +632,11 @@ def _header(packs: _Packs, p: _Piece) -> blobs.Header:
         return blobs.read_header(fd, p.segment, f"{p.record[0]} {p.record[1].hex()[:12]}")
 
 
-def _check_pieces(pieces: list[_Piece], heads: list[blobs.Header], ident: Identity, plan: Plan, C: int) -> list:
+def _check_pieces(pieces: list[_Piece], heads: list[blobs.Header], ident: Identity, plan: Plan, C: int) -> Layout:
     """The stored layout, once every piece's header says it is the record's own segment
     (key, kind, identity, token range) and all pieces share one layout. Headers are not
     verified yet: this only decides what to allocate (bounded by the segments' sizes);
     the checksums decide what is handed out."""
-    from . import codec
-
     layout = None
     for p, h in zip(pieces, heads):
         with _blame(*p.record):
@@ -656,36 +647,32 @@ def _check_pieces(pieces: list[_Piece], heads: list[blobs.Header], ident: Identi
                 err.foreign = e.foreign
                 raise err from None
             try:
-                got = codec.check_layout(stored)
+                got = Layout.from_json(stored)
             except (ValueError, RecursionError) as e:
                 raise blobs.BlobError(f"the segment's layout is unusable: {e}") from None
             if layout is None:
                 layout = got
-            elif codec.layout_signature(got) != codec.layout_signature(layout):
+            elif got.signature() != layout.signature():
                 raise blobs.BlobError("the segments of one entry disagree on its layout")
-            if plan.chunked and not codec.is_chunkable(got, p.hi - p.lo):
+            if plan.chunked and not got.chunkable(p.hi - p.lo):
                 raise blobs.BlobError("a chunked piece holds a layout that cannot be chunked")
     return layout  # type: ignore[return-value]
 
 
-def _checked(pieces: list[_Piece], heads: list[blobs.Header], ident: Identity, plan: Plan, C: int,
-             check: LayoutCheck | None) -> tuple[list, blobs.Specs]:
-    """The stored layout and the restored arrays' specs, once ``_check_pieces`` and
-    ``check`` (the identity's layout check, on the specs) accept the pieces; CutRefused
+def _checked(pieces: list[_Piece], heads: list[blobs.Header], ident: Identity, plan: Plan,
+             C: int) -> tuple[Layout, blobs.Specs]:
+    """The stored layout and the restored arrays' specs, once ``_check_pieces`` and the
+    identity's layout check (``layouts.layout_problem``, on the specs) accept the pieces; CutRefused
     if the plan cuts a snapshot where its layout does not allow (nothing allocated yet)."""
     layout = _check_pieces(pieces, heads, ident, plan, C)
     with _blame(*pieces[0].record):
         specs = _final_specs(heads[0], plan) if plan.chunked else heads[0].specs
-    if check is not None:
-        with _blame(*pieces[-1].record):
-            why = check({n: ArraySpec(s, blobs.mlx_dtype_name(st)) for n, (st, s) in specs.items()}, layout)
-            if why:
-                raise blobs.BlobError(f"stored cache does not fit the model: {why}")
-    if not plan.chunked and plan.n < plan.stored_n:
-        from . import codec  # lazy: keeps mlx_lm out of CLI start-up
-
-        if not codec.can_cut(layout, plan.n):
-            raise CutRefused(f"a snapshot of {plan.stored_n} tokens cannot be cut to {plan.n}")
+    with _blame(*pieces[-1].record):
+        why = layout_problem(ident, {n: ArraySpec(s, blobs.mlx_dtype_name(st)) for n, (st, s) in specs.items()}, layout)
+        if why:
+            raise blobs.BlobError(f"stored cache does not fit the model: {why}")
+    if not plan.chunked and plan.n < plan.stored_n and not layout.can_cut(plan.n):
+        raise CutRefused(f"a snapshot of {plan.stored_n} tokens cannot be cut to {plan.n}")
     return layout, specs
 
 
@@ -740,16 +727,16 @@ class _Reading:
         wait(self.futures)
 
 
-def _built(plan: Plan, pieces: list[_Piece], specs: blobs.Specs, arrays: dict[str, Any], layout: list) -> Restored:
+def _built(plan: Plan, pieces: list[_Piece], specs: blobs.Specs, arrays: dict[str, Any], layout: Layout) -> Restored:
     """The live caches holding ``plan.n`` tokens from filled arrays (see ``restore``)."""
-    from . import codec
+    from . import codec  # lazy: keeps mlx_lm (3 s) out of CLI start-up
 
     tensors = {name: alloc.finish(specs[name][0], a) for name, a in arrays.items()}
     nbytes = sum(p.segment.length for p in pieces)
     with _blame(*pieces[-1].record):  # verified bytes whose layout does not decode: the record's
         if plan.chunked:
             tensors = codec.slice_tokens(tensors, 0, plan.n)
-            layout = codec.with_offset(layout, plan.n)
+            layout = layout.with_offset(plan.n)
         cache = codec.decode_cache(tensors, layout)
         if not plan.chunked and plan.n < plan.stored_n:
             for c in cache:
@@ -837,14 +824,14 @@ def _write_segments(w: blobs.PackWriter, job: PersistJob, bounds: list[bytes], K
     """Append the job's chunks not in ``have``, then its tail or snapshot, to one pack.
     Returns the new chunks' records (and token ids) and the tail / snapshot segment."""
     import numpy as np
-    from . import codec
 
     n, enc = job.n, job.tokens
     host = {nm: (st, np.asarray(a)) for nm, (st, a) in job.tensors.items()}  # no MLX op on this thread
     if not chunked:
-        return {}, w.add(host, _meta(job, "snapshot", job.key, 0, n, job.layout))
+        return {}, w.add(host, _meta(job, "snapshot", job.key, 0, n, job.layout.to_json()))
+    # the layouts its chunks and its tail record, as JSON once (each chunk's is the same)
+    chunk_layout, tail_layout = (job.layout.with_offset(m).to_json() for m in (C, n - K * C))
     new: dict[bytes, tuple[ChunkRecord, bytes]] = {}
-    chunk_layout = codec.with_offset(job.layout, C)
     for k in range(K):
         ck = bounds[k + 1]
         if ck not in have:
@@ -854,15 +841,12 @@ def _write_segments(w: blobs.PackWriter, job: PersistJob, bounds: list[bytes], K
     if n == K * C:
         return new, None
     part = {nm: (st, a[..., K * C : n, :]) for nm, (st, a) in host.items()}
-    return new, w.add(part, _meta(job, "tail", job.key, K * C, n, codec.with_offset(job.layout, n - K * C)))
+    return new, w.add(part, _meta(job, "tail", job.key, K * C, n, tail_layout))
 
 
 def _entry_record(job: PersistJob, bounds: list[bytes], K: int, chunked: bool, tail: Segment | None,
                   C: int) -> EntryRecord:
-    from . import codec
-
-    return EntryRecord(job.identity.digest, job.n, C, chunked,
-                       chunked or codec.layout_trimmable(job.layout), bounds[-1],
+    return EntryRecord(job.identity.digest, job.n, C, chunked, chunked or job.layout.trimmable, bounds[-1],
                        tuple(bounds[1 : K + 1]), tail, job.cache_type, float(job.created),
                        float(job.created), 0, False)
 

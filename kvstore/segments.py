@@ -8,7 +8,8 @@ not exactly what its record says is refused, so a pack file moved, copied or cra
 another record's name is never read as that record's KV. Nothing else in kvstore builds or
 parses these fields, so a maintainer who changes them changes this file.
 
-The layout is returned parsed but unchecked: what a layout may hold is ``codec``'s to say.
+The layout is returned parsed but unchecked: what a layout may hold is
+``cachelayout.Layout.from_json``'s to say.
 """
 
 from __future__ import annotations

@@ -36,22 +36,14 @@ POLICIES = ("all", "system", "reused")
 SEEN_KEYS = 1 << 16  # prefixes "reused" remembers (16-byte keys: about 3 MB at most)
 
 
-def _cuttable(job: PersistJob) -> bool:
-    from .codec import is_chunkable
-
-    return is_chunkable(job.layout, job.n)
-
-
 def prefix_job(job: PersistJob, n: int, chunk: int) -> PersistJob:
     """The job's first ``n`` tokens (a cuttable cache: KV on axis -2), as its own job.
     No MLX op: the writer thread slices the host views numpy-side, as ``disk`` does."""
     import numpy as np
 
-    from .codec import with_offset
-
     query = job.chained(chunk).prefix(n)  # shares the job's chain: only the new residual is hashed
     tensors = {nm: (st, np.asarray(a)[..., :n, :]) for nm, (st, a) in job.tensors.items()}
-    return PersistJob(job.identity, query.enc, query.key, tensors, with_offset(job.layout, n), job.cache_type,
+    return PersistJob(job.identity, query.enc, query.key, tensors, job.layout.with_offset(n), job.cache_type,
                       job.created, query=query)
 
 
@@ -110,7 +102,7 @@ class WritePolicy:
             return job.n
         held = disk.held_chunks(bounds, job.tokens)
         depth = max([depth] + [k for k in range(1, len(bounds)) if bounds[k] in held])
-        return 0 if depth == 0 else depth * disk.chunk if _cuttable(job) else job.n
+        return 0 if depth == 0 else depth * disk.chunk if job.layout.chunkable(job.n) else job.n
 
     def stats(self) -> dict[str, Any]:
         return {"persist_policy": self.persist, "max_write_bytes_per_day": self.max_write_bytes_per_day}

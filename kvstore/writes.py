@@ -29,6 +29,7 @@ from .errors import DiskErrors
 from .identity import Identity
 from .index import IndexFailure
 from .keys import TOKEN_BYTES, TokenError
+from .cachelayout import Layout
 from .layouts import layout_problem
 from .memory import ORDERING, MemoryTier, Snapshot
 from .misses import EVICTED_DISK, EVICTED_UNWRITTEN, Ghosts
@@ -170,7 +171,7 @@ class WritePath:
         if host is None:
             return False
         query = Query(enc, ident.digest, self.disk.chunk)
-        job = PersistJob(ident, enc, query.key, host, snap.layout or [], snap.cache_type, query=query)
+        job = PersistJob(ident, enc, query.key, host, snap.layout or Layout(), snap.cache_type, query=query)
         snap.disk_key = job.key
         if self.writer.on_thread():  # settling on the writer thread: write now, keep the queue's room
             self.persist(job)
@@ -370,7 +371,7 @@ def snapshot(cache: list[Any], n_tokens: int, cache_type: str) -> tuple[Snapshot
         nbytes = sum(getattr(c, "nbytes", 0) for c in cache) if isinstance(cache, (list, tuple)) else 0
         trim = bool(cache) and all(getattr(c, "is_trimmable", lambda: False)() for c in cache)
         return Snapshot(None, None, cache, nbytes, trim, cache_type), 0, str(e)
-    offsets = [m["offset"] for m in codec.flat_layout(layout) if "offset" in m]
+    offsets = [m["offset"] for m in layout.flat if "offset" in m]
     covered = min(offsets) if offsets else n_tokens
     if covered > n_tokens:
         raise ValueError(f"cache holds {covered} positions but only {n_tokens} tokens were given")
@@ -383,7 +384,7 @@ def snapshot(cache: list[Any], n_tokens: int, cache_type: str) -> tuple[Snapshot
         nbytes = int(sum(c.nbytes for c in cache))
     except Exception:
         nbytes = codec.cache_nbytes(tensors)
-    return Snapshot(tensors, layout, None, nbytes, codec.covers_prefixes(layout), cache_type), covered, None
+    return Snapshot(tensors, layout, None, nbytes, layout.covers_prefixes, cache_type), covered, None
 
 
 def check_cache(cache: Any) -> None:

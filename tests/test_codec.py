@@ -28,6 +28,7 @@ from mlx_lm.models.cache import (
 )
 
 from kvstore import alloc, blobs, codec, keys
+from kvstore.cachelayout import Layout
 from kvstore.keys import TokenError
 
 H, D = 2, 64  # kv heads, head dim (64: divisible by the quantisation group size 32)
@@ -175,7 +176,7 @@ def assert_same_when_extended(a, b) -> None:
 
 def through_json(layout):
     """Layouts are stored as JSON in the index: decode from what JSON gives back."""
-    return json.loads(json.dumps(layout))
+    return Layout.from_json(json.loads(json.dumps(layout.to_json())))
 
 
 # --------------------------------------------------------------------------- codec
@@ -226,10 +227,10 @@ def test_encode_does_not_copy_or_keep_padding():
     c = make_kv(40)
     tensors, layout = codec.encode_cache([c])
     assert tensors["0.k"].shape == (1, H, 40, D)  # cut to the filled length, not 256
-    assert layout == [{"offset": 40, "class": "KVCache"}]
-    assert codec.is_chunkable(layout, 40) and not codec.is_chunkable(layout, 41)
+    assert layout.to_json() == [{"offset": 40, "class": "KVCache"}]
+    assert layout.chunkable(40) and not layout.chunkable(41)
     rot = codec.encode_cache([make_rotating(True)])[1]
-    assert not codec.is_chunkable(rot, 40)
+    assert not rot.chunkable(40)
 
 
 def test_bfloat16_round_trip(tmp_path):
@@ -283,11 +284,11 @@ def test_handed_out_twice_extends_independently(kind):
 def test_layout_helpers():
     cache = [make_kv(10), CacheList(make_kv(10), make_quant(10))]
     _, layout = codec.encode_cache(cache)
-    assert codec.is_chunkable(layout, 10)
-    relabelled = codec.with_offset(layout, 4)
-    assert [m["offset"] for m in codec.flat_layout(relabelled)] == [4, 4, 4]
-    assert [m["offset"] for m in codec.flat_layout(layout)] == [10, 10, 10]  # not mutated
-    sig = codec.layout_signature(codec.encode_cache([make_rotating(True)])[1])
+    assert layout.chunkable(10)
+    relabelled = layout.with_offset(4)
+    assert [m["offset"] for m in relabelled.flat] == [4, 4, 4]
+    assert [m["offset"] for m in layout.flat] == [10, 10, 10]  # not mutated
+    sig = codec.encode_cache([make_rotating(True)])[1].signature()
     assert sig == [{"keep": 4, "max_size": 16, "class": "RotatingKVCache"}]
 
 
@@ -314,7 +315,7 @@ def test_unsupported_batched_arrays_cache_and_unknown_class():
     with pytest.raises(codec.Unsupported):
         codec.encode_cache([c])
     with pytest.raises(codec.Unsupported):
-        codec.decode_cache({}, [{"class": "NoSuchCache"}])
+        codec.decode_cache({}, Layout.of([{"class": "NoSuchCache"}]))
 
 
 # --------------------------------------------------------------------------- blobs
@@ -678,22 +679,22 @@ def test_generic_state_codec_round_trips_protocol_classes():
     c = ConcatenateKVCache()
     feed(c, 12)
     tensors, layout = codec.encode_cache([c])
-    assert layout == [{"class": "State", "type": "mlx_lm.models.cache:ConcatenateKVCache", "items": [["a"], ["a"]]}]
-    assert codec.check_layout(json.loads(json.dumps(layout))) == layout
+    assert layout.to_json() == [{"class": "State", "type": "mlx_lm.models.cache:ConcatenateKVCache", "items": [["a"], ["a"]]}]
+    assert Layout.from_json(json.loads(json.dumps(layout.to_json()))) == layout
     (back,) = codec.decode_cache(tensors, layout)
     assert type(back) is ConcatenateKVCache and back.offset == 12
     assert np.array_equal(np.array(back.keys), np.array(c.keys))
     k, v = rand(1), rand(1)
     a, b = c.update_and_fetch(k, v), back.update_and_fetch(k, v)
     assert np.array_equal(np.array(a[0]), np.array(b[0])) and back.offset == 13 == c.offset
-    assert not codec.can_cut(layout, 11) and not codec.layout_trimmable(layout)
+    assert not layout.can_cut(11) and not layout.trimmable
     for bad in ({"type": "os:system", "items": []}, {"type": "mlx_lm.models.cache:X", "items": [["q"]]},
                 {"type": "mlx_lm.models.cache:X", "items": [["i", "1"]]}):
         with pytest.raises(ValueError):
-            codec.check_layout([{"class": "State", **bad}])
+            Layout.from_json([{"class": "State", **bad}])
     for name in ("mlx_lm.models.cache:KVCache", "mlx_lm.models.nosuch:Cache", "mlx_lm.models.cache:make_prompt_cache"):
         with pytest.raises(codec.Unsupported):  # a class with a codec of its own, none, not a class
-            codec.decode_cache({}, [{"class": "State", "type": name, "items": []}])
+            codec.decode_cache({}, Layout.of([{"class": "State", "type": name, "items": []}]))
 
 
 def test_chunked_refused_cut_falls_back_to_a_shorter_entry(tmp_path):

@@ -135,7 +135,7 @@ def cache_digest(cache: list) -> dict[str, Any]:
     _, layout = codec.encode_cache(cache)
     arrays = layer_arrays(cache)
     return {
-        "layout": json.loads(json.dumps(layout)),
+        "layout": json.loads(json.dumps(layout.to_json())),
         "tensors": {k: f"{v.dtype}{list(v.shape)}:{xxhash.xxh3_64_hexdigest(np.ascontiguousarray(v).tobytes())}"
                     for k, v in sorted(arrays.items())},
     }

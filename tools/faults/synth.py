@@ -24,7 +24,7 @@ def cache_digest(cache: list) -> str:
     from kvstore import codec
     tensors, layout = codec.encode_cache(cache)
     h = xxhash.xxh3_128()
-    h.update(json.dumps(layout, sort_keys=True).encode())
+    h.update(json.dumps(layout.to_json(), sort_keys=True).encode())
     for k in sorted(tensors):
         a = tensors[k]
         if "bfloat16" in str(a.dtype):
