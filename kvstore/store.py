@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Hashable
 import mlx.core as mx
 import numpy as np
 
-from . import blobs, codec
+from . import codec, files, segments
 from .budget import evict_to
 from .cachedir import MEMO, StoreOpenError, default_cache_dir, open_disk
 from .counters import Counters
@@ -394,7 +394,7 @@ class KVStore:
             self._describe(ident)
             status = self.disk.import_entry(ident, found.key, found.record, found.tokens, chunks, bytes(found.tail),
                                             lambda specs, layout: layout_problem(ident, specs, layout))
-        except (blobs.BlobError, OSError, IndexFailure) as e:
+        except (files.BlobError, OSError, IndexFailure) as e:
             bad = names_record(e)
             if bad is not None:  # verified bytes that do not fit this model or directory
                 self.shared.drop(*bad, ident.digest)
@@ -635,10 +635,10 @@ class KVStore:
         return Snapshot(tensors, layout, None, nbytes, codec.covers_prefixes(layout), cache_type), covered, None
 
     def _host_views(self, snap: Snapshot) -> dict[str, Any] | None:
-        """``blobs.host_views`` of a snapshot (MLX work: the caller's thread), None if its
+        """``segments.host_views`` of a snapshot (MLX work: the caller's thread), None if its
         dtype cannot be stored (said once)."""
         try:
-            return blobs.host_views(snap.tensors)  # type: ignore[arg-type]
+            return segments.host_views(snap.tensors)  # type: ignore[arg-type]
         except TypeError as e:
             self._warn_once("dtype", "kvstore: %s; kept in memory only", e)
             return None
@@ -671,7 +671,7 @@ class KVStore:
             self._describe(job.identity)
             written = disk.persist(job)
             self._keep_disk_budget()
-        except (OSError, IndexFailure, blobs.BlobError) as e:  # a write or commit failed (full disk, I/O)
+        except (OSError, IndexFailure, files.BlobError) as e:  # a write or commit failed (full disk, I/O)
             self._counters.add("write_errors")
             if not self._index_damaged(e):
                 self._warn_once(f"write:{getattr(e, 'errno', None) or type(e).__name__}",

@@ -194,16 +194,16 @@ def entry_bytes(rec: Any, chunks: dict[bytes, Any]) -> int:
 
 def segment_header(disk: Any, seg: Any) -> Any:
     """The (unverified) header of a segment, or None if it cannot be read. Opens only
-    kvstore's own files (``blobs.open_own``)."""
-    from .. import blobs
+    kvstore's own files (``files.open_own``)."""
+    from .. import files, segments
 
     try:
-        fd = blobs.open_own(blobs.pack_path(disk.blob_root, seg.pack))
-    except blobs.BlobError:
+        fd = files.open_own(files.pack_path(disk.blob_root, seg.pack))
+    except files.BlobError:
         return None
     try:
-        return blobs.read_header(fd, seg)
-    except (blobs.BlobError, OSError):
+        return segments.read_header(fd, seg)
+    except (files.BlobError, OSError):
         return None
     finally:
         os.close(fd)
