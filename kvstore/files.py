@@ -1,8 +1,9 @@
 """Which files kvstore may touch, and how it opens, creates, replaces and syncs them.
 
-Every open, create, rename, unlink and sync of a file in the cache directory goes through
-this module, and so does every read of a file kvstore did not write (a model directory's,
-a key file): the rules live in one place. What is inside a pack file is ``segments``'.
+The rules live here, in one place: how kvstore finds, opens and removes its pack files,
+how it creates and replaces every file it makes in the cache directory, how it makes them
+durable, and how it reads a file it did not write (a model directory's, a key file). What
+is inside a pack file is ``segments``'.
 
 Guarantees:
 - Only kvstore's own pack files (``pack_path``, ``open_own``, ``unlink_own``,
@@ -16,8 +17,8 @@ Guarantees:
   never through a symlink, never blocking on a FIFO, never an existing file), files it
   replaces by ``replace_file`` (a new file at an unpredictable temp name, renamed over),
   and every file and directory follows the cache directory's sharing mode (``Modes``).
-- A file kvstore did not write is read by ``open_foreign`` / ``read_foreign`` only:
-  regular files, a bounded size, never a blocking open.
+- A file kvstore did not write is read through ``open_foreign`` only: regular files,
+  never a blocking open (``read_foreign``: and never more than a bounded size).
 - ``sync`` makes a file durable before anything written after it (on macOS
   ``F_BARRIERFSYNC``, which orders it before the index commit that names it, at a
   fraction of ``F_FULLFSYNC``'s cost).
