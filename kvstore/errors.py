@@ -19,7 +19,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import blobs
+from . import files
 from .counters import Counters
 from .index import DAMAGE, IndexFailure
 from .records import Kind
@@ -131,7 +131,7 @@ def names_record(e: BaseException) -> tuple[str, bytes] | None:
     """The record (``("entry" | "chunk", key)``) whose own bytes ``e`` proves bad: a
     ``BlobError`` the disk tier raised naming it. None for anything else, which says
     nothing about any record's bytes (the process or the system ran short, a defect)."""
-    return e.record if isinstance(e, blobs.BlobError) else None
+    return e.record if isinstance(e, files.BlobError) else None
 
 
 def _gone(disk: DiskTier, record: tuple[str, bytes]) -> bool:

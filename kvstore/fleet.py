@@ -28,7 +28,7 @@ from .cachelayout import Layout
 from .misses import Near
 from .query import Query
 from .writes import WritePath
-from . import blobs
+from . import files
 
 if TYPE_CHECKING:
     from .shared.tier import SharedTier
@@ -113,7 +113,7 @@ class Fleet:
                 return False
             self.writes.describe(ident)
             status = self.disk.import_entry(ident, found.key, found.record, found.tokens, chunks, bytes(found.tail))
-        except (blobs.BlobError, OSError, IndexFailure) as e:
+        except (files.BlobError, OSError, IndexFailure) as e:
             bad = names_record(e)
             if bad is not None:  # verified bytes that do not fit this model or directory
                 self.tier.drop(*bad, ident.digest)

@@ -91,7 +91,7 @@ def _lazy_model(model_dir: Path) -> tuple[Any, bool]:
     except Exception:
         from mlx_lm.utils import _get_classes  # present in mlx-lm 0.31 and 0.32
 
-        from .blobs import read_foreign
+        from .files import read_foreign
 
         config = json.loads(read_foreign(model_dir / "config.json"))
         model_cls, args_cls = _get_classes(config)

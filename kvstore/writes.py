@@ -21,7 +21,7 @@ from typing import Any, Callable, Hashable
 import mlx.core as mx
 import numpy as np
 
-from . import blobs, codec
+from . import codec, files, segments
 from .budget import evict_to
 from .counters import Counters
 from .disk import DiskTier, PersistJob
@@ -192,7 +192,7 @@ class WritePath:
             self.describe(job.identity)
             written = disk.persist(job)
             self.keep_disk_budget()
-        except (OSError, IndexFailure, blobs.BlobError) as e:  # a write or commit failed (full disk, I/O)
+        except (OSError, IndexFailure, files.BlobError) as e:  # a write or commit failed (full disk, I/O)
             self.counters.add("write_errors")
             if not self.errors.index_damaged(e, self.disk):
                 self.errors.warn_once(f"write:{getattr(e, 'errno', None) or type(e).__name__}",
@@ -260,10 +260,10 @@ class WritePath:
                 self.queue(snap)
 
     def _host_views(self, snap: Snapshot) -> dict[str, Any] | None:
-        """``blobs.host_views`` of a snapshot (MLX work: the caller's thread), None if its
+        """``segments.host_views`` of a snapshot (MLX work: the caller's thread), None if its
         dtype cannot be stored (said once)."""
         try:
-            return blobs.host_views(snap.tensors)  # type: ignore[arg-type]
+            return segments.host_views(snap.tensors)  # type: ignore[arg-type]
         except TypeError as e:
             self.errors.warn_once("dtype", "kvstore: %s; kept in memory only", e)
             return None

@@ -140,7 +140,7 @@ def files_snapshot(cache_dir: Path) -> dict[str, tuple[int, str]]:
 
 def segment_of(cache_dir: Path, key_hex: str, chunk: int | None = None) -> SegRef:
     """An entry's own segment (its tail) or its ``chunk``-th chunk's."""
-    from kvstore.blobs import pack_path
+    from kvstore.files import pack_path
     from kvstore.disk import DiskTier
 
     disk = DiskTier(cache_dir, readonly=True)

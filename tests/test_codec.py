@@ -1,4 +1,4 @@
-"""kvstore.codec, kvstore.blobs and kvstore.keys: every cache class round-trips exactly.
+"""kvstore.codec, kvstore.segments and kvstore.keys: every cache class round-trips exactly.
 
 Caches here are built directly through mlx-lm's own ``update_and_fetch`` with random arrays
 (no model), so buffers are over-allocated, rotated and front-trimmed the way real runs leave
@@ -27,7 +27,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from kvstore import alloc, blobs, codec, keys
+from kvstore import alloc, codec, files, keys, segments
 from kvstore.cachelayout import Layout
 from kvstore.keys import TokenError
 
@@ -250,7 +250,7 @@ def test_bfloat16_round_trip(tmp_path):
 
     with safe_open(str(path), framework="numpy") as f:  # the header says BF16
         assert set(f.keys()) == set(tensors)
-    header = blobs.parse_header(path.read_bytes(), seg.length)
+    header = segments.parse_header(path.read_bytes(), seg.length)
     assert {header.specs[n][0] for n in tensors} == {"BF16"}
 
 
@@ -323,9 +323,9 @@ def test_unsupported_batched_arrays_cache_and_unknown_class():
 
 def _write(d, tensors, meta):
     """A new pack file holding one segment of ``tensors``: (its path, the segment)."""
-    w = blobs.PackWriter(d)
+    w = segments.PackWriter(d)
     try:
-        seg = w.add(blobs.host_views(tensors), meta)
+        seg = w.add(segments.host_views(tensors), meta)
         w.seal()
     finally:
         w.close()
@@ -337,19 +337,19 @@ def test_blob_errors(tmp_path):
 
     tensors, _ = codec.encode_cache([make_kv(5)])
     path, seg = _write(tmp_path, tensors, {})
-    with pytest.raises(blobs.BlobError):
+    with pytest.raises(files.BlobError):
         alloc.read_segment(path, replace(seg, length=seg.length + 1))
-    with pytest.raises(blobs.BlobError):
+    with pytest.raises(files.BlobError):
         alloc.read_segment(path, replace(seg, checksum=b"\0" * 16))
-    with pytest.raises(blobs.BlobError):
+    with pytest.raises(files.BlobError):
         alloc.read_segment(tmp_path / "missing.kvpack", seg)
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(blobs.BlobError, match="checksum"):
+    with pytest.raises(files.BlobError, match="checksum"):
         alloc.read_segment(path, seg)
-    with pytest.raises(blobs.BlobError):
-        blobs.parse_header(b"\xff" * 16, 16)
+    with pytest.raises(files.BlobError):
+        segments.parse_header(b"\xff" * 16, 16)
 
 
 def _span_read(path, seg, order, groups, span=1):
@@ -358,11 +358,11 @@ def _span_read(path, seg, order, groups, span=1):
     threads at once; (numpy destinations, the SegmentRead)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    fd = blobs.open_own(path)
+    fd = files.open_own(path)
     try:
-        header = blobs.read_header(fd, seg)
-        dests = {n: np.zeros(shape, blobs.host_dtype(st)) for n, (st, shape) in header.specs.items()}
-        r = blobs.SegmentRead(fd, seg, header, span=span)
+        header = segments.read_header(fd, seg)
+        dests = {n: np.zeros(shape, segments.host_dtype(st)) for n, (st, shape) in header.specs.items()}
+        r = segments.SegmentRead(fd, seg, header, span=span)
         names = list(header.specs)
         spans = []
         for lo, hi in zip([0] + groups, groups + [len(names)]):
@@ -389,19 +389,19 @@ def test_segment_read_in_spans_any_order_is_the_segment(tmp_path):
     for order, groups in ((lambda xs: xs[::-1], [1]), (shuffled, [1, 2]), (list, [])):
         dests, r = _span_read(path, seg, order, groups)
         r.verify()
-        for name, (st, a) in blobs.host_views(tensors).items():
+        for name, (st, a) in segments.host_views(tensors).items():
             assert np.array_equal(dests[name], np.asarray(a)), name
     _, r = _span_read(path, seg, lambda xs: xs[1:], [1])  # span 0 never read
-    with pytest.raises(blobs.BlobError, match="not every"):
+    with pytest.raises(files.BlobError, match="not every"):
         r.verify()
     _, r = _span_read(path, replace(seg, checksum=b"\0" * 16), shuffled, [1])
-    with pytest.raises(blobs.BlobError, match="checksum"):
+    with pytest.raises(files.BlobError, match="checksum"):
         r.verify()
     data = bytearray(path.read_bytes())
     data[seg.end - 5000] ^= 0x01
     path.write_bytes(bytes(data))
     _, r = _span_read(path, seg, shuffled, [1])
-    with pytest.raises(blobs.BlobError, match="checksum"):
+    with pytest.raises(files.BlobError, match="checksum"):
         r.verify()
 
 
@@ -411,8 +411,8 @@ def test_pack_holds_segments_back_to_back(tmp_path):
     from safetensors.numpy import load
 
     parts = [codec.encode_cache([make_kv(n)])[0] for n in (3, 9, 17)]
-    w = blobs.PackWriter(tmp_path)
-    segs = [w.add(blobs.host_views(t), {"i": str(i)}) for i, t in enumerate(parts)]
+    w = segments.PackWriter(tmp_path)
+    segs = [w.add(segments.host_views(t), {"i": str(i)}) for i, t in enumerate(parts)]
     w.seal()
     w.close()
     assert [s.offset for s in segs] == [0, segs[0].length, segs[0].length + segs[1].length]
@@ -446,12 +446,12 @@ def test_blob_header_must_tile_its_data(tmp_path):
         hb = json.dumps(header).encode()
         bad = struct.pack("<Q", len(hb)) + hb + data[8 + n :]
         path.write_bytes(bad)
-        with pytest.raises(blobs.BlobError, match="fit|cover"):
+        with pytest.raises(files.BlobError, match="fit|cover"):
             alloc.read_segment(path, Segment(seg.pack, 0, len(bad), xxhash.xxh3_128_digest(bad)))
 
 
 @pytest.mark.parametrize("shared", [True, False])
-@pytest.mark.parametrize("st", sorted(blobs._FROM_ST))
+@pytest.mark.parametrize("st", sorted(segments._FROM_ST))
 def test_empty_arrays_are_written_through_numpy(st, shared, monkeypatch):
     """Restores read blob bytes straight into MLX arrays through numpy views of their
     memory: a write through the view is what MLX then sees, for every stored dtype. Where
@@ -474,7 +474,7 @@ def test_pack_write_failure_leaves_nothing(tmp_path):
         def __array__(self, *a, **k):
             raise RuntimeError("boom")
 
-    w = blobs.PackWriter(tmp_path)
+    w = segments.PackWriter(tmp_path)
     with pytest.raises(RuntimeError):
         w.add({"t": ("F32", Boom())}, {})
     w.discard()

@@ -132,7 +132,7 @@ def _plant(src: Path, dst: Path, model_dir: Path, craft: Callable[[mx.array], mx
     tier itself (``DiskTier.persist``: behind ``insert``'s layout check, as a foreign or
     older writer would); the number planted."""
     from kvstore import KVStore
-    from kvstore.blobs import host_views
+    from kvstore.segments import host_views
     from kvstore.codec import encode_cache
     from kvstore.disk import PersistJob
     from kvstore.index import scan
@@ -193,7 +193,7 @@ def test_a_shared_entry_of_another_shape_is_a_miss_and_dropped_there(tmp_path, l
     the record it met (the entry, then a chunk, then the other), until none is found.
     Before the check the first one handed out the batch-2 cache."""
     from kvstore import KVStore
-    from kvstore.blobs import host_views
+    from kvstore.segments import host_views
     from kvstore.codec import encode_cache
     from kvstore.disk import PersistJob
     from kvstore.keys import encode_tokens, key_of, root_key

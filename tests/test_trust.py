@@ -353,7 +353,7 @@ def test_crafted_records_cannot_reach_outside_blobs(tmp_path: Path) -> None:
     --missing-models --blob-age 0`` leave every file next to the cache dir as it was."""
     from dataclasses import replace
 
-    from kvstore.blobs import pack_path
+    from kvstore.files import pack_path
     from kvstore.records import PackRecord, Segment
 
     cache = tmp_path / "cache"
@@ -594,19 +594,19 @@ def test_slow_writer_keeps_its_entry_when_gc_runs_before_its_commit(tmp_path: Pa
     toks = list(range(2 * CHUNK + 9))
     got = run_py("""
         import json, os, subprocess, sys
-        import kvstore.blobs as kb
+        import kvstore.segments as ks
         from kvstore import KVStore
         from kvstore.identity import Identity
         from tests.support.caches import synth_kv_cache
         a = json.loads(sys.argv[1])
-        real, gcs = kb.PackWriter.seal, []
+        real, gcs = ks.PackWriter.seal, []
         def seal_then_gc(self):
             real(self)
             if not gcs:  # the first pack: sealed, not yet committed
                 p = subprocess.run([sys.executable, "-m", "kvstore.cli", "gc", "--blob-age", "0", "--json",
                                     "--cache-dir", a["cache"]], capture_output=True, text=True)
                 gcs.append({"rc": p.returncode, "out": json.loads(p.stdout), "gone": not os.path.exists(self.path)})
-        kb.PackWriter.seal = seal_then_gc
+        ks.PackWriter.seal = seal_then_gc
         with KVStore(a["cache"], chunk_tokens=a["chunk"]) as s:
             ident = Identity(bytes.fromhex(a["digest"]), a["info"])
             s.insert(ident, a["toks"], synth_kv_cache(2, 2, len(a["toks"]), 8))
@@ -632,7 +632,7 @@ def test_future_timestamps_count_as_now(tmp_path: Path) -> None:
     import time
     from dataclasses import replace
 
-    from kvstore.blobs import pack_path
+    from kvstore.files import pack_path
 
     cache = tmp_path / "cache"
     _synthetic_store(cache, n=3)
@@ -677,7 +677,7 @@ def test_many_damaged_entries_warn_once(tmp_path: Path) -> None:
     twelve in ``corrupt``, and serves none of them."""
     import random
 
-    from kvstore.blobs import pack_path
+    from kvstore.files import pack_path
     from tools.faults.damage import damage_in_segment
 
     cache = tmp_path / "cache"
@@ -941,17 +941,17 @@ def test_planted_fifo_or_symlink_at_every_written_name(tmp_path: Path, what: str
 def test_temp_names_are_unpredictable_and_exclusive(tmp_path: Path) -> None:
     """``replace_file`` writes through a new random name each time and never opens an
     existing one; ``create`` refuses a FIFO or symlink at its name at once."""
-    from kvstore import blobs
+    from kvstore import files
 
-    names = {blobs.temp_name(tmp_path / "clean") for _ in range(100)}
-    assert len(names) == 100 and all(blobs.TEMP_NAME.fullmatch(n.name) for n in names)
+    names = {files.temp_name(tmp_path / "clean") for _ in range(100)}
+    assert len(names) == 100 and all(files.TEMP_NAME.fullmatch(n.name) for n in names)
     os.mkfifo(tmp_path / "fifo")
     os.symlink(tmp_path / "target", tmp_path / "link")
     for n in ("fifo", "link"):
         with pytest.raises(FileExistsError):
-            blobs.create(tmp_path / n)
+            files.create(tmp_path / n)
     assert not (tmp_path / "target").exists()
-    blobs.replace_file(tmp_path / "link", b"x")
+    files.replace_file(tmp_path / "link", b"x")
     assert (tmp_path / "link").read_bytes() == b"x" and not (tmp_path / "link").is_symlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link"]
 

@@ -51,7 +51,7 @@ def test_system_writes_system_segments_only(tmp_path: Path) -> None:
 
 
 def test_system_admits_a_pinned_entry(tmp_path: Path) -> None:
-    from kvstore.blobs import host_views
+    from kvstore.segments import host_views
     from kvstore.codec import encode_cache
     from kvstore.disk import PersistJob
     from kvstore.keys import encode_tokens, key_of, root_key

@@ -187,10 +187,10 @@ class SharedConfig:
 def read_secret(path: str) -> bytes:
     """A fleet secret from a file (trailing whitespace dropped); ValueError naming the file,
     never its content, when it cannot be read or is too short."""
-    from .. import blobs
+    from .. import files
 
     try:  # a file kvstore did not write: never blocks on a FIFO, regular files only
-        data = blobs.read_foreign(Path(path), limit=1 << 16).rstrip()
+        data = files.read_foreign(Path(path), limit=1 << 16).rstrip()
     except OSError as e:
         raise ValueError(f"cannot read the shared secret file {path}: {e.strerror}") from None
     if len(data) < MIN_SECRET_BYTES:

@@ -72,7 +72,7 @@ class SegRef:
 def entry_segments(store, tokens: list[int], identity) -> list[SegRef]:
     """The segments the indexed entry for exactly ``tokens`` reads (its chunks, then its own
     tail / snapshot if any), in restore order."""
-    from kvstore.blobs import pack_path
+    from kvstore.files import pack_path
     from kvstore.keys import encode_tokens, key_of, root_key
 
     disk = store.disk

@@ -75,7 +75,7 @@ def segment_users(store: Any) -> list[dict]:
     """Every segment the readable entry records read (their chunks' and their own), with
     the entry keys (hex) that need it: ``{"pack": path relative to the cache directory,
     "offset", "length", "users": [key hex]}``, in (pack, offset) order."""
-    from kvstore import blobs
+    from kvstore import files
     from kvstore.index import scan
     snap = scan(store.disk.index, full=False)
     root = Path(store.disk.root)
@@ -85,7 +85,7 @@ def segment_users(store: Any) -> list[dict]:
             continue
         mine = list(rec.segments) + [snap.chunks[c].segment for c in rec.chunks if snap.chunks.get(c)]
         for s in mine:
-            path = blobs.pack_path(store.disk.blob_root, s.pack).relative_to(root)
+            path = files.pack_path(store.disk.blob_root, s.pack).relative_to(root)
             d = segs.setdefault((s.pack, s.offset), {"pack": str(path), "offset": s.offset, "length": s.length,
                                                      "users": set()})
             d["users"].add(key.hex())

@@ -113,7 +113,7 @@ def frame_of(data: bytes) -> tuple[dict, bytes]:
 
 def reframed(header: dict, body: bytes) -> bytes:
     """A segment from a header (JSON object) and its data, padded as kvstore pads."""
-    from kvstore.blobs import header_prefix
+    from kvstore.segments import header_prefix
     return header_prefix(header) + body
 
 
@@ -122,7 +122,7 @@ def new_pack(cache_dir: Path, segments: list[bytes], created: float) -> list[Any
     way kvstore lays one out, and index it (a PackRecord written with lmdb). Returns
     the ``Segment`` of each, with its true xxh3-128: a pack kvstore would accept byte
     for byte, whatever its headers say."""
-    from kvstore.blobs import pack_path
+    from kvstore.files import pack_path
     from kvstore.records import PackRecord, Segment
     pack = os.urandom(16)
     path = pack_path(Path(cache_dir) / "blobs", pack)
@@ -141,7 +141,7 @@ def new_pack(cache_dir: Path, segments: list[bytes], created: float) -> list[Any
 
 def segment_bytes(cache_dir: Path, seg: Any) -> bytes:
     """The bytes of segment ``seg`` as they are in its pack file."""
-    from kvstore.blobs import pack_path
+    from kvstore.files import pack_path
     with open(pack_path(Path(cache_dir) / "blobs", seg.pack), "rb") as f:
         f.seek(seg.offset)
         return f.read(seg.length)

@@ -81,7 +81,7 @@ def _put_entry(cache: Path, key: bytes, rec: Any) -> None:
 
 
 def _rel_pack(cache: Path, seg: Any) -> str:
-    from kvstore.blobs import pack_path
+    from kvstore.files import pack_path
     return str(pack_path(cache / "blobs", seg.pack).relative_to(cache))
 
 

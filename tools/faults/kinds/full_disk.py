@@ -39,12 +39,12 @@ def _patched_kvstore(msg: dict, mnt: Path) -> Iterator[dict]:
     with ``fill_between`` the disk fills right after a pack file is sealed, before the
     index commit that names it, whenever the yielded ``armed["on"]`` is set (it disarms
     itself). These are fault injections at real points of kvstore's write path."""
-    import kvstore.blobs as kblobs
+    import kvstore.segments as ksegments
     import kvstore.index.core as kcore
     saved_map = kcore.INITIAL_MAP
     if msg.get("small_map"):
         kcore.INITIAL_MAP = 64 << 10
-    real_seal = kblobs.PackWriter.seal
+    real_seal = ksegments.PackWriter.seal
     armed = {"on": False}
 
     def seal_then_fill(self: Any) -> None:
@@ -55,12 +55,12 @@ def _patched_kvstore(msg: dict, mnt: Path) -> Iterator[dict]:
             fill(mnt / "filler2", 1 << 30)
 
     if msg.get("fill_between"):
-        kblobs.PackWriter.seal = seal_then_fill  # type: ignore[method-assign]
+        ksegments.PackWriter.seal = seal_then_fill  # type: ignore[method-assign]
     try:
         yield armed
     finally:
         kcore.INITIAL_MAP = saved_map
-        kblobs.PackWriter.seal = real_seal  # type: ignore[method-assign]
+        ksegments.PackWriter.seal = real_seal  # type: ignore[method-assign]
 
 
 class FullDiskTrial:

@@ -565,7 +565,7 @@ def _modes_trial(ctx: Ctx, t: Tally, cli: Checker, base: Path) -> None:
 def _skewed(cache: Path, rng: random.Random) -> tuple[str, str, Path]:
     """Every entry last used a minute ago but one two hours ago and one ten years from
     now (records written with lmdb), and an orphan pack with an mtime a year ahead."""
-    from kvstore.blobs import pack_path
+    from kvstore.files import pack_path
     now = time.time()
     entries = sorted((k, r) for k, r in craft.records(cache, "entries").items() if r is not None)
     (old, _), (future, _) = rng.sample(entries, 2)
