@@ -1,4 +1,4 @@
-"""tools/models.py: registry, builds, cache classes, determinism, greedy behaviour, CLI."""
+"""tools/testing/model_builds.py: registry, builds, cache classes, determinism, greedy behaviour, CLI."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from tests.support import ROOT
 from tests.support.models import have_smollm2, requires_smollm2
 
-from tools import models as M
-from tools.oracle import cold_run, make_cache, prefill
+from tools.testing import model_builds as M
+from tools.testing.oracle import cold_run, make_cache, prefill
 
 TINY = M.TINY_MODELS  # tiny-llama, tiny-llama-q, tiny-gemma3, tiny-qwen3next, tiny-cachelist
 TINY_BUILDS = sorted(M.TINY_CONFIGS)  # distinct weight sets
@@ -94,7 +94,7 @@ def test_model_path_builds_once_atomically(tmp_path, monkeypatch):
 def test_parallel_processes_build_once(tmp_path):
     """Three processes asking for the same unbuilt model at once get one complete build."""
     env = dict(os.environ, KVSTORE_MODELS_DIR=str(tmp_path))
-    cmd = [sys.executable, str(ROOT / "tools" / "models.py"), "path", "tiny-cachelist"]
+    cmd = [sys.executable, str(ROOT / "tools" / "testing" / "model_builds.py"), "path", "tiny-cachelist"]
     procs = [
         subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(3)
@@ -218,7 +218,7 @@ def test_greedy_output_varies_and_depends_on_prefix(name, load_named, make_promp
 
 def test_cli_list():
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "models.py"), "list"],
+        [sys.executable, str(ROOT / "tools" / "testing" / "model_builds.py"), "list"],
         capture_output=True, text=True, timeout=120, check=True,
     )
     lines = proc.stdout.strip().splitlines()
@@ -228,7 +228,7 @@ def test_cli_list():
 
 def test_cli_path_tiny_llama():
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "models.py"), "path", "tiny-llama"],
+        [sys.executable, str(ROOT / "tools" / "testing" / "model_builds.py"), "path", "tiny-llama"],
         capture_output=True, text=True, timeout=300, check=True, cwd=str(ROOT.parent),
     )
     last = proc.stdout.strip().splitlines()[-1]

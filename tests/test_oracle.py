@@ -1,4 +1,4 @@
-"""tools/oracle.py: the restored-equals-cold oracle passes correct caches and fails wrong ones.
+"""tools/testing/oracle.py: the restored-equals-cold oracle passes correct caches and fails wrong ones.
 
 For every tiny family (plain KVCache, QuantizedKVCache, RotatingKVCache+KVCache, ArraysCache+
 KVCache, CacheList) and SmolLM2, with a prompt of N tokens and a split at K:
@@ -19,8 +19,8 @@ import pytest
 from tests.support.models import have_smollm2
 from tests.support.prompts import text_prompt
 
-from tools import models as M
-from tools.oracle import (
+from tools.testing import model_builds as M
+from tools.testing.oracle import (
     DEFAULT_ATOL,
     ColdRun,
     assert_restore,

@@ -43,7 +43,7 @@ KEYS = {"A": "key-tenant-a-0001", "B": "key-tenant-b-0002", "C": "key-tenant-c-0
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     return model_path("tiny-llama")
 

@@ -1,6 +1,6 @@
 """The standing compatibility gate: mlx-lm's own ``tests/test_server.py`` passes on kvstore.
 
-``tools/upstream_server.py`` fetches the suite from the sdist of the installed mlx-lm on
+``tools/gates/upstream_mlx_lm.py`` fetches the suite from the sdist of the installed mlx-lm on
 PyPI (once per machine, into the user cache dir), runs it on plain mlx_lm.server and on
 kvstore's server (kvstore's prompt cache, with a disk tier, and its routes patched in),
 both on a local tiny model, and compares: every test that passes on mlx_lm.server must
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tools import upstream_server as U
+from tools.gates import upstream_mlx_lm as U
 
 
 def test_every_upstream_server_test_that_passes_on_mlx_lm_passes_on_kvstore(tmp_path: Path) -> None:

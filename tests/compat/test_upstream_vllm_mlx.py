@@ -1,7 +1,7 @@
 """The standing compatibility gate: vllm-mlx's own tests of ``MemoryAwarePrefixCache`` (and
 of the scheduler's and the multimodal generator's use of it) pass on kvstore's class.
 
-``tools/upstream_vllm_mlx.py`` fetches them from the sdist of the installed vllm-mlx (once
+``tools/gates/upstream_vllm_mlx.py`` fetches them from the sdist of the installed vllm-mlx (once
 per machine, into the user cache dir), runs them on vllm-mlx's class and on kvstore's (a
 live disk tier, tiny-llama's identity), and compares: every test that passes on vllm-mlx's
 class must pass on kvstore's, deliberate differences (``DELIBERATE``, in README.md) aside.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tools import upstream_vllm_mlx as U
+from tools.gates import upstream_vllm_mlx as U
 
 
 def test_every_upstream_test_that_passes_on_vllm_mlx_passes_on_kvstore(tmp_path: Path) -> None:
