@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import xxhash
 
-from .records import KEY, Segment
+from .keys import KEY_BYTES
+from .records import Segment
 
 if TYPE_CHECKING:
     import numpy as np
@@ -84,8 +85,8 @@ class BlobError(Exception):
 
 def pack_path(blob_root: Path, pack: bytes) -> Path:
     """The one path pack ``pack`` (16 bytes) may have: ``blobs/<2 hex>/<32 hex>.kvpack``."""
-    if len(pack) != KEY:
-        raise BlobError(f"a pack id is {KEY} bytes, got {len(pack)}")
+    if len(pack) != KEY_BYTES:
+        raise BlobError(f"a pack id is {KEY_BYTES} bytes, got {len(pack)}")
     h = pack.hex()
     return blob_root / h[:2] / f"{h}{PACK_SUFFIX}"
 
@@ -362,7 +363,7 @@ def own_packs(blob_root: Path) -> tuple[list[OwnFile], list[Path]]:
             except FileNotFoundError:
                 continue
             if m and m.group(1) == sub.name and stat.S_ISREG(st.st_mode):
-                own.append(OwnFile(bytes.fromhex(f.name[: 2 * KEY]), Path(f.path), st))
+                own.append(OwnFile(bytes.fromhex(f.name[: 2 * KEY_BYTES]), Path(f.path), st))
             else:
                 foreign.append(Path(f.path))
     return own, foreign
@@ -534,7 +535,7 @@ class PackWriter:
     file it is about to name is still the one written here."""
 
     def __init__(self, blob_root: Path, *, modes: Modes = PRIVATE) -> None:
-        self.pack = os.urandom(KEY)
+        self.pack = os.urandom(KEY_BYTES)
         self.path = pack_path(blob_root, self.pack)
         self.blob_root = blob_root
         self._new_dir = make_dir(self.path.parent, modes)
