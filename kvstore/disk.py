@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import xxhash
 
-from . import alloc, blobs, written
-from .cuts import CutRefused, bound, serves
+from . import alloc, blobs
+from . import bytes_written as written
+from .served_tokens import CutRefused, bound, serves
 from .identity import Identity
 from .layouts import ArraySpec
 from .index import Index, IndexOpenError, Reader, WriteTxn, chunk_size

@@ -41,9 +41,9 @@ from . import blobs, codec
 from .budget import evict_to
 from .cachedir import MEMO, StoreOpenError, default_cache_dir, open_disk
 from .counters import Counters
-from .cuts import CutRefused
+from .served_tokens import CutRefused
 from .disk import Commit, DiskTier, PersistJob, Plan, Restored
-from .errors import DiskErrors, Failure, names_record
+from .disk_errors import DiskErrors, Failure, names_record
 from .floors import MIN_DISK_GAIN, restore_floor  # MIN_DISK_GAIN: re-exported (tests, README)
 from .identity import DigestMemo, Identity, file_stamp, model_identity, watch
 from .index import IndexFailure
@@ -54,7 +54,7 @@ from .preload import Preloaded, Preloader
 from .salt import Salt, check_salt, memory_key, salted
 from .write_policy import WritePolicy
 from .pressure import DEFAULT_MEMORY_FLOOR, Gauge, Watch
-from .written import written as written_bytes
+from .bytes_written import written as written_bytes
 from .writer import Writer
 
 if TYPE_CHECKING:

@@ -78,7 +78,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..cuts import serves
+from ..served_tokens import serves
 from ..keys import TOKEN_BYTES, boundaries, chunk_key, common_tokens, entry_key, key_of, residual
 from ..records import ChunkRecord, EntryRecord, Segment
 from ..writer import Writer

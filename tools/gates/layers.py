@@ -25,14 +25,14 @@ PACKAGES = ("kvstore", "tools", "benchmarks")
 
 # Lower ranks are lower layers: bytes and names, then storage, then the store, then users.
 RANKS: dict[str, int] = {
-    "kvstore.keys": 0, "kvstore.records": 0, "kvstore.segments": 0, "kvstore.cuts": 0, "kvstore.written": 0,
-    "kvstore.visible": 0, "kvstore.hoststate": 0, "kvstore.units": 0, "kvstore.floors": 0,
+    "kvstore.keys": 0, "kvstore.records": 0, "kvstore.segments": 0, "kvstore.served_tokens": 0,
+    "kvstore.bytes_written": 0, "kvstore.escape": 0, "kvstore.hoststate": 0, "kvstore.units": 0, "kvstore.floors": 0,
     "kvstore.codec": 1, "kvstore.blobs": 1, "kvstore.blas": 1, "kvstore.alloc": 1, "kvstore.pressure": 1,
     "kvstore.identity": 2, "kvstore.layouts": 2, "kvstore.index": 2,
     "kvstore.disk": 3,
     "kvstore.budget": 4, "kvstore.write_policy": 4, "kvstore.memory": 4, "kvstore.writer": 4,
     "kvstore.cachedir": 4,
-    "kvstore.shared": 5, "kvstore.counters": 0, "kvstore.errors": 5, "kvstore.preload": 5,
+    "kvstore.shared": 5, "kvstore.counters": 0, "kvstore.disk_errors": 5, "kvstore.preload": 5,
     "kvstore.metrics": 5,
     "kvstore.store": 6,
     "kvstore.maintenance": 7, "kvstore.generate": 7, "kvstore.adapters": 7,
