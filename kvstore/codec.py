@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models import cache as C
+from mlx_lm.models import cache as mlx_cache
 
 Tensors = dict[str, mx.array]
 Layout = list[dict[str, Any]]
@@ -104,7 +104,7 @@ def _kv_shapes(want: dict) -> tuple[Expected, str]:
 
 
 class _KVCodec(_Codec):
-    cls: type = C.KVCache
+    cls: type = mlx_cache.KVCache
     chunkable = True
     family = ATTENTION
 
@@ -127,7 +127,7 @@ class _KVCodec(_Codec):
         return _kv_encode(c, c.offset), {"offset": int(c.offset)}
 
     def decode(self, t: Tensors, meta: dict) -> Any:
-        c = C.KVCache()
+        c = mlx_cache.KVCache()
         if "k" in t:
             c.keys, c.values = _fresh(t["k"]), _fresh(t["v"])
             c.offset = int(meta["offset"])
@@ -135,7 +135,7 @@ class _KVCodec(_Codec):
 
 
 class _QuantKVCodec(_KVCodec):
-    cls = C.QuantizedKVCache
+    cls = mlx_cache.QuantizedKVCache
 
     def shapes(self, meta: dict, want: dict) -> tuple[Expected, str]:
         """``mx.quantize``'s parts of keys and values: the packed words (head_dim * bits / 32
@@ -168,7 +168,7 @@ class _QuantKVCodec(_KVCodec):
         return t, meta
 
     def decode(self, t: Tensors, meta: dict) -> Any:
-        c: Any = C.QuantizedKVCache(group_size=meta["group_size"], bits=meta["bits"])
+        c: Any = mlx_cache.QuantizedKVCache(group_size=meta["group_size"], bits=meta["bits"])
         if "k0" in t:
             c.keys = tuple(_fresh(t[f"k{i}"]) for i in range(3))
             c.values = tuple(_fresh(t[f"v{i}"]) for i in range(3))
@@ -180,7 +180,7 @@ class _RotatingCodec(_Codec):
     """The ring buffer is stored as it is, with its write index: rotation state is history.
     It can be cut only while it has not wrapped (mlx-lm's ``is_trimmable``)."""
 
-    cls = C.RotatingKVCache
+    cls = mlx_cache.RotatingKVCache
     family = ATTENTION
 
     def shapes(self, meta: dict, want: dict) -> tuple[Expected, str]:
@@ -197,7 +197,7 @@ class _RotatingCodec(_Codec):
         return {"k": _fresh(c.keys), "v": _fresh(c.values)}, meta  # new objects: a rotating write is in place
 
     def decode(self, t: Tensors, meta: dict) -> Any:
-        c = C.RotatingKVCache(max_size=meta["max_size"], keep=meta["keep"])
+        c = mlx_cache.RotatingKVCache(max_size=meta["max_size"], keep=meta["keep"])
         if "k" in t:
             c.keys, c.values = _fresh(t["k"]), _fresh(t["v"])
             c.offset, c._idx = int(meta["offset"]), int(meta["idx"])
@@ -212,7 +212,7 @@ class _ChunkedCodec(_Codec):
     a cut inside the chunk of ``start`` no longer holds (mlx-lm's ``is_trimmable`` says
     True there: its own LRU hands out such a cache)."""
 
-    cls = C.ChunkedKVCache
+    cls = mlx_cache.ChunkedKVCache
     family = ATTENTION
 
     def shapes(self, meta: dict, want: dict) -> tuple[Expected, str]:
@@ -230,7 +230,7 @@ class _ChunkedCodec(_Codec):
         return _kv_encode(c, c.offset - c.start_position), meta
 
     def decode(self, t: Tensors, meta: dict) -> Any:
-        c = C.ChunkedKVCache(meta["chunk_size"])
+        c = mlx_cache.ChunkedKVCache(meta["chunk_size"])
         if "k" in t:
             c.keys, c.values = _fresh(t["k"]), _fresh(t["v"])
             c.offset, c.start_position = int(meta["offset"]), int(meta["start"])
@@ -240,7 +240,7 @@ class _ChunkedCodec(_Codec):
 class _ArraysCodec(_Codec):
     """Recurrent state (conv and SSM states): only valid at exactly its own length."""
 
-    cls = C.ArraysCache
+    cls = mlx_cache.ArraysCache
 
     def shapes(self, meta: dict, want: dict) -> tuple[Expected, str]:
         """The state arrays the identity records (``layouts.describe_layout``), exactly (but
@@ -260,7 +260,7 @@ class _ArraysCodec(_Codec):
         return t, {"size": len(c.cache)}
 
     def decode(self, t: Tensors, meta: dict) -> Any:
-        c: Any = C.ArraysCache(meta["size"])
+        c: Any = mlx_cache.ArraysCache(meta["size"])
         for i in range(meta["size"]):
             if f"a{i}" in t:
                 c.cache[i] = _fresh(t[f"a{i}"])
@@ -270,7 +270,7 @@ class _ArraysCodec(_Codec):
 class _CacheListCodec(_Codec):
     """Its members in order; a cut must suit every member."""
 
-    cls = C.CacheList
+    cls = mlx_cache.CacheList
 
     def can_cut(self, meta: dict, n: int) -> bool:
         return all(STORED[m["class"]].can_cut(m, n) for m in meta["sub"])
@@ -299,7 +299,7 @@ class _CacheListCodec(_Codec):
         for j, m in enumerate(meta["sub"]):
             p = f"s{j}."
             subs.append(decode_layer({k[len(p):]: v for k, v in t.items() if k.startswith(p)}, m))
-        return C.CacheList(*subs)
+        return mlx_cache.CacheList(*subs)
 
 
 _KINDS = {bool: "b", int: "i", float: "f", str: "s"}
@@ -313,7 +313,7 @@ class _StateCodec(_Codec):
     recurrent state). A stored class name is only resolved to such a class of a module
     already imported (the model's own): stored data never imports anything."""
 
-    cls = C._BaseCache
+    cls = mlx_cache._BaseCache
 
     @property
     def family(self) -> str:
@@ -323,7 +323,7 @@ class _StateCodec(_Codec):
     def follows(c: Any) -> bool:
         t = type(c)
         setter = getattr(getattr(t, "state", None), "fset", None)
-        return (isinstance(c, C._BaseCache) and t.__module__.startswith("mlx_lm.models.") and setter is not None
+        return (isinstance(c, mlx_cache._BaseCache) and t.__module__.startswith("mlx_lm.models.") and setter is not None
                 and getattr(c, "left_padding", None) is None and getattr(c, "lengths", None) is None)
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
@@ -385,14 +385,14 @@ def _item_ok(x: Any) -> bool:
     return len(x) == 2 and type(x[1]) is kind and (not isinstance(x[1], str) or len(x[1]) <= 256)
 
 
-def _state_class(name: str) -> type[C._BaseCache]:
+def _state_class(name: str) -> type[mlx_cache._BaseCache]:
     """The class a stored ``module:qualname`` names, if it is a protocol-following cache
     class of an imported ``mlx_lm.models`` module; Unsupported otherwise."""
     import sys
 
     module, _, qual = name.partition(":")
     cls = getattr(sys.modules.get(module), qual, None) if module.startswith("mlx_lm.models.") else None
-    if not (isinstance(cls, type) and issubclass(cls, C._BaseCache) and cls.__name__ not in CODECS):
+    if not (isinstance(cls, type) and issubclass(cls, mlx_cache._BaseCache) and cls.__name__ not in CODECS):
         raise Unsupported(f"stored cache class {name!r} is not an imported mlx-lm cache class")
     return cls
 
