@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore import blobs, maintenance as M
+from kvstore import blobs, maintenance
 from kvstore.budget import evict_to, lru_order, remove_unchanged
 from kvstore.index import scan
 from kvstore.index.pages import db_roots
@@ -117,8 +117,8 @@ def raw_put(disk, dbname: str, key: bytes, value: bytes | None) -> None:
 
 
 def test_clean_store_verifies_clean(tmpl, disk):
-    assert M.verify(disk, blob_age=0) == []
-    assert M.verify(disk, checksums=False, blob_age=0) == []
+    assert maintenance.verify(disk, blob_age=0) == []
+    assert maintenance.verify(disk, checksums=False, blob_age=0) == []
     assert len(list(disk.blob_root.rglob("*.kvpack"))) == 4  # one pack per persist
 
 
@@ -290,12 +290,12 @@ FAULTS = {
 def test_verify_finds_and_fixes(tmpl, disk, fault):
     inject, want, full = FAULTS[fault]
     inject(disk, tmpl)
-    problems = M.verify(disk, blob_age=0)
+    problems = maintenance.verify(disk, blob_age=0)
     assert kinds(problems) == want, [p.to_dict() for p in problems]
-    assert all(p.kind in M.KINDS for p in problems)
-    fixed = M.verify(disk, fix=True, blob_age=0)
+    assert all(p.kind in maintenance.KINDS for p in problems)
+    fixed = maintenance.verify(disk, fix=True, blob_age=0)
     assert kinds(fixed) == want and all(p.fixed for p in fixed), [p.to_dict() for p in fixed]
-    assert M.verify(disk, blob_age=0) == []
+    assert maintenance.verify(disk, blob_age=0) == []
     # the byte counter matches the pack files left
     on_disk = sum(f.stat().st_size for f in disk.blob_root.rglob("*") if f.is_file())
     assert disk.index.total_bytes() == on_disk
@@ -328,11 +328,11 @@ def test_fix_counts_what_a_reader_removed_since_the_scan_as_fixed(tmpl, disk, mo
         return snap
 
     monkeypatch.setattr(MV, "scan", scan_then_reader)
-    fixed = M.verify(disk, fix=True, blob_age=0)
+    fixed = maintenance.verify(disk, fix=True, blob_age=0)
     monkeypatch.setattr(MV, "scan", real_scan)
     assert met and met[0] < len(tmpl["prompts"]["R"]), met  # the reader did meet the damage
     assert "missing_blob" in kinds(fixed) and all(p.fixed for p in fixed), [p.to_dict() for p in fixed]
-    assert M.verify(disk, blob_age=0) == []
+    assert maintenance.verify(disk, blob_age=0) == []
 
 
 def test_foreign_files_are_reported_and_never_touched(tmpl, disk):
@@ -347,24 +347,24 @@ def test_foreign_files_are_reported_and_never_touched(tmpl, disk):
     # a fan-out name no pack of this store uses (pack ids are random: "ef" was taken 1 run in ~60)
     link = next(disk.blob_root / f"{i:02x}" for i in range(256) if not (disk.blob_root / f"{i:02x}").exists())
     link.symlink_to(disk.root / "index")
-    problems = M.verify(disk, fix=True, blob_age=0)
+    problems = maintenance.verify(disk, fix=True, blob_age=0)
     assert kinds(problems) == {"foreign_file"} and not any(p.fixed for p in problems)
-    assert M.gc(disk, blob_age=0).removed == []
+    assert maintenance.gc(disk, blob_age=0).removed == []
     assert all(p.exists() for p in planted) and link.is_symlink() and (disk.root / "index" / "data.mdb").exists()
 
 
 def test_grace_periods(tmpl, disk):
     _orphan_blob(disk, tmpl)
-    assert M.verify(disk) == []  # young: maybe a live writer's
-    assert kinds(M.verify(disk, blob_age=0)) == {"orphan_blob"}
+    assert maintenance.verify(disk) == []  # young: maybe a live writer's
+    assert kinds(maintenance.verify(disk, blob_age=0)) == {"orphan_blob"}
     orphan = blobs.pack_path(disk.blob_root, b"\xab" * 16)
     old = time.time() - 300  # past the grace (60 s)
     os.utime(orphan, (old, old))
-    assert kinds(M.verify(disk)) == {"orphan_blob"}
+    assert kinds(maintenance.verify(disk)) == {"orphan_blob"}
     future = time.time() + 10 * DAY  # another host's clock: counts as now, not as forever young
     os.utime(orphan, (future, future))
-    assert kinds(M.verify(disk, blob_age=0)) == {"orphan_blob"}
-    assert M.gc(disk, blob_age=0).freed > 0 and not orphan.exists()
+    assert kinds(maintenance.verify(disk, blob_age=0)) == {"orphan_blob"}
+    assert maintenance.gc(disk, blob_age=0).freed > 0 and not orphan.exists()
 
 
 def test_an_orphan_committed_after_the_scan_is_kept(tmpl, disk):
@@ -372,13 +372,13 @@ def test_an_orphan_committed_after_the_scan_is_kept(tmpl, disk):
     removal decides inside a write transaction (the writer's commit holds the same lock)."""
     _orphan_blob(disk, tmpl)
     orphan = blobs.pack_path(disk.blob_root, b"\xab" * 16)
-    problems = M.verify(disk, blob_age=0)
+    problems = maintenance.verify(disk, blob_age=0)
     assert kinds(problems) == {"orphan_blob"}
     # ... the writer commits: a record now names the file
     raw_put(disk, "packs", b"\xab" * 16, disk.index.pack(disk.index.entry(tmpl["keys"]["R"]).tail.pack).to_bytes())
-    assert M.remove_orphan(disk, b"\xab" * 16, blob_age=0) is False and orphan.exists()
+    assert maintenance.remove_orphan(disk, b"\xab" * 16, blob_age=0) is False and orphan.exists()
     raw_put(disk, "packs", b"\xab" * 16, None)
-    assert M.remove_orphan(disk, b"\xab" * 16, blob_age=0) is True and not orphan.exists()
+    assert maintenance.remove_orphan(disk, b"\xab" * 16, blob_age=0) is True and not orphan.exists()
 
 
 def test_evict_to_dry_run_predicts_the_real_run(tmpl, disk, tmp_path):
@@ -395,7 +395,7 @@ def test_evict_to_dry_run_predicts_the_real_run(tmpl, disk, tmp_path):
         assert [r.key for r in done] == [r.key for r in plan]
         assert sum(r.freed for r in done) == total - other.index.total_bytes()
         assert other.index.total_bytes() <= budget
-        assert M.verify(other, blob_age=0) == []
+        assert maintenance.verify(other, blob_age=0) == []
     finally:
         other.close()
     # LRU with the pinned entry (R) last: P (5 days), then Q, S, R
@@ -415,20 +415,20 @@ def test_budget_removes_entries_that_free_space_before_old_prefixes_that_free_no
     assert [r.key for r in done] == [t["Q"]] and done[0].freed > 0
     assert disk.index.total_bytes() == total - done[0].freed <= total - 1
     assert disk.index.entry(t["P"]) is not None and disk.index.entry(t["S"]) is not None
-    assert M.verify(disk, blob_age=0) == []
+    assert maintenance.verify(disk, blob_age=0) == []
 
 
 def test_gc_rules(tmpl, disk):
     t = tmpl["keys"]
     # --max-age: P (5 days) goes, R (3 days, pinned) never does
     total = disk.index.total_bytes()
-    res = M.gc(disk, max_age=DAY)
+    res = maintenance.gc(disk, max_age=DAY)
     assert [(r["key"], r["reason"]) for r in res.removed] == [(t["P"].hex(), "max_age")]
     # P's pack also holds the three chunks Q uses: it stays (its tail is dead space until Q goes)
     assert res.freed == total - disk.index.total_bytes() == 0 and res.removed[0]["bytes"] == 0
     assert disk.index.entry(t["P"]) is None
     # --max-bytes: unpinned first, LRU; the pinned entry only when nothing else is left
-    res = M.gc(disk, max_bytes=1)
+    res = maintenance.gc(disk, max_bytes=1)
     assert [r["key"] for r in res.removed] == [t["Q"].hex(), t["S"].hex(), t["R"].hex()]
     assert res.freed == total and res.bytes_left == 0 and res.entries_left == 0
     assert disk.index.total_bytes() == 0 and disk.index.counts()["chunks"] == 0
@@ -441,18 +441,18 @@ def test_gc_identities_missing_models_and_dry_run(tmpl, disk):
     ident = tmpl["ident"]
     snap_files = {str(f): f.stat().st_size for f in disk.root.rglob("*") if f.is_file() and f.name != "lock.mdb"}
     total = disk.index.total_bytes()
-    res = M.gc(disk, identities=[ident.hex[:8]], dry_run=True)
+    res = maintenance.gc(disk, identities=[ident.hex[:8]], dry_run=True)
     assert {r["key"] for r in res.removed} == {k.hex() for k in tmpl["keys"].values()}
     assert res.freed == total and (res.bytes_left, res.entries_left) == (0, 0)
     assert {str(f): f.stat().st_size for f in disk.root.rglob("*") if f.is_file() and f.name != "lock.mdb"} == snap_files
-    res = M.gc(disk, max_bytes=total // 2, dry_run=True)  # what would be left, not today's totals
+    res = maintenance.gc(disk, max_bytes=total // 2, dry_run=True)  # what would be left, not today's totals
     assert 0 < res.bytes_left <= total // 2 and res.entries_left == 4 - len(res.removed)
     # the model dir exists: --missing-models leaves it alone
-    assert M.gc(disk, missing_models=True).removed == []
+    assert maintenance.gc(disk, missing_models=True).removed == []
     # now point the identity at a directory that is gone
     info = dict(disk.index.identities()[ident.hex].info, path="/nonexistent/model")
     raw_put(disk, "identities", ident.digest, IdentityRecord(info).to_bytes())
-    res = M.gc(disk, missing_models=True)
+    res = maintenance.gc(disk, missing_models=True)
     assert len(res.removed) == 4 and {r["reason"] for r in res.removed} == {"missing_model"}
     assert disk.index.counts()["entries"] == 0 and disk.index.total_bytes() == 0
 
@@ -481,16 +481,16 @@ def test_segment_check(tmpl, disk):
     rec = disk.index.entry(tmpl["keys"]["P"])
     seg = rec.tail
     packs = {seg.pack: disk.index.pack(seg.pack)}
-    with M.SegmentCheck(disk, packs) as check:
+    with maintenance.SegmentCheck(disk, packs) as check:
         assert check.problem(seg) is None
         assert check.problem(replace(seg, checksum=b"\0" * 16))[0] == "bad_checksum"
         assert check.problem(replace(seg, pack=b"\1" * 16))[0] == "missing_pack"
-    with M.SegmentCheck(disk, packs, checksums=False) as check:
+    with maintenance.SegmentCheck(disk, packs, checksums=False) as check:
         assert check.problem(replace(seg, checksum=b"\0" * 16)) is None
-    with M.SegmentCheck(disk, {seg.pack: replace(packs[seg.pack], size=packs[seg.pack].size + 1)}) as check:
+    with maintenance.SegmentCheck(disk, {seg.pack: replace(packs[seg.pack], size=packs[seg.pack].size + 1)}) as check:
         assert check.problem(seg)[0] == "truncated"
     os.unlink(pack_file(disk, seg))
-    with M.SegmentCheck(disk, packs) as check:
+    with maintenance.SegmentCheck(disk, packs) as check:
         assert check.problem(seg)[0] == "missing_blob"
 
 
@@ -511,21 +511,21 @@ def test_damaged_index_is_reported_and_rebuilt(tmpl, disk, monkeypatch):
     monkeypatch.setattr(MV, "scan", flaky)
     monkeypatch.setattr(MG, "scan", flaky)
     fail["n"] = 1
-    got = M.verify(disk)
+    got = maintenance.verify(disk)
     assert [p.kind for p in got] == ["corrupt_index"] and not got[0].fixed and "--fix" in got[0].detail
     fail["n"] = 1
     old_index = disk.index
-    got = M.verify(disk, fix=True, blob_age=0)
+    got = maintenance.verify(disk, fix=True, blob_age=0)
     assert [p.kind for p in got] == ["corrupt_index"] and got[0].fixed, [p.to_dict() for p in got]
     assert list(disk.root.glob("index.corrupt-*"))
     assert disk.index.env is not old_index.env  # the new files, not the shared old environment
     assert disk.index.env.info()["last_txnid"] < old_index.env.info()["last_txnid"]
-    assert M.verify(disk, blob_age=0) == []
+    assert maintenance.verify(disk, blob_age=0) == []
     assert disk.index.counts()["entries"] == 4
     root = disk.root
     fail["n"] = 10
     with pytest.raises(lmdb.Error):  # gc's own rules do raise; the CLI says so
-        M.gc(disk)
+        maintenance.gc(disk)
     disk.close()
     got = served(tmpl, root)
     assert all(got[n] == len(t) for n, t in tmpl["prompts"].items()), got
@@ -544,11 +544,11 @@ def test_damaged_pages_are_found_without_lmdb_and_salvaged(tmpl, disk):
     claims another page number) is a corrupt_index problem found by walking the pages
     (LMDB itself would abort() on some such pages); --fix salvages every intact record."""
     _damage_root_page(disk, "identities", "renumber")
-    got = M.verify(disk)
+    got = maintenance.verify(disk)
     assert [p.kind for p in got] == ["corrupt_index"] and "identities" in got[0].detail
-    got = M.verify(disk, fix=True, blob_age=0)
+    got = maintenance.verify(disk, fix=True, blob_age=0)
     assert got[0].kind == "corrupt_index" and got[0].fixed and "skipped 1 damaged" in got[0].detail
-    assert M.verify(disk, blob_age=0) == []
+    assert maintenance.verify(disk, blob_age=0) == []
     assert disk.index.counts()["entries"] == 4 and disk.index.identities() == {}
     root_dir = disk.root
     disk.close()
@@ -573,7 +573,7 @@ def test_damaged_index_at_open_keeps_its_readable_records(tmpl, disk, caplog):
     d = DiskTier(root_dir, chunk_tokens=CHUNK)
     try:
         assert d.index.counts()["entries"] == 4
-        assert [p.kind for p in M.verify(d, blob_age=0)] == []
+        assert [p.kind for p in maintenance.verify(d, blob_age=0)] == []
     finally:
         d.close()
 
@@ -607,14 +607,14 @@ def test_verify_and_gc_out_of_file_descriptors_drop_nothing(tmp_path):
     used = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 32
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (used + 90, hard))  # fewer than 120 packs, more than verify keeps open
-        assert M.verify(disk, blob_age=0) == []
+        assert maintenance.verify(disk, blob_age=0) == []
         with out_of_descriptors(spare=2):  # LMDB's reads work, pack opens fail
             with pytest.raises(OSError):
-                M.verify(disk, fix=True, blob_age=0)
+                maintenance.verify(disk, fix=True, blob_age=0)
             with pytest.raises(OSError):
-                M.gc(disk, max_bytes=1 << 40)
+                maintenance.gc(disk, max_bytes=1 << 40)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert len(scan(disk.index, full=False).entries) == 120
-    assert M.verify(disk, blob_age=0) == []
+    assert maintenance.verify(disk, blob_age=0) == []
     disk.close()

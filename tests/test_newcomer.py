@@ -166,8 +166,9 @@ def test_the_upstream_suite_says_what_it_needs_when_pypi_is_out_of_reach(tmp_pat
     message saying what to run, and where (README's test command fetches it at install)."""
     import sys
 
-    script = ("from tools.gates import upstream_mlx_lm as U\n"
-              "try:\n    U.suite_path()\nexcept U.SuiteMissing as e:\n    print('MISSING', e)\n")
+    script = ("from tools.gates import upstream_mlx_lm\n"
+              "try:\n    upstream_mlx_lm.suite_path()\n"
+              "except upstream_mlx_lm.SuiteMissing as e:\n    print('MISSING', e)\n")
     env = child_env(XDG_CACHE_HOME=str(tmp_path / "xdg"), PIP_INDEX_URL="http://127.0.0.1:9/simple",
                     PIP_RETRIES="0", PIP_TIMEOUT="2", PIP_NO_CACHE_DIR="1", PIP_CONFIG_FILE=os.devnull)
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)

@@ -609,11 +609,11 @@ def test_failed_write_leaves_no_entry_and_no_file(tmp_path, monkeypatch, where):
     to the caller. (Regression: an index failure, lmdb.Error, was not counted.)"""
     import lmdb
 
-    from kvstore import disk as D
+    from kvstore import disk
 
     who = ident("failwrite")
     good, bad = rand_tokens(100, seed=41), rand_tokens(100, seed=42)
-    real = blobs.PackWriter.seal if where == "blob" else D._commit
+    real = blobs.PackWriter.seal if where == "blob" else disk._commit
 
     def flaky(*a, **k):
         if flaky.fail:
@@ -626,7 +626,7 @@ def test_failed_write_leaves_no_entry_and_no_file(tmp_path, monkeypatch, where):
     if where == "blob":
         monkeypatch.setattr(blobs.PackWriter, "seal", flaky)
     else:
-        monkeypatch.setattr(D, "_commit", flaky)
+        monkeypatch.setattr(disk, "_commit", flaky)
     with KVStore(tmp_path, chunk_tokens=C) as s:
         s.insert(who, good, synth(good))
         s.flush()

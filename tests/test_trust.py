@@ -97,10 +97,10 @@ def test_identity_includes_the_model_code(tmp_path):
     as ``mlx_lm.models.<name>`` exactly as an upgraded mlx-lm would ship it."""
     got = run_py("""
         import json, sys, pathlib
-        import mlx_lm.models, mlx_lm.models.llama as L
+        import mlx_lm.models, mlx_lm.models.llama as mlx_llama
         from kvstore.identity import code_digest
         a = json.loads(sys.argv[1])
-        src = pathlib.Path(L.__file__).read_text()
+        src = pathlib.Path(mlx_llama.__file__).read_text()
         d = pathlib.Path(a["tmp"])
         (d / "kvtest_same.py").write_text(src)
         (d / "kvtest_changed.py").write_text(src.replace("args.rope_theta,", "args.rope_theta * 1.0,", 1))
@@ -739,10 +739,11 @@ def test_broken_record_with_a_future_timestamp_is_repaired(tmp_path: Path) -> No
 def _custom_model_dir(tmp_path: Path) -> Path:
     """tiny-llama whose architecture comes from a ``model_file`` in its directory (mlx-lm's
     llama.py, imports made absolute), plus a sibling helper module it does not import."""
-    import mlx_lm.models.llama as L
+    import mlx_lm.models.llama as mlx_llama
 
     mdir = Path(shutil.copytree(model_path("tiny-llama"), tmp_path / "model"))
-    src = re.sub(r"^from \.(\w+) import", r"from mlx_lm.models.\1 import", Path(L.__file__).read_text(), flags=re.M)
+    src = re.sub(r"^from \.(\w+) import", r"from mlx_lm.models.\1 import", Path(mlx_llama.__file__).read_text(),
+                 flags=re.M)
     (mdir / "custom_llama.py").write_text(src)
     (mdir / "helpers").mkdir()
     (mdir / "helpers" / "consts.py").write_text("ROPE_SCALE = 1.0\n")

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tools.gates import upstream_mlx_lm as U
+from tools.gates import upstream_mlx_lm
 
 
 def test_every_upstream_server_test_that_passes_on_mlx_lm_passes_on_kvstore(tmp_path: Path) -> None:
-    upstream, ours, regressions = U.gate(tmp_path)
+    upstream, ours, regressions = upstream_mlx_lm.gate(tmp_path)
     print(f"\n{upstream.summary()}\n{ours.summary()}")
     assert upstream.count("passed") >= 30, upstream.results  # the suite ran, on a model that loads
     assert set(ours.results) == set(upstream.results), (set(ours.results) ^ set(upstream.results))
@@ -24,13 +24,13 @@ def test_every_upstream_server_test_that_passes_on_mlx_lm_passes_on_kvstore(tmp_
     index = tmp_path / "kvstore-cache" / "index"
     assert index.is_dir() and any(index.iterdir()), "the kvstore run never opened kvstore's store"
     docs = (Path(__file__).resolve().parent.parent / "docs" / "serve.md").read_text()
-    for test, why in U.DELIBERATE.items():  # each deliberate difference is documented
+    for test, why in upstream_mlx_lm.DELIBERATE.items():  # each deliberate difference is documented
         assert test in docs and why in docs, test
 
 
 def test_the_suite_is_downloaded_once_and_never_copied_into_the_repository() -> None:
-    path = U.suite_path()
-    assert path.is_file() and U.upstream_dir() in path.parents
-    assert path.stat().st_mtime == U.suite_path().stat().st_mtime  # reused, not fetched again
+    path = upstream_mlx_lm.suite_path()
+    assert path.is_file() and upstream_mlx_lm.upstream_dir() in path.parents
+    assert path.stat().st_mtime == upstream_mlx_lm.suite_path().stat().st_mtime  # reused, not fetched again
     repo = Path(__file__).resolve().parent.parent
     assert not any(p.read_bytes() == path.read_bytes() for p in repo.rglob("test_server.py"))

@@ -153,10 +153,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 def families() -> list[str]:
     """Every module of ``mlx_lm.models`` that defines ``Model`` and ``ModelArgs`` (by
     source text: importing some needs optional packages)."""
-    import mlx_lm.models as M
+    import mlx_lm.models as mlx_models
 
     out = []
-    for m in pkgutil.iter_modules(M.__path__):
+    for m in pkgutil.iter_modules(mlx_models.__path__):
         src = (importlib.util.find_spec(f"mlx_lm.models.{m.name}").origin or "")
         try:
             text = open(src).read()
