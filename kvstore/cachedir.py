@@ -11,7 +11,8 @@ Guarantees:
 - A file or directory a user of the store cannot read or write is a ``StoreOpenError``
   naming it and the command that fixes it, never a silent memory-only fallback.
 - ``CREATED`` lists every name kvstore creates in a cache directory: a file it replaces
-  (``REPLACED``) is first written at ``<name>.<16 random hex>.tmp`` (``files.replace_file``),
+  (the stamp, the damage mark, the digest memo) is first written at
+  ``<name>.<16 random hex>.tmp`` (``files.replace_file``),
   every file is created with ``O_EXCL | O_NOFOLLOW | O_NONBLOCK`` (``files.create``).
 """
 
@@ -38,8 +39,6 @@ CREATED: tuple[str, ...] = (
     "index/", "blobs/", "blobs/*/", "blobs/*/*.kvpack", "index/data.mdb", "index/lock.mdb",
     f"index/{STAMP}", f"index/{DAMAGED}", MEMO, "index.rebuild-*/", "index.corrupt-*/",
 )
-# The files kvstore replaces whole (through a temp name: ``files.replace_file``).
-REPLACED: tuple[str, ...] = (f"index/{STAMP}", f"index/{DAMAGED}", MEMO)
 
 
 class StoreOpenError(RuntimeError):

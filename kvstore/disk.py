@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import xxhash
 
-from . import alloc, files, segments, written
+from . import alloc, files, segments, bytes_written as written
 from .cachelayout import Layout
-from .cuts import CutRefused, bound, serves
+from .served_tokens import CutRefused, bound, serves
 from .identity import Identity
 from .layouts import ArraySpec, layout_problem
 from .index import Index, IndexOpenError, Reader, WriteTxn, chunk_size

@@ -38,7 +38,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .records import KEY
+from .keys import KEY_BYTES
 
 PACK_SUFFIX = ".kvpack"
 _PACK_NAME = re.compile(r"([0-9a-f]{2})[0-9a-f]{30}\.kvpack")
@@ -60,8 +60,8 @@ class BlobError(Exception):
 
 def pack_path(blob_root: Path, pack: bytes) -> Path:
     """The one path pack ``pack`` (16 bytes) may have: ``blobs/<2 hex>/<32 hex>.kvpack``."""
-    if len(pack) != KEY:
-        raise BlobError(f"a pack id is {KEY} bytes, got {len(pack)}")
+    if len(pack) != KEY_BYTES:
+        raise BlobError(f"a pack id is {KEY_BYTES} bytes, got {len(pack)}")
     h = pack.hex()
     return blob_root / h[:2] / f"{h}{PACK_SUFFIX}"
 
@@ -357,7 +357,7 @@ def own_packs(blob_root: Path) -> tuple[list[OwnFile], list[Path]]:
             except FileNotFoundError:
                 continue
             if m and m.group(1) == sub.name and stat.S_ISREG(st.st_mode):
-                own.append(OwnFile(bytes.fromhex(f.name[: 2 * KEY]), Path(f.path), st))
+                own.append(OwnFile(bytes.fromhex(f.name[: 2 * KEY_BYTES]), Path(f.path), st))
             else:
                 foreign.append(Path(f.path))
     return own, foreign

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .counters import Counters
-from .cuts import CutRefused
+from .served_tokens import CutRefused
 from .disk import Commit, DiskTier, PersistJob, Plan, Restored
-from .errors import DiskErrors, names_record
+from .disk_errors import DiskErrors, names_record
 from .identity import Identity
 from .index import IndexFailure
 from .cachelayout import Layout

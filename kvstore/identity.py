@@ -329,11 +329,11 @@ def code_digest(config: dict, layout: list) -> str | None:
             h.update(Path(inspect.getsourcefile(module) or "").read_bytes())
         except (OSError, TypeError):
             h.update(b"?")
-    from mlx_lm.models import cache as C
+    from mlx_lm.models import cache as mlx_cache
 
     for cls_name in sorted(_classes(layout)):
-        for cls in getattr(getattr(C, cls_name, None), "__mro__", ()):
-            if getattr(cls, "__module__", None) == C.__name__:
+        for cls in getattr(getattr(mlx_cache, cls_name, None), "__mro__", ()):
+            if getattr(cls, "__module__", None) == mlx_cache.__name__:
                 try:
                     h.update(inspect.getsource(cls).encode())
                 except (OSError, TypeError):

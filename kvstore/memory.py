@@ -28,7 +28,7 @@ from mlx_lm.models.cache import PromptTrie, PromptTrieResult
 
 from . import codec
 from .cachelayout import Layout
-from .cuts import serves
+from .served_tokens import serves
 from .misses import Near
 
 ORDERING = ("assistant", "user", "system")

@@ -18,7 +18,7 @@ from typing import Any
 
 from . import codec
 from .disk import DiskTier, Restored
-from .errors import DiskErrors
+from .disk_errors import DiskErrors
 from .index import IndexFailure
 from .identity import Identity
 from .keys import TOKEN_BYTES, decode_tokens

@@ -43,7 +43,8 @@ import xxhash
 
 from .files import PRIVATE, BlobError, Modes, create_own, make_dir, pack_path, sync, sync_dir, unlink_own
 from .keys import FORMAT_VERSION
-from .records import KEY, Segment
+from .keys import KEY_BYTES
+from .records import Segment
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -273,7 +274,7 @@ class PackWriter:
     file it is about to name is still the one written here."""
 
     def __init__(self, blob_root: Path, *, modes: Modes = PRIVATE) -> None:
-        self.pack = os.urandom(KEY)
+        self.pack = os.urandom(KEY_BYTES)
         self.path = pack_path(blob_root, self.pack)
         self.blob_root = blob_root
         self._new_dir = make_dir(self.path.parent, modes)

@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Any, Hashable
 from . import codec
 from .cachedir import MEMO, StoreOpenError, default_cache_dir, open_disk
 from .counters import Counters
-from .cuts import CutRefused
+from .served_tokens import CutRefused
 from .disk import DiskTier, Plan, Restored
-from .errors import DiskErrors, Failure
+from .disk_errors import DiskErrors, Failure
 from .fleet import Fleet, SharedHit, open_shared
 from .floors import MIN_DISK_GAIN, restore_floor  # MIN_DISK_GAIN: re-exported (tests, README)
 from .identity import DigestMemo, Identity

@@ -17,7 +17,7 @@ written:
 
 ``max_write_bytes_per_day``: once the bytes written today (UTC) reach the budget, jobs are
 skipped until the next day; the write that crosses it completes. The count is kept in
-the index's ``meta`` table (``kvstore.written``), updated in each persist's own commit, so
+the index's ``meta`` table (``kvstore.bytes_written``), updated in each persist's own commit, so
 it survives restarts, is shared by every process using the directory, and costs no sync
 of its own. A skipped job stays in memory; it is counted by the caller.
 """
@@ -30,7 +30,7 @@ from typing import Any
 
 from .disk import PersistJob
 from .records import RecordError
-from .written import written
+from .bytes_written import written
 
 POLICIES = ("all", "system", "reused")
 SEEN_KEYS = 1 << 16  # prefixes "reused" remembers (16-byte keys: about 3 MB at most)

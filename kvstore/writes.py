@@ -25,7 +25,7 @@ from . import codec, files, segments
 from .budget import evict_to
 from .counters import Counters
 from .disk import DiskTier, PersistJob
-from .errors import DiskErrors
+from .disk_errors import DiskErrors
 from .identity import Identity
 from .index import IndexFailure
 from .keys import TOKEN_BYTES, TokenError
@@ -37,7 +37,7 @@ from .pressure import Gauge
 from .query import Query
 from .write_policy import WritePolicy
 from .writer import Writer
-from .written import written
+from .bytes_written import written
 
 log = logging.getLogger("kvstore")
 Evicted = list[tuple[Hashable, list[int], Snapshot]]

@@ -593,8 +593,8 @@ _CHUNK_QUERIES = {"in_chunk_after_start": 58, "at_chunk_start": 56, "in_chunk_of
 _CHUNK_CHILD = """
 import json, sys
 from kvstore import KVStore
-from tools.models import load_model, model_path
-from tools.oracle import check_restore
+from tools.testing.model_builds import load_model, model_path
+from tools.testing.oracle import check_restore
 job = json.loads(sys.argv[1])
 model, _ = load_model("tiny-llama4")
 out = {}
@@ -616,8 +616,8 @@ def _llama4_entry():
     generation leaves it: its ChunkedKVCache layers keep keys 51..59 (start_position 51;
     chunks of 8: 48..55, 56..63). Returns (model, path, prompt, cache, queries diverging
     at each of _CHUNK_QUERIES)."""
-    from tools.models import load_model, model_path
-    from tools.oracle import make_cache, prefill
+    from tools.testing.model_builds import load_model, model_path
+    from tools.testing.oracle import make_cache, prefill
 
     model, _ = load_model("tiny-llama4")
     rng = np.random.default_rng(7)
@@ -656,7 +656,7 @@ def test_chunked_cut_only_where_a_cold_prefill_agrees_in_memory():
     """The memory tier refuses the same cuts (mlx-lm's own LRU hands them out) and serves
     the allowed ones identically to a cold prefill."""
     from kvstore import KVStore
-    from tools.oracle import check_restore
+    from tools.testing.oracle import check_restore
 
     model, path, prompt, cache, queries = _llama4_entry()
     with KVStore(memory_only=True) as s:
@@ -701,7 +701,7 @@ def test_chunked_refused_cut_falls_back_to_a_shorter_entry(tmp_path):
     """A cut the stored layout refuses passes that entry over: the next plan serves a
     shorter stored prefix (here a snapshot of 48 tokens) instead of missing."""
     from kvstore import KVStore
-    from tools.oracle import check_restore, prefill
+    from tools.testing.oracle import check_restore, prefill
 
     model, path, prompt, cache, queries = _llama4_entry()
     with KVStore(tmp_path, chunk_tokens=16) as s:

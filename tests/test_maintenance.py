@@ -37,8 +37,8 @@ def tmpl(tmp_path_factory, tiny_llama) -> dict[str, Any]:
     from kvstore import KVStore
     from kvstore.disk import DiskTier
     from kvstore.keys import encode_tokens, key_of, root_key
-    from tools.models import model_path
-    from tools.oracle import prefill
+    from tools.testing.model_builds import model_path
+    from tools.testing.oracle import prefill
 
     model, tok = tiny_llama
     mdir = model_path("tiny-llama")

@@ -7,7 +7,7 @@ tokens span several chunks plus a tail and lookups walk real chains.
 Synthetic caches (``synth``) hold keys / values that are a pure function of each position's
 token id and index, so the exact content a restore must give for any prefix is known
 without a model: those tests check bit-exact content, the model tests check behaviour with
-the restored-equals-cold oracle (tools.oracle).
+the restored-equals-cold oracle (tools.testing.oracle).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from kvstore import KVStore, files, segments
 from kvstore.identity import Identity, model_identity
-from tools.models import MODELS, model_path
-from tools.oracle import cold_run, prefill
+from tools.testing.model_builds import MODELS, model_path
+from tools.testing.oracle import cold_run, prefill
 
 C = U.CHUNK
 

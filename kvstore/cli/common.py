@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..visible import visible
+from ..escape import visible
 
 ENTRY_ID_CHARS = 12
 

@@ -28,7 +28,7 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
 def collect(disk) -> dict[str, Any]:
     from .. import files
     from ..index import scan
-    from ..written import utc_day, written
+    from ..bytes_written import utc_day, written
 
     snap = scan(disk.index, full=False)
     by: dict[str, dict[str, Any]] = {}

@@ -150,10 +150,6 @@ class WriteTxn(Reader):
         if self.txn.get(digest, db=self.db["identities"]) is None:
             self._put("identities", digest, rec.to_bytes())
 
-    def set_identity(self, digest: bytes, rec: IdentityRecord) -> None:
-        """Describe identity ``digest``, replacing what was there."""
-        self._put("identities", digest, rec.to_bytes())
-
     def put_pack(self, pack: bytes, rec: PackRecord) -> None:
         """A new pack file (its bytes join the counter)."""
         self._put("packs", pack, rec.to_bytes())

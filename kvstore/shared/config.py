@@ -82,7 +82,7 @@ class SharedConfig:
     fetch_deadline: float = 2.0
     publish_deadline: float = 10.0
     flush_deadline: float = 5.0
-    max_value_bytes: int = 512 << 20
+    max_value_bytes: int = 512 << 20  # Redis' own string limit (proto-max-bulk-len default)
     secret: bytes | None = field(default=None, repr=False)  # signs shared values (``signing``)
 
     def __post_init__(self) -> None:

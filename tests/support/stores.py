@@ -157,9 +157,9 @@ def offsets(cache: list) -> list[int]:
 def check_fetched(model, fetched, prompt, ref, *, oracle: bool, trim1: bool, kv: dict) -> dict:
     """What a ``KVStore.fetch`` gave (n, tier, offsets, bit digest), then the
     restored-equals-cold oracle on it against the cold reference ``ref`` (a
-    ``tools.oracle.cold_run`` of ``prompt``). ``trim1``: an exact hit holds the whole
+    ``tools.testing.oracle.cold_run`` of ``prompt``). ``trim1``: an exact hit holds the whole
     prompt, so trim one token off to leave the oracle a token to feed. JSON-able result."""
-    from tools.oracle import check_restore
+    from tools.testing.oracle import check_restore
 
     out: dict[str, Any] = {"n": fetched.n, "source": fetched.source}
     if fetched.cache is None:
