@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models import cache as C
+from mlx_lm.models import cache as mlx_cache
 
 from .cachelayout import CLASSES, ITEM_KINDS, Layout
 
@@ -86,7 +86,7 @@ def _kv_shapes(want: dict) -> tuple[Expected, str]:
 
 
 class _KVCodec(_Codec):
-    cls: type = C.KVCache
+    cls: type = mlx_cache.KVCache
 
     def holds(self, c: Any) -> str | None:
         keys, off = c.keys, c.offset
@@ -104,7 +104,7 @@ class _KVCodec(_Codec):
         return _kv_encode(c, c.offset), {"offset": int(c.offset)}
 
     def decode(self, t: Tensors, meta: Meta) -> Any:
-        c = C.KVCache()
+        c = mlx_cache.KVCache()
         if "k" in t:
             c.keys, c.values = _fresh(t["k"]), _fresh(t["v"])
             c.offset = int(meta["offset"])
@@ -112,7 +112,7 @@ class _KVCodec(_Codec):
 
 
 class _QuantKVCodec(_KVCodec):
-    cls = C.QuantizedKVCache
+    cls = mlx_cache.QuantizedKVCache
 
     def shapes(self, meta: Meta, want: dict) -> tuple[Expected, str]:
         """``mx.quantize``'s parts of keys and values: the packed words (head_dim * bits / 32
@@ -145,7 +145,7 @@ class _QuantKVCodec(_KVCodec):
         return t, meta
 
     def decode(self, t: Tensors, meta: Meta) -> Any:
-        c: Any = C.QuantizedKVCache(group_size=meta["group_size"], bits=meta["bits"])
+        c: Any = mlx_cache.QuantizedKVCache(group_size=meta["group_size"], bits=meta["bits"])
         if "k0" in t:
             c.keys = tuple(_fresh(t[f"k{i}"]) for i in range(3))
             c.values = tuple(_fresh(t[f"v{i}"]) for i in range(3))
@@ -157,7 +157,7 @@ class _RotatingCodec(_Codec):
     """The ring buffer is stored as it is, with its write index: rotation state is history
     (so it can be cut only while it has not wrapped: ``cachelayout``)."""
 
-    cls = C.RotatingKVCache
+    cls = mlx_cache.RotatingKVCache
 
     def shapes(self, meta: Meta, want: dict) -> tuple[Expected, str]:
         return _kv_shapes(want)
@@ -170,7 +170,7 @@ class _RotatingCodec(_Codec):
         return {"k": _fresh(c.keys), "v": _fresh(c.values)}, meta  # new objects: a rotating write is in place
 
     def decode(self, t: Tensors, meta: Meta) -> Any:
-        c = C.RotatingKVCache(max_size=meta["max_size"], keep=meta["keep"])
+        c = mlx_cache.RotatingKVCache(max_size=meta["max_size"], keep=meta["keep"])
         if "k" in t:
             c.keys, c.values = _fresh(t["k"]), _fresh(t["v"])
             c.offset, c._idx = int(meta["offset"]), int(meta["idx"])
@@ -181,7 +181,7 @@ class _ChunkedCodec(_Codec):
     """Keys from ``start`` on (mlx-lm drops those before the current attention chunk; where
     such a layer may be cut is ``cachelayout``'s)."""
 
-    cls = C.ChunkedKVCache
+    cls = mlx_cache.ChunkedKVCache
 
     def shapes(self, meta: Meta, want: dict) -> tuple[Expected, str]:
         return _kv_shapes(want)
@@ -194,7 +194,7 @@ class _ChunkedCodec(_Codec):
         return _kv_encode(c, c.offset - c.start_position), meta
 
     def decode(self, t: Tensors, meta: Meta) -> Any:
-        c = C.ChunkedKVCache(meta["chunk_size"])
+        c = mlx_cache.ChunkedKVCache(meta["chunk_size"])
         if "k" in t:
             c.keys, c.values = _fresh(t["k"]), _fresh(t["v"])
             c.offset, c.start_position = int(meta["offset"]), int(meta["start"])
@@ -204,7 +204,7 @@ class _ChunkedCodec(_Codec):
 class _ArraysCodec(_Codec):
     """Recurrent state (conv and SSM states): only valid at exactly its own length."""
 
-    cls = C.ArraysCache
+    cls = mlx_cache.ArraysCache
 
     def shapes(self, meta: Meta, want: dict) -> tuple[Expected, str]:
         """The state arrays the identity records (``layouts.describe_layout``), exactly (but
@@ -224,7 +224,7 @@ class _ArraysCodec(_Codec):
         return t, {"size": len(c.cache)}
 
     def decode(self, t: Tensors, meta: Meta) -> Any:
-        c: Any = C.ArraysCache(meta["size"])
+        c: Any = mlx_cache.ArraysCache(meta["size"])
         for i in range(meta["size"]):
             if f"a{i}" in t:
                 c.cache[i] = _fresh(t[f"a{i}"])
@@ -234,7 +234,7 @@ class _ArraysCodec(_Codec):
 class _CacheListCodec(_Codec):
     """Its members in order."""
 
-    cls = C.CacheList
+    cls = mlx_cache.CacheList
 
     def holds(self, c: Any) -> str | None:
         return next((why for sub in c.caches if (why := codec_of(sub).holds(sub))), None)
@@ -253,7 +253,7 @@ class _CacheListCodec(_Codec):
         for j, m in enumerate(meta["sub"]):
             p = f"s{j}."
             subs.append(decode_layer({k[len(p):]: v for k, v in t.items() if k.startswith(p)}, m))
-        return C.CacheList(*subs)
+        return mlx_cache.CacheList(*subs)
 
 
 class _StateCodec(_Codec):
@@ -264,13 +264,13 @@ class _StateCodec(_Codec):
     recurrent state). A stored class name is only resolved to such a class of a module
     already imported (the model's own): stored data never imports anything."""
 
-    cls = C._BaseCache
+    cls = mlx_cache._BaseCache
 
     @staticmethod
     def follows(c: Any) -> bool:
         t = type(c)
         setter = getattr(getattr(t, "state", None), "fset", None)
-        return (isinstance(c, C._BaseCache) and t.__module__.startswith("mlx_lm.models.") and setter is not None
+        return (isinstance(c, mlx_cache._BaseCache) and t.__module__.startswith("mlx_lm.models.") and setter is not None
                 and getattr(c, "left_padding", None) is None and getattr(c, "lengths", None) is None)
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
@@ -313,14 +313,14 @@ class _StateCodec(_Codec):
         return out, ALL
 
 
-def _state_class(name: str) -> type[C._BaseCache]:
+def _state_class(name: str) -> type[mlx_cache._BaseCache]:
     """The class a stored ``module:qualname`` names, if it is a protocol-following cache
     class of an imported ``mlx_lm.models`` module; Unsupported otherwise."""
     import sys
 
     module, _, qual = name.partition(":")
     cls = getattr(sys.modules.get(module), qual, None) if module.startswith("mlx_lm.models.") else None
-    if not (isinstance(cls, type) and issubclass(cls, C._BaseCache) and cls.__name__ not in CODECS):
+    if not (isinstance(cls, type) and issubclass(cls, mlx_cache._BaseCache) and cls.__name__ not in CODECS):
         raise Unsupported(f"stored cache class {name!r} is not an imported mlx-lm cache class")
     return cls
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import xxhash
 
-from . import alloc, files, segments, bytes_written as written
+from . import alloc, bytes_written, files, segments
 from .cachelayout import Layout
 from .served_tokens import CutRefused, bound, serves
 from .identity import Identity
@@ -794,7 +794,7 @@ def _copy_into(data: Any, header: segments.Header, dests: dict[str, np.ndarray])
 def _blame(kind: str, key: bytes) -> Iterator[None]:
     """A failure in the block that is the record's or its file's becomes a BlobError naming
     the record (``err.record``): the one way a restore says a record's bytes are bad
-    (``errors.names_record``). Anything else passes as it is: an OSError ``files`` leaves
+    (``disk_errors.names_record``). Anything else passes as it is: an OSError ``files`` leaves
     raised (EMFILE, EIO, ENOMEM...), MemoryError, RuntimeError (a thread that cannot start,
     an MLX allocation refused) is about the process or the system, not this record."""
     try:
@@ -924,5 +924,5 @@ def _commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: segments.PackWrit
         t.unlink_after_commit(w.path)
     t.put_entry(job.key, rec, job.tokens)
     if w.size:
-        written.count(t, w.size)
+        bytes_written.count(t, w.size)
     return Commit.OK

@@ -7,7 +7,7 @@ thread; one that builds on chunks held here is filed in the disk tier first and 
 from there, so the next request is a disk hit. After an entry is committed to disk the
 writer thread hands it to the publisher (``publish``). Nothing on the request path writes
 to Redis; a shared-tier failure of any kind is a counted miss; only an error naming a
-value's own bytes drops it from the shared tier (``errors.names_record``).
+value's own bytes drops it from the shared tier (``disk_errors.names_record``).
 """
 
 from __future__ import annotations

@@ -290,7 +290,7 @@ class KVStore:
             return None
 
     def _restore(self, ident: Identity, plan: Plan) -> Restored | Failure:
-        """Read ``plan`` from disk, or say why not (``errors.Failure``: DAMAGED, dropped or
+        """Read ``plan`` from disk, or say why not (``disk_errors.Failure``: DAMAGED, dropped or
         raced; UNREADABLE, I/O or resources, kept; REFUSED, a cut its layout refuses, kept)."""
         try:
             return self.disk.restore(plan, ident)  # type: ignore[union-attr]

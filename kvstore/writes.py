@@ -8,7 +8,7 @@ write policy and the daily budget), then the disk budget is kept. Whatever leave
 (eviction by the limits, memory pressure, a discard) is written first if it never was; what
 is lost instead (a skip, a full queue, a cache that cannot be stored) is remembered
 (``misses.Ghosts``) so a later miss can say why. Disk failures cost at most a miss
-(``errors.DiskErrors``). Hits are credited to their disk entries in batches, here too.
+(``disk_errors.DiskErrors``). Hits are credited to their disk entries in batches, here too.
 """
 
 from __future__ import annotations

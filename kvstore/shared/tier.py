@@ -84,7 +84,7 @@ from ..keys import TOKEN_BYTES, boundaries, chunk_key, common_tokens, entry_key,
 from ..records import ChunkRecord, EntryRecord, Segment
 from ..writer import Writer
 from . import signing
-from . import values as V
+from . import values
 from .bulk import Bulk, Tally
 from .client import SharedClient
 from .cost import Link, PrefillRates
@@ -183,7 +183,7 @@ class SharedTier:
         self._stop_at: float | None = None     # set by close: publishes after it are dropped
 
     def name(self, kind: str, key: bytes, identity: bytes) -> str:
-        return V.name(self.prefix, kind, key, identity)
+        return values.name(self.prefix, kind, key, identity)
 
     # -- lookup ------------------------------------------------------------------------
 
@@ -298,16 +298,16 @@ class SharedTier:
         that leaves the query inside it: 0 < m < C shared tokens, trimmed to k*C + m."""
         n_q, after = len(tokens) // TOKEN_BYTES, tokens[k * C * TOKEN_BYTES :]
         try:
-            if V.is_chunk_field(fname):
+            if values.is_chunk_field(fname):
                 if k != chain:
                     return None
-                cf = V.parse_chunk_field(fname, fvalue, C)
+                cf = values.parse_chunk_field(fname, fvalue, C)
                 if chunk_key(bounds[k], cf.tokens) != cf.key:
-                    raise V.ValueFormatError("chunk field's key does not follow from its token ids")
+                    raise values.ValueFormatError("chunk field's key does not follow from its token ids")
                 m = common_tokens(cf.tokens, after)
                 return _Candidate(serves((k + 1) * C, k * C + m, n_q) or 0, k, cf.key, trim=True) if 0 < m < C else None
-            f = V.parse_field(fname, fvalue, C)
-        except V.ValueFormatError:
+            f = values.parse_field(fname, fvalue, C)
+        except values.ValueFormatError:
             self._count("bad_fields")
             return None
         m, r = common_tokens(f.residual, after), len(f.residual) // TOKEN_BYTES
@@ -326,7 +326,7 @@ class SharedTier:
         if best.key is not None:
             names.append(self.name("chunk" if best.trim else "entry", best.key, identity))
         t0, tally = time.monotonic(), Tally()
-        got = self.bulk.read_values(names, self.max_value_bytes, until, V.segment_offset, tally)
+        got = self.bulk.read_values(names, self.max_value_bytes, until, values.segment_offset, tally)
         if got is None:
             self._late(until, t0, moving, tally.n)
             return None
@@ -374,12 +374,12 @@ class SharedTier:
         if not self._present(data):
             return None
         try:
-            v = V.parse_chunk(*self._unseal(name, data))
+            v = values.parse_chunk(*self._unseal(name, data))
             rec = v.record
             if not isinstance(rec, ChunkRecord) or rec.identity != identity or rec.parent != parent \
                     or rec.n != C or (want is not None and v.tokens != want) or chunk_key(parent, v.tokens) != key:
-                raise V.ValueFormatError("chunk is not the one asked for (identity, parent or token ids)")
-        except V.ValueFormatError as e:
+                raise values.ValueFormatError("chunk is not the one asked for (identity, parent or token ids)")
+        except values.ValueFormatError as e:
             self._reject(name, data, e)
             return None
         return key, rec, v.tokens, v.segment
@@ -411,19 +411,19 @@ class SharedTier:
         if not self._present(data):
             return None
         try:
-            v = V.parse_entry(*self._unseal(name, data))
+            v = values.parse_entry(*self._unseal(name, data))
             rec = v.record
             if not isinstance(rec, EntryRecord) or rec.identity != identity or rec.chunk != C \
                     or rec.chunked != best.chunked:
-                raise V.ValueFormatError("entry of another identity or chunk size, or not as filed")
+                raise values.ValueFormatError("entry of another identity or chunk size, or not as filed")
             eb = boundaries(bounds[0], v.tokens, C)
             if key_of(bounds[0], v.tokens, C) != best.key or rec.boundary != eb[-1] \
                     or len(eb) - 1 != best.k or eb[-1] != bounds[best.k] \
                     or rec.chunks != (tuple(eb[1:]) if rec.chunked else ()):
-                raise V.ValueFormatError("entry keys do not follow from its token ids")
+                raise values.ValueFormatError("entry keys do not follow from its token ids")
             if v.tokens[: best.k * C * TOKEN_BYTES] != tokens[: best.k * C * TOKEN_BYTES]:
-                raise V.ValueFormatError("entry token ids differ from the query's before its boundary")
-        except V.ValueFormatError as e:
+                raise values.ValueFormatError("entry token ids differ from the query's before its boundary")
+        except values.ValueFormatError as e:
             self._reject(name, data, e)
             return None
         n_q, m = len(tokens) // TOKEN_BYTES, common_tokens(v.tokens, tokens)
@@ -459,7 +459,7 @@ class SharedTier:
         later publish of the value writes the field again)."""
         assert best.key is not None
         hname = self.name("bounds", boundary, identity)
-        field = V.chunk_field_name(best.key) if best.trim else best.key.hex()
+        field = values.chunk_field_name(best.key) if best.trim else best.key.hex()
 
         def drop() -> None:
             self.pub.run(lambda r: r.hdel(hname, field))
@@ -522,7 +522,7 @@ class SharedTier:
                 tail = item.read(rec.tail) if rec.tail is not None else b""
                 clean = EntryRecord(rec.identity, rec.n, rec.chunk, rec.chunked, rec.trimmable, rec.boundary,
                                     rec.chunks, rec.tail, rec.cache_type, rec.created, rec.created)
-                parts = signing.seal(self.secret, ename, V.entry_parts(clean, item.tokens, tail, now))
+                parts = signing.seal(self.secret, ename, values.entry_parts(clean, item.tokens, tail, now))
                 wrote = self.pub.write_values([(ename, parts)], until=until)
                 if not wrote or not wrote[0]:
                     return self._published(False)
@@ -545,8 +545,8 @@ class SharedTier:
         if self._server_limit:
             limit = min(limit, self._server_limit)
         rec = item.record
-        sizes = [V.FRAME.size + len(c.to_bytes()) + len(t) + c.segment.length for _, c, t in item.chunks]
-        sizes.append(V.FRAME.size + len(rec.to_bytes()) + len(item.tokens) + (rec.tail.length if rec.tail else 0))
+        sizes = [values.FRAME.size + len(c.to_bytes()) + len(t) + c.segment.length for _, c, t in item.chunks]
+        sizes.append(values.FRAME.size + len(rec.to_bytes()) + len(item.tokens) + (rec.tail.length if rec.tail else 0))
         return max(sizes) + (signing.TAG_BYTES if self.secret else 0) > limit
 
     def _put_chunks(self, missing: list[tuple[str, tuple[bytes, ChunkRecord, bytes]]],
@@ -555,7 +555,7 @@ class SharedTier:
         batch: list[tuple[str, list[bytes]]] = []
         size = 0
         for i, (cname, (_ck, crec, toks)) in enumerate(missing):
-            value = signing.seal(self.secret, cname, V.chunk_parts(crec.with_refs(1), toks, read(crec.segment), now))
+            value = signing.seal(self.secret, cname, values.chunk_parts(crec.with_refs(1), toks, read(crec.segment), now))
             batch.append((cname, value))
             size += sum(len(p) for p in value)
             if size >= PUBLISH_BATCH_BYTES or i == len(missing) - 1:
@@ -615,10 +615,10 @@ def _fields(prefix: str, item: PublishItem) -> list[tuple[str, str, bytes]]:
     """(hash name, field, value) of every field an entry publishes: each of its chunks
     under its parent boundary (token ids), then the entry under its boundary."""
     ident, rec = item.identity, item.record
-    out = [(V.name(prefix, "bounds", crec.parent, ident), V.chunk_field_name(ck), toks)
+    out = [(values.name(prefix, "bounds", crec.parent, ident), values.chunk_field_name(ck), toks)
            for ck, crec, toks in item.chunks]
-    out.append((V.name(prefix, "bounds", rec.boundary, ident), item.key.hex(),
-                V.field_value(rec, residual(item.tokens, rec.chunk))))
+    out.append((values.name(prefix, "bounds", rec.boundary, ident), item.key.hex(),
+                values.field_value(rec, residual(item.tokens, rec.chunk))))
     return out
 
 
