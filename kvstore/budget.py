@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from .index import Snapshot, scan
+from .index import IndexRecords, scan
 from .records import EntryRecord
 
 if TYPE_CHECKING:  # the budget needs no MLX; DiskTier is only a type here
@@ -41,7 +41,7 @@ class Sim:
     records themselves (not from counters a damaged record may have let drift), without
     removing anything (dry runs, and the size of each real batch)."""
 
-    def __init__(self, snap: Snapshot) -> None:
+    def __init__(self, snap: IndexRecords) -> None:
         self.total = max(snap.meta_bytes, 0)
         self.refs: dict[bytes, int] = {}
         for r in snap.entries.values():
@@ -136,7 +136,7 @@ def victims(sim: Sim, order: list[tuple[bytes, EntryRecord]], excess: int) -> li
 
 
 def evict_to(disk: DiskTier, max_bytes: int, *, dry_run: bool = False,
-             snap: Snapshot | None = None, sim: Sim | None = None) -> list[Removed]:
+             snap: IndexRecords | None = None, sim: Sim | None = None) -> list[Removed]:
     """Drop entries (see ``victims`` for the order) until the pack files fit
     ``max_bytes``, a batch per transaction; ``dry_run`` only counts. Returns what went."""
     if not dry_run and snap is None and disk.index.total_bytes() <= max_bytes:

@@ -1,7 +1,7 @@
 """The disk tier: pack files under ``blobs/``, named by the LMDB index under ``index/``.
 
 Trimmable KV (every layer KVCache / QuantizedKVCache) is cut into fixed token chunks keyed
-by the chained hash, so a shared prefix is stored once and a conversation that grows by a
+by the chained hash, so a common prefix is stored once and a conversation that grows by a
 turn writes only its new chunks, plus an exact tail for the last partial chunk. Everything
 else (RotatingKVCache, ArraysCache, mixed layouts) is one snapshot taken at exactly the
 prefix boundary. One persist writes one pack file holding all its new segments.
@@ -225,7 +225,7 @@ class DiskTier:
     def persist(self, job: PersistJob) -> int:
         """Write a job's new segments into one pack file and commit its entry in one
         transaction; returns the pack bytes written (0 if the entry already existed).
-        Chunks already indexed are shared, not written. Raises OSError on a failed write
+        Chunks already indexed are reused, not written. Raises OSError on a failed write
         (nothing is indexed then, and the pack file is removed)."""
         C = self.chunk
         bounds = job.chained(C).bounds
@@ -437,14 +437,14 @@ def _plan(r: Reader, ident: Identity, enc: bytes, bounds: list[bytes], C: int,
         if best is not None and best.n >= (k + 1) * C:
             break  # everything filed at boundary k or above holds fewer tokens
         after = enc[k * C * TOKEN_BYTES : (k + 1) * C * TOKEN_BYTES]
-        for child, kind, shared, exact in r.edges(bounds[k], after):
-            top = bound(k * C + shared, n_q, exact)
+        for child, kind, in_common, exact in r.edges(bounds[k], after):
+            top = bound(k * C + in_common, n_q, exact)
             if best is not None and top <= best.n:
                 break  # what follows shares no more (trie.edges), so it cannot do better
             got = None if child in skip else _candidate(r, ident, enc, bounds[k], k, child, kind, chain, C,
                                                         best.n if best else 0, near)
             if child in skip and near is not None:
-                near.refused(k * C + shared)
+                near.refused(k * C + in_common)
             if got is not None and (best is None or got.n > best.n):
                 best = got
     return best
@@ -890,7 +890,7 @@ def _commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: segments.PackWrit
         return Commit.EXISTS
     if w.size and not w.still_there():
         return Commit.RETRY
-    shared: dict[bytes, ChunkRecord] = {}
+    reused: dict[bytes, ChunkRecord] = {}
     for ck in have:
         try:
             got = t.chunk(ck)
@@ -898,7 +898,7 @@ def _commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: segments.PackWrit
             got = None  # unreadable now: write it ourselves (the record is overwritten)
         if got is None:
             return Commit.RETRY
-        shared[ck] = got
+        reused[ck] = got
     segments, live = 0, 0
     for ck, (crec, toks) in new.items():
         try:
@@ -914,7 +914,7 @@ def _commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: segments.PackWrit
         else:
             t.put_chunk(ck, crec, toks)
             segments, live = segments + 1, live + crec.segment.length
-    for ck, old in shared.items():
+    for ck, old in reused.items():
         t.set_chunk(ck, old.with_refs(old.refs + 1))
     if rec.tail is not None:
         segments, live = segments + 1, live + rec.tail.length

@@ -9,8 +9,8 @@ in one transaction; ``errors`` names the errors its operations raise.
 
 from .core import CORRUPTION, Index, IndexOpenError, chunk_size
 from .errors import DAMAGE, IndexFailure
-from .scan import Snapshot, scan
+from .scan import IndexRecords, scan
 from .txn import DBS, Reader, WriteTxn
 
-__all__ = ["chunk_size", "CORRUPTION", "DAMAGE", "DBS", "Index", "IndexFailure", "IndexOpenError", "Reader", "Snapshot", "WriteTxn",
+__all__ = ["chunk_size", "CORRUPTION", "DAMAGE", "DBS", "Index", "IndexFailure", "IndexOpenError", "Reader", "IndexRecords", "WriteTxn",
            "scan"]

@@ -15,7 +15,7 @@ from .txn import Reader
 
 
 @dataclass
-class Snapshot:
+class IndexRecords:
     """Every record of the index at one moment. ``None`` stands for a record kvstore did
     not write (unreadable); ``meta_bytes`` is -1 when the byte counter is unreadable."""
 
@@ -63,14 +63,14 @@ def _items(r: Reader, name: str) -> list[tuple[bytes, bytes]]:
     return out
 
 
-def scan(index: Index, *, full: bool = True, check: bool = False) -> Snapshot:
+def scan(index: Index, *, full: bool = True, check: bool = False) -> IndexRecords:
     """All records in one read transaction; ``full=False`` skips token ids and trie edges
     (what budgets and listings need). ``check``: walk the pages first
     (``pages.check_pages``), so a damaged index is a CorruptedError rather than an abort
     inside LMDB."""
     psize = index.env.stat()["psize"]
 
-    def run(r: Reader) -> Snapshot:
+    def run(r: Reader) -> IndexRecords:
         if check:
             check_pages(index.path / "data.mdb", psize, r.txn)
         tokens: dict[bytes, bytes] = {}
@@ -86,7 +86,7 @@ def scan(index: Index, *, full: bool = True, check: bool = False) -> Snapshot:
             meta_bytes = int(mb) if mb else 0
         except ValueError:
             meta_bytes = -1
-        return Snapshot({k: _parsed("entries", v) for k, v in _items(r, "entries")},
+        return IndexRecords({k: _parsed("entries", v) for k, v in _items(r, "entries")},
                         {k: _parsed("chunks", v) for k, v in _items(r, "chunks")},
                         {k: _parsed("packs", v) for k, v in _items(r, "packs")},
                         tokens, bounds, idents, meta_bytes)

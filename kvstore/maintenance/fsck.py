@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 
 from .. import files, segments
-from ..index import DBS, Index, Snapshot, WriteTxn, scan
+from ..index import DBS, Index, IndexRecords, WriteTxn, scan
 from ..index.core import aside_name
 from ..index.pages import walk_all
 from ..index.trie import chunk_edges, entry_edges
@@ -216,7 +216,7 @@ def chunk_mismatch(key: bytes, rec: ChunkRecord, toks: bytes | None) -> str | No
     return None
 
 
-def _entry_problems(snap: Snapshot, segs: SegmentCheck, chunk: int) -> list[Problem]:
+def _entry_problems(snap: IndexRecords, segs: SegmentCheck, chunk: int) -> list[Problem]:
     out = []
     edges = {edge: v for _, _, v, edge in snap.bounds}
     for key, rec in snap.entries.items():
@@ -242,7 +242,7 @@ def _entry_problems(snap: Snapshot, segs: SegmentCheck, chunk: int) -> list[Prob
     return out
 
 
-def _chunk_problems(snap: Snapshot, segs: SegmentCheck) -> list[Problem]:
+def _chunk_problems(snap: IndexRecords, segs: SegmentCheck) -> list[Problem]:
     out = []
     edges = {edge: v for _, _, v, edge in snap.bounds}
     refs = _refcounts(snap.entries.values())
@@ -270,7 +270,7 @@ def _chunk_problems(snap: Snapshot, segs: SegmentCheck) -> list[Problem]:
     return out
 
 
-def _pack_problems(snap: Snapshot) -> list[Problem]:
+def _pack_problems(snap: IndexRecords) -> list[Problem]:
     out = []
     use = snap.pack_use()
     for pack, rec in snap.packs.items():
@@ -285,7 +285,7 @@ def _pack_problems(snap: Snapshot) -> list[Problem]:
     return out
 
 
-def _edge_problems(snap: Snapshot, bad: set[bytes]) -> list[Problem]:
+def _edge_problems(snap: IndexRecords, bad: set[bytes]) -> list[Problem]:
     """Edges leading nowhere or not where their record says; a bad record's own edges
     are part of it (reported with it, removed with it)."""
     out = []
@@ -304,7 +304,7 @@ def _edge_problems(snap: Snapshot, bad: set[bytes]) -> list[Problem]:
     return out
 
 
-def _count_problems(snap: Snapshot) -> list[Problem]:
+def _count_problems(snap: IndexRecords) -> list[Problem]:
     out = [Problem("orphan_tokens", k.hex(), None, "token ids of no entry or chunk", "tokens")
            for k in snap.tokens if k not in snap.entries and k not in snap.chunks]
     counted = sum(r.size for r in snap.packs.values() if r)
@@ -314,7 +314,7 @@ def _count_problems(snap: Snapshot) -> list[Problem]:
     return out
 
 
-def _file_problems(disk: DiskTier, snap: Snapshot, own: list[files.OwnFile], foreign: list[Path],
+def _file_problems(disk: DiskTier, snap: IndexRecords, own: list[files.OwnFile], foreign: list[Path],
                    blob_age: float, now: float) -> list[Problem]:
     out = []
     for f in own:
@@ -348,7 +348,7 @@ def _refcounts(entries: Any) -> dict[bytes, int]:
 # ----------------------------------------------------------------------------- repairs
 
 
-def _fix(disk: DiskTier, problems: list[Problem], snap: Snapshot, blob_age: float) -> None:
+def _fix(disk: DiskTier, problems: list[Problem], snap: IndexRecords, blob_age: float) -> None:
     broken = {(p.record, p.key) for p in problems if p.record in ("entry", "chunk", "pack")
               and p.kind in BLOB_KINDS + ("bad_record", "missing_chunk")}
     if broken:
@@ -366,7 +366,7 @@ def _fix(disk: DiskTier, problems: list[Problem], snap: Snapshot, blob_age: floa
                 p.fixed = True
 
 
-def _drop_broken(t: WriteTxn, snap: Snapshot, broken: set[tuple[str, str | None]]) -> set[tuple[str, str]]:
+def _drop_broken(t: WriteTxn, snap: IndexRecords, broken: set[tuple[str, str | None]]) -> set[tuple[str, str]]:
     """Remove the broken records that are still as scanned, and every entry built on a
     broken chunk. Returns the (record, key hex) removed, here or by another process since
     the scan (a reader that met the same damage drops what it read)."""
