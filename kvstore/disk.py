@@ -160,9 +160,12 @@ class DiskTier:
         are passed over, and so are the entries in ``skip`` (a cut a restore refused).
         A ``Query`` brings its chain (hashed once for every tier); ``near`` is told the
         stored entries the walk compared (``misses.Near``: why a query was not served further)."""
-        q = tokens if isinstance(tokens, Query) and tokens.chunk == self.chunk and tokens.digest == ident.digest \
-            else Query(tokens.enc if isinstance(tokens, Query) else tokens if isinstance(tokens, bytes)
-                       else encode_tokens(tokens), ident.digest, self.chunk)
+        if not isinstance(tokens, Query):
+            enc = tokens if isinstance(tokens, bytes) else encode_tokens(tokens)
+            tokens = Query(enc, ident.digest, self.chunk)
+        q = tokens
+        if (q.chunk, q.digest) != (self.chunk, ident.digest):
+            q = Query(q.enc, ident.digest, self.chunk)
         return self.index.view(lambda r: _plan(r, ident, q.enc, q.bounds, self.chunk, skip, near))
 
     # -- restore -----------------------------------------------------------------------
