@@ -16,8 +16,10 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
+from ..misses import log_line
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..salt import Salt, salt_of
 from ..floors import MIN_DISK_HIT
@@ -68,6 +70,8 @@ class LRUPromptCache:
             persist=persist, max_write_bytes_per_day=max_write_bytes_per_day, memory_floor=memory_floor,
             min_disk_hit=min_disk_hit,
         )
+        # token ids -> text, for a miss's log line (``kvstore serve`` sets the model's tokenizer)
+        self.decode: Callable[[list[int]], str] | None = None
 
     @property
     def max_size(self) -> int:
@@ -99,11 +103,16 @@ class LRUPromptCache:
                             salt: Salt | None = None) -> tuple[list[Any] | None, list[int]]:
         """(cache or None, the tokens still to process): exact, longer-trimmed or shorter
         hit from memory, else the longest stored prefix on disk. A restore from disk or
-        the shared tier is logged (``log_restore``)."""
+        the shared tier is logged (``log_restore``), and so is a miss that recomputed
+        at least ``store.misses.threshold`` tokens a stored prefix held (``misses.log_line``,
+        its text decoded with ``decode`` when set)."""
         t0 = time.perf_counter()
         got = self.store.fetch(model, tokens, salt=salt if salt is not None else salt_of(tokens))
         if got.source in ("disk", "shared"):
             log_restore(got.n, len(tokens), got.source, time.perf_counter() - t0)
+        miss, misses = getattr(got, "miss", None), getattr(self.store, "misses", None)  # TODO(merge): typed
+        if miss is not None and misses is not None and misses.worth_logging(miss):
+            log.info(log_line(miss, tokens, self.decode))
         return got.cache, tokens[got.n :]
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
