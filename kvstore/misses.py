@@ -79,9 +79,10 @@ STATS_PREFIX = "miss_"  # flat stats keys: ``miss_<reason>`` counts, ``miss_lost
 
 class Misses:
     """A process's record of its misses (``record``), safe to use from any thread: a count
-    per reason, the tokens they cost (a sum and a histogram), and the last ``recent`` as
-    ``Miss.as_stats`` (no token ids). ``threshold``: the fewest lost tokens a miss must
-    cost for ``worth_logging`` (what an adapter with a tokenizer logs: ``log_line``)."""
+    per reason, the tokens they cost (a sum and a histogram), and the last ``recent`` of
+    those worth a log line as ``Miss.as_stats`` (no token ids). ``threshold``: the fewest
+    lost tokens a miss must cost for ``worth_logging`` (what an adapter with a tokenizer
+    logs: ``log_line``; smaller misses are counted, not listed)."""
 
     def __init__(self, threshold: int = LOG_THRESHOLD, recent: int = RECENT) -> None:
         self.threshold = threshold
@@ -93,12 +94,14 @@ class Misses:
 
     def record(self, miss: Miss) -> bool:
         """Count ``miss``; True when it is worth a log line (``worth_logging``)."""
+        worth = self.worth_logging(miss)
         with self._lock:
             self._counts[miss.reason] = self._counts.get(miss.reason, 0) + 1
             self._lost += miss.lost
-            self._recent.append({"time": round(time.time(), 3), **miss.as_stats()})
+            if worth:
+                self._recent.append({"time": round(time.time(), 3), **miss.as_stats()})
         self._hist.observe(miss.lost)
-        return self.worth_logging(miss)
+        return worth
 
     def worth_logging(self, miss: Miss) -> bool:
         return miss.lost >= self.threshold
@@ -107,7 +110,7 @@ class Misses:
         """Flat keys for ``KVStore.stats()``: ``miss_<reason>`` for every reason (0 when
         none), ``miss_lost_tokens`` (their sum), ``miss_lost_tokens_histogram``
         (``counters.Durations.snapshot``'s shape, ``le`` in tokens), ``miss_log_threshold``
-        and ``recent_misses`` (oldest first)."""
+        and ``recent_misses`` (those worth a log line, oldest first)."""
         with self._lock:
             out: dict[str, object] = {f"{STATS_PREFIX}{r}": n for r, n in self._counts.items()}
             out[f"{STATS_PREFIX}lost_tokens"] = self._lost

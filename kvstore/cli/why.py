@@ -179,7 +179,7 @@ def _verdict(args: argparse.Namespace, ident: Any, request: list[int], own: Near
         at, stored = best_other["shared_tokens"], best_other["shared_tokens"]
     elif own is not None and own.cut_refused:
         reason = misses.CUT_REFUSED
-    elif own is not None and at < min(stored, n):
+    elif own is not None and 0 < at < min(stored, n):
         reason = misses.DIVERGED
     out: dict[str, Any] = {
         "cache_dir": root, "model": {"name": ident.name, "path": ident.info.get("path"), "identity": ident.hex},
@@ -220,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
               f"the nearest shares {o['shared_tokens']} tokens")
     reason = info["reason"]
     if reason is None:
-        why = "the store serves all it holds of this request" if near else "nothing stored to serve it"
+        why = ("the store serves all it holds of this request" if info["serves"] else
+               "nothing stored shares a prefix with this request")
     else:
         why = f"{reason}: {misses.SAID[reason]}{' (' + info['detail'] + ')' if info['detail'] else ''}"
     print(f"why         {why}")
