@@ -272,3 +272,157 @@ def test_sort_tools_makes_reordered_tools_hit(tmp_path, sort) -> None:
     else:
         assert hit2 < n - 200 and ahit2 < a - 200, (hit2, ahit2, n, a)
     json.dumps(stats)
+
+
+# -- each reason produced for real, seen in the log, the stats and kvstore why ------------------
+
+
+def served_request(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` as ``kvstore why`` reads it (the file a user saves from a client's request)."""
+    return {k: v for k, v in body.items() if k not in ("max_tokens", "temperature")} if path == "/v1/chat/completions" \
+        else body
+
+
+def miss_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if "kvstore: miss (" in line]
+
+
+@pytest.fixture
+def tool_model(tmp_path) -> Path:
+    """tiny-llama with the tool-rendering chat template in its own directory (a copy whose
+    template a test may change)."""
+    from benchmarks.agent_session import with_tool_template
+    from tools.models import model_path
+
+    return with_tool_template(model_path("tiny-llama"), tmp_path / "model")
+
+
+def test_reasons_for_real_date_uuid_tools_billing_header_and_template(tmp_path, tool_model) -> None:
+    """One server, a base request and one change each: a date, a session UUID, the tools'
+    order, a per-request header in the first system block (kept: --keep-billing-header).
+    Each is a ``diverged`` miss at the token where the change starts, in the log (with the
+    escaped text either side), in ``/v1/cache/stats`` and ``/metrics``, and in ``kvstore
+    why``. Then the chat template changes (a new identity): ``other_identity``, and ``why``
+    names the component."""
+    from mlx_lm.utils import load_tokenizer
+
+    from kvstore.adapters.prompts import request_tokens
+    from tests.support.servers import Server
+
+    tokenizer = load_tokenizer(tool_model)
+    esc = "\x1b[1m"  # a control character just before the date: the log shows it escaped
+    base_sys = system(date=esc + DATE)
+    billing = "x-anthropic-billing-header: cc_version=2.0.1; cch={};"
+    changes = {
+        "date": ("/v1/chat/completions", openai_body(system(date=esc + DATE2), openai_tools())),
+        "uuid": ("/v1/chat/completions", openai_body(system(uuid=UUID2, date=esc + DATE), openai_tools())),
+        "tools": ("/v1/chat/completions", openai_body(base_sys, openai_tools(TOOL_NAMES[::-1]))),
+        "billing": ("/v1/messages", dict(anthropic_body(base_sys), system=[
+            {"type": "text", "text": billing.format("0b1c2")}, {"type": "text", "text": base_sys}])),
+    }
+    bases = [("/v1/chat/completions", openai_body(base_sys, openai_tools())),
+             ("/v1/messages", dict(anthropic_body(base_sys), system=[
+                 {"type": "text", "text": billing.format("9f8e7")}, {"type": "text", "text": base_sys}]))]
+    base_tokens = {path: request_tokens(tokenizer, body, keep_billing_header=True) for path, body in bases}
+    expected = {}
+    for name, (path, body) in changes.items():
+        toks = request_tokens(tokenizer, body, keep_billing_header=True)
+        expected[name] = first_difference(toks, base_tokens[path])
+        assert 300 < len(toks) - expected[name], (name, expected[name], len(toks))  # worth a log line
+    cache = tmp_path / "cache"
+    extra = ["--keep-billing-header"]
+    with Server(tool_model, cache, tmp_path / "server1.log", extra) as s:
+        for path, body in bases:
+            s.post(path, body)
+        s.wait_flushed()
+        for name, (path, body) in changes.items():
+            s.post(path, body)
+            s.wait_flushed()
+        stats = s.stats()
+        metrics_text = urlread(s.url + "/metrics")
+        log = s.log(1 << 30)
+    assert stats["miss_diverged"] == len(changes), {k: v for k, v in stats.items() if k.startswith("miss")}
+    listed = [m for m in stats["recent_misses"] if m["reason"] == "diverged"]
+    assert [m["diverged_at"] for m in listed] == list(expected.values()), (listed, expected)
+    assert not any("after" in m or "text" in m for m in listed)
+    lines = miss_lines(log)
+    assert len(lines) == len(changes), log[-4000:]
+    for line, at in zip(lines, expected.values()):
+        assert "miss (diverged)" in line and f"at token {at:,}" in line, line
+    assert "\x1b" not in log and "\\x1b[1m" in lines[0], lines[0]  # the date's line: escaped
+    assert 'kvstore_miss_reasons_total{reason="diverged"} 4.0' in metrics_text
+    assert "kvstore_miss_lost_tokens_count 4.0" in metrics_text
+    for name, (path, body) in changes.items():  # kvstore why, offline, on the same directory
+        (tmp_path / f"{name}.json").write_text(json.dumps(served_request(path, body)))
+        got = why(tmp_path / f"{name}.json", {"model": tool_model, "dir": cache}, "--keep-billing-header")
+        assert got["reason"] == "diverged" and got["nearest"]["diverges_at"] == expected[name], (name, got)
+
+    # the chat template changes: the same prompt, another identity
+    template = json.loads((tool_model / "tokenizer_config.json").read_text())["chat_template"]
+    (tool_model / "chat_template.jinja").write_text("{# v2 #}" + template)
+    path, body = bases[0]
+    with Server(tool_model, cache, tmp_path / "server2.log", extra) as s:
+        s.post(path, body)
+        stats = s.stats()
+        log = s.log(1 << 30)
+    assert stats["miss_other_identity"] == 1, {k: v for k, v in stats.items() if k.startswith("miss")}
+    [m] = [m for m in stats["recent_misses"] if m["reason"] == "other_identity"]
+    assert "chat_template" in m["detail"] and m["served_tokens"] == 0
+    assert any("miss (other_identity" in line for line in miss_lines(log)), log[-3000:]
+    (tmp_path / "base.json").write_text(json.dumps(served_request(path, body)))
+    got = why(tmp_path / "base.json", {"model": tool_model, "dir": cache})
+    assert got["reason"] == "other_identity" and "chat_template" in got["detail"]
+    assert got["other_identities"][0]["differs"] == ["chat_template"]
+
+
+def urlread(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def test_reason_evicted_unwritten(tmp_path) -> None:
+    """--persist reused keeps a one-shot prompt off the disk; a memory tier of one entry
+    drops it at the next request: asked again, it is a miss the store can name."""
+    from tests.support.servers import Server
+    from tools.models import model_path
+
+    a, b = openai_body(system()), openai_body(system(uuid=UUID2, date=DATE2) + " Another session.")
+    a["messages"] = a["messages"][1:]  # no system segment: the whole prompt is one entry
+    a["messages"][0]["content"] = system() + " " + a["messages"][0]["content"]
+    b["messages"] = [{"role": "user", "content": "Something else entirely. " + RULES}]
+    extra = ["--persist", "reused", "--prompt-cache-size", "1"]
+    with Server(model_path("tiny-llama"), tmp_path / "cache", tmp_path / "server.log", extra) as s:
+        n, _ = cached(s.post("/v1/chat/completions", a))
+        s.post("/v1/chat/completions", b)
+        _, hit = cached(s.post("/v1/chat/completions", a))
+        stats = s.stats()
+        log = s.log(1 << 30)
+    assert hit == 0 and stats["miss_evicted_unwritten"] >= 1, {k: v for k, v in stats.items() if "miss" in k}
+    [m] = [m for m in stats["recent_misses"] if m["reason"] == "evicted_unwritten"]
+    assert m["stored_tokens"] >= n - 16 and m["served_tokens"] == 0
+    assert any("miss (evicted_unwritten" in line for line in miss_lines(log)), log[-3000:]
+
+
+def test_reason_cut_refused(tmp_path) -> None:
+    """tiny-gemma3's sliding-window layers (a RotatingKVCache of 32 tokens) cannot be cut
+    back once they wrapped: a prompt parting from a stored one at token ~400 is a miss
+    because of the cut, not the divergence."""
+    from tests.support.servers import Server
+    from tools.models import model_path
+
+    text = RULES * 2
+    a = {"messages": [{"role": "user", "content": text[:700]}], "max_tokens": 2, "temperature": 0}
+    b = {"messages": [{"role": "user", "content": text[:400] + " and now something else " + text[500:700]}],
+         "max_tokens": 2, "temperature": 0}
+    with Server(model_path("tiny-gemma3"), tmp_path / "cache", tmp_path / "server.log") as s:
+        s.post("/v1/chat/completions", a)
+        s.wait_flushed()
+        _, hit = cached(s.post("/v1/chat/completions", b))
+        stats = s.stats()
+        log = s.log(1 << 30)
+    assert stats["miss_cut_refused"] >= 1, {k: v for k, v in stats.items() if "miss" in k}
+    [m] = [m for m in stats["recent_misses"] if m["reason"] == "cut_refused"][-1:]
+    assert m["served_tokens"] == hit and m["diverged_at"] >= 300
+    assert any("miss (cut_refused" in line for line in miss_lines(log)), log[-3000:]

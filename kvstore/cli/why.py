@@ -108,7 +108,8 @@ def _differs(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
 
 def collect(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``why`` prints, as plain data (what --json prints)."""
-    from ..identity import model_identity
+    from ..cachedir import MEMO
+    from ..identity import DigestMemo, model_identity
     from ..index import scan
     from ..store import local_model_dir
     from ..adapters.prompts import request_tokens
@@ -141,7 +142,9 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
                                  chat_template_args=args.chat_template_args)
     except ValueError as e:
         raise common.CLIError(f"cannot render the request: {e}") from None
-    ident = model_identity(model, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
+    # the digests the servers of this directory remembered: the weights are not read again
+    memo = DigestMemo(common.cache_dir(args) / MEMO, write=False)
+    ident = model_identity(model, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, memo=memo)
     decode = readable(lambda ids: str(tokenizer.decode(ids)))
     path = ident.info.get("path")
     by_identity: dict[str, list[tuple[bytes, Any, bytes]]] = {}
