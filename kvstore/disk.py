@@ -37,7 +37,9 @@ from .cuts import CutRefused, bound, serves
 from .identity import Identity
 from .layouts import ArraySpec
 from .index import Index, IndexOpenError, Reader, WriteTxn, chunk_size
-from .keys import TOKEN_BYTES, boundaries, chunk_key, encode_tokens, entry_key, root_key
+from .keys import TOKEN_BYTES, chunk_key, encode_tokens, entry_key
+from .misses import Near
+from .query import Query
 from .keys import common_tokens as _common
 from .records import ChunkRecord, EntryRecord, Kind, PackRecord, RecordError, Segment
 from .segments import SegmentMeta, SegmentMismatch
@@ -100,10 +102,18 @@ class PersistJob:
     layout: list
     cache_type: str = "assistant"
     created: float = field(default_factory=time.time)
+    query: Query | None = None  # ``tokens`` as a Query whose chain a caller may have hashed already
 
     @property
     def n(self) -> int:
         return len(self.tokens) // TOKEN_BYTES
+
+    def chained(self, chunk: int) -> Query:
+        """The job's tokens as a ``Query``: their chain is hashed once per job, however
+        many steps of a persist (policy, prefix, write, commit) read it."""
+        if self.query is None or self.query.chunk != chunk:
+            self.query = Query(self.tokens, self.identity.digest, chunk)
+        return self.query
 
 
 LayoutCheck = Callable[[dict[str, ArraySpec], list], "str | None"]
@@ -140,7 +150,8 @@ class DiskTier:
 
     # -- lookup ------------------------------------------------------------------------
 
-    def plan(self, ident: Identity, tokens: list[int] | bytes, skip: frozenset[bytes] = frozenset()) -> Plan | None:
+    def plan(self, ident: Identity, tokens: list[int] | bytes | Query, skip: frozenset[bytes] = frozenset(),
+             near: Near | None = None) -> Plan | None:
         """The longest reusable stored prefix of ``tokens`` for ``ident``, or None.
 
         One read transaction. First the chain of stored full chunks matching the query is
@@ -148,10 +159,13 @@ class DiskTier:
         that chain are searched for entries (and, at the chain's end, a chunk to trim),
         stopping as soon as nothing shallower can be longer. Each boundary costs a few
         seeks however many children it has (``trie.edges``). Records kvstore did not write
-        are passed over, and so are the entries in ``skip`` (a cut a restore refused)."""
-        enc = tokens if isinstance(tokens, bytes) else encode_tokens(tokens)
-        bounds = boundaries(root_key(ident.digest), enc, self.chunk)
-        return self.index.view(lambda r: _plan(r, ident, enc, bounds, self.chunk, skip))
+        are passed over, and so are the entries in ``skip`` (a cut a restore refused).
+        A ``Query`` brings its chain (hashed once for every tier); ``near`` is told the
+        stored entries the walk compared (``misses.Near``: why a query was not served further)."""
+        q = tokens if isinstance(tokens, Query) and tokens.chunk == self.chunk and tokens.digest == ident.digest \
+            else Query(tokens.enc if isinstance(tokens, Query) else tokens if isinstance(tokens, bytes)
+                       else encode_tokens(tokens), ident.digest, self.chunk)
+        return self.index.view(lambda r: _plan(r, ident, q.enc, q.bounds, self.chunk, skip, near))
 
     # -- restore -----------------------------------------------------------------------
 
@@ -220,7 +234,7 @@ class DiskTier:
         from . import codec  # lazy: keeps mlx_lm (3 s) out of CLI start-up
 
         C = self.chunk
-        bounds = boundaries(root_key(job.identity.digest), job.tokens, C)
+        bounds = job.chained(C).bounds
         chunked = codec.is_chunkable(job.layout, job.n)
         K = len(bounds) - 1 if chunked else 0
         held = self.index.view(lambda r: None if r.raw("entries", job.key) else
@@ -413,7 +427,7 @@ def _record(r: Reader, kind: Kind, key: bytes) -> Any:
 
 
 def _plan(r: Reader, ident: Identity, enc: bytes, bounds: list[bytes], C: int,
-          skip: frozenset[bytes] = frozenset()) -> Plan | None:
+          skip: frozenset[bytes] = frozenset(), near: Near | None = None) -> Plan | None:
     n_q = len(enc) // TOKEN_BYTES
     # Full chunks whose stored token ids equal the query's. Their keys chain from the
     # identity's root, so a chunk found under the query's own boundary is this identity's.
@@ -435,14 +449,16 @@ def _plan(r: Reader, ident: Identity, enc: bytes, bounds: list[bytes], C: int,
             if best is not None and top <= best.n:
                 break  # what follows shares no more (trie.edges), so it cannot do better
             got = None if child in skip else _candidate(r, ident, enc, bounds[k], k, child, kind, chain, C,
-                                                        best.n if best else 0)
+                                                        best.n if best else 0, near)
+            if child in skip and near is not None:
+                near.refused(k * C + shared)
             if got is not None and (best is None or got.n > best.n):
                 best = got
     return best
 
 
 def _candidate(r: Reader, ident: Identity, enc: bytes, boundary: bytes, k: int, child: bytes,
-               kind: Kind | None, chain: list[bytes], C: int, beat: int) -> Plan | None:
+               kind: Kind | None, chain: list[bytes], C: int, beat: int, near: Near | None = None) -> Plan | None:
     """What one child of boundary ``k`` can restore for the query if it is more than
     ``beat`` tokens, else None. Chunked pieces need the verified chain up to ``k``; the
     stored token ids decide every length (compared first: the cheap test)."""
@@ -459,6 +475,10 @@ def _candidate(r: Reader, ident: Identity, enc: bytes, boundary: bytes, k: int, 
         if rec is None or rec.identity != ident.digest or rec.n != n_e or (rec.chunked and k > len(chain)):
             return None
         usable = serves(n_e, common, n_q, rec.trimmable)  # the stored layout decides the cut point (restore)
+        if near is not None:
+            near.saw("disk", common, n_e, stored[common * TOKEN_BYTES : (common + 8) * TOKEN_BYTES])
+            if usable is None:
+                near.refused(min(common, n_q - 1))
         if not usable:
             return None
         return Plan(usable, tuple(chain[:k]) if rec.chunked else (), (kind, child), n_e, rec.chunked,
@@ -467,6 +487,8 @@ def _candidate(r: Reader, ident: Identity, enc: bytes, boundary: bytes, k: int, 
         return None
     m = _common(stored, enc[k * C * TOKEN_BYTES :])
     usable = serves((k + 1) * C, k * C + m, n_q, whole=False) or 0
+    if near is not None and m > 0:
+        near.saw("disk", k * C + m, (k + 1) * C, stored[m * TOKEN_BYTES : (m + 8) * TOKEN_BYTES], continues=True)
     if m <= 0 or usable <= beat or not _keyed(boundary, k, child, kind, stored, C):
         return None
     if _record(r, kind, child) is None:

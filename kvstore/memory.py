@@ -28,6 +28,7 @@ from mlx_lm.models.cache import PromptTrie, PromptTrieResult
 
 from . import codec
 from .cuts import serves
+from .misses import Near
 
 ORDERING = ("assistant", "user", "system")
 
@@ -156,28 +157,38 @@ class MemoryTier:
         return {k: {"n_sequences": len(self._lrus[k]), "n_bytes": self._bytes_by_type[k]}
                 for k in ORDERING}
 
-    def _find(self, model: Hashable, tokens: list[int]) -> list[tuple[Snapshot, list[int], int]]:
+    def _find(self, model: Hashable, tokens: list[int], near: Near | None = None) -> list[tuple[Snapshot, list[int], int]]:
         """Candidates by mlx-lm's ``fetch_nearest_cache`` rules, best first:
-        (snapshot, the tokens it is stored under, tokens it serves for this query)."""
+        (snapshot, the tokens it is stored under, tokens it serves for this query).
+        ``near`` is told what the search saw (``misses.Near``)."""
         result = self._trie.search(model, tokens)
         if result.exact is not None:
             return [(self._trie.get(model, result.exact), result.exact, len(tokens))]
         out = []
         short = len(result.shorter) if result.shorter is not None else 0
+        if near is not None and short:
+            near.saw("memory", short, short)
         if result.longer is not None and result.common_prefix > short:
             snap: Snapshot = self._trie.get(model, result.longer)
-            longer = len(result.longer)
-            n = serves(longer, result.common_prefix, len(tokens), lambda m: snap.cut_to(longer, m))
-            if n is not None and (snap.opaque is None or snap.trimmable):  # mlx-lm: even with nothing to cut
+            longer, common = len(result.longer), result.common_prefix
+            n = serves(longer, common, len(tokens), lambda m: snap.cut_to(longer, m))
+            usable = snap.opaque is None or snap.trimmable  # mlx-lm: even with nothing to cut
+            usable = usable and n is not None
+            if near is not None:
+                near.saw("memory", common, longer, result.longer[common : common + 8])
+                if not usable:
+                    near.refused(min(common, len(tokens) - 1))
+            if usable and n is not None:
                 out.append((snap, result.longer, n))
         if result.shorter is not None and short > 0:
             out.append((self._trie.get(model, result.shorter), result.shorter, short))
         return out
 
-    def lookup(self, model: Hashable, tokens: list[int]) -> tuple[list[Any] | None, int, Snapshot | None]:
+    def lookup(self, model: Hashable, tokens: list[int],
+               near: Near | None = None) -> tuple[list[Any] | None, int, Snapshot | None]:
         """mlx-lm's ``fetch_nearest_cache`` rules: (fresh cache or None, tokens it holds,
         the snapshot it came from). The cache's arrays are evaluated: any thread may use them."""
-        for snap, stored, n in self._find(model, tokens):
+        for snap, stored, n in self._find(model, tokens, near):
             cache = snap.materialize()
             if n < len(stored):  # a longer entry, trimmed back to the common prefix (_find allowed it)
                 for c in cache:

@@ -17,7 +17,9 @@ from enum import Enum
 from typing import Any
 
 from . import codec
-from .disk import Restored
+from .disk import DiskTier, Restored
+from .errors import DiskErrors
+from .index import IndexFailure
 from .identity import Identity
 from .keys import TOKEN_BYTES, decode_tokens
 from .memory import MemoryTier, Snapshot
@@ -89,23 +91,53 @@ def room(mem: MemoryTier, mem_key: Hashable, tokens: list[int], trimmable: bool,
 
 @dataclass
 class Preloader:
-    """What a preload needs from its store: its memory tier and the lock guarding it, and
-    the store's reads (each a miss rather than an error): ``identity`` of a model key,
-    ``disk_on`` (a disk tier serves this identity), ``entries`` (every entry record on disk,
-    None if they cannot be listed), ``tokens`` (an entry's token ids), ``read`` (one whole
-    stored prefix, restored)."""
+    """What a preload needs from its store: its memory tier and the lock guarding it, its
+    disk tier and error policy (None, or a damaged index: nothing to preload), and two of
+    the store's answers, each a miss rather than an error: ``identity`` of a model key and
+    ``read`` (one whole stored prefix, restored as ``fetch`` restores)."""
 
     memory: MemoryTier
     lock: Any  # the store's lock (threading.RLock)
+    disk: DiskTier | None
+    errors: DiskErrors
     identity: Callable[[Any], Identity | None]
-    disk_on: Callable[[Identity | None], bool]
-    entries: Callable[[], dict[bytes, Any] | None]
-    tokens: Callable[[bytes], bytes | None]
     read: Callable[[Identity, bytes], Restored | None]
+
+    def disk_on(self, ident: Identity | None) -> bool:
+        return ident is not None and self.disk is not None and not self.errors.off
+
+    def entries(self) -> dict[bytes, Any] | None:
+        """Every entry record on disk (None for unreadable ones), or None if they cannot
+        be listed (logged once; a damaged index switches the disk tier off)."""
+        from .index import scan
+
+        try:
+            return scan(self.disk.index, full=False).entries  # type: ignore[union-attr]
+        except IndexFailure as e:
+            if not self.errors.index_damaged(e, self.disk):
+                self.errors.warn_once("preload", "kvstore: cannot list entries to preload (%s)", e)
+            return None
+
+    def tokens(self, key: bytes) -> bytes | None:
+        return self.disk.index.view(lambda r: r.tokens(key))  # type: ignore[union-attr]
 
     def run(self, report: Preloaded, model: Any, how: int | str, max_bytes: int | None,
             progress: Callable[[int, int], None] | None, stop: threading.Event | None) -> Preloaded:
-        """Fill ``report`` while preloading ``model``'s entries (``KVStore.preload``)."""
+        """Fill ``report`` while preloading ``model``'s entries (``KVStore.preload``).
+
+        Order: pinned entries first, then by value, ``(1 + hits) x tokens`` (an entry's write
+        counts as its first use), the most recently used first on ties. ``how``: "pinned"
+        (pinned entries only), "auto" (all of them), or an int N (the first N).
+        Guarantees: nothing already in memory is evicted or replaced. An entry goes in only
+        if it fits the room left (``max_entries``, the memory tier's ``max_bytes``, and
+        ``max_bytes`` here) and its insertion drops no stored prefix (mlx-lm's rule for a
+        trimmable entry); the first entry that does not fit ends the preload (its bytes
+        are known once read, so that one entry may be read for nothing). A preloaded
+        entry is an ordinary memory entry (same LRU lists, limits, byte accounting) filed
+        least recently used, so live inserts outrank it. No hit is credited on disk; a
+        damaged entry is dropped and counted as ``fetch`` does; nothing is raised.
+        ``stop`` ends it between two entries; ``progress(done, total)`` is called once the
+        candidates are known, then after each."""
         t0 = time.perf_counter()
         try:
             ident = self.identity(model)

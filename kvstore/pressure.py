@@ -167,6 +167,12 @@ class Gauge:
             return cap
         return max(0, min(cap, held + r.available - floor_bytes(self.floor, r.total)))
 
+    def stats(self) -> dict[str, int | None]:
+        """Available memory now and the floor under it (``stats()``'s memory figures)."""
+        r = self.reading()
+        return {"memory_available_bytes": r.available if r is not None else None,
+                "memory_floor_bytes": self.floor_of()}
+
     def floor_of(self) -> int | None:
         r = self.reading()
         return floor_bytes(self.floor, r.total) if r is not None else None

@@ -29,7 +29,6 @@ from collections import OrderedDict
 from typing import Any
 
 from .disk import PersistJob
-from .keys import TOKEN_BYTES, boundaries, key_of, root_key
 from .records import RecordError
 from .written import written
 
@@ -50,10 +49,10 @@ def prefix_job(job: PersistJob, n: int, chunk: int) -> PersistJob:
 
     from .codec import with_offset
 
-    enc = job.tokens[: n * TOKEN_BYTES]
+    query = job.chained(chunk).prefix(n)  # shares the job's chain: only the new residual is hashed
     tensors = {nm: (st, np.asarray(a)[..., :n, :]) for nm, (st, a) in job.tensors.items()}
-    return PersistJob(job.identity, enc, key_of(root_key(job.identity.digest), enc, chunk), tensors,
-                      with_offset(job.layout, n), job.cache_type, job.created)
+    return PersistJob(job.identity, query.enc, query.key, tensors, with_offset(job.layout, n), job.cache_type,
+                      job.created, query=query)
 
 
 def _entry(disk: Any, key: bytes) -> Any:
@@ -98,7 +97,7 @@ class WritePolicy:
         if self.persist == "system":
             rec = None if job.cache_type == "system" else _entry(disk, job.key)
             return job.n if job.cache_type == "system" or (rec is not None and rec.pinned) else 0
-        bounds = boundaries(root_key(job.identity.digest), job.tokens, disk.chunk)
+        bounds = job.chained(disk.chunk).bounds
         with self._lock:
             seen_whole = job.key in self._seen
             depth = max((k for k in range(1, len(bounds)) if bounds[k] in self._seen), default=0)

@@ -203,7 +203,7 @@ def test_why_names_a_changed_chat_template_as_another_identity(why_store, tmp_pa
     [other] = got["other_identities"]
     assert other["differs"] == ["chat_template"] and other["entries"] == 1
     assert other["shared_tokens"] == len(why_store["tokens"])
-    assert got["reason"] == "other_identity" and got["detail"] == "chat_template differs"
+    assert got["reason"] == "other_identity" and got["detail"] == "chat_template"
 
 
 def test_why_command_line_text_is_escaped_and_quick(why_store, tmp_path) -> None:

@@ -49,6 +49,7 @@ def make_store(path: Path, entries: dict[str, tuple[list[int], dict]], **types: 
 
 def held(store: KVStore) -> list[int]:
     """Lengths of the entries in memory, least recently used first, by LRU list."""
+    store.settle()  # the memory tier as a lookup sees it (inserts filed)
     return [len(t) for lru in store.memory._lrus.values() for _, t in lru]
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from ..misses import log_line
+from ..misses import Misses, log_line
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..salt import Salt, salt_of
 from ..floors import MIN_DISK_HIT
@@ -70,6 +70,9 @@ class LRUPromptCache:
             persist=persist, max_write_bytes_per_day=max_write_bytes_per_day, memory_floor=memory_floor,
             min_disk_hit=min_disk_hit,
         )
+        # why lookups served less than the store held (``Fetched.miss``): counted here, where
+        # the prompt and the tokenizer are, and merged into ``stats()``
+        self.misses = Misses()
         # token ids -> text, for a miss's log line (``kvstore serve`` sets the model's tokenizer)
         self.decode: Callable[[list[int]], str] | None = None
 
@@ -93,26 +96,28 @@ class LRUPromptCache:
         self.store.memory.max_bytes = v  # the next filing lowers it again to what memory allows
 
     def __len__(self) -> int:
+        self.store.settle()
         return len(self.store.memory)
 
     @property
     def nbytes(self) -> int:
+        self.store.settle()
         return self.store.memory.nbytes
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int], *,
                             salt: Salt | None = None) -> tuple[list[Any] | None, list[int]]:
         """(cache or None, the tokens still to process): exact, longer-trimmed or shorter
         hit from memory, else the longest stored prefix on disk. A restore from disk or
-        the shared tier is logged (``log_restore``), and so is a miss that recomputed
-        at least ``store.misses.threshold`` tokens a stored prefix held (``misses.log_line``,
+        the shared tier is logged (``log_restore``); a miss (``Fetched.miss``) is counted
+        in ``misses``, and logged when it recomputed at least ``misses.threshold`` tokens a
+        stored prefix held (``misses.log_line``,
         its text decoded with ``decode`` when set)."""
         t0 = time.perf_counter()
         got = self.store.fetch(model, tokens, salt=salt if salt is not None else salt_of(tokens))
         if got.source in ("disk", "shared"):
             log_restore(got.n, len(tokens), got.source, time.perf_counter() - t0)
-        miss, misses = getattr(got, "miss", None), getattr(self.store, "misses", None)  # TODO(merge): typed
-        if miss is not None and misses is not None and misses.worth_logging(miss):
-            log.info(log_line(miss, tokens, self.decode))
+        if got.miss is not None and self.misses.record(got.miss):
+            log.info(log_line(got.miss, tokens, self.decode))
         return got.cache, tokens[got.n :]
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
@@ -125,11 +130,13 @@ class LRUPromptCache:
         self.store.trim_to(n_sequences, n_bytes)
 
     def stats_by_type(self) -> dict[str, dict[str, int]]:
+        self.store.settle()
         return self.store.memory.stats_by_type()
 
     def stats(self) -> dict[str, Any]:
-        """The store's counters (hits by tier, bytes, dropped writes, ...)."""
-        return self.store.stats()
+        """The store's counters (hits by tier, bytes, dropped writes, ...) and why lookups
+        missed (``Misses.stats``: ``miss_<reason>``, ``recent_misses``...)."""
+        return {**self.store.stats(), **self.misses.stats()}
 
     def preload(self, model: Any, how: int | str = "auto", **options: Any) -> Preloaded:  # salt=: KVStore.preload
         """Restore ``model``'s stored entries into the memory tier ahead of traffic

@@ -23,10 +23,6 @@ from typing import Any, Callable
 from .. import misses
 from . import common
 
-COMPONENTS_SHOWN = ("weights", "config", "tokenizer", "chat_template", "model_code", "kv_bits", "kv_group_size",
-                    "layout", "code", "adapter", "draft", "format")
-
-
 def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "why", help="why a request misses: what the store holds for it, where it diverges and why",
@@ -99,13 +95,6 @@ def _nearest(request: list[int], entries: list[tuple[bytes, Any, bytes]]) -> Nea
     return best
 
 
-def _differs(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
-    """The identity components that differ between two identity records' ``components``."""
-    keys = [k for k in COMPONENTS_SHOWN if k in mine or k in theirs]
-    keys += sorted(k for k in set(mine) | set(theirs) if k not in COMPONENTS_SHOWN)
-    return [k for k in keys if mine.get(k) != theirs.get(k)]
-
-
 def collect(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``why`` prints, as plain data (what --json prints)."""
     from ..cachedir import MEMO
@@ -159,8 +148,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
         if hx == ident.hex or info is None or info.path != path:
             continue
         near = _nearest(request, items)
-        others.append({"identity": hx, "entries": len(items), "differs": _differs(
-            ident.info.get("components") or {}, info.get("components") or {}),
+        others.append({"identity": hx, "entries": len(items), "differs": misses.differing(info.info, ident.info),
             "shared_tokens": near.common if near else 0, "serves": near.serves if near else 0,
             "nearest": common.short_id(near.key) if near else None})
     others.sort(key=lambda o: -int(o["serves"]))
@@ -177,8 +165,7 @@ def _verdict(args: argparse.Namespace, ident: Any, request: list[int], own: Near
     at = own.common if own else 0
     stored = len(own.tokens) if own else 0
     if best_other is not None and best_other["serves"] > served:
-        d = best_other["differs"]
-        reason, detail = misses.OTHER_IDENTITY, f"{', '.join(d) or 'an identity component'} differ{'s' if len(d) == 1 else ''}"
+        reason, detail = misses.OTHER_IDENTITY, ", ".join(best_other["differs"]) or "unknown"  # as the server says
         at, stored = best_other["shared_tokens"], best_other["shared_tokens"]
     elif own is not None and own.cut_refused:
         reason = misses.CUT_REFUSED

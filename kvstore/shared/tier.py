@@ -79,6 +79,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..cuts import serves
+from ..misses import Near
 from ..keys import TOKEN_BYTES, boundaries, chunk_key, common_tokens, entry_key, key_of, residual
 from ..records import ChunkRecord, EntryRecord, Segment
 from ..writer import Writer
@@ -188,11 +189,12 @@ class SharedTier:
     # -- lookup ------------------------------------------------------------------------
 
     def lookup(self, identity: bytes, tokens: bytes, bounds: list[bytes], chunk: int,
-               held: set[bytes], better_than: int) -> Found | None:
+               held: set[bytes], better_than: int, near: Near | None = None) -> Found | None:
         """The longest verified prefix of ``tokens`` (encoded) longer than ``better_than``
         tokens, or None; at most two round trips (see the module docstring). ``bounds``:
         the query's chain (``keys.boundaries`` from the identity's root, ``chunk`` tokens
-        per chunk); ``held``: its chunk keys indexed locally (read from there)."""
+        per chunk); ``held``: its chunk keys indexed locally (read from there); ``near``
+        is told of a candidate skipped for its cost (``misses.Near``)."""
         n_q, C, K = len(tokens) // TOKEN_BYTES, chunk, len(bounds) - 1
         levels = [k for k in range(K + 1) if min((k + 1) * C - 1, n_q) > better_than]
         if not levels or n_q == 0:
@@ -222,6 +224,8 @@ class SharedTier:
         budget = self._budget(identity, moving, best.n - better_than)
         if budget is None:
             self._count("skipped_cost")
+            if near is not None:
+                near.skipped("its transfer would cost more than the prefill it saves", best.n)
             return None
         until = time.monotonic() + budget  # round trip 1 had fetch_deadline; round trip 2 what the hit is worth
         found = self._fetch(identity, tokens, bounds, C, held, best, better_than, until, moving)

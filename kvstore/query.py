@@ -1,0 +1,62 @@
+"""A prompt's lookup facts, computed once and handed to every tier.
+
+A ``Query`` holds the token ids, their encoding (``keys.encode_tokens``), and, under one
+identity, the chain of chunk keys (``keys.boundaries``) and the entry key. The chain is
+hashed at most once per query, when a tier first asks for it: the disk plan, the shared
+tier, the write policy and a persist all read the same list. ``prefix(n)`` is the query of
+the first ``n`` tokens and shares the chain's first links, so cutting a job to a prefix
+hashes only the residual. MLX-free.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Sequence
+
+from .keys import TOKEN_BYTES, boundaries, decode_tokens, encode_tokens, entry_key, residual, root_key
+
+
+class Query:
+    """``tokens`` (encoded once) under the identity ``digest``, chained every ``chunk``
+    tokens. Immutable by convention; the chain and key are computed on first use."""
+
+    def __init__(self, enc: bytes, digest: bytes, chunk: int, *, tokens: Sequence[int] | None = None,
+                 bounds: list[bytes] | None = None) -> None:
+        self.enc, self.digest, self.chunk = enc, digest, chunk
+        self._tokens = list(tokens) if tokens is not None else None
+        if bounds is not None:
+            self.__dict__["bounds"] = bounds
+
+    @classmethod
+    def of(cls, tokens: Sequence[int], digest: bytes, chunk: int) -> "Query":
+        """Raises ``keys.TokenError`` for a list that is not token ids."""
+        return cls(encode_tokens(tokens), digest, chunk, tokens=tokens)
+
+    @property
+    def n(self) -> int:
+        return len(self.enc) // TOKEN_BYTES
+
+    @property
+    def tokens(self) -> list[int]:
+        if self._tokens is None:
+            self._tokens = decode_tokens(self.enc)
+        return self._tokens
+
+    @cached_property
+    def bounds(self) -> list[bytes]:
+        """``[root, b1, ..., bK]``: the key of every full chunk's prefix (``keys.boundaries``)."""
+        return boundaries(root_key(self.digest), self.enc, self.chunk)
+
+    @cached_property
+    def key(self) -> bytes:
+        """The entry key of the whole prefix (``keys.key_of``, from the chain above)."""
+        return entry_key(self.bounds[-1], residual(self.enc, self.chunk))
+
+    def prefix(self, n: int) -> "Query":
+        """The query of the first ``n`` tokens; shares the chain computed so far."""
+        if n >= self.n:
+            return self
+        bounds = self.__dict__.get("bounds")
+        return Query(self.enc[: n * TOKEN_BYTES], self.digest, self.chunk,
+                     tokens=self._tokens[:n] if self._tokens is not None else None,
+                     bounds=bounds[: n // self.chunk + 1] if bounds is not None else None)
