@@ -77,21 +77,22 @@ def _nearest(request: list[int], entries: list[tuple[bytes, Any, bytes]]) -> Nea
     from ..keys import common_tokens, decode_tokens, encode_tokens
 
     enc = encode_tokens(request)
+    n_q = len(request)
     best: Nearest | None = None
-    most = 0
-    refused = False
+    most = refused_at = 0
     for key, rec, toks in entries:
         c = common_tokens(enc, toks)
-        got = serves(rec.n, c, len(request), rec.trimmable) or 0
-        if rec.chunked:
-            got = max(got, min(c, rec.n, len(request) - 1) // rec.chunk * rec.chunk)
+        cut = serves(rec.n, c, n_q, rec.trimmable)
+        got = cut or 0
+        if cut is None:  # its cache cannot be cut where the request parts from it
+            refused_at = max(refused_at, min(c, rec.n, n_q - 1))
+        if rec.chunked:  # its whole chunks serve without a cut
+            got = max(got, min(c, rec.n, n_q - 1) // rec.chunk * rec.chunk)
         most = max(most, got)
         if best is None or c > best.common or (c == best.common and rec.n < len(best.tokens)):
-            refused = c > got and c < rec.n
-            best = Nearest(key, decode_tokens(toks), c, 0, refused)
+            best = Nearest(key, decode_tokens(toks), c, 0, False)
     if best is not None:
-        best.serves = most
-        best.cut_refused = best.cut_refused and best.common > most
+        best.serves, best.cut_refused = most, refused_at > most
     return best
 
 
