@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .counters import Durations
+from .floors import MIN_DISK_GAIN
 from .visible import visible
 
 # The reasons, most specific first (``Miss.reason`` is one of them):
@@ -85,8 +86,8 @@ class Misses:
     lost tokens a miss must cost for ``worth_logging`` (what an adapter with a tokenizer
     logs: ``log_line``; smaller misses are counted, not listed)."""
 
-    def __init__(self, threshold: int = LOG_THRESHOLD, recent: int = RECENT) -> None:
-        self.threshold = threshold
+    def __init__(self, threshold: int = LOG_THRESHOLD, recent: int = RECENT, min_shared: int = MIN_DISK_GAIN) -> None:
+        self.threshold, self.min_shared = threshold, min_shared
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(REASONS, 0)
         self._lost = 0
@@ -94,7 +95,12 @@ class Misses:
         self._recent: deque[dict[str, object]] = deque(maxlen=recent)
 
     def record(self, miss: Miss) -> bool:
-        """Count ``miss``; True when it is worth a log line (``worth_logging``)."""
+        """Count ``miss``; True when it is worth a log line (``worth_logging``). A prompt
+        that parts from every stored prefix within ``min_shared`` tokens (a chat template's
+        role header: ``floors.MIN_DISK_GAIN``) is a new prompt, not a changed one: not
+        counted (a per-request header or a session id in the first block parts later)."""
+        if miss.reason == DIVERGED and miss.at < self.min_shared:
+            return False
         worth = self.worth_logging(miss)
         with self._lock:
             self._counts[miss.reason] = self._counts.get(miss.reason, 0) + 1
