@@ -416,10 +416,17 @@ def report(doc: dict[str, Any]) -> str:
         m = srv.get("misses") or {}
         counted = {k[len("miss_"):]: v for k, v in m.items() if k.startswith("miss_") and isinstance(v, int)
                    and v and k not in ("miss_lost_tokens", "miss_log_threshold")}
+        logged: dict[str, int] = {}
+        for r in m.get("recent_misses") or []:
+            logged[r["reason"]] = logged.get(r["reason"], 0) + 1
         if m:
-            lines.append(f"- {srv['name']}: misses by reason {counted or 'none'}, {m.get('miss_lost_tokens', 0)} "
-                         f"tokens recomputed that a stored prefix held; prompt tokens read from the cache after "
-                         f"turn 1: {100 * srv['read_share_after_turn_1']:.1f}%")
+            lines.append(f"- {srv['name']}: misses by reason {counted or 'none'} ({m.get('miss_lost_tokens', 0)} "
+                         f"tokens recomputed that a stored prefix held), of which logged (>= "
+                         f"{m.get('miss_log_threshold')} tokens) {logged or 'none'}"
+                         + (": " if logged else "") + ", ".join(f"a {r['prompt_tokens']}-token prompt parted at token {r['diverged_at']} "
+                                     f"({r['reason']}, {r['lost_tokens']} lost)" for r in m.get("recent_misses") or [])
+                         + f"; prompt tokens read from the cache after turn 1: "
+                         f"{100 * srv['read_share_after_turn_1']:.1f}%")
     lines += [f"- {n}" for n in doc.get("notes", [])]
     if doc.get("loadavg"):
         lines.append(f"- 1-minute load average {doc['loadavg']['start']} at start, {doc['loadavg']['end']} at end "
