@@ -144,13 +144,16 @@ def around(tokens: Sequence[int], at: int, decode: Callable[[list[int]], str],
 
 def log_line(miss: Miss, prompt: Sequence[int], decode: Callable[[list[int]], str] | None) -> str:
     """One line saying why ``prompt`` was served only ``miss.served`` tokens: the reason,
-    the positions and counts and, with ``decode`` (the model's tokenizer), the text either
-    side of ``miss.at`` in the prompt and what the store holds there (``miss.after``).
-    Every decoded piece is escaped: the line is one line and carries no control characters."""
+    the positions and counts and, where the prompt parts from a stored prefix (``DIVERGED``,
+    ``CUT_REFUSED``) and ``decode`` (the model's tokenizer) is given, the text either side
+    of ``miss.at`` in the prompt and what the store holds there (``miss.after``). Every
+    decoded piece is escaped: the line is one line and carries no control characters."""
     head = (f"kvstore: miss ({miss.reason}{f': {visible(miss.detail, newlines=False)}' if miss.detail else ''}): "
-            f"recomputed {miss.lost:,} tokens a stored prefix held; served {miss.served:,} of {miss.prompt:,}, "
-            f"the prompt parts from the stored {miss.stored:,}-token prefix"
-            f"{f' ({miss.tier})' if miss.tier else ''} at token {miss.at:,}")
+            f"recomputed {miss.lost:,} tokens a stored prefix held; served {miss.served:,} of {miss.prompt:,}")
+    if miss.reason not in (DIVERGED, CUT_REFUSED):
+        return f"{head}; {SAID.get(miss.reason, miss.reason)} ({miss.at:,} tokens of this prompt)"
+    head += (f", the prompt parts from the stored {miss.stored:,}-token prefix"
+             f"{f' ({miss.tier})' if miss.tier else ''} at token {miss.at:,}")
     if decode is None:
         return head
     try:

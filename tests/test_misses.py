@@ -98,6 +98,10 @@ def test_log_line_shows_escaped_text_either_side() -> None:
     assert f'the store "{decode(stored[at:at + 8])}"' in line
     assert "\\x1b]0;x\\x07" in before  # the terminal title sequence, shown escaped
     assert misses.log_line(miss, prompt, None).endswith(f"at token {at}")
+    other = Miss(misses.OTHER_IDENTITY, prompt=2000, served=0, at=2000, stored=2000, detail="chat_template")
+    assert misses.log_line(other, prompt, decode) == (
+        "kvstore: miss (other_identity: chat_template): recomputed 2,000 tokens a stored prefix held; served 0 of "
+        "2,000; another identity of this model holds the prefix (2,000 tokens of this prompt)")
 
 
 def test_metrics_count_reasons_and_tokens_recomputed() -> None:
