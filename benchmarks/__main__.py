@@ -48,7 +48,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scale-entries", type=int, default=None, metavar="N",
                    help="entries for the scale benchmark (default 100000; 600 with --quick)")
     p.add_argument("--ttft-lengths", action="append", default=[], metavar="MODEL=L1,L2,...",
-                   help="prompt lengths for one ttft model (tools/models.py name), e.g. "
+                   help="prompt lengths for one ttft model (tools/testing/model_builds.py name), e.g. "
                         "bench-qwen3-0.6b=1024,2048,4096; an empty list skips the model; repeatable")
     p.add_argument("--child", nargs=2, metavar=("TARGET", "JSON"), help=argparse.SUPPRESS)
     return p.parse_args(argv)

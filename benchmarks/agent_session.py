@@ -445,7 +445,7 @@ def _vary(text: str) -> tuple[str, ...]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.agent_session", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="a tools.models name or a model directory (default smollm2)")
+    p.add_argument("--model", default="smollm2", help="a tools.testing.model_builds name or a model directory (default smollm2)")
     p.add_argument("--system-tokens", type=int, default=8192, help="first prompt at least this long (default 8192)")
     p.add_argument("--tools", type=int, default=8, help="tool definitions in the system prompt (default 8)")
     p.add_argument("--turns", type=int, default=12)
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks import common as C
 
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     work = Path(args.work or tempfile.mkdtemp(prefix="agent-session-"))
     work.mkdir(parents=True, exist_ok=True)

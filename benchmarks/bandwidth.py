@@ -61,7 +61,7 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 
 def _pack_files(kv_dir: str | Path) -> list[Path]:
-    from kvstore.blobs import own_packs
+    from kvstore.files import own_packs
 
     return sorted(f.path for f in own_packs(Path(kv_dir) / "blobs")[0])
 

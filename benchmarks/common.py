@@ -445,8 +445,8 @@ def question_tokens(tokenizer: Any, n_tokens: int, k: int) -> list[int]:
 
 
 def load_model(name: str):
-    """(model, tokenizer, model dir) from tools.models, offline."""
-    from tools.models import load_model as _load, model_path
+    """(model, tokenizer, model dir) from tools.testing.model_builds, offline."""
+    from tools.testing.model_builds import load_model as _load, model_path
 
     path = model_path(name)
     model, tok = _load(name)

@@ -174,7 +174,7 @@ def thread_costs(name: str = "tiny-llama", lengths: tuple[int, ...] = (1024, 819
     from mlx_lm.models.cache import make_prompt_cache
 
     from kvstore.adapters.mlx_lm import LRUPromptCache
-    from tools.models import load_model, model_path
+    from tools.testing.model_builds import load_model, model_path
 
     model, _ = load_model(name)
     key = (str(model_path(name)), None, None)
@@ -221,7 +221,7 @@ def summarize(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 def run(ctx: C.Context) -> dict[str, Any]:
     started = time.perf_counter()
     s = QUICK if ctx.quick else DEFAULT
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     model = model_path(s["model"])
     ctx.log("  generation-thread costs (in-process) ...")

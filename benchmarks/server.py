@@ -199,7 +199,7 @@ def row_restart(ctx: C.Context, model_dir: Path, cache_dir: Path, system: str, q
 
 def prepare(ctx: C.Context, name: str, system_tokens: int) -> dict[str, Any]:
     """The model's system prompt and questions, and its store: ``kvstore warm`` + ``pin``."""
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     model_dir = model_path(name)
     d = ctx.scratch(f"server-{name}")

@@ -252,7 +252,7 @@ def run_slow(ctx: C.Context, server: Any, shape: str, n: int, measured_tps: floa
 
 
 def run_ttft(ctx: C.Context, url: str, model: str, L: int) -> dict[str, Any]:
-    from tools.models import load_model
+    from tools.testing.model_builds import load_model
 
     _, tok = load_model(model)
     prefix = C.text_tokens(tok, L - SUFFIX, seed=L + 7)

@@ -18,7 +18,7 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-from .visible import install as _install_log_filter  # noqa: E402 (stdlib only: no start-up cost)
+from .escape import install as _install_log_filter  # noqa: E402 (stdlib only: no start-up cost)
 
 _install_log_filter("kvstore", "kvstore.shared")  # kvstore's own records: controls made visible
 

@@ -1,12 +1,13 @@
 """MLX arrays for restores: allocated without touching their pages, filled through numpy.
 
 ``alloc`` gives MLX arrays whose memory the kernel zeroed (loaded by MLX from a sparse
-scratch file) and writable numpy views of that memory, so ``blobs.read_into`` reads a
+scratch file) and writable numpy views of that memory, so ``segments.read_into`` reads a
 segment straight into the arrays a restore hands out: one copy, from the page cache. Where
 that cannot be done (no sparse files, an MLX that hands numpy a copy), numpy buffers stand
 in and ``finish`` copies them into MLX once. A restore allocates its arrays in ``groups``
-so the reads into the first ones start while MLX still allocates the rest. ``blobs`` keeps the files and the framing; this
-module is the only one that allocates MLX memory for them.
+so the reads into the first ones start while MLX still allocates the rest. ``files`` keeps
+the files and ``segments`` the framing; this module is the only one that allocates MLX
+memory for them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 
-from .blobs import BlobError, Specs, header_prefix, host_dtype, mlx_dtype_name, open_own, read_header, read_into
+from .files import BlobError, open_own
+from .segments import Specs, header_prefix, host_dtype, mlx_dtype_name, read_header, read_into
 from .records import Segment
 
 if TYPE_CHECKING:

@@ -6,13 +6,14 @@ Guarantees:
 - ``open_disk`` opens a directory only if it is this user's and nobody else can write it
   (``untrusted_dir``), or a group shares it on purpose (``shared=True``, ``--shared-dir``):
   then every file and directory kvstore creates in it is group-readable and -writable and
-  owned by the directory's group (``blobs.Modes.of``, the one helper every creation goes
+  owned by the directory's group (``files.Modes.of``, the one helper every creation goes
   through), whatever the creating member's umask.
 - A file or directory a user of the store cannot read or write is a ``StoreOpenError``
   naming it and the command that fixes it, never a silent memory-only fallback.
 - ``CREATED`` lists every name kvstore creates in a cache directory: a file it replaces
-  (``REPLACED``) is first written at ``<name>.<16 random hex>.tmp`` (``blobs.replace_file``),
-  every file is created with ``O_EXCL | O_NOFOLLOW | O_NONBLOCK`` (``blobs.create``).
+  (the stamp, the damage mark, the digest memo) is first written at
+  ``<name>.<16 random hex>.tmp`` (``files.replace_file``),
+  every file is created with ``O_EXCL | O_NOFOLLOW | O_NONBLOCK`` (``files.create``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
-from . import blobs
+from . import files
 from .index import CORRUPTION, Index, IndexFailure, IndexOpenError, chunk_size
 from .index.core import DAMAGED, STAMP
 
@@ -38,8 +39,6 @@ CREATED: tuple[str, ...] = (
     "index/", "blobs/", "blobs/*/", "blobs/*/*.kvpack", "index/data.mdb", "index/lock.mdb",
     f"index/{STAMP}", f"index/{DAMAGED}", MEMO, "index.rebuild-*/", "index.corrupt-*/",
 )
-# The files kvstore replaces whole (through a temp name: ``blobs.replace_file``).
-REPLACED: tuple[str, ...] = (f"index/{STAMP}", f"index/{DAMAGED}", MEMO)
 
 
 class StoreOpenError(RuntimeError):
@@ -164,7 +163,7 @@ class IndexDir:
     def __init__(self, root: Path, *, shared_dir: bool = False) -> None:
         self.root = Path(root)
         self.blob_root = self.root / "blobs"
-        self.modes = blobs.Modes.of(self.root, shared_dir)
+        self.modes = files.Modes.of(self.root, shared_dir)
         self.index = Index(self.root, readonly=True, modes=self.modes)
         try:  # refused as the disk tier refuses it: a chunk size kvstore never writes
             chunk_size(self.index.meta(b"chunk_tokens"), 1, self.index.path)
@@ -221,5 +220,5 @@ def _opened(make: "Callable[[], T]", path: Path, *, shared_dir: bool, readonly: 
         return make()
     except OSError as e:
         raise StoreOpenError(f"cannot open cache directory {path}: {e}") from None
-    except (IndexOpenError, blobs.BlobError, *CORRUPTION, IndexFailure) as e:
+    except (IndexOpenError, files.BlobError, *CORRUPTION, IndexFailure) as e:
         raise StoreOpenError(f"cannot open index in {path}: {e}") from None

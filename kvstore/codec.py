@@ -11,23 +11,25 @@ Guarantees:
 - ``decode`` hands out fresh array objects (free ``a[:]`` views), so a caller that extends
   the restored cache never changes the arrays it came from.
 - A cache kvstore cannot serialise raises ``Unsupported`` naming the class and why.
-- Each codec owns what is true of its class, as each mlx-lm cache class owns
-  ``is_trimmable`` / ``trim``: ``family`` (attention KV or its own), ``can_cut(meta, n)``
-  (whether the layer cut back to ``n`` positions is, in everything the model reads, what a
-  cold prefill of ``n`` tokens leaves: trimmability is a property of the cut point) and
-  ``holds(c)`` (why a live layer does not hold what it claims).
+- A layout is a ``cachelayout.Layout``: what is true of a stored class (its family, where
+  it may be cut, whether it is chunkable) is ``cachelayout.CLASSES``, data read without
+  MLX. Each codec owns what needs its live class: ``encode`` / ``decode``, ``holds(c)``
+  (why a live layer does not hold what it claims) and ``shapes`` (the arrays a layer of
+  its class holds, for ``layouts.shape_problem``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import cache as C
 
+from .cachelayout import CLASSES, ITEM_KINDS, Layout
+
 Tensors = dict[str, mx.array]
-Layout = list[dict[str, Any]]
+Meta = Mapping[str, Any]  # one layer's stored meta (a ``cachelayout.Layer``, or a dict being encoded)
 # The shape an array must have, axis by axis: an int (that length), TOKENS (the token axis:
 # any length, the same in every array of the layer), None (any length: an axis the
 # identity's record does not fix) and, last, ``...`` (any further axes).
@@ -35,8 +37,6 @@ Pattern = tuple[Any, ...]
 Expected = dict[str, tuple[Pattern, "str | None"]]  # array name -> (pattern, dtype name or None: any)
 TOKENS = "T"
 ALL, ALL_OR_NONE, ANY = "all", "all or none", "any"  # which of its expected arrays a layer holds
-
-ATTENTION = "attention KV"  # the family of the attention-KV classes: a model may hold any of them
 
 
 class Unsupported(TypeError):
@@ -52,41 +52,23 @@ def _kv_encode(c: Any, n: int) -> Tensors:
 
 
 class _Codec:
-    """What every codec says unless its class says otherwise: a family of its own, never
-    cut (valid only at exactly its own length), nothing to check on a live layer.
-    ``chunkable``: a prefix can be cut into token chunks and glued back."""
+    """What every codec says unless its class says otherwise: nothing to check on a live
+    layer, no arrays expected."""
 
     cls: type = object
-    chunkable = False
-
-    @property
-    def family(self) -> str:
-        return self.cls.__name__
-
-    def can_cut(self, meta: dict, n: int) -> bool:
-        return False
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         """The layer's tensors (views, no copies) and its meta; every concrete codec has one."""
         raise NotImplementedError(type(self).__name__)
 
-    def decode(self, t: Tensors, meta: dict) -> Any:
+    def decode(self, t: Tensors, meta: Meta) -> Any:
         """A fresh cache object from what ``encode`` gave; every concrete codec has one."""
         raise NotImplementedError(type(self).__name__)
 
     def holds(self, c: Any) -> str | None:
         return None
 
-    def check(self, key: str, value: Any) -> None:
-        """A stored layout field other than the bounded integers: none unless the codec
-        writes one (ValueError naming it)."""
-        raise ValueError(f"unexpected layout field {key!r}")
-
-    def signature(self, meta: dict) -> dict:
-        """The layer's meta without lengths (what an identity's layout records)."""
-        return {k: v for k, v in meta.items() if k not in ("offset", "idx", "start")}
-
-    def shapes(self, meta: dict, want: dict) -> tuple[Expected, str]:
+    def shapes(self, meta: Meta, want: dict) -> tuple[Expected, str]:
         """Every array a layer of this class (stored ``meta``) may hold, with the shape and
         dtype the model's own cache gives it (``want``: the identity's record of the
         layer, {} when it has none: then only what every prompt cache of the class has,
@@ -105,11 +87,6 @@ def _kv_shapes(want: dict) -> tuple[Expected, str]:
 
 class _KVCodec(_Codec):
     cls: type = C.KVCache
-    chunkable = True
-    family = ATTENTION
-
-    def can_cut(self, meta: dict, n: int) -> bool:
-        return 0 <= n <= meta["offset"]
 
     def holds(self, c: Any) -> str | None:
         keys, off = c.keys, c.offset
@@ -118,7 +95,7 @@ class _KVCodec(_Codec):
             return f"{type(c).__name__} claims {off} positions but its arrays hold {k.shape[-2]}"
         return None
 
-    def shapes(self, meta: dict, want: dict) -> tuple[Expected, str]:
+    def shapes(self, meta: Meta, want: dict) -> tuple[Expected, str]:
         return _kv_shapes(want)
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
@@ -126,7 +103,7 @@ class _KVCodec(_Codec):
             return {}, {"offset": 0}
         return _kv_encode(c, c.offset), {"offset": int(c.offset)}
 
-    def decode(self, t: Tensors, meta: dict) -> Any:
+    def decode(self, t: Tensors, meta: Meta) -> Any:
         c = C.KVCache()
         if "k" in t:
             c.keys, c.values = _fresh(t["k"]), _fresh(t["v"])
@@ -137,7 +114,7 @@ class _KVCodec(_Codec):
 class _QuantKVCodec(_KVCodec):
     cls = C.QuantizedKVCache
 
-    def shapes(self, meta: dict, want: dict) -> tuple[Expected, str]:
+    def shapes(self, meta: Meta, want: dict) -> tuple[Expected, str]:
         """``mx.quantize``'s parts of keys and values: the packed words (head_dim * bits / 32
         uint32) and the scales and biases (head_dim / group_size, the KV dtype), of the
         bits and group size ``want`` names (the identity's ``kv_bits``, or a recorded
@@ -167,7 +144,7 @@ class _QuantKVCodec(_KVCodec):
         t.update({f"v{i}": a[..., :n, :] for i, a in enumerate(c.values)})
         return t, meta
 
-    def decode(self, t: Tensors, meta: dict) -> Any:
+    def decode(self, t: Tensors, meta: Meta) -> Any:
         c: Any = C.QuantizedKVCache(group_size=meta["group_size"], bits=meta["bits"])
         if "k0" in t:
             c.keys = tuple(_fresh(t[f"k{i}"]) for i in range(3))
@@ -177,17 +154,13 @@ class _QuantKVCodec(_KVCodec):
 
 
 class _RotatingCodec(_Codec):
-    """The ring buffer is stored as it is, with its write index: rotation state is history.
-    It can be cut only while it has not wrapped (mlx-lm's ``is_trimmable``)."""
+    """The ring buffer is stored as it is, with its write index: rotation state is history
+    (so it can be cut only while it has not wrapped: ``cachelayout``)."""
 
     cls = C.RotatingKVCache
-    family = ATTENTION
 
-    def shapes(self, meta: dict, want: dict) -> tuple[Expected, str]:
+    def shapes(self, meta: Meta, want: dict) -> tuple[Expected, str]:
         return _kv_shapes(want)
-
-    def can_cut(self, meta: dict, n: int) -> bool:
-        return 0 <= n <= meta["offset"] < meta["max_size"]
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         meta = {"offset": int(c.offset), "keep": int(c.keep), "max_size": int(c.max_size),
@@ -196,7 +169,7 @@ class _RotatingCodec(_Codec):
             return {}, meta
         return {"k": _fresh(c.keys), "v": _fresh(c.values)}, meta  # new objects: a rotating write is in place
 
-    def decode(self, t: Tensors, meta: dict) -> Any:
+    def decode(self, t: Tensors, meta: Meta) -> Any:
         c = C.RotatingKVCache(max_size=meta["max_size"], keep=meta["keep"])
         if "k" in t:
             c.keys, c.values = _fresh(t["k"]), _fresh(t["v"])
@@ -205,22 +178,13 @@ class _RotatingCodec(_Codec):
 
 
 class _ChunkedCodec(_Codec):
-    """Keys from ``start`` on (mlx-lm drops those before the current attention chunk).
-    A cut to ``n`` is allowed only where the kept keys cover the attention chunk of
-    position ``n`` (``start <= n // chunk * chunk``): llama4 builds its chunk mask from
-    ``start_position``, so position ``n`` attends to keys ``n // chunk * chunk .. n``, which
-    a cut inside the chunk of ``start`` no longer holds (mlx-lm's ``is_trimmable`` says
-    True there: its own LRU hands out such a cache)."""
+    """Keys from ``start`` on (mlx-lm drops those before the current attention chunk; where
+    such a layer may be cut is ``cachelayout``'s)."""
 
     cls = C.ChunkedKVCache
-    family = ATTENTION
 
-    def shapes(self, meta: dict, want: dict) -> tuple[Expected, str]:
+    def shapes(self, meta: Meta, want: dict) -> tuple[Expected, str]:
         return _kv_shapes(want)
-
-    def can_cut(self, meta: dict, n: int) -> bool:
-        size = meta["chunk_size"]
-        return size > 0 and 0 <= n <= meta["offset"] and meta["start"] <= n // size * size
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         meta = {"offset": int(c.offset), "chunk_size": int(c.chunk_size),
@@ -229,7 +193,7 @@ class _ChunkedCodec(_Codec):
             return {}, meta
         return _kv_encode(c, c.offset - c.start_position), meta
 
-    def decode(self, t: Tensors, meta: dict) -> Any:
+    def decode(self, t: Tensors, meta: Meta) -> Any:
         c = C.ChunkedKVCache(meta["chunk_size"])
         if "k" in t:
             c.keys, c.values = _fresh(t["k"]), _fresh(t["v"])
@@ -242,7 +206,7 @@ class _ArraysCodec(_Codec):
 
     cls = C.ArraysCache
 
-    def shapes(self, meta: dict, want: dict) -> tuple[Expected, str]:
+    def shapes(self, meta: Meta, want: dict) -> tuple[Expected, str]:
         """The state arrays the identity records (``layouts.describe_layout``), exactly (but
         for an axis recorded as None: one that grows with the prompt) and all of them
         (state a forward leaves empty is not the model's); without a record, any of
@@ -259,7 +223,7 @@ class _ArraysCodec(_Codec):
         t = {f"a{i}": a for i, a in enumerate(c.cache) if a is not None}
         return t, {"size": len(c.cache)}
 
-    def decode(self, t: Tensors, meta: dict) -> Any:
+    def decode(self, t: Tensors, meta: Meta) -> Any:
         c: Any = C.ArraysCache(meta["size"])
         for i in range(meta["size"]):
             if f"a{i}" in t:
@@ -268,22 +232,12 @@ class _ArraysCodec(_Codec):
 
 
 class _CacheListCodec(_Codec):
-    """Its members in order; a cut must suit every member."""
+    """Its members in order."""
 
     cls = C.CacheList
 
-    def can_cut(self, meta: dict, n: int) -> bool:
-        return all(STORED[m["class"]].can_cut(m, n) for m in meta["sub"])
-
     def holds(self, c: Any) -> str | None:
         return next((why for sub in c.caches if (why := codec_of(sub).holds(sub))), None)
-
-    def check(self, key: str, value: Any) -> None:
-        if key != "sub":
-            super().check(key, value)
-
-    def signature(self, meta: dict) -> dict:
-        return {"class": meta["class"], "sub": layout_signature(meta["sub"])}
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         tensors: Tensors = {}
@@ -294,15 +248,12 @@ class _CacheListCodec(_Codec):
             subs.append(meta)
         return tensors, {"sub": subs}
 
-    def decode(self, t: Tensors, meta: dict) -> Any:
+    def decode(self, t: Tensors, meta: Meta) -> Any:
         subs = []
         for j, m in enumerate(meta["sub"]):
             p = f"s{j}."
             subs.append(decode_layer({k[len(p):]: v for k, v in t.items() if k.startswith(p)}, m))
         return C.CacheList(*subs)
-
-
-_KINDS = {bool: "b", int: "i", float: "f", str: "s"}
 
 
 class _StateCodec(_Codec):
@@ -314,10 +265,6 @@ class _StateCodec(_Codec):
     already imported (the model's own): stored data never imports anything."""
 
     cls = C._BaseCache
-
-    @property
-    def family(self) -> str:
-        return "State"
 
     @staticmethod
     def follows(c: Any) -> bool:
@@ -338,8 +285,8 @@ class _StateCodec(_Codec):
                 items.append(["a"])
             elif v is None:
                 items.append(["n"])
-            elif type(v) in _KINDS and (not isinstance(v, str) or len(v) <= 256):
-                items.append([_KINDS[type(v)], v])
+            elif type(v) in ITEM_KINDS and (not isinstance(v, str) or len(v) <= 256):
+                items.append([ITEM_KINDS[type(v)], v])
             else:
                 raise Unsupported(f"{type(c).__name__}.state holds a {type(v).__name__}")
         try:  # what decode will do: a class whose from_state cannot take its own state is refused
@@ -348,23 +295,13 @@ class _StateCodec(_Codec):
             raise Unsupported(f"{type(c).__name__}.from_state cannot rebuild it from its state ({e})") from None
         return tensors, {"type": f"{type(c).__module__}:{type(c).__qualname__}", "items": items}
 
-    def decode(self, t: Tensors, meta: dict) -> Any:
+    def decode(self, t: Tensors, meta: Meta) -> Any:
         cls = _state_class(meta["type"])
         state = [_fresh(t[f"t{i}"]) if it[0] == "a" else (None if it[0] == "n" else it[1])
                  for i, it in enumerate(meta["items"])]
         return cls.from_state(tuple(state))
 
-    def check(self, key: str, value: Any) -> None:
-        if key == "type" and isinstance(value, str) and len(value) <= 200 and value.startswith("mlx_lm.models."):
-            return
-        if key == "items" and isinstance(value, list) and len(value) <= 64 and all(_item_ok(x) for x in value):
-            return
-        raise ValueError(f"layout field {key}={str(value)[:80]!r} is not a state description")
-
-    def signature(self, meta: dict) -> dict:
-        return {"class": meta["class"], "type": meta["type"], "items": [x[0] for x in meta["items"]]}
-
-    def shapes(self, meta: dict, want: dict) -> tuple[Expected, str]:
+    def shapes(self, meta: Meta, want: dict) -> tuple[Expected, str]:
         """Every array item; where the identity records it, of its number of axes, batch and
         dtype (which axis holds tokens is the class's own: not known here)."""
         rec, dts = want.get("shapes") or {}, want.get("dtypes") or {}
@@ -374,15 +311,6 @@ class _StateCodec(_Codec):
                 s = rec.get(f"t{i}")
                 out[f"t{i}"] = ((*s[:1], *[None] * (len(s) - 1)) if isinstance(s, list) else (...,), dts.get(f"t{i}"))
         return out, ALL
-
-
-def _item_ok(x: Any) -> bool:
-    if not isinstance(x, list) or not x or x[0] not in ("a", "n", *_KINDS.values()):
-        return False
-    if x[0] in ("a", "n"):
-        return len(x) == 1
-    kind = {v: k for k, v in _KINDS.items()}[x[0]]
-    return len(x) == 2 and type(x[1]) is kind and (not isinstance(x[1], str) or len(x[1]) <= 256)
 
 
 def _state_class(name: str) -> type[C._BaseCache]:
@@ -405,8 +333,8 @@ CODECS: dict[str, _Codec] = {
 
 
 STATE = _StateCodec()
-_PLAIN = _Codec()
 STORED: dict[str, _Codec] = {**CODECS, "State": STATE}  # every class name a stored layout may hold
+assert set(STORED) == set(CLASSES), "cachelayout.CLASSES names every stored class, codec encodes each"
 
 
 def codec_of(c: Any) -> _Codec:
@@ -429,7 +357,7 @@ def encode_layer(c: Any) -> tuple[Tensors, dict]:
     return tensors, meta
 
 
-def decode_layer(t: Tensors, meta: dict) -> Any:
+def decode_layer(t: Tensors, meta: Meta) -> Any:
     codec = STORED.get(meta.get("class", ""))
     if codec is None:
         raise Unsupported(f"unknown cache class in stored layout: {meta.get('class')!r}")
@@ -441,12 +369,12 @@ def encode_cache(cache: list[Any]) -> tuple[Tensors, Layout]:
     if not isinstance(cache, (list, tuple)) or not cache:
         raise Unsupported(f"a prompt cache is a non-empty list of cache objects, got {type(cache).__name__}")
     tensors: Tensors = {}
-    layout: Layout = []
+    metas = []
     for i, c in enumerate(cache):
         t, meta = encode_layer(c)
         tensors.update({f"{i}.{k}": v for k, v in t.items()})
-        layout.append(meta)
-    return tensors, layout
+        metas.append(meta)
+    return tensors, Layout.of(metas)
 
 
 def decode_cache(tensors: Tensors, layout: Layout) -> list[Any]:
@@ -456,14 +384,6 @@ def decode_cache(tensors: Tensors, layout: Layout) -> list[Any]:
         p = f"{i}."
         out.append(decode_layer({k[len(p):]: v for k, v in tensors.items() if k.startswith(p)}, meta))
     return out
-
-
-def flat_layout(layout: Layout) -> list[dict]:
-    """Layer metas with CacheList members in their place."""
-    flat: list[dict] = []
-    for meta in layout:
-        flat.extend(flat_layout(meta["sub"]) if meta["class"] == "CacheList" else [meta])
-    return flat
 
 
 def flat_layers(cache: Sequence[Any]) -> list[Any]:
@@ -491,58 +411,6 @@ def layer_arrays(layer: Any) -> list[mx.array]:
     return out
 
 
-_INT_FIELDS = ("offset", "keep", "max_size", "idx", "chunk_size", "start", "group_size", "bits", "size")
-MAX_LAYERS = 4096
-MAX_ARRAYS = 1024  # an ArraysCache's size
-
-
-def check_layout(obj: Any, depth: int = 0) -> Layout:
-    """``obj`` if it is a layout this codec wrote (a list of layer metas of known classes
-    whose fields are bounded integers, CacheList nesting at most two deep), else
-    ValueError naming what is wrong. Nothing else about a stored layout is trusted before
-    it passed this and the identity's layout check."""
-    if not isinstance(obj, list) or not 0 < len(obj) <= MAX_LAYERS or depth > 2:
-        raise ValueError("a layout is a non-empty list of layer metas")
-    for m in obj:
-        if not isinstance(m, dict) or m.get("class") not in STORED:
-            raise ValueError(f"unknown cache class in a stored layout: {str(m)[:80]!r}")
-        for k, v in m.items():
-            if k in _INT_FIELDS:
-                if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 31:
-                    raise ValueError(f"layout field {k}={v!r} out of range")
-            elif k == "sub" and m["class"] == "CacheList":
-                check_layout(v, depth + 1)
-            elif k != "class":
-                STORED[m["class"]].check(k, v)
-        if m["class"] == "ArraysCache" and not 0 < m.get("size", 0) <= MAX_ARRAYS:
-            raise ValueError(f"ArraysCache size {m.get('size')!r} out of range")
-    return obj
-
-
-def is_chunkable(layout: Layout, n_tokens: int) -> bool:
-    """True when every layer is plain or quantised KV holding exactly ``n_tokens`` positions:
-    such a cache can be cut into token chunks and glued back (prefix reuse at any length)."""
-    return all(STORED[m["class"]].chunkable and m["offset"] == n_tokens for m in flat_layout(layout))
-
-
-def with_offset(layout: Layout, n: int) -> Layout:
-    """A chunkable layout re-labelled to hold ``n`` tokens."""
-    out = []
-    for meta in layout:
-        meta = dict(meta)
-        if meta["class"] == "CacheList":
-            meta["sub"] = with_offset(meta["sub"], n)
-        else:
-            meta["offset"] = n
-        out.append(meta)
-    return out
-
-
-def layout_signature(layout: Layout) -> list:
-    """The layout without lengths: classes and their parameters, for identity checks."""
-    return [STORED.get(m.get("class", ""), _PLAIN).signature(m) for m in layout]
-
-
 def slice_tokens(tensors: Tensors | dict, a: int, b: int) -> dict:
     """Token range [a, b) of chunkable tensors (token axis is -2); works on mx or numpy."""
     return {k: v[..., a:b, :] for k, v in tensors.items()}
@@ -554,44 +422,14 @@ def cache_nbytes(tensors: Tensors) -> int:
 
 def trimmable(cache: list[Any]) -> bool:
     """mlx-lm's own answer (every layer's ``is_trimmable``): not kvstore's cut rule, which
-    is ``can_cut`` (mlx-lm says True for a ChunkedKVCache at any cut point)."""
+    is ``Layout.can_cut`` (mlx-lm says True for a ChunkedKVCache at any cut point)."""
     return bool(cache) and all(c.is_trimmable() for c in cache)
 
 
-def layout_length(layout: Layout) -> int | None:
-    """Positions a stored layout holds: its smallest ``offset`` (None for recurrent state
-    alone, which records no length)."""
-    offs = [m["offset"] for m in flat_layout(layout) if "offset" in m]
-    return min(offs) if offs else None
-
-
-def can_cut(layout: Layout, n: int) -> bool:
-    """Whether a cache of ``layout`` cut back to ``n`` positions is, in everything the
-    model reads, the cache a cold prefill of those ``n`` tokens leaves: at its own length
-    always; below it only where every layer's codec allows that cut point."""
-    held = layout_length(layout)
-    if held is None or not 0 <= n <= held:
-        return False
-    return n == held or all(STORED[m["class"]].can_cut(m, n) for m in layout)
-
-
-def layout_trimmable(layout: Layout) -> bool:
-    """Whether some cut below its length is allowed (cut points are upward-closed: the
-    last one is allowed if any is). What an entry record's ``trimmable`` flag says."""
-    held = layout_length(layout)
-    return held is not None and held > 0 and can_cut(layout, held - 1)
-
-
-def covers_prefixes(layout: Layout) -> bool:
-    """Whether every prefix of the snapshot can be cut from it (so it stands in for the
-    stored snapshots of its prefixes, mlx-lm's rule for trimmable entries)."""
-    return can_cut(layout, 0)
-
-
 def cache_can_cut(cache: list[Any], n: int) -> bool:
-    """``can_cut`` for live cache objects (False for objects kvstore cannot encode)."""
+    """``Layout.can_cut`` for live cache objects (False for objects kvstore cannot encode)."""
     try:
-        return can_cut(encode_cache(cache)[1], n)
+        return encode_cache(cache)[1].can_cut(n)
     except Unsupported:
         return False
 
@@ -599,7 +437,7 @@ def cache_can_cut(cache: list[Any], n: int) -> bool:
 def cuts_anywhere(cache: list[Any]) -> bool:
     """Whether caches of these classes can be cut at any point, whatever they hold (plain
     and quantised KV only): a family that needs no message-boundary snapshots."""
-    return bool(cache) and all(c is not None and getattr(CODECS.get(type(c).__name__), "chunkable", False)
+    return bool(cache) and all(c is not None and type(c).__name__ in CODECS and CLASSES[type(c).__name__].chunkable
                                for c in flat_layers(cache))
 
 

@@ -32,10 +32,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import xxhash
 
-from . import alloc, blobs, written
-from .cuts import CutRefused, bound, serves
+from . import alloc, files, segments, bytes_written as written
+from .cachelayout import Layout
+from .served_tokens import CutRefused, bound, serves
 from .identity import Identity
-from .layouts import ArraySpec
+from .layouts import ArraySpec, layout_problem
 from .index import Index, IndexOpenError, Reader, WriteTxn, chunk_size
 from .keys import TOKEN_BYTES, chunk_key, encode_tokens, entry_key
 from .misses import Near
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore")
 
 # Reads of one restore in flight at once, on reader threads (each a span of a segment, see
-# ``blobs.SegmentRead``): preadv and xxhash release the GIL, so reads overlap each other
+# ``segments.SegmentRead``): preadv and xxhash release the GIL, so reads overlap each other
 # and the hashing. Cold, the device is kept busy (it was also told to read everything
 # ahead, while MLX allocates); warm, the copies and hashes spread over every core.
 READ_THREADS = 8
@@ -85,7 +86,7 @@ class Restored:
 
     cache: list[Any]
     tensors: dict[str, Any]
-    layout: list
+    layout: Layout
     n: int
     nbytes: int
 
@@ -93,13 +94,13 @@ class Restored:
 @dataclass
 class PersistJob:
     """One cache snapshot to persist, prepared on the caller's thread: ``key`` is the entry
-    key of ``tokens`` (computed once), ``tensors`` ``blobs.host_views`` of the cache."""
+    key of ``tokens`` (computed once), ``tensors`` ``segments.host_views`` of the cache."""
 
     identity: Identity
     tokens: bytes
     key: bytes
     tensors: dict[str, tuple[str, Any]]
-    layout: list
+    layout: Layout
     cache_type: str = "assistant"
     created: float = field(default_factory=time.time)
     query: Query | None = None  # ``tokens`` as a Query whose chain a caller may have hashed already
@@ -116,22 +117,19 @@ class PersistJob:
         return self.query
 
 
-LayoutCheck = Callable[[dict[str, ArraySpec], list], "str | None"]
-
-
 class DiskTier:
     """Pack files + index of one cache directory. ``shared_dir``: a group shares the
     directory on purpose (files 0660, directories 2770, the directory's group: see
-    ``blobs.Modes``) instead of private (0600, 0700)."""
+    ``files.Modes``) instead of private (0600, 0700)."""
 
     def __init__(self, root: Path, *, chunk_tokens: int = 256, readonly: bool = False,
                  shared_dir: bool = False) -> None:
         self.root = Path(root)
         self.blob_root = self.root / "blobs"
-        self.modes = blobs.Modes.of(self.root, shared_dir)
+        self.modes = files.Modes.of(self.root, shared_dir)
         if not readonly:
             for d in (self.root / "index", self.blob_root):
-                blobs.make_dir(d, self.modes)
+                files.make_dir(d, self.modes)
         self.index = Index(self.root, readonly=readonly, modes=self.modes)
         # The chunk size is part of the directory's format (it places every key boundary):
         # the first opener fixes it, later openers use it whatever they ask for.
@@ -169,20 +167,19 @@ class DiskTier:
 
     # -- restore -----------------------------------------------------------------------
 
-    def restore(self, plan: Plan, ident: Identity, check: LayoutCheck | None = None) -> Restored:
+    def restore(self, plan: Plan, ident: Identity) -> Restored:
         """Read a plan's segments (verified) and build live caches holding ``plan.n`` tokens.
 
-        ``check(specs, layout)`` names why the stored layout does not fit the model (see
-        ``layouts.layout_problem``); it runs on the segments' headers, before anything is
-        allocated. Raises BlobError (naming the record in ``err.record``) when a record's
+        The stored layout must fit ``ident``'s model (``layouts.layout_problem``), checked
+        on the segments' headers before anything is allocated. Raises BlobError (naming the record in ``err.record``) when a record's
         bytes are bad, anything else (OSError, MemoryError, RuntimeError) as it is; then
         nothing is returned and the arrays being filled are dropped.
         Raises ``CutRefused`` (before allocating) when the plan cuts a snapshot at a point
-        its layout refuses (``codec.can_cut``): the entry is valid, the query a miss."""
+        its layout refuses (``Layout.can_cut``): the entry is valid, the query a miss."""
         pieces = self.index.view(lambda r: _pieces(r, plan))
         with _Packs(self.blob_root) as packs, ThreadPoolExecutor(READ_THREADS, "kvstore-restore") as pool:
             heads = [_header(packs, p) for p in pieces]
-            layout, specs = _checked(pieces, heads, ident, plan, self.chunk, check)
+            layout, specs = _checked(pieces, heads, ident, plan, self.chunk)
             for p in pieces:  # the device reads ahead while MLX allocates the arrays
                 pool.submit(packs.prefetch, p)
             reading = _Reading(pool, packs, pieces, heads, plan.chunked)
@@ -199,8 +196,7 @@ class DiskTier:
         return _built(plan, pieces, specs, arrays, layout)
 
     def restore_framed(self, ident: Identity, key: bytes, rec: EntryRecord, n: int,
-                       chunks: list[tuple[bytes, ChunkRecord, bytes, Any]], tail: Any,
-                       check: LayoutCheck | None = None) -> Restored:
+                       chunks: list[tuple[bytes, ChunkRecord, bytes, Any]], tail: Any) -> Restored:
         """``n`` tokens of the entry ``import_entry`` would file (every chunk of ``rec``
         given: nothing is read from here), restored straight from the segment bytes in
         memory (a shared hit, before it is written here): each segment checked as
@@ -216,8 +212,8 @@ class DiskTier:
         for p, d in zip(pieces, data):
             with _blame(*p.record):
                 hlen = int.from_bytes(bytes(d[:8]), "little") if len(d) >= 8 else 0
-                heads.append(blobs.parse_header(bytes(d[: 8 + min(hlen, len(d))]), len(d)))
-        layout, specs = _checked(pieces, heads, ident, plan, C, check)
+                heads.append(segments.parse_header(bytes(d[: 8 + min(hlen, len(d))]), len(d)))
+        layout, specs = _checked(pieces, heads, ident, plan, C)
         arrays, hosts = alloc.alloc(specs)
         for p, d, h in zip(pieces, data, heads):
             with _blame(*p.record):
@@ -231,11 +227,9 @@ class DiskTier:
         transaction; returns the pack bytes written (0 if the entry already existed).
         Chunks already indexed are shared, not written. Raises OSError on a failed write
         (nothing is indexed then, and the pack file is removed)."""
-        from . import codec  # lazy: keeps mlx_lm (3 s) out of CLI start-up
-
         C = self.chunk
         bounds = job.chained(C).bounds
-        chunked = codec.is_chunkable(job.layout, job.n)
+        chunked = job.layout.chunkable(job.n)
         K = len(bounds) - 1 if chunked else 0
         held = self.index.view(lambda r: None if r.raw("entries", job.key) else
                                {bounds[k + 1]: _readable_chunk(r, bounds[k + 1]) for k in range(K)
@@ -248,7 +242,7 @@ class DiskTier:
         gone = _missing_files(self.blob_root, held)
         have: set[bytes] = set(held) - set(gone)
         for _attempt in range(3):
-            writer = blobs.PackWriter(self.blob_root, modes=self.modes)
+            writer = segments.PackWriter(self.blob_root, modes=self.modes)
             try:
                 new, tail = _write_segments(writer, job, bounds, K, chunked, have, C)
                 if writer.size:
@@ -282,8 +276,7 @@ class DiskTier:
         return self.index.view(run)
 
     def import_entry(self, ident: Identity, key: bytes, rec: EntryRecord, tokens: bytes,
-                     chunks: list[tuple[bytes, ChunkRecord, bytes, bytes]], tail: bytes,
-                     check: LayoutCheck | None = None) -> Commit:
+                     chunks: list[tuple[bytes, ChunkRecord, bytes, bytes]], tail: bytes) -> Commit:
         """File segments framed elsewhere (another machine's, from a shared tier) as entry
         ``key`` of ``tokens``: ``rec`` its record (its tail segment's place is ignored),
         ``chunks`` the (key, record, token ids, segment bytes) of its chunks not indexed
@@ -292,7 +285,7 @@ class DiskTier:
 
         Before anything is written, every segment is checked as ``restore`` checks it: its
         header's metadata names this record, identity and token range, all share one
-        layout, and ``check`` accepts it. Then, as ``persist`` does: one new pack,
+        layout, and it fits ``ident``'s model. Then, as ``persist`` does: one new pack,
         checksums verified as it is written, synced, and one transaction (``_commit``:
         chunks indexed meanwhile are shared, the pack re-checked). Returns ``Commit``: OK,
         EXISTS or RETRY (a gc removed what it needed; nothing is indexed). Raises
@@ -305,13 +298,13 @@ class DiskTier:
         heads = []
         for p, d in zip(pieces, data):
             with _blame(*p.record):
-                heads.append(blobs.parse_header(d, len(d)))
+                heads.append(segments.parse_header(d, len(d)))
         if pieces:
-            _checked(pieces, heads, ident, plan, C, check)
+            _checked(pieces, heads, ident, plan, C)
         have = set(rec.chunks) - {ck for ck, *_ in chunks}
         now = time.time()
-        job = PersistJob(ident, tokens, key, {}, [], rec.cache_type, now)
-        writer = blobs.PackWriter(self.blob_root, modes=self.modes)
+        job = PersistJob(ident, tokens, key, {}, Layout(), rec.cache_type, now)
+        writer = segments.PackWriter(self.blob_root, modes=self.modes)
         try:
             segs = []
             for p, d in zip(pieces, data):
@@ -355,13 +348,13 @@ class DiskTier:
     def segment_bytes(self, seg: Segment) -> bytes:
         """A segment's bytes as its pack file holds them, verified against its checksum
         (kvstore's own files only); BlobError otherwise."""
-        fd = blobs.open_own(blobs.pack_path(self.blob_root, seg.pack))
+        fd = files.open_own(files.pack_path(self.blob_root, seg.pack))
         try:
             data = os.pread(fd, seg.length, seg.offset)
         finally:
             os.close(fd)
         if len(data) != seg.length or xxhash.xxh3_128_digest(data) != seg.checksum:
-            raise blobs.BlobError(f"pack {seg.pack.hex()[:12]}: segment is short or does not match its checksum")
+            raise files.BlobError(f"pack {seg.pack.hex()[:12]}: segment is short or does not match its checksum")
         return data
 
     # -- removal -----------------------------------------------------------------------
@@ -551,7 +544,7 @@ def _need(r: Reader, kind: Kind, key: bytes) -> Any:
 
 
 class _Packs:
-    """The pack files of one restore (kvstore's own files only, see ``blobs``), opened as
+    """The pack files of one restore (kvstore's own files only, see ``files``), opened as
     its reads need them: one descriptor per pack while reads of it are in flight, and at
     most ``OPEN`` idle ones kept for the next read (the least recently used is closed).
 
@@ -584,7 +577,7 @@ class _Packs:
                 fd = self._idle.pop(pack, None)
                 if fd is None:
                     with _blame(*piece.record):
-                        fd = blobs.open_own(blobs.pack_path(self.blob_root, pack))
+                        fd = files.open_own(files.pack_path(self.blob_root, pack))
                 got = self._busy[pack] = [fd, 1]
         try:
             yield got[0]
@@ -598,12 +591,12 @@ class _Packs:
                         os.close(self._idle.popitem(last=False)[1])
 
     def prefetch(self, piece: _Piece) -> None:
-        """Have the OS read ``piece``'s segment ahead (``blobs.prefetch``; advice only,
+        """Have the OS read ``piece``'s segment ahead (``files.prefetch``; advice only,
         nothing raised: the read that follows reports any failure)."""
         try:
             with self.use(piece) as fd:
-                blobs.prefetch(fd, piece.segment.offset, piece.segment.length)
-        except (OSError, blobs.BlobError):
+                files.prefetch(fd, piece.segment.offset, piece.segment.length)
+        except (OSError, files.BlobError):
             pass
 
     def __enter__(self) -> "_Packs":
@@ -632,69 +625,63 @@ def _open_cap() -> int:
     return max(64, min(1024, soft // 2 - 64))
 
 
-def _header(packs: _Packs, p: _Piece) -> blobs.Header:
+def _header(packs: _Packs, p: _Piece) -> segments.Header:
     with packs.use(p) as fd, _blame(*p.record):
         if os.fstat(fd).st_size < p.segment.end:
-            raise blobs.BlobError(f"pack {p.segment.pack.hex()[:12]} is shorter than its segment")
-        return blobs.read_header(fd, p.segment, f"{p.record[0]} {p.record[1].hex()[:12]}")
+            raise files.BlobError(f"pack {p.segment.pack.hex()[:12]} is shorter than its segment")
+        return segments.read_header(fd, p.segment, f"{p.record[0]} {p.record[1].hex()[:12]}")
 
 
-def _check_pieces(pieces: list[_Piece], heads: list[blobs.Header], ident: Identity, plan: Plan, C: int) -> list:
+def _check_pieces(pieces: list[_Piece], heads: list[segments.Header], ident: Identity, plan: Plan, C: int) -> Layout:
     """The stored layout, once every piece's header says it is the record's own segment
     (key, kind, identity, token range) and all pieces share one layout. Headers are not
     verified yet: this only decides what to allocate (bounded by the segments' sizes);
     the checksums decide what is handed out."""
-    from . import codec
-
     layout = None
     for p, h in zip(pieces, heads):
         with _blame(*p.record):
             try:
                 stored = SegmentMeta(ident.hex, p.kind, p.record[1], p.lo, p.hi).expect(h.meta)
             except SegmentMismatch as e:
-                err = blobs.BlobError(str(e))
+                err = files.BlobError(str(e))
                 err.foreign = e.foreign
                 raise err from None
             try:
-                got = codec.check_layout(stored)
+                got = Layout.from_json(stored)
             except (ValueError, RecursionError) as e:
-                raise blobs.BlobError(f"the segment's layout is unusable: {e}") from None
+                raise files.BlobError(f"the segment's layout is unusable: {e}") from None
             if layout is None:
                 layout = got
-            elif codec.layout_signature(got) != codec.layout_signature(layout):
-                raise blobs.BlobError("the segments of one entry disagree on its layout")
-            if plan.chunked and not codec.is_chunkable(got, p.hi - p.lo):
-                raise blobs.BlobError("a chunked piece holds a layout that cannot be chunked")
+            elif got.signature() != layout.signature():
+                raise files.BlobError("the segments of one entry disagree on its layout")
+            if plan.chunked and not got.chunkable(p.hi - p.lo):
+                raise files.BlobError("a chunked piece holds a layout that cannot be chunked")
     return layout  # type: ignore[return-value]
 
 
-def _checked(pieces: list[_Piece], heads: list[blobs.Header], ident: Identity, plan: Plan, C: int,
-             check: LayoutCheck | None) -> tuple[list, blobs.Specs]:
-    """The stored layout and the restored arrays' specs, once ``_check_pieces`` and
-    ``check`` (the identity's layout check, on the specs) accept the pieces; CutRefused
+def _checked(pieces: list[_Piece], heads: list[segments.Header], ident: Identity, plan: Plan,
+             C: int) -> tuple[Layout, segments.Specs]:
+    """The stored layout and the restored arrays' specs, once ``_check_pieces`` and the
+    identity's layout check (``layouts.layout_problem``, on the specs) accept the pieces; CutRefused
     if the plan cuts a snapshot where its layout does not allow (nothing allocated yet)."""
     layout = _check_pieces(pieces, heads, ident, plan, C)
     with _blame(*pieces[0].record):
         specs = _final_specs(heads[0], plan) if plan.chunked else heads[0].specs
-    if check is not None:
-        with _blame(*pieces[-1].record):
-            why = check({n: ArraySpec(s, blobs.mlx_dtype_name(st)) for n, (st, s) in specs.items()}, layout)
-            if why:
-                raise blobs.BlobError(f"stored cache does not fit the model: {why}")
-    if not plan.chunked and plan.n < plan.stored_n:
-        from . import codec  # lazy: keeps mlx_lm out of CLI start-up
-
-        if not codec.can_cut(layout, plan.n):
-            raise CutRefused(f"a snapshot of {plan.stored_n} tokens cannot be cut to {plan.n}")
+    with _blame(*pieces[-1].record):
+        why = layout_problem(ident, {n: ArraySpec(s, segments.mlx_dtype_name(st)) for n, (st, s) in specs.items()}, layout)
+        if why:
+            raise files.BlobError(f"stored cache does not fit the model: {why}")
+    if not plan.chunked and plan.n < plan.stored_n and not layout.can_cut(plan.n):
+        raise CutRefused(f"a snapshot of {plan.stored_n} tokens cannot be cut to {plan.n}")
     return layout, specs
 
 
-def _final_specs(first: blobs.Header, plan: Plan) -> blobs.Specs:
+def _final_specs(first: segments.Header, plan: Plan) -> segments.Specs:
     """The restored arrays' specs: the first piece's, at ``stored_n`` tokens."""
     specs = {}
     for name, (st, shape) in first.specs.items():
         if len(shape) < 2:
-            raise blobs.BlobError(f"tensor {name!r} has no token axis")
+            raise files.BlobError(f"tensor {name!r} has no token axis")
         specs[name] = (st, (*shape[:-2], plan.stored_n, shape[-1]))
     return specs
 
@@ -702,16 +689,16 @@ def _final_specs(first: blobs.Header, plan: Plan) -> blobs.Specs:
 class _Reading:
     """A restore's reads: every piece read into its token slice of the arrays (chunked) or
     into the arrays whole (a snapshot), span by span on ``pool`` as the arrays are
-    ``add``-ed (in file order), each piece hashed as its spans land (``blobs.SegmentRead``).
+    ``add``-ed (in file order), each piece hashed as its spans land (``segments.SegmentRead``).
     ``finish`` returns when every piece verified and raises the first failure."""
 
     def __init__(self, pool: ThreadPoolExecutor, packs: _Packs, pieces: list[_Piece],
-                 heads: list[blobs.Header], chunked: bool) -> None:
+                 heads: list[segments.Header], chunked: bool) -> None:
         self.pool, self.packs, self.pieces, self.chunked = pool, packs, pieces, chunked
         self.reads = []
         for p, h in zip(pieces, heads):
             with _blame(*p.record):  # each span borrows its pack's descriptor as it is read
-                self.reads.append(blobs.SegmentRead(-1, p.segment, h, f"{p.record[0]} {p.record[1].hex()[:12]}"))
+                self.reads.append(segments.SegmentRead(-1, p.segment, h, f"{p.record[0]} {p.record[1].hex()[:12]}"))
         self.futures: list[Future] = []
 
     def add(self, hosts: dict[str, np.ndarray]) -> None:
@@ -740,16 +727,16 @@ class _Reading:
         wait(self.futures)
 
 
-def _built(plan: Plan, pieces: list[_Piece], specs: blobs.Specs, arrays: dict[str, Any], layout: list) -> Restored:
+def _built(plan: Plan, pieces: list[_Piece], specs: segments.Specs, arrays: dict[str, Any], layout: Layout) -> Restored:
     """The live caches holding ``plan.n`` tokens from filled arrays (see ``restore``)."""
-    from . import codec
+    from . import codec  # lazy: keeps mlx_lm (3 s) out of CLI start-up
 
     tensors = {name: alloc.finish(specs[name][0], a) for name, a in arrays.items()}
     nbytes = sum(p.segment.length for p in pieces)
     with _blame(*pieces[-1].record):  # verified bytes whose layout does not decode: the record's
         if plan.chunked:
             tensors = codec.slice_tokens(tensors, 0, plan.n)
-            layout = codec.with_offset(layout, plan.n)
+            layout = layout.with_offset(plan.n)
         cache = codec.decode_cache(tensors, layout)
         if not plan.chunked and plan.n < plan.stored_n:
             for c in cache:
@@ -785,42 +772,42 @@ def _framed(key: bytes, rec: EntryRecord, chunks: list[tuple[bytes, ChunkRecord,
     return pieces, data
 
 
-def _copy_into(data: Any, header: blobs.Header, dests: dict[str, np.ndarray]) -> None:
+def _copy_into(data: Any, header: segments.Header, dests: dict[str, np.ndarray]) -> None:
     """A segment's tensors (bytes in memory, checksum already verified) copied into
-    ``dests`` as ``blobs.read_into`` reads them from a file."""
+    ``dests`` as ``segments.read_into`` reads them from a file."""
     import numpy as np
     if set(dests) != set(header.specs):
-        raise blobs.BlobError(f"tensors {sorted(header.specs)}, expected {sorted(dests)}")
+        raise files.BlobError(f"tensors {sorted(header.specs)}, expected {sorted(dests)}")
     pos = header.start
     for tname, (st, shape) in header.specs.items():
-        d, dt = dests[tname], blobs.host_dtype(st)
+        d, dt = dests[tname], segments.host_dtype(st)
         if d.shape != shape or d.dtype != dt:
-            raise blobs.BlobError(f"tensor {tname!r} is {st} {list(shape)}, expected {list(d.shape)} {d.dtype}")
+            raise files.BlobError(f"tensor {tname!r} is {st} {list(shape)}, expected {list(d.shape)} {d.dtype}")
         count = int(np.prod(shape))
         np.copyto(d, np.frombuffer(data, dt, count, pos).reshape(shape))
         pos += count * dt.itemsize
     if pos != len(data):
-        raise blobs.BlobError(f"tensors end at {pos}, the segment at {len(data)}")
+        raise files.BlobError(f"tensors end at {pos}, the segment at {len(data)}")
 
 
 @contextmanager
 def _blame(kind: str, key: bytes) -> Iterator[None]:
     """A failure in the block that is the record's or its file's becomes a BlobError naming
     the record (``err.record``): the one way a restore says a record's bytes are bad
-    (``errors.names_record``). Anything else passes as it is: an OSError ``blobs`` leaves
+    (``errors.names_record``). Anything else passes as it is: an OSError ``files`` leaves
     raised (EMFILE, EIO, ENOMEM...), MemoryError, RuntimeError (a thread that cannot start,
     an MLX allocation refused) is about the process or the system, not this record."""
     try:
         yield
-    except blobs.BlobError as e:
+    except files.BlobError as e:
         e.record = (kind, key)
         raise
     except (KeyError, TypeError, ValueError) as e:  # an unusable record or file
         raise _blamed((kind, key), f"{type(e).__name__}: {e}") from None
 
 
-def _blamed(record: tuple[str, bytes], why: str) -> blobs.BlobError:
-    err = blobs.BlobError(f"{record[0]} {record[1].hex()[:12]}: {why}")
+def _blamed(record: tuple[str, bytes], why: str) -> files.BlobError:
+    err = files.BlobError(f"{record[0]} {record[1].hex()[:12]}: {why}")
     err.record = record
     return err
 
@@ -832,19 +819,19 @@ def _meta(job: PersistJob, kind: str, key: bytes, lo: int, hi: int, layout: list
     return SegmentMeta(job.identity.hex, kind, key, lo, hi, layout).to_meta()
 
 
-def _write_segments(w: blobs.PackWriter, job: PersistJob, bounds: list[bytes], K: int, chunked: bool,
+def _write_segments(w: segments.PackWriter, job: PersistJob, bounds: list[bytes], K: int, chunked: bool,
                     have: set[bytes], C: int) -> tuple[dict[bytes, tuple[ChunkRecord, bytes]], Segment | None]:
     """Append the job's chunks not in ``have``, then its tail or snapshot, to one pack.
     Returns the new chunks' records (and token ids) and the tail / snapshot segment."""
     import numpy as np
-    from . import codec
 
     n, enc = job.n, job.tokens
     host = {nm: (st, np.asarray(a)) for nm, (st, a) in job.tensors.items()}  # no MLX op on this thread
     if not chunked:
-        return {}, w.add(host, _meta(job, "snapshot", job.key, 0, n, job.layout))
+        return {}, w.add(host, _meta(job, "snapshot", job.key, 0, n, job.layout.to_json()))
+    # the layouts its chunks and its tail record, as JSON once (each chunk's is the same)
+    chunk_layout, tail_layout = (job.layout.with_offset(m).to_json() for m in (C, n - K * C))
     new: dict[bytes, tuple[ChunkRecord, bytes]] = {}
-    chunk_layout = codec.with_offset(job.layout, C)
     for k in range(K):
         ck = bounds[k + 1]
         if ck not in have:
@@ -854,15 +841,12 @@ def _write_segments(w: blobs.PackWriter, job: PersistJob, bounds: list[bytes], K
     if n == K * C:
         return new, None
     part = {nm: (st, a[..., K * C : n, :]) for nm, (st, a) in host.items()}
-    return new, w.add(part, _meta(job, "tail", job.key, K * C, n, codec.with_offset(job.layout, n - K * C)))
+    return new, w.add(part, _meta(job, "tail", job.key, K * C, n, tail_layout))
 
 
 def _entry_record(job: PersistJob, bounds: list[bytes], K: int, chunked: bool, tail: Segment | None,
                   C: int) -> EntryRecord:
-    from . import codec
-
-    return EntryRecord(job.identity.digest, job.n, C, chunked,
-                       chunked or codec.layout_trimmable(job.layout), bounds[-1],
+    return EntryRecord(job.identity.digest, job.n, C, chunked, chunked or job.layout.trimmable, bounds[-1],
                        tuple(bounds[1 : K + 1]), tail, job.cache_type, float(job.created),
                        float(job.created), 0, False)
 
@@ -885,15 +869,15 @@ def _missing_files(blob_root: Path, held: dict[bytes, ChunkRecord | None]) -> di
         seg = crec.segment
         if seg.pack not in sizes:
             try:
-                sizes[seg.pack] = os.stat(blobs.pack_path(blob_root, seg.pack), follow_symlinks=False).st_size
-            except (OSError, blobs.BlobError):
+                sizes[seg.pack] = os.stat(files.pack_path(blob_root, seg.pack), follow_symlinks=False).st_size
+            except (OSError, files.BlobError):
                 sizes[seg.pack] = -1
         if sizes[seg.pack] < seg.offset + seg.length:
             out[ck] = seg
     return out
 
 
-def _commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: blobs.PackWriter,
+def _commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: segments.PackWriter,
             new: dict[bytes, tuple[ChunkRecord, bytes]], have: set[bytes],
             gone: dict[bytes, Segment] | None = None) -> Commit:
     """The persist's one write transaction: OK, EXISTS (the entry is already indexed) or

@@ -19,16 +19,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .counters import Counters
-from .cuts import CutRefused
+from .served_tokens import CutRefused
 from .disk import Commit, DiskTier, PersistJob, Plan, Restored
-from .errors import DiskErrors, names_record
+from .disk_errors import DiskErrors, names_record
 from .identity import Identity
 from .index import IndexFailure
-from .layouts import layout_problem
+from .cachelayout import Layout
 from .misses import Near
 from .query import Query
 from .writes import WritePath
-from . import blobs
+from . import files
 
 if TYPE_CHECKING:
     from .shared.tier import SharedTier
@@ -78,8 +78,7 @@ class Fleet:
         """A whole entry received: restored from its bytes, filed on disk behind."""
         try:
             t0 = time.perf_counter()
-            got = self.disk.restore_framed(ident, found.key, found.record, found.n, found.chunks, found.tail,
-                                           lambda specs, layout: layout_problem(ident, specs, layout))
+            got = self.disk.restore_framed(ident, found.key, found.record, found.n, found.chunks, found.tail)
         except CutRefused:  # the plan cuts the snapshot where its layout does not allow: a miss, kept
             self.counters.add("refused_cuts")
             return False
@@ -109,13 +108,12 @@ class Fleet:
         writer's); True if it is indexed there now. Never raises."""
         chunks = [(ck, rec, toks, bytes(seg)) for ck, rec, toks, seg in found.chunks]
         try:
-            job = PersistJob(ident, bytes(found.tokens), found.key, {}, [], found.record.cache_type)
+            job = PersistJob(ident, bytes(found.tokens), found.key, {}, Layout(), found.record.cache_type)
             if self.writes.admit(job, framed=True) is None:  # the policy or the budget says no: nothing written
                 return False
             self.writes.describe(ident)
-            status = self.disk.import_entry(ident, found.key, found.record, found.tokens, chunks, bytes(found.tail),
-                                            lambda specs, layout: layout_problem(ident, specs, layout))
-        except (blobs.BlobError, OSError, IndexFailure) as e:
+            status = self.disk.import_entry(ident, found.key, found.record, found.tokens, chunks, bytes(found.tail))
+        except (files.BlobError, OSError, IndexFailure) as e:
             bad = names_record(e)
             if bad is not None:  # verified bytes that do not fit this model or directory
                 self.tier.drop(*bad, ident.digest)

@@ -25,7 +25,7 @@ mlx / mlx-lm versions are recorded, not hashed: the code digest is what decides.
 process notices a model directory that changed under it (see ``KVStore.identity``): a
 fixed set whatever the directory holds (it is taken on every fetch and insert).
 
-A model directory is not kvstore's: every file of it is read through ``blobs.read_foreign``
+A model directory is not kvstore's: every file of it is read through ``files.read_foreign``
 / ``open_foreign`` (non-blocking open, regular files only), and a directory holding a FIFO,
 device or socket is refused before mlx-lm opens anything in it (``check_model_dir``), so a
 directory named by a file's metadata can never block an import or a server.
@@ -47,7 +47,7 @@ from typing import Any
 
 import xxhash
 
-from .blobs import open_foreign, read_foreign, special_files
+from .files import open_foreign, read_foreign, special_files
 from .keys import FORMAT_VERSION
 from .layouts import layout_from_config
 
@@ -92,7 +92,7 @@ class DigestMemo:
     """File digests remembered by ``file_stamp`` in a JSON file made with the cache
     directory's ``modes`` (0600, or 0660 for its group when shared). Safe across
     processes: a lost update only costs one re-hash; a damaged memo is ignored. Written
-    whole through an unpredictable temp name (``blobs.replace_file``). A memo this user
+    whole through an unpredictable temp name (``files.replace_file``). A memo this user
     may not read or write is warned about once, naming the file and the fix, and the
     digests are computed without it: it never costs the identity. ``write=False``: the
     memo is read, never written (a reader such as ``kvstore why``)."""
@@ -114,7 +114,7 @@ class DigestMemo:
     def _read(self) -> dict[str, Any]:
         if self.path is None:
             return {}
-        from .blobs import BlobError, open_regular
+        from .files import BlobError, open_regular
 
         try:
             fd = open_regular(self.path)  # a FIFO planted there must not block
@@ -141,7 +141,7 @@ class DigestMemo:
                 return hit[1]
             value = hash_file(file)
             if self.path is not None and self.write:
-                from .blobs import PRIVATE, replace_file
+                from .files import PRIVATE, replace_file
 
                 memo[key] = [stamp, value]
                 try:
@@ -331,11 +331,11 @@ def code_digest(config: dict, layout: list) -> str | None:
             h.update(Path(inspect.getsourcefile(module) or "").read_bytes())
         except (OSError, TypeError):
             h.update(b"?")
-    from mlx_lm.models import cache as C
+    from mlx_lm.models import cache as mlx_cache
 
     for cls_name in sorted(_classes(layout)):
-        for cls in getattr(getattr(C, cls_name, None), "__mro__", ()):
-            if getattr(cls, "__module__", None) == C.__name__:
+        for cls in getattr(getattr(mlx_cache, cls_name, None), "__mro__", ()):
+            if getattr(cls, "__module__", None) == mlx_cache.__name__:
                 try:
                     h.update(inspect.getsource(cls).encode())
                 except (OSError, TypeError):

@@ -26,7 +26,7 @@ from typing import Sequence
 import xxhash
 
 FORMAT_VERSION = 4  # 4: token ids as int64; 3: binary records, pack files of segments; 2: trie edges sorted
-KEY_BYTES = 16
+KEY_BYTES = 16  # bytes of a key, an identity digest, a pack id, a checksum
 TOKEN_BYTES = 8  # one encoded token id: little-endian int64
 EDGE_WIDTH = 1 + TOKEN_BYTES  # one token spelled in a trie edge (``edge_tokens``)
 MIN_TOKEN_ID, MAX_TOKEN_ID = -(2**63), 2**63 - 1

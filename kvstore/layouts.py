@@ -1,12 +1,12 @@
 """Layout checks: what cache layout a model makes, and whether a stored cache fits it.
 
-The layout is the per-layer cache classes and their parameters (``codec.layout_signature``)
+The layout is the per-layer cache classes and their parameters (``Layout.signature``)
 plus, for each attention-KV layer, its geometry (KV heads, head_dim, dtype): what tells a
 cache of one model from a cache of another with the same layer classes. ``layout_from_config``
 derives it from mlx-lm's own ``make_prompt_cache`` and a lazy one-token forward (part of
 every model identity); ``layout_problem`` checks a stored or live cache against it before
 anything is allocated or stored. Which classes form one family (attention KV in any of its
-forms) is each codec's to say (``codec.STORED[name].family``): no class-name switch here.
+forms) is ``cachelayout.CLASSES``'s to say (``cachelayout.family``): no class-name switch here.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
+from .cachelayout import ATTENTION, Layout, family
 from .hoststate import isolated
 
 
@@ -27,15 +28,6 @@ class IdentityLike(Protocol):
 
     @property
     def name(self) -> str: ...
-
-
-def family(cls_name: str) -> str:
-    """The family of a stored class name: "attention KV" for every attention-KV class
-    (a model's cache may hold any of them), else the class itself."""
-    from .codec import STORED
-
-    codec = STORED.get(cls_name)
-    return codec.family if codec is not None else cls_name
 
 
 def layout_from_config(model_dir: Path) -> list:
@@ -99,7 +91,7 @@ def _lazy_model(model_dir: Path) -> tuple[Any, bool]:
     except Exception:
         from mlx_lm.utils import _get_classes  # present in mlx-lm 0.31 and 0.32
 
-        from .blobs import read_foreign
+        from .files import read_foreign
 
         config = json.loads(read_foreign(model_dir / "config.json"))
         model_cls, args_cls = _get_classes(config)
@@ -137,25 +129,21 @@ def layout_of(cache: list) -> list:
     return describe_layout(*encode_cache(cache))
 
 
-def describe_layout(tensors: dict[str, Any], layout: list) -> list:
-    """``codec.layout_signature(layout)`` plus, for every attention-KV layer (also inside a
+def describe_layout(tensors: dict[str, Any], layout: Layout) -> list:
+    """``layout.signature()`` plus, for every attention-KV layer (also inside a
     CacheList) whose tensors are present, ``k`` / ``v`` = [KV heads, head_dim] and
     ``dtype``: what tells a cache of this model from one of another model with the same
     layer classes; for every other layer holding arrays (recurrent state, a ``State``
     class), their whole ``shapes`` and ``dtypes`` by name (they hold no token axis kvstore
     knows). With batch 1 and the token axis, that is every array's whole shape
     (``codec`` ``shapes``). Reads array shapes and dtypes only."""
-    from .codec import layout_signature
-
-    sig = layout_signature(layout)
+    sig = layout.signature()
     for i, (s, m) in enumerate(zip(sig, layout)):
         _add_geometry(s, m, tensors, f"{i}.")
     return sig
 
 
-def _add_geometry(sig: dict, meta: dict, tensors: dict[str, Any], prefix: str) -> None:
-    from .codec import ATTENTION
-
+def _add_geometry(sig: dict, meta: Mapping[str, Any], tensors: dict[str, Any], prefix: str) -> None:
     if meta.get("class") == "CacheList":
         for j, (s, m) in enumerate(zip(sig.get("sub", []), meta.get("sub", []))):
             _add_geometry(s, m, tensors, f"{prefix}s{j}.")
@@ -173,7 +161,7 @@ def _dtype(a: Any) -> str:
     return str(a.dtype).rsplit(".", 1)[-1]
 
 
-def kv_geometry(tensors: dict[str, Any], meta: dict, prefix: str = "") -> dict:
+def kv_geometry(tensors: dict[str, Any], meta: Mapping[str, Any], prefix: str = "") -> dict:
     """``{"k": [heads, head_dim], "v": [heads, head_dim], "dtype": name}`` of one
     attention-KV layer's encoded tensors (``prefix`` + ``k`` / ``v``, or the packed
     ``k0..2`` / ``v0..2`` of a QuantizedKVCache, whose head_dim is unpacked from ``bits``);
@@ -191,7 +179,7 @@ def kv_geometry(tensors: dict[str, Any], meta: dict, prefix: str = "") -> dict:
             "dtype": _dtype(scales)}
 
 
-def layout_problem(ident: IdentityLike, tensors: dict[str, Any], layout: list) -> str | None:
+def layout_problem(ident: IdentityLike, tensors: dict[str, Any], layout: Layout) -> str | None:
     """Why a cache does not fit the identity's model, or None: it must have the layers the
     model makes (same count; per layer the same class family: attention KV in any of its
     forms, or the same recurrent class) and, where the identity records it, each attention
@@ -213,10 +201,10 @@ def layout_problem(ident: IdentityLike, tensors: dict[str, Any], layout: list) -
             if fam(x) != fam(y):
                 return (f"cache layer {i}{where} is {x.get('class')}, {ident.name} makes {y.get('class')} "
                         "(a cache from another model?)")
-            if fam(x) not in ("attention KV", "CacheList") and _params(x) != _params(y):  # recurrent state: exact
+            if fam(x) not in (ATTENTION, "CacheList") and _params(x) != _params(y):  # recurrent state: exact
                 return (f"cache layer {i}{where} is {_params(x)}, {ident.name} makes {_params(y)} "
                         "(a cache from another model?)")
-            d = _geometry_problem(x, y) if fam(x) == "attention KV" else None
+            d = _geometry_problem(x, y) if fam(x) == ATTENTION else None
             if d:
                 return f"cache layer {i}{where} {d[0]}, {ident.name} makes {d[1]} (a cache from another model?)"
             if x.get("class") == "CacheList":
@@ -228,7 +216,7 @@ def layout_problem(ident: IdentityLike, tensors: dict[str, Any], layout: list) -
     return diff(describe_layout(tensors, layout), want, "") or shape_problem(ident, tensors, layout)
 
 
-def shape_problem(ident: IdentityLike, tensors: dict[str, Any], layout: list) -> str | None:
+def shape_problem(ident: IdentityLike, tensors: dict[str, Any], layout: Layout) -> str | None:
     """Why an array of the cache is not one the identity's model makes, or None: every
     array of every layer (any class, inside CacheLists too) must be one its class holds,
     with the whole shape the model's own cache gives it but for the token axis (batch 1,
@@ -249,7 +237,7 @@ def shape_problem(ident: IdentityLike, tensors: dict[str, Any], layout: list) ->
         p, _, n = name.rpartition(".")
         groups.setdefault(p, {})[n] = a
 
-    def layers(metas: list, wants: list | None, prefix: str, where: str) -> str | None:
+    def layers(metas: Layout, wants: list | None, prefix: str, where: str) -> str | None:
         for i, m in enumerate(metas):
             y = wants[i] if wants is not None and i < len(wants) and isinstance(wants[i], dict) else {}
             if quant is not None and m["class"] != "CacheList":  # the quantisation the engine runs

@@ -4,7 +4,7 @@ Matching is mlx-lm's own (its ``PromptTrie`` rules, identical in 0.31 and 0.32; 
 makes one search linear): an exact hit;
 else a longer entry trimmed back to the common prefix when it can be cut there and that
 beats the longest shorter prefix; else the longest shorter prefix. Unlike mlx-lm, "can be
-cut there" is decided per cut point (``cuts.serves`` with ``codec.can_cut``): mlx-lm's LRU
+cut there" is decided per cut point (``cuts.serves`` with ``Layout.can_cut``): mlx-lm's LRU
 cuts a ChunkedKVCache inside the attention chunk of its first kept key, a wrong cache.
 Eviction is mlx-lm's too: three LRU lists (assistant, then user, then system are evicted
 first), by entry count and by bytes, and inserting an entry that covers its prefixes
@@ -27,7 +27,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import PromptTrie, PromptTrieResult
 
 from . import codec
-from .cuts import serves
+from .cachelayout import Layout
+from .served_tokens import serves
 from .misses import Near
 
 ORDERING = ("assistant", "user", "system")
@@ -38,13 +39,13 @@ class Snapshot:
     """One stored prefix in memory: encoded tensors (views, no copy) and their layout, or
     objects kvstore cannot encode (``opaque``: kvstore knows no more of them than their
     own ``is_trimmable``, mlx-lm's rule). ``trimmable``: every prefix can be cut from it
-    (``codec.covers_prefixes``; for opaque objects, ``is_trimmable``). ``disk_key``: the
+    (``Layout.covers_prefixes``; for opaque objects, ``is_trimmable``). ``disk_key``: the
     entry it is on disk as (hits are credited to it); ``persist``: (identity, encoded
     tokens) to write when it is evicted before it reached disk; ``persisted``: queued for,
     or already on, disk."""
 
     tensors: codec.Tensors | None
-    layout: codec.Layout | None
+    layout: Layout | None
     opaque: list[Any] | None
     nbytes: int
     trimmable: bool
@@ -57,18 +58,18 @@ class Snapshot:
         """Fresh cache objects; extending them never changes this snapshot."""
         if self.opaque is not None:
             return copy.deepcopy(self.opaque)
-        return codec.decode_cache(self.tensors or {}, self.layout or [])
+        return codec.decode_cache(self.tensors or {}, self.layout or Layout())
 
     def cut_to(self, stored: int, n: int) -> bool:
         """Whether this snapshot, stored under ``stored`` tokens, may be cut back to serve
         ``n`` of them: its cache (which may hold fewer positions than ``stored``) cut by
-        ``stored - n`` must stop at a point its layout allows (``codec.can_cut``)."""
+        ``stored - n`` must stop at a point its layout allows (``Layout.can_cut``)."""
         if self.opaque is not None:
             return self.trimmable
         if n >= stored:
             return True
-        held = codec.layout_length(self.layout) if self.layout is not None else None
-        return held is not None and codec.can_cut(self.layout or [], held - (stored - n))
+        held = self.layout.length if self.layout is not None else None
+        return held is not None and self.layout is not None and self.layout.can_cut(held - (stored - n))
 
 
 Key = tuple[Hashable, tuple[int, ...]]

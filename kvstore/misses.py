@@ -21,7 +21,7 @@ from typing import Any
 
 from .counters import Durations
 from .floors import MIN_DISK_GAIN
-from .visible import visible
+from .escape import visible
 
 # The reasons, most specific first (``Miss.reason`` is one of them):
 DIVERGED = "diverged"                # the prompt parts from the nearest stored prefix at token ``at``

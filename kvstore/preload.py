@@ -18,7 +18,7 @@ from typing import Any
 
 from . import codec
 from .disk import DiskTier, Restored
-from .errors import DiskErrors
+from .disk_errors import DiskErrors
 from .index import IndexFailure
 from .identity import Identity
 from .keys import TOKEN_BYTES, decode_tokens
@@ -186,7 +186,7 @@ class Preloader:
         got = self.read(ident, enc)
         if got is None:
             return None
-        snap = Snapshot(got.tensors, got.layout, None, codec.cache_nbytes(got.tensors), codec.covers_prefixes(got.layout),
+        snap = Snapshot(got.tensors, got.layout, None, codec.cache_nbytes(got.tensors), got.layout.covers_prefixes,
                         rec.cache_type if rec.cache_type in self.memory.stats_by_type() else "assistant",
                         persisted=True, disk_key=key)
         with self.lock:

@@ -28,7 +28,6 @@ from typing import Any, ClassVar
 
 from .keys import FORMAT_VERSION, KEY_BYTES
 
-KEY = KEY_BYTES  # bytes of a key, an identity digest, a pack id, a checksum
 CACHE_TYPES = ("assistant", "user", "system")
 MAX_TOKENS = 1 << 28          # tokens in one entry
 MAX_CHUNK = 1 << 20           # tokens per chunk
@@ -72,8 +71,8 @@ def _unpack(fmt: struct.Struct, data: bytes, where: str) -> tuple:
 
 
 def _keys(data: bytes, count: int, where: str) -> tuple[bytes, ...]:
-    _need(len(data) == count * KEY, f"{where}: {len(data)} bytes for {count} keys")
-    return tuple(data[i * KEY : (i + 1) * KEY] for i in range(count))
+    _need(len(data) == count * KEY_BYTES, f"{where}: {len(data)} bytes for {count} keys")
+    return tuple(data[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(count))
 
 
 # ----------------------------------------------------------------------------- segment
@@ -89,7 +88,7 @@ class Segment:
     length: int
     checksum: bytes
 
-    FMT: ClassVar[struct.Struct] = struct.Struct(f"<{KEY}sQQ{KEY}s")
+    FMT: ClassVar[struct.Struct] = struct.Struct(f"<{KEY_BYTES}sQQ{KEY_BYTES}s")
 
     def to_bytes(self) -> bytes:
         return self.FMT.pack(self.pack, self.offset, self.length, self.checksum)
@@ -137,14 +136,15 @@ class EntryRecord:
     pinned: bool = False
 
     TAG: ClassVar[bytes] = _tag(b"E")
-    FMT: ClassVar[struct.Struct] = struct.Struct(f"<2sBB{KEY}sIIddQ{KEY}sI")
+    FMT: ClassVar[struct.Struct] = struct.Struct(f"<2sBB{KEY_BYTES}sIIddQ{KEY_BYTES}sI")
 
     def __post_init__(self) -> None:
-        _need(len(self.identity) == KEY and len(self.boundary) == KEY, f"identity / boundary must be {KEY} bytes")
+        _need(len(self.identity) == KEY_BYTES and len(self.boundary) == KEY_BYTES,
+              f"identity / boundary must be {KEY_BYTES} bytes")
         _need(0 < self.n <= MAX_TOKENS, f"n={self.n} out of range")
         _need(0 < self.chunk <= MAX_CHUNK, f"chunk={self.chunk} out of range")
         _need(self.cache_type in CACHE_TYPES, f"cache_type {self.cache_type!r}")
-        _need(all(len(k) == KEY for k in self.chunks), f"chunk keys must be {KEY} bytes")
+        _need(all(len(k) == KEY_BYTES for k in self.chunks), f"chunk keys must be {KEY_BYTES} bytes")
         for name in ("created", "last_used"):
             v = getattr(self, name)
             _need(isinstance(v, float) and math.isfinite(v) and v >= 0, f"{name}={v!r}")
@@ -208,10 +208,11 @@ class ChunkRecord:
     segment: Segment
 
     TAG: ClassVar[bytes] = _tag(b"C")
-    FMT: ClassVar[struct.Struct] = struct.Struct(f"<2s{KEY}s{KEY}sII")
+    FMT: ClassVar[struct.Struct] = struct.Struct(f"<2s{KEY_BYTES}s{KEY_BYTES}sII")
 
     def __post_init__(self) -> None:
-        _need(len(self.identity) == KEY and len(self.parent) == KEY, f"identity / parent must be {KEY} bytes")
+        _need(len(self.identity) == KEY_BYTES and len(self.parent) == KEY_BYTES,
+              f"identity / parent must be {KEY_BYTES} bytes")
         _need(0 < self.n <= MAX_CHUNK, f"n={self.n} out of range")
         _need(0 <= self.refs < 1 << 32, f"refs={self.refs}")
 

@@ -36,14 +36,13 @@ from typing import TYPE_CHECKING, Any, Hashable
 from . import codec
 from .cachedir import MEMO, StoreOpenError, default_cache_dir, open_disk
 from .counters import Counters
-from .cuts import CutRefused
+from .served_tokens import CutRefused
 from .disk import DiskTier, Plan, Restored
-from .errors import DiskErrors, Failure
+from .disk_errors import DiskErrors, Failure
 from .fleet import Fleet, SharedHit, open_shared
 from .floors import MIN_DISK_GAIN, restore_floor  # MIN_DISK_GAIN: re-exported (tests, README)
 from .identity import DigestMemo, Identity
 from .keys import TokenError, encode_tokens
-from .layouts import layout_problem
 from .memory import ORDERING, MemoryTier, Snapshot
 from .misses import OTHER_IDENTITY, Miss, Near, changed_components, explain
 from .preload import Preloaded, Preloader
@@ -294,7 +293,7 @@ class KVStore:
         """Read ``plan`` from disk, or say why not (``errors.Failure``: DAMAGED, dropped or
         raced; UNREADABLE, I/O or resources, kept; REFUSED, a cut its layout refuses, kept)."""
         try:
-            return self.disk.restore(plan, ident, lambda specs, layout: layout_problem(ident, specs, layout))  # type: ignore[union-attr]
+            return self.disk.restore(plan, ident)  # type: ignore[union-attr]
         except CutRefused:
             self._counters.add("refused_cuts")
             return Failure.REFUSED
@@ -305,7 +304,7 @@ class KVStore:
         """Keep a disk or shared hit hot (marked as already on disk) and hand out its cache."""
         ctype = plan.cache_type if plan.cache_type in ORDERING else "assistant"
         snap = Snapshot(got.tensors, got.layout, None, codec.cache_nbytes(got.tensors),
-                        codec.covers_prefixes(got.layout), ctype, persisted=True, disk_key=plan.entry)
+                        got.layout.covers_prefixes, ctype, persisted=True, disk_key=plan.entry)
         with self._lock:
             evicted = self._memory.insert(ident.digest, q.tokens[: got.n], snap)
         self.writes.write_evicted(evicted)

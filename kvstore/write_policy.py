@@ -17,7 +17,7 @@ written:
 
 ``max_write_bytes_per_day``: once the bytes written today (UTC) reach the budget, jobs are
 skipped until the next day; the write that crosses it completes. The count is kept in
-the index's ``meta`` table (``kvstore.written``), updated in each persist's own commit, so
+the index's ``meta`` table (``kvstore.bytes_written``), updated in each persist's own commit, so
 it survives restarts, is shared by every process using the directory, and costs no sync
 of its own. A skipped job stays in memory; it is counted by the caller.
 """
@@ -30,16 +30,10 @@ from typing import Any
 
 from .disk import PersistJob
 from .records import RecordError
-from .written import written
+from .bytes_written import written
 
 POLICIES = ("all", "system", "reused")
 SEEN_KEYS = 1 << 16  # prefixes "reused" remembers (16-byte keys: about 3 MB at most)
-
-
-def _cuttable(job: PersistJob) -> bool:
-    from .codec import is_chunkable
-
-    return is_chunkable(job.layout, job.n)
 
 
 def prefix_job(job: PersistJob, n: int, chunk: int) -> PersistJob:
@@ -47,11 +41,9 @@ def prefix_job(job: PersistJob, n: int, chunk: int) -> PersistJob:
     No MLX op: the writer thread slices the host views numpy-side, as ``disk`` does."""
     import numpy as np
 
-    from .codec import with_offset
-
     query = job.chained(chunk).prefix(n)  # shares the job's chain: only the new residual is hashed
     tensors = {nm: (st, np.asarray(a)[..., :n, :]) for nm, (st, a) in job.tensors.items()}
-    return PersistJob(job.identity, query.enc, query.key, tensors, with_offset(job.layout, n), job.cache_type,
+    return PersistJob(job.identity, query.enc, query.key, tensors, job.layout.with_offset(n), job.cache_type,
                       job.created, query=query)
 
 
@@ -110,7 +102,7 @@ class WritePolicy:
             return job.n
         held = disk.held_chunks(bounds, job.tokens)
         depth = max([depth] + [k for k in range(1, len(bounds)) if bounds[k] in held])
-        return 0 if depth == 0 else depth * disk.chunk if _cuttable(job) else job.n
+        return 0 if depth == 0 else depth * disk.chunk if job.layout.chunkable(job.n) else job.n
 
     def stats(self) -> dict[str, Any]:
         return {"persist_policy": self.persist, "max_write_bytes_per_day": self.max_write_bytes_per_day}

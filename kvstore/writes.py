@@ -21,14 +21,15 @@ from typing import Any, Callable, Hashable
 import mlx.core as mx
 import numpy as np
 
-from . import blobs, codec
+from . import codec, files, segments
 from .budget import evict_to
 from .counters import Counters
 from .disk import DiskTier, PersistJob
-from .errors import DiskErrors
+from .disk_errors import DiskErrors
 from .identity import Identity
 from .index import IndexFailure
 from .keys import TOKEN_BYTES, TokenError
+from .cachelayout import Layout
 from .layouts import layout_problem
 from .memory import ORDERING, MemoryTier, Snapshot
 from .misses import EVICTED_DISK, EVICTED_UNWRITTEN, Ghosts
@@ -36,7 +37,7 @@ from .pressure import Gauge
 from .query import Query
 from .write_policy import WritePolicy
 from .writer import Writer
-from .written import written
+from .bytes_written import written
 
 log = logging.getLogger("kvstore")
 Evicted = list[tuple[Hashable, list[int], Snapshot]]
@@ -170,7 +171,7 @@ class WritePath:
         if host is None:
             return False
         query = Query(enc, ident.digest, self.disk.chunk)
-        job = PersistJob(ident, enc, query.key, host, snap.layout or [], snap.cache_type, query=query)
+        job = PersistJob(ident, enc, query.key, host, snap.layout or Layout(), snap.cache_type, query=query)
         snap.disk_key = job.key
         if self.writer.on_thread():  # settling on the writer thread: write now, keep the queue's room
             self.persist(job)
@@ -191,7 +192,7 @@ class WritePath:
             self.describe(job.identity)
             written = disk.persist(job)
             self.keep_disk_budget()
-        except (OSError, IndexFailure, blobs.BlobError) as e:  # a write or commit failed (full disk, I/O)
+        except (OSError, IndexFailure, files.BlobError) as e:  # a write or commit failed (full disk, I/O)
             self.counters.add("write_errors")
             if not self.errors.index_damaged(e, self.disk):
                 self.errors.warn_once(f"write:{getattr(e, 'errno', None) or type(e).__name__}",
@@ -259,10 +260,10 @@ class WritePath:
                 self.queue(snap)
 
     def _host_views(self, snap: Snapshot) -> dict[str, Any] | None:
-        """``blobs.host_views`` of a snapshot (MLX work: the caller's thread), None if its
+        """``segments.host_views`` of a snapshot (MLX work: the caller's thread), None if its
         dtype cannot be stored (said once)."""
         try:
-            return blobs.host_views(snap.tensors)  # type: ignore[arg-type]
+            return segments.host_views(snap.tensors)  # type: ignore[arg-type]
         except TypeError as e:
             self.errors.warn_once("dtype", "kvstore: %s; kept in memory only", e)
             return None
@@ -370,7 +371,7 @@ def snapshot(cache: list[Any], n_tokens: int, cache_type: str) -> tuple[Snapshot
         nbytes = sum(getattr(c, "nbytes", 0) for c in cache) if isinstance(cache, (list, tuple)) else 0
         trim = bool(cache) and all(getattr(c, "is_trimmable", lambda: False)() for c in cache)
         return Snapshot(None, None, cache, nbytes, trim, cache_type), 0, str(e)
-    offsets = [m["offset"] for m in codec.flat_layout(layout) if "offset" in m]
+    offsets = [m["offset"] for m in layout.flat if "offset" in m]
     covered = min(offsets) if offsets else n_tokens
     if covered > n_tokens:
         raise ValueError(f"cache holds {covered} positions but only {n_tokens} tokens were given")
@@ -383,7 +384,7 @@ def snapshot(cache: list[Any], n_tokens: int, cache_type: str) -> tuple[Snapshot
         nbytes = int(sum(c.nbytes for c in cache))
     except Exception:
         nbytes = codec.cache_nbytes(tensors)
-    return Snapshot(tensors, layout, None, nbytes, codec.covers_prefixes(layout), cache_type), covered, None
+    return Snapshot(tensors, layout, None, nbytes, layout.covers_prefixes, cache_type), covered, None
 
 
 def check_cache(cache: Any) -> None:

@@ -1,6 +1,6 @@
 """Shared fixtures: loaded models by name, deterministic prompts.
 
-Models come from tools.models (built once per machine into $KVSTORE_MODELS_DIR or the user
+Models come from tools.testing.model_builds (built once per machine into $KVSTORE_MODELS_DIR or the user
 cache dir) and are loaded offline, once per test session.
 """
 
@@ -14,7 +14,7 @@ import pytest
 from tests.support.prompts import text_prompt
 
 # tests/compat runs against the real vllm-mlx, which pins mlx-lm < 0.32: it has its own
-# environment (tools/compat_env.sh). Where vllm-mlx is not installed it is not collected.
+# environment (tools/gates/compat_env.sh). Where vllm-mlx is not installed it is not collected.
 collect_ignore = [] if importlib.util.find_spec("vllm_mlx") else ["compat"]
 
 # The fast tier: `pytest -m "not slow"`. A test is slow when tests/slow.txt names it (measured)
@@ -40,7 +40,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def load_named():
     """``load_named(name) -> (model, tokenizer)``, each model loaded once per session."""
-    from tools.models import load_model
+    from tools.testing.model_builds import load_model
 
     loaded: dict[str, tuple] = {}
 

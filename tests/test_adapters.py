@@ -18,8 +18,8 @@ INSTALL = "from kvstore.adapters import vllm_mlx; vllm_mlx.install(cache_dir='un
 
 
 def compat_recipe() -> list[str]:
-    """The pins tools/compat_env.sh installs vllm-mlx with."""
-    sh = (ROOT / "tools" / "compat_env.sh").read_text()
+    """The pins tools/gates/compat_env.sh installs vllm-mlx with."""
+    sh = (ROOT / "tools" / "gates" / "compat_env.sh").read_text()
     pins = re.findall(r'^(?:MLX_LM|VLLM_MLX)="([^"]+)"', sh, re.M)
     deps = re.findall(r'"([^"]+)"', re.search(r"^VLLM_MLX_DEPS=\(([^)]*)\)", sh, re.M).group(1))
     assert len(pins) == 2 and len(deps) == 6, (pins, deps)  # engines: 2, server: 4
@@ -117,7 +117,7 @@ def test_image_keys_hit_their_own_image_in_memory_and_after_a_restart(tiny_llama
     from mlx_lm.models.cache import LRUPromptCache as Upstream
 
     from kvstore.adapters.mlx_lm import LRUPromptCache
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     key = (str(model_path("tiny-llama")), None, None)
     prompt_a, key_a, start = image_key("data:image/png;base64,AAAA")
@@ -148,7 +148,7 @@ def test_image_keys_through_the_shared_tier(tiny_llama: Any, tmp_path: Path, red
     request with another image gets at most the text before the image there too."""
     from kvstore import KVStore
     from kvstore.shared import SharedConfig
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     model = str(model_path("tiny-llama"))
     prompt_a, key_a, start = image_key("https://example.com/a.png")

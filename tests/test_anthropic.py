@@ -38,7 +38,7 @@ GREEDY = {"temperature": 0}
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     return model_path("tiny-llama")
 

@@ -70,8 +70,8 @@ def built(tmp_path_factory, tiny_llama) -> dict[str, Any]:
     from kvstore import Identity, KVStore
     from kvstore.disk import DiskTier
     from kvstore.keys import encode_tokens, key_of, root_key
-    from tools.models import model_path
-    from tools.oracle import prefill
+    from tools.testing.model_builds import model_path
+    from tools.testing.oracle import prefill
 
     model, tok = tiny_llama
     mdir = model_path("tiny-llama")
@@ -140,7 +140,7 @@ def files_snapshot(cache_dir: Path) -> dict[str, tuple[int, str]]:
 
 def segment_of(cache_dir: Path, key_hex: str, chunk: int | None = None) -> SegRef:
     """An entry's own segment (its tail) or its ``chunk``-th chunk's."""
-    from kvstore.blobs import pack_path
+    from kvstore.files import pack_path
     from kvstore.disk import DiskTier
 
     disk = DiskTier(cache_dir, readonly=True)
@@ -553,7 +553,7 @@ def test_gc_and_verify_fix_under_a_live_reader(built, store_dir, tmp_path):
 
 def test_warm_then_fetch_in_a_new_process(built, tmp_path):
     from kvstore import KVStore
-    from tools.oracle import check_restore
+    from tools.testing.oracle import check_restore
 
     model, tok, mdir = built["model"], built["tok"], built["model_dir"]
     cache_dir = tmp_path / "fresh-cache"  # does not exist yet: warm creates it

@@ -1,4 +1,4 @@
-"""kvstore.codec, kvstore.blobs and kvstore.keys: every cache class round-trips exactly.
+"""kvstore.codec, kvstore.segments and kvstore.keys: every cache class round-trips exactly.
 
 Caches here are built directly through mlx-lm's own ``update_and_fetch`` with random arrays
 (no model), so buffers are over-allocated, rotated and front-trimmed the way real runs leave
@@ -27,7 +27,8 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from kvstore import alloc, blobs, codec, keys
+from kvstore import alloc, codec, files, keys, segments
+from kvstore.cachelayout import Layout
 from kvstore.keys import TokenError
 
 H, D = 2, 64  # kv heads, head dim (64: divisible by the quantisation group size 32)
@@ -175,7 +176,7 @@ def assert_same_when_extended(a, b) -> None:
 
 def through_json(layout):
     """Layouts are stored as JSON in the index: decode from what JSON gives back."""
-    return json.loads(json.dumps(layout))
+    return Layout.from_json(json.loads(json.dumps(layout.to_json())))
 
 
 # --------------------------------------------------------------------------- codec
@@ -226,10 +227,10 @@ def test_encode_does_not_copy_or_keep_padding():
     c = make_kv(40)
     tensors, layout = codec.encode_cache([c])
     assert tensors["0.k"].shape == (1, H, 40, D)  # cut to the filled length, not 256
-    assert layout == [{"offset": 40, "class": "KVCache"}]
-    assert codec.is_chunkable(layout, 40) and not codec.is_chunkable(layout, 41)
+    assert layout.to_json() == [{"offset": 40, "class": "KVCache"}]
+    assert layout.chunkable(40) and not layout.chunkable(41)
     rot = codec.encode_cache([make_rotating(True)])[1]
-    assert not codec.is_chunkable(rot, 40)
+    assert not rot.chunkable(40)
 
 
 def test_bfloat16_round_trip(tmp_path):
@@ -249,7 +250,7 @@ def test_bfloat16_round_trip(tmp_path):
 
     with safe_open(str(path), framework="numpy") as f:  # the header says BF16
         assert set(f.keys()) == set(tensors)
-    header = blobs.parse_header(path.read_bytes(), seg.length)
+    header = segments.parse_header(path.read_bytes(), seg.length)
     assert {header.specs[n][0] for n in tensors} == {"BF16"}
 
 
@@ -283,11 +284,11 @@ def test_handed_out_twice_extends_independently(kind):
 def test_layout_helpers():
     cache = [make_kv(10), CacheList(make_kv(10), make_quant(10))]
     _, layout = codec.encode_cache(cache)
-    assert codec.is_chunkable(layout, 10)
-    relabelled = codec.with_offset(layout, 4)
-    assert [m["offset"] for m in codec.flat_layout(relabelled)] == [4, 4, 4]
-    assert [m["offset"] for m in codec.flat_layout(layout)] == [10, 10, 10]  # not mutated
-    sig = codec.layout_signature(codec.encode_cache([make_rotating(True)])[1])
+    assert layout.chunkable(10)
+    relabelled = layout.with_offset(4)
+    assert [m["offset"] for m in relabelled.flat] == [4, 4, 4]
+    assert [m["offset"] for m in layout.flat] == [10, 10, 10]  # not mutated
+    sig = codec.encode_cache([make_rotating(True)])[1].signature()
     assert sig == [{"keep": 4, "max_size": 16, "class": "RotatingKVCache"}]
 
 
@@ -314,7 +315,7 @@ def test_unsupported_batched_arrays_cache_and_unknown_class():
     with pytest.raises(codec.Unsupported):
         codec.encode_cache([c])
     with pytest.raises(codec.Unsupported):
-        codec.decode_cache({}, [{"class": "NoSuchCache"}])
+        codec.decode_cache({}, Layout.of([{"class": "NoSuchCache"}]))
 
 
 # --------------------------------------------------------------------------- blobs
@@ -322,9 +323,9 @@ def test_unsupported_batched_arrays_cache_and_unknown_class():
 
 def _write(d, tensors, meta):
     """A new pack file holding one segment of ``tensors``: (its path, the segment)."""
-    w = blobs.PackWriter(d)
+    w = segments.PackWriter(d)
     try:
-        seg = w.add(blobs.host_views(tensors), meta)
+        seg = w.add(segments.host_views(tensors), meta)
         w.seal()
     finally:
         w.close()
@@ -336,19 +337,19 @@ def test_blob_errors(tmp_path):
 
     tensors, _ = codec.encode_cache([make_kv(5)])
     path, seg = _write(tmp_path, tensors, {})
-    with pytest.raises(blobs.BlobError):
+    with pytest.raises(files.BlobError):
         alloc.read_segment(path, replace(seg, length=seg.length + 1))
-    with pytest.raises(blobs.BlobError):
+    with pytest.raises(files.BlobError):
         alloc.read_segment(path, replace(seg, checksum=b"\0" * 16))
-    with pytest.raises(blobs.BlobError):
+    with pytest.raises(files.BlobError):
         alloc.read_segment(tmp_path / "missing.kvpack", seg)
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(blobs.BlobError, match="checksum"):
+    with pytest.raises(files.BlobError, match="checksum"):
         alloc.read_segment(path, seg)
-    with pytest.raises(blobs.BlobError):
-        blobs.parse_header(b"\xff" * 16, 16)
+    with pytest.raises(files.BlobError):
+        segments.parse_header(b"\xff" * 16, 16)
 
 
 def _span_read(path, seg, order, groups, span=1):
@@ -357,11 +358,11 @@ def _span_read(path, seg, order, groups, span=1):
     threads at once; (numpy destinations, the SegmentRead)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    fd = blobs.open_own(path)
+    fd = files.open_own(path)
     try:
-        header = blobs.read_header(fd, seg)
-        dests = {n: np.zeros(shape, blobs.host_dtype(st)) for n, (st, shape) in header.specs.items()}
-        r = blobs.SegmentRead(fd, seg, header, span=span)
+        header = segments.read_header(fd, seg)
+        dests = {n: np.zeros(shape, segments.host_dtype(st)) for n, (st, shape) in header.specs.items()}
+        r = segments.SegmentRead(fd, seg, header, span=span)
         names = list(header.specs)
         spans = []
         for lo, hi in zip([0] + groups, groups + [len(names)]):
@@ -388,19 +389,19 @@ def test_segment_read_in_spans_any_order_is_the_segment(tmp_path):
     for order, groups in ((lambda xs: xs[::-1], [1]), (shuffled, [1, 2]), (list, [])):
         dests, r = _span_read(path, seg, order, groups)
         r.verify()
-        for name, (st, a) in blobs.host_views(tensors).items():
+        for name, (st, a) in segments.host_views(tensors).items():
             assert np.array_equal(dests[name], np.asarray(a)), name
     _, r = _span_read(path, seg, lambda xs: xs[1:], [1])  # span 0 never read
-    with pytest.raises(blobs.BlobError, match="not every"):
+    with pytest.raises(files.BlobError, match="not every"):
         r.verify()
     _, r = _span_read(path, replace(seg, checksum=b"\0" * 16), shuffled, [1])
-    with pytest.raises(blobs.BlobError, match="checksum"):
+    with pytest.raises(files.BlobError, match="checksum"):
         r.verify()
     data = bytearray(path.read_bytes())
     data[seg.end - 5000] ^= 0x01
     path.write_bytes(bytes(data))
     _, r = _span_read(path, seg, shuffled, [1])
-    with pytest.raises(blobs.BlobError, match="checksum"):
+    with pytest.raises(files.BlobError, match="checksum"):
         r.verify()
 
 
@@ -410,8 +411,8 @@ def test_pack_holds_segments_back_to_back(tmp_path):
     from safetensors.numpy import load
 
     parts = [codec.encode_cache([make_kv(n)])[0] for n in (3, 9, 17)]
-    w = blobs.PackWriter(tmp_path)
-    segs = [w.add(blobs.host_views(t), {"i": str(i)}) for i, t in enumerate(parts)]
+    w = segments.PackWriter(tmp_path)
+    segs = [w.add(segments.host_views(t), {"i": str(i)}) for i, t in enumerate(parts)]
     w.seal()
     w.close()
     assert [s.offset for s in segs] == [0, segs[0].length, segs[0].length + segs[1].length]
@@ -445,12 +446,12 @@ def test_blob_header_must_tile_its_data(tmp_path):
         hb = json.dumps(header).encode()
         bad = struct.pack("<Q", len(hb)) + hb + data[8 + n :]
         path.write_bytes(bad)
-        with pytest.raises(blobs.BlobError, match="fit|cover"):
+        with pytest.raises(files.BlobError, match="fit|cover"):
             alloc.read_segment(path, Segment(seg.pack, 0, len(bad), xxhash.xxh3_128_digest(bad)))
 
 
 @pytest.mark.parametrize("shared", [True, False])
-@pytest.mark.parametrize("st", sorted(blobs._FROM_ST))
+@pytest.mark.parametrize("st", sorted(segments._FROM_ST))
 def test_empty_arrays_are_written_through_numpy(st, shared, monkeypatch):
     """Restores read blob bytes straight into MLX arrays through numpy views of their
     memory: a write through the view is what MLX then sees, for every stored dtype. Where
@@ -473,7 +474,7 @@ def test_pack_write_failure_leaves_nothing(tmp_path):
         def __array__(self, *a, **k):
             raise RuntimeError("boom")
 
-    w = blobs.PackWriter(tmp_path)
+    w = segments.PackWriter(tmp_path)
     with pytest.raises(RuntimeError):
         w.add({"t": ("F32", Boom())}, {})
     w.discard()
@@ -592,8 +593,8 @@ _CHUNK_QUERIES = {"in_chunk_after_start": 58, "at_chunk_start": 56, "in_chunk_of
 _CHUNK_CHILD = """
 import json, sys
 from kvstore import KVStore
-from tools.models import load_model, model_path
-from tools.oracle import check_restore
+from tools.testing.model_builds import load_model, model_path
+from tools.testing.oracle import check_restore
 job = json.loads(sys.argv[1])
 model, _ = load_model("tiny-llama4")
 out = {}
@@ -615,8 +616,8 @@ def _llama4_entry():
     generation leaves it: its ChunkedKVCache layers keep keys 51..59 (start_position 51;
     chunks of 8: 48..55, 56..63). Returns (model, path, prompt, cache, queries diverging
     at each of _CHUNK_QUERIES)."""
-    from tools.models import load_model, model_path
-    from tools.oracle import make_cache, prefill
+    from tools.testing.model_builds import load_model, model_path
+    from tools.testing.oracle import make_cache, prefill
 
     model, _ = load_model("tiny-llama4")
     rng = np.random.default_rng(7)
@@ -655,7 +656,7 @@ def test_chunked_cut_only_where_a_cold_prefill_agrees_in_memory():
     """The memory tier refuses the same cuts (mlx-lm's own LRU hands them out) and serves
     the allowed ones identically to a cold prefill."""
     from kvstore import KVStore
-    from tools.oracle import check_restore
+    from tools.testing.oracle import check_restore
 
     model, path, prompt, cache, queries = _llama4_entry()
     with KVStore(memory_only=True) as s:
@@ -678,29 +679,29 @@ def test_generic_state_codec_round_trips_protocol_classes():
     c = ConcatenateKVCache()
     feed(c, 12)
     tensors, layout = codec.encode_cache([c])
-    assert layout == [{"class": "State", "type": "mlx_lm.models.cache:ConcatenateKVCache", "items": [["a"], ["a"]]}]
-    assert codec.check_layout(json.loads(json.dumps(layout))) == layout
+    assert layout.to_json() == [{"class": "State", "type": "mlx_lm.models.cache:ConcatenateKVCache", "items": [["a"], ["a"]]}]
+    assert Layout.from_json(json.loads(json.dumps(layout.to_json()))) == layout
     (back,) = codec.decode_cache(tensors, layout)
     assert type(back) is ConcatenateKVCache and back.offset == 12
     assert np.array_equal(np.array(back.keys), np.array(c.keys))
     k, v = rand(1), rand(1)
     a, b = c.update_and_fetch(k, v), back.update_and_fetch(k, v)
     assert np.array_equal(np.array(a[0]), np.array(b[0])) and back.offset == 13 == c.offset
-    assert not codec.can_cut(layout, 11) and not codec.layout_trimmable(layout)
+    assert not layout.can_cut(11) and not layout.trimmable
     for bad in ({"type": "os:system", "items": []}, {"type": "mlx_lm.models.cache:X", "items": [["q"]]},
                 {"type": "mlx_lm.models.cache:X", "items": [["i", "1"]]}):
         with pytest.raises(ValueError):
-            codec.check_layout([{"class": "State", **bad}])
+            Layout.from_json([{"class": "State", **bad}])
     for name in ("mlx_lm.models.cache:KVCache", "mlx_lm.models.nosuch:Cache", "mlx_lm.models.cache:make_prompt_cache"):
         with pytest.raises(codec.Unsupported):  # a class with a codec of its own, none, not a class
-            codec.decode_cache({}, [{"class": "State", "type": name, "items": []}])
+            codec.decode_cache({}, Layout.of([{"class": "State", "type": name, "items": []}]))
 
 
 def test_chunked_refused_cut_falls_back_to_a_shorter_entry(tmp_path):
     """A cut the stored layout refuses passes that entry over: the next plan serves a
     shorter stored prefix (here a snapshot of 48 tokens) instead of missing."""
     from kvstore import KVStore
-    from tools.oracle import check_restore, prefill
+    from tools.testing.oracle import check_restore, prefill
 
     model, path, prompt, cache, queries = _llama4_entry()
     with KVStore(tmp_path, chunk_tokens=16) as s:

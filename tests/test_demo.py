@@ -29,7 +29,7 @@ def _int(text: str) -> int:
 
 
 def demo_env(tmp_path: Path) -> dict[str, str]:
-    from tools.models import models_dir
+    from tools.testing.model_builds import models_dir
 
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "xdg"), KVSTORE_MODELS_DIR=str(models_dir()),
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")

@@ -22,8 +22,8 @@ from kvstore.adapters.exo import ExoPrefixCache, media_key, shard_components
 from tests.support.children import run_module
 from tests.support.models import TINY_FAMILIES, store_kwargs
 from tests.support.programs.exo_generate import Region, Snapshot, request
-from tools import oracle
-from tools.models import model_path
+from tools.testing import oracle
+from tools.testing.model_builds import model_path
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARD = {"kind": "PipelineShardMetadata", "model_id": "tiny", "start_layer": 0, "end_layer": 2,

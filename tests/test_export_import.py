@@ -72,7 +72,7 @@ def imported(made, cache_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def made(tmp_path_factory, tiny_llama):
     """mlx_lm.cache_prompt's file for PROMPT, the prompt file, and the model directory."""
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     d = tmp_path_factory.mktemp("mlxfiles")
     (d / "prompt.txt").write_text(PROMPT)
@@ -117,7 +117,7 @@ def test_export_is_used_by_mlx_lm_generate_as_its_own_file(made, tmp_path):
 
 
 def test_wrong_prompt_or_model_is_a_clear_error_and_stores_nothing(made, tmp_path):
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     d, model_dir = made
     c = tmp_path / "c"

@@ -1,7 +1,7 @@
 """The families survey in CI (issue 26): kvstore persists and restores every model family
 that needs a special cache identically, or refuses it with a reason, never wrong.
 
-Runs ``tools.families.survey`` (tiny seeded models, entries restored in one new process,
+Runs ``tools.harness.families.survey`` (tiny seeded models, entries restored in one new process,
 compared with mlx-lm's own save/load and a cold prefill) on ``CI_FAMILIES``: one family
 per kind of cache mlx-lm builds (sliding windows, chunked attention, SSM and linear
 attention, CacheList hybrids, a class kvstore cannot persist). A new mlx-lm that adds a
@@ -15,11 +15,11 @@ import pathlib
 
 import pytest
 
-from tools.families import configs, survey
+from tools.harness.families import configs, survey
 
-RESULTS = pathlib.Path(__file__).resolve().parent.parent / "tools" / "families_results" / "results.json"
+RESULTS = pathlib.Path(__file__).resolve().parent.parent / "tools" / "harness" / "families" / "results" / "results.json"
 
-# one family per cache shape (see tools/families_results/results.md for every family)
+# one family per cache shape (see tools/harness/families/results/results.md for every family)
 CI_FAMILIES = [
     "llama4",            # ChunkedKVCache + KVCache (attention chunks)
     "gemma3_text",       # RotatingKVCache + KVCache (sliding window)
@@ -59,7 +59,7 @@ def test_family_restores_identically_or_is_refused_with_a_reason(rows, family):
 def test_survey_results_cover_every_installed_family():
     """The committed survey lists exactly the families of the installed mlx-lm, and none of
     its rows is wrong: a new family (or a removed one) means re-running
-    ``python -m tools.families``."""
+    ``python -m tools.harness.families``."""
     got = json.loads(RESULTS.read_text())
     assert sorted(r["family"] for r in got["rows"]) == configs.families()
     assert got["counts"]["wrong"] == 0, [r["verdict"] for r in got["rows"] if r["verdict"].startswith("WRONG")]

@@ -1,4 +1,4 @@
-"""The fault harness's CI subset: ``python -m tools.faults --ci``, one test per fault kind.
+"""The fault harness's CI subset: ``python -m tools.harness.faults --ci``, one test per fault kind.
 
 Each kind runs a few trials of what the full harness runs hundreds of (kill -9 mid-write,
 damaged segments, pack files and index, a full tmpfs, unusable directories, 4 processes x
@@ -8,7 +8,7 @@ cluster, killed, paused, restarted and damaged under them) and must end with no 
 restore, no exception reaching a caller, no crashed process, no committed entry lost,
 every miss explained by ``verify`` and ``verify --fix`` leaving a clean directory,
 nothing outside the cache directory changed and no hang. The figures of a full run are in
-``tools/faults_results/``.
+``tools/harness/faults/results/``.
 
 Mounting a tmpfs and dropping to ``nobody`` need root; without it those cases are skipped.
 """
@@ -22,7 +22,7 @@ from typing import Callable
 
 import pytest
 
-from tools import faults
+from tools.harness import faults
 
 MUST_BE_ZERO = ("wrong_restores", "escaped_exceptions", "crashes", "entries_lost", "unexplained_misses",
                 "verify_unclean", "failed_cases")
@@ -218,9 +218,9 @@ def test_crash_damage_excuses_every_entry_it_can_cost(tmp_path: Path) -> None:
     from kvstore import KVStore
     from kvstore.identity import Identity
     from kvstore.layouts import layout_of
-    from tools.faults.check import raw_entries, segment_users
-    from tools.faults.common import decode
-    from tools.faults.damage import damage_segments
+    from tools.harness.faults.check import raw_entries, segment_users
+    from tools.harness.faults.common import decode
+    from tools.harness.faults.damage import damage_segments
 
     ident = Identity.from_components({"test": "crash-damage", "layout": layout_of(synth_kv_cache(2, 2, 1, 8))},
                                      name="crash-damage")

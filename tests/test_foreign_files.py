@@ -16,8 +16,8 @@ import pytest
 from tests.support.children import ROOT, child_env
 
 from kvstore.identity import watch
-from tools.models import model_path
-from tools.oracle import prefill
+from tools.testing.model_builds import model_path
+from tools.testing.oracle import prefill
 
 # Where a FIFO may sit in a model directory: what the identity reads (config, template,
 # tokenizer), what mlx-lm's loader opens (the weights), and custom model code.

@@ -47,8 +47,8 @@ def test_inspect_shows_an_entry_holding_image_ids(tmp_path, tiny_llama):
     """``kvstore inspect`` of an entry whose ids include mlx_lm.server's negative image ids
     (the store refuses only ids at or past the vocabulary): the text around them decoded,
     the run of one image's ids shown as ``[id N xCOUNT]``; it died with an uncaught OverflowError from the tokenizer."""
-    from tools.models import model_path
-    from tools.oracle import prefill
+    from tools.testing.model_builds import model_path
+    from tools.testing.oracle import prefill
 
     model, tok = tiny_llama
     mdir = model_path("tiny-llama")

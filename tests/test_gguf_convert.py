@@ -1,4 +1,4 @@
-"""tools/gguf_convert.py: the converted SmolLM2 directories load offline, chat sensibly,
+"""tools/testing/gguf_convert.py: the converted SmolLM2 directories load offline, chat sensibly,
 tokenize losslessly and are byte-for-byte reproducible."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import mlx.nn as nn
 import mlx_lm
 import mlx_lm.utils
 
-from tools.gguf_convert import convert_smollm2, smollm2_gguf_path
+from tools.testing.gguf_convert import convert_smollm2, smollm2_gguf_path
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -19,8 +19,8 @@ from tests.support.stores import CHUNK, cache_digest
 from kvstore import KVStore, model_identity
 from kvstore.identity import Identity
 from kvstore.layouts import layout_of
-from tools.models import MODELS, model_path
-from tools.oracle import prefill
+from tools.testing.model_builds import MODELS, model_path
+from tools.testing.oracle import prefill
 
 N_PROMPT = 100
 

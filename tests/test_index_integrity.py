@@ -18,7 +18,7 @@ from tests.support.caches import ident, rand_tokens, synth_kv_cache
 from tests.support.children import child_env
 
 from kvstore import KVStore
-from kvstore import maintenance as M
+from kvstore import maintenance
 from kvstore.disk import DiskTier
 from kvstore.index.pages import db_roots, page_size
 
@@ -152,17 +152,17 @@ def test_salvage_keeps_the_intact_records_beside_a_damaged_node(tmp_path, monkey
     disk = DiskTier(tmp_path)
     try:
         if path == "verify":
-            got = M.verify(disk, blob_age=0)
+            got = maintenance.verify(disk, blob_age=0)
             assert [p.kind for p in got] == ["corrupt_index"], got
-            got = M.verify(disk, fix=True, blob_age=0)
+            got = maintenance.verify(disk, fix=True, blob_age=0)
             assert got[0].kind == "corrupt_index" and got[0].fixed, got
         else:
             assert list(tmp_path.glob("index.corrupt-*"))  # the open found it and salvaged
         with disk.index.env.begin() as txn:
             keys = [bytes(k) for k, _ in txn.cursor(db=disk.index._db["tokens"])]
         assert len(keys) == 8 and lost not in keys, keys
-        M.verify(disk, fix=True, blob_age=0)  # the entry without token ids goes
-        assert M.verify(disk, blob_age=0) == []
+        maintenance.verify(disk, fix=True, blob_age=0)  # the entry without token ids goes
+        assert maintenance.verify(disk, blob_age=0) == []
         assert disk.index.counts()["entries"] == 8
     finally:
         disk.close()

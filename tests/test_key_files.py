@@ -1,5 +1,5 @@
 """The fleet secret and API-key files are files kvstore did not write: a FIFO or device
-there is refused at once (it blocked the start forever), read through blobs.read_foreign."""
+there is refused at once (it blocked the start forever), read through files.read_foreign."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The package's shape (issue 13): imports only point down, no cycle, no module uses
-another's private names (``tools/layers.py``), and no function runs past 60 lines outside
+another's private names (``tools/gates/layers.py``), and no function runs past 60 lines outside
 the CLI's argument tables."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tools import layers
+from tools.gates import layers
 
 PACKAGE = Path(layers.__file__).resolve().parent.parent / "kvstore"
 
@@ -15,7 +15,7 @@ PACKAGE = Path(layers.__file__).resolve().parent.parent / "kvstore"
 def test_imports_point_down_without_cycles_or_private_names():
     edges, private = layers.graph()
     assert edges["kvstore.store"] and "kvstore.disk" in edges["kvstore.store"]  # the graph is read
-    assert "tools.faults.worker" in edges["tools.faults.kinds.crash"]  # tools are read too
+    assert "tools.harness.faults.worker" in edges["tools.harness.faults.kinds.crash"]  # tools are read too
     assert "benchmarks.common" in edges["benchmarks.ttft"]  # and benchmarks
     assert layers.check(edges) + private == []
 

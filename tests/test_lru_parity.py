@@ -54,7 +54,7 @@ def models() -> tuple[tuple[str, None, None], tuple[str, None, None]]:
     """Two distinct model keys, as mlx-lm's server builds them."""
     import json
 
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     keys = []
     for name, layers in (("tiny-llama", LAYERS), ("tiny-gemma3", LAYERS_2)):

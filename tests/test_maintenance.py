@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore import blobs, maintenance as M
+from kvstore import files, maintenance as M
 from kvstore.budget import evict_to, lru_order, remove_unchanged
 from kvstore.index import scan
 from kvstore.index.pages import db_roots
@@ -37,8 +37,8 @@ def tmpl(tmp_path_factory, tiny_llama) -> dict[str, Any]:
     from kvstore import KVStore
     from kvstore.disk import DiskTier
     from kvstore.keys import encode_tokens, key_of, root_key
-    from tools.models import model_path
-    from tools.oracle import prefill
+    from tools.testing.model_builds import model_path
+    from tools.testing.oracle import prefill
 
     model, tok = tiny_llama
     mdir = model_path("tiny-llama")
@@ -109,7 +109,7 @@ def chunk_of(disk, key: bytes, i: int):
 
 
 def pack_file(disk, seg) -> Path:
-    return blobs.pack_path(disk.blob_root, seg.pack)
+    return files.pack_path(disk.blob_root, seg.pack)
 
 
 def raw_put(disk, dbname: str, key: bytes, value: bytes | None) -> None:
@@ -145,7 +145,7 @@ def _delete(disk, t):
 
 def _orphan_blob(disk, t):
     src = pack_file(disk, disk.index.entry(t["keys"]["R"]).tail)
-    dst = blobs.pack_path(disk.blob_root, b"\xab" * 16)
+    dst = files.pack_path(disk.blob_root, b"\xab" * 16)
     dst.parent.mkdir(exist_ok=True)
     shutil.copyfile(src, dst)
 
@@ -357,7 +357,7 @@ def test_grace_periods(tmpl, disk):
     _orphan_blob(disk, tmpl)
     assert M.verify(disk) == []  # young: maybe a live writer's
     assert kinds(M.verify(disk, blob_age=0)) == {"orphan_blob"}
-    orphan = blobs.pack_path(disk.blob_root, b"\xab" * 16)
+    orphan = files.pack_path(disk.blob_root, b"\xab" * 16)
     old = time.time() - 300  # past the grace (60 s)
     os.utime(orphan, (old, old))
     assert kinds(M.verify(disk)) == {"orphan_blob"}
@@ -371,7 +371,7 @@ def test_an_orphan_committed_after_the_scan_is_kept(tmpl, disk):
     """A pack that a writer indexes between verify's scan and the repair is kept: the
     removal decides inside a write transaction (the writer's commit holds the same lock)."""
     _orphan_blob(disk, tmpl)
-    orphan = blobs.pack_path(disk.blob_root, b"\xab" * 16)
+    orphan = files.pack_path(disk.blob_root, b"\xab" * 16)
     problems = M.verify(disk, blob_age=0)
     assert kinds(problems) == {"orphan_blob"}
     # ... the writer commits: a record now names the file

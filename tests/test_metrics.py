@@ -61,7 +61,7 @@ def check_against_stats(m: dict, st: dict) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     return model_path("tiny-llama")
 

@@ -77,9 +77,9 @@ def test_misses_counts_histogram_recent_and_threshold() -> None:
 
 def test_log_line_shows_escaped_text_either_side() -> None:
     from kvstore.cli.inspect import tokenizer_json_decoder
-    from kvstore.visible import visible
+    from kvstore.escape import visible
     from tokenizers import Tokenizer
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     tok = Tokenizer.from_file(str(model_path("tiny-llama") / "tokenizer.json"))
     decode = tokenizer_json_decoder(model_path("tiny-llama"))
@@ -133,8 +133,8 @@ def why_store(tmp_path_factory, tiny_llama) -> dict[str, Any]:
 
     from kvstore import KVStore
     from kvstore.adapters.prompts import request_tokens
-    from tools.models import model_path
-    from tools.oracle import prefill
+    from tools.testing.model_builds import model_path
+    from tools.testing.oracle import prefill
 
     base = tmp_path_factory.mktemp("why")
     mdir = base / "model"
@@ -196,7 +196,7 @@ def test_why_names_a_changed_chat_template_as_another_identity(why_store, tmp_pa
     cfg = json.loads((mdir / "tokenizer_config.json").read_text())
     # the copy is a new directory: first store under it, then change its template
     from kvstore import KVStore
-    from tools.oracle import prefill
+    from tools.testing.oracle import prefill
 
     cache = tmp_path / "cache"
     s = KVStore(cache, chunk_tokens=64)
@@ -261,7 +261,7 @@ def test_sort_tools_makes_reordered_tools_hit(tmp_path, sort) -> None:
     whole from the cache (both APIs); without, it is served only up to the tool list."""
     from benchmarks.agent_session import TOOL_TEMPLATE
     from tests.support.servers import Server
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     extra = ["--chat-template", TOOL_TEMPLATE] + (["--sort-tools"] if sort else [])
     with Server(model_path("tiny-llama"), tmp_path / "cache", tmp_path / "server.log", extra) as s:
@@ -298,7 +298,7 @@ def tool_model(tmp_path) -> Path:
     """tiny-llama with the tool-rendering chat template in its own directory (a copy whose
     template a test may change)."""
     from benchmarks.agent_session import with_tool_template
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     return with_tool_template(model_path("tiny-llama"), tmp_path / "model")
 
@@ -400,7 +400,7 @@ def test_reason_evicted_unwritten(tmp_path) -> None:
     tier of one entry drops it at the next request: asked again, it is a miss the store can
     name."""
     from tests.support.servers import Server
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     a, b = openai_body(system()), openai_body(system(uuid=UUID2, date=DATE2) + " Another session.")
     a["messages"] = a["messages"][1:]  # no system segment: the whole prompt is one entry
@@ -425,7 +425,7 @@ def test_reason_cut_refused(tmp_path) -> None:
     back once they wrapped: a prompt parting from a stored one at token ~400 is a miss
     because of the cut, not the divergence."""
     from tests.support.servers import Server
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     text = RULES * 2
     a = {"messages": [{"role": "user", "content": text[:700]}], "max_tokens": 2, "temperature": 0}

@@ -1,4 +1,4 @@
-"""tools/models.py: registry, builds, cache classes, determinism, greedy behaviour, CLI."""
+"""tools/testing/model_builds.py: registry, builds, cache classes, determinism, greedy behaviour, CLI."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import pytest
 from tests.support import ROOT
 from tests.support.models import have_smollm2, requires_smollm2
 
-from tools import models as M
-from tools.oracle import cold_run, make_cache, prefill
+from tools.testing import model_builds
+from tools.testing.oracle import cold_run, make_cache, prefill
 
-TINY = M.TINY_MODELS  # tiny-llama, tiny-llama-q, tiny-gemma3, tiny-qwen3next, tiny-cachelist
-TINY_BUILDS = sorted(M.TINY_CONFIGS)  # distinct weight sets
+TINY = model_builds.TINY_MODELS  # tiny-llama, tiny-llama-q, tiny-gemma3, tiny-qwen3next, tiny-cachelist
+TINY_BUILDS = sorted(model_builds.TINY_CONFIGS)  # distinct weight sets
 
 
 def _classes(cache) -> list[str]:
@@ -37,22 +37,22 @@ def test_registry_names():
         "tiny-muse-spark",
         "bench-qwen3-0.6b",
     }
-    assert set(M.MODELS) == expected
-    for name, spec in M.MODELS.items():
+    assert set(model_builds.MODELS) == expected
+    for name, spec in model_builds.MODELS.items():
         assert spec.name == name
         assert spec.description and "\n" not in spec.description
         assert spec.dir_name.startswith(spec.build + "-v")
-    assert M.MODELS["tiny-llama-q"].kv_bits == 8
-    assert M.MODELS["tiny-llama-q"].kv_group_size == 32
-    assert M.MODELS["tiny-llama-q"].dir_name == M.MODELS["tiny-llama"].dir_name
-    assert M.MODELS["bench-qwen3-0.6b"].on_demand
+    assert model_builds.MODELS["tiny-llama-q"].kv_bits == 8
+    assert model_builds.MODELS["tiny-llama-q"].kv_group_size == 32
+    assert model_builds.MODELS["tiny-llama-q"].dir_name == model_builds.MODELS["tiny-llama"].dir_name
+    assert model_builds.MODELS["bench-qwen3-0.6b"].on_demand
 
 
 def test_models_dir_env(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSTORE_MODELS_DIR", str(tmp_path / "m"))
-    assert M.models_dir() == tmp_path / "m"
+    assert model_builds.models_dir() == tmp_path / "m"
     monkeypatch.delenv("KVSTORE_MODELS_DIR")
-    assert M.models_dir().name == "models"
+    assert model_builds.models_dir().name == "models"
 
 
 def test_model_path_builds_once_atomically(tmp_path, monkeypatch):
@@ -61,18 +61,18 @@ def test_model_path_builds_once_atomically(tmp_path, monkeypatch):
 
     def builder(out):
         calls.append(out)
-        M.build_tiny("tiny-llama", out)
+        model_builds.build_tiny("tiny-llama", out)
 
-    spec = M.ModelSpec(
+    spec = model_builds.ModelSpec(
         name="t", description="t", builder=builder, build="t", version="9",
         family="llama", cache_classes=frozenset({"KVCache"}),
     )
-    monkeypatch.setitem(M.MODELS, "t", spec)
-    p1 = M.model_path("t")
-    p2 = M.model_path("t")
+    monkeypatch.setitem(model_builds.MODELS, "t", spec)
+    p1 = model_builds.model_path("t")
+    p2 = model_builds.model_path("t")
     assert p1 == p2 == tmp_path / "t-v9"
     assert len(calls) == 1 and calls[0].parent == tmp_path and calls[0] != p1
-    assert (p1 / M.COMPLETE_MARKER).is_file() and (p1 / "config.json").is_file()
+    assert (p1 / model_builds.COMPLETE_MARKER).is_file() and (p1 / "config.json").is_file()
     # No temp dirs left behind.
     assert sorted(x.name for x in tmp_path.iterdir() if x.is_dir()) == ["t-v9"]
 
@@ -81,12 +81,12 @@ def test_model_path_builds_once_atomically(tmp_path, monkeypatch):
         (out / "partial").write_text("x")
         raise RuntimeError("boom")
 
-    monkeypatch.setitem(M.MODELS, "b", M.ModelSpec(
+    monkeypatch.setitem(model_builds.MODELS, "b", model_builds.ModelSpec(
         name="b", description="b", builder=broken, build="b", version="1",
         family="llama", cache_classes=frozenset({"KVCache"}),
     ))
     with pytest.raises(RuntimeError, match="boom"):
-        M.model_path("b")
+        model_builds.model_path("b")
     assert not (tmp_path / "b-v1").exists()
     assert sorted(x.name for x in tmp_path.iterdir() if x.is_dir()) == ["t-v9"]
 
@@ -94,7 +94,7 @@ def test_model_path_builds_once_atomically(tmp_path, monkeypatch):
 def test_parallel_processes_build_once(tmp_path):
     """Three processes asking for the same unbuilt model at once get one complete build."""
     env = dict(os.environ, KVSTORE_MODELS_DIR=str(tmp_path))
-    cmd = [sys.executable, str(ROOT / "tools" / "models.py"), "path", "tiny-cachelist"]
+    cmd = [sys.executable, str(ROOT / "tools" / "testing" / "model_builds.py"), "path", "tiny-cachelist"]
     procs = [
         subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(3)
@@ -102,9 +102,9 @@ def test_parallel_processes_build_once(tmp_path):
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
     paths = {out.strip().splitlines()[-1] for out, _ in outs}
-    expected = tmp_path / M.MODELS["tiny-cachelist"].dir_name
+    expected = tmp_path / model_builds.MODELS["tiny-cachelist"].dir_name
     assert paths == {str(expected)}
-    assert (expected / M.COMPLETE_MARKER).is_file()
+    assert (expected / model_builds.COMPLETE_MARKER).is_file()
     # exactly one process built (the others found it done under the lock); no temp dirs left
     assert sum("building" in err for _, err in outs) >= 1
     assert [x.name for x in tmp_path.iterdir() if x.is_dir()] == [expected.name]
@@ -112,21 +112,21 @@ def test_parallel_processes_build_once(tmp_path):
 
 @pytest.mark.parametrize("name", TINY_BUILDS)
 def test_tiny_build_is_deterministic(name, tmp_path):
-    a = M.build_tiny(name, tmp_path / "a", seed=7)
-    b = M.build_tiny(name, tmp_path / "b", seed=7)
+    a = model_builds.build_tiny(name, tmp_path / "a", seed=7)
+    b = model_builds.build_tiny(name, tmp_path / "b", seed=7)
     files = sorted(p.name for p in a.iterdir())
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(files)
     assert files == sorted(p.name for p in b.iterdir())
     for f in files:
         assert (a / f).read_bytes() == (b / f).read_bytes(), f"{name}: {f} differs between builds"
-    c = M.build_tiny(name, tmp_path / "c", seed=8)
+    c = model_builds.build_tiny(name, tmp_path / "c", seed=8)
     assert (c / "model.safetensors").read_bytes() != (a / "model.safetensors").read_bytes()
     config = json.loads((a / "config.json").read_text())
-    assert config["model_type"] == M.TINY_CONFIGS[name][0]
+    assert config["model_type"] == model_builds.TINY_CONFIGS[name][0]
 
 
 def _check_cache_classes(name, model):
-    spec = M.MODELS[name]
+    spec = model_builds.MODELS[name]
     cache = make_cache(model, **spec.cache_kwargs)
     assert set(_classes(cache)) == set(spec.cache_classes), _classes(cache)
     return cache
@@ -142,7 +142,7 @@ def test_cache_classes_tiny_llama_q(load_named):
     cache = _check_cache_classes("tiny-llama-q", model)
     assert all(c.bits == 8 and c.group_size == 32 for c in cache)
     # Still quantised after a prefill (and the plain make_prompt_cache is float KVCache).
-    cache = prefill(model, list(range(40)), **M.MODELS["tiny-llama-q"].cache_kwargs)
+    cache = prefill(model, list(range(40)), **model_builds.MODELS["tiny-llama-q"].cache_kwargs)
     assert _classes(cache) == ["QuantizedKVCache"] * 3 and cache[0].offset == 40
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -175,7 +175,7 @@ def test_cache_classes_tiny_cachelist(load_named):
         ["ArraysCache", "KVCache"],
         ["ArraysCache", "KVCache"],
     ]
-    assert {n for pair in nested for n in pair} == M.MODELS["tiny-cachelist"].nested_cache_classes
+    assert {n for pair in nested for n in pair} == model_builds.MODELS["tiny-cachelist"].nested_cache_classes
 
 
 def test_cache_classes_tiny_llama4(load_named):
@@ -195,11 +195,11 @@ def test_smollm2_loads_with_kvcache(name, load_named):
     cache = _check_cache_classes(name, model)
     assert _classes(cache) == ["KVCache"] * 30
     assert tokenizer.encode("Hello", add_special_tokens=False)
-    assert (M.model_path(name) / "model.safetensors").is_file()
+    assert (model_builds.model_path(name) / "model.safetensors").is_file()
 
 
 def _greedy(name, model, prompt, n_gen=20):
-    return cold_run(model, prompt, n_gen=n_gen, **M.MODELS[name].cache_kwargs).tokens
+    return cold_run(model, prompt, n_gen=n_gen, **model_builds.MODELS[name].cache_kwargs).tokens
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -208,7 +208,7 @@ def test_greedy_output_varies_and_depends_on_prefix(name, load_named, make_promp
     prompt = make_prompt(tokenizer, 120, seed=1)
     out = _greedy(name, model, prompt)
     assert len(set(out)) >= 6, f"{name}: greedy output barely varies: {out}"
-    special = {tokenizer.convert_tokens_to_ids(t) for t in M.SPECIAL_TOKENS}
+    special = {tokenizer.convert_tokens_to_ids(t) for t in model_builds.SPECIAL_TOKENS}
     assert not special & set(out), f"{name}: emitted a special token: {out}"
     # Changing only the FIRST prompt token changes the continuation.
     changed = [(prompt[0] + 1) % 256] + prompt[1:]
@@ -218,32 +218,32 @@ def test_greedy_output_varies_and_depends_on_prefix(name, load_named, make_promp
 
 def test_cli_list():
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "models.py"), "list"],
+        [sys.executable, str(ROOT / "tools" / "testing" / "model_builds.py"), "list"],
         capture_output=True, text=True, timeout=120, check=True,
     )
     lines = proc.stdout.strip().splitlines()
-    assert [line.split("\t")[0] for line in lines] == list(M.MODELS)
+    assert [line.split("\t")[0] for line in lines] == list(model_builds.MODELS)
     assert all(len(line.split("\t")) == 2 and line.split("\t")[1] for line in lines)
 
 
 def test_cli_path_tiny_llama():
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "models.py"), "path", "tiny-llama"],
+        [sys.executable, str(ROOT / "tools" / "testing" / "model_builds.py"), "path", "tiny-llama"],
         capture_output=True, text=True, timeout=300, check=True, cwd=str(ROOT.parent),
     )
     last = proc.stdout.strip().splitlines()[-1]
     assert os.path.isdir(last), proc.stdout
     assert os.path.isfile(os.path.join(last, "model.safetensors"))
-    assert os.path.isfile(os.path.join(last, M.COMPLETE_MARKER))
-    assert last == str(M.model_path("tiny-llama"))
+    assert os.path.isfile(os.path.join(last, model_builds.COMPLETE_MARKER))
+    assert last == str(model_builds.model_path("tiny-llama"))
 
 
 def test_all_models_load_offline_in_fresh_process(tmp_path):
     """Every test model loads with plain mlx_lm.load(dir) with the hub off and an empty HF home."""
-    names = [n for n, s in M.MODELS.items() if not s.on_demand]
+    names = [n for n, s in model_builds.MODELS.items() if not s.on_demand]
     if not have_smollm2():
         names = [n for n in names if not n.startswith("smollm2")]
-    paths = {n: str(M.model_path(n)) for n in names}
+    paths = {n: str(model_builds.model_path(n)) for n in names}
     script = textwrap.dedent(
         """
         import json, sys
@@ -265,20 +265,20 @@ def test_all_models_load_offline_in_fresh_process(tmp_path):
     loaded = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(loaded) == set(names)
     for name in names:
-        spec = M.MODELS[name]
+        spec = model_builds.MODELS[name]
         if spec.kv_bits is None:
             assert set(loaded[name]) == set(spec.cache_classes), (name, loaded[name])
 
 
 def test_prune_removes_only_stale_versions(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSTORE_MODELS_DIR", str(tmp_path))
-    current = tmp_path / M.MODELS["tiny-llama"].dir_name
+    current = tmp_path / model_builds.MODELS["tiny-llama"].dir_name
     stale = tmp_path / "tiny-llama-v0"
     unrelated = tmp_path / "something-else-v1"
     partial = tmp_path / "tiny-gemma3-v0"  # no marker: maybe a build in progress elsewhere
     for d in (current, stale, unrelated):
         d.mkdir()
-        (d / M.COMPLETE_MARKER).write_text("x")
+        (d / model_builds.COMPLETE_MARKER).write_text("x")
     partial.mkdir()
-    assert M.prune_stale() == [stale]
+    assert model_builds.prune_stale() == [stale]
     assert current.is_dir() and unrelated.is_dir() and partial.is_dir() and not stale.exists()

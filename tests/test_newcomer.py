@@ -27,7 +27,7 @@ START_LIMIT = 20.0  # seconds: a refused start must end well within this, even o
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     return model_path("tiny-llama")
 
@@ -166,13 +166,14 @@ def test_the_upstream_suite_says_what_it_needs_when_pypi_is_out_of_reach(tmp_pat
     message saying what to run, and where (README's test command fetches it at install)."""
     import sys
 
-    script = ("from tools import upstream_server as U\n"
-              "try:\n    U.suite_path()\nexcept U.SuiteMissing as e:\n    print('MISSING', e)\n")
+    script = ("from tools.gates import upstream_mlx_lm\n"
+              "try:\n    upstream_mlx_lm.suite_path()\n"
+              "except upstream_mlx_lm.SuiteMissing as e:\n    print('MISSING', e)\n")
     env = child_env(XDG_CACHE_HOME=str(tmp_path / "xdg"), PIP_INDEX_URL="http://127.0.0.1:9/simple",
                     PIP_RETRIES="0", PIP_TIMEOUT="2", PIP_NO_CACHE_DIR="1", PIP_CONFIG_FILE=os.devnull)
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert p.stdout.startswith("MISSING"), p.stdout + p.stderr
-    assert "python -m tools.upstream_server --fetch" in p.stdout and "PyPI" in p.stdout, p.stdout
+    assert "python -m tools.gates.upstream_mlx_lm --fetch" in p.stdout and "PyPI" in p.stdout, p.stdout
 
 
 def test_export_says_what_the_file_holds_and_warns_on_a_conversation(restarted: Server, tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ MESSAGES = [{"role": "system", "content": SYSTEM},
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     return model_path("tiny-llama")
 

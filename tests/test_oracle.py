@@ -1,4 +1,4 @@
-"""tools/oracle.py: the restored-equals-cold oracle passes correct caches and fails wrong ones.
+"""tools/testing/oracle.py: the restored-equals-cold oracle passes correct caches and fails wrong ones.
 
 For every tiny family (plain KVCache, QuantizedKVCache, RotatingKVCache+KVCache, ArraysCache+
 KVCache, CacheList) and SmolLM2, with a prompt of N tokens and a split at K:
@@ -19,8 +19,8 @@ import pytest
 from tests.support.models import have_smollm2
 from tests.support.prompts import text_prompt
 
-from tools import models as M
-from tools.oracle import (
+from tools.testing import model_builds
+from tools.testing.oracle import (
     DEFAULT_ATOL,
     ColdRun,
     assert_restore,
@@ -53,7 +53,7 @@ class Scenario:
 
     @property
     def kw(self) -> dict:
-        return M.MODELS[self.name].cache_kwargs
+        return model_builds.MODELS[self.name].cache_kwargs
 
     @functools.cached_property
     def reference(self) -> ColdRun:
@@ -153,7 +153,7 @@ def test_off_by_one_caches_fail(scenario):
 
 def test_cache_classes_used(scenario):
     """The caches the oracle handled are of the family's intended classes."""
-    spec = M.MODELS[scenario.name]
+    spec = model_builds.MODELS[scenario.name]
     cache = scenario.cache_k_split
     assert {type(c).__name__ for c in cache} == set(spec.cache_classes)
     if scenario.name == "tiny-gemma3":
@@ -192,7 +192,7 @@ def test_float_cache_is_quantized_for_kv_bits(load_named):
     is close to, but not bit-equal with, a cache quantised from the first token."""
     model, tokenizer = load_named("tiny-llama-q")
     prompt = text_prompt(tokenizer, 120, seed=6)
-    kw = M.MODELS["tiny-llama-q"].cache_kwargs
+    kw = model_builds.MODELS["tiny-llama-q"].cache_kwargs
     assert {type(c).__name__ for c in make_cache(model, **kw)} == {"QuantizedKVCache"}
     float_cache = prefill(model, prompt[:100])
     result = check_restore(model, prompt, float_cache, 100, n_gen=4, **kw)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvstore import KVStore
-from kvstore import blobs
+from kvstore import files
 from tests.support.caches import assert_synth, ident, rand_tokens, synth
 
 C = 4
@@ -25,7 +25,7 @@ def _packs_of(store: KVStore, tokens: list[int]) -> set[Path]:
     assert store.disk is not None
     rec = store.disk.index.entry(key)
     chunks = [store.disk.index.chunk(ck) for ck in rec.chunks]
-    return {blobs.pack_path(store.disk.blob_root, s.pack) for s in [c.segment for c in chunks]}
+    return {files.pack_path(store.disk.blob_root, s.pack) for s in [c.segment for c in chunks]}
 
 
 @pytest.mark.parametrize("damage", ["delete", "truncate"])

@@ -62,7 +62,7 @@ def turn2(answer: str) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     return model_path("tiny-llama")
 

@@ -31,7 +31,7 @@ CRAFTS: dict[str, Callable[[mx.array], mx.array]] = {
 
 def _identity(name: str) -> Any:
     from kvstore.identity import model_identity
-    from tools.models import MODELS, model_path
+    from tools.testing.model_builds import MODELS, model_path
 
     spec = MODELS[name]
     return model_identity(model_path(name), kv_bits=spec.kv_bits, kv_group_size=spec.kv_group_size)
@@ -52,8 +52,8 @@ def test_every_array_of_every_class_is_checked_whole(name, load_named):
     array given a batch of 2 or a fifth axis does not, and the problem names the array."""
     from kvstore.codec import encode_cache
     from kvstore.layouts import ArraySpec, layout_problem
-    from tools.models import MODELS
-    from tools.oracle import prefill
+    from tools.testing.model_builds import MODELS
+    from tools.testing.oracle import prefill
 
     ident = _identity(name)
     tensors, layout = encode_cache(prefill(load_named(name)[0], list(range(1, 41)), **MODELS[name].cache_kwargs))
@@ -75,8 +75,8 @@ def test_every_array_of_every_class_is_checked_whole(name, load_named):
 def _export(tmp_path: Path, name: str, load_named) -> Path:
     """A real entry of ``name`` written by ``kvstore export``."""
     from kvstore import KVStore
-    from tools.models import MODELS, model_path
-    from tools.oracle import prefill
+    from tools.testing.model_builds import MODELS, model_path
+    from tools.testing.oracle import prefill
 
     spec = MODELS[name]
     tokens = list(range(1, 41))
@@ -111,7 +111,7 @@ def test_import_refuses_a_file_of_another_shape_and_stores_nothing(tmp_path, loa
     arrays of batch 2 (or a fifth axis): a clear error naming the array and its shape,
     nothing stored. It stored it, and ``verify`` called it fine. The file as exported
     imports (the refusal is the shape's)."""
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     real = _export(tmp_path, name, load_named)
     crafted = tmp_path / "crafted.safetensors"
@@ -132,7 +132,7 @@ def _plant(src: Path, dst: Path, model_dir: Path, craft: Callable[[mx.array], mx
     tier itself (``DiskTier.persist``: behind ``insert``'s layout check, as a foreign or
     older writer would); the number planted."""
     from kvstore import KVStore
-    from kvstore.blobs import host_views
+    from kvstore.segments import host_views
     from kvstore.codec import encode_cache
     from kvstore.disk import PersistJob
     from kvstore.index import scan
@@ -161,7 +161,7 @@ def test_a_planted_entry_of_another_shape_is_a_miss_and_the_server_answers_as_co
     miss (counted corrupt, dropped) and answered exactly as the cold server answered it,
     the server stays healthy, and a restart serves it again. Before the check the
     generation thread died at the first such request (HTTP 503 from then on)."""
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     mdir = model_path("tiny-llama")
     msgs = [{"role": "user", "content": "Name three rivers of France and say which is the longest."}]
@@ -193,13 +193,13 @@ def test_a_shared_entry_of_another_shape_is_a_miss_and_dropped_there(tmp_path, l
     the record it met (the entry, then a chunk, then the other), until none is found.
     Before the check the first one handed out the batch-2 cache."""
     from kvstore import KVStore
-    from kvstore.blobs import host_views
+    from kvstore.segments import host_views
     from kvstore.codec import encode_cache
     from kvstore.disk import PersistJob
     from kvstore.keys import encode_tokens, key_of, root_key
     from kvstore.shared import SharedConfig
     from kvstore.shared.tier import PublishItem
-    from tools.oracle import prefill
+    from tools.testing.oracle import prefill
 
     C = 16
     ident = _identity("tiny-llama")

@@ -28,7 +28,7 @@ from kvstore import KVStore
 from kvstore.identity import Identity
 from kvstore.keys import TOKEN_BYTES, boundaries, common_tokens, encode_tokens, key_of, root_key
 from kvstore.shared import SharedConfig
-from kvstore.shared import values as V
+from kvstore.shared import values
 
 if TYPE_CHECKING:
     from tests.support.redis_servers import RedisCluster, RedisServer
@@ -141,7 +141,7 @@ def test_new_question_under_a_shared_system_prompt_gets_the_common_prefix(tmp_pa
         assert r2["digest"] == r["digest"] and r2["round_trips"] == 1
     with redis_server.client() as rc:  # snapshot families published no chunk, so no chunk field
         fields = [f for h in rc.scan_iter("kvstore:*:h1:*") for f in rc.hkeys(h)]
-    assert sum(V.is_chunk_field(f) for f in fields) == 2 * 3  # tiny-llama and -q: 3 chunks each
+    assert sum(values.is_chunk_field(f) for f in fields) == 2 * 3  # tiny-llama and -q: 3 chunks each
 
 
 # --------------------------------------------------------------------------- round trips, identities
@@ -278,14 +278,14 @@ def test_a_missing_or_rejected_chunk_to_trim_gives_the_whole_chunks(tmp_path, re
     publish(tmp_path / "a", redis_server.url, who, [stored])
     r = redis_server.client()
     b_ = boundaries(root_key(who.digest), encode_tokens(stored), C)
-    name = V.name("kvstore", "chunk", b_[3], who.digest)
-    hname, field = V.name("kvstore", "bounds", b_[2], who.digest), V.chunk_field_name(b_[3])
+    name = values.name("kvstore", "chunk", b_[3], who.digest)
+    hname, field = values.name("kvstore", "bounds", b_[2], who.digest), values.chunk_field_name(b_[3])
     if damage == "evicted":
         r.delete(name)
     elif damage == "bit flip":
         _flip(r, name, "segment")
     elif damage == "another chunk's value":
-        r.set(name, r.get(V.name("kvstore", "chunk", b_[2], who.digest)))
+        r.set(name, r.get(values.name("kvstore", "chunk", b_[2], who.digest)))
     else:
         toks = bytearray(r.hget(hname, field))
         toks[22 * TOKEN_BYTES : 26 * TOKEN_BYTES] = encode_tokens(q[150:151]) * 4  # claims a token more in common
@@ -324,13 +324,13 @@ def test_publish_writes_chunk_fields_in_one_pipeline(tmp_path, redis_server: Red
     b_ = boundaries(root_key(who.digest), encode_tokens(toks), C)
     r = redis_server.client()
     for k in range(23):
-        got = r.hget(V.name("kvstore", "bounds", b_[k], who.digest), V.chunk_field_name(b_[k + 1]))
+        got = r.hget(values.name("kvstore", "bounds", b_[k], who.digest), values.chunk_field_name(b_[k + 1]))
         assert got == encode_tokens(toks[k * C : (k + 1) * C])
-        with pytest.raises(V.ValueFormatError):  # a reader predating chunk fields skips them by name
-            V.parse_field(V.chunk_field_name(b_[k + 1]).encode(), got, C)
-    r.hdel(V.name("kvstore", "bounds", b_[5], who.digest), V.chunk_field_name(b_[6]))
+        with pytest.raises(values.ValueFormatError):  # a reader predating chunk fields skips them by name
+            values.parse_field(values.chunk_field_name(b_[k + 1]).encode(), got, C)
+    r.hdel(values.name("kvstore", "bounds", b_[5], who.digest), values.chunk_field_name(b_[6]))
     publish(tmp_path / "a2", redis_server.url, who, [toks])
-    assert r.hexists(V.name("kvstore", "bounds", b_[5], who.digest), V.chunk_field_name(b_[6]))
+    assert r.hexists(values.name("kvstore", "bounds", b_[5], who.digest), values.chunk_field_name(b_[6]))
     with store(tmp_path / "a3", redis_server.url) as a:
         a.insert(who, toks, synth(toks))
         assert a.flush(30)
@@ -346,18 +346,18 @@ QUERY = ENTRY + rand_tokens(20, 12)
 def _names(who: Identity, prefix: str = "kvstore") -> dict[str, str]:
     enc = encode_tokens(ENTRY)
     b = boundaries(root_key(who.digest), enc, C)
-    out = {f"chunk{k}": V.name(prefix, "chunk", b[k], who.digest) for k in (1, 2, 3)}
-    out["entry"] = V.name(prefix, "entry", key_of(b[0], enc, C), who.digest)
-    out["bounds"] = V.name(prefix, "bounds", b[3], who.digest)
+    out = {f"chunk{k}": values.name(prefix, "chunk", b[k], who.digest) for k in (1, 2, 3)}
+    out["entry"] = values.name(prefix, "entry", key_of(b[0], enc, C), who.digest)
+    out["bounds"] = values.name(prefix, "bounds", b[3], who.digest)
     return out
 
 
 def _flip(r, key: str, where: str) -> None:
     data = bytearray(r.get(key))
-    frame = V.parse_frame(bytes(data))
-    at = {"tokens": V.FRAME.size + frame.record + 4,
-          "segment": V.FRAME.size + frame.record + frame.tokens + frame.segment // 2,
-          "record": V.FRAME.size + 20}[where]
+    frame = values.parse_frame(bytes(data))
+    at = {"tokens": values.FRAME.size + frame.record + 4,
+          "segment": values.FRAME.size + frame.record + frame.tokens + frame.segment // 2,
+          "record": values.FRAME.size + 20}[where]
     data[at] ^= 0x10
     r.set(key, bytes(data))
 
@@ -396,7 +396,7 @@ def test_damaged_or_missing_values_give_a_shorter_hit_or_a_miss(tmp_path, redis_
         _flip(r, n["entry"], damage.split()[1])
     elif damage == "entry claims 10 GB":
         data = bytearray(r.get(n["entry"]))
-        struct.pack_into("<Q", data, V.FRAME.size - 8, 10 << 30)
+        struct.pack_into("<Q", data, values.FRAME.size - 8, 10 << 30)
         r.set(n["entry"], bytes(data))
     elif damage == "hash field garbage":
         r.hset(n["bounds"], mapping={"zz" * 16: b"junk", "ab" * 16: b"F\x01\x03" + b"\0" * 5})
@@ -671,7 +671,7 @@ def test_cluster_with_a_dead_node_degrades_to_what_the_live_nodes_hold(tmp_path,
     bounds = boundaries(root_key(who.digest), encode_tokens(toks), C)
     with Cluster(3, binary=redis_binary, config={"cluster-require-full-coverage": "no"}) as cluster:
         publish(tmp_path / "a", cluster.url, who, [toks])
-        node = [cluster.node_for_slot(key_slot(V.name("kvstore", "chunk", b, who.digest))) for b in bounds[1:]]
+        node = [cluster.node_for_slot(key_slot(values.name("kvstore", "chunk", b, who.digest))) for b in bounds[1:]]
         j = next(j for j in range(1, len(node)) if node[j] not in node[:j])  # chunk j + 1: first on its node
         node[j].kill()
         with store(tmp_path / "b", cluster.url) as b:
@@ -874,7 +874,7 @@ def test_gc_removes_fields_whose_values_are_gone(tmp_path, redis_server: RedisSe
     assert code == 0 and (done["entries"], done["chunks"], done["fields"]) == (0, 0, 2), done
     enc = encode_tokens(ENTRY)
     b = boundaries(root_key(who.digest), enc, C)
-    gone = {key_of(b[0], enc, C).hex().encode(), V.chunk_field_name(b[3]).encode()}
+    gone = {key_of(b[0], enc, C).hex().encode(), values.chunk_field_name(b[3]).encode()}
     assert fields() == sorted(set(before) - gone)
     with store(tmp_path / "c", url) as c:
         f = c.fetch(who, ENTRY + [1])

@@ -7,7 +7,7 @@ tokens span several chunks plus a tail and lookups walk real chains.
 Synthetic caches (``synth``) hold keys / values that are a pure function of each position's
 token id and index, so the exact content a restore must give for any prefix is known
 without a model: those tests check bit-exact content, the model tests check behaviour with
-the restored-equals-cold oracle (tools.oracle).
+the restored-equals-cold oracle (tools.testing.oracle).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from tests.support.models import TINY_FAMILIES, TRIMMABLE, have_smollm2, require
 from tests.support.prompts import text_prompt
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from kvstore import KVStore, blobs
+from kvstore import KVStore, files, segments
 from kvstore.identity import Identity, model_identity
-from tools.models import MODELS, model_path
-from tools.oracle import cold_run, prefill
+from tools.testing.model_builds import MODELS, model_path
+from tools.testing.oracle import cold_run, prefill
 
 C = U.CHUNK
 
@@ -358,7 +358,7 @@ def test_restore_allocating_tensor_by_tensor_is_the_same(tmp_path, monkeypatch, 
     U.damage_segment(segs[1 if not snapshot else 0], "flip")
     with KVStore(tmp_path) as s:
         plan = s.disk.plan(who, toks)
-        with pytest.raises(blobs.BlobError, match="checksum") as e:
+        with pytest.raises(files.BlobError, match="checksum") as e:
             s.disk.restore(plan, who)
         assert e.value.record == (("chunk", plan.chunks[1]) if not snapshot else ("entry", plan.last[1]))
 
@@ -573,7 +573,7 @@ def test_damaged_middle_chunk_fails_the_whole_restore(tmp_path):
     with KVStore(tmp_path) as s:
         plan = s.disk.plan(who, toks)
         assert plan.n == len(toks) and len(plan.chunks) == 6
-        with pytest.raises(blobs.BlobError, match="checksum") as e:
+        with pytest.raises(files.BlobError, match="checksum") as e:
             s.disk.restore(plan, who)
         assert e.value.record == ("chunk", plan.chunks[3])
         assert not [t for t in threading.enumerate() if t.name.startswith("kvstore-restore")]
@@ -613,7 +613,7 @@ def test_failed_write_leaves_no_entry_and_no_file(tmp_path, monkeypatch, where):
 
     who = ident("failwrite")
     good, bad = rand_tokens(100, seed=41), rand_tokens(100, seed=42)
-    real = blobs.PackWriter.seal if where == "blob" else D._commit
+    real = segments.PackWriter.seal if where == "blob" else D._commit
 
     def flaky(*a, **k):
         if flaky.fail:
@@ -624,7 +624,7 @@ def test_failed_write_leaves_no_entry_and_no_file(tmp_path, monkeypatch, where):
 
     flaky.fail = False
     if where == "blob":
-        monkeypatch.setattr(blobs.PackWriter, "seal", flaky)
+        monkeypatch.setattr(segments.PackWriter, "seal", flaky)
     else:
         monkeypatch.setattr(D, "_commit", flaky)
     with KVStore(tmp_path, chunk_tokens=C) as s:

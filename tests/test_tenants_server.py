@@ -43,7 +43,7 @@ KEYS = {"A": "key-tenant-a-0001", "B": "key-tenant-b-0002", "C": "key-tenant-c-0
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     return model_path("tiny-llama")
 
@@ -145,12 +145,12 @@ def test_tenants_never_share_in_memory_on_disk_or_through_redis(mode: str, model
         assert got["hits_shared"] == 1 and got["shared_lookups"] >= 2, got
         assert got["shared_rejected"] == 0 and got["shared_bad_signature"] == 0, got
     if mode == "salt":  # every value the fleet published is signed: a store without the secret finds none
-        from kvstore.shared import values as V
+        from kvstore.shared import values
         from kvstore.shared.signing import TAG_BYTES
 
         with redis_server.client() as rc:
             names = [n for n in rc.scan_iter("kvstore:*:e1:*")]
-            assert names and all(V.parse_frame(rc.get(n)).size + TAG_BYTES == rc.strlen(n) for n in names)
+            assert names and all(values.parse_frame(rc.get(n)).size + TAG_BYTES == rc.strlen(n) for n in names)
 
 
 def test_a_hit_is_not_observable_across_salts(model_dir: Path, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from kvstore import KVStore
 from kvstore.keys import encode_tokens, key_of, root_key
 from kvstore.salt import SaltedTokens, SaltError, check_salt, salted
 from kvstore.shared import SharedConfig
-from kvstore.shared import values as V
+from kvstore.shared import values
 from tests.support.caches import assert_synth, ident, rand_tokens, synth
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ def _entry_name(store: KVStore, toks: list[int]) -> tuple[str, str, bytes]:
 
     bound = boundaries(root_key(WHO.digest), enc, C)[-1]
     prefix = store.shared.prefix  # type: ignore[union-attr]
-    return V.name(prefix, "entry", key, WHO.digest), V.name(prefix, "bounds", bound, WHO.digest), key
+    return values.name(prefix, "entry", key, WHO.digest), values.name(prefix, "bounds", bound, WHO.digest), key
 
 
 def test_forged_shared_values_are_rejected_with_a_fleet_secret(tmp_path, redis_server: RedisServer) -> None:
@@ -152,10 +152,10 @@ def test_forged_shared_values_are_rejected_with_a_fleet_secret(tmp_path, redis_s
     from kvstore.keys import residual
     from kvstore.records import EntryRecord
 
-    _f, rec = V.parse_record(real)
+    _f, rec = values.parse_record(real)
     assert isinstance(rec, EntryRecord)
     rc.set(name2, real)
-    rc.hset(hash2, key2.hex(), V.field_value(rec, residual(encode_tokens(p2), C)))
+    rc.hset(hash2, key2.hex(), values.field_value(rec, residual(encode_tokens(p2), C)))
     # 2) a fresh, well-formed value of p3 carrying KV the fleet never computed
     with shared_store(tmp_path / "forger", redis_server.url) as f:
         f.insert(WHO, p3, synth(p2[:1] * len(p3)))

@@ -16,8 +16,8 @@ import mlx.core as mx
 from tests.support.stores import CHUNK
 
 from kvstore import KVStore
-from tools.models import model_path
-from tools.oracle import cold_run, prefill
+from tools.testing.model_builds import model_path
+from tools.testing.oracle import cold_run, prefill
 
 
 def _fetch_on_own_stream(store: KVStore, model_dir: Any, tokens: list[int]) -> Any:

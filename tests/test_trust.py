@@ -1,7 +1,7 @@
 """Trust boundaries of a cache directory (issue 11): what someone else put in or around it.
 
 Each test is the reproduction of one finding, run on real stores, real LMDB edits (records
-written with ``lmdb`` directly, ``tools.faults.craft``), real files, symlinks and FIFOs,
+written with ``lmdb`` directly, ``tools.harness.faults.craft``), real files, symlinks and FIFOs,
 and real processes (fetches and the ``kvstore`` CLI in new processes, with time limits).
 Tests of a finding fixed in kvstore failed before that fix (its commit says which); the
 others pin what the store already did right (they fail if that regresses). The fault
@@ -29,9 +29,9 @@ from tests.support.stores import CHUNK
 from kvstore import KVStore
 from kvstore.identity import Identity, code_digest, model_identity
 from kvstore.layouts import layout_of
-from tools.faults import craft
-from tools.models import model_path
-from tools.oracle import prefill
+from tools.harness.faults import craft
+from tools.testing.model_builds import model_path
+from tools.testing.oracle import prefill
 
 N_PROMPT = 80
 
@@ -353,7 +353,7 @@ def test_crafted_records_cannot_reach_outside_blobs(tmp_path: Path) -> None:
     --missing-models --blob-age 0`` leave every file next to the cache dir as it was."""
     from dataclasses import replace
 
-    from kvstore.blobs import pack_path
+    from kvstore.files import pack_path
     from kvstore.records import PackRecord, Segment
 
     cache = tmp_path / "cache"
@@ -594,19 +594,19 @@ def test_slow_writer_keeps_its_entry_when_gc_runs_before_its_commit(tmp_path: Pa
     toks = list(range(2 * CHUNK + 9))
     got = run_py("""
         import json, os, subprocess, sys
-        import kvstore.blobs as kb
+        import kvstore.segments as ks
         from kvstore import KVStore
         from kvstore.identity import Identity
         from tests.support.caches import synth_kv_cache
         a = json.loads(sys.argv[1])
-        real, gcs = kb.PackWriter.seal, []
+        real, gcs = ks.PackWriter.seal, []
         def seal_then_gc(self):
             real(self)
             if not gcs:  # the first pack: sealed, not yet committed
                 p = subprocess.run([sys.executable, "-m", "kvstore.cli", "gc", "--blob-age", "0", "--json",
                                     "--cache-dir", a["cache"]], capture_output=True, text=True)
                 gcs.append({"rc": p.returncode, "out": json.loads(p.stdout), "gone": not os.path.exists(self.path)})
-        kb.PackWriter.seal = seal_then_gc
+        ks.PackWriter.seal = seal_then_gc
         with KVStore(a["cache"], chunk_tokens=a["chunk"]) as s:
             ident = Identity(bytes.fromhex(a["digest"]), a["info"])
             s.insert(ident, a["toks"], synth_kv_cache(2, 2, len(a["toks"]), 8))
@@ -632,7 +632,7 @@ def test_future_timestamps_count_as_now(tmp_path: Path) -> None:
     import time
     from dataclasses import replace
 
-    from kvstore.blobs import pack_path
+    from kvstore.files import pack_path
 
     cache = tmp_path / "cache"
     _synthetic_store(cache, n=3)
@@ -677,8 +677,8 @@ def test_many_damaged_entries_warn_once(tmp_path: Path) -> None:
     twelve in ``corrupt``, and serves none of them."""
     import random
 
-    from kvstore.blobs import pack_path
-    from tools.faults.damage import damage_in_segment
+    from kvstore.files import pack_path
+    from tools.harness.faults.damage import damage_in_segment
 
     cache = tmp_path / "cache"
     prompts = _synthetic_store(cache, n=12, length=40)
@@ -763,7 +763,7 @@ def test_custom_model_file_edit_is_a_new_identity(tmp_path: Path) -> None:
     store restores none of the old code's KV and its next token is the cold prefill's.
     A change to any other .py file of the model directory is a new identity too."""
     from mlx_lm.utils import load_model
-    from tools.oracle import make_cache
+    from tools.testing.oracle import make_cache
 
     mdir = _custom_model_dir(tmp_path)
     prompt = [(37 * i + 11) % 250 + 3 for i in range(N_PROMPT)]
@@ -941,17 +941,17 @@ def test_planted_fifo_or_symlink_at_every_written_name(tmp_path: Path, what: str
 def test_temp_names_are_unpredictable_and_exclusive(tmp_path: Path) -> None:
     """``replace_file`` writes through a new random name each time and never opens an
     existing one; ``create`` refuses a FIFO or symlink at its name at once."""
-    from kvstore import blobs
+    from kvstore import files
 
-    names = {blobs.temp_name(tmp_path / "clean") for _ in range(100)}
-    assert len(names) == 100 and all(blobs.TEMP_NAME.fullmatch(n.name) for n in names)
+    names = {files.temp_name(tmp_path / "clean") for _ in range(100)}
+    assert len(names) == 100 and all(files.TEMP_NAME.fullmatch(n.name) for n in names)
     os.mkfifo(tmp_path / "fifo")
     os.symlink(tmp_path / "target", tmp_path / "link")
     for n in ("fifo", "link"):
         with pytest.raises(FileExistsError):
-            blobs.create(tmp_path / n)
+            files.create(tmp_path / n)
     assert not (tmp_path / "target").exists()
-    blobs.replace_file(tmp_path / "link", b"x")
+    files.replace_file(tmp_path / "link", b"x")
     assert (tmp_path / "link").read_bytes() == b"x" and not (tmp_path / "link").is_symlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link"]
 
@@ -1035,7 +1035,7 @@ print(json.dumps(out))
 
 def _as_member(uid: int, payload: dict) -> dict:
     """Run ``_MEMBER`` as ``uid`` with the group as its only group (a real second user)."""
-    from tools.faults.kinds.permissions import member_preexec
+    from tools.harness.faults.kinds.permissions import member_preexec
 
     p = subprocess.run([sys.executable, "-c", _MEMBER, json.dumps(payload)], capture_output=True, text=True,
                        timeout=300, env=child_env(HOME="/tmp"), cwd="/", preexec_fn=member_preexec(uid))
@@ -1050,7 +1050,7 @@ def group_dir() -> Any:
     the payload fields every member run shares). Root only."""
     import tempfile
 
-    from tools.faults.kinds.permissions import GROUP, searchable_by_others
+    from tools.harness.faults.kinds.permissions import GROUP, searchable_by_others
 
     if os.geteuid() != 0:
         pytest.skip("running as two other users needs root")
@@ -1077,7 +1077,7 @@ def test_two_members_of_a_group_share_a_directory(group_dir: Any) -> None:
     the digest memo the other wrote, and after one of them rebuilds the index (what
     ``verify --fix`` does) the other still can: no warning, no memory-only fallback.
     Every file is 0660 and every directory 2770, all of the directory's group."""
-    from tools.faults.kinds.permissions import GROUP, MEMBERS
+    from tools.harness.faults.kinds.permissions import GROUP, MEMBERS
 
     cache, common = group_dir
     prompts = [[(7 * i + j) % 200 for j in range(100)] for i in range(4)]
@@ -1101,7 +1101,7 @@ def test_a_member_locked_out_of_a_file_is_told_which_and_how_to_fix_it(group_dir
     made the digest memo, or the index data file after a chmod): another member gets a
     warning (memo: the identity still resolves, the disk tier still serves) or a refusal
     (data.mdb) naming the file and the ``chmod`` that fixes it, never a silent fallback."""
-    from tools.faults.kinds.permissions import MEMBERS
+    from tools.harness.faults.kinds.permissions import MEMBERS
 
     cache, common = group_dir
     prompts = [[(7 * i + j) % 200 for j in range(100)] for i in range(2)]

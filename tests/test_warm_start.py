@@ -35,7 +35,7 @@ FILLER = 60  # unpinned entries that make a preload last long enough to be seen 
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     return model_path("tiny-llama")
 

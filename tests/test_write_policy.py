@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvstore import KVStore
-from kvstore.written import count, written
+from kvstore.bytes_written import count, written
 from tests.support.caches import ident, rand_tokens, synth
 from tests.test_cli import cli
 
@@ -51,7 +51,7 @@ def test_system_writes_system_segments_only(tmp_path: Path) -> None:
 
 
 def test_system_admits_a_pinned_entry(tmp_path: Path) -> None:
-    from kvstore.blobs import host_views
+    from kvstore.segments import host_views
     from kvstore.codec import encode_cache
     from kvstore.disk import PersistJob
     from kvstore.keys import encode_tokens, key_of, root_key
@@ -123,7 +123,7 @@ def test_daily_budget_stops_writes_across_restarts_and_resumes_next_day(tmp_path
     assert "today" in cli("stats", cache_dir=tmp_path).stdout
     # the same count, dated yesterday: today's budget is untouched and writes resume
     with KVStore(tmp_path, chunk_tokens=C) as s:
-        from kvstore.written import DAY_KEY
+        from kvstore.bytes_written import DAY_KEY
 
         s.disk.index.transact(lambda t: t.set_meta(DAY_KEY, b"2000-01-01 999999"))
         assert written(s.disk.index)[0] == 0

@@ -87,7 +87,7 @@ def one_request(args: argparse.Namespace, question: str) -> dict:
     from kvstore.cli.common import entry_key, short_id
     from kvstore.cli.progress import Progress, PromptSteps, write_behind
     from kvstore.generate import message_boundaries, stream_generate
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     path = model_path(MODEL)
     with Progress(f"load model {MODEL_NAME}"):
@@ -156,7 +156,7 @@ def clean(cache_dir: Path) -> None:
 
 def converted() -> bool:
     """This machine has the demo's model converted already."""
-    from tools.models import COMPLETE_MARKER, MODELS, models_dir
+    from tools.testing.model_builds import COMPLETE_MARKER, MODELS, models_dir
 
     return (models_dir() / MODELS[MODEL].dir_name / COMPLETE_MARKER).is_file()
 
@@ -164,7 +164,7 @@ def converted() -> bool:
 def prepare() -> Path:
     """The model directory, converted first if this machine has none yet."""
     from kvstore.cli.progress import Progress
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     if converted():
         return model_path(MODEL)

@@ -117,7 +117,7 @@ def shard_components(shard: Any) -> dict[str, Any] | None:
 def exo_identity(model_path: str | Path, shard: Any, cache: list[Any], memo: Any = None) -> Identity:
     """The identity of one exo node's caches: the model directory's components, with the
     layout of the cache this node builds (its layers only) and ``shard_components``."""
-    layout = codec.layout_signature(codec.encode_cache(cache)[1])
+    layout = codec.encode_cache(cache)[1].signature()
     base = model_identity(model_path, layout=layout, memo=memo)
     comps = {k: v for k, v in base.info["components"].items() if k != "format"}
     comps["shard"] = shard_components(shard)

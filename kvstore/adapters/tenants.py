@@ -116,7 +116,7 @@ def policy_from(ours: argparse.Namespace, environ: Mapping[str, str] | None = No
     keys = list(ours.api_key or [])
     if ours.api_key_file:
         try:
-            from ..blobs import read_foreign  # never blocks on a FIFO, regular files only
+            from ..files import read_foreign  # never blocks on a FIFO, regular files only
 
             lines = [ln.strip() for ln in read_foreign(Path(ours.api_key_file), limit=1 << 20).decode().splitlines()]
         except (OSError, UnicodeDecodeError) as e:

@@ -168,7 +168,7 @@ INSTALL_HINT = (
     "other declared dependencies, torch and CUDA wheels among them, are not needed for its "
     "engines and server): pip install 'mlx-lm==0.31.3' 'jsonschema>=4.0.0' 'requests>=2.28.0' "
     "fastapi 'starlette>=1.0.1' uvicorn python-multipart && "
-    "pip install --no-deps 'vllm-mlx==0.6.0'  (or tools/compat_env.sh VENV; see docs/adapters.md, vllm-mlx)")
+    "pip install --no-deps 'vllm-mlx==0.6.0'  (or tools/gates/compat_env.sh VENV; see docs/adapters.md, vllm-mlx)")
 
 
 def _simple_engine() -> type:

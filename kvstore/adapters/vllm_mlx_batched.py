@@ -4,7 +4,7 @@ vllm-mlx (0.6) builds a ``MemoryAwarePrefixCache`` (vllm_mlx/memory_cache.py) in
 ``Scheduler.__init__`` (text models) and in ``MLLMBatchGenerator.__init__`` (multimodal),
 both by the name they imported. ``install`` makes both build ``KVPrefixCache`` instead: a
 subclass of vllm-mlx's own class, so its memory tier, matching, accounting, reservation,
-stats and SSD hooks stay vllm-mlx's (its own tests run against it: tools/upstream_vllm_mlx.py),
+stats and SSD hooks stay vllm-mlx's (its own tests run against it: tools/gates/upstream_vllm_mlx.py),
 with kvstore's disk tier underneath:
 
 - every entry vllm-mlx keeps is written through to disk (not only when the RAM LRU evicts

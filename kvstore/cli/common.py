@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..visible import visible
+from ..escape import visible
 
 ENTRY_ID_CHARS = 12
 
@@ -194,29 +194,27 @@ def entry_bytes(rec: Any, chunks: dict[bytes, Any]) -> int:
 
 def segment_header(disk: Any, seg: Any) -> Any:
     """The (unverified) header of a segment, or None if it cannot be read. Opens only
-    kvstore's own files (``blobs.open_own``)."""
-    from .. import blobs
+    kvstore's own files (``files.open_own``)."""
+    from .. import files, segments
 
     try:
-        fd = blobs.open_own(blobs.pack_path(disk.blob_root, seg.pack))
-    except blobs.BlobError:
+        fd = files.open_own(files.pack_path(disk.blob_root, seg.pack))
+    except files.BlobError:
         return None
     try:
-        return blobs.read_header(fd, seg)
-    except (blobs.BlobError, OSError):
+        return segments.read_header(fd, seg)
+    except (files.BlobError, OSError):
         return None
     finally:
         os.close(fd)
 
 
-_ST_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
-              "U32": "uint32", "I8": "int8", "U8": "uint8"}
-
-
 def header_layout(header: Any) -> list:
     """The layout a segment header's metadata records ([] if none or unreadable)."""
+    from ..segments import stored_layout
+
     try:
-        got = json.loads((header.meta if header else {}).get("kvstore.layout", "[]"))
+        got = stored_layout(header.meta if header else {})
     except (ValueError, RecursionError):
         return []
     return got if isinstance(got, list) else []
@@ -234,8 +232,9 @@ def kv_dtype(header: Any) -> str | None:
     pick = next((k for k in names if k.endswith(".k")), names[0] if names else None)
     if pick is None:
         return None
-    st = header.specs[pick][0]
-    return _ST_DTYPES.get(st, st)
+    from ..segments import mlx_dtype_name
+
+    return mlx_dtype_name(header.specs[pick][0])  # a parsed header holds known dtypes only
 
 
 def first_segment(disk: Any, rec: Any) -> Any:

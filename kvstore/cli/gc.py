@@ -44,19 +44,20 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     if args.shared is not None:  # a shared tier, not a cache directory
         return shared_tier.run_gc(args)
-    from .. import maintenance as M
+    from .. import maintenance
     from .verify import describe
 
     disk = common.open_disk(args, write=not args.dry_run)  # a dry run opens the index read-only
     try:
         idents = disk.index.identities()
         chosen = [common.resolve_identity(idents, p, disk.root) for p in args.identity]
-        res = M.gc(disk, max_bytes=args.max_bytes, max_age=args.max_age, identities=chosen,
+        res = maintenance.gc(disk, max_bytes=args.max_bytes, max_age=args.max_age, identities=chosen,
                    missing_models=args.missing_models, orphans=not args.keep_orphans,
                    dry_run=args.dry_run, blob_age=args.blob_age)
     finally:
         disk.close()
-    unfixed = [p for p in res.problems if not p.fixed and p.kind not in M.NOT_OURS] if not args.dry_run else []
+    unfixed = [p for p in res.problems if not p.fixed and p.kind not in maintenance.NOT_OURS] \
+        if not args.dry_run else []
     if args.json:
         out = res.to_dict()
         out.update(cache_dir=str(disk.root), blob_bytes_left=res.bytes_left)

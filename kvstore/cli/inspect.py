@@ -41,7 +41,7 @@ def load_decoder(model_path: str | None) -> tuple[Callable[[list[int]], str] | N
         return None, "the identity records no model path"
     if not Path(model_path).is_dir():
         return None, f"model directory {model_path} no longer exists"
-    from ..blobs import special_files
+    from ..files import special_files
 
     odd = special_files(Path(model_path))  # a tokenizer library would block on a FIFO there
     if odd:

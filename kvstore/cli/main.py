@@ -121,7 +121,7 @@ def _run(module: Any, args: argparse.Namespace) -> int:
     from . import common
     from .common import CLIError, error
 
-    from ..visible import VisibleWriter
+    from ..escape import VisibleWriter
 
     out = sys.stdout
     if args.command not in ("serve", "vllm-mlx") and not getattr(args, "json", False):

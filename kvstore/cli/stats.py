@@ -26,9 +26,9 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def collect(disk) -> dict[str, Any]:
-    from .. import blobs
+    from .. import files
     from ..index import scan
-    from ..written import utc_day, written
+    from ..bytes_written import utc_day, written
 
     snap = scan(disk.index, full=False)
     by: dict[str, dict[str, Any]] = {}
@@ -56,7 +56,7 @@ def collect(disk) -> dict[str, Any]:
         r = row(crec.identity.hex())
         r["chunks"] += 1
         r["bytes"] += crec.segment.length
-    files, _foreign = blobs.own_packs(disk.blob_root)
+    own, _foreign = files.own_packs(disk.blob_root)
     live = sum(p.live for p in snap.packs.values() if p)
     usage = shutil.disk_usage(disk.root)
     today, total = written(disk.index)
@@ -71,8 +71,8 @@ def collect(disk) -> dict[str, Any]:
             "pinned": sum(r["pinned"] for r in idents),
             "blob_bytes": snap.meta_bytes,
             "live_bytes": live,
-            "blob_bytes_on_disk": sum(f.st.st_size for f in files),
-            "blob_files": len(files),
+            "blob_bytes_on_disk": sum(f.st.st_size for f in own),
+            "blob_files": len(own),
             "index_bytes": disk.index.file_bytes(),
         },
         "memory": None,

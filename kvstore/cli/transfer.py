@@ -111,7 +111,7 @@ def _target(path: Path, force: bool) -> Path:
 
 def _restore(disk: Any, key: bytes, rec: Any, info: dict[str, Any]) -> tuple[list[Any], list[int]]:
     """The entry's live cache (read and checked as a fetch reads it) and its token ids."""
-    from ..blobs import BlobError
+    from ..files import BlobError
     from ..codec import Unsupported
     from ..identity import Identity
     from ..keys import TOKEN_BYTES, decode_tokens
@@ -152,7 +152,7 @@ def _write(path: Path, cache: list[Any], meta: dict[str, str]) -> None:
 def import_file(args: argparse.Namespace) -> int:
     from ..store import local_model_dir
 
-    from ..blobs import special_files
+    from ..files import special_files
 
     model_dir = local_model_dir(args.model)
     if model_dir is None:

@@ -45,15 +45,15 @@ def describe(p) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import maintenance as M
+    from .. import maintenance
 
     disk = common.open_disk(args, write=args.fix)
     try:
-        problems = M.verify(disk, fix=args.fix, checksums=not args.no_checksums, blob_age=args.blob_age)
+        problems = maintenance.verify(disk, fix=args.fix, checksums=not args.no_checksums, blob_age=args.blob_age)
         n_entries, n_chunks = disk.index.counts()["entries"], disk.index.counts()["chunks"]
     finally:
         disk.close()
-    left = [p for p in problems if not (args.fix and p.fixed) and p.kind not in M.NOT_OURS]
+    left = [p for p in problems if not (args.fix and p.fixed) and p.kind not in maintenance.NOT_OURS]
     if args.json:
         common.print_json({"cache_dir": str(disk.root), "fix": args.fix, "ok": not left,
                            "counts": dict(Counter(p.kind for p in problems)),
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
                            "entries": n_entries, "chunks": n_chunks})
         return 1 if left else 0
     P = common.plural
-    foreign = [p for p in problems if p.kind in M.NOT_OURS]
+    foreign = [p for p in problems if p.kind in maintenance.NOT_OURS]
     if not left and not args.fix:
         print(f"ok: {P(n_entries, 'entry', 'entries')} and {P(n_chunks, 'chunk')} verified in {disk.root}")
     for p in problems:
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{P(len(left), 'problem')} found ({counts}): {common.run_hint('verify --fix', disk.root)} to repair")
             return 1
         return 0
-    ours = [p for p in problems if p.kind not in M.NOT_OURS]
+    ours = [p for p in problems if p.kind not in maintenance.NOT_OURS]
     counts = ", ".join(f"{n} {k}" for k, n in Counter(p.kind for p in ours).items()) or "none"
     print(f"{P(len(ours), 'problem')} found ({counts}), {len(ours) - len(left)} fixed; "
           f"{P(n_entries, 'entry', 'entries')} and {P(n_chunks, 'chunk')} remain")

@@ -144,7 +144,7 @@ def _load(model_dir: Path) -> tuple[Any, Any]:
 
     from .progress import Progress
 
-    from ..blobs import special_files
+    from ..files import special_files
 
     odd = special_files(model_dir)  # mlx-lm would block on a FIFO there
     if odd:

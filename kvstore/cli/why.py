@@ -71,9 +71,9 @@ def _read_request(path: str) -> Any:
 
 def _nearest(request: list[int], entries: list[tuple[bytes, Any, bytes]]) -> Nearest | None:
     """Over ``(key, record, encoded tokens)`` of one identity: the entry sharing the most
-    tokens, and the most any of them serves (``cuts.serves``: a prefix entry in full, a
+    tokens, and the most any of them serves (``served_tokens.serves``: a prefix entry in full, a
     longer one cut back where it can be; a chunked one to its last whole chunk)."""
-    from ..cuts import serves
+    from ..served_tokens import serves
     from ..keys import common_tokens, decode_tokens, encode_tokens
 
     enc = encode_tokens(request)

@@ -43,7 +43,7 @@ from typing import Any, Callable, TypeVar
 
 import lmdb
 
-from .. import blobs
+from .. import files
 from ..keys import FORMAT_VERSION
 from ..records import MAX_CHUNK, IdentityRecord, RecordError, parse
 from .pages import last_txnid, unwritten_roots
@@ -130,7 +130,7 @@ class Index:
     ``root/blobs``). Safe to share between threads; open one per process (after fork).
     Every method is one short transaction."""
 
-    def __init__(self, root: Path, *, readonly: bool = False, modes: blobs.Modes = blobs.PRIVATE,
+    def __init__(self, root: Path, *, readonly: bool = False, modes: files.Modes = files.PRIVATE,
                  path: Path | None = None) -> None:
         self.root = Path(root)
         self.path = Path(path) if path is not None else self.root / "index"
@@ -214,7 +214,7 @@ class Index:
         ``kvstore verify --fix`` / ``gc`` remove."""
         aside = aside_name(self.path, "corrupt")
         os.replace(self.path, aside)
-        blobs.make_dir(self.path, self.modes)
+        files.make_dir(self.path, self.modes)
         self._allocate_lock_file()
         self._create_data_file()
         env = self._open_env(probe=False)
@@ -268,8 +268,8 @@ class Index:
     def _stamp_matches(self) -> bool:
         """The data file is as a check or a clean close of kvstore left it."""
         try:
-            fd = blobs.open_regular(self.path / STAMP)  # a FIFO there must not block the open
-        except blobs.BlobError:
+            fd = files.open_regular(self.path / STAMP)  # a FIFO there must not block the open
+        except files.BlobError:
             return False
         try:
             with os.fdopen(fd, "rb") as f:
@@ -286,7 +286,7 @@ class Index:
         if state is None or self.damaged:
             return
         try:
-            blobs.replace_file(self.path / STAMP, json.dumps(state).encode(), self.modes)
+            files.replace_file(self.path / STAMP, json.dumps(state).encode(), self.modes)
         except OSError as e:
             log.info("kvstore: could not stamp index %s clean (%s); the next open checks it", self.path, e)
 
@@ -297,15 +297,15 @@ class Index:
         the next writable open salvage the index, as for damage found at open."""
         self.damaged = True
         try:
-            blobs.replace_file(self.path / DAMAGED, why[:500].encode(errors="replace"), self.modes)
+            files.replace_file(self.path / DAMAGED, why[:500].encode(errors="replace"), self.modes)
         except OSError as e:
             log.warning("kvstore: could not mark index %s damaged (%s)", self.path, e)
 
     def marked_damaged(self) -> str | None:
         """Why a process marked this index damaged (``mark_damaged``), or None."""
         try:
-            fd = blobs.open_regular(self.path / DAMAGED)
-        except blobs.BlobError:
+            fd = files.open_regular(self.path / DAMAGED)
+        except files.BlobError:
             return None
         with os.fdopen(fd, "rb") as f:
             return f.read(500).decode(errors="replace") or "damaged"
@@ -358,7 +358,7 @@ class Index:
         """Make ``data.mdb`` (empty: LMDB starts a new environment in it) with this
         directory's modes when there is none, rather than leave it to LMDB's umask."""
         try:
-            os.close(blobs.create(self.path / "data.mdb", self.modes))
+            os.close(files.create(self.path / "data.mdb", self.modes))
         except FileExistsError:
             pass
 
@@ -369,7 +369,7 @@ class Index:
         is ENOSPC here, a clear error at open: ``posix_fallocate`` where there is one and
         the filesystem supports it, else ``_append_zeros`` (macOS has no posix_fallocate)."""
         try:
-            fd = blobs.create(self.path / "lock.mdb", self.modes)
+            fd = files.create(self.path / "lock.mdb", self.modes)
         except FileExistsError:  # non-blocking: _own_files refused a FIFO, but it may have just appeared
             fd = os.open(self.path / "lock.mdb", os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         try:
@@ -455,7 +455,7 @@ class Index:
             self._shared.state = self._state()  # the data file as this process left it
         for path in w.unlink:
             try:
-                blobs.unlink_own(path)  # kvstore's own pack files only: never through a symlink
+                files.unlink_own(path)  # kvstore's own pack files only: never through a symlink
             except OSError as e:
                 log.warning("kvstore: could not remove %s: %s", path.name, e)
         return out

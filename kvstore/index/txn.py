@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
-from .. import blobs
+from .. import files
 from ..keys import KEY_BYTES, TOKEN_BYTES, boundaries, entry_key, root_key
 from ..records import (ChunkRecord, EntryRecord, IdentityRecord, Kind, PackRecord, RecordError, Segment,
                        parse)
@@ -105,8 +105,8 @@ class Reader:
             yield from (bytes(k) for k in cur.iternext(keys=True, values=False))
 
     def pack_path(self, pack: bytes) -> Path:
-        """The one path pack ``pack`` may have (``blobs.pack_path``)."""
-        return blobs.pack_path(self.blob_root, pack)
+        """The one path pack ``pack`` may have (``files.pack_path``)."""
+        return files.pack_path(self.blob_root, pack)
 
 
 class WriteTxn(Reader):
@@ -149,10 +149,6 @@ class WriteTxn(Reader):
         """Describe identity ``digest`` unless it is described already."""
         if self.txn.get(digest, db=self.db["identities"]) is None:
             self._put("identities", digest, rec.to_bytes())
-
-    def set_identity(self, digest: bytes, rec: IdentityRecord) -> None:
-        """Describe identity ``digest``, replacing what was there."""
-        self._put("identities", digest, rec.to_bytes())
 
     def put_pack(self, pack: bytes, rec: PackRecord) -> None:
         """A new pack file (its bytes join the counter)."""

@@ -6,7 +6,7 @@ repair re-checks its condition inside the write transaction that applies it, so 
 a server commits between the scan and the repair is never dropped by mistake; a pack file
 no record names is removed only inside a write transaction that finds no record for it,
 which is the same lock a writer holds when it checks that its new pack is still there.
-Files that are not kvstore's (``blobs.own_packs``) are reported and never touched.
+Files that are not kvstore's (``files.own_packs``) are reported and never touched.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
-from .. import blobs
+from .. import files, segments
 from ..index import DBS, Index, Snapshot, WriteTxn, scan
 from ..index.core import aside_name
 from ..index.pages import walk_all
@@ -115,14 +115,14 @@ def _verify(disk: DiskTier, fix: bool, checksums: bool, blob_age: float, now: fl
     marked = disk.index.marked_damaged()  # damage a process met that no page walk may see any more
     if marked is not None:
         raise lmdb.CorruptedError(f"a process using it met damage: {marked}")
-    files, foreign = blobs.own_packs(disk.blob_root)  # before the index: a pack committed in
-    snap = scan(disk.index, check=True)                # between is seen as named, not orphan
+    own, foreign = files.own_packs(disk.blob_root)  # before the index: a pack committed in
+    snap = scan(disk.index, check=True)              # between is seen as named, not orphan
     seg_check = SegmentCheck(disk, snap.packs, checksums)
     with seg_check:
         problems = _entry_problems(snap, seg_check, disk.chunk) + _chunk_problems(snap, seg_check)
     bad = {bytes.fromhex(p.key) for p in problems if p.kind == "bad_record" and p.key}  # their edges go with them
     problems += (_pack_problems(snap) + _edge_problems(snap, bad) + _count_problems(snap)
-                 + _file_problems(disk, snap, files, foreign, blob_age, now))
+                 + _file_problems(disk, snap, own, foreign, blob_age, now))
     problems.sort(key=lambda p: KINDS.index(p.kind))
     if fix:
         _fix(disk, problems, snap, blob_age)
@@ -135,7 +135,7 @@ def _rel(disk: DiskTier, path: Path) -> str:
 
 class SegmentCheck:
     """Segments against their pack files (``packs``: pack id -> its record, None if
-    unreadable): kvstore's own files only (``blobs.open_own``), at most ``OPEN`` of them
+    unreadable): kvstore's own files only (``files.open_own``), at most ``OPEN`` of them
     open at a time (a directory of 100,000 packs must not run the process out of file
     descriptors: an open that fails for a reason other than the file, e.g. EMFILE, is
     raised, never reported as a missing file and never "fixed")."""
@@ -144,34 +144,34 @@ class SegmentCheck:
 
     def __init__(self, disk: DiskTier, packs: dict[bytes, PackRecord | None], checksums: bool = True) -> None:
         self.disk, self.packs, self.checksums = disk, packs, checksums
-        self.fds: dict[bytes, int | blobs.BlobError] = {}  # insertion order = age
+        self.fds: dict[bytes, int | files.BlobError] = {}  # insertion order = age
 
     def problem(self, seg: Segment) -> tuple[str, str, str | None] | None:
         """(kind, detail, file) when ``seg`` cannot be read back as written, else None."""
-        path = blobs.pack_path(self.disk.blob_root, seg.pack)
+        path = files.pack_path(self.disk.blob_root, seg.pack)
         rel = _rel(self.disk, path)
         prec = self.packs.get(seg.pack)
         if prec is None:
             return "missing_pack", f"pack {seg.pack.hex()[:12]} has no (readable) record", rel
         fd = self._fd(seg.pack, path)
-        if isinstance(fd, blobs.BlobError):
+        if isinstance(fd, files.BlobError):
             return "missing_blob", str(fd), rel
         size = os.fstat(fd).st_size
         if size != prec.size or seg.end > size:
             return "truncated", f"pack file is {size} bytes, its record says {prec.size}", rel
-        if self.checksums and blobs.hash_segment(fd, seg) != seg.checksum:
+        if self.checksums and segments.hash_segment(fd, seg) != seg.checksum:
             return "bad_checksum", f"segment at {seg.offset} does not match its xxh3-128", rel
         return None
 
-    def _fd(self, pack: bytes, path: Path) -> int | blobs.BlobError:
+    def _fd(self, pack: bytes, path: Path) -> int | files.BlobError:
         if pack not in self.fds:
             if len(self.fds) >= self.OPEN:
                 old = self.fds.pop(next(iter(self.fds)))
                 if isinstance(old, int):
                     os.close(old)
             try:
-                self.fds[pack] = blobs.open_own(path)
-            except blobs.BlobError as e:
+                self.fds[pack] = files.open_own(path)
+            except files.BlobError as e:
                 self.fds[pack] = e
         return self.fds[pack]
 
@@ -314,10 +314,10 @@ def _count_problems(snap: Snapshot) -> list[Problem]:
     return out
 
 
-def _file_problems(disk: DiskTier, snap: Snapshot, files: list[blobs.OwnFile], foreign: list[Path],
+def _file_problems(disk: DiskTier, snap: Snapshot, own: list[files.OwnFile], foreign: list[Path],
                    blob_age: float, now: float) -> list[Problem]:
     out = []
-    for f in files:
+    for f in own:
         age = now - min(f.st.st_mtime, now)  # a future mtime (another host's clock) is now
         if f.pack not in snap.packs and age >= blob_age:
             out.append(Problem("orphan_blob", f.pack.hex(), _rel(disk, f.path),
@@ -390,7 +390,7 @@ def _drop_broken(t: WriteTxn, snap: Snapshot, broken: set[tuple[str, str | None]
         if now is None:
             t.drop_raw(db[kind], key)
             if kind == "pack":
-                t.unlink_after_commit(blobs.pack_path(t.blob_root, key))
+                t.unlink_after_commit(files.pack_path(t.blob_root, key))
             elif kind == "chunk":
                 bad_chunks.add(key)
         elif isinstance(now, ChunkRecord):
@@ -427,14 +427,14 @@ def remove_orphan(disk: DiskTier, pack: bytes, blob_age: float = ORPHAN_BLOB_SEC
     deciding inside a write transaction: a writer checks, under the same lock, that its new
     pack is still there before naming it, so a slow writer never loses its entry. True if
     the file is gone."""
-    path = blobs.pack_path(disk.blob_root, pack)
+    path = files.pack_path(disk.blob_root, pack)
 
     def run(t: WriteTxn) -> bool:
         if t.raw("packs", pack) is not None:
             return False  # a writer committed it after all
         try:
-            fd = blobs.open_own(path)  # kvstore's own file only: never through a symlink
-        except blobs.BlobError:
+            fd = files.open_own(path)  # kvstore's own file only: never through a symlink
+        except files.BlobError:
             return not os.path.lexists(path)
         try:
             st = os.fstat(fd)
@@ -443,7 +443,7 @@ def remove_orphan(disk: DiskTier, pack: bytes, blob_age: float = ORPHAN_BLOB_SEC
         now = time.time()
         if now - min(st.st_mtime, now) < blob_age:  # a future mtime counts as now
             return False
-        return blobs.unlink_own(path)
+        return files.unlink_own(path)
 
     try:
         return disk.index.transact(run)
@@ -478,7 +478,7 @@ def _sweep(t: WriteTxn) -> None:
         n, live = use.get(pack, (0, 0))
         if prec is None or n == 0:
             t.drop_raw("packs", pack)
-            t.unlink_after_commit(blobs.pack_path(t.blob_root, pack))
+            t.unlink_after_commit(files.pack_path(t.blob_root, pack))
         else:
             if (prec.segments, prec.live) != (n, live):
                 t.put_raw("packs", pack, PackRecord(prec.size, n, min(live, prec.size), prec.created).to_bytes())
@@ -539,7 +539,7 @@ def rebuild_index(disk: DiskTier) -> str:
     else:
         lost, salvaged = walk_all(path / "data.mdb", psize, None, collect=True)
     tmp = aside_name(path, "rebuild")  # unpredictable: nothing can be planted there
-    blobs.make_dir(tmp, old.modes)  # the directory's sharing mode: a group keeps access after a repair
+    files.make_dir(tmp, old.modes)  # the directory's sharing mode: a group keeps access after a repair
     new = Index(disk.root, path=tmp, modes=old.modes)
 
     def copy(t: WriteTxn) -> int:

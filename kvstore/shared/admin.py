@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from ..records import EntryRecord, RecordError
-from . import values as V
+from . import values
 from .client import SharedClient
 
 BATCH = 500
@@ -78,39 +78,39 @@ def listing(client: SharedClient, identity: str | None = None) -> Listing:
     ``identity``), entries with their records, chunks with size and publish time."""
     prefix = client.config.prefix
     out = Listing()
-    names: dict[str, V.Name] = {}
-    for text in client.scan_iter(V.pattern(prefix, None, identity)):
-        parsed = V.parse_name(prefix, text)
+    names: dict[str, values.Name] = {}
+    for text in client.scan_iter(values.pattern(prefix, None, identity)):
+        parsed = values.parse_name(prefix, text)
         if parsed is None:
             out.unreadable.append(text)
         else:
             names[text] = parsed
     for batch in _batches([n for n, p in names.items() if p.kind != "bounds"]):
-        heads = client.pipeline_read([("GETRANGE", n, 0, V.FRAME.size - 1) for n in batch])
+        heads = client.pipeline_read([("GETRANGE", n, 0, values.FRAME.size - 1) for n in batch])
         sizes = client.pipeline_read([("STRLEN", n) for n in batch])
         if heads is None or sizes is None:
             out.complete = False
             break
-        frames: dict[str, V.Frame] = {}
+        frames: dict[str, values.Frame] = {}
         for n, head, size in zip(batch, heads, sizes):
             try:
-                f = V.parse_frame(head or b"")
+                f = values.parse_frame(head or b"")
                 if f.size != size or f.kind != names[n].kind:
-                    raise V.ValueFormatError("frame does not match the value")
+                    raise values.ValueFormatError("frame does not match the value")
                 frames[n] = f
-            except V.ValueFormatError:
+            except values.ValueFormatError:
                 out.unreadable.append(n)
         entries = [n for n in frames if frames[n].kind == "entry"]
         for n in frames:
             if frames[n].kind == "chunk":
                 out.chunks[n] = (names[n].identity, frames[n].size, frames[n].published)
-        recs = client.pipeline_read([("GETRANGE", n, 0, V.FRAME.size + frames[n].record - 1) for n in entries])
+        recs = client.pipeline_read([("GETRANGE", n, 0, values.FRAME.size + frames[n].record - 1) for n in entries])
         if recs is None:
             out.complete = False
             break
         for n, data in zip(entries, recs):
             try:
-                f, rec = V.parse_record(data or b"")
+                f, rec = values.parse_record(data or b"")
             except RecordError:
                 out.unreadable.append(n)
                 continue
@@ -149,21 +149,22 @@ def collect_garbage(client: SharedClient, *, identities: Sequence[str] = (), max
     used = {ck for e in found.entries if e.key not in gone_keys for ck in e.chunks}
     chunks = [n for n, (ident, _, published) in found.chunks.items()
               if ident in doomed_ids or (old is not None and published < old
-                                         and V.parse_name(prefix, n).key not in used)]  # type: ignore[union-attr]
-    hashes = [n for n in found.hashes if V.parse_name(prefix, n).identity in doomed_ids]  # type: ignore[union-attr]
+                                         and values.parse_name(prefix, n).key not in used)]  # type: ignore[union-attr]
+    hashes = [n for n in found.hashes
+              if values.parse_name(prefix, n).identity in doomed_ids]  # type: ignore[union-attr]
     freed = sum(e.bytes for e in gone) + sum(found.chunks[n][1] for n in chunks)
     if not dry_run:
         fields: dict[str, list[str]] = {}
         for e in gone:
             if e.identity not in doomed_ids:
-                fields.setdefault(V.name(prefix, "bounds", e.boundary, e.identity), []).append(e.key.hex())
+                fields.setdefault(values.name(prefix, "bounds", e.boundary, e.identity), []).append(e.key.hex())
         for hname, keys in fields.items():  # readers are no longer sent to them
             client.run(_hdel(hname, keys))
-        for batch in _batches(hashes + [V.name(prefix, "entry", e.key, e.identity) for e in gone] + chunks):
+        for batch in _batches(hashes + [values.name(prefix, "entry", e.key, e.identity) for e in gone] + chunks):
             client.delete_many(batch)
     doomed_hashes = set(hashes)
     kept = [n for n in found.hashes if n not in doomed_hashes]
-    left = {V.name(prefix, "entry", e.key, e.identity) for e in found.entries if e.key not in gone_keys}
+    left = {values.name(prefix, "entry", e.key, e.identity) for e in found.entries if e.key not in gone_keys}
     left |= set(found.chunks) - set(chunks)
     dangling = _dangling_fields(client, kept, None if dry_run else set(), left)
     if not dry_run:
@@ -191,13 +192,13 @@ def _dangling_fields(client: SharedClient, hashes: list[str], exists: set[str] |
             break
         targets: list[tuple[str, str, str]] = []  # (hash, field, value name)
         for h, fields in zip(batch, keys):
-            ident = V.parse_name(prefix, h).identity  # type: ignore[union-attr]
+            ident = values.parse_name(prefix, h).identity  # type: ignore[union-attr]
             for f in fields or []:
                 text = f.decode() if isinstance(f, bytes) else str(f)
-                chunk = text.startswith(V.CHUNK_FIELD)
+                chunk = text.startswith(values.CHUNK_FIELD)
                 try:
-                    key = bytes.fromhex(text[len(V.CHUNK_FIELD):] if chunk else text)
-                    targets.append((h, text, V.name(prefix, "chunk" if chunk else "entry", key, ident)))
+                    key = bytes.fromhex(text[len(values.CHUNK_FIELD):] if chunk else text)
+                    targets.append((h, text, values.name(prefix, "chunk" if chunk else "entry", key, ident)))
                 except ValueError:
                     continue  # not a field kvstore writes: never touched
         if exists is None:

@@ -82,7 +82,7 @@ class SharedConfig:
     fetch_deadline: float = 2.0
     publish_deadline: float = 10.0
     flush_deadline: float = 5.0
-    max_value_bytes: int = 512 << 20
+    max_value_bytes: int = 512 << 20  # Redis' own string limit (proto-max-bulk-len default)
     secret: bytes | None = field(default=None, repr=False)  # signs shared values (``signing``)
 
     def __post_init__(self) -> None:
@@ -187,10 +187,10 @@ class SharedConfig:
 def read_secret(path: str) -> bytes:
     """A fleet secret from a file (trailing whitespace dropped); ValueError naming the file,
     never its content, when it cannot be read or is too short."""
-    from .. import blobs
+    from .. import files
 
     try:  # a file kvstore did not write: never blocks on a FIFO, regular files only
-        data = blobs.read_foreign(Path(path), limit=1 << 16).rstrip()
+        data = files.read_foreign(Path(path), limit=1 << 16).rstrip()
     except OSError as e:
         raise ValueError(f"cannot read the shared secret file {path}: {e.strerror}") from None
     if len(data) < MIN_SECRET_BYTES:

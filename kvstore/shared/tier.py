@@ -78,7 +78,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..cuts import serves
+from ..served_tokens import serves
 from ..misses import Near
 from ..keys import TOKEN_BYTES, boundaries, chunk_key, common_tokens, entry_key, key_of, residual
 from ..records import ChunkRecord, EntryRecord, Segment
@@ -92,7 +92,6 @@ from .config import SharedConfig
 
 log = logging.getLogger("kvstore.shared")
 
-MAX_VALUE_BYTES = 512 << 20  # Redis' own string limit (proto-max-bulk-len default)
 MAX_FIELDS = 4096            # fields of one boundary hash considered per lookup
 PUBLISH_BATCH_BYTES = 32 << 20  # chunk bytes per SET NX pipeline
 BULK_TIMEOUT = 1.0           # seconds per socket operation when moving values

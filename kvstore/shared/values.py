@@ -49,14 +49,14 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ..keys import TOKEN_BYTES
-from ..records import KEY, MAX_CHUNK, ChunkRecord, EntryRecord, RecordError, Segment
+from ..keys import KEY_BYTES, TOKEN_BYTES
+from ..records import MAX_CHUNK, ChunkRecord, EntryRecord, RecordError, Segment
 
 VERSION = 1
 KINDS = {"chunk": "c1", "entry": "e1", "bounds": "h1"}
 FRAME = struct.Struct("<4sB3xdIIQ")
 MAGIC = {"chunk": b"KVSc", "entry": b"KVSe"}
-NO_PACK = b"\0" * KEY
+NO_PACK = b"\0" * KEY_BYTES
 FIELD_TAG = b"F\x01"
 CHUNK_FIELD = "c:"  # a chunk field's name: this + the chunk key's hex (an entry field's: the hex alone)
 _HEX = re.compile(rb"[0-9a-f]{32}")

@@ -1,8 +1,8 @@
 """kvstore inside the real vllm-mlx ``SimpleEngine`` (``prefix_trie_cache=True``).
 
-Needs vllm-mlx (0.6, which pins mlx-lm < 0.32): ``tools/compat_env.sh`` builds that
+Needs vllm-mlx (0.6, which pins mlx-lm < 0.32): ``tools/gates/compat_env.sh`` builds that
 environment; elsewhere this module is skipped. The model is the tiny llama from
-tools.models (a real mlx-lm llama with a ChatML template), run greedily on CPU.
+tools.testing.model_builds (a real mlx-lm llama with a ChatML template), run greedily on CPU.
 
 Each run is a separate process (this file run as a script): a cold run fills the cache
 directory, a "restarted" run in a new process with the same directory must restore the
@@ -110,7 +110,7 @@ vllm_mlx = pytest.importorskip("vllm_mlx")
 
 @pytest.fixture(scope="module")
 def model() -> str:
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     return str(model_path("tiny-llama"))
 

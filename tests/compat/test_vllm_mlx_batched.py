@@ -1,7 +1,7 @@
 """kvstore's ``MemoryAwarePrefixCache`` (``KVPrefixCache``) in process, on a real model.
 
-Needs vllm-mlx (tools/compat_env.sh). Caches are real mlx-lm KVCaches from a prefill of
-tools.models' tiny-llama; each "restart" is a new cache instance after the old one closed.
+Needs vllm-mlx (tools/gates/compat_env.sh). Caches are real mlx-lm KVCaches from a prefill of
+tools.testing.model_builds' tiny-llama; each "restart" is a new cache instance after the old one closed.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvstore.adapters import vllm_mlx_batched as vb  # noqa: E402
 def model() -> Any:
     import mlx_lm
 
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     path = model_path("tiny-llama")
     m, _tok = mlx_lm.load(str(path))

@@ -1,6 +1,6 @@
 """``kvstore vllm-mlx serve``: vllm-mlx's real server over HTTP, once per engine.
 
-Needs vllm-mlx with its server dependencies (tools/compat_env.sh builds that venv; elsewhere
+Needs vllm-mlx with its server dependencies (tools/gates/compat_env.sh builds that venv; elsewhere
 tests/compat is not collected). Per engine (SimpleEngine default, SimpleEngine
 ``--prefix-trie-cache``, ``--continuous-batching``): a plain ``vllm-mlx serve`` gives the
 reference greedy replies; ``kvstore vllm-mlx serve`` answers one request with a long system
@@ -35,7 +35,7 @@ ENGINES = {"simple": [], "prefix-trie": ["--prefix-trie-cache"], "batched": ["--
 
 @pytest.fixture(scope="module")
 def model() -> str:
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     return str(model_path("tiny-llama"))
 

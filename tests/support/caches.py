@@ -6,7 +6,7 @@
 - ``synth_kv_cache(layers, heads, n, dim)``: KVCache layers of seeded random keys / values,
   for tests that need bytes of a given size rather than checkable content.
 
-(The fault harness has its own prefix-hash caches, ``tools.faults.synth.syn_cache``.)
+(The fault harness has its own prefix-hash caches, ``tools.harness.faults.synth.syn_cache``.)
 """
 
 from __future__ import annotations

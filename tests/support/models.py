@@ -23,7 +23,7 @@ TINY_FAMILIES = ["tiny-llama", "tiny-llama-q", "tiny-gemma3", "tiny-qwen3next", 
 
 
 def store_kwargs(family: str) -> dict:
-    from tools.models import MODELS
+    from tools.testing.model_builds import MODELS
 
     spec = MODELS[family]
     return {"kv_bits": spec.kv_bits, "kv_group_size": spec.kv_group_size} if spec.kv_bits else {}

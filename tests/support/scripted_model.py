@@ -29,7 +29,7 @@ def build(dst: Path, call: str) -> Path:
     import mlx.core as mx
 
     from benchmarks.agent_session import TOOL_TEMPLATE
-    from tools.models import model_path
+    from tools.testing.model_builds import model_path
 
     src = model_path("tiny-llama")
     dst.mkdir(parents=True, exist_ok=True)

@@ -72,7 +72,7 @@ class SegRef:
 def entry_segments(store, tokens: list[int], identity) -> list[SegRef]:
     """The segments the indexed entry for exactly ``tokens`` reads (its chunks, then its own
     tail / snapshot if any), in restore order."""
-    from kvstore.blobs import pack_path
+    from kvstore.files import pack_path
     from kvstore.keys import encode_tokens, key_of, root_key
 
     disk = store.disk
@@ -135,7 +135,7 @@ def cache_digest(cache: list) -> dict[str, Any]:
     _, layout = codec.encode_cache(cache)
     arrays = layer_arrays(cache)
     return {
-        "layout": json.loads(json.dumps(layout)),
+        "layout": json.loads(json.dumps(layout.to_json())),
         "tensors": {k: f"{v.dtype}{list(v.shape)}:{xxhash.xxh3_64_hexdigest(np.ascontiguousarray(v).tobytes())}"
                     for k, v in sorted(arrays.items())},
     }
@@ -157,9 +157,9 @@ def offsets(cache: list) -> list[int]:
 def check_fetched(model, fetched, prompt, ref, *, oracle: bool, trim1: bool, kv: dict) -> dict:
     """What a ``KVStore.fetch`` gave (n, tier, offsets, bit digest), then the
     restored-equals-cold oracle on it against the cold reference ``ref`` (a
-    ``tools.oracle.cold_run`` of ``prompt``). ``trim1``: an exact hit holds the whole
+    ``tools.testing.oracle.cold_run`` of ``prompt``). ``trim1``: an exact hit holds the whole
     prompt, so trim one token off to leave the oracle a token to feed. JSON-able result."""
-    from tools.oracle import check_restore
+    from tools.testing.oracle import check_restore
 
     out: dict[str, Any] = {"n": fetched.n, "source": fetched.source}
     if fetched.cache is None:

@@ -12,8 +12,8 @@ def main() -> None:
     from pathlib import Path
     import numpy as np
     from kvstore import KVStore, Identity
-    from tools.models import load_model
-    from tools.oracle import check_restore, prefill
+    from tools.testing.model_builds import load_model
+    from tools.testing.oracle import check_restore, prefill
     P = json.loads(sys.argv[1])
     model, tok = load_model("tiny-llama")
     gone = Identity.from_components(P["gone_components"], name="gone-model", path=P["gone_path"])

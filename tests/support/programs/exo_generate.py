@@ -13,7 +13,7 @@ restores the other layers from the last snapshot), as exo's prefill does.
 Run as ``python -m tests.support.programs.exo_generate JSON`` (see
 ``tests.support.children.run_module``): each job opens an ``ExoPrefixCache`` on a cache
 directory with a shard and asks for prompts, checking every restored cache against a cold
-prefill (``tools.oracle``), and prints the results as JSON.
+prefill (``tools.testing.oracle``), and prints the results as JSON.
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ def exo_prefill(model: Any, cache: list[Any], remaining: list[int], step: int) -
 def request(pc: Any, model: Any, prompt: list[int], *, media: list[Region] | None = None, step: int = 32,
             kv: dict | None = None, reference: Any = None) -> dict[str, Any]:
     """One exo generation request's prefix-cache calls; what ``get_kv_cache`` returned (and
-    the oracle's verdict on it when ``reference`` is a ``tools.oracle`` cold run or True)."""
-    from tools import oracle
+    the oracle's verdict on it when ``reference`` is a ``tools.testing.oracle`` cold run or True)."""
+    from tools.testing import oracle
 
     kv = kv or {}
     all_tokens = mx.array(prompt)
@@ -132,7 +132,7 @@ def main() -> None:
     import sys
 
     from kvstore.adapters.exo import ExoPrefixCache
-    from tools.models import MODELS, load_model, model_path
+    from tools.testing.model_builds import MODELS, load_model, model_path
 
     jobs = json.loads(sys.argv[1])
     out = []

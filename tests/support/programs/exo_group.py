@@ -18,8 +18,8 @@ def main() -> None:
 
     from kvstore.adapters.exo import ExoPrefixCache
     from tests.support.programs.exo_generate import Snapshot
-    from tools import oracle
-    from tools.models import load_model, model_path
+    from tools.testing import oracle
+    from tools.testing.model_builds import load_model, model_path
 
     job = json.loads(sys.argv[1])
     group = mx.distributed.init(backend="ring", strict=True)

@@ -26,7 +26,7 @@ def main() -> None:
 
     from kvstore.adapters import exo as kv_exo
     from tests.support.programs.exo_generate import request
-    from tools.models import load_model
+    from tools.testing.model_builds import load_model
 
     job = json.loads(sys.argv[1])
     fields = {k: v for k, v in job["shard"].items() if k not in ("kind", "model_id")}

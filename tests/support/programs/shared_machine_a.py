@@ -11,8 +11,8 @@ def main() -> None:
     import tests.support.stores as U
     from tests.support.prompts import text_prompt
     from kvstore import KVStore
-    from tools.models import MODELS, load_model, model_path
-    from tools.oracle import prefill
+    from tools.testing.model_builds import MODELS, load_model, model_path
+    from tools.testing.oracle import prefill
 
     job = json.loads(sys.argv[1])
     out = {}

@@ -10,8 +10,8 @@ def main() -> None:
     import json, sys
     import tests.support.stores as U
     from kvstore import KVStore
-    from tools.models import MODELS, load_model, model_path
-    from tools.oracle import check_restore, prefill
+    from tools.testing.model_builds import MODELS, load_model, model_path
+    from tools.testing.oracle import check_restore, prefill
 
     job = json.loads(sys.argv[1])
     out = {}

@@ -10,7 +10,7 @@ def main() -> None:
     import json, pickle, sys
     import tests.support.stores as U
     from kvstore import KVStore
-    from tools.models import load_model
+    from tools.testing.model_builds import load_model
 
     jobs = json.loads(sys.argv[1])
     out = {}

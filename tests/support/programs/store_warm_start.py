@@ -1,5 +1,5 @@
 """Warm start in a new process: plan every entry through the index alone, counting the pack
-files opened (through kvstore.blobs.open_own), then fetch one entry.
+files opened (through kvstore.files.open_own), then fetch one entry.
 
 Moved verbatim from a program string in tests/test_store.py; run as
 ``python -m tests.support.programs.store_warm_start JSON`` (see ``tests.support.children.run_module``).
@@ -8,13 +8,13 @@ Moved verbatim from a program string in tests/test_store.py; run as
 
 def main() -> None:
     import json, sys
-    import kvstore.blobs
+    import kvstore.files
     reads = []
-    real = kvstore.blobs.open_own
+    real = kvstore.files.open_own
     def counting(path):  # every pack file read is opened through open_own
         reads.append(str(path))
         return real(path)
-    kvstore.blobs.open_own = counting
+    kvstore.files.open_own = counting
 
     from kvstore import KVStore
     from kvstore.identity import Identity

@@ -1,7 +1,0 @@
-"""Which model families of the installed mlx-lm kvstore persists and restores identically.
-
-    python -m tools.families                 # every family; results into tools/families_results/
-    python -m tools.families --only llama4,gemma3_text --out /tmp/x
-
-See ``survey`` (what is run and compared) and ``configs`` (the tiny configs).
-"""
