@@ -200,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"stored      {common.plural(info['entries'], 'entry', 'entries')} under this identity; "
               f"the nearest, {near['entry']} ({near['tokens']} tokens), shares {near['shared_tokens']} tokens")
-        print(f"served      {info['serves']} of {n} tokens would be restored ({n - info['serves']} prefilled)")
+        print(f"servable    {info['serves']} of {n} tokens at most ({n - info['serves']} to prefill; from disk only "
+              f"above --min-disk-hit)")
         if near["diverges_at"] is not None:
             print(f"diverges    at token {near['diverges_at']}: \"{near['before']}\"")
             print(f"  request   then \"{near['request_after']}\"")
