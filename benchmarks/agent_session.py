@@ -2,6 +2,8 @@
 
     python -m benchmarks.agent_session                        # smollm2, 8k-token system, 12 turns
     python -m benchmarks.agent_session --system-tokens 2048   # a smaller run
+    python -m benchmarks.agent_session --vary uuid,date,tools --restart-after 0   # why turns miss
+    python -m benchmarks.agent_session --vary tools --sort-tools --restart-after 0 # the order fixed
     python -m benchmarks.agent_session --other 'vllm-mlx-simple=/venv/bin/vllm-mlx serve {model} --port {port}'
 
 What Claude Code sends, reduced: a system prompt with tool definitions (the tools rendered by
@@ -16,7 +18,10 @@ Per turn, through the official ``anthropic`` SDK, streamed: time to the first co
 (TTFT), the prompt tokens (input + cache read + cache creation) and the share of them read
 from the cache. ``--other NAME=COMMAND`` runs the same trace against another server command
 (``{model}``, ``{port}``, ``{work}`` substituted; e.g. vllm-mlx's ``/v1/messages`` from its own env),
-restarted the same way. Results: ``<out>/agent_session.json`` and ``.md``.
+restarted the same way. ``--vary``: every ``--vary-every`` turns the agent's client process
+starts again and changes the prompt as real ones do (a session UUID in a path in the system
+prompt, the date at its end, the tools' order); the run then reports the misses kvstore
+counted by reason (``/v1/cache/stats``). Results: ``<out>/agent_session.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -101,27 +106,59 @@ def billing_header(turn: int, rng: random.Random) -> dict[str, str]:
                                     f"cc_entrypoint=cli; cch={rng.getrandbits(20):05x};"}
 
 
+VARY = ("uuid", "date", "tools")  # what changes when the agent's client process starts again (--vary)
+
+
+def client_epoch(system: str, tool_defs: list[dict[str, Any]], vary: tuple[str, ...],
+                 epoch: int) -> tuple[str, list[dict[str, Any]]]:
+    """(system text, tools) as the ``epoch``-th client process sends them: with "uuid" a
+    session UUID in a path near the start of the system prompt, with "date" today's date
+    at its end (a day later per epoch), with "tools" the tools in another order per
+    process (as MCP servers connect); epoch 0 of each is fixed by the seed."""
+    import datetime
+    import uuid
+
+    rng = random.Random(1000 + epoch)
+    if "uuid" in vary:
+        system = f"Session directory: /home/dev/.agent/sessions/{uuid.UUID(int=rng.getrandbits(128))}/\n" + system
+    if "date" in vary:
+        system += f"\nToday's date: {datetime.date(2026, 11, 25) + datetime.timedelta(days=epoch)}."
+    if "tools" in vary:
+        tool_defs = list(tool_defs)
+        random.Random(2000 + epoch).shuffle(tool_defs)
+    return system, tool_defs
+
+
 class Session:
     """The request of each turn, built from the replies so far (the client's side).
 
     Turn kinds cycle: a user question (text), then a reply answered with a tool_use the agent
     made plus its tool_result, then a plain follow-up. The reply text the server gave is
-    sent back as the assistant's text, as a client does."""
+    sent back as the assistant's text, as a client does. ``vary`` (of ``VARY``): what a new
+    client process changes in the prompt (``client_epoch``), every ``vary_every`` turns."""
 
     def __init__(self, system: str, tool_defs: list[dict[str, Any]], max_tokens: int, seed: int = 3,
-                 result_lines: int = 8, model: str = "local") -> None:
+                 result_lines: int = 8, model: str = "local", vary: tuple[str, ...] = (),
+                 vary_every: int = 0) -> None:
         self.system, self.tools, self.max_tokens, self.result_lines = system, tool_defs, max_tokens, result_lines
         self.model = model  # vllm-mlx answers 404 to any name but the served one
+        self.vary, self.vary_every = vary, vary_every
         self.rng = random.Random(seed)
         self.messages: list[dict[str, Any]] = []
         self.turn = 0
+
+    @property
+    def epoch(self) -> int:
+        """The client process the current turn is sent from (0: the first)."""
+        return (self.turn - 1) // self.vary_every if self.vary and self.vary_every else 0
 
     def request(self) -> dict[str, Any]:
         self.turn += 1
         if not self.messages:
             self.messages.append({"role": "user", "content": "Fix the failing test in the " + _prose(self.rng, 8)})
-        return {"model": self.model, "max_tokens": self.max_tokens, "tools": self.tools,
-                "system": [billing_header(self.turn, self.rng), {"type": "text", "text": self.system}],
+        system, tool_defs = client_epoch(self.system, self.tools, self.vary, self.epoch)
+        return {"model": self.model, "max_tokens": self.max_tokens, "tools": tool_defs,
+                "system": [billing_header(self.turn, self.rng), {"type": "text", "text": system}],
                 "messages": list(self.messages), "extra_body": {"temperature": 0}}
 
     def answer(self, content: list[dict[str, Any]]) -> None:
@@ -171,7 +208,8 @@ def play(session: Session, turns: int, restart_after: int, client: Callable[[], 
         row = run_turn(client(), session.request())
         session.answer(row.pop("content"))
         row["turn"] = turn
-        row["after_restart"] = turn == restart_after + 1
+        row["epoch"] = session.epoch
+        row["after_restart"] = 0 < restart_after and turn == restart_after + 1
         rows.append(row)
         log(f"  turn {turn:2d}: prompt {row['prompt_tokens']:6d}  read {row['cache_read_input_tokens']:6d} "
             f"({100 * row['read_share']:5.1f}%)  ttft {row['ttft_s']:.3f} s")
@@ -252,6 +290,15 @@ def wait_flushed(url: str, timeout: float = 300) -> None:
     raise RuntimeError("kvstore's write-behind queue did not drain")
 
 
+def miss_stats(url: str) -> dict[str, Any]:
+    """The miss counters of ``/v1/cache/stats`` (``miss_*``) and its recent misses (the
+    server of this run only: a restart starts them again)."""
+    with urllib.request.urlopen(url + "/v1/cache/stats", timeout=10) as r:
+        s = json.loads(r.read())
+    return {k: v for k, v in s.items() if k.startswith("miss_") and k != "miss_lost_tokens_histogram"} | {
+        "recent_misses": s.get("recent_misses", [])}
+
+
 def with_tool_template(src: Path, dst: Path) -> Path:
     """``src``'s model with ``TOOL_TEMPLATE`` as its chat template, in ``dst`` (the other
     files linked): one model directory every server on the trace loads as it is."""
@@ -292,15 +339,21 @@ def run_server(name: str, command: Callable[[int], list[str]], args: argparse.Na
         state["restart_ready_s"] = state["ready_s"]
 
     start()
-    session = Session(system_prompt(args.paragraphs), tools(args.tools), args.max_tokens, model=str(args.model_dir))
+    session = Session(system_prompt(args.paragraphs), tools(args.tools), args.max_tokens, model=str(args.model_dir),
+                      vary=args.vary, vary_every=args.vary_every)
+    missed: dict[str, Any] = {}
     try:
         rows = play(session, args.turns, args.restart_after,
                     lambda: anthropic.Anthropic(base_url=state["proc"].url, api_key="local", max_retries=0, timeout=3600),
                     restart, log=lambda s: print(f"[{name}]{s}", flush=True))
+        if is_kvstore:  # why the turns missed, as the server counted them (kvstore.misses)
+            missed = miss_stats(state["proc"].url)
     finally:
         state["proc"].stop(signal.SIGTERM)
     later = [r["read_share"] for r in rows[1:]]
-    return {"name": name, "rows": rows, "restart_ready_s": state.get("restart_ready_s"),
+    return {"name": name, "rows": rows, "restart_ready_s": state.get("restart_ready_s"), "misses": missed,
+            "read_share_after_turn_1": sum(r["cache_read_input_tokens"] for r in rows[1:])
+            / max(1, sum(r["prompt_tokens"] for r in rows[1:])),
             "min_read_share_after_turn_1": min(later) if later else None,
             "ttft_after_restart_s": rows[args.restart_after]["ttft_s"] if len(rows) > args.restart_after else None}
 
@@ -332,8 +385,13 @@ def size_system(model: Path, target: int, work: Path, n_tools: int = 8) -> int:
 
 def report(doc: dict[str, Any]) -> str:
     s = doc["settings"]
-    lines = [f"# Coding-agent session over /v1/messages ({s['model']}, {s['turns']} turns, "
-             f"{'SIGKILL' if s['stop'] == 'kill' else 'SIGTERM'} + restart after turn {s['restart_after']})", "",
+    restarts = 0 < s["restart_after"] < s["turns"]
+    how = (f"{'SIGKILL' if s['stop'] == 'kill' else 'SIGTERM'} + restart after turn {s['restart_after']}"
+           if restarts else "no restart")
+    if s.get("vary"):
+        how += (f"; every {s['vary_every']} turns a new client process changes {', '.join(s['vary'])}"
+                f"{'; kvstore serve --sort-tools' if s.get('sort_tools') else ''}")
+    lines = [f"# Coding-agent session over /v1/messages ({s['model']}, {s['turns']} turns, {how})", "",
              f"First prompt: {doc['servers'][0]['rows'][0]['prompt_tokens']} tokens (system prompt with "
              f"{s['tools']} tools, billing header changing every request). TTFT in seconds; "
              "read = cache_read_input_tokens / prompt tokens.", ""]
@@ -350,15 +408,38 @@ def report(doc: dict[str, Any]) -> str:
         lines.append(f"| {row['turn']}{mark} | {row['prompt_tokens']} | " + " | ".join(cells) + " |")
     lines.append("")
     for srv in doc["servers"]:
+        restart = (f", TTFT of the first turn after the restart {srv['ttft_after_restart_s']:.3f} s, "
+                   f"restart to ready {srv['restart_ready_s']:.1f} s" if restarts else "")
         lines.append(f"- {srv['name']}: lowest read share after turn 1 {100 * (srv['min_read_share_after_turn_1'] or 0):.1f}%"
-                     f"{' (no usage reported)' if not srv['rows'][0]['prompt_tokens'] else ''}, "
-                     f"TTFT of the first turn after the restart {srv['ttft_after_restart_s']:.3f} s, "
-                     f"restart to ready {srv['restart_ready_s']:.1f} s")
+                     f"{' (no usage reported)' if not srv['rows'][0]['prompt_tokens'] else ''}{restart}")
+    for srv in doc["servers"]:
+        m = srv.get("misses") or {}
+        counted = {k[len("miss_"):]: v for k, v in m.items() if k.startswith("miss_") and isinstance(v, int)
+                   and v and k not in ("miss_lost_tokens", "miss_log_threshold")}
+        logged: dict[str, int] = {}
+        for r in m.get("recent_misses") or []:
+            logged[r["reason"]] = logged.get(r["reason"], 0) + 1
+        if m:
+            lines.append(f"- {srv['name']}: misses by reason {counted or 'none'} ({m.get('miss_lost_tokens', 0)} "
+                         f"tokens recomputed that a stored prefix held), of which logged (>= "
+                         f"{m.get('miss_log_threshold')} tokens) {logged or 'none'}"
+                         + (": " if logged else "") + ", ".join(f"a {r['prompt_tokens']}-token prompt parted at token {r['diverged_at']} "
+                                     f"({r['reason']}, {r['lost_tokens']} lost)" for r in m.get("recent_misses") or [])
+                         + f"; prompt tokens read from the cache after turn 1: "
+                         f"{100 * srv['read_share_after_turn_1']:.1f}%")
     lines += [f"- {n}" for n in doc.get("notes", [])]
     if doc.get("loadavg"):
         lines.append(f"- 1-minute load average {doc['loadavg']['start']} at start, {doc['loadavg']['end']} at end "
                      f"({doc['machine'].get('cores')} cores): TTFTs scale with it.")
     return "\n".join(lines) + "\n"
+
+
+def _vary(text: str) -> tuple[str, ...]:
+    got = tuple(v for v in text.split(",") if v)
+    bad = [v for v in got if v not in VARY]
+    if bad:
+        raise argparse.ArgumentTypeError(f"--vary takes {', '.join(VARY)}; got {', '.join(bad)}")
+    return got
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,6 +457,11 @@ def main(argv: list[str] | None = None) -> int:
                         "with the tool template) and {port}, e.g. 'vllm-mlx-cb=/opt/vllm-env/bin/vllm-mlx serve "
                         "{model} --port {port} --continuous-batching'")
     p.add_argument("--no-kvstore", action="store_true", help="run only the --other servers")
+    p.add_argument("--vary", type=_vary, default=(), metavar="uuid,date,tools",
+                   help="what a new client process changes in the prompt every --vary-every turns: a session UUID "
+                        "in the system prompt, the date at its end, the order of the tools")
+    p.add_argument("--vary-every", type=int, default=3, help="turns per client process with --vary (default 3)")
+    p.add_argument("--sort-tools", action="store_true", help="run kvstore serve with --sort-tools")
     p.add_argument("--tag", default="", help="results go to agent_session[_TAG].json / .md")
     p.add_argument("--ready-path", default="/health", help="the other servers' readiness URL path (default /health)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -393,7 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     args.model_dir = model
     load_start = C.loadavg1()
     args.paragraphs = size_system(model, args.system_tokens, work, args.tools)
-    servers = [] if args.no_kvstore else [run_server("kvstore", kvstore_command(model, work / "cache"), args, work, True)]
+    serve_flags = ["--sort-tools"] if args.sort_tools else []
+    servers = [] if args.no_kvstore else [
+        run_server("kvstore", kvstore_command(model, work / "cache", serve_flags), args, work, True)]
     for spec in args.other:
         name, _, cmd = spec.partition("=")
 
@@ -404,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"benchmark": "agent_session", "machine": C.machine(work),
            "settings": {"model": str(args.model), "system_tokens": args.system_tokens, "paragraphs": args.paragraphs, "tools": args.tools,
                         "turns": args.turns, "restart_after": args.restart_after, "max_tokens": args.max_tokens,
-                        "stop": args.stop, "others": args.other},
+                        "stop": args.stop, "others": args.other, "vary": list(args.vary),
+                        "vary_every": args.vary_every, "sort_tools": args.sort_tools},
            "loadavg": {"start": load_start, "end": C.loadavg1()},
            "servers": servers,
            "notes": ["TTFT: request sent -> first content_block_delta, through the anthropic SDK's stream.",

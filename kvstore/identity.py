@@ -94,11 +94,13 @@ class DigestMemo:
     processes: a lost update only costs one re-hash; a damaged memo is ignored. Written
     whole through an unpredictable temp name (``files.replace_file``). A memo this user
     may not read or write is warned about once, naming the file and the fix, and the
-    digests are computed without it: it never costs the identity."""
+    digests are computed without it: it never costs the identity. ``write=False``: the
+    memo is read, never written (a reader such as ``kvstore why``)."""
 
-    def __init__(self, path: Path | None, modes: Any = None) -> None:
+    def __init__(self, path: Path | None, modes: Any = None, *, write: bool = True) -> None:
         self.path = path
         self.modes = modes
+        self.write = write
         self._lock = threading.Lock()
         self._warned = False
 
@@ -138,7 +140,7 @@ class DigestMemo:
             if isinstance(hit, list) and len(hit) == 2 and hit[0] == stamp and isinstance(hit[1], str):
                 return hit[1]
             value = hash_file(file)
-            if self.path is not None:
+            if self.path is not None and self.write:
                 from .files import PRIVATE, replace_file
 
                 memo[key] = [stamp, value]

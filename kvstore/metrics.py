@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .misses import REASONS, STATS_PREFIX
 
 TIERS = ("memory", "disk", "shared")
 ERROR_KINDS = ("corrupt", "races", "io_errors", "write_errors", "unpersistable", "dropped_writes")
@@ -57,6 +58,8 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
 
     yield counter("hits", "Lookups served, by the tier that served them", [(t, f"hits_{t}") for t in TIERS], "tier")
     yield counter("misses", "Lookups no tier could serve")
+    yield counter("miss_reasons", "Lookups that served less of the prompt than a stored prefix held, by why "
+                  "(kvstore.misses)", [(r, f"{STATS_PREFIX}{r}") for r in REASONS], "reason")
     yield counter("restored_tokens", "Prompt tokens restored instead of prefilled, by tier",
                   [(t, f"tokens_{t}") for t in TIERS], "tier")
     yield counter("read_bytes", "Bytes read, by tier", [("disk", "bytes_read"), ("shared", "shared_bytes_in")], "tier")
@@ -83,7 +86,9 @@ def _histograms(s: dict[str, Any]) -> Iterator[Any]:
     from prometheus_client.core import HistogramMetricFamily
 
     for name, doc in (("restore_seconds", "Time to read and rebuild a cache from disk"),
-                      ("persist_seconds", "Time to write and commit one entry to disk")):
+                      ("persist_seconds", "Time to write and commit one entry to disk"),
+                      (f"{STATS_PREFIX}lost_tokens", "Prompt tokens recomputed that a stored prefix held, per miss "
+                                                     "(kvstore.misses)")):
         h = s.get(f"{name}_histogram")
         if not h:
             continue

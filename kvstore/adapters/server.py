@@ -39,7 +39,7 @@ from .. import metrics
 from ..floors import MIN_DISK_HIT
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..units import memory_floor, parse_size
-from . import anthropic, startup, tenants
+from . import anthropic, prompts, startup, tenants
 from .http import send_json
 
 if TYPE_CHECKING:  # imported when used: MLX and mlx-lm take seconds, --help and a refused start need neither
@@ -137,9 +137,12 @@ def patch(server_mod: Any, **options: Any) -> None:
     _install_routes(server_mod)
     _learn_kv_quant(server_mod)
     tenants.install(server_mod)  # keys and cache_salt, for every route (kvstore.adapters.tenants)
+    prompts.install_tool_sorting(server_mod)  # outermost: --sort-tools (kvstore.adapters.prompts)
 
 
 def _learn_kv_quant(server_mod: Any) -> None:
+    """Also hands the prompt cache the server's tokenizer (``LRUPromptCache.decode``): the
+    text of a miss's log line (``kvstore.misses.log_line``)."""
     generator = server_mod.ResponseGenerator
     if getattr(generator, "_kvstore_patched", False):
         return
@@ -150,10 +153,20 @@ def _learn_kv_quant(server_mod: Any) -> None:
         cli = getattr(model_provider, "cli_args", None)
         if isinstance(prompt_cache, LRUPromptCache) and cli is not None:  # before its thread starts
             prompt_cache.store.set_kv_quant(getattr(cli, "kv_bits", None), getattr(cli, "kv_group_size", 64))
+        if isinstance(prompt_cache, LRUPromptCache):
+            prompt_cache.decode = _decoder(model_provider)
         original(self, model_provider, prompt_cache, *args, **kwargs)
 
     generator.__init__ = __init__
     generator._kvstore_patched = True
+
+
+def _decoder(model_provider: Any) -> Any:
+    """Token ids to text with the tokenizer ``model_provider`` has loaded (it loads the
+    model before the first request: a miss is only ever decoded after)."""
+    def decode(ids: list[int]) -> str:
+        return str(model_provider.tokenizer.decode(ids))
+    return decode
 
 
 def _sigterm(signum: int, frame: Any) -> None:
@@ -199,6 +212,10 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
                    help="/v1/messages: keep Claude Code's per-request x-anthropic-billing-header system text "
                         "in the prompt (by default it is left out: it changes every request and would defeat "
                         "every cached prefix)")
+    g.add_argument("--sort-tools", action="store_true",
+                   help="sort tool definitions by name before the chat template renders them (/v1/chat/completions "
+                        "and /v1/messages): clients listing the same tools in another order then share a cached "
+                        "prefix; the model sees them sorted. Off by default")
 
 
 def main(argv: list[str] | None = None, *, exit_process: bool = True,
@@ -281,6 +298,7 @@ def _install(server_mod: Any, ours: argparse.Namespace, rest: list[str], policy:
     tenants.configure(policy)
     tenants.warn_if_exposed(tenants.host_of(rest), policy)
     anthropic.KEEP_BILLING_HEADER = ours.keep_billing_header
+    prompts.SORT_TOOLS = ours.sort_tools
     startup.install(server_mod, startup.options(ours), _STORES, progress)
     signal.signal(signal.SIGTERM, _sigterm)
     if hasattr(signal, "SIGUSR1"):  # POSIX (Linux, macOS)

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("inspect", "show one entry in full: prompt, chunks, layers, dtype, checksums"),
     "verify": ("verify", "check every record against its blobs and every blob against the index"),
     "gc": ("gc", "enforce size and age budgets, drop models, remove orphans and temp files"),
+    "why": ("why", "why a request misses: what the store holds for it, where it diverges and why"),
     "warm": ("warm", "prefill a system prompt or chat into the store ahead of traffic"),
     "pin": ("pin", "exempt an entry from age eviction, and evict it last by size"),
     "unpin": ("pin", "make a pinned entry evictable again"),

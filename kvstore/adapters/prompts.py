@@ -1,0 +1,109 @@
+"""A request as the prompt mlx_lm.server renders: the one opt-in rewrite, and the tokens.
+
+- ``--sort-tools`` (``install_tool_sorting``): tool definitions sorted by name before the
+  chat template renders them, on every route that renders one (``/v1/chat/completions``
+  and ``/v1/messages``, which runs through the same handler). Clients that list the same
+  tools in another order per process (MCP servers connecting in any order) then share one
+  cached prefix; the model sees the tools sorted. Off by default; nothing else in a
+  prompt is rewritten (the Anthropic billing header aside: ``anthropic``).
+- ``request_tokens``: the tokens ``kvstore serve`` would look up for a request body (an
+  OpenAI chat-completions or an Anthropic Messages body, or a plain text), rendered by
+  mlx_lm.server's own ``_tokenize`` with the model's tokenizer and chat template, without
+  loading its weights (``kvstore why``).
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from typing import Any
+
+SORT_TOOLS = False  # kvstore serve --sort-tools
+
+
+def tool_name(tool: Any) -> str:
+    """A tool definition's name: OpenAI's ``function.name``, else a top-level ``name``."""
+    if isinstance(tool, dict):
+        fn = tool.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else tool.get("name")
+        if isinstance(name, str):
+            return name
+    return ""
+
+
+def sorted_tools(tools: list[Any]) -> list[Any]:
+    """``tools`` sorted by name (stable: tools of one name keep their order)."""
+    return sorted(tools, key=tool_name)
+
+
+def install_tool_sorting(server_mod: Any) -> None:
+    """Make ``server_mod.ResponseGenerator._tokenize`` render a request's tools sorted by
+    name while ``SORT_TOOLS`` is set (the request object is copied, not changed)."""
+    generator = server_mod.ResponseGenerator
+    if getattr(generator, "_kvstore_tool_sorting", False):
+        return
+    tokenize = generator._tokenize
+
+    def _tokenize(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
+        if SORT_TOOLS and getattr(request, "tools", None):
+            request = copy.copy(request)
+            request.tools = sorted_tools(request.tools)
+        return tokenize(self, tokenizer, request, args)
+
+    generator._tokenize = _tokenize
+    generator._kvstore_tool_sorting = True
+
+
+def body_kind(body: Any) -> str:
+    """"anthropic" for a Messages body (``max_tokens`` and a ``system`` or content blocks
+    with Anthropic block types, or ``anthropic_version``), "openai" for another body with
+    ``messages``, "text" for a completions body (``prompt``). ValueError otherwise."""
+    if not isinstance(body, dict):
+        raise ValueError("the request body must be a JSON object")
+    if "prompt" in body and "messages" not in body:
+        return "text"
+    if not isinstance(body.get("messages"), list):
+        raise ValueError("the request has neither messages (a chat request) nor prompt (a completion)")
+    if "system" in body or "anthropic_version" in body or any(
+            isinstance(t, dict) and "input_schema" in t for t in body.get("tools") or []):
+        return "anthropic"
+    blocks = [b for m in body["messages"] if isinstance(m, dict) and isinstance(m.get("content"), list)
+              for b in m["content"]]
+    if any(isinstance(b, dict) and b.get("type") in ("tool_use", "tool_result") for b in blocks):
+        return "anthropic"
+    return "openai"
+
+
+def request_tokens(tokenizer: Any, body: Any, *, sort_tools: bool = False,
+                   keep_billing_header: bool = False, chat_template_args: dict[str, Any] | None = None) -> list[int]:
+    """The prompt tokens ``kvstore serve`` renders for ``body`` (``body_kind``; a str is a
+    text completion's prompt), through mlx_lm.server's ``_tokenize`` on ``tokenizer``
+    (mlx-lm's ``TokenizerWrapper``). ValueError for a body it cannot render."""
+    import mlx_lm.server as server_mod
+
+    from . import anthropic
+
+    if isinstance(body, str):
+        body = {"prompt": body}
+    kind = body_kind(body)
+    if kind == "anthropic":
+        try:
+            body = anthropic.chat_request({"max_tokens": 1, **body}, False, keep_billing_header)
+        except anthropic.RequestError as e:
+            raise ValueError(str(e)) from None
+    if kind == "text":
+        request = server_mod.CompletionRequest("text", str(body["prompt"]), [], None, None)
+    else:
+        request = server_mod.CompletionRequest("chat", "", copy.deepcopy(body["messages"]),
+                                               body.get("tools") or None, body.get("role_mapping"))
+    if sort_tools and request.tools:
+        request.tools = sorted_tools(request.tools)
+    provider = types.SimpleNamespace(processor=None, cli_args=types.SimpleNamespace(
+        chat_template_args=dict(chat_template_args or {})))
+    args = types.SimpleNamespace(chat_template_kwargs=body.get("chat_template_kwargs"))
+    generator: Any = types.SimpleNamespace(model_provider=provider)  # all _tokenize reads of its self
+    try:
+        got = server_mod.ResponseGenerator._tokenize(generator, tokenizer, request, args)
+    except Exception as e:  # the template's own complaint
+        raise ValueError(f"the request cannot be rendered by the model's chat template: {e}") from None
+    return [int(t) for t in got[0]]
