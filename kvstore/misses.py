@@ -86,8 +86,8 @@ class Misses:
     lost tokens a miss must cost for ``worth_logging`` (what an adapter with a tokenizer
     logs: ``log_line``; smaller misses are counted, not listed)."""
 
-    def __init__(self, threshold: int = LOG_THRESHOLD, recent: int = RECENT, min_shared: int = MIN_DISK_GAIN) -> None:
-        self.threshold, self.min_shared = threshold, min_shared
+    def __init__(self, threshold: int = LOG_THRESHOLD, recent: int = RECENT) -> None:
+        self.threshold = threshold
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(REASONS, 0)
         self._lost = 0
@@ -95,12 +95,7 @@ class Misses:
         self._recent: deque[dict[str, object]] = deque(maxlen=recent)
 
     def record(self, miss: Miss) -> bool:
-        """Count ``miss``; True when it is worth a log line (``worth_logging``). A prompt
-        that parts from every stored prefix within ``min_shared`` tokens (a chat template's
-        role header: ``floors.MIN_DISK_GAIN``) is a new prompt, not a changed one: not
-        counted (a per-request header or a session id in the first block parts later)."""
-        if miss.reason == DIVERGED and miss.at < self.min_shared:
-            return False
+        """Count ``miss``; True when it is worth a log line (``worth_logging``)."""
         worth = self.worth_logging(miss)
         with self._lock:
             self._counts[miss.reason] = self._counts.get(miss.reason, 0) + 1
@@ -259,6 +254,8 @@ def explain(near: Near, served: int, lost: tuple[str, str, int, int] | None = No
     if near.cut_at > served:
         return Miss(CUT_REFUSED, n_q, served, near.common, near.stored, near.tier, "", after)
     stored = max(near.stored, n_q) if near.continues else near.stored
+    if near.common < MIN_DISK_GAIN:  # parts within a chat template's role header: a new prompt, not a changed one
+        return None
     if near.common < min(stored, n_q) and min(stored, n_q) > served:
         return Miss(DIVERGED, n_q, served, near.common, stored, near.tier, "", after)
     return None

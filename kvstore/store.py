@@ -44,7 +44,7 @@ from .floors import MIN_DISK_GAIN, restore_floor  # MIN_DISK_GAIN: re-exported (
 from .identity import DigestMemo, Identity
 from .keys import TokenError, encode_tokens
 from .memory import ORDERING, MemoryTier, Snapshot
-from .misses import OTHER_IDENTITY, Miss, Near, changed_components, explain
+from .misses import OTHER_IDENTITY, Miss, Misses, Near, changed_components, explain
 from .preload import Preloaded, Preloader
 from .pressure import DEFAULT_MEMORY_FLOOR, Gauge, Watch
 from .query import Query
@@ -131,6 +131,7 @@ class KVStore:
         self._gauge = gauge
         self._watch = _watch_memory(self) if gauge is not None else None
         self._preloaded: Preloaded | None = None  # the last preload's report (stats() shows it)
+        self.misses = Misses()  # why lookups served less than the store held (``Fetched.miss``), counted
         _open_stores.add(self)
 
     def _open_disk(self, chunk_tokens: int, shared_dir: bool, on_disk_error: str) -> DiskTier | None:
@@ -332,7 +333,10 @@ class KVStore:
                 had = self._memory.peek(old_key.digest, tokens)
             if had > max(served, near.common, lost[2] if lost else 0):
                 lost = (OTHER_IDENTITY, changed_components(old.info, ident.info), had, had)  # type: ignore[union-attr]
-        return explain(near, served, lost)
+        miss = explain(near, served, lost)
+        if miss is not None:
+            self.misses.record(miss)
+        return miss
 
     # -- insert ------------------------------------------------------------------------
 
@@ -398,6 +402,7 @@ class KVStore:
             s.update(self.shared.stats())
         if self.disk is not None:
             s["cache_dir"] = str(self.cache_dir)
+        s.update(self.misses.stats())
         s.update((self._preloaded or Preloaded()).as_stats())
         s.update(self._counters.histograms())
         return s

@@ -71,8 +71,11 @@ def test_misses_counts_histogram_recent_and_threshold() -> None:
     assert [r["served_tokens"] for r in recent] == [102, 103, 104]  # the last 3, oldest first
     assert not any("after" in r or "tokens" == k for r in recent for k in r)  # no token ids
     json.dumps(s)  # what /v1/cache/stats sends
-    new_prompt = Miss(misses.DIVERGED, prompt=4000, served=6, at=6, stored=4000)  # a role header in common
-    assert m.record(new_prompt) is False and m.stats()["miss_diverged"] == 9  # not counted
+    near = misses.Near(4000)  # a prompt sharing only a role header with a stored one is new, not changed:
+    near.saw("disk", 6, 4000)   # the store makes no Miss of it (so nothing is counted)
+    assert misses.explain(near, 6) is None
+    near.saw("disk", misses.MIN_DISK_GAIN, 4000)
+    assert misses.explain(near, misses.MIN_DISK_GAIN).reason == misses.DIVERGED
 
 
 def test_log_line_shows_escaped_text_either_side() -> None:

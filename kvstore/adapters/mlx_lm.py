@@ -19,7 +19,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from ..misses import Misses, log_line
+from ..misses import log_line
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..salt import Salt, salt_of
 from ..floors import MIN_DISK_HIT
@@ -70,9 +70,6 @@ class LRUPromptCache:
             persist=persist, max_write_bytes_per_day=max_write_bytes_per_day, memory_floor=memory_floor,
             min_disk_hit=min_disk_hit,
         )
-        # why lookups served less than the store held (``Fetched.miss``): counted here, where
-        # the prompt and the tokenizer are, and merged into ``stats()``
-        self.misses = Misses()
         # token ids -> text, for a miss's log line (``kvstore serve`` sets the model's tokenizer)
         self.decode: Callable[[list[int]], str] | None = None
 
@@ -108,15 +105,14 @@ class LRUPromptCache:
                             salt: Salt | None = None) -> tuple[list[Any] | None, list[int]]:
         """(cache or None, the tokens still to process): exact, longer-trimmed or shorter
         hit from memory, else the longest stored prefix on disk. A restore from disk or
-        the shared tier is logged (``log_restore``); a miss (``Fetched.miss``) is counted
-        in ``misses``, and logged when it recomputed at least ``misses.threshold`` tokens a
-        stored prefix held (``misses.log_line``,
-        its text decoded with ``decode`` when set)."""
+        the shared tier is logged (``log_restore``); a miss (``Fetched.miss``, counted by
+        the store: ``KVStore.misses``) is logged when it recomputed at least the threshold of
+        tokens a stored prefix held (``misses.log_line``, its text decoded with ``decode``)."""
         t0 = time.perf_counter()
         got = self.store.fetch(model, tokens, salt=salt if salt is not None else salt_of(tokens))
         if got.source in ("disk", "shared"):
             log_restore(got.n, len(tokens), got.source, time.perf_counter() - t0)
-        if got.miss is not None and self.misses.record(got.miss):
+        if got.miss is not None and self.store.misses.worth_logging(got.miss):
             log.info(log_line(got.miss, tokens, self.decode))
         return got.cache, tokens[got.n :]
 
@@ -136,7 +132,7 @@ class LRUPromptCache:
     def stats(self) -> dict[str, Any]:
         """The store's counters (hits by tier, bytes, dropped writes, ...) and why lookups
         missed (``Misses.stats``: ``miss_<reason>``, ``recent_misses``...)."""
-        return {**self.store.stats(), **self.misses.stats()}
+        return self.store.stats()
 
     def preload(self, model: Any, how: int | str = "auto", **options: Any) -> Preloaded:  # salt=: KVStore.preload
         """Restore ``model``'s stored entries into the memory tier ahead of traffic
