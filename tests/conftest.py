@@ -6,6 +6,7 @@ cache dir) and are loaded offline, once per test session.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -21,6 +22,66 @@ collect_ignore = [] if importlib.util.find_spec("vllm_mlx") else ["compat"]
 # or its module starts real servers or child processes at every test (SLOW_MODULES).
 SLOW_MODULES = {"test_anthropic", "test_tenants_server", "test_memory_pressure", "test_newcomer", "test_benchmarks",
                 "test_demo", "test_faults", "test_upstream_server", "test_families"}
+
+
+# Seconds per test on 2 quiet x86 cores, from README's figures (the fast tier, ~510 tests, in about
+# 2 min; all ~690 in about 14 min): what the session's first line estimates from.
+FAST_S_PER_TEST = 0.25
+SLOW_S_PER_TEST = 4.0
+
+
+def say(config, text: str, *, end: str = "\n") -> None:
+    """``text`` on the terminal now, from the start of a line, even under -q and inside a test's
+    captured output (pytest's own terminal writer, capture suspended)."""
+    if config.pluginmanager.get_plugin("terminalreporter") is None:  # an xdist worker, -p no:terminal
+        return
+    writer = config.get_terminal_writer()
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        if text and writer.width_of_current_line:  # after the dots of -q
+            writer.line()
+        writer.write(text + end, flush=True)
+
+
+def pytest_configure(config):
+    from tools.testing import model_builds
+
+    known = set(model_builds.MODELS)  # not the specs a test of model_builds adds for itself
+
+    def notice(name: str, seconds: float | None) -> None:
+        if name not in known:
+            return
+        if seconds is None:
+            say(config, f"kvstore: building test model {name} (once per machine) ... ", end="")
+        else:
+            say(config, "", end=f"{seconds:.0f} s\n")
+
+    model_builds.build_notice = notice
+
+
+def pytest_unconfigure(config):
+    from tools.testing import model_builds
+
+    model_builds.build_notice = None
+
+
+def pytest_collection_finish(session):
+    """The first line a run prints: how many tests, about how long, and what a first run adds."""
+    from tools.testing import model_builds
+
+    items = session.items
+    if not items or session.config.option.collectonly:
+        return
+    slow = sum(1 for item in items if item.get_closest_marker("slow"))
+    minutes = max(1, round(((len(items) - slow) * FAST_S_PER_TEST + slow * SLOW_S_PER_TEST) / 60))
+    line = (f"kvstore: {len(items)} test{'s' if len(items) > 1 else ''} ({slow} slow), "
+            f"about {minutes} min on 2 quiet cores, longer on a busy machine")
+    builds = {s.dir_name: name for name, s in model_builds.MODELS.items() if not s.on_demand}  # one per build
+    missing = sum(not model_builds.is_built(name) for name in builds.values())
+    if missing:
+        line += (f"; {missing} test models to build on first use, seconds each, once per machine,"
+                 f" into {model_builds.models_dir()}")
+    say(session.config, line)
 
 
 def pytest_collection_modifyitems(config, items):
