@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import threading
 
 import pytest
 
@@ -30,17 +31,44 @@ FAST_S_PER_TEST = 0.25
 SLOW_S_PER_TEST = 4.0
 
 
-def say(config, text: str, *, end: str = "\n") -> None:
-    """``text`` on the terminal now, from the start of a line, even under -q and inside a test's
+def say(config, line: str) -> None:
+    """``line`` on the terminal now, on a line of its own, even under -q and inside a test's
     captured output (pytest's own terminal writer, capture suspended)."""
     if config.pluginmanager.get_plugin("terminalreporter") is None:  # an xdist worker, -p no:terminal
         return
     writer = config.get_terminal_writer()
     capture = config.pluginmanager.get_plugin("capturemanager")
     with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-        if text and writer.width_of_current_line:  # after the dots of -q
+        if writer.width_of_current_line:  # after the dots of -q
             writer.line()
-        writer.write(text + end, flush=True)
+        writer.line(line)
+        writer.flush()
+
+
+# A test running this long gets one line saying so (from a timer thread, straight to the
+# terminal): under -q a long one is otherwise silent for minutes (the quick benchmark suite
+# behind tests/test_benchmarks.py takes 7 min on a busy machine).
+STILL_RUNNING_S = float(os.environ.get("KVSTORE_TEST_STILL_RUNNING_S", "60"))
+_terminal_fd: list[int] = []  # a dup of the real terminal, taken while pytest's capture is off
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _terminal_fd:
+        return (yield)
+    line = f"kvstore: still running {item.nodeid} after {STILL_RUNNING_S:.0f} s (a few tests take minutes)\n"
+    writer = item.config.get_terminal_writer()
+
+    def still_running() -> None:
+        os.write(_terminal_fd[0], (("\n" if writer.width_of_current_line else "") + line).encode())
+
+    timer = threading.Timer(STILL_RUNNING_S, still_running)
+    timer.daemon = True
+    timer.start()
+    try:
+        return (yield)
+    finally:
+        timer.cancel()
 
 
 def pytest_configure(config):
@@ -48,13 +76,9 @@ def pytest_configure(config):
 
     known = set(model_builds.MODELS)  # not the specs a test of model_builds adds for itself
 
-    def notice(name: str, seconds: float | None) -> None:
-        if name not in known:
-            return
-        if seconds is None:
-            say(config, f"kvstore: building test model {name} (once per machine) ... ", end="")
-        else:
-            say(config, "", end=f"{seconds:.0f} s\n")
+    def notice(name: str) -> None:
+        if name in known:
+            say(config, f"kvstore: building test model {name} (once per machine) ...")
 
     model_builds.build_notice = notice
 
@@ -63,6 +87,8 @@ def pytest_unconfigure(config):
     from tools.testing import model_builds
 
     model_builds.build_notice = None
+    while _terminal_fd:
+        os.close(_terminal_fd.pop())
 
 
 def pytest_collection_finish(session):
@@ -82,6 +108,10 @@ def pytest_collection_finish(session):
         line += (f"; {missing} test models to build on first use, seconds each, once per machine,"
                  f" into {model_builds.models_dir()}")
     say(session.config, line)
+    capture = session.config.pluginmanager.get_plugin("capturemanager")
+    if session.config.pluginmanager.get_plugin("terminalreporter") is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            _terminal_fd.append(os.dup(1))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -39,7 +39,6 @@ import pathlib
 import shutil
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -110,10 +109,9 @@ def is_built(name: str) -> bool:
     return (models_dir() / _spec(name).dir_name / COMPLETE_MARKER).is_file()
 
 
-# Told ``(name, None)`` as each build this process makes starts and ``(name, seconds)`` as it
-# ends: the CLI prints both to stderr, the test suite to its terminal (tests/conftest.py), so a
-# first run never sits silent while it builds.
-build_notice: Callable[[str, float | None], None] | None = None
+# Told the name of each model as this process starts building it: the CLI prints it to stderr,
+# the test suite to its terminal (tests/conftest.py), so a first run says why it takes longer.
+build_notice: Callable[[str], None] | None = None
 
 
 def model_path(name: str) -> pathlib.Path:
@@ -130,9 +128,8 @@ def model_path(name: str) -> pathlib.Path:
         if (final / COMPLETE_MARKER).is_file():  # another process built it meanwhile
             return final
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{spec.dir_name}.tmp-", dir=root))
-        started = time.monotonic()
         if build_notice is not None:
-            build_notice(name, None)
+            build_notice(name)
         try:
             spec.builder(tmp)
             (tmp / COMPLETE_MARKER).write_text(f"{spec.name} {spec.dir_name}\n")
@@ -143,8 +140,6 @@ def model_path(name: str) -> pathlib.Path:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        if build_notice is not None:
-            build_notice(name, time.monotonic() - started)
     return final
 
 
@@ -870,9 +865,8 @@ def prune_stale() -> list[pathlib.Path]:
 # --------------------------------------------------------------------------- CLI
 
 
-def _print_build(name: str, seconds: float | None) -> None:
-    done = f"built {name} in {seconds:.0f} s" if seconds is not None else ""
-    print(done or f"building {name} into {models_dir() / MODELS[name].dir_name} ...", file=sys.stderr, flush=True)
+def _print_build(name: str) -> None:
+    print(f"building {name} into {models_dir() / MODELS[name].dir_name} ...", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
