@@ -10,6 +10,7 @@ import contextlib
 import importlib.util
 import os
 import threading
+import time
 
 import pytest
 
@@ -45,9 +46,9 @@ def say(config, line: str) -> None:
         writer.flush()
 
 
-# A test running this long gets one line saying so (from a timer thread, straight to the
-# terminal): under -q a long one is otherwise silent for minutes (the quick benchmark suite
-# behind tests/test_benchmarks.py takes 7 min on a busy machine).
+# A test running this long says so (a timer thread writes straight to the terminal), again at
+# twice, four times... as long: under -q a long test is otherwise silent for minutes (the quick
+# benchmark suite behind tests/test_benchmarks.py ran 7.3 min on a busy machine).
 STILL_RUNNING_S = float(os.environ.get("KVSTORE_TEST_STILL_RUNNING_S", "60"))
 _terminal_fd: list[int] = []  # a dup of the real terminal, taken while pytest's capture is off
 
@@ -56,19 +57,22 @@ _terminal_fd: list[int] = []  # a dup of the real terminal, taken while pytest's
 def pytest_runtest_protocol(item, nextitem):
     if not _terminal_fd:
         return (yield)
-    line = f"kvstore: still running {item.nodeid} after {STILL_RUNNING_S:.0f} s (a few tests take minutes)\n"
-    writer = item.config.get_terminal_writer()
+    writer, done, started = item.config.get_terminal_writer(), threading.Event(), time.monotonic()
 
     def still_running() -> None:
-        os.write(_terminal_fd[0], (("\n" if writer.width_of_current_line else "") + line).encode())
+        after, width_then = STILL_RUNNING_S, 0  # pytest's writer, unaware of these lines, keeps its width
+        while not done.wait(started + after - time.monotonic()):
+            line = f"kvstore: still running {item.nodeid} after {after:.0f} s (a few tests take minutes)\n"
+            if writer.width_of_current_line != width_then:  # pytest wrote since: end its line first
+                line = "\n" + line
+            os.write(_terminal_fd[0], line.encode())
+            after, width_then = after * 2, writer.width_of_current_line
 
-    timer = threading.Timer(STILL_RUNNING_S, still_running)
-    timer.daemon = True
-    timer.start()
+    threading.Thread(target=still_running, daemon=True).start()
     try:
         return (yield)
     finally:
-        timer.cancel()
+        done.set()
 
 
 def pytest_configure(config):
