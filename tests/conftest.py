@@ -47,8 +47,8 @@ def say(config, line: str) -> None:
 
 
 # A test running this long says so (a timer thread writes straight to the terminal), again at
-# twice, four times... as long: under -q a long test is otherwise silent for minutes (the quick
-# benchmark suite behind tests/test_benchmarks.py ran 7.3 min on a busy machine).
+# twice as long, then every 2 min at most: under -q a long test is otherwise silent for minutes
+# (the quick benchmark suite behind tests/test_benchmarks.py ran 7.3 min on a busy machine).
 STILL_RUNNING_S = float(os.environ.get("KVSTORE_TEST_STILL_RUNNING_S", "60"))
 _terminal_fd: list[int] = []  # a dup of the real terminal, taken while pytest's capture is off
 
@@ -66,7 +66,7 @@ def pytest_runtest_protocol(item, nextitem):
             if writer.width_of_current_line != width_then:  # pytest wrote since: end its line first
                 line = "\n" + line
             os.write(_terminal_fd[0], line.encode())
-            after, width_then = after * 2, writer.width_of_current_line
+            after, width_then = after + min(after, 120.0), writer.width_of_current_line
 
     threading.Thread(target=still_running, daemon=True).start()
     try:
