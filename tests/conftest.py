@@ -104,7 +104,7 @@ def pytest_collection_finish(session):
         return
     slow = sum(1 for item in items if item.get_closest_marker("slow"))
     minutes = max(1, round(((len(items) - slow) * FAST_S_PER_TEST + slow * SLOW_S_PER_TEST) / 60))
-    line = (f"kvstore: {len(items)} test{'s' if len(items) > 1 else ''} ({slow} slow), "
+    line = (f"kvstore: {len(items)} test{'s' if len(items) > 1 else ''}{f' ({slow} slow)' if slow else ''}, "
             f"about {minutes} min on 2 quiet cores, longer on a busy machine")
     builds = {s.dir_name: name for name, s in model_builds.MODELS.items() if not s.on_demand}  # one per build
     missing = sum(not model_builds.is_built(name) for name in builds.values())

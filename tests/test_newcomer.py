@@ -218,14 +218,14 @@ def test_a_first_run_of_the_suite_says_what_it_builds_and_what_runs_long(tmp_pat
         return [line for line in p.stdout.splitlines() if line.startswith("kvstore:")]
 
     first = run()
-    assert first[0].startswith("kvstore: 2 tests (0 slow), about 1 min on 2 quiet cores"), first
+    assert first[0].startswith("kvstore: 2 tests, about 1 min on 2 quiet cores"), first
     assert f"test models to build on first use, seconds each, once per machine, into {tmp_path / 'models'}" in first[0]
     assert first[1] == "kvstore: building test model tiny-llama (once per machine) ...", first
     # test_long says so after 1 s, again after 2 s (test_model may take over 1 s too, when busy)
     long = [f"kvstore: still running test_one.py::test_long after {n} s (a few tests take minutes)" for n in (1, 2)]
     assert [line for line in first if "test_long" in line] == long, first
     again = run()  # tiny-llama is built now: no build line, one model fewer to build
-    assert again[0].startswith("kvstore: 2 tests (0 slow)") and again[-2:] == long, again
+    assert again[0].startswith("kvstore: 2 tests, about 1 min") and again[-2:] == long, again
     assert not any("building" in line for line in again), again
     missing = [int(line.split("; ")[1].split()[0]) for line in (first[0], again[0])]
     assert missing[1] == missing[0] - 1, (first, again)
