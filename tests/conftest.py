@@ -1,7 +1,9 @@
 """Shared fixtures: loaded models by name, deterministic prompts.
 
 Models come from tools.testing.model_builds (built once per machine into $KVSTORE_MODELS_DIR or the user
-cache dir) and are loaded offline, once per test session.
+cache dir) and are loaded offline, once per test session. Even under -q the run says what it
+does: a first line (how many tests, about how long, models still to build), a line per model
+it builds, and lines while one test runs over a minute.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@
 - after a restart, the server's log has one line per request restored from disk;
 - a never-seen prompt that shares only a chat template's few header tokens with a stored
   one is a miss (``cached_tokens`` 0), not a tiny disk hit;
-- the test suite says, under ``-q``, how many tests it runs and about how long, and names
-  each test model it builds on first use (silence otherwise: the one summary line).
+- the test suite says, under ``-q``, how many tests it runs and about how long, names each
+  test model it builds on first use, and any test still running after a minute (a machine
+  with its models built and quick tests sees the one summary line).
 """
 
 from __future__ import annotations
