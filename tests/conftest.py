@@ -1,13 +1,18 @@
 """Shared fixtures: loaded models by name, deterministic prompts.
 
 Models come from tools.testing.model_builds (built once per machine into $KVSTORE_MODELS_DIR or the user
-cache dir) and are loaded offline, once per test session.
+cache dir) and are loaded offline, once per test session. Even under -q the run says what it
+does: a first line (how many tests, about how long, models still to build), a line per model
+it builds, and lines while one test runs over a minute.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import threading
+import time
 
 import pytest
 
@@ -21,6 +26,98 @@ collect_ignore = [] if importlib.util.find_spec("vllm_mlx") else ["compat"]
 # or its module starts real servers or child processes at every test (SLOW_MODULES).
 SLOW_MODULES = {"test_anthropic", "test_tenants_server", "test_memory_pressure", "test_newcomer", "test_benchmarks",
                 "test_demo", "test_faults", "test_upstream_server", "test_families"}
+
+
+# Seconds per test on 2 quiet x86 cores, from README's figures (the fast tier, ~510 tests, in about
+# 2 min; all ~690 in about 14 min): what the session's first line estimates from.
+FAST_S_PER_TEST = 0.25
+SLOW_S_PER_TEST = 4.0
+
+
+def say(config, line: str) -> None:
+    """``line`` on the terminal now, on a line of its own, even under -q and inside a test's
+    captured output (pytest's own terminal writer, capture suspended)."""
+    if config.pluginmanager.get_plugin("terminalreporter") is None:  # an xdist worker, -p no:terminal
+        return
+    writer = config.get_terminal_writer()
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        if writer.width_of_current_line:  # after the dots of -q
+            writer.line()
+        writer.line(line)
+        writer.flush()
+
+
+# A test running this long says so (a timer thread writes straight to the terminal), again at
+# twice as long, then every 2 min at most: under -q a long test is otherwise silent for minutes
+# (the quick benchmark suite behind tests/test_benchmarks.py ran 7.3 min on a busy machine).
+STILL_RUNNING_S = float(os.environ.get("KVSTORE_TEST_STILL_RUNNING_S", "60"))
+_terminal_fd: list[int] = []  # a dup of the real terminal, taken while pytest's capture is off
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _terminal_fd:
+        return (yield)
+    writer, done, started = item.config.get_terminal_writer(), threading.Event(), time.monotonic()
+
+    def still_running() -> None:
+        after, width_then = STILL_RUNNING_S, 0  # pytest's writer, unaware of these lines, keeps its width
+        while not done.wait(started + after - time.monotonic()):
+            line = f"kvstore: still running {item.nodeid} after {after:.0f} s (a few tests take minutes)\n"
+            if writer.width_of_current_line != width_then:  # pytest wrote since: end its line first
+                line = "\n" + line
+            os.write(_terminal_fd[0], line.encode())
+            after, width_then = after + min(after, 120.0), writer.width_of_current_line
+
+    threading.Thread(target=still_running, daemon=True).start()
+    try:
+        return (yield)
+    finally:
+        done.set()
+
+
+def pytest_configure(config):
+    from tools.testing import model_builds
+
+    known = set(model_builds.MODELS)  # not the specs a test of model_builds adds for itself
+
+    def notice(name: str) -> None:
+        if name in known:
+            say(config, f"kvstore: building test model {name} (once per machine) ...")
+
+    model_builds.build_notice = notice
+
+
+def pytest_unconfigure(config):
+    from tools.testing import model_builds
+
+    model_builds.build_notice = None
+    while _terminal_fd:
+        os.close(_terminal_fd.pop())
+
+
+def pytest_collection_finish(session):
+    """The first line a run prints: how many tests, about how long, and what a first run adds."""
+    from tools.testing import model_builds
+
+    items = session.items
+    if not items or session.config.option.collectonly:
+        return
+    slow = sum(1 for item in items if item.get_closest_marker("slow"))
+    minutes = max(1, round(((len(items) - slow) * FAST_S_PER_TEST + slow * SLOW_S_PER_TEST) / 60))
+    line = (f"kvstore: {len(items)} test{'s' if len(items) > 1 else ''}{f' ({slow} slow)' if slow else ''}, "
+            f"about {minutes} min on 2 quiet cores, longer on a busy machine")
+    builds = {s.dir_name: name for name, s in model_builds.MODELS.items() if not s.on_demand}  # one per build
+    missing = sum(not model_builds.is_built(name) for name in builds.values())
+    if missing:
+        line += (f"; {missing} test models to build on first use, seconds each, once per machine,"
+                 f" into {model_builds.models_dir()}")
+    say(session.config, line)
+    capture = session.config.pluginmanager.get_plugin("capturemanager")
+    if session.config.pluginmanager.get_plugin("terminalreporter") is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            _terminal_fd.append(os.dup(1))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,7 +6,10 @@
   server that says it is ready and serves nothing;
 - after a restart, the server's log has one line per request restored from disk;
 - a never-seen prompt that shares only a chat template's few header tokens with a stored
-  one is a miss (``cached_tokens`` 0), not a tiny disk hit.
+  one is a miss (``cached_tokens`` 0), not a tiny disk hit;
+- the test suite says, under ``-q``, how many tests it runs and about how long, names each
+  test model it builds on first use, and any test still running after a minute (a machine
+  with its models built and quick tests sees the one summary line).
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.support import ROOT
 from tests.support.children import child_env
 from tests.support.servers import HOST, Server, cached_tokens, serve_command
 
@@ -196,3 +201,32 @@ def test_export_says_what_the_file_holds_and_warns_on_a_conversation(restarted: 
         assert p.returncode == 0, p.stderr
         assert f"holds the KV of this entry's whole prompt ({kind} entry)" in p.stdout, p.stdout
         assert ("ends inside a conversation" in p.stderr) == (kind != "system"), (kind, p.stderr)
+
+
+def test_a_first_run_of_the_suite_says_what_it_builds_and_what_runs_long(tmp_path: Path) -> None:
+    """A real pytest run under -q (this suite's conftest as a plugin) on a test that loads a
+    model and one that runs past the still-running threshold (1 s here), into an empty models
+    dir and then again into the same one."""
+    (tmp_path / "test_one.py").write_text("import time\n\n\ndef test_model(load_named):\n"
+                                          "    load_named('tiny-llama')\n\n\ndef test_long():\n    time.sleep(3)\n")
+    env = child_env(KVSTORE_MODELS_DIR=str(tmp_path / "models"), KVSTORE_TEST_STILL_RUNNING_S="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
+           "--rootdir", str(tmp_path), str(tmp_path / "test_one.py")]
+
+    def run() -> list[str]:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(ROOT), env=env)
+        assert p.returncode == 0 and "2 passed" in p.stdout, p.stdout + p.stderr
+        return [line for line in p.stdout.splitlines() if line.startswith("kvstore:")]
+
+    first = run()
+    assert first[0].startswith("kvstore: 2 tests, about 1 min on 2 quiet cores"), first
+    assert f"test models to build on first use, seconds each, once per machine, into {tmp_path / 'models'}" in first[0]
+    assert first[1] == "kvstore: building test model tiny-llama (once per machine) ...", first
+    # test_long says so after 1 s, again after 2 s (test_model may take over 1 s too, when busy)
+    long = [f"kvstore: still running test_one.py::test_long after {n} s (a few tests take minutes)" for n in (1, 2)]
+    assert [line for line in first if "test_long" in line] == long, first
+    again = run()  # tiny-llama is built now: no build line, one model fewer to build
+    assert again[0].startswith("kvstore: 2 tests, about 1 min") and again[-2:] == long, again
+    assert not any("building" in line for line in again), again
+    missing = [int(line.split("; ")[1].split()[0]) for line in (first[0], again[0])]
+    assert missing[1] == missing[0] - 1, (first, again)

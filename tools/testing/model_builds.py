@@ -104,6 +104,16 @@ def models_dir() -> pathlib.Path:
     return pathlib.Path(platformdirs.user_cache_dir("kvstore")) / "models"
 
 
+def is_built(name: str) -> bool:
+    """True when this machine holds a complete build of ``name`` (``model_path`` will not build)."""
+    return (models_dir() / _spec(name).dir_name / COMPLETE_MARKER).is_file()
+
+
+# Told the name of each model as this process starts building it: the CLI prints it to stderr,
+# the test suite to its terminal (tests/conftest.py), so a first run says why it takes longer.
+build_notice: Callable[[str], None] | None = None
+
+
 def model_path(name: str) -> pathlib.Path:
     """Directory of model ``name``, building it first if this machine has no complete build."""
     spec = _spec(name)
@@ -118,6 +128,8 @@ def model_path(name: str) -> pathlib.Path:
         if (final / COMPLETE_MARKER).is_file():  # another process built it meanwhile
             return final
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{spec.dir_name}.tmp-", dir=root))
+        if build_notice is not None:
+            build_notice(name)
         try:
             spec.builder(tmp)
             (tmp / COMPLETE_MARKER).write_text(f"{spec.name} {spec.dir_name}\n")
@@ -853,6 +865,10 @@ def prune_stale() -> list[pathlib.Path]:
 # --------------------------------------------------------------------------- CLI
 
 
+def _print_build(name: str) -> None:
+    print(f"building {name} into {models_dir() / MODELS[name].dir_name} ...", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="kvstore's test/bench model registry")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -869,10 +885,8 @@ def main(argv: list[str] | None = None) -> int:
         for d in prune_stale():
             print(f"removed {d}")
         return 0
-    spec = MODELS[args.name]
-    root = models_dir()
-    if not (root / spec.dir_name / COMPLETE_MARKER).is_file():
-        print(f"building {args.name} into {root / spec.dir_name} ...", file=sys.stderr, flush=True)
+    global build_notice
+    build_notice = _print_build
     print(model_path(args.name), flush=True)
     return 0
 
