@@ -3,6 +3,7 @@
     python -m benchmarks.agent_session                        # smollm2, 8k-token system, 12 turns
     python -m benchmarks.agent_session --system-tokens 2048   # a smaller run
     python -m benchmarks.agent_session --other 'vllm-mlx-simple=/venv/bin/vllm-mlx serve {model} --port {port}'
+    python -m benchmarks.agent_session --stop term --kvstore-args '--preload auto'
 
 What Claude Code sends, reduced: a system prompt with tool definitions (the tools rendered by
 the model's chat template, ``TOOL_TEMPLATE``: Hermes/Qwen style, so mlx-lm's ``json_tools``
@@ -354,6 +355,11 @@ def report(doc: dict[str, Any]) -> str:
                      f"{' (no usage reported)' if not srv['rows'][0]['prompt_tokens'] else ''}, "
                      f"TTFT of the first turn after the restart {srv['ttft_after_restart_s']:.3f} s, "
                      f"restart to ready {srv['restart_ready_s']:.1f} s")
+    flags = " ".join(s.get("kvstore_args") or []) or "none"
+    lines.append(f"- kvstore ran `kvstore serve --model {{model}} --cache-dir ... --port {{port}}` with extra flags: {flags}")
+    for spec in s.get("others", []):
+        name, _, cmd = spec.partition("=")
+        lines.append(f"- {name} ran `{cmd}`")
     lines += [f"- {n}" for n in doc.get("notes", [])]
     if doc.get("loadavg"):
         lines.append(f"- 1-minute load average {doc['loadavg']['start']} at start, {doc['loadavg']['end']} at end "
@@ -375,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="another server on the same trace: a command line with {model} (the model directory "
                         "with the tool template) and {port}, e.g. 'vllm-mlx-cb=/opt/vllm-env/bin/vllm-mlx serve "
                         "{model} --port {port} --continuous-batching'")
+    p.add_argument("--kvstore-args", default="", metavar="FLAGS",
+                   help="extra `kvstore serve` flags, one shell-quoted string, e.g. '--preload auto' "
+                        "(a restarted server then restores its entries into memory before it says ready)")
     p.add_argument("--no-kvstore", action="store_true", help="run only the --other servers")
     p.add_argument("--tag", default="", help="results go to agent_session[_TAG].json / .md")
     p.add_argument("--ready-path", default="/health", help="the other servers' readiness URL path (default /health)")
@@ -393,7 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     args.model_dir = model
     load_start = C.loadavg1()
     args.paragraphs = size_system(model, args.system_tokens, work, args.tools)
-    servers = [] if args.no_kvstore else [run_server("kvstore", kvstore_command(model, work / "cache"), args, work, True)]
+    kv_extra = shlex.split(args.kvstore_args)
+    servers = [] if args.no_kvstore else [
+        run_server("kvstore", kvstore_command(model, work / "cache", kv_extra), args, work, True)]
     for spec in args.other:
         name, _, cmd = spec.partition("=")
 
@@ -404,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"benchmark": "agent_session", "machine": C.machine(work),
            "settings": {"model": str(args.model), "system_tokens": args.system_tokens, "paragraphs": args.paragraphs, "tools": args.tools,
                         "turns": args.turns, "restart_after": args.restart_after, "max_tokens": args.max_tokens,
-                        "stop": args.stop, "others": args.other},
+                        "stop": args.stop, "kvstore_args": kv_extra, "others": args.other},
            "loadavg": {"start": load_start, "end": C.loadavg1()},
            "servers": servers,
            "notes": ["TTFT: request sent -> first content_block_delta, through the anthropic SDK's stream.",
