@@ -385,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra `kvstore serve` flags, one shell-quoted string, e.g. '--preload auto' "
                         "(a restarted server then restores its entries into memory before it says ready)")
     p.add_argument("--no-kvstore", action="store_true", help="run only the --other servers")
+    p.add_argument("--note", action="append", default=[], metavar="TEXT",
+                   help="a line for the results' notes (e.g. why this model), repeatable")
     p.add_argument("--tag", default="", help="results go to agent_session[_TAG].json / .md")
     p.add_argument("--ready-path", default="/health", help="the other servers' readiness URL path (default /health)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -421,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
            "notes": ["TTFT: request sent -> first content_block_delta, through the anthropic SDK's stream.",
                      "kvstore's write-behind queue is drained before the restart (an agent idles between turns).",
                      "The servers' BLAS is in their logs (kvstore serve preloads OpenBLAS when installed); "
-                     "machine.blas describes the client process."]}
+                     "machine.blas describes the client process.", *args.note]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "agent_session" + (f"_{args.tag}" if args.tag else "")
