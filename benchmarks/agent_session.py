@@ -34,7 +34,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -266,7 +266,7 @@ def with_tool_template(src: Path, dst: Path) -> Path:
     return dst
 
 
-def kvstore_command(model: Path, cache_dir: Path, extra: list[str] = ()) -> Callable[[int], list[str]]:
+def kvstore_command(model: Path, cache_dir: Path, extra: Sequence[str] = ()) -> Callable[[int], list[str]]:
     def command(port: int) -> list[str]:
         return [sys.executable, "-m", "kvstore.cli", "serve", "--model", str(model), "--cache-dir", str(cache_dir),
                 "--host", HOST, "--port", str(port), *extra]
@@ -319,8 +319,8 @@ def size_system(model: Path, target: int, work: Path, n_tools: int = 8) -> int:
         msgs = [{"role": "user", "content": "x"}]
 
         def count(n: int) -> int:
-            return c.messages.count_tokens(model="local", system=system_prompt(n), tools=tools(n_tools),
-                                           messages=msgs).input_tokens  # type: ignore[arg-type]
+            return c.messages.count_tokens(model="local", system=system_prompt(n),
+                                           tools=tools(n_tools), messages=msgs).input_tokens  # type: ignore[arg-type]
 
         base, one = count(0), count(10)
         n = max(0, -(-(target - base) * 10 // max(one - base, 1)))
