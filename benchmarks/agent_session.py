@@ -5,6 +5,7 @@
     python -m benchmarks.agent_session --vary uuid,date,tools --restart-after 0   # why turns miss
     python -m benchmarks.agent_session --vary tools --sort-tools --restart-after 0 # the order fixed
     python -m benchmarks.agent_session --other 'vllm-mlx-simple=/venv/bin/vllm-mlx serve {model} --port {port}'
+    python -m benchmarks.agent_session --stop term --kvstore-args '--preload auto'
 
 What Claude Code sends, reduced: a system prompt with tool definitions (the tools rendered by
 the model's chat template, ``TOOL_TEMPLATE``: Hermes/Qwen style, so mlx-lm's ``json_tools``
@@ -38,7 +39,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -312,7 +313,7 @@ def with_tool_template(src: Path, dst: Path) -> Path:
     return dst
 
 
-def kvstore_command(model: Path, cache_dir: Path, extra: list[str] = ()) -> Callable[[int], list[str]]:
+def kvstore_command(model: Path, cache_dir: Path, extra: Sequence[str] = ()) -> Callable[[int], list[str]]:
     def command(port: int) -> list[str]:
         return [sys.executable, "-m", "kvstore.cli", "serve", "--model", str(model), "--cache-dir", str(cache_dir),
                 "--host", HOST, "--port", str(port), *extra]
@@ -371,8 +372,8 @@ def size_system(model: Path, target: int, work: Path, n_tools: int = 8) -> int:
         msgs = [{"role": "user", "content": "x"}]
 
         def count(n: int) -> int:
-            return c.messages.count_tokens(model="local", system=system_prompt(n), tools=tools(n_tools),
-                                           messages=msgs).input_tokens  # type: ignore[arg-type]
+            return c.messages.count_tokens(model="local", system=system_prompt(n),
+                                           tools=tools(n_tools), messages=msgs).input_tokens  # type: ignore[arg-type]
 
         base, one = count(0), count(10)
         n = max(0, -(-(target - base) * 10 // max(one - base, 1)))
@@ -427,6 +428,11 @@ def report(doc: dict[str, Any]) -> str:
                                      f"({r['reason']}, {r['lost_tokens']} lost)" for r in m.get("recent_misses") or [])
                          + f"; prompt tokens read from the cache after turn 1: "
                          f"{100 * srv['read_share_after_turn_1']:.1f}%")
+    flags = " ".join(s.get("kvstore_args") or []) or "none"
+    lines.append(f"- kvstore ran `kvstore serve --model {{model}} --cache-dir ... --port {{port}}` with extra flags: {flags}")
+    for spec in s.get("others", []):
+        name, _, cmd = spec.partition("=")
+        lines.append(f"- {name} ran `{cmd}`")
     lines += [f"- {n}" for n in doc.get("notes", [])]
     if doc.get("loadavg"):
         lines.append(f"- 1-minute load average {doc['loadavg']['start']} at start, {doc['loadavg']['end']} at end "
@@ -456,12 +462,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="another server on the same trace: a command line with {model} (the model directory "
                         "with the tool template) and {port}, e.g. 'vllm-mlx-cb=/opt/vllm-env/bin/vllm-mlx serve "
                         "{model} --port {port} --continuous-batching'")
+    p.add_argument("--kvstore-args", default="", metavar="FLAGS",
+                   help="extra `kvstore serve` flags, one shell-quoted string, e.g. '--preload auto' "
+                        "(a restarted server then restores its entries into memory before it says ready)")
     p.add_argument("--no-kvstore", action="store_true", help="run only the --other servers")
     p.add_argument("--vary", type=_vary, default=(), metavar="uuid,date,tools",
                    help="what a new client process changes in the prompt every --vary-every turns: a session UUID "
                         "in the system prompt, the date at its end, the order of the tools")
     p.add_argument("--vary-every", type=int, default=3, help="turns per client process with --vary (default 3)")
     p.add_argument("--sort-tools", action="store_true", help="run kvstore serve with --sort-tools")
+    p.add_argument("--note", action="append", default=[], metavar="TEXT",
+                   help="a line for the results' notes (e.g. why this model), repeatable")
     p.add_argument("--tag", default="", help="results go to agent_session[_TAG].json / .md")
     p.add_argument("--ready-path", default="/health", help="the other servers' readiness URL path (default /health)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -479,9 +490,9 @@ def main(argv: list[str] | None = None) -> int:
     args.model_dir = model
     load_start = C.loadavg1()
     args.paragraphs = size_system(model, args.system_tokens, work, args.tools)
-    serve_flags = ["--sort-tools"] if args.sort_tools else []
+    kv_extra = shlex.split(args.kvstore_args) + (["--sort-tools"] if args.sort_tools else [])
     servers = [] if args.no_kvstore else [
-        run_server("kvstore", kvstore_command(model, work / "cache", serve_flags), args, work, True)]
+        run_server("kvstore", kvstore_command(model, work / "cache", kv_extra), args, work, True)]
     for spec in args.other:
         name, _, cmd = spec.partition("=")
 
@@ -492,14 +503,14 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"benchmark": "agent_session", "machine": C.machine(work),
            "settings": {"model": str(args.model), "system_tokens": args.system_tokens, "paragraphs": args.paragraphs, "tools": args.tools,
                         "turns": args.turns, "restart_after": args.restart_after, "max_tokens": args.max_tokens,
-                        "stop": args.stop, "others": args.other, "vary": list(args.vary),
+                        "stop": args.stop, "kvstore_args": kv_extra, "others": args.other, "vary": list(args.vary),
                         "vary_every": args.vary_every, "sort_tools": args.sort_tools},
            "loadavg": {"start": load_start, "end": C.loadavg1()},
            "servers": servers,
            "notes": ["TTFT: request sent -> first content_block_delta, through the anthropic SDK's stream.",
                      "kvstore's write-behind queue is drained before the restart (an agent idles between turns).",
                      "The servers' BLAS is in their logs (kvstore serve preloads OpenBLAS when installed); "
-                     "machine.blas describes the client process."]}
+                     "machine.blas describes the client process.", *args.note]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "agent_session" + (f"_{args.tag}" if args.tag else "")

@@ -27,7 +27,7 @@ import anthropic
 import openai
 import pytest
 
-from benchmarks.agent_session import TOOL_TEMPLATE, Session, play, system_prompt, tools
+from benchmarks.agent_session import TOOL_TEMPLATE, Session, kvstore_command, play, report, system_prompt, tools
 from tests.support.servers import Server
 
 SYSTEM = " ".join(f"Clause {i}: the archive keeps every ledger for {i + 3} years and lists it by shelf {i * 5 % 17}."
@@ -218,3 +218,18 @@ def test_agent_session_survives_sigkill(model_dir: Path, tmp_path: Path) -> None
     assert stats[0]["hits_disk"] >= 1, stats  # turn 4 came from disk
     print("\n" + "\n".join(f"turn {r['turn']}: prompt {r['prompt_tokens']} read {r['cache_read_input_tokens']} "
                            f"ttft {r['ttft_s']:.2f} s" for r in rows))
+
+
+def test_agent_session_passes_and_reports_kvstore_flags(tmp_path: Path) -> None:
+    """``--kvstore-args`` reaches the ``kvstore serve`` command line, and the report names
+    the flags each server ran with (the results say how each side was configured)."""
+    cmd = kvstore_command(tmp_path / "model", tmp_path / "cache", ["--preload", "auto"])(8123)
+    assert cmd[cmd.index("serve") + 1:][-2:] == ["--preload", "auto"] and "8123" in cmd
+    row = {"turn": 1, "after_restart": False, "prompt_tokens": 10, "read_share": 0.0, "ttft_s": 1.0}
+    srv = {"rows": [row], "min_read_share_after_turn_1": None, "ttft_after_restart_s": 1.0, "restart_ready_s": 1.0}
+    doc = {"settings": {"model": "m", "turns": 1, "restart_after": 0, "stop": "term", "tools": 2,
+                        "kvstore_args": ["--preload", "auto"], "others": ["cb=vllm-mlx serve {model} --continuous-batching"]},
+           "servers": [{**srv, "name": "kvstore"}, {**srv, "name": "cb"}]}
+    text = report(doc)
+    assert "with extra flags: --preload auto" in text
+    assert "- cb ran `vllm-mlx serve {model} --continuous-batching`" in text
