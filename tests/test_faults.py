@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable
 
@@ -28,11 +32,24 @@ MUST_BE_ZERO = ("wrong_restores", "escaped_exceptions", "crashes", "entries_lost
                 "verify_unclean", "failed_cases")
 
 
+@pytest.fixture
+def work_dir() -> Iterator[Path]:
+    """A work directory outside pytest's base temp: the permissions kind opens its parents
+    to other uids (``searchable_by_others``), and any pytest session started meanwhile on
+    this machine sets ``/tmp/pytest-of-<user>`` back to 0700 under it."""
+    d = Path(tempfile.mkdtemp(prefix="kvstore-faults-"))
+    try:
+        yield d
+    finally:
+        subprocess.run(["chmod", "-R", "u+rwX", str(d)], capture_output=True)
+        shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.mark.parametrize("kind", faults.KINDS)
-def test_faults_ci(kind: str, tmp_path) -> None:
+def test_faults_ci(kind: str, work_dir: Path) -> None:
     if kind == "full_disk" and os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
-    out = faults.run("ci", only=(kind,), work=tmp_path / kind)
+    out = faults.run("ci", only=(kind,), work=work_dir / kind)
     k = out["kinds"][kind]
     assert not k.get("harness_error"), k["harness_error"]
     assert k["trials"] > 0, f"{kind}: no trial ran ({k.get('skipped')})"
