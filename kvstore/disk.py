@@ -635,7 +635,7 @@ def _header(packs: _Packs, p: _Piece) -> segments.Header:
         return segments.read_header(fd, p.segment, f"{p.record[0]} {p.record[1].hex()[:12]}")
 
 
-def _check_pieces(pieces: list[_Piece], heads: list[segments.Header], ident: Identity, plan: Plan, C: int) -> Layout:
+def _check_pieces(pieces: list[_Piece], heads: list[segments.Header], ident: Identity, plan: Plan) -> Layout:
     """The stored layout, once every piece's header says it is the record's own segment
     (key, kind, identity, token range) and all pieces share one layout. Headers are not
     verified yet: this only decides what to allocate (bounded by the segments' sizes);
@@ -667,7 +667,7 @@ def _checked(pieces: list[_Piece], heads: list[segments.Header], ident: Identity
     """The stored layout and the restored arrays' specs, once ``_check_pieces`` and the
     identity's layout check (``layouts.layout_problem``, on the specs) accept the pieces; CutRefused
     if the plan cuts a snapshot where its layout does not allow (nothing allocated yet)."""
-    layout = _check_pieces(pieces, heads, ident, plan, C)
+    layout = _check_pieces(pieces, heads, ident, plan)
     with _blame(*pieces[0].record):
         specs = _final_specs(heads[0], plan) if plan.chunked else heads[0].specs
     with _blame(*pieces[-1].record):
