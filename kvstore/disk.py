@@ -182,7 +182,7 @@ class DiskTier:
         pieces = self.index.view(lambda r: _pieces(r, plan))
         with _Packs(self.blob_root) as packs, ThreadPoolExecutor(READ_THREADS, "kvstore-restore") as pool:
             heads = [_header(packs, p) for p in pieces]
-            layout, specs = _checked(pieces, heads, ident, plan, self.chunk)
+            layout, specs = _checked(pieces, heads, ident, plan)
             for p in pieces:  # the device reads ahead while MLX allocates the arrays
                 pool.submit(packs.prefetch, p)
             reading = _Reading(pool, packs, pieces, heads, plan.chunked)
@@ -216,7 +216,7 @@ class DiskTier:
             with _blame(*p.record):
                 hlen = int.from_bytes(bytes(d[:8]), "little") if len(d) >= 8 else 0
                 heads.append(segments.parse_header(bytes(d[: 8 + min(hlen, len(d))]), len(d)))
-        layout, specs = _checked(pieces, heads, ident, plan, C)
+        layout, specs = _checked(pieces, heads, ident, plan)
         arrays, hosts = alloc.alloc(specs)
         for p, d, h in zip(pieces, data, heads):
             with _blame(*p.record):
@@ -303,7 +303,7 @@ class DiskTier:
             with _blame(*p.record):
                 heads.append(segments.parse_header(d, len(d)))
         if pieces:
-            _checked(pieces, heads, ident, plan, C)
+            _checked(pieces, heads, ident, plan)
         have = set(rec.chunks) - {ck for ck, *_ in chunks}
         now = time.time()
         job = PersistJob(ident, tokens, key, {}, Layout(), rec.cache_type, now)
@@ -662,8 +662,8 @@ def _check_pieces(pieces: list[_Piece], heads: list[segments.Header], ident: Ide
     return layout  # type: ignore[return-value]
 
 
-def _checked(pieces: list[_Piece], heads: list[segments.Header], ident: Identity, plan: Plan,
-             C: int) -> tuple[Layout, segments.Specs]:
+def _checked(pieces: list[_Piece], heads: list[segments.Header], ident: Identity,
+             plan: Plan) -> tuple[Layout, segments.Specs]:
     """The stored layout and the restored arrays' specs, once ``_check_pieces`` and the
     identity's layout check (``layouts.layout_problem``, on the specs) accept the pieces; CutRefused
     if the plan cuts a snapshot where its layout does not allow (nothing allocated yet)."""
