@@ -94,13 +94,16 @@ class Misses:
         self._hist = Durations(LOST_BUCKETS)  # a cumulative histogram; here of tokens, not seconds
         self._recent: deque[dict[str, object]] = deque(maxlen=recent)
 
-    def record(self, miss: Miss) -> bool:
-        """Count ``miss``; True when it is worth a log line (``worth_logging``)."""
+    def record(self, miss: Miss, *, listed: bool = True) -> bool:
+        """Count ``miss``; True when it is worth a log line (``worth_logging``).
+        ``listed=False`` (a tenant's salted lookup): counted, never in ``recent_misses``,
+        which every key holder may read: its positions would tell one tenant the size and
+        shape of another's prompts."""
         worth = self.worth_logging(miss)
         with self._lock:
             self._counts[miss.reason] = self._counts.get(miss.reason, 0) + 1
             self._lost += miss.lost
-            if worth:
+            if worth and listed:
                 self._recent.append({"time": round(time.time(), 3), **miss.as_stats()})
         self._hist.observe(miss.lost)
         return worth

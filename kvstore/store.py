@@ -335,7 +335,7 @@ class KVStore:
                 lost = (OTHER_IDENTITY, changed_components(old.info, ident.info), had, had)  # type: ignore[union-attr]
         miss = explain(near, served, lost)
         if miss is not None:
-            self.misses.record(miss)
+            self.misses.record(miss, listed=salt is None)
         return miss
 
     # -- insert ------------------------------------------------------------------------

@@ -215,3 +215,22 @@ def test_a_short_or_missing_secret_file_is_refused(tmp_path) -> None:
     f.write_bytes(SECRET + b"\n")
     cfg = SharedConfig.from_url("redis://127.0.0.1:1/0", environ={"KVSTORE_SHARED_SECRET_FILE": str(f)})
     assert cfg.secret == SECRET and SECRET.decode() not in repr(cfg)
+
+
+def test_a_tenants_miss_is_counted_but_its_positions_are_never_listed(tmp_path) -> None:
+    """``recent_misses`` (in /v1/cache/stats, which every key holder reads) lists where an
+    unsalted prompt parted from the store; a salted (tenant's) miss is counted only, so no
+    tenant learns another's prompt size or where it changed."""
+    system = rand_tokens(600, seed=70)
+    with KVStore(tmp_path, chunk_tokens=C) as s:
+        for salt in (None, "tenant-a"):
+            s.insert(WHO, system, synth(system), salt=salt)
+        assert s.flush(60)
+        changed = system[:300] + rand_tokens(300, seed=71)  # parts from the stored prompt at token 300
+        plain = s.fetch(WHO, changed)
+        tenant = s.fetch(WHO, changed, salt="tenant-a")
+        assert plain.miss is not None and tenant.miss is not None
+        assert (plain.miss.reason, plain.miss.at) == (tenant.miss.reason, tenant.miss.at) == ("diverged", 300)
+        st = s.stats()
+    assert st["miss_diverged"] == 2  # both counted
+    assert [(m["diverged_at"], m["prompt_tokens"]) for m in st["recent_misses"]] == [(300, 600)]  # one listed
