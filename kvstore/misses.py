@@ -21,6 +21,7 @@ from typing import Any
 
 from .counters import Durations
 from .floors import MIN_DISK_GAIN
+from .keys import TOKEN_BYTES, common_tokens, decode_tokens
 from .escape import visible
 
 # The reasons, most specific first (``Miss.reason`` is one of them):
@@ -222,8 +223,6 @@ class Ghosts:
              beyond: int) -> tuple[str, str, int, int] | None:
         """(reason, detail, tokens shared with ``enc``, stored length) of the lost prefix
         sharing most of ``enc``, if it shares more than ``beyond`` tokens."""
-        from .keys import TOKEN_BYTES, common_tokens
-
         w, found = TOKEN_BYTES, None
         with self._lock:
             lost = list(self._lost)
@@ -248,7 +247,8 @@ def explain(near: Near, served: int, lost: tuple[str, str, int, int] | None = No
     (``near``) and what this process lost (``lost``: ``Ghosts.best``, or another identity's
     hit), or None when nothing stored reached past what was served."""
     n_q = near.n_q
-    after = tuple(decode_ids(near.after)) if isinstance(near.after, bytes) else near.after
+    after = tuple(decode_tokens(near.after)) if isinstance(near.after, bytes) else near.after  # whole ids: the
+    # searches slice stored token records, whose length is a multiple of keys.TOKEN_BYTES
     if lost is not None and lost[2] > max(served, near.common):
         reason, detail, at, stored = lost
         return Miss(reason, n_q, served, min(at, n_q), stored, None, detail)
@@ -263,8 +263,3 @@ def explain(near: Near, served: int, lost: tuple[str, str, int, int] | None = No
         return Miss(DIVERGED, n_q, served, near.common, stored, near.tier, "", after)
     return None
 
-
-def decode_ids(enc: bytes) -> list[int]:
-    from .keys import decode_tokens
-
-    return decode_tokens(enc[: len(enc) // 8 * 8])
