@@ -52,11 +52,15 @@ class Query:
         """The entry key of the whole prefix (``keys.key_of``, from the chain above)."""
         return entry_key(self.bounds[-1], residual(self.enc, self.chunk))
 
+    def hashed_bounds(self) -> list[bytes] | None:
+        """The chain if a tier has hashed it already, else None (never hashes)."""
+        return self.__dict__.get("bounds")
+
     def prefix(self, n: int) -> "Query":
         """The query of the first ``n`` tokens; shares the chain computed so far."""
         if n >= self.n:
             return self
-        bounds = self.__dict__.get("bounds")
+        bounds = self.hashed_bounds()
         return Query(self.enc[: n * TOKEN_BYTES], self.digest, self.chunk,
                      tokens=self._tokens[:n] if self._tokens is not None else None,
                      bounds=bounds[: n // self.chunk + 1] if bounds is not None else None)

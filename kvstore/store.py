@@ -201,7 +201,8 @@ class KVStore:
         """
         tokens = _token_list(tokens)
         enc = encode_tokens(tokens)
-        ident = self.models.salted(model, salt)
+        base = self.models.identity(model)  # resolved once: the lookup's key and a miss's explanation
+        ident = salted(base, check_salt(salt, "salt"))
         mem_key = self._mem_key(model, ident, salt)
         near = Near(len(tokens))
         self.settle()
@@ -228,9 +229,9 @@ class KVStore:
             if got is not None:
                 return got
         if cache is not None:
-            return self._hit("memory", cache, n, snap, self._miss(model, salt, mem_key, tokens, enc, q, near, n))
+            return self._hit("memory", cache, n, snap, self._miss(base, salt, mem_key, tokens, enc, q, near, n))
         self._counters.add("misses")
-        return Fetched(None, 0, None, self._miss(model, salt, mem_key, tokens, enc, q, near, 0))
+        return Fetched(None, 0, None, self._miss(base, salt, mem_key, tokens, enc, q, near, 0))
 
     def peek(self, model: Any, tokens: list[int], *, salt: Salt | None = None) -> int:
         """How many tokens ``fetch`` would restore now (memory or disk), reading no KV data
@@ -316,16 +317,16 @@ class KVStore:
         self.writes.credit(snap.disk_key if snap is not None else None)
         return Fetched(cache, n, tier, miss)
 
-    def _miss(self, model: Any, salt: Salt | None, mem_key: Hashable, tokens: list[int], enc: bytes,
+    def _miss(self, ident: Identity | None, salt: Salt | None, mem_key: Hashable, tokens: list[int], enc: bytes,
               q: Query | None, near: Near, served: int) -> Miss | None:
         """Why ``served`` tokens were all this lookup gave, from what its searches saw and
         what this process lost (``WritePath.ghosts``; the identity the model had before its
-        files changed, whose entries are still in memory). No disk read."""
+        files changed, whose entries are still in memory). ``ident``: the model's own
+        (unsalted) identity. No disk read, no hashing."""
         if near.common <= served and served >= near.n_q - 1:
             return None  # served all a stored prefix shared, and all the prompt: nothing to explain
-        bounds = q.__dict__.get("bounds") if q is not None else None  # the chain, if a tier hashed it
+        bounds = q.hashed_bounds() if q is not None else None
         lost = self.writes.ghosts.best(mem_key, enc, bounds, q.chunk if q is not None else 1, served)
-        ident = self.models.identity(model)
         old = self.models.previous.get(ident.digest) if ident is not None else None
         old_key = salted(old, salt) if old is not None else None
         if old_key is not None and ident is not None:
