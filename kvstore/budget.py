@@ -136,16 +136,17 @@ def victims(sim: Sim, order: list[tuple[bytes, EntryRecord]], excess: int) -> li
 
 
 def evict_to(disk: DiskTier, max_bytes: int, *, dry_run: bool = False,
-             snap: IndexRecords | None = None, sim: Sim | None = None) -> list[Removed]:
+             snap: IndexRecords | None = None, sim: Sim | None = None, pinned: bool = True) -> list[Removed]:
     """Drop entries (see ``victims`` for the order) until the pack files fit
-    ``max_bytes``, a batch per transaction; ``dry_run`` only counts. Returns what went."""
+    ``max_bytes``, a batch per transaction; ``dry_run`` only counts. Without ``pinned``
+    no pinned entry goes, even when the budget is then not met. Returns what went."""
     if not dry_run and snap is None and disk.index.total_bytes() <= max_bytes:
         return []
     snap = snap or scan(disk.index, full=False)
     sim = sim or Sim(snap)
     order = [kr for kr in lru_order((k, r) for k, r in snap.entries.items() if r) if kr[0] not in sim.gone]
     total = sim.total if dry_run else disk.index.total_bytes()
-    planned = victims(sim, order, total - max_bytes)
+    planned = victims(sim, order if pinned else [kr for kr in order if not kr[1].pinned], total - max_bytes)
     if dry_run:
         return planned
     gone: list[Removed] = []

@@ -310,10 +310,11 @@ def test_units():
 
     assert common.parse_size("10G") == 10 << 30 and common.parse_size("500M") == 500 << 20
     assert common.parse_size("1.5GiB") == 3 << 29 and common.parse_size("64kb") == 65536
-    assert common.parse_size("1234") == 1234
+    assert common.parse_size("1234B") == 1234 and common.parse_size("0") == 0
+    assert common.parse_size("2000000") == 2000000
     assert common.parse_duration("7d") == 7 * DAY and common.parse_duration("12h") == 43200
     assert common.parse_duration("30m") == 1800 and common.parse_duration("45") == 45
-    for bad in ("", "G", "-1G", "1X"):
+    for bad in ("", "G", "-1G", "1X", "20", "1234"):
         with pytest.raises(argparse.ArgumentTypeError):
             common.parse_size(bad)
     assert common.human_bytes(0) == "0 B" and common.human_bytes(1536) == "1.5 KiB"
@@ -413,8 +414,8 @@ def test_verify_detects_each_fault_and_fix_repairs(built, store_dir):
 def test_gc_dry_run_changes_nothing(built, store_dir):
     _inject_faults(built, store_dir)
     before = files_snapshot(store_dir)
-    res = cli_json("gc", "--dry-run", "--max-bytes", "1", "--max-age", "1s", "--missing-models",
-                   "--blob-age", "0", cache_dir=store_dir)
+    res = cli_json("gc", "--dry-run", "--max-bytes", "1B", "--max-age", "1s", "--missing-models",
+                   "--include-pinned", "--blob-age", "0", cache_dir=store_dir)
     assert res["dry_run"] is True
     assert {r["key"] for r in res["removed"]} == set(built["keys"].values())
     assert res["removed"][-1]["pinned"] is True  # pinned last
@@ -422,7 +423,7 @@ def test_gc_dry_run_changes_nothing(built, store_dir):
     assert {"orphan_blob", "foreign_file"} <= {p["kind"] for p in res["problems"]}
     # every entry would go; broken records make the projected bytes an upper bound
     assert res["entries_left"] == 0 and res["blob_bytes_left_exact"] is False
-    text = main_text("gc", "--dry-run", "--max-bytes", "1", "--blob-age", "0", cache_dir=store_dir)
+    text = main_text("gc", "--dry-run", "--max-bytes", "1B", "--blob-age", "0", cache_dir=store_dir)
     assert "would remove" in text and "nothing changed" in text
     assert files_snapshot(store_dir) == before
 
@@ -437,7 +438,7 @@ def test_gc_dry_run_totals_are_what_the_real_run_leaves(built, store_dir):
         before, n_before = disk.index.total_bytes(), disk.index.counts()["entries"]
     finally:
         disk.close()
-    args = ["gc", "--max-age", "2d", "--max-bytes", str(before // 2), "--missing-models"]
+    args = ["gc", "--max-age", "2d", "--max-bytes", f"{before // 2}B", "--missing-models"]
     dry = cli_json(*args, "--dry-run", cache_dir=store_dir)
     assert len(dry["removed"]) >= 3 and dry["blob_bytes_left_exact"] is True
     assert dry["blob_bytes_left"] == before - dry["freed_bytes"] <= before // 2
@@ -483,13 +484,19 @@ def test_gc_identity_and_max_bytes(built, store_dir):
     # a budget that only the pinned entry fits: every unpinned entry goes, those that free
     # space first in LRU order (A, the oldest, frees nothing while A2 uses its chunks: it
     # goes after A2), pinned E kept
-    res = cli_json("gc", "--max-bytes", str(e_bytes), cache_dir=store_dir)
+    # a bare number under 1 MiB (`--max-bytes 20`, a typo for 20G) is refused: nothing removed
+    p = cli("gc", "--max-bytes", "20", cache_dir=store_dir)
+    assert p.returncode == 2 and "no unit" in p.stderr and "20B" in p.stderr and "20G" in p.stderr, p.stderr
+    assert sum(len(g["entries"]) for g in cli_json("ls", cache_dir=store_dir)["identities"]) == len(keys) - 1
+    res = cli_json("gc", "--max-bytes", f"{e_bytes}B", cache_dir=store_dir)
     order = [r["key"] for r in res["removed"]]
     assert order == [keys[n] for n in ("B", "C", "A2", "A")], order
     assert sum(r["bytes"] for r in res["removed"]) == total - e_bytes
     assert res["blob_bytes_left"] == e_bytes
     res = main_json("gc", "--max-bytes", "0", cache_dir=store_dir)
-    assert [r["key"] for r in res["removed"]] == [keys["E"]]  # nothing else left: the pinned one goes
+    assert res["removed"] == [] and res["entries_left"] == 1  # pinned: kept unless asked for by flag
+    res = main_json("gc", "--max-bytes", "0", "--include-pinned", cache_dir=store_dir)
+    assert [r["key"] for r in res["removed"]] == [keys["E"]]  # asked for: nothing else left, the pinned one goes
     assert res["entries_left"] == 0 and res["blob_bytes_left"] == 0
     assert not [f for f in (store_dir / "blobs").rglob("*") if f.is_file()]
     from kvstore.cli import main

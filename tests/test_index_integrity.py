@@ -52,7 +52,7 @@ def test_index_after_a_gc_of_most_entries_is_healthy(tmp_path):
             toks = rand_tokens(rng.randrange(20, 300), seed=100 + i)
             s.insert(who, toks, synth_kv_cache(1, 1, len(toks), 4, seed=i))
             assert s.flush()  # one pack (and one commit) each
-    p = _cli("gc", "--max-bytes", "1", "--cache-dir", str(tmp_path))
+    p = _cli("gc", "--max-bytes", "1B", "--cache-dir", str(tmp_path))
     assert p.returncode == 0, p.stderr
     data = tmp_path / "index" / "data.mdb"
     have, need = _unwritten_tail(data)

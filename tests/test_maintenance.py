@@ -427,10 +427,15 @@ def test_gc_rules(tmpl, disk):
     # P's pack also holds the three chunks Q uses: it stays (its tail is dead space until Q goes)
     assert res.freed == total - disk.index.total_bytes() == 0 and res.removed[0]["bytes"] == 0
     assert disk.index.entry(t["P"]) is None
-    # --max-bytes: unpinned first, LRU; the pinned entry only when nothing else is left
+    # --max-bytes: unpinned first, LRU; the pinned entry never unless asked for (pinned=True),
+    # and then only when nothing else is left
     res = M.gc(disk, max_bytes=1)
-    assert [r["key"] for r in res.removed] == [t["Q"].hex(), t["S"].hex(), t["R"].hex()]
-    assert res.freed == total and res.bytes_left == 0 and res.entries_left == 0
+    assert [r["key"] for r in res.removed] == [t["Q"].hex(), t["S"].hex()] and disk.index.entry(t["R"]) is not None
+    assert res.entries_left == 1 and res.bytes_left == disk.index.total_bytes() > 0
+    freed = res.freed
+    res = M.gc(disk, max_bytes=1, pinned=True)
+    assert [r["key"] for r in res.removed] == [t["R"].hex()]
+    assert freed + res.freed == total and res.bytes_left == 0 and res.entries_left == 0
     assert disk.index.total_bytes() == 0 and disk.index.counts()["chunks"] == 0
     assert not [f for f in disk.blob_root.rglob("*") if f.is_file()]
 

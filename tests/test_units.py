@@ -14,7 +14,7 @@ from kvstore.units import parse_size
 
 
 @pytest.mark.parametrize("text,n", [("20GiB", 20 << 30), ("20G", 20 << 30), ("1.5g", 3 << 29), ("500MB", 500 << 20),
-                                    ("64k", 64 << 10), ("1000", 1000)])
+                                    ("64k", 64 << 10), ("1000B", 1000), ("2000000", 2000000), ("0", 0)])
 def test_serve_and_gc_read_a_size_alike(text: str, n: int) -> None:
     serve = argparse.ArgumentParser()
     serve_flags(serve)
@@ -30,3 +30,18 @@ def test_a_bad_size_names_the_value(text: str, capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit):
         serve.parse_args([f"--max-disk-bytes={text}"])
     assert f"invalid size {text!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["20", "1000", "1048575"])
+def test_a_bare_number_under_a_mebibyte_is_refused_as_a_typo(text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--max-bytes 20`` (a newcomer's 20G) emptied the cache: a bare number under 1 MiB is
+    refused by every flag that takes a size, saying to add a unit or write B."""
+    serve = argparse.ArgumentParser()
+    serve_flags(serve)
+    for parser, args in ((serve, [f"--max-disk-bytes={text}"]), (serve, [f"--max-write-bytes-per-day={text}"]),
+                         (_parser("gc", gc_command), ["gc", f"--max-bytes={text}"])):
+        with pytest.raises(SystemExit):
+            parser.parse_args(args)
+        err = capsys.readouterr().err
+        assert "no unit" in err and f"{text}B" in err and f"{text}G" in err, err
+    assert parse_size(f"{text}B") == int(text) and parse_size(f"{text}K") == int(text) << 10

@@ -17,12 +17,16 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Remove entries, least recently used first: of the identities named with "
                     "--identity or whose model directory is gone (--missing-models; pinned "
                     "entries too), unused for longer than --max-age (never pinned ones), then "
-                    "until the blobs fit --max-bytes (pinned ones only when nothing else is "
-                    "left). Orphan pack files and broken records are always "
+                    "until the blobs fit --max-bytes (never pinned ones unless --include-pinned, "
+                    "and then only when nothing else is left). Orphan pack files and broken records are always "
                     "removed (as `kvstore verify --fix --no-checksums` does). Safe while servers "
                     "use the directory. --dry-run lists what would go and changes nothing.")
     p.add_argument("--max-bytes", type=common.parse_size, metavar="SIZE",
-                   help="keep at most this many blob bytes, e.g. 500M, 10G (powers of 1024)")
+                   help="keep at most this many blob bytes, e.g. 500M, 10G (powers of 1024; a bare number "
+                        "under 1 MiB is refused as a likely typo: write 500B for bytes)")
+    p.add_argument("--include-pinned", action="store_true",
+                   help="let --max-bytes remove pinned entries too (last, when nothing else is left); "
+                        "without it pinned entries are kept even if the budget is then not met")
     p.add_argument("--max-age", type=common.parse_duration, metavar="AGE",
                    help="remove unpinned entries not used for this long, e.g. 7d, 12h, 30m")
     p.add_argument("--identity", action="append", default=[], metavar="HEXPREFIX",
@@ -53,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         chosen = [common.resolve_identity(idents, p, disk.root) for p in args.identity]
         res = maintenance.gc(disk, max_bytes=args.max_bytes, max_age=args.max_age, identities=chosen,
                    missing_models=args.missing_models, orphans=not args.keep_orphans,
-                   dry_run=args.dry_run, blob_age=args.blob_age)
+                   dry_run=args.dry_run, blob_age=args.blob_age,
+                   pinned=args.include_pinned)
     finally:
         disk.close()
     unfixed = [p for p in res.problems if not p.fixed and p.kind not in maintenance.NOT_OURS] \

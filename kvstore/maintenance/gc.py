@@ -45,7 +45,8 @@ class GcResult:
 
 def gc(disk: DiskTier, *, max_bytes: int | None = None, max_age: float | None = None,
        identities: Iterable[str] = (), missing_models: bool = False, orphans: bool = True,
-       dry_run: bool = False, blob_age: float = ORPHAN_BLOB_SECONDS, now: float | None = None) -> GcResult:
+       dry_run: bool = False, blob_age: float = ORPHAN_BLOB_SECONDS, now: float | None = None,
+       pinned: bool = False) -> GcResult:
     """Collect garbage, in this order:
 
     1. entries of the named identities (hex prefixes) and, with ``missing_models``, of
@@ -53,8 +54,9 @@ def gc(disk: DiskTier, *, max_bytes: int | None = None, max_age: float | None = 
        against budgets, not against dropping a model);
     2. unpinned entries not used for ``max_age`` seconds (pinned entries never age out;
        a last use in the future counts as now);
-    3. least recently used entries until the pack files fit ``max_bytes`` (pinned ones only
-       when nothing else is left);
+    3. least recently used entries until the pack files fit ``max_bytes``; pinned ones only
+       with ``pinned`` (the user asked for them: ``kvstore gc --include-pinned``), and then
+       only when nothing else is left;
     4. with ``orphans``: orphan pack files, unused chunks and records whose files are gone
        or the wrong size (``verify`` with sizes only, repaired).
 
@@ -91,7 +93,7 @@ def gc(disk: DiskTier, *, max_bytes: int | None = None, max_age: float | None = 
         take([(k, r) for k, r in records if not r.pinned and r.last_used < cutoff], "max_age",
              guard=lambda cur: cur.last_used < cutoff)
     if max_bytes is not None:
-        note(evict_to(disk, max_bytes, dry_run=dry_run, snap=snap, sim=sim), "max_bytes")
+        note(evict_to(disk, max_bytes, dry_run=dry_run, snap=snap, sim=sim, pinned=pinned), "max_bytes")
     if orphans:
         res.problems = verify(disk, fix=not dry_run, checksums=False, blob_age=blob_age, now=now)
         if dry_run:  # records that steps 1-3 would already have removed are no news
