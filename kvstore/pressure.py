@@ -5,7 +5,9 @@ everything else the user runs, so its byte budget follows what is available: it 
 while memory is free and must give memory back when it is not, keeping a floor of free
 memory it never eats into. Within a container (a Linux cgroup, v1 or v2) the limit is the
 container's, not the host's: a host with 20 GB free means nothing to a process the kernel
-kills at its cgroup's 2 GB.
+kills at its cgroup's 2 GB. The cgroup is found through /proc/self/mountinfo (``locate``),
+not under a fixed /sys/fs/cgroup path: a container may see its own cgroup mounted as the
+whole hierarchy while /proc/self/cgroup names the host's path for it.
 
 Readings cost a few tens of microseconds (psutil, or /proc/meminfo, and two or three small
 cgroup files); ``Gauge`` caches one for a fraction of a second, so the request path never
@@ -16,13 +18,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 # The memory tier keeps this much of the machine's (or container's) memory free by default:
 # a fifth leaves room for the model's activations and the user's other programs on a Mac.
 DEFAULT_MEMORY_FLOOR = 0.2
@@ -99,28 +101,84 @@ def _cgroup_paths() -> tuple[str | None, str | None]:
     return v2, v1
 
 
-def _cgroup(root: Path = CGROUP_ROOT) -> Reading | None:
+def _unescape(field: str) -> str:
+    """A mountinfo path field: spaces, tabs, newlines and backslashes are written in octal."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def cgroup_mounts(mountinfo: str) -> tuple[list[tuple[str, Path]], list[tuple[str, Path]]]:
+    """(cgroup v2 mounts, cgroup v1 mounts holding the memory controller) listed in
+    ``mountinfo`` (/proc/self/mountinfo's text), each as (the cgroup it shows at its root,
+    where it is mounted), in mount order: a later mount on the same point hides an earlier."""
+    v2: list[tuple[str, Path]] = []
+    v1: list[tuple[str, Path]] = []
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if "-" not in fields[6:]:
+            continue
+        sep = fields.index("-", 6)
+        if len(fields) < sep + 4:
+            continue
+        kind, supers = fields[sep + 1], fields[sep + 3].split(",")
+        mount = (_unescape(fields[3]), Path(_unescape(fields[4])))
+        if kind == "cgroup2":
+            v2.append(mount)
+        elif kind == "cgroup" and "memory" in supers:
+            v1.append(mount)
+    return v2, v1
+
+
+def locate(path: str, mounts: list[tuple[str, Path]]) -> tuple[Path, Path] | None:
+    """The directory of cgroup ``path`` (as /proc/self/cgroup names it) under ``mounts``:
+    the mount's root stripped from it, the latest mount first (one mounted over another
+    hides it). A container's own cgroup bind-mounted as the hierarchy (Docker's cgroup v1
+    layout, where /proc/self/cgroup still names the host's path) is found so; when no mount
+    holds the path (a cgroup namespace renames it), the latest mount point itself, which is
+    then the process's own cgroup. Returns (that directory, its mount point), or None: no
+    such hierarchy is mounted."""
+    for root, point in reversed(mounts):
+        base = root.rstrip("/")
+        if path == base or path.startswith(base + "/"):
+            d = point / path[len(base):].lstrip("/")
+            if d.is_dir():
+                return d, point
+    return (mounts[-1][1], mounts[-1][1]) if mounts else None
+
+
+def _cgroup_dirs() -> tuple[tuple[Path, Path] | None, tuple[Path, Path] | None]:
+    """(this process's v2 cgroup, its v1 memory cgroup), each as ``locate`` gives it,
+    resolved through /proc/self/mountinfo."""
+    v2_path, v1_path = _cgroup_paths()
+    try:
+        v2_mounts, v1_mounts = cgroup_mounts(Path("/proc/self/mountinfo").read_text())
+    except OSError:
+        return None, None
+    return (locate(v2_path, v2_mounts) if v2_path is not None else None,
+            locate(v1_path, v1_mounts) if v1_path is not None else None)
+
+
+def _cgroup() -> Reading | None:
     """The tightest memory limit of this process's cgroup and its ancestors, and the room
     left under it (usage less the file cache the kernel reclaims first), or None."""
-    v2, v1 = _cgroup_paths()
-    if v1 is not None and (root / "memory").is_dir():
-        d = root / "memory" / v1.lstrip("/")
-        limit = _stat(d / "memory.stat", "hierarchical_memory_limit") or _read_int(d / "memory.limit_in_bytes")
-        usage = _read_int(d / "memory.usage_in_bytes")
+    v2_dirs, v1_dirs = _cgroup_dirs()
+    if v1_dirs is not None:
+        v1 = v1_dirs[0]
+        limit = _stat(v1 / "memory.stat", "hierarchical_memory_limit") or _read_int(v1 / "memory.limit_in_bytes")
+        usage = _read_int(v1 / "memory.usage_in_bytes")
         if limit and limit < NO_LIMIT and usage is not None:
-            used = usage - _file_cache(d / "memory.stat", "total_")
+            used = usage - _file_cache(v1 / "memory.stat", "total_")
             return Reading(max(0, limit - used), limit)
         return None
-    if v2 is None:
+    if v2_dirs is None:
         return None
     best: Reading | None = None
-    d = root / v2.lstrip("/")
+    d, top = v2_dirs
     while True:
         limit, usage = _read_int(d / "memory.max"), _read_int(d / "memory.current")
         if limit is not None and usage is not None:
             room = Reading(max(0, limit - (usage - _file_cache(d / "memory.stat"))), limit)
             best = room if best is None or room.available < best.available else best
-        if d == root or root not in d.parents:
+        if d == top or top not in d.parents:
             return best
         d = d.parent
 

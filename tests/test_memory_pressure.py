@@ -142,6 +142,50 @@ def test_the_budget_reads_the_containers_limit_and_keeps_the_floor(cgroup: Path)
     assert here is not None and here.total > LIMIT
 
 
+def test_a_containers_own_cgroup_mounted_as_the_hierarchy_is_found(cgroup: Path) -> None:
+    """Docker's layout on a cgroup v1 host (and a v2 one without a cgroup namespace): the
+    container's own memory cgroup is bind-mounted as the whole hierarchy while
+    /proc/self/cgroup still names its host path. A process in the test's cgroup, in a
+    private mount namespace (``unshare -m``) with that cgroup bind-mounted over the
+    hierarchy's mount point, reads the group's limit, not the host's memory."""
+    import shutil
+
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        pytest.skip("unshare(1) and mount(1) are needed to make a private mount namespace")
+    group, point = cgroup.parent, cgroup.parent.parent  # e.g. /sys/fs/cgroup/memory/kvstore-test-x
+    script = "import json; from kvstore import pressure; r = pressure.read(); print(json.dumps([r.total, r.available]))"
+    shell = (f'echo $$ > "{cgroup}" && mount --make-rprivate / && mount --bind "{group}" "{point}" && '
+             f'grep -q "{group.name} {point} " /proc/self/mountinfo && exec "{sys.executable}" -c "{script}"')
+    p = subprocess.run(["unshare", "-m", "sh", "-c", shell], capture_output=True, text=True, env=child_env(),
+                       cwd=str(ROOT), timeout=120)
+    if p.returncode != 0 and ("unshare failed" in p.stderr or "Operation not permitted" in p.stderr):
+        pytest.skip(f"no private mount namespace here: {p.stderr.strip()[:200]}")
+    assert p.returncode == 0, p.stderr
+    total, available = json.loads(p.stdout.strip().splitlines()[-1])
+    assert total == LIMIT, (total, LIMIT, "the host's memory was read, not the container's")
+    assert 0 < available < LIMIT
+
+
+@pytest.mark.parametrize("mountinfo,path,want", [
+    # cgroup v1, Docker: the container's own group mounted as the hierarchy, the host path in /proc/self/cgroup
+    ("63 51 0:32 /docker/abc /sys/fs/cgroup/memory ro,nosuid - cgroup cgroup rw,memory", "/docker/abc",
+     "/sys/fs/cgroup/memory"),
+    # the whole hierarchy mounted, hidden by a later mount of one group on the same point
+    ("35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n"
+     "63 35 0:32 /a/b /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory", "/a/b/c", "/sys/fs/cgroup/memory"),
+    # cgroup v2 in a cgroup namespace: the path is "/", the mount's root too
+    ("30 23 0:26 / /sys/fs/cgroup rw shared:4 - cgroup2 cgroup2 rw,nsdelegate", "/", "/sys/fs/cgroup"),
+    # a mount point with a space in it (octal-escaped in mountinfo)
+    ("41 31 0:38 /ctr /run/my\\040cgroups rw - cgroup2 cgroup2 rw", "/host/ctr", "/run/my cgroups"),
+])
+def test_the_cgroup_is_located_through_mountinfo(mountinfo: str, path: str, want: str) -> None:
+    """Where /proc/self/mountinfo's text says the cgroup is (no directory exists here: the
+    fallback, the latest mount point itself, is what is found)."""
+    v2, v1 = pressure.cgroup_mounts(mountinfo)
+    got = pressure.locate(path, v2 or v1)
+    assert got is not None and got[0] == Path(want) and got[1] == Path(want), got
+
+
 def test_a_bad_memory_floor_is_refused(tmp_path: Path) -> None:
     from kvstore import KVStore
 
