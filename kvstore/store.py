@@ -352,11 +352,13 @@ class KVStore:
         returns sees it all the same. Raises ValueError when the tokens are not token ids
         or the cache holds more positions than ``tokens``; nothing is stored then.
         """
-        tokens = _token_list(tokens)
-        enc = encode_tokens(tokens)
-        ident = self.models.salted(model, salt) if cache_type in ORDERING else None
-        vocab = self.models.vocab_size(ident) if ident is not None else None
-        _snap, why = self.writes.insert(self._mem_key(model, ident, salt), ident, tokens, enc, cache, cache_type, vocab)
+        with self.writes.inserting():  # first: a lookup from now on waits for this insert
+            tokens = _token_list(tokens)
+            enc = encode_tokens(tokens)
+            ident = self.models.salted(model, salt) if cache_type in ORDERING else None
+            vocab = self.models.vocab_size(ident) if ident is not None else None
+            _snap, why = self.writes.insert(self._mem_key(model, ident, salt), ident, tokens, enc, cache,
+                                            cache_type, vocab)
         if why is not None:
             self._counters.add("unpersistable")
             self.note_memory_only(ident.name if ident is not None else str(model)[:200], why)

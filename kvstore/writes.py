@@ -13,10 +13,11 @@ is lost instead (a skip, a full queue, a cache that cannot be stored) is remembe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -40,6 +41,7 @@ from .writer import Writer
 from .bytes_written import written
 
 log = logging.getLogger("kvstore")
+INSERT_WAIT_S = 30.0  # the longest a lookup waits for an insert begun on another thread
 Evicted = list[tuple[Hashable, list[int], Snapshot]]
 
 
@@ -77,17 +79,8 @@ class WritePath:
         from now on finds it), and queue its filing and write; returns the snapshot and
         why it cannot be persisted (None: it can). Raises ValueError for bad input,
         storing nothing."""
-        me = threading.get_ident()
-        with self.lock:  # a lookup on another thread from now on waits for this insert
-            self._inserting[me] = self._inserting.get(me, 0) + 1
-        try:
+        with self.inserting():  # the store's insert has begun it already: a count per thread
             snap, covered, why = self._take(mem_key, ident, tokens, enc, cache, cache_type, vocab)
-        finally:
-            with self.lock:
-                self._inserting[me] -= 1
-                if not self._inserting[me]:
-                    del self._inserting[me]
-                self._inserted.notify_all()
         if snap.tensors is not None and ident is not None and self.disk_on and covered > 0:
             host = self._host_views(snap)
             if host is not None:
@@ -98,6 +91,26 @@ class WritePath:
         if self.writer is None or not self.writer.submit(job):
             job()  # no writer, or its queue is full: here, as before
         return snap, why
+
+    @contextlib.contextmanager
+    def inserting(self) -> Iterator[None]:
+        """An insert under way on this thread: a lookup on another thread (``settle``) waits
+        for it until it is pending. Counted without taking the lock, so that nothing
+        between the caller's call and the count can give another thread the chance to look
+        up first: mlx_lm.server ends a response (``rqueue.put(None)``) just before it
+        inserts that response's cache, and a client's next lookup must find it (only the
+        counting thread changes its own count; the GIL keeps each change whole)."""
+        me = threading.get_ident()
+        self._inserting[me] = self._inserting.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            if self._inserting[me] > 1:
+                self._inserting[me] -= 1
+            else:
+                del self._inserting[me]
+            with self.lock:  # after the change: a waiting settle rechecks under the lock
+                self._inserted.notify_all()
 
     def _take(self, mem_key: Hashable, ident: Identity | None, tokens: list[int], enc: bytes, cache: list[Any],
               cache_type: str, vocab: int | None) -> tuple[Snapshot, int, str | None]:
@@ -125,7 +138,10 @@ class WritePath:
         of the memory tier does it first, so a lookup always sees every earlier insert."""
         with self.lock:
             me = threading.get_ident()  # an insert another thread has begun is waited for
-            self._inserted.wait_for(lambda: not any(t != me for t in self._inserting), timeout=5.0)
+            if not self._inserted.wait_for(lambda: not [t for t in list(self._inserting) if t != me],
+                                           timeout=INSERT_WAIT_S):
+                log.warning("kvstore: an insert on another thread took over %.0f s; this lookup does not "
+                            "wait for it", INSERT_WAIT_S)
             if not self._pending:
                 return []
             pending, self._pending = self._pending, []
