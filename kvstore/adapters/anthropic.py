@@ -23,19 +23,24 @@ from __future__ import annotations
 import io
 import json
 import logging
+import threading
 import types
 import uuid
 from typing import Any, Callable
 
-from .http import send_json
+from .http import BodyError, body_of, send_json
 
 log = logging.getLogger("kvstore")
 BILLING_PREFIX = "x-anthropic-billing-header:"
 KEEP_BILLING_HEADER = False
 MESSAGES, COUNT = "/v1/messages", "/v1/messages/count_tokens"
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-               503: "overloaded_error"}
+               404: "not_found_error", 411: "invalid_request_error", 413: "request_too_large",
+               429: "rate_limit_error", 503: "overloaded_error"}
+# count_tokens renders and tokenizes on the HTTP thread, beside generation: one at a time (a
+# tokenizer holds ~250x the text's size while it works; --max-body-bytes bounds the text).
+TOKENIZING = threading.BoundedSemaphore(1)
+TOKENIZE_WAIT_S = 120.0
 
 
 class RequestError(ValueError):
@@ -411,10 +416,11 @@ class Tap:
 
 
 def _read_json(handler: Any) -> Any:
+    """The body admitted for this request (parsed once: ``http.body_of``)."""
     try:
-        return json.loads(handler.rfile.read(int(handler.headers.get("Content-Length") or 0)) or b"null")
-    except (ValueError, json.JSONDecodeError) as e:
-        raise RequestError(f"the request body is not JSON: {e}") from None
+        return body_of(handler)
+    except BodyError as e:
+        raise RequestError(str(e), e.status) from None
 
 
 def _chat_error(status: int, body: bytes) -> tuple[int, str]:
@@ -447,6 +453,10 @@ def handle(handler: Any, original: Callable[[Any], None], server_mod: Any) -> No
     except RequestError as e:
         send_json(handler, e.status, error_body(e.status, str(e)))
         return
+    except Exception as e:  # never a dropped connection: an Anthropic 500, the trace in the log
+        log.exception("kvstore: %s failed before generation", path)
+        send_json(handler, 500, error_body(500, f"internal error before generation: {type(e).__name__}: {e}"))
+        return
     _run(handler, original, chat, model)
 
 
@@ -458,10 +468,14 @@ def count_tokens(generator: Any, chat: dict[str, Any], server_mod: Any) -> int:
         raise RequestError("the model is still loading", 503)
     request = server_mod.CompletionRequest("chat", "", chat["messages"], chat.get("tools"), None)
     args = types.SimpleNamespace(chat_template_kwargs=chat.get("chat_template_kwargs"))
+    if not TOKENIZING.acquire(timeout=TOKENIZE_WAIT_S):
+        raise RequestError("too many count_tokens requests at once; retry shortly", 503)
     try:
         prompt = generator._tokenize(tokenizer, request, args)[0]
     except Exception as e:  # the template's or the processor's own complaint
         raise RequestError(f"the request cannot be rendered by the model's chat template: {e}") from None
+    finally:
+        TOKENIZING.release()
     return len(prompt)
 
 

@@ -15,6 +15,8 @@ No mlx-lm file is edited. Before ``mlx_lm.server.main()`` runs, this module
   report it, streamed usage included: the prompt tokens the prompt cache restored),
 - turns SIGTERM into the KeyboardInterrupt mlx-lm already handles (``httpd.shutdown()``),
   then closes the store, which flushes the write-behind queue before the process exits,
+- answers ``HEAD`` for every GET route as GET does, without the body (unknown paths: 404;
+  mlx_lm.server answers 501),
 - routes ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (the Anthropic Messages
   API) through mlx_lm.server's own chat handler (``kvstore.adapters.anthropic``),
 - makes SIGUSR1 print every thread's Python stack to stderr, so a server that stops
@@ -39,8 +41,8 @@ from .. import metrics
 from ..floors import MIN_DISK_HIT
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..units import memory_floor, parse_size
-from . import anthropic, prompts, startup, tenants
-from .http import send_json
+from . import anthropic, http, prompts, startup, tenants
+from .http import HeadersOnly, send_json
 
 if TYPE_CHECKING:  # imported when used: MLX and mlx-lm take seconds, --help and a refused start need neither
     from .mlx_lm import LRUPromptCache
@@ -111,7 +113,16 @@ def _install_routes(server_mod: Any) -> None:
         else:
             original(self)
 
+    def do_HEAD(self: Any) -> None:  # every GET route, headers only (Claude Code sends HEAD / first)
+        real = self.wfile
+        self.wfile = HeadersOnly(real)
+        try:
+            self.do_GET()
+        finally:
+            self.wfile = real
+
     handler.do_GET = do_GET
+    handler.do_HEAD = do_HEAD
     handler._kvstore_patched = True
     anthropic.install(server_mod)  # POST /v1/messages[/count_tokens]
 
@@ -189,6 +200,10 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--persist", choices=("all", "system", "reused"), default="all",
                    help="what is written to disk: every new prefix (all, the default), system prompts and "
                         "pinned entries only (system), or a prefix seen a second time (reused)")
+    g.add_argument("--max-body-bytes", type=parse_size, default=http.MAX_BODY_BYTES, metavar="SIZE",
+                   help="refuse request bodies larger than this (413, in the API's own error shape, before any of "
+                        "the body is read), e.g. 64M (default 32M, Anthropic's own limit): a body is parsed whole "
+                        "and count_tokens holds ~250x its text while tokenizing it")
     g.add_argument("--max-write-bytes-per-day", type=parse_size, default=None, metavar="BYTES",
                    help="stop writing to disk once this many bytes were written today (UTC), e.g. 20G; "
                         "resumes the next day")
@@ -298,6 +313,7 @@ def _install(server_mod: Any, ours: argparse.Namespace, rest: list[str], policy:
     tenants.configure(policy)
     tenants.warn_if_exposed(tenants.host_of(rest), policy)
     anthropic.KEEP_BILLING_HEADER = ours.keep_billing_header
+    http.MAX_BODY_BYTES = ours.max_body_bytes
     prompts.SORT_TOOLS = ours.sort_tools
     startup.install(server_mod, startup.options(ours), _STORES, progress)
     signal.signal(signal.SIGTERM, _sigterm)

@@ -11,6 +11,9 @@ passes whatever route serves it (OpenAI's, Anthropic's ``/v1/messages``, kvstore
   ``OPTIONS``, carry no credentials and answer nothing but headers). Keys are compared as
   SHA-256 digests with ``hmac.compare_digest`` against every configured key (no early
   exit); only their digests are kept, never logged. No key configured: nothing checked.
+- Body: a POST body is read and parsed here, once (``http.admit_body``: a 411 / 413 / 400 in
+  the route's own shape for a body that cannot be used), and that object is what the route
+  reads (mlx_lm.server's own ``json.loads`` of it included: ``http.ParsedOnce``).
 - Salt: a POST body's ``cache_salt`` is validated (``salt.salt_of_body``: a 400 naming the
   field for anything but a non-empty string of at most 256 characters, before the route
   sees the request: nothing generated, nothing stored). With ``--isolate-keys`` every
@@ -29,9 +32,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
-import io
 import ipaddress
-import json
 import logging
 import os
 import threading
@@ -39,13 +40,15 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .http import send_json
+from .anthropic import error_body as anthropic_error
+from .http import BodyError, ParsedOnce, admit_body, forget_body, send_json
 from ..salt import Salt, SaltedTokens, SaltError, combine, salt_of, salt_of_body, tag
 
 log = logging.getLogger("kvstore")
 ENV_KEYS = "KVSTORE_API_KEYS"
 OPEN_PATHS = frozenset({"/health"})
 MAX_KEY_CHARS = 4096
+PRINTABLE_ASCII = (0x21, 0x7E)  # what a key may hold: visible ASCII, no space
 _LOCAL = threading.local()  # the HTTP thread's current request's salt (see the docstring)
 _REQUEST_SALT = "_kvstore_salt"  # attribute of mlx_lm.server's CompletionRequest
 
@@ -64,6 +67,12 @@ class Policy:
         if bad:
             raise ValueError(f"API key #{bad[0] + 1} is empty, longer than {MAX_KEY_CHARS} characters "
                              "or contains whitespace")
+        odd = [i for i, k in enumerate(keys) if not all(PRINTABLE_ASCII[0] <= ord(c) <= PRINTABLE_ASCII[1] for c in k)]
+        if odd:  # it could never match: http.server reads header values as Latin-1, clients send UTF-8 or refuse
+            raise ValueError(f"API key #{odd[0] + 1} has a character outside printable ASCII: HTTP clients send a "
+                             "key's bytes as they please (most refuse non-ASCII headers, others send UTF-8, which "
+                             "the server reads as Latin-1), so no request could ever present it; use letters, "
+                             "digits and punctuation (e.g. `openssl rand -hex 32`)")
         if isolate and not keys:
             raise ValueError("--isolate-keys needs API keys (--api-key, --api-key-file or $KVSTORE_API_KEYS)")
         return cls(tuple(dict.fromkeys(_digest(k) for k in keys)), isolate)
@@ -118,7 +127,8 @@ def policy_from(ours: argparse.Namespace, environ: Mapping[str, str] | None = No
         try:
             from ..files import read_foreign  # never blocks on a FIFO, regular files only
 
-            lines = [ln.strip() for ln in read_foreign(Path(ours.api_key_file), limit=1 << 20).decode().splitlines()]
+            lines = [ln.strip() for ln in read_foreign(Path(ours.api_key_file), limit=1 << 20)
+                     .decode("utf-8-sig").splitlines()]  # an editor's byte-order mark is not part of a key
         except (OSError, UnicodeDecodeError) as e:
             raise SystemExit(f"kvstore serve: cannot read --api-key-file: {e}") from None
         found = [ln for ln in lines if ln and not ln.startswith("#")]
@@ -188,9 +198,9 @@ def error_body(path: str, status: int, message: str, *, param: str | None = None
     """An error in the shape of the API ``path`` belongs to (Anthropic's for /v1/messages*,
     OpenAI's for the rest)."""
     if is_anthropic(path):
-        kind = "authentication_error" if status == 401 else "invalid_request_error"
-        return {"type": "error", "error": {"type": kind, "message": message}}
-    kind = "authentication_error" if status == 401 else "invalid_request_error"
+        return anthropic_error(status, message)
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(status, "invalid_request_error")
+    kind = "server_error" if status >= 500 else kind
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -222,53 +232,10 @@ def _send(handler: Any, status: int, body: dict[str, Any], close: bool) -> None:
     send_json(handler, status, body, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None, close=close)
 
 
-class _Replay(io.RawIOBase):
-    """A request's body, already read, served again before the rest of the connection."""
-
-    def __init__(self, head: bytes, rest: Any) -> None:
-        super().__init__()
-        self._head = io.BytesIO(head)
-        self._rest = rest
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, n: int | None = -1) -> bytes:
-        got = self._head.read(n if n is not None and n >= 0 else -1)
-        if got or n == 0:
-            return got
-        return self._rest.read(n) if n is not None and n >= 0 else b""
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
-
-    def readline(self, limit: int | None = -1) -> bytes:
-        got = self._head.readline(-1 if limit is None else limit)
-        return got if got else self._rest.readline(-1 if limit is None else limit)
-
-
-def _read_body(handler: Any) -> Any:
-    """The JSON body of a POST (put back for the route to read), or None when it has no
-    Content-Length or is not JSON (the route answers that itself)."""
-    try:
-        n = int(handler.headers.get("Content-Length", ""))
-    except ValueError:
-        return None
-    if n <= 0:
-        return None
-    raw = handler.rfile.read(n)
-    handler.rfile = _Replay(raw, handler.rfile)
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-
-
 def _admit(handler: Any) -> bool:
     """The check every request passes once its headers are read: its key, its salt."""
     _LOCAL.salt = None
+    forget_body(handler)
     path = handler.path.split("?")[0]
     if handler.command == "OPTIONS" or path in OPEN_PATHS:
         return True
@@ -281,7 +248,11 @@ def _admit(handler: Any) -> bool:
         return False
     if handler.command != "POST":
         return True
-    body = _read_body(handler)
+    try:  # read and parsed once, here: the object every route then gets (kvstore.adapters.http)
+        body = admit_body(handler)
+    except BodyError as e:  # 411 / 413 leave the body unread: the connection cannot go on
+        _send(handler, e.status, error_body(path, e.status, str(e), code=e.code), close=e.status in (411, 413))
+        return False
     try:
         _LOCAL.salt = request_salt(body, key, policy)
     except SaltError as e:
@@ -305,6 +276,7 @@ def install(server_mod: Any) -> None:
 
     handler.parse_request = parse_request
     handler._kvstore_tenants = True
+    server_mod.json = ParsedOnce()  # its json.loads of an admitted body returns the object admitted
 
     generate = generator.generate
 
