@@ -368,7 +368,8 @@ def run_server(name: str, command: Callable[[int], list[str]], args: argparse.Na
 def api_session(args: argparse.Namespace) -> tuple[Session, Callable[[str], Any], Callable[..., dict[str, Any]]]:
     """(the session, a client for a server URL, the turn runner) of ``--api``."""
     common = (system_prompt(args.paragraphs), tools(args.tools), args.max_tokens)
-    options = {"model": str(args.model_dir), "vary": args.vary, "vary_every": args.vary_every}
+    options = {"model": str(args.model_dir), "vary": args.vary, "vary_every": args.vary_every,
+               "result_lines": args.result_lines}
     if args.api == "responses":
         import openai
 
@@ -489,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=12)
     p.add_argument("--restart-after", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--result-lines", type=int, default=8,
+                   help="lines of each tool result the client sends back (default 8): what a turn adds to the prompt")
     p.add_argument("--stop", choices=("kill", "term"), default="kill", help="SIGKILL (default) or SIGTERM at the restart")
     p.add_argument("--other", action="append", default=[], metavar="NAME=COMMAND",
                    help="another server on the same trace: a command line with {model} (the model directory "
@@ -543,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
                         "turns": args.turns, "restart_after": args.restart_after, "max_tokens": args.max_tokens,
                         "stop": args.stop, "kvstore_args": kv_extra, "others": args.other, "vary": list(args.vary),
                         "vary_every": args.vary_every, "sort_tools": args.sort_tools, "api": args.api,
+                        "result_lines": args.result_lines,
                         "chain": args.chain},
            "loadavg": {"start": load_start, "end": C.loadavg1()},
            "servers": servers,

@@ -6,8 +6,9 @@ Real ``kvstore serve`` subprocesses, the real SDK over HTTP:
   second reads the whole prompt from the cache), the same conversation as a chat completion
   from the same cache, stored responses (``retrieve``, ``delete``, OpenAI's 404), tenants
   (another ``cache_salt`` is a 404), refused requests (400s naming the field, nothing stored);
-- ``previous_response_id`` after a SIGKILL and a fresh process: the chain continues, its
-  prefix restored from disk;
+- ``benchmarks.agent_session --api responses``'s Codex-shaped session, the server SIGKILLed
+  midway: every turn after the first >= 95% cached; with ``--chain`` the
+  ``previous_response_id`` chain continues in the fresh process;
 - a scripted tool-calling model (tests/support/scripted_model.py): a streamed request shaped
   like Codex CLI 0.171's (two ``developer`` messages, flat + namespace + ``web_search``
   tools, ``store: false``, ``include``, ``prompt_cache_key``, ``client_metadata``), the
@@ -173,30 +174,52 @@ def test_tenants_do_not_see_each_others_responses(model_dir: Path, tmp_path: Pat
         assert s.stop(signal.SIGTERM) == 0, s.log()
 
 
-def test_previous_response_id_after_sigkill_and_restart(model_dir: Path, tmp_path: Path) -> None:
-    """A chain of stored responses continues in a fresh process after a SIGKILL: the
-    stored conversation is found, and its prompt's prefix is restored from disk."""
+@pytest.mark.parametrize("chain", [False, True], ids=["resend", "chain"])
+def test_codex_session_survives_sigkill(model_dir: Path, tmp_path: Path, chain: bool) -> None:
+    """Six turns of ``benchmarks.agent_session --api responses`` (Codex-shaped; ``chain``:
+    store + previous_response_id with only the new items), the server SIGKILLed after turn
+    3 once its writes are on disk and started again: every turn after the first, the first
+    after the restart included, reads >= 95% of its prompt from the cache, and the chain
+    continues in the new process."""
+    from benchmarks.agent_session import TOOL_TEMPLATE, play, system_prompt, tools
+    from benchmarks.responses_trace import ResponsesSession, run_turn
+
     cache = tmp_path / "cache"
-    with Server(model_dir, cache, tmp_path / "server1.log") as s:
-        c = client(s)
-        first = c.responses.create(model="tiny", input=[
-            {"role": "developer", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
-            max_output_tokens=8, temperature=0)
-        second = c.responses.create(model="tiny", previous_response_id=first.id, input="Say it again.",
-                                    max_output_tokens=8, temperature=0)
-        assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 1, second.usage
-        s.wait_flushed()
-        assert s.stop(signal.SIGKILL) == -signal.SIGKILL
-    with Server(model_dir, cache, tmp_path / "server2.log") as s:
-        c = client(s)
-        assert c.responses.retrieve(second.id).output_text == second.output_text
-        third = c.responses.create(model="tiny", previous_response_id=second.id, input="Once more.",
-                                   max_output_tokens=8, temperature=0)
-        u = third.usage
-        assert u.input_tokens > second.usage.input_tokens + second.usage.output_tokens, u
-        assert u.input_tokens_details.cached_tokens >= 0.9 * second.usage.input_tokens, u
-        assert s.stats()["hits_disk"] >= 1
-        assert s.stop(signal.SIGTERM) == 0, s.log()
+    extra = ["--chat-template", TOOL_TEMPLATE]
+    servers = [Server(model_dir, cache, tmp_path / "server1.log", extra).__enter__()]
+
+    def restart() -> None:
+        servers[-1].wait_flushed()
+        assert servers[-1].stop(signal.SIGKILL) == -signal.SIGKILL
+        servers[-1].__exit__()
+        servers.append(Server(model_dir, cache, tmp_path / "server2.log", extra).__enter__())
+
+    sent: list[dict[str, Any]] = []
+
+    def run(c: openai.OpenAI, req: dict[str, Any]) -> dict[str, Any]:
+        sent.append(req)
+        return run_turn(c, req)
+
+    try:
+        session = ResponsesSession(system_prompt(8), tools(2), max_tokens=8, result_lines=1, chain=chain)
+        rows = play(session, 6, 3, lambda: client(servers[-1]), restart, run=run)
+        if chain:  # the restarted server holds every response of the chain, the first one's included
+            first = client(servers[-1]).responses.retrieve(sent[1]["previous_response_id"])
+            assert first.output and first.usage.input_tokens == rows[0]["prompt_tokens"], first
+        else:
+            assert not stored(cache)  # store: false
+    finally:
+        for s in servers:
+            s.__exit__()
+    assert len(servers) == 2 and [r["error"] for r in rows] == [None] * 6, rows
+    assert rows[0]["prompt_tokens"] > 3000 and rows[0]["cache_read_input_tokens"] == 0, rows[0]
+    for r in rows[1:]:
+        assert r["cache_read_input_tokens"] >= 0.95 * r["prompt_tokens"], (r, rows)
+    assert all(r["prompt_tokens"] > p["prompt_tokens"] for r, p in zip(rows[1:], rows)), rows
+    if chain:  # only the new items after the first turn; the server held the rest, after the restart too
+        assert all(q.get("previous_response_id") and len(q["input"]) <= 3 for q in sent[1:]), sent
+    else:
+        assert all(q["store"] is False and "previous_response_id" not in q for q in sent)
 
 
 # -- Codex-shaped ---------------------------------------------------------------------------------
