@@ -457,7 +457,7 @@ class Events:
             d = choice.get("delta") or {}
             if d.get("reasoning"):
                 if self.open is None or self.open["type"] != "reasoning":
-                    self._open({"type": "reasoning", "id": _id("rs"), "summary": []})
+                    self._open({"type": "reasoning", "id": _id("rs"), "summary": [], "content": []})
                 assert self.open is not None
                 self.text += d["reasoning"]
                 self._send("response.reasoning_text.delta", item_id=self.open["id"], output_index=self._index,
