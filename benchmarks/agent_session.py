@@ -443,6 +443,12 @@ def report(doc: dict[str, Any]) -> str:
     for srv in doc["servers"]:
         restart = (f", TTFT of the first turn after the restart {srv['ttft_after_restart_s']:.3f} s, "
                    f"restart to ready {srv['restart_ready_s']:.1f} s" if restarts else "")
+        after = srv["rows"][s["restart_after"]:] if restarts else []
+        if after and after[0].get("error"):
+            answered = next((r for r in after if not r.get("error")), None)
+            restart = (f", the first turn after the restart failed ({after[0]['error'][:80]})"
+                       + (f"; the first answered one (turn {answered['turn']}) had TTFT {answered['ttft_s']:.3f} s"
+                          if answered else "") + f", restart to ready {srv['restart_ready_s']:.1f} s")
         errors = f"; {srv['errors']} turns answered with an error" if srv.get("errors") else ""
         lines.append(f"- {srv['name']}: lowest read share after turn 1 {100 * (srv['min_read_share_after_turn_1'] or 0):.1f}%"
                      f"{' (no usage reported)' if not srv['rows'][0]['prompt_tokens'] else ''}{restart}{errors}")
