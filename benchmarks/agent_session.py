@@ -1,4 +1,5 @@
-"""A coding-agent session over the Anthropic Messages API, with a server restart midway.
+"""A coding-agent session over the Anthropic Messages API (or, ``--api responses``, the OpenAI
+Responses API as Codex CLI sends it), with a server restart midway.
 
     python -m benchmarks.agent_session                        # smollm2, 8k-token system, 12 turns
     python -m benchmarks.agent_session --system-tokens 2048   # a smaller run
@@ -6,6 +7,8 @@
     python -m benchmarks.agent_session --vary tools --sort-tools --restart-after 0 # the order fixed
     python -m benchmarks.agent_session --other 'vllm-mlx-simple=/venv/bin/vllm-mlx serve {model} --port {port}'
     python -m benchmarks.agent_session --stop term --kvstore-args '--preload auto'
+    python -m benchmarks.agent_session --api responses          # Codex-shaped (benchmarks/responses_trace.py)
+    python -m benchmarks.agent_session --api responses --chain  # store + previous_response_id across the restart
 
 What Claude Code sends, reduced: a system prompt with tool definitions (the tools rendered by
 the model's chat template, ``TOOL_TEMPLATE``: Hermes/Qwen style, so mlx-lm's ``json_tools``
@@ -180,6 +183,10 @@ class Session:
         else:
             self.messages.append({"role": "user", "content": [{"type": "text", "text": _prose(self.rng, 15)}]})
 
+    def record(self, row: dict[str, Any]) -> None:
+        """Take the reply out of ``run_turn``'s row and answer it."""
+        self.answer(row.pop("content"))
+
 
 def run_turn(client: Any, req: dict[str, Any]) -> dict[str, Any]:
     """One streamed request: TTFT (to the first content delta), usage, the content blocks."""
@@ -202,18 +209,20 @@ def run_turn(client: Any, req: dict[str, Any]) -> dict[str, Any]:
 
 
 def play(session: Session, turns: int, restart_after: int, client: Callable[[], Any],
-         restart: Callable[[], None], log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Run ``turns`` turns of ``session``; ``restart()`` after turn ``restart_after``."""
+         restart: Callable[[], None], log: Callable[[str], None] = print,
+         run: Callable[[Any, dict[str, Any]], dict[str, Any]] = run_turn) -> list[dict[str, Any]]:
+    """Run ``turns`` turns of ``session`` (each by ``run``); ``restart()`` after turn ``restart_after``."""
     rows = []
     for turn in range(1, turns + 1):
-        row = run_turn(client(), session.request())
-        session.answer(row.pop("content"))
+        row = run(client(), session.request())
+        session.record(row)
         row["turn"] = turn
         row["epoch"] = session.epoch
         row["after_restart"] = 0 < restart_after and turn == restart_after + 1
         rows.append(row)
         log(f"  turn {turn:2d}: prompt {row['prompt_tokens']:6d}  read {row['cache_read_input_tokens']:6d} "
-            f"({100 * row['read_share']:5.1f}%)  ttft {row['ttft_s']:.3f} s")
+            f"({100 * row['read_share']:5.1f}%)  ttft {row['ttft_s']:.3f} s"
+            + (f"  {row['error']}" if row.get("error") else ""))
         if turn == restart_after:
             restart()
     return rows
@@ -322,8 +331,6 @@ def kvstore_command(model: Path, cache_dir: Path, extra: Sequence[str] = ()) -> 
 
 def run_server(name: str, command: Callable[[int], list[str]], args: argparse.Namespace, work: Path,
                is_kvstore: bool, ready_path: str = "/health") -> dict[str, Any]:
-    import anthropic
-
     sig = signal.SIGKILL if args.stop == "kill" else signal.SIGTERM
     state: dict[str, Any] = {}
 
@@ -340,13 +347,11 @@ def run_server(name: str, command: Callable[[int], list[str]], args: argparse.Na
         state["restart_ready_s"] = state["ready_s"]
 
     start()
-    session = Session(system_prompt(args.paragraphs), tools(args.tools), args.max_tokens, model=str(args.model_dir),
-                      vary=args.vary, vary_every=args.vary_every)
+    session, client, run = api_session(args)
     missed: dict[str, Any] = {}
     try:
-        rows = play(session, args.turns, args.restart_after,
-                    lambda: anthropic.Anthropic(base_url=state["proc"].url, api_key="local", max_retries=0, timeout=3600),
-                    restart, log=lambda s: print(f"[{name}]{s}", flush=True))
+        rows = play(session, args.turns, args.restart_after, lambda: client(state["proc"].url),
+                    restart, log=lambda s: print(f"[{name}]{s}", flush=True), run=run)
         if is_kvstore:  # why the turns missed, as the server counted them (kvstore.misses)
             missed = miss_stats(state["proc"].url)
     finally:
@@ -356,7 +361,27 @@ def run_server(name: str, command: Callable[[int], list[str]], args: argparse.Na
             "read_share_after_turn_1": sum(r["cache_read_input_tokens"] for r in rows[1:])
             / max(1, sum(r["prompt_tokens"] for r in rows[1:])),
             "min_read_share_after_turn_1": min(later) if later else None,
-            "ttft_after_restart_s": rows[args.restart_after]["ttft_s"] if len(rows) > args.restart_after else None}
+            "ttft_after_restart_s": rows[args.restart_after]["ttft_s"] if len(rows) > args.restart_after else None,
+            "errors": sum(1 for r in rows if r.get("error"))}
+
+
+def api_session(args: argparse.Namespace) -> tuple[Session, Callable[[str], Any], Callable[..., dict[str, Any]]]:
+    """(the session, a client for a server URL, the turn runner) of ``--api``."""
+    common = (system_prompt(args.paragraphs), tools(args.tools), args.max_tokens)
+    options = {"model": str(args.model_dir), "vary": args.vary, "vary_every": args.vary_every,
+               "result_lines": args.result_lines}
+    if args.api == "responses":
+        import openai
+
+        from benchmarks import responses_trace
+
+        return (responses_trace.ResponsesSession(*common, chain=args.chain, **options),
+                lambda url: openai.OpenAI(base_url=url + "/v1", api_key="local", max_retries=0, timeout=3600),
+                responses_trace.run_turn)
+    import anthropic
+
+    return (Session(*common, **options),
+            lambda url: anthropic.Anthropic(base_url=url, api_key="local", max_retries=0, timeout=3600), run_turn)
 
 
 def size_system(model: Path, target: int, work: Path, n_tools: int = 8) -> int:
@@ -392,10 +417,16 @@ def report(doc: dict[str, Any]) -> str:
     if s.get("vary"):
         how += (f"; every {s['vary_every']} turns a new client process changes {', '.join(s['vary'])}"
                 f"{'; kvstore serve --sort-tools' if s.get('sort_tools') else ''}")
-    lines = [f"# Coding-agent session over /v1/messages ({s['model']}, {s['turns']} turns, {how})", "",
+    if s.get("api") == "responses":
+        route = "/v1/responses (Codex-shaped" + (", store + previous_response_id)" if s.get("chain") else ")")
+        shape = "developer messages, client_metadata changing every request"
+        read = "input_tokens_details.cached_tokens / input_tokens"
+    else:
+        route, shape, read = "/v1/messages", "billing header changing every request", \
+            "cache_read_input_tokens / prompt tokens"
+    lines = [f"# Coding-agent session over {route} ({s['model']}, {s['turns']} turns, {how})", "",
              f"First prompt: {doc['servers'][0]['rows'][0]['prompt_tokens']} tokens (system prompt with "
-             f"{s['tools']} tools, billing header changing every request). TTFT in seconds; "
-             "read = cache_read_input_tokens / prompt tokens.", ""]
+             f"{s['tools']} tools, {shape}). TTFT in seconds; read = {read}.", ""]
     names = [r["name"] for r in doc["servers"]]
     lines.append("| turn | prompt tokens (kvstore) | " + " | ".join(f"{n} TTFT | {n} read" for n in names) + " |")
     lines.append("|---:|---:|" + "---:|---:|" * len(names))
@@ -404,15 +435,23 @@ def report(doc: dict[str, Any]) -> str:
         cells = []
         for srv in doc["servers"]:
             r = srv["rows"][i] if i < len(srv["rows"]) else None
-            share = f"{100 * r['read_share']:.1f}%" if r and r["prompt_tokens"] else "n/a"  # no usage reported
+            share = "error" if r and r.get("error") else \
+                f"{100 * r['read_share']:.1f}%" if r and r["prompt_tokens"] else "n/a"  # no usage reported
             cells += [f"{r['ttft_s']:.3f}", share] if r else ["-", "-"]
         lines.append(f"| {row['turn']}{mark} | {row['prompt_tokens']} | " + " | ".join(cells) + " |")
     lines.append("")
     for srv in doc["servers"]:
         restart = (f", TTFT of the first turn after the restart {srv['ttft_after_restart_s']:.3f} s, "
                    f"restart to ready {srv['restart_ready_s']:.1f} s" if restarts else "")
+        after = srv["rows"][s["restart_after"]:] if restarts else []
+        if after and after[0].get("error"):
+            answered = next((r for r in after if not r.get("error")), None)
+            restart = (f", the first turn after the restart failed ({after[0]['error'][:80]})"
+                       + (f"; the first answered one (turn {answered['turn']}) had TTFT {answered['ttft_s']:.3f} s"
+                          if answered else "") + f", restart to ready {srv['restart_ready_s']:.1f} s")
+        errors = f"; {srv['errors']} turns answered with an error" if srv.get("errors") else ""
         lines.append(f"- {srv['name']}: lowest read share after turn 1 {100 * (srv['min_read_share_after_turn_1'] or 0):.1f}%"
-                     f"{' (no usage reported)' if not srv['rows'][0]['prompt_tokens'] else ''}{restart}")
+                     f"{' (no usage reported)' if not srv['rows'][0]['prompt_tokens'] else ''}{restart}{errors}")
     for srv in doc["servers"]:
         m = srv.get("misses") or {}
         counted = {k[len("miss_"):]: v for k, v in m.items() if k.startswith("miss_") and isinstance(v, int)
@@ -457,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=12)
     p.add_argument("--restart-after", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--result-lines", type=int, default=8,
+                   help="lines of each tool result the client sends back (default 8): what a turn adds to the prompt")
     p.add_argument("--stop", choices=("kill", "term"), default="kill", help="SIGKILL (default) or SIGTERM at the restart")
     p.add_argument("--other", action="append", default=[], metavar="NAME=COMMAND",
                    help="another server on the same trace: a command line with {model} (the model directory "
@@ -473,6 +514,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sort-tools", action="store_true", help="run kvstore serve with --sort-tools")
     p.add_argument("--note", action="append", default=[], metavar="TEXT",
                    help="a line for the results' notes (e.g. why this model), repeatable")
+    p.add_argument("--api", choices=("messages", "responses"), default="messages",
+                   help="the API the trace speaks: Anthropic Messages as Claude Code (default), or the OpenAI "
+                        "Responses API as Codex CLI (benchmarks/responses_trace.py)")
+    p.add_argument("--chain", action="store_true",
+                   help="--api responses: store: true and previous_response_id with only the new items, "
+                        "instead of the whole history every turn")
     p.add_argument("--tag", default="", help="results go to agent_session[_TAG].json / .md")
     p.add_argument("--ready-path", default="/health", help="the other servers' readiness URL path (default /health)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -504,10 +551,14 @@ def main(argv: list[str] | None = None) -> int:
            "settings": {"model": str(args.model), "system_tokens": args.system_tokens, "paragraphs": args.paragraphs, "tools": args.tools,
                         "turns": args.turns, "restart_after": args.restart_after, "max_tokens": args.max_tokens,
                         "stop": args.stop, "kvstore_args": kv_extra, "others": args.other, "vary": list(args.vary),
-                        "vary_every": args.vary_every, "sort_tools": args.sort_tools},
+                        "vary_every": args.vary_every, "sort_tools": args.sort_tools, "api": args.api,
+                        "result_lines": args.result_lines,
+                        "chain": args.chain},
            "loadavg": {"start": load_start, "end": C.loadavg1()},
            "servers": servers,
-           "notes": ["TTFT: request sent -> first content_block_delta, through the anthropic SDK's stream.",
+           "notes": ["TTFT: request sent -> first content_block_delta, through the anthropic SDK's stream."
+                     if args.api == "messages" else "TTFT: request sent -> first output delta (text or function "
+                     "call arguments), through the openai SDK's stream.",
                      "kvstore's write-behind queue is drained before the restart (an agent idles between turns).",
                      "The servers' BLAS is in their logs (kvstore serve preloads OpenBLAS when installed); "
                      "machine.blas describes the client process.", *args.note]}
