@@ -79,7 +79,8 @@ def install(server_mod: Any) -> None:
     generate = generator.generate
 
     def generate_served(self: Any, request: Any, args: Any, *rest: Any, **kwargs: Any) -> Any:
-        return generate(self, request, _on_served_model(args, self.cli_args), *rest, **kwargs)
+        cli_args = getattr(getattr(self, "model_provider", None), "cli_args", None)
+        return generate(self, request, _on_served_model(args, cli_args), *rest, **kwargs)
 
     post = handler.do_POST
 
