@@ -38,6 +38,7 @@ MEMO = "file-digests.json"  # the identity's file-digest memo (``identity.Digest
 CREATED: tuple[str, ...] = (
     "index/", "blobs/", "blobs/*/", "blobs/*/*.kvpack", "index/data.mdb", "index/lock.mdb",
     f"index/{STAMP}", f"index/{DAMAGED}", MEMO, "index.rebuild-*/", "index.corrupt-*/",
+    "responses/", "responses/*.json",  # kvstore serve's stored /v1/responses (adapters.response_store)
 )
 
 

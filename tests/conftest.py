@@ -24,7 +24,7 @@ collect_ignore = [] if importlib.util.find_spec("vllm_mlx") else ["compat"]
 
 # The fast tier: `pytest -m "not slow"`. A test is slow when tests/slow.txt names it (measured)
 # or its module starts real servers or child processes at every test (SLOW_MODULES).
-SLOW_MODULES = {"test_anthropic", "test_tenants_server", "test_memory_pressure", "test_newcomer", "test_benchmarks",
+SLOW_MODULES = {"test_anthropic", "test_responses", "test_tenants_server", "test_memory_pressure", "test_newcomer", "test_benchmarks",
                 "test_demo", "test_faults", "test_upstream_server", "test_families"}
 
 

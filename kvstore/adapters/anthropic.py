@@ -20,13 +20,13 @@ the rendered prompt unless ``KEEP_BILLING_HEADER`` (``kvstore serve --keep-billi
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import types
 import uuid
 from typing import Any, Callable
 
+from .chat_route import Capture, Tap, chat_error, drop_buffered_head, read_json, run_chat
 from .http import send_json
 
 log = logging.getLogger("kvstore")
@@ -409,88 +409,15 @@ class Events:
 # -- HTTP: run mlx-lm's chat handler on the translated request --------------------------------
 
 
-class Capture(io.RawIOBase):
-    """Stands in for the handler's ``wfile`` while mlx_lm.server's chat handler runs: keeps
-    the status line and headers it writes, then passes body bytes to ``on_body``."""
-
-    def __init__(self, on_body: Callable[[bytes, "Capture"], None]) -> None:
-        super().__init__()
-        self.head = b""
-        self.status: int | None = None
-        self.stream = False
-        self.on_body = on_body
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        data = bytes(data)
-        if self.status is None:
-            self.head += data
-            if b"\r\n\r\n" not in self.head:
-                return len(data)
-            self.head, _, data = self.head.partition(b"\r\n\r\n")
-            self.head += b"\r\n\r\n"
-            self.status = int(self.head.split(b" ", 2)[1])
-            self.stream = b"text/event-stream" in self.head.lower()
-        if data:
-            self.on_body(data, self)
-        return len(data)
-
-
-class Tap:
-    """The handler's ``response_generator`` for one request: mlx-lm's own, whose ``generate``
-    also keeps the GenerationContext and the tokens generated (for usage and stop_reason)."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.ctx: Any = None
-        self.tokens: list[int] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def generate(self, request: Any, args: Any, progress_callback: Any = None) -> Any:
-        ctx, responses = self._inner.generate(request, args, progress_callback=progress_callback)
-        self.ctx = ctx
-
-        def watched() -> Any:
-            for r in responses:
-                self.tokens.append(r.token)
-                yield r
-
-        return ctx, watched()
-
-    def prompt(self) -> tuple[int, int]:
-        return (len(self.ctx.prompt), self.ctx.prompt_cache_count) if self.ctx is not None else (0, 0)
-
-
-def _read_json(handler: Any) -> Any:
-    try:
-        return json.loads(handler.rfile.read(int(handler.headers.get("Content-Length") or 0)) or b"null")
-    except (ValueError, json.JSONDecodeError) as e:
-        raise RequestError(f"the request body is not JSON: {e}") from None
-
-
-def _chat_error(status: int, body: bytes) -> tuple[int, str]:
-    """An mlx_lm.server error answer as (status, message) for the Messages API: its 404 is a
-    request it could not render or run (the model is always the served one), so 400, unless
-    the generation thread died (500)."""
-    try:
-        text = str(json.loads(body).get("error"))
-    except (ValueError, AttributeError):
-        text = body.decode(errors="replace")[:500] or f"HTTP {status}"
-    if status == 404:
-        status = 500 if "generation thread died" in text else 400
-    return status, text
-
-
 def handle(handler: Any, original: Callable[[Any], None], server_mod: Any) -> None:
     """``POST /v1/messages[/count_tokens]`` on an ``APIHandler`` whose own ``do_POST`` is
     ``original``."""
     path = handler.path.split("?")[0]
     try:
-        body = _read_json(handler)
+        try:
+            body = read_json(handler)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
         model = (body.get("model") if isinstance(body, dict) else None) or str(handler.response_generator.cli_args.model)
         if path == COUNT and isinstance(body, dict):
             body = {**body, "max_tokens": 1, "stream": False}
@@ -521,53 +448,20 @@ def count_tokens(generator: Any, chat: dict[str, Any], server_mod: Any) -> int:
 
 
 def _run(handler: Any, original: Callable[[Any], None], chat: dict[str, Any], model: str) -> None:
-    real_out, real_in, real_path, real_gen = handler.wfile, handler.rfile, handler.path, handler.response_generator
-    tap = Tap(real_gen)
-    tokenizer = getattr(real_gen.model_provider, "tokenizer", None)
-    events = Events(real_out.write, model, tap.prompt,
+    tap = Tap(handler.response_generator)
+    tokenizer = getattr(tap.model_provider, "tokenizer", None)
+    events = Events(handler.wfile.write, model, tap.prompt,
                     lambda finish: stop_reason(finish, tap.tokens, chat["stop"], tokenizer))
-    body = io.BytesIO()
-    pending = b""
 
-    def head(cap: Capture) -> None:
-        if cap.head:  # mlx-lm's own 200 event-stream head (status, CORS), then our events
-            real_out.write(cap.head)
-            cap.head = b""
+    def on_chunk(chunk: dict[str, Any] | None) -> None:
+        if chunk is None:
+            events.keepalive()
+        else:
+            events.chunk(chunk)
 
-    def on_body(data: bytes, cap: Capture) -> None:
-        nonlocal pending
-        if not (cap.stream and cap.status == 200):
-            body.write(data)
-            return
-        head(cap)
-        pending += data
-        while b"\n\n" in pending:
-            event, _, pending = pending.partition(b"\n\n")
-            line = event.decode(errors="replace").strip()
-            if line.startswith(":"):
-                events.keepalive()
-            elif line.startswith("data:") and line[5:].strip() != "[DONE]":
-                events.chunk(json.loads(line[5:]))
-        real_out.flush()
-
-    cap = Capture(on_body)
-    raw = json.dumps(chat).encode()
-    del handler.headers["Content-Length"]
-    handler.headers["Content-Length"] = str(len(raw))
-    handler.wfile, handler.rfile, handler.path, handler.response_generator = cap, io.BytesIO(raw), "/v1/chat/completions", tap
-    failure: Exception | None = None
-    try:
-        original(handler)
-    except Exception as e:  # the generation failed after the answer began (mlx-lm lets it escape)
-        failure = e
-        log.exception("kvstore: /v1/messages failed")
-    finally:
-        handler.wfile, handler.rfile, handler.path, handler.response_generator = real_out, real_in, real_path, real_gen
-    if isinstance(failure, (BrokenPipeError, ConnectionResetError)):
-        return  # the client went away (mlx-lm's handler stopped the generation)
-    if cap.stream and cap.status == 200:
-        head(cap)
-    _answer(handler, cap, body.getvalue(), events, tap, chat, model, failure)
+    outcome = run_chat(handler, original, chat, tap, on_chunk, MESSAGES)
+    if outcome is not None:  # None: the client went away (mlx-lm's handler stopped the generation)
+        _answer(handler, outcome.cap, outcome.body, events, tap, chat, model, outcome.failure)
 
 
 def _answer(handler: Any, cap: "Capture", body: bytes, events: "Events", tap: "Tap", chat: dict[str, Any],
@@ -586,10 +480,10 @@ def _answer(handler: Any, cap: "Capture", body: bytes, events: "Events", tap: "T
         finish = chat_resp["choices"][0].get("finish_reason")
         send_json(handler, 200, message(chat_resp, model, stop_reason(finish, tap.tokens, chat["stop"], tokenizer)))
     elif cap.status is not None:
-        status, text = _chat_error(cap.status, body)
+        status, text = chat_error(cap.status, body)
         send_json(handler, status, error_body(status, text))
     else:  # failed before anything was written: drop the status line mlx-lm may have buffered
-        handler._headers_buffer = []
+        drop_buffered_head(handler)
         send_json(handler, 500, error_body(500, f"generation failed: {failure}"))
 
 

@@ -16,7 +16,9 @@ No mlx-lm file is edited. Before ``mlx_lm.server.main()`` runs, this module
 - turns SIGTERM into the KeyboardInterrupt mlx-lm already handles (``httpd.shutdown()``),
   then closes the store, which flushes the write-behind queue before the process exits,
 - routes ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (the Anthropic Messages
-  API) through mlx_lm.server's own chat handler (``kvstore.adapters.anthropic``),
+  API) through mlx_lm.server's own chat handler (``kvstore.adapters.anthropic``), and
+  ``POST /v1/responses`` (the OpenAI Responses API) with its stored responses
+  (``GET`` / ``DELETE /v1/responses/{id}``) the same way (``kvstore.adapters.responses``),
 - makes SIGUSR1 print every thread's Python stack to stderr, so a server that stops
   answering can be looked into without stopping it; SIGUSR2 does the same from the
   signal itself, for a process whose Python no longer runs at all (see ``_dump_stacks``).
@@ -39,7 +41,7 @@ from .. import metrics
 from ..floors import MIN_DISK_HIT
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..units import memory_floor, parse_size
-from . import anthropic, model_names, prompts, startup, tenants
+from . import anthropic, model_names, prompts, responses, startup, tenants
 from .http import send_json
 
 if TYPE_CHECKING:  # imported when used: MLX and mlx-lm take seconds, --help and a refused start need neither
@@ -113,6 +115,7 @@ def _install_routes(server_mod: Any) -> None:
     handler.do_GET = do_GET
     handler._kvstore_patched = True
     anthropic.install(server_mod)  # POST /v1/messages[/count_tokens]
+    responses.install(server_mod)  # POST /v1/responses, GET / DELETE /v1/responses/{id}
 
 
 def cache_stats() -> dict[str, Any]:
@@ -212,6 +215,12 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
                    help="/v1/messages: keep Claude Code's per-request x-anthropic-billing-header system text "
                         "in the prompt (by default it is left out: it changes every request and would defeat "
                         "every cached prefix)")
+    g.add_argument("--responses-max-count", type=int, default=responses.DEFAULT_MAX_COUNT, metavar="N",
+                   help=f"/v1/responses: keep at most N stored responses in the cache directory, the oldest "
+                        f"removed first (default {responses.DEFAULT_MAX_COUNT})")
+    g.add_argument("--responses-max-bytes", type=parse_size, default=responses.DEFAULT_MAX_BYTES, metavar="BYTES",
+                   help=f"/v1/responses: keep at most this many bytes of stored responses, e.g. 256M "
+                        f"(default {responses.DEFAULT_MAX_BYTES >> 20}M)")
     g.add_argument("--sort-tools", action="store_true",
                    help="sort tool definitions by name before the chat template renders them (/v1/chat/completions "
                         "and /v1/messages): clients listing the same tools in another order then share a cached "
@@ -301,6 +310,7 @@ def _install(server_mod: Any, ours: argparse.Namespace, rest: list[str], policy:
     anthropic.KEEP_BILLING_HEADER = ours.keep_billing_header
     prompts.SORT_TOOLS = ours.sort_tools
     model_names.configure(ours)
+    responses.LIMITS.update(max_count=ours.responses_max_count, max_bytes=ours.responses_max_bytes)
     startup.install(server_mod, startup.options(ours), _STORES, progress)
     signal.signal(signal.SIGTERM, _sigterm)
     if hasattr(signal, "SIGUSR1"):  # POSIX (Linux, macOS)
