@@ -53,6 +53,8 @@ def test_any_model_name_is_served_by_the_loaded_model(model_dir: Path, tmp_path:
         assert text.model == "anything" and text.choices[0].text
         msg = an.messages.create(model="claude-local", max_tokens=4, messages=QUESTION)
         assert msg.model == "claude-local" and msg.usage.cache_read_input_tokens > 0
+        reply = oa.responses.create(model="codex-local", input=QUESTION[0]["content"], max_output_tokens=4)
+        assert reply.model == "codex-local" and reply.usage is not None and reply.usage.input_tokens_details.cached_tokens > 0
         log = s.log(tail=10**6)
         assert "Hub" not in log and "huggingface" not in log.lower() and "Traceback" not in log, log
 
@@ -78,6 +80,9 @@ def test_served_model_names_and_strict_model_names(model_dir: Path, tmp_path: Pa
             an.messages.count_tokens(model="claude-local", messages=QUESTION)
         assert a.value.body["error"]["type"] == "not_found_error" and "'tiny'" in a.value.message
         assert an.messages.create(model="tiny", max_tokens=2, messages=QUESTION).model == "tiny"
+        assert oa.responses.create(model="coder", input="Hi", max_output_tokens=2).model == "coder"
+        with pytest.raises(openai.NotFoundError, match="'tiny', 'coder'"):
+            oa.responses.create(model="gpt-4o", input="Hi", max_output_tokens=2)
         with pytest.raises(urllib.error.HTTPError) as h:
             urllib.request.urlopen(s.url + "/v1/models/gpt-4o", timeout=30)
         assert h.value.code == 404 and json.load(h.value)["error"]["code"] == "model_not_found"
