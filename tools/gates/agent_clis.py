@@ -32,12 +32,10 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -192,61 +190,6 @@ class Recorder:
         self.httpd.server_close()
 
 
-# -- the server -------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-class Serve:
-    """``kvstore serve`` on ``port`` (kept across restarts), its log appended to ``log``."""
-
-    def __init__(self, model: Path, cache_dir: Path, log: Path) -> None:
-        self.port = free_port()
-        self.command = [sys.executable, "-m", "kvstore.cli", "serve", "--model", str(model), "--cache-dir",
-                        str(cache_dir), "--host", HOST, "--port", str(self.port), "--max-tokens", str(MAX_TOKENS)]
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 600) -> float:
-        started = time.monotonic()
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        while time.monotonic() - started < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvstore serve exited with {self.proc.returncode}; log: {self.log}")
-            try:
-                with urllib.request.urlopen(f"http://{HOST}:{self.port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return time.monotonic() - started
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"kvstore serve not ready after {timeout} s; log: {self.log}")
-
-    def stats(self) -> dict[str, Any]:
-        with urllib.request.urlopen(f"http://{HOST}:{self.port}/v1/cache/stats", timeout=30) as r:
-            return dict(json.load(r))
-
-    def flushed(self) -> None:
-        """Until the write-behind queue is empty: what a SIGKILL then loses is nothing the
-        store had accepted (the gate tests restoring, not the queue's crash window)."""
-        from benchmarks.agent_session import wait_flushed
-
-        wait_flushed(f"http://{HOST}:{self.port}")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(60)
-
-
 # -- the CLIs ---------------------------------------------------------------------------------
 
 
@@ -301,24 +244,29 @@ def turn_command(cli: str, turn: int, prompt: str) -> list[str]:
 def run(cli: str, work: Path, timeout: float = 900) -> dict[str, Any]:
     """Drive ``cli`` through its three turns (the server killed and restarted before the
     third) and return the report (also written to ``work/report.json``)."""
+    from benchmarks.agent_session import Proc, free_port, kvstore_command, wait_flushed
     from tools.testing.model_builds import model_path
 
     work.mkdir(parents=True, exist_ok=True)
     home, project = work / "home", work / "project"
     project.mkdir(exist_ok=True)
     (project / "README.md").write_text("A project the agent is asked about.\n")
-    serve = Serve(model_path(MODEL), work / "cache", work / "server.log")
-    report: dict[str, Any] = {"cli": cli, "version": PINS[cli][1], "turns": [], "requests": []}
+    port = free_port()
+    command = kvstore_command(model_path(MODEL), work / "cache", ["--max-tokens", str(MAX_TOKENS)])(port)
+    report: dict[str, Any] = {"cli": cli, "version": PINS[cli][1], "turns": [], "requests": [],
+                              "server_ready_seconds": []}
     started = time.monotonic()
-    recorder = Recorder(serve.port)
+    recorder = Recorder(port)
+    server = Proc(command, port, work / "server.log")
     try:
-        report["server_start_seconds"] = [round(serve.start(), 2)]
+        report["server_ready_seconds"].append(round(server.wait_ready(), 2))
         env = cli_env(cli, home, f"http://{HOST}:{recorder.port}")
         for turn, prompt in enumerate(PROMPTS):
-            if turn == 2:
-                serve.flushed()
-                serve.kill()
-                report["server_start_seconds"].append(round(serve.start(), 2))
+            if turn == 2:  # the store flushed first: the gate tests restoring, not the queue's crash window
+                wait_flushed(server.url)
+                server.stop(signal.SIGKILL)
+                server = Proc(command, port, work / "server.log")
+                report["server_ready_seconds"].append(round(server.wait_ready(), 2))
             recorder.turn = turn
             t0 = time.monotonic()
             done = subprocess.run(turn_command(cli, turn, prompt), cwd=project, env=env, capture_output=True,
@@ -328,7 +276,7 @@ def run(cli: str, work: Path, timeout: float = 900) -> dict[str, Any]:
                                     "stdout": done.stdout.decode(errors="replace")[-2000:],
                                     "stderr": done.stderr.decode(errors="replace")[-4000:]})
     finally:
-        serve.kill()
+        server.stop(signal.SIGKILL)
         recorder.close()
         report["requests"] = recorder.records
         report["seconds"] = round(time.monotonic() - started, 2)
@@ -356,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tools.gates.agent_clis: {why}", file=sys.stderr)
             return 2
         report = run(args.cli, args.work)
-        print(json.dumps({k: report[k] for k in ("cli", "seconds", "server_start_seconds")}))
+        print(json.dumps({k: report[k] for k in ("cli", "seconds", "server_ready_seconds")}))
         return 0
     p.print_help()
     return 2
