@@ -233,3 +233,74 @@ def test_agent_session_passes_and_reports_kvstore_flags(tmp_path: Path) -> None:
     text = report(doc)
     assert "with extra flags: --preload auto" in text
     assert "- cb ran `vllm-mlx serve {model} --continuous-batching`" in text
+
+
+def test_claude_codes_remaining_fields(model_dir: Path, tmp_path: Path) -> None:
+    """Documents with a text source (title and context included), ``tool_result.is_error``,
+    ``thinking`` ``adaptive`` and system messages inside ``messages``: rendered as the chat
+    template renders their chat equivalent (counted by the server against the model's own
+    tokenizer and template); other document sources and unknown block types are a 400
+    naming the block type and what is supported."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+
+    def rendered(chat: list[dict[str, Any]]) -> int:
+        return len(tok.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"])
+
+    call = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"path": "a.txt"}}
+    doc = {"type": "document", "title": "Shelf list", "context": "from the archive",
+           "source": {"type": "text", "media_type": "text/plain", "data": "Shelf 5 holds the ledgers."}}
+    with Server(model_dir, tmp_path / "cache", tmp_path / "server.log") as s:
+        c = client(s)
+
+        def count(messages: list[dict[str, Any]], **kw: Any) -> int:
+            return c.messages.count_tokens(model="m", system=SYSTEM, messages=messages, **kw).input_tokens
+
+        asked = [{"role": "user", "content": [doc, {"type": "text", "text": "Which shelf?"}]}]
+        assert count(asked) == rendered([{"role": "system", "content": SYSTEM}, {"role": "user", "content":
+                                         "Shelf list\nfrom the archive\nShelf 5 holds the ledgers.\nWhich shelf?"}])
+        as_content = {**doc, "source": {"type": "content", "content": [{"type": "text", "text": "Shelf 5 holds the ledgers."}]}}
+        assert count([{"role": "user", "content": [as_content, {"type": "text", "text": "Which shelf?"}]}]) == count(asked)
+
+        failed = [{"role": "user", "content": "Read a.txt"}, {"role": "assistant", "content": [call]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True,
+                                                "content": "no such file"}]}]
+        assert count(failed) == rendered([
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": "Read a.txt"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "toolu_1", "type": "function", "function": {
+                "name": "Read", "arguments": json.dumps({"path": "a.txt"})}}]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: no such file"}])
+
+        reminded = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                    {"role": "system", "content": [{"type": "text", "text": "The user changed a.txt."}]},
+                    {"role": "user", "content": "And now?"}]
+        assert count(reminded) == rendered([{"role": "system", "content": SYSTEM}, *[
+            {"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else m["content"][0]["text"]}
+            for m in reminded]])
+        msg = c.messages.create(model="m", max_tokens=4, system=SYSTEM, messages=reminded,
+                                thinking={"type": "adaptive"}, extra_body=GREEDY)  # type: ignore[arg-type]
+        assert msg.stop_reason in ("end_turn", "max_tokens")
+
+        with pytest.raises(anthropic.BadRequestError) as e:
+            c.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
+                {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}]}])
+        assert "document" in e.value.message and "'base64'" in e.value.message and "text source" in e.value.message
+        with pytest.raises(anthropic.BadRequestError) as e:
+            c.messages.count_tokens(model="m", messages=[{"role": "user", "content": [
+                {"type": "search_result", "source": "x", "title": "t", "content": []}]}])
+        assert "'search_result'" in e.value.message and "supported: text, image, document" in e.value.message
+        with pytest.raises(anthropic.BadRequestError, match="thinking: type must be one of"):
+            c.messages.count_tokens(model="m", messages=QUESTION, thinking={"type": "sometimes"})  # type: ignore[arg-type,typeddict-item]
+
+
+def test_thinking_types_map_to_the_templates_switch() -> None:
+    """``adaptive`` turns the template's thinking switch on, as ``enabled`` does;
+    ``budget_tokens`` is accepted (it cannot be enforced) and changes nothing rendered."""
+    from kvstore.adapters.anthropic import chat_request
+
+    def switch(thinking: dict[str, Any]) -> Any:
+        return chat_request({"max_tokens": 8, "messages": QUESTION, "thinking": thinking}, False)["chat_template_kwargs"]
+
+    assert switch({"type": "adaptive"}) == switch({"type": "enabled", "budget_tokens": 1024}) == {"enable_thinking": True}
+    assert switch({"type": "disabled"}) == {"enable_thinking": False}

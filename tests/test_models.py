@@ -34,6 +34,7 @@ def test_registry_names():
         "tiny-cachelist",
         "tiny-llama4",
         "tiny-llama-hd64",
+        "tiny-qwen-tools",
         "tiny-muse-spark",
         "bench-qwen3-0.6b",
     }

@@ -33,6 +33,9 @@ from .http import BodyError, send_json
 log = logging.getLogger("kvstore")
 BILLING_PREFIX = "x-anthropic-billing-header:"
 KEEP_BILLING_HEADER = False
+# thinking.type -> the template's enable_thinking: "adaptive" (the model decides) needs the
+# thinking switch on, as "enabled" does; the model then thinks or not as it was trained to
+THINKING = {"enabled": True, "adaptive": True, "disabled": False}
 MESSAGES, COUNT = "/v1/messages", "/v1/messages/count_tokens"
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 411: "invalid_request_error", 413: "request_too_large",
@@ -104,21 +107,63 @@ def _content(parts: list[dict[str, Any]]) -> Any:
     return parts
 
 
+def _document(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """A ``document`` block with a text source (``{'type': 'text', 'data'}``, or ``content``
+    of text blocks) as one text part: its ``title``, its ``context``, then the text, each on
+    a line of its own. PDF, URL and file sources need what mlx-lm does not have: a 400."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "text" and isinstance(source.get("data"), str):  # type: ignore[union-attr]
+        text = str(source["data"])  # type: ignore[index]
+    elif kind == "content" and isinstance(source.get("content"), (str, list)):  # type: ignore[union-attr]
+        body = source["content"]  # type: ignore[index]
+        text = body if isinstance(body, str) else "\n".join(_text(b, f"{where} source content") for b in body)
+    else:
+        raise RequestError(f"{where}: a document block with a {kind!r} source is not supported; supported: "
+                           f"a text source ({{'type': 'text', 'media_type': 'text/plain', 'data': ...}}) or a "
+                           f"content source of text blocks ({{'type': 'content', 'content': [...]}})")
+    extra = [block.get(k) for k in ("title", "context")]
+    _need(all(v is None or isinstance(v, str) for v in extra), f"{where}: title and context must be strings")
+    return {"type": "text", "text": "\n".join(str(v) for v in (*extra, text) if v)}
+
+
+def _part(block: Any, where: str, images: bool, allowed: tuple[str, ...]) -> dict[str, Any]:
+    """A text, image or document block as a chat content part; another type is a 400
+    naming it and the types ``where`` takes."""
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind == "image" and "image" in allowed:
+        return _image(block, images)
+    if kind == "document" and "document" in allowed:
+        return _document(block, where)
+    _need(kind in (None, "text"), f"{where}: block type {kind!r} is not supported here; supported: {', '.join(allowed)}")
+    return {"type": "text", "text": _text(block, where)}
+
+
+ERROR_PREFIX = "Error: "  # how a tool_result with is_error: true reaches the model
+
+
 def _tool_result(block: dict[str, Any], images: bool) -> dict[str, Any]:
+    """A ``tool_result`` as a chat ``tool`` message; ``is_error: true`` puts ``ERROR_PREFIX``
+    before its content (templates have no field for it; the model reads it in the text)."""
     _need(isinstance(block.get("tool_use_id"), str), "tool_result block: tool_use_id (a string) is required")
+    _need(isinstance(block.get("is_error", False), bool), "tool_result block: is_error must be a boolean")
     body = block.get("content", "")
     if isinstance(body, str):
-        content: Any = body
+        parts = [{"type": "text", "text": body}]
     else:
         _need(isinstance(body, list), "tool_result block: content must be a string or a list of blocks")
-        content = _content([_image(b, images) if isinstance(b, dict) and b.get("type") == "image"
-                            else {"type": "text", "text": _text(b, "tool_result content")} for b in body])
-    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}
+        parts = [_part(b, "tool_result content", images, ("text", "image", "document")) for b in body]
+    if block.get("is_error"):
+        if parts and parts[0]["type"] == "text":
+            parts[0] = {"type": "text", "text": ERROR_PREFIX + parts[0]["text"]}
+        else:
+            parts.insert(0, {"type": "text", "text": ERROR_PREFIX.rstrip()})
+    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": _content(parts)}
 
 
 def _user(blocks: list[Any], images: bool) -> list[dict[str, Any]]:
     """One Messages user turn as chat messages: a ``tool`` message per tool_result and a
-    ``user`` message per run of text/image blocks, in their order."""
+    ``user`` message per run of text/image/document blocks, in their order."""
     out: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
     for i, b in enumerate(blocks):
@@ -128,10 +173,8 @@ def _user(blocks: list[Any], images: bool) -> list[dict[str, Any]]:
                 out.append({"role": "user", "content": _content(parts)})
                 parts = []
             out.append(_tool_result(b, images))
-        elif kind == "image":
-            parts.append(_image(b, images))
         else:
-            parts.append({"type": "text", "text": _text(b, f"user content[{i}]")})
+            parts.append(_part(b, f"user content[{i}]", images, ("text", "image", "document", "tool_result")))
     if parts:
         out.append({"role": "user", "content": _content(parts)})
     return out
@@ -149,6 +192,8 @@ def _assistant(blocks: list[Any]) -> dict[str, Any]:
         elif kind in ("thinking", "redacted_thinking"):
             continue  # the model's own earlier reasoning: templates drop it from history too
         else:
+            _need(kind in (None, "text"), f"assistant content[{i}]: block type {kind!r} is not supported here; "
+                                          f"supported: text, tool_use, thinking, redacted_thinking")
             texts.append(_text(b, f"assistant content[{i}]"))
     message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
     if calls:
@@ -157,7 +202,10 @@ def _assistant(blocks: list[Any]) -> dict[str, Any]:
 
 
 def chat_messages(body: dict[str, Any], images: bool, keep_billing_header: bool = False) -> list[dict[str, Any]]:
-    """The chat ``messages`` of a Messages request (``system`` first)."""
+    """The chat ``messages`` of a Messages request (``system`` first). A ``system`` message
+    inside ``messages`` (Claude Code inserts some mid-conversation) stays where it is, a
+    chat system message there: hoisting it into the top system text would change the
+    prompt's first tokens, and every cached prefix with them."""
     out: list[dict[str, Any]] = []
     system = system_text(body.get("system"), keep_billing_header)
     if system is not None:
@@ -166,12 +214,16 @@ def chat_messages(body: dict[str, Any], images: bool, keep_billing_header: bool 
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages: a non-empty list is required")
     for i, m in enumerate(messages):
-        _need(isinstance(m, dict) and m.get("role") in ("user", "assistant"),
-              f"messages[{i}]: role must be 'user' or 'assistant'")
+        _need(isinstance(m, dict) and m.get("role") in ("user", "assistant", "system"),
+              f"messages[{i}]: role must be 'user', 'assistant' or 'system'")
         content = m.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         _need(isinstance(blocks, list), f"messages[{i}]: content must be a string or a list of blocks")
-        out.extend(_user(blocks, images) if m["role"] == "user" else [_assistant(blocks)])
+        if m["role"] == "system":
+            text = system_text(blocks, keep_billing_header)
+            out.extend([{"role": "system", "content": text}] if text is not None else [])
+        else:
+            out.extend(_user(blocks, images) if m["role"] == "user" else [_assistant(blocks)])
     return out
 
 
@@ -215,8 +267,11 @@ def chat_request(body: Any, images: bool, keep_billing_header: bool = False) -> 
     if tools:
         chat["tools"] = tools
     thinking = body.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
-        chat["chat_template_kwargs"] = {"enable_thinking": thinking["type"] == "enabled"}
+    if thinking is not None:
+        # budget_tokens cannot be enforced (mlx-lm cannot end a thinking block by count): accepted, unused
+        _need(isinstance(thinking, dict) and thinking.get("type") in THINKING,
+              f"thinking: type must be one of {', '.join(repr(t) for t in THINKING)}")
+        chat["chat_template_kwargs"] = {"enable_thinking": THINKING[thinking["type"]]}
     if chat["stream"] is True:
         chat["stream_options"] = {"include_usage": True}
     return chat

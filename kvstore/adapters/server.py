@@ -8,7 +8,7 @@ No mlx-lm file is edited. Before ``mlx_lm.server.main()`` runs, this module
   ready (503 ``{"status": "starting"}`` before: ``kvstore.adapters.startup``),
   ``GET /v1/cache/stats`` with the store's counters and the start's progress, and
   ``GET /v1/models[/ID]`` with the model it serves, named as in its responses (the
-  ``--model`` value). mlx_lm.server lists the Hugging Face hub cache there instead, and
+  ``--model`` value, or ``--served-model-name``s; any name is served: ``model_names``). mlx_lm.server lists the Hugging Face hub cache there instead, and
   answers 200 with an empty body when that cache does not exist (the status line is sent
   before the scan raises); requesting the resolved path it lists would also reload the model,
 - leaves ``usage.prompt_tokens_details.cached_tokens`` to mlx_lm.server (0.31 and 0.32
@@ -43,7 +43,7 @@ from .. import metrics
 from ..floors import MIN_DISK_HIT
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..units import memory_floor, parse_size
-from . import anthropic, http, prompts, responses, startup, tenants
+from . import anthropic, http, model_names, prompts, responses, startup, tenants
 from .http import HeadersOnly, send_json
 
 if TYPE_CHECKING:  # imported when used: MLX and mlx-lm take seconds, --help and a refused start need neither
@@ -68,9 +68,9 @@ def bind_prompt_cache(**options: Any) -> type[LRUPromptCache]:
 
 
 def served_models(cli_args: Any) -> list[str]:
-    """Model ids ``GET /v1/models`` lists: the ``--model`` value as given (the name a client
-    sends back, which mlx_lm.server maps to the loaded model without reloading it)."""
-    return [cli_args.model] if getattr(cli_args, "model", None) else []
+    """Model ids ``GET /v1/models`` lists: ``--served-model-name``s, else the ``--model`` value
+    as given (``kvstore.adapters.model_names``: any other name is served by the same model)."""
+    return model_names.served(cli_args)
 
 
 def _models(handler: Any, path: str) -> None:
@@ -83,9 +83,8 @@ def _models(handler: Any, path: str) -> None:
     elif wanted in card or "/" + wanted in card:
         send_json(handler, 200, card.get(wanted) or card["/" + wanted])
     else:
-        send_json(handler, 404, {"error": {
-            "message": f"model {wanted!r} is not served here; GET /v1/models lists the models that are",
-            "type": "invalid_request_error", "param": None, "code": "model_not_found"}})
+        send_json(handler, 404, model_names.not_found(
+            path, f"model {wanted!r} is not served here; GET /v1/models lists the models that are"))
 
 
 def _install_routes(server_mod: Any) -> None:
@@ -149,6 +148,7 @@ def patch(server_mod: Any, **options: Any) -> None:
     before running it; an engine running mlx_lm.server in-process calls it."""
     server_mod.LRUPromptCache = bind_prompt_cache(**options)
     _install_routes(server_mod)
+    model_names.install(server_mod)  # any model name answers, never a hub lookup (--strict-model-names)
     _learn_kv_quant(server_mod)
     tenants.install(server_mod)  # keys and cache_salt, for every route (kvstore.adapters.tenants)
     prompts.install_tool_sorting(server_mod)  # outermost: --sort-tools (kvstore.adapters.prompts)
@@ -259,6 +259,7 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     setup_arg_parser(parser)
     startup.add_arguments(parser)
     tenants.add_arguments(parser)
+    model_names.add_arguments(parser)
     ours, rest = parser.parse_known_args(argv)
     policy = tenants.policy_from(ours)  # a bad key flag ends the start before anything heavy
     if "-h" in rest or "--help" in rest:
@@ -324,6 +325,7 @@ def _install(server_mod: Any, ours: argparse.Namespace, rest: list[str], policy:
     anthropic.KEEP_BILLING_HEADER = ours.keep_billing_header
     http.MAX_BODY_BYTES = ours.max_body_bytes
     prompts.SORT_TOOLS = ours.sort_tools
+    model_names.configure(ours)
     responses.LIMITS.update(max_count=ours.responses_max_count, max_bytes=ours.responses_max_bytes)
     startup.install(server_mod, startup.options(ours), _STORES, progress)
     signal.signal(signal.SIGTERM, _sigterm)

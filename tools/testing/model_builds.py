@@ -630,6 +630,68 @@ def build_bench_qwen3(out_dir: str | pathlib.Path, *, seed: int = BENCH_SEED) ->
     return out
 
 
+TOOLS_QWEN_CONFIG: dict[str, Any] = {
+    # 2 llama layers of width 128 over Qwen's real vocabulary (~160 MB): prefills a coding
+    # agent's ~30k-token prompt in seconds on a CPU
+    **_TINY_COMMON,
+    "model_type": "llama",
+    "vocab_size": 151936,
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "intermediate_size": 256,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 65536,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
+
+TOOLS_QWEN_ANSWER = "Hello"  # what tiny-qwen-tools answers to every chat prompt, then <|im_end|>
+
+
+def build_tiny_qwen_tools(out_dir: str | pathlib.Path, *, seed: int = TINY_SEED) -> pathlib.Path:
+    """tiny-qwen-tools into ``out_dir``: the real Qwen BPE tokenizer, the Hermes/Qwen tool
+    template of ``benchmarks.agent_session`` (tools, tool calls and tool responses rendered;
+    mlx-lm picks its json_tools parser) and seeded weights that answer every chat prompt
+    with ``TOOLS_QWEN_ANSWER`` and stop, as tests/support/scripted_model.py does: attention
+    and MLP outputs are zero (the last token's embedding decides), and the only non-zero
+    LM-head rows map the generation prompt's last token (``\\n``) to the answer and the
+    answer to ``<|im_end|>``. Every layer still computes and caches K and V over the whole
+    prompt. What the agent CLIs' gate (tools/gates/agent_clis.py) serves: real clients'
+    prompts tokenize as on a Qwen model, and each turn ends within two tokens."""
+    import mlx.core as mx
+    from tokenizers import Tokenizer
+
+    from benchmarks.agent_session import TOOL_TEMPLATE
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = write_qwen_tokenizer(out)
+    cfg_path = out / "tokenizer_config.json"
+    _write_json(cfg_path, {**json.loads(cfg_path.read_text()), "chat_template": TOOL_TEMPLATE})
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    (newline,), (answer,) = tok.encode("\n", add_special_tokens=False).ids, tok.encode(
+        TOOLS_QWEN_ANSWER, add_special_tokens=False).ids
+    config = TOOLS_QWEN_CONFIG
+    w = seeded_weights("llama", config, seed, gain=TINY_GAIN, embed_std=1.0 / math.sqrt(config["hidden_size"]))
+    for name in [n for n in w if n.endswith(("o_proj.weight", "down_proj.weight"))]:
+        w[name] = mx.zeros_like(w[name])
+    embed, norm = w["model.embed_tokens.weight"], w["model.norm.weight"]
+    head = mx.zeros_like(w["lm_head.weight"])
+    for last, chosen in ((newline, answer), (answer, ids["<|im_end|>"])):
+        x = embed[last]
+        h = x * mx.rsqrt(mx.mean(x * x) + config["rms_norm_eps"]) * norm  # the final norm's output
+        head[chosen] = 30.0 * h / mx.sum(h * h)
+    w["lm_head.weight"] = head
+    mx.eval(w)
+    _save_weights(out, w)
+    _write_json(out / "config.json", {**config, "kvstore_seed": seed})
+    return out
+
+
 # --------------------------------------------------------------------------- registry
 
 _KV = frozenset({"KVCache"})
@@ -826,6 +888,17 @@ MODELS: dict[str, ModelSpec] = {
             build="tiny-muse-spark",
             version="1",
             family="muse_spark",
+            cache_classes=_KV,
+        ),
+        ModelSpec(
+            name="tiny-qwen-tools",
+            description="tiny llama (2 layers, hidden 128) with the real Qwen BPE tokenizer and a chat "
+            "template that renders tools, answering 'Hello' to every chat prompt: what real agent CLIs "
+            "are driven against (tools/gates/agent_clis.py)",
+            builder=lambda out: build_tiny_qwen_tools(out),
+            build="tiny-qwen-tools",
+            version="2",
+            family="llama",
             cache_classes=_KV,
         ),
         ModelSpec(

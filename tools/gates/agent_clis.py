@@ -1,0 +1,314 @@
+"""A standing gate: the real coding-agent CLIs against ``kvstore serve``.
+
+    python -m tools.gates.agent_clis --install           # npm-install the pinned CLIs (once; needs npm)
+    python -m tools.gates.agent_clis run CLI --work DIR   # one CLI's three turns; DIR/report.json
+
+Claude Code, OpenCode and Codex CLI, pinned (``PINS``), are installed from npm into a
+private prefix in the user cache dir (``.../kvstore/agent-clis/<pins>/``), as
+tools/gates/upstream_mlx_lm.py fetches mlx-lm's suite: ``.ci/run`` installs them where the
+registry is reachable, and tests/test_agent_clis.py skips, naming the command, where they
+are missing. ``run`` drives one CLI non-interactively, as a user would, against a real
+``kvstore serve`` on 127.0.0.1 serving tiny-qwen-tools (the real Qwen BPE tokenizer, a
+template that renders tools; tools/testing/model_builds.py), through a recording proxy:
+
+1. a first turn (``claude -p``, ``opencode run``, ``codex exec``);
+2. a second turn continuing that conversation (``--continue``, ``exec resume --last``);
+3. the server SIGKILLed, restarted on the same cache directory, a third turn.
+
+Every request the CLI made is written to the report with its status, its body and, when
+the answer carried one, its usage (prompt tokens, tokens read from the cache). HOME is a
+temp dir holding the CLI's config only; telemetry, update checks and error reports are
+off by each CLI's own switches. The caller runs ``run`` in a network namespace with only
+loopback (tests/test_agent_clis.py: ``unshare -n`` as root) so nothing can leave
+127.0.0.1; where that is unavailable the proxies point at a dead loopback port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import http.server
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HOST = "127.0.0.1"
+MODEL = "tiny-qwen-tools"  # tools/testing/model_builds.py
+MODEL_ID = "tiny"  # the model id every CLI is configured with (not the served path)
+MAX_TOKENS = 16  # the server's own output bound (Codex sends none)
+# cli -> (npm package, pinned version, executable)
+PINS: dict[str, tuple[str, str, str]] = {
+    "claude": ("@anthropic-ai/claude-code", "2.1.332", "claude"),
+    "opencode": ("opencode-ai", "1.18.33", "opencode"),
+    "codex": ("@openai/codex", "0.171.0", "codex"),
+}
+PROMPTS = ("Say hello in five words.", "Now say it in French.", "And in German.")
+# each CLI's own switches for telemetry, update checks, error reports and other traffic
+QUIET_ENV: dict[str, dict[str, str]] = {
+    "claude": {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
+               "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1", "DISABLE_BUG_COMMAND": "1",
+               "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_TOKENS)},
+    "opencode": {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
+                 "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+                 "OPENCODE_DISABLE_SHARE": "1", "OPENCODE_DISABLE_CLAUDE_CODE": "1"},
+    "codex": {"CODEX_DISABLE_TELEMETRY": "1", "NO_UPDATE_NOTIFIER": "1"},
+}
+
+
+def install_command() -> str:
+    return "python -m tools.gates.agent_clis --install"
+
+
+def prefix() -> Path:
+    """Where the pinned CLIs are installed: one npm prefix per set of pins."""
+    import platformdirs
+
+    pins = "-".join(f"{cli}{version}" for cli, (_, version, _) in sorted(PINS.items()))
+    return Path(platformdirs.user_cache_dir("kvstore")) / "agent-clis" / pins
+
+
+def executable(cli: str) -> Path:
+    return prefix() / "node_modules" / ".bin" / PINS[cli][2]
+
+
+def missing(cli: str) -> str | None:
+    """Why ``cli`` cannot be driven here (None: it can), naming what to run."""
+    if executable(cli).exists():
+        return None
+    if shutil.which("npm") is None:
+        return (f"{PINS[cli][0]}@{PINS[cli][1]} is not installed and npm is missing: install Node.js with npm, "
+                f"then run `{install_command()}`")
+    return f"{PINS[cli][0]}@{PINS[cli][1]} is not installed: run `{install_command()}` (needs the npm registry)"
+
+
+def install() -> Path | None:
+    """npm-install every pinned CLI into ``prefix()`` (a no-op once they are there); None
+    when npm is missing (the tier then skips, saying so). A failed install raises."""
+    if all(missing(cli) is None for cli in PINS):
+        return prefix()
+    npm = shutil.which("npm")
+    if npm is None:
+        return None
+    prefix().mkdir(parents=True, exist_ok=True)
+    packages = [f"{package}@{version}" for package, version, _ in PINS.values()]
+    subprocess.run([npm, "install", "--prefix", str(prefix()), "--no-audit", "--no-fund", "--loglevel=error",
+                    *packages], check=True, timeout=1800)
+    return prefix()
+
+
+# -- the recording proxy ----------------------------------------------------------------------
+
+
+def usage_of(answer: bytes) -> dict[str, int] | None:
+    """``{"prompt", "cached"}`` from the last usage an answer carries (a JSON body or
+    server-sent events; OpenAI chat, Responses or Anthropic Messages shapes), else None."""
+    found = None
+    text = answer.decode(errors="replace")
+    lines = [line[5:].strip() for line in text.splitlines() if line.startswith("data:")] or [text]
+    for line in lines:
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(obj, dict):
+            continue
+        u = obj.get("usage") or (obj.get("message") or {}).get("usage") or (obj.get("response") or {}).get("usage")
+        if not isinstance(u, dict):
+            continue
+        if "prompt_tokens" in u:
+            found = {"prompt": u["prompt_tokens"], "cached": (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
+        elif "cache_read_input_tokens" in u:
+            found = {"prompt": u["input_tokens"] + u["cache_read_input_tokens"], "cached": u["cache_read_input_tokens"]}
+        elif "input_tokens" in u:
+            found = {"prompt": u["input_tokens"], "cached": (u.get("input_tokens_details") or {}).get("cached_tokens", 0)}
+    return found
+
+
+class Recorder:
+    """An HTTP proxy on 127.0.0.1 in front of ``upstream_port`` that streams every answer
+    through unchanged and records each request: method, path, status, JSON body, usage."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.records: list[dict[str, Any]] = []
+        self.turn = 0
+        lock = threading.Lock()
+        recorder = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"  # one request per connection, as mlx_lm.server answers
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def relay(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                answer, status = b"", 502
+                try:
+                    conn = http.client.HTTPConnection(HOST, recorder.upstream_port, timeout=900)
+                    conn.request(self.command, self.path, body=body or None, headers=headers)
+                    resp = conn.getresponse()
+                    status = resp.status
+                    self.send_response(status)
+                    for k, v in resp.getheaders():
+                        if k.lower() not in ("connection", "transfer-encoding", "server", "date"):
+                            self.send_header(k, v)
+                    self.end_headers()
+                    while chunk := resp.read1(65536):
+                        answer += chunk
+                        self.wfile.write(chunk)
+                        self.wfile.flush()
+                except OSError as e:  # the server is down (killed): the CLI sees a 502
+                    if status == 502:
+                        self.send_error(502, f"kvstore serve unreachable: {e}")
+                try:
+                    parsed = json.loads(body) if body else None
+                except ValueError:
+                    parsed = body.decode(errors="replace")
+                with lock:
+                    recorder.records.append({"turn": recorder.turn, "method": self.command, "path": self.path,
+                                             "status": status, "body": parsed, "usage": usage_of(answer)})
+
+            do_GET = do_POST = do_HEAD = do_PUT = do_DELETE = do_OPTIONS = relay
+
+        self.httpd = http.server.ThreadingHTTPServer((HOST, 0), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+# -- the CLIs ---------------------------------------------------------------------------------
+
+
+def cli_env(cli: str, home: Path, base_url: str) -> dict[str, str]:
+    """The CLI's environment: HOME (and XDG dirs) in ``home``, quiet switches, proxies that
+    lead nowhere (a dead loopback port) and no proxy for 127.0.0.1."""
+    dead = f"http://{HOST}:9"
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "TERM", "TMPDIR", "USER")}
+    env.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), XDG_DATA_HOME=str(home / ".local/share"),
+               XDG_CACHE_HOME=str(home / ".cache"), XDG_STATE_HOME=str(home / ".local/state"),
+               HTTP_PROXY=dead, HTTPS_PROXY=dead, http_proxy=dead, https_proxy=dead,
+               NO_PROXY=HOST, no_proxy=HOST, CI="1", **QUIET_ENV[cli])
+    if cli == "claude":
+        env.update(ANTHROPIC_BASE_URL=base_url, ANTHROPIC_AUTH_TOKEN="local", ANTHROPIC_MODEL=MODEL_ID,
+                   ANTHROPIC_DEFAULT_HAIKU_MODEL=MODEL_ID, ANTHROPIC_DEFAULT_SONNET_MODEL=MODEL_ID,
+                   ANTHROPIC_DEFAULT_OPUS_MODEL=MODEL_ID, ANTHROPIC_SMALL_FAST_MODEL=MODEL_ID)
+    elif cli == "opencode":
+        config = {"$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
+                  "model": f"kvstore/{MODEL_ID}", "small_model": f"kvstore/{MODEL_ID}",
+                  "provider": {"kvstore": {"npm": "@ai-sdk/openai-compatible", "name": "kvstore serve",
+                                           "options": {"baseURL": f"{base_url}/v1", "apiKey": "local"},
+                                           "models": {MODEL_ID: {"name": MODEL_ID,
+                                                                 "limit": {"context": 65536, "output": MAX_TOKENS}}}}}}
+        (home / ".config" / "opencode").mkdir(parents=True, exist_ok=True)
+        (home / ".config" / "opencode" / "opencode.json").write_text(json.dumps(config, indent=1))
+    elif cli == "codex":
+        codex_home = home / ".codex"
+        codex_home.mkdir(parents=True, exist_ok=True)
+        (codex_home / "config.toml").write_text(
+            f'model = "{MODEL_ID}"\nmodel_provider = "kvstore"\n'
+            f'[model_providers.kvstore]\nname = "kvstore serve"\nbase_url = "{base_url}/v1"\n'
+            f'wire_api = "responses"\nrequest_max_retries = 0\nstream_max_retries = 0\n'
+            f'[analytics]\nenabled = false\n[feedback]\nenabled = false\n')
+        env.update(CODEX_HOME=str(codex_home))
+    return env
+
+
+def turn_command(cli: str, turn: int, prompt: str) -> list[str]:
+    """The command line of turn ``turn`` (0-based): the first starts a conversation, the
+    others continue the last one."""
+    exe = str(executable(cli))
+    if cli == "claude":
+        return [exe, "-p", prompt, "--model", MODEL_ID] + (["--continue"] if turn else [])
+    if cli == "opencode":
+        return [exe, "run", "--model", f"kvstore/{MODEL_ID}"] + (["--continue"] if turn else []) + [prompt]
+    if cli == "codex":
+        head = [exe, "exec", "--skip-git-repo-check"]
+        return head + (["resume", "--last", prompt] if turn else [prompt])
+    raise ValueError(f"unknown CLI {cli!r}; known: {', '.join(PINS)}")
+
+
+def run(cli: str, work: Path, timeout: float = 900) -> dict[str, Any]:
+    """Drive ``cli`` through its three turns (the server killed and restarted before the
+    third) and return the report (also written to ``work/report.json``)."""
+    from benchmarks.agent_session import Proc, free_port, kvstore_command, wait_flushed
+    from tools.testing.model_builds import model_path
+
+    work.mkdir(parents=True, exist_ok=True)
+    home, project = work / "home", work / "project"
+    project.mkdir(exist_ok=True)
+    (project / "README.md").write_text("A project the agent is asked about.\n")
+    port = free_port()
+    command = kvstore_command(model_path(MODEL), work / "cache", ["--max-tokens", str(MAX_TOKENS)])(port)
+    report: dict[str, Any] = {"cli": cli, "version": PINS[cli][1], "turns": [], "requests": [],
+                              "server_ready_seconds": []}
+    started = time.monotonic()
+    recorder = Recorder(port)
+    server = Proc(command, port, work / "server.log")
+    try:
+        report["server_ready_seconds"].append(round(server.wait_ready(), 2))
+        env = cli_env(cli, home, f"http://{HOST}:{recorder.port}")
+        for turn, prompt in enumerate(PROMPTS):
+            if turn == 2:  # the store flushed first: the gate tests restoring, not the queue's crash window
+                wait_flushed(server.url)
+                server.stop(signal.SIGKILL)
+                server = Proc(command, port, work / "server.log")
+                report["server_ready_seconds"].append(round(server.wait_ready(), 2))
+            recorder.turn = turn
+            t0 = time.monotonic()
+            done = subprocess.run(turn_command(cli, turn, prompt), cwd=project, env=env, capture_output=True,
+                                  timeout=timeout, stdin=subprocess.DEVNULL, start_new_session=True)
+            report["turns"].append({"turn": turn + 1, "exit": done.returncode,
+                                    "seconds": round(time.monotonic() - t0, 2),
+                                    "stdout": done.stdout.decode(errors="replace")[-2000:],
+                                    "stderr": done.stderr.decode(errors="replace")[-4000:]})
+    finally:
+        server.stop(signal.SIGKILL)
+        recorder.close()
+        report["requests"] = recorder.records
+        report["seconds"] = round(time.monotonic() - started, 2)
+        (work / "report.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.gates.agent_clis", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--install", action="store_true", help="npm-install the pinned CLIs and print the prefix")
+    sub = p.add_subparsers(dest="cmd")
+    r = sub.add_parser("run", help="drive one CLI through its three turns; writes WORK/report.json")
+    r.add_argument("cli", choices=sorted(PINS))
+    r.add_argument("--work", required=True, type=Path)
+    args = p.parse_args(argv)
+    if args.install:
+        where = install()
+        print(where or "tools.gates.agent_clis: npm is missing: the agent CLIs' tier (tests/test_agent_clis.py) "
+                       "will skip; install Node.js with npm, then run `python -m tools.gates.agent_clis --install`")
+        return 0
+    if args.cmd == "run":
+        why = missing(args.cli)
+        if why:
+            print(f"tools.gates.agent_clis: {why}", file=sys.stderr)
+            return 2
+        report = run(args.cli, args.work)
+        print(json.dumps({k: report[k] for k in ("cli", "seconds", "server_ready_seconds")}))
+        return 0
+    p.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
