@@ -38,6 +38,7 @@ MEMO = "file-digests.json"  # the identity's file-digest memo (``identity.Digest
 CREATED: tuple[str, ...] = (
     "index/", "blobs/", "blobs/*/", "blobs/*/*.kvpack", "index/data.mdb", "index/lock.mdb",
     f"index/{STAMP}", f"index/{DAMAGED}", MEMO, "index.rebuild-*/", "index.corrupt-*/",
+    "stable-prefix/", "stable-prefix/*.json",  # kvstore serve --stable-prefix (adapters.stable_prefix.Memory)
 )
 
 

@@ -161,12 +161,15 @@ def chat_messages(body: dict[str, Any], images: bool, keep_billing_header: bool 
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages: a non-empty list is required")
     for i, m in enumerate(messages):
-        _need(isinstance(m, dict) and m.get("role") in ("user", "assistant"),
-              f"messages[{i}]: role must be 'user' or 'assistant'")
+        _need(isinstance(m, dict) and m.get("role") in ("user", "assistant", "system"),
+              f"messages[{i}]: role must be 'user', 'assistant' or 'system'")
         content = m.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         _need(isinstance(blocks, list), f"messages[{i}]: content must be a string or a list of blocks")
-        out.extend(_user(blocks, images) if m["role"] == "user" else [_assistant(blocks)])
+        if m["role"] == "system":  # Claude Code's mid-conversation system turns (its environment message)
+            out.append({"role": "system", "content": "\n".join(_text(b, f"messages[{i}].content") for b in blocks)})
+        else:
+            out.extend(_user(blocks, images) if m["role"] == "user" else [_assistant(blocks)])
     return out
 
 
