@@ -5,7 +5,9 @@
 A tiny HTTP server on 127.0.0.1 that saves every POST body it receives as
 ``OUT_DIR/NNN-<path>.json`` and answers as a model that says "ok": an Anthropic Messages
 reply (streamed or not) on ``/v1/messages``, ``{"input_tokens": 10}`` on
-``count_tokens``, an OpenAI chat completion (streamed or not) elsewhere. Point Claude Code
+``count_tokens``, an OpenAI chat completion (streamed or not) elsewhere; with ``--read FILE``
+a user's turn on ``/v1/messages`` is answered with a ``Read`` tool call of FILE first (the
+client runs it and sends the result: a history with tool calls). Point Claude Code
 (``ANTHROPIC_BASE_URL``) or OpenCode (an ``@ai-sdk/openai-compatible`` provider) at it.
 """
 
@@ -53,6 +55,31 @@ def chat_events(model: str) -> bytes:
         _sse(None, "[DONE]")])
 
 
+READ_FILE = ""  # --read FILE: answer a user's text turn (on /v1/messages) with a Read tool call of FILE
+
+
+def _asks(body: Any) -> bool:
+    """The last message is the user's text (not a tool result): the model may call a tool."""
+    last = (body.get("messages") or [{}])[-1] if isinstance(body, dict) else {}
+    blocks = last.get("content") if isinstance(last.get("content"), list) else []
+    return last.get("role") == "user" and not any(b.get("type") == "tool_result" for b in blocks)
+
+
+def anthropic_tool_use(model: str, file: str) -> bytes:
+    msg = {"id": "msg_rec", "type": "message", "role": "assistant", "model": model, "content": [],
+           "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 10, "output_tokens": 1}}
+    call = {"type": "tool_use", "id": f"toolu_rec{next(_COUNT)}", "name": "Read", "input": {}}
+    return b"".join([
+        _sse("message_start", {"type": "message_start", "message": msg}),
+        _sse("content_block_start", {"type": "content_block_start", "index": 0, "content_block": call}),
+        _sse("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {
+            "type": "input_json_delta", "partial_json": json.dumps({"file_path": file})}}),
+        _sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+                               "usage": {"output_tokens": 1}}),
+        _sse("message_stop", {"type": "message_stop"})])
+
+
 class Recorder(BaseHTTPRequestHandler):
     out: Path
 
@@ -87,6 +114,8 @@ class Recorder(BaseHTTPRequestHandler):
         stream = isinstance(body, dict) and bool(body.get("stream"))
         if path.endswith("/count_tokens"):
             self._send(200, b'{"input_tokens": 10}')
+        elif path.endswith("/messages") and READ_FILE and _asks(body):
+            self._send(200, anthropic_tool_use(model, READ_FILE), "text/event-stream")
         elif path.endswith("/messages"):
             if stream:
                 self._send(200, anthropic_events(model), "text/event-stream")
@@ -111,7 +140,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--read", default="", metavar="FILE",
+                   help="answer each user turn on /v1/messages with a Read tool call of FILE (a session whose "
+                        "history holds tool calls and results)")
     a = p.parse_args()
+    global READ_FILE
+    READ_FILE = a.read
     a.out.mkdir(parents=True, exist_ok=True)
     Recorder.out = a.out
     httpd = ThreadingHTTPServer(("127.0.0.1", a.port), Recorder)
