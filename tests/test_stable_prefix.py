@@ -219,3 +219,74 @@ def test_families_render_the_rewritten_requests(family) -> None:
             assert text.index("(clean)") < text.rindex(CHANGED_STATUS.strip())
         before = request_tokens(tokenizer, agents.body(first))
         assert got[:len(before) - 8] == before[:len(before) - 8]  # all but the generation prompt's tail
+
+
+# -- real servers: a session resumed after a restart ---------------------------------------------
+
+
+def _cached(resp: dict[str, Any]) -> tuple[int, int]:
+    """(prompt tokens, prompt tokens read from the cache) of a chat completion or a Message."""
+    u = resp["usage"]
+    if "input_tokens" in u:
+        return u["input_tokens"] + u["cache_read_input_tokens"], u["cache_read_input_tokens"]
+    return u["prompt_tokens"], (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
+def _why(request: Path, model: Path, cache: Path, *extra: str) -> dict[str, Any]:
+    got = subprocess.run([sys.executable, "-m", "kvstore.cli", "why", str(request), "--model", str(model),
+                          "--cache-dir", str(cache), "--json", *extra], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    return dict(json.loads(got.stdout))
+
+
+CLIENTS = {  # the session's first request, its resumed request (next day, changed tree), the route, tools kept
+    "claude-code": (lambda: agents.body("claude_code_stable_first"), agents.claude_code_resumed, "/v1/messages", 6),
+    "opencode": (lambda: agents.body("opencode_stable_first"), agents.opencode_resumed, "/v1/chat/completions", 3),
+}
+
+
+@pytest.mark.parametrize("client", sorted(CLIENTS))
+def test_a_resumed_session_after_a_restart_reads_its_prompt_from_the_cache(tmp_path, client) -> None:
+    """A server with --stable-prefix stores a session's first request and stops; a fresh
+    process gets the session resumed the next day on a changed tree and reads >= 95% of
+    the prompt from the cache, saying what it moved (its log, ``kvstore why``). Without the
+    option the store serves the resumed request only up to the changed line (``kvstore
+    why`` on the same directory: Claude Code's environment message after the first turn,
+    OpenCode's date in the system prompt). The requests are the logged ones, cut to a size
+    a CPU prefills in a minute (``agent_requests.shortened``)."""
+    from benchmarks.agent_session import with_tool_template
+    from kvstore.adapters.prompts import request_tokens
+    from mlx_lm.utils import load_tokenizer
+    from tests.support.servers import Server
+    from tools.testing.model_builds import model_path
+
+    model = with_tool_template(model_path("tiny-llama"), tmp_path / "model")
+    make_first, make_resumed, path, tools = CLIENTS[client]
+    first, resumed = agents.shortened(make_first(), tools), agents.shortened(make_resumed(), tools)
+    cache, extra = tmp_path / "cache", ["--stable-prefix"]
+    with Server(model, cache, tmp_path / "server1.log", extra) as s:
+        n1, _ = _cached(s.post(path, agents.served(first), timeout=900))
+        s.wait_flushed(timeout=300)
+    with Server(model, cache, tmp_path / "server2.log", extra) as s:  # a restart: a fresh process
+        n, hit = _cached(s.post(path, agents.served(resumed), timeout=900))
+        if client == "opencode":  # its tools in another order: a miss at the tools, of a rewritten prompt
+            s.post(path, agents.served({**resumed, "tools": resumed["tools"][::-1]}), timeout=900)
+        log = s.log(1 << 30)
+    (tmp_path / "resumed.json").write_text(json.dumps(resumed))
+    said, plain = _why(tmp_path / "resumed.json", model, cache, *extra), _why(tmp_path / "resumed.json", model, cache)
+    sent = request_tokens(load_tokenizer(model), first)
+    as_sent = request_tokens(load_tokenizer(model), resumed)
+    changed_at = next(i for i, (x, y) in enumerate(zip(sent, as_sent)) if x != y)
+    print(f"{client}: --stable-prefix {hit} of {n} prompt tokens from the cache ({hit / n:.1%}); as sent the store "
+          f"serves {plain['serves']} of {plain['request_tokens']} ({plain['serves'] / plain['request_tokens']:.1%}); "
+          f"the first request was {n1}")
+    assert hit >= 0.95 * n, (hit, n)
+    assert "kvstore: --stable-prefix: " in log and 'date "' in log and "kept in place" in log, log[-3000:]
+    assert said["stable_prefix"] is not None and said["serves"] >= 0.95 * said["request_tokens"], said
+    assert any(s["rule"] == "date" and s["kept"] != s["now"] for s in said["stable_prefix"]["spans"])
+    assert "stable_prefix" in plain and plain["stable_prefix"] is None
+    if client == "opencode":
+        [miss] = [line for line in log.splitlines() if "kvstore: miss (diverged)" in line]
+        assert miss.endswith(f'; --stable-prefix: date "{OC_DAY}" kept in place, "{OC_NEXT}" in the update '
+                             f'(before message 3)'), miss
+    assert plain["request_tokens"] == len(as_sent) and plain["serves"] <= changed_at, (plain, changed_at)

@@ -49,7 +49,59 @@ def opencode_resumed() -> dict[str, Any]:
 
 
 def served(body: dict[str, Any], max_tokens: int = 1) -> dict[str, Any]:
-    """``body`` as a test posts it: greedy, ``max_tokens`` tokens, not streamed."""
+    """``body`` as a test posts it to ``kvstore serve``: to the model it serves, greedy,
+    ``max_tokens`` tokens, not streamed."""
     out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "thinking",
                                                       "context_management", "output_config")}
-    return {**out, "max_tokens": max_tokens, "temperature": 0, "stream": False}
+    return {**out, "model": "default_model", "max_tokens": max_tokens, "temperature": 0, "stream": False}
+
+
+LONG = 1500  # characters: a longer text is cut by ``shortened``
+
+
+def _cut(text: str) -> str:
+    """A text over ``LONG`` characters as its first 12 and last 4 lines and the lines of
+    and around (2 either side) each volatile span, runs left out shown as "[...]", lines
+    cut to 240 characters: the same cut for the same text, the spans kept whole."""
+    if len(text) <= LONG:
+        return text
+    from kvstore.adapters.stable_prefix import BUILTIN
+
+    lines = text.split("\n")
+    keep = set(range(12)) | set(range(len(lines) - 4, len(lines)))
+    for rule in BUILTIN:
+        for m in rule.pattern.finditer(text):
+            a, b = text.count("\n", 0, m.start()), text.count("\n", 0, m.end())
+            keep |= set(range(a - 2, b + 3))
+    out, gap = [], False
+    for k, line in enumerate(lines):
+        if k in keep:
+            out.append(line[:240])
+            gap = False
+        elif not gap:
+            out.append("[...]")
+            gap = True
+    return "\n".join(out)
+
+
+def shortened(body: dict[str, Any], tools: int = 3) -> dict[str, Any]:
+    """``body`` with its long texts cut (``_cut``) and its first ``tools`` tools only
+    (descriptions cut to 240 characters): the message structure and the volatile spans as
+    sent, at a size a CPU prefills in seconds (Claude Code's 50k-character request is a
+    ten-minute prefill on a loaded 2-core VM)."""
+    out = copy.deepcopy(body)
+    if isinstance(out.get("system"), list):
+        for block in out["system"]:
+            block["text"] = _cut(block["text"])
+    for m in out["messages"]:
+        if isinstance(m["content"], str):
+            m["content"] = _cut(m["content"])
+        else:
+            for block in m["content"]:
+                if isinstance(block.get("text"), str):
+                    block["text"] = _cut(block["text"])
+    out["tools"] = out.get("tools", [])[:tools]
+    for t in out["tools"]:
+        fn = t.get("function", t)
+        fn["description"] = str(fn.get("description", ""))[:240]
+    return out
