@@ -60,12 +60,25 @@ def test_date_rule_on_opencode_system_prompt() -> None:
 # -- the rewrite ---------------------------------------------------------------------------------
 
 
-def test_no_volatile_span_is_the_same_request() -> None:
-    """No span: the very list comes back and nothing is recorded."""
-    memory = sp.Memory(None)
+def test_no_volatile_span_is_the_same_request(tmp_path) -> None:
+    """No span: the very list comes back, nothing is recorded, and the prompt's tokens are
+    those rendered without the option (both APIs, the logged requests with their dates
+    taken out)."""
+    from benchmarks.agent_session import TOOL_TEMPLATE
+    from kvstore.adapters.prompts import request_tokens
+
+    memory = sp.Memory(tmp_path)
     messages = [{"role": "system", "content": "You file ledgers."}, {"role": "user", "content": "Where?"}]
     got, moved = sp.stabilize(messages, sp.BUILTIN, memory)
-    assert got is messages and moved is None and memory._local == {}
+    assert got is messages and moved is None
+    tokenizer = _family_tokenizer(TOOL_TEMPLATE)
+    for name, day in (("opencode_stable_continue", OC_DAY), ("claude_code_stable_continue", CC_DAY)):
+        body = json.loads(json.dumps(agents.body(name)).replace(day, "Today is a day.")
+                          .replace("# gitStatus", "# Git"))
+        stable = sp.Render(sp.BUILTIN, memory)
+        assert request_tokens(tokenizer, body, stable=stable) == request_tokens(tokenizer, body)
+        assert stable.moved is None
+    assert not (tmp_path / sp.DIRECTORY).exists()
 
 
 def test_first_request_is_unchanged_and_a_resumed_one_keeps_its_first_values(tmp_path) -> None:
