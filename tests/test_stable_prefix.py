@@ -57,6 +57,19 @@ def test_date_rule_on_opencode_system_prompt() -> None:
     assert [(s.message, s.rule, s.text) for s in sp.find_spans(messages, sp.BUILTIN)] == [(0, "date", OC_DAY)]
 
 
+def test_claude_code_mid_conversation_system_message_is_accepted() -> None:
+    """Claude Code 2.1.332 sends its environment as a system-role message after the first
+    user turn: /v1/messages renders it as a chat system message (main answered 400:
+    "messages[1]: role must be 'user' or 'assistant'")."""
+    body = agents.body("claude_code_stable_first")
+    assert body["messages"][1]["role"] == "system"
+    messages = chat(body)
+    assert [m["role"] for m in messages] == ["system", "user", "system"]
+    assert messages[2]["content"] == body["messages"][1]["content"][0]["text"]
+    with pytest.raises(anthropic.RequestError, match=r"messages\[0\]: role must be 'user', 'assistant' or 'system'"):
+        anthropic.chat_request({"max_tokens": 1, "messages": [{"role": "tool", "content": "x"}]}, False)
+
+
 # -- the rewrite ---------------------------------------------------------------------------------
 
 
