@@ -39,6 +39,7 @@ CREATED: tuple[str, ...] = (
     "index/", "blobs/", "blobs/*/", "blobs/*/*.kvpack", "index/data.mdb", "index/lock.mdb",
     f"index/{STAMP}", f"index/{DAMAGED}", MEMO, "index.rebuild-*/", "index.corrupt-*/",
     "responses/", "responses/*.json",  # kvstore serve's stored /v1/responses (adapters.response_store)
+    "stable-prefix/", "stable-prefix/*.json",  # kvstore serve --stable-prefix (adapters.stable_prefix.Memory)
 )
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..misses import log_line
+from .stable_prefix import note as stable_note
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..salt import Salt, salt_of
 from ..floors import MIN_DISK_HIT
@@ -113,7 +114,7 @@ class LRUPromptCache:
         if got.source in ("disk", "shared"):
             log_restore(got.n, len(tokens), got.source, time.perf_counter() - t0)
         if got.miss is not None and self.store.misses.worth_logging(got.miss):
-            log.info(log_line(got.miss, tokens, self.decode))
+            log.info(log_line(got.miss, tokens, self.decode) + stable_note())  # what --stable-prefix moved
         return got.cache, tokens[got.n :]
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,

@@ -5,7 +5,8 @@
   and ``/v1/messages``, which runs through the same handler). Clients that list the same
   tools in another order per process (MCP servers connecting in any order) then share one
   cached prefix; the model sees the tools sorted. Off by default; nothing else in a
-  prompt is rewritten (the Anthropic billing header aside: ``anthropic``).
+  prompt is rewritten (the Anthropic billing header aside: ``anthropic``; and the
+  volatile lines of ``--stable-prefix``: ``stable_prefix``).
 - ``request_tokens``: the tokens ``kvstore serve`` would look up for a request body (an
   OpenAI chat-completions or an Anthropic Messages body, or a plain text), rendered by
   mlx_lm.server's own ``_tokenize`` with the model's tokenizer and chat template, without
@@ -17,6 +18,8 @@ from __future__ import annotations
 import copy
 import types
 from typing import Any
+
+from . import stable_prefix
 
 SORT_TOOLS = False  # kvstore serve --sort-tools
 
@@ -75,10 +78,12 @@ def body_kind(body: Any) -> str:
 
 
 def request_tokens(tokenizer: Any, body: Any, *, sort_tools: bool = False,
-                   keep_billing_header: bool = False, chat_template_args: dict[str, Any] | None = None) -> list[int]:
+                   keep_billing_header: bool = False, chat_template_args: dict[str, Any] | None = None,
+                   stable: stable_prefix.Render | None = None) -> list[int]:
     """The prompt tokens ``kvstore serve`` renders for ``body`` (``body_kind``; a str is a
     text completion's prompt), through mlx_lm.server's ``_tokenize`` on ``tokenizer``
-    (mlx-lm's ``TokenizerWrapper``). ValueError for a body it cannot render."""
+    (mlx-lm's ``TokenizerWrapper``), its messages rewritten as ``--stable-prefix`` does when
+    ``stable`` is given (``stable.moved`` says how). ValueError for a body it cannot render."""
     import mlx_lm.server as server_mod
 
     from . import anthropic
@@ -94,8 +99,13 @@ def request_tokens(tokenizer: Any, body: Any, *, sort_tools: bool = False,
     if kind == "text":
         request = server_mod.CompletionRequest("text", str(body["prompt"]), [], None, None)
     else:
-        request = server_mod.CompletionRequest("chat", "", copy.deepcopy(body["messages"]),
-                                               body.get("tools") or None, body.get("role_mapping"))
+        messages = copy.deepcopy(body["messages"])
+        if stable is not None:
+            messages, stable.moved = stable_prefix.stabilize(messages, stable.rules, stable.memory,
+                                                             salt_key=stable.salt_key,
+                                                             inline=stable_prefix.inline_for(tokenizer))
+        request = server_mod.CompletionRequest("chat", "", messages, body.get("tools") or None,
+                                               body.get("role_mapping"))
     if sort_tools and request.tools:
         request.tools = sorted_tools(request.tools)
     provider = types.SimpleNamespace(processor=None, cli_args=types.SimpleNamespace(

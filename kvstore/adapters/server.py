@@ -43,7 +43,7 @@ from .. import metrics
 from ..floors import MIN_DISK_HIT
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..units import memory_floor, parse_size
-from . import anthropic, http, model_names, prompts, responses, startup, tenants
+from . import anthropic, http, model_names, prompts, responses, stable_prefix, startup, tenants
 from .http import HeadersOnly, send_json
 
 if TYPE_CHECKING:  # imported when used: MLX and mlx-lm take seconds, --help and a refused start need neither
@@ -151,7 +151,8 @@ def patch(server_mod: Any, **options: Any) -> None:
     model_names.install(server_mod)  # any model name answers, never a hub lookup (--strict-model-names)
     _learn_kv_quant(server_mod)
     tenants.install(server_mod)  # keys and cache_salt, for every route (kvstore.adapters.tenants)
-    prompts.install_tool_sorting(server_mod)  # outermost: --sort-tools (kvstore.adapters.prompts)
+    prompts.install_tool_sorting(server_mod)  # --sort-tools (kvstore.adapters.prompts)
+    stable_prefix.install(server_mod)  # outermost: --stable-prefix (kvstore.adapters.stable_prefix)
 
 
 def _learn_kv_quant(server_mod: Any) -> None:
@@ -240,6 +241,15 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
                    help="sort tool definitions by name before the chat template renders them (/v1/chat/completions "
                         "and /v1/messages): clients listing the same tools in another order then share a cached "
                         "prefix; the model sees them sorted. Off by default")
+    g.add_argument("--stable-prefix", action="store_true",
+                   help="keep a session's volatile lines (Claude Code's date and git status, OpenCode's date) "
+                        "at the values it began with, in place, and give changed values as an update before the "
+                        "user turn that first saw them: a session resumed on another day or work tree still "
+                        "reads its prompt from the cache; the model reads every current value. Off by default")
+    g.add_argument("--volatile", action="append", default=[], metavar="REGEX",
+                   help="another volatile span for --stable-prefix (a Python regular expression matched in the "
+                        "system and user messages before the first assistant turn); repeatable; implies "
+                        "--stable-prefix")
 
 
 def main(argv: list[str] | None = None, *, exit_process: bool = True,
@@ -262,6 +272,10 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     model_names.add_arguments(parser)
     ours, rest = parser.parse_known_args(argv)
     policy = tenants.policy_from(ours)  # a bad key flag ends the start before anything heavy
+    try:
+        stable_prefix.user_rules(ours.volatile)
+    except ValueError as e:
+        parser.error(str(e))
     if "-h" in rest or "--help" in rest:
         parser.print_help()
         print("\nmlx_lm.server flags:", flush=True)
@@ -327,6 +341,7 @@ def _install(server_mod: Any, ours: argparse.Namespace, rest: list[str], policy:
     prompts.SORT_TOOLS = ours.sort_tools
     model_names.configure(ours)
     responses.LIMITS.update(max_count=ours.responses_max_count, max_bytes=ours.responses_max_bytes)
+    stable_prefix.configure(ours.stable_prefix, ours.volatile)
     startup.install(server_mod, startup.options(ours), _STORES, progress)
     signal.signal(signal.SIGTERM, _sigterm)
     if hasattr(signal, "SIGUSR1"):  # POSIX (Linux, macOS)

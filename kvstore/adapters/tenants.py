@@ -223,6 +223,13 @@ def tag_request(request: Any, salt: Salt | None) -> Any:
     return request
 
 
+def salt_carried(request: Any) -> Salt | None:
+    """The salt ``request`` carries (``tag_request``), else that of the request this HTTP
+    thread is serving (a route rendering on its own thread, e.g. ``count_tokens``)."""
+    salt = getattr(request, _REQUEST_SALT, None)
+    return salt if salt is not None else current_salt()
+
+
 def current_salt() -> Salt | None:
     """The salt of the request this HTTP thread is serving (set by ``parse_request``)."""
     return getattr(_LOCAL, "salt", None)

@@ -42,6 +42,11 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="the server's --chat-template-args")
     p.add_argument("--sort-tools", action="store_true", help="the server runs with --sort-tools")
     p.add_argument("--keep-billing-header", action="store_true", help="the server runs with --keep-billing-header")
+    p.add_argument("--stable-prefix", action="store_true",
+                   help="the server runs with --stable-prefix: render the request as it would (what the cache "
+                        "directory records of the session's first values is read, never written) and say what moved")
+    p.add_argument("--volatile", action="append", default=[], metavar="REGEX",
+                   help="the server's --volatile rules (imply --stable-prefix)")
     common.add_cache_dir(p)
     common.add_json(p)
     return p
@@ -126,10 +131,11 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
 
     extra = {"chat_template": args.chat_template} if args.chat_template else None
     tokenizer = load_tokenizer(model, tokenizer_config_extra=extra)
+    stable = _stable(args, body)
     try:
         request = request_tokens(tokenizer, body, sort_tools=args.sort_tools,
                                  keep_billing_header=args.keep_billing_header,
-                                 chat_template_args=args.chat_template_args)
+                                 chat_template_args=args.chat_template_args, stable=stable)
     except ValueError as e:
         raise common.CLIError(f"cannot render the request: {e}") from None
     # the digests the servers of this directory remembered: the weights are not read again
@@ -153,7 +159,27 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
             "shared_tokens": near.common if near else 0, "serves": near.serves if near else 0,
             "nearest": common.short_id(near.key) if near else None})
     others.sort(key=lambda o: -int(o["serves"]))
-    return _verdict(args, ident, request, own, others, len(by_identity.get(ident.hex, [])), decode, str(disk.root))
+    out = _verdict(args, ident, request, own, others, len(by_identity.get(ident.hex, [])), decode, str(disk.root))
+    out["stable_prefix"] = stable.moved.as_json() if stable is not None and stable.moved is not None else None
+    out["stable_prefix_said"] = stable.moved.describe() if stable is not None and stable.moved is not None else None
+    return out
+
+
+def _stable(args: argparse.Namespace, body: Any) -> Any:
+    """The server's ``--stable-prefix`` for ``request_tokens`` (None when it runs without):
+    the cache directory's records, read only, under the body's ``cache_salt``."""
+    if not (args.stable_prefix or args.volatile):
+        return None
+    from ..adapters import stable_prefix
+    from ..salt import salt_key
+
+    try:
+        rules = stable_prefix.BUILTIN + stable_prefix.user_rules(args.volatile)
+    except ValueError as e:
+        raise common.CLIError(str(e)) from None
+    salt = body.get("cache_salt") if isinstance(body, dict) else None
+    return stable_prefix.Render(rules, stable_prefix.Memory(common.cache_dir(args), write=False),
+                                salt_key(salt) if isinstance(salt, str) and salt else None)
 
 
 def _verdict(args: argparse.Namespace, ident: Any, request: list[int], own: Nearest | None,
@@ -210,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"other       identity {o['identity'][:12]} of this model directory ({', '.join(o['differs']) or '?'} "
               f"differ{'s' if len(o['differs']) == 1 else ''}): {common.plural(o['entries'], 'entry', 'entries')}, "
               f"the nearest shares {o['shared_tokens']} tokens")
+    if info.get("stable_prefix_said"):
+        print(f"stable      {info['stable_prefix_said']}")
     reason = info["reason"]
     if reason is None:
         why = ("the store serves all it holds of this request" if info["serves"] else

@@ -1,0 +1,471 @@
+"""``kvstore serve --stable-prefix``: a session's volatile lines keep the values it began with.
+
+Agents put lines that change between days or work trees at the head of every request:
+Claude Code's environment message (today's date) and its git-status snapshot, OpenCode's
+date line in its system prompt. Rendered before the tools and the whole history, a new
+value there ends the cached prefix where it starts: a session resumed the next day is
+prefilled from scratch. With ``--stable-prefix`` the prompt keeps the values the session
+began with, in their place, and today's values follow as an update just before the user
+turn where they were first seen: system text, tools and history render as they were
+stored, and the model still reads every current value, last.
+
+Guarantees (``stabilize``):
+- Spans are matches of ``Rule`` patterns (``BUILTIN``, plus ``--volatile REGEX``) in the
+  system and user messages before the first assistant or tool message: the place agents
+  send them. Nothing after an assistant turn or a tool result is read or changed, and no
+  text moves: a span keeps its place, only its value is the first one seen.
+- A request with no span, one seen for the first time, or one whose values are those its
+  session began with and which carries no recorded update renders byte for byte as
+  without the option (the same list object is returned).
+- An update's place never moves from one turn to the next: it is recorded under a digest
+  of the conversation up to and including the user turn it precedes (spans masked), and
+  put back before that turn in every later request of the conversation. A new value adds
+  one update before the latest user turn; nothing is added when no user turn follows the
+  spans (the request renders as sent).
+- What a session began with is kept across restarts in the cache directory
+  (``Memory``: ``stable-prefix/<digest>.json``, made through ``files``), keyed by a digest
+  of the masked span-bearing messages keyed with the request's salt (tenants never share
+  a record). A record lost, unreadable or not written only costs the cache: the prompt
+  then renders as sent, or with today's values as a new update, never with a stale value
+  last.
+- The update is a system message where the chat template renders one mid-conversation
+  (``Placement``, probed once per template), else the head of that user turn's text.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..escape import visible
+
+log = logging.getLogger("kvstore")
+DIRECTORY = "stable-prefix"
+MAX_UPDATES = 64  # updates kept per record, oldest dropped (a dropped one costs a resumed session's cache only)
+UPDATE_HEAD = ("The environment changed since the start of this conversation; "
+               "these current values replace the ones given above:")
+PERSON = b"kvstore-stable"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A kind of volatile span: ``pattern``'s non-empty matches."""
+
+    name: str
+    pattern: re.Pattern[str]
+
+
+BUILTIN: tuple[Rule, ...] = (
+    # Claude Code's environment message ("Today's date is 2026-11-28."), OpenCode's <env>
+    # block ("  Today's date: Sat Nov 28 2026"): the rest of the line
+    Rule("date", re.compile(r"Today's date(?: is|:) [^\n]*")),
+    # Claude Code's git-status snapshot (a reminder in the session's first user turn):
+    # from its header through the last line of the commit list
+    Rule("git-status", re.compile(r"# gitStatus\nThis is the git status at the start of the conversation\.[^\n]*\n"
+                                  r"(?:[^\n]*\n)*?Recent commits:\n(?:[^\n]+\n?)*")),
+)
+
+
+def user_rules(patterns: Sequence[str]) -> tuple[Rule, ...]:
+    """``--volatile`` patterns as rules; ValueError naming a pattern that does not compile."""
+    out = []
+    for i, p in enumerate(patterns, 1):
+        try:
+            out.append(Rule(f"volatile-{i}", re.compile(p)))
+        except re.error as e:
+            raise ValueError(f"--volatile {p!r} is not a regular expression: {e}") from None
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Span:
+    """One match: in ``messages[message]``'s text (``part``: its index in a list content,
+    None for a string content), ``start``..``end``."""
+
+    message: int
+    part: int | None
+    start: int
+    end: int
+    rule: str
+    text: str
+
+
+def _texts(message: Any) -> list[tuple[int | None, str]]:
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return [(None, content)]
+    if isinstance(content, list):
+        return [(k, p["text"]) for k, p in enumerate(content)
+                if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)]
+    return []
+
+
+def head_length(messages: Sequence[Any]) -> int:
+    """How many leading messages may hold spans: those before the first assistant or tool
+    message (or any message that is not a system, developer or user message)."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user"):
+            return i
+    return len(messages)
+
+
+def find_spans(messages: Sequence[Any], rules: Sequence[Rule]) -> list[Span]:
+    """The spans of ``rules`` in the head of ``messages`` (``head_length``), in order; where
+    two overlap the earlier (then the longer) wins."""
+    out: list[Span] = []
+    for i in range(head_length(messages)):
+        for part, text in _texts(messages[i]):
+            found = sorted(((m.start(), -m.end(), r.name) for r in rules for m in r.pattern.finditer(text)
+                            if m.end() > m.start()))
+            end = 0
+            for start, neg_end, name in found:
+                if start >= end:
+                    out.append(Span(i, part, start, -neg_end, name, text[start:-neg_end]))
+                    end = -neg_end
+    return out
+
+
+def _with_values(message: dict[str, Any], spans: list[Span], values: Sequence[str],
+                 mark: Callable[[Span], str] | None = None) -> dict[str, Any]:
+    """``message`` with each of its ``spans`` replaced by its value (``mark(span)`` instead
+    when given), content copied, the rest shared."""
+    by_part: dict[int | None, list[tuple[Span, str]]] = {}
+    for s, v in zip(spans, [mark(s) for s in spans] if mark else values):
+        by_part.setdefault(s.part, []).append((s, v))
+    out = dict(message)
+    content = out["content"]
+    if isinstance(content, list):
+        content = list(content)
+    for part, items in by_part.items():
+        text = content if part is None else content[part]["text"]
+        for s, v in sorted(items, key=lambda sv: -sv[0].start):
+            text = text[:s.start] + v + text[s.end:]
+        if part is None:
+            content = text
+        else:
+            content[part] = {**content[part], "text": text}
+    out["content"] = content
+    return out
+
+
+def _canonical(message: Any) -> bytes:
+    return json.dumps(message, sort_keys=True, ensure_ascii=False, default=str).encode()
+
+
+def _spans_of(spans: list[Span], i: int) -> list[Span]:
+    return [s for s in spans if s.message == i]
+
+
+def masked(messages: Sequence[Any], spans: list[Span]) -> list[Any]:
+    """``messages`` with every span replaced by a mark naming its rule: what a session's
+    record and its updates are keyed by (the same whatever the values)."""
+    held = {s.message for s in spans}
+    return [_with_values(m, _spans_of(spans, i), [], lambda s: f"\x00{s.rule}\x00") if i in held else m
+            for i, m in enumerate(messages)]
+
+
+def _digest(salt_key: bytes | None) -> Any:
+    return hashlib.blake2b(digest_size=16, key=salt_key or b"", person=PERSON)
+
+
+def session_key(plain: Sequence[Any], spans: list[Span], salt_key: bytes | None) -> str:
+    """The record's name: a digest of the masked messages up to the last one holding a
+    span, keyed with the request's salt (``salt.salt_key``; None: unsalted)."""
+    h = _digest(salt_key)
+    for m in plain[:max(s.message for s in spans) + 1]:
+        h.update(_canonical(m))
+    return str(h.hexdigest())
+
+
+def anchors(plain: Sequence[Any], key: str, salt_key: bytes | None) -> dict[int, str]:
+    """For each user message of ``plain`` (masked): a digest of the conversation up to and
+    including it (what an update before it is recorded under)."""
+    h = _digest(salt_key)
+    h.update(key.encode())
+    out = {}
+    for i, m in enumerate(plain):
+        h.update(_canonical(m))
+        if isinstance(m, dict) and m.get("role") == "user":
+            out[i] = str(h.copy().hexdigest())
+    return out
+
+
+# -- what a session began with, kept in the cache directory ---------------------------------
+
+
+class Memory:
+    """Records ``{"began": [values], "updates": {anchor: [values]}}`` by session key, in
+    ``root/stable-prefix/<key>.json`` (``root`` None: in this process only). Files are made
+    with the cache directory's ``modes`` through ``files`` (never through a symlink, never
+    blocking on a FIFO, replaced whole); one that cannot be read is no record. ``write``
+    False: records are read, never written (``kvstore why``)."""
+
+    def __init__(self, root: Path | None, modes: Any = None, *, write: bool = True) -> None:
+        self.dir = root / DIRECTORY if root is not None else None
+        self.modes = modes
+        self.write = write
+        self.lock = threading.Lock()  # held over a request's read, rewrite and write
+        self._local: dict[str, dict[str, Any]] = {}
+        self._warned = False
+
+    def load(self, key: str) -> dict[str, Any] | None:
+        if self.dir is None:
+            return copy.deepcopy(self._local.get(key))
+        from ..files import BlobError, open_regular
+        import os
+
+        try:
+            fd = open_regular(self.dir / f"{key}.json")
+        except (BlobError, OSError):
+            return None
+        try:
+            with os.fdopen(fd, "rb") as f:
+                rec = json.loads(f.read(1 << 24))
+        except (OSError, ValueError, RecursionError):
+            return None
+        ok = (isinstance(rec, dict) and _values(rec.get("began")) and isinstance(rec.get("updates"), dict)
+              and all(_values(v) for v in rec["updates"].values()))
+        return rec if ok else None
+
+    def save(self, key: str, rec: dict[str, Any]) -> None:
+        if not self.write:
+            return
+        if self.dir is None:
+            self._local[key] = copy.deepcopy(rec)
+            return
+        from ..files import PRIVATE, make_dir, replace_file
+
+        try:
+            make_dir(self.dir, self.modes or PRIVATE)
+            replace_file(self.dir / f"{key}.json", json.dumps(rec, ensure_ascii=False).encode(),
+                         self.modes or PRIVATE)
+        except Exception as e:  # an OSError, or BlobError: a symlink or a file where the directory goes
+            if not self._warned:
+                self._warned = True
+                log.warning("kvstore: --stable-prefix cannot keep what sessions began with in %s (%s): a "
+                            "resumed session whose volatile lines changed is prefilled again", self.dir, e)
+
+
+def _values(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+# -- the rewrite -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Moved:
+    """What ``stabilize`` did to a request: the spans (rule, value kept in place, value now
+    in force) whose place kept the session's first value, and where the updates went
+    (message indexes of the rewritten list; ``inline``: inside that user turn)."""
+
+    spans: tuple[tuple[str, str, str], ...]
+    updates: tuple[int, ...]
+    inline: bool
+    recorded: bool = field(default=False, compare=False)  # this request added an update
+
+    def describe(self, width: int = 48) -> str:
+        """One line: each changed span's kept and current value (escaped, cut to
+        ``width``) and where the update is."""
+        def cut(s: str) -> str:
+            s = visible(s, newlines=False)
+            return s if len(s) <= width else s[:width - 3] + "..."
+
+        changed = [f'{rule} "{cut(kept)}" kept in place, "{cut(now)}" in the update'
+                   for rule, kept, now in (_first_change(*span) for span in self.spans) if kept != now]
+        changed = changed or ["values as the session began"]
+        where = (f"{'inside' if self.inline else 'before'} message{'s' if len(self.updates) > 1 else ''} "
+                 f"{', '.join(map(str, self.updates))}") if self.updates else "no update"
+        return f"--stable-prefix: {'; '.join(changed)} ({where})"
+
+    def as_json(self) -> dict[str, Any]:
+        return {"spans": [{"rule": r, "kept": k, "now": n} for r, k, n in self.spans],
+                "updates_at": list(self.updates), "inline": self.inline}
+
+
+def _first_change(rule: str, kept: str, now: str) -> tuple[str, str, str]:
+    """(rule, kept, now) from the first line in which a multi-line value changed."""
+    a, b = kept.splitlines(), now.splitlines()
+    for k, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return (rule, x, y) if k else (rule, kept, now)
+    k = min(len(a), len(b))
+    return (rule, "\n".join(a[k:k + 1]), "\n".join(b[k:k + 1])) if k else (rule, kept, now)
+
+
+def update_text(spans: list[Span], before: Sequence[str], now: Sequence[str]) -> str:
+    """The update saying ``now``'s values of the spans that differ from ``before``."""
+    lines = [n for s, b, n in zip(spans, before, now) if b != n]
+    return UPDATE_HEAD + "\n\n" + "\n\n".join(x.rstrip("\n") for x in lines)
+
+
+def _insert(message: dict[str, Any], text: str, inline: bool) -> list[dict[str, Any]]:
+    if not inline:
+        return [{"role": "system", "content": text}, message]
+    content = message.get("content")
+    if isinstance(content, list):
+        return [{**message, "content": [{"type": "text", "text": text}, *content]}]
+    return [{**message, "content": f"{text}\n\n{content or ''}"}]
+
+
+def stabilize(messages: list[Any], rules: Sequence[Rule], memory: Memory, *, salt_key: bytes | None = None,
+              inline: bool = False) -> tuple[list[Any], Moved | None]:
+    """``messages`` (a chat-completions list) as ``--stable-prefix`` renders them, and what
+    moved (None: ``messages`` itself, unchanged). See the module docstring."""
+    spans = find_spans(messages, rules)
+    if not spans:
+        return messages, None
+    plain = masked(messages, spans)
+    key = session_key(plain, spans, salt_key)
+    values = [s.text for s in spans]
+    users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
+    with memory.lock:
+        rec = memory.load(key)
+        if rec is None or len(rec["began"]) != len(spans):
+            memory.save(key, {"began": values, "updates": {}})
+            return messages, None
+        began: list[str] = rec["began"]
+        at = anchors(plain, key, salt_key)
+        inserts = [(i, list(rec["updates"][at[i]])) for i in users if at[i] in rec["updates"]
+                   and len(rec["updates"][at[i]]) == len(spans)]
+        last = max(s.message for s in spans)
+        inserts = [(i, v) for i, v in inserts if i > last]
+        current = inserts[-1][1] if inserts else began
+        recorded = False
+        if current != values and not (users and users[-1] > last):
+            return messages, None  # no user turn follows the spans to carry today's values: as sent
+        if current != values:
+            if inserts and inserts[-1][0] == users[-1]:
+                inserts[-1] = (users[-1], values)
+            else:
+                inserts.append((users[-1], values))
+            rec["updates"][at[users[-1]]] = values
+            rec["updates"] = dict(list(rec["updates"].items())[-MAX_UPDATES:])
+            memory.save(key, rec)
+            recorded = True
+    if not inserts and began == values:
+        return messages, None
+    out: list[Any] = []
+    shown, before, where = dict(inserts), began, []
+    for i, m in enumerate(messages):
+        mine = _spans_of(spans, i)
+        if mine:
+            m = _with_values(m, mine, [began[spans.index(s)] for s in mine])
+        if i in shown and shown[i] != before:
+            where.append(len(out))
+            out.extend(_insert(m, update_text(spans, before, shown[i]), inline))
+            before = shown[i]
+        else:
+            out.append(m)
+    return out, Moved(tuple((s.rule, b, n) for s, b, n in zip(spans, began, before)), tuple(where), inline, recorded)
+
+
+# -- kvstore serve: the switch, the template probe, the hook ----------------------------------
+
+
+@dataclass
+class Config:
+    """``kvstore serve``'s choice: off by default; ``--stable-prefix`` turns the built-in
+    rules on, each ``--volatile REGEX`` adds one (and turns the rewrite on)."""
+
+    enabled: bool = False
+    rules: tuple[Rule, ...] = BUILTIN
+
+
+CONFIG = Config()
+PROBE_MARK = "kvstore-probe-7f3a"
+_INLINE: dict[str, bool] = {}
+_NOTE = threading.local()  # the generation thread's last rewrite, read by its next lookup's miss line
+
+
+def configure(enabled: bool, patterns: Sequence[str] = ()) -> None:
+    """Set ``CONFIG`` from the flags; ValueError naming a bad ``--volatile`` pattern."""
+    extra = user_rules(patterns)
+    CONFIG.enabled, CONFIG.rules = enabled or bool(extra), BUILTIN + extra
+
+
+def inline_for(tokenizer: Any) -> bool:
+    """Whether ``tokenizer``'s chat template needs the update inside the user turn: it
+    refuses a system message after the first turn, or renders it without its text (probed
+    once per template on a five-message conversation)."""
+    template = str(getattr(tokenizer, "chat_template", None))
+    if template not in _INLINE:
+        probe = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"},
+                 {"role": "assistant", "content": "c"}, {"role": "system", "content": PROBE_MARK},
+                 {"role": "user", "content": "d"}]
+        try:
+            text = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+            _INLINE[template] = not (isinstance(text, str) and PROBE_MARK in text)
+        except Exception:  # the template's own refusal (raise_exception)
+            _INLINE[template] = True
+    return _INLINE[template]
+
+
+def memory_of(prompt_cache: Any) -> Memory:
+    """The ``Memory`` of a server's prompt cache: in its store's cache directory when it
+    has a disk tier (else this process only), made once."""
+    got = getattr(prompt_cache, "_kvstore_stable_memory", None)
+    if got is None:
+        store = getattr(prompt_cache, "store", None)
+        disk = getattr(store, "disk", None)
+        got = Memory(store.cache_dir if store is not None and disk is not None else None, getattr(disk, "modes", None))
+        try:
+            prompt_cache._kvstore_stable_memory = got
+        except AttributeError:
+            pass
+    return got
+
+
+def note() -> str:
+    """``; <what moved>`` for the miss line of the lookup that follows this thread's last
+    rewrite ("" when it rewrote nothing); cleared once read."""
+    moved, _NOTE.moved = getattr(_NOTE, "moved", None), None
+    return f"; {moved.describe()}" if moved is not None else ""
+
+
+def install(server_mod: Any) -> None:
+    """Make ``server_mod.ResponseGenerator._tokenize`` render every chat request (every
+    route: they all reach it as chat-completions messages) through ``stabilize`` while
+    ``CONFIG.enabled`` (the request object is copied, not changed). Idempotent."""
+    generator = server_mod.ResponseGenerator
+    if getattr(generator, "_kvstore_stable_prefix", False):
+        return
+    tokenize = generator._tokenize
+    from ..salt import salt_key
+    from .tenants import salt_carried
+
+    def _tokenize(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
+        _NOTE.moved = None
+        if CONFIG.enabled and getattr(request, "request_type", None) == "chat" and request.messages:
+            salt = salt_carried(request)
+            messages, moved = stabilize(request.messages, CONFIG.rules, memory_of(self.prompt_cache),
+                                        salt_key=salt_key(salt) if salt is not None else None,
+                                        inline=inline_for(tokenizer))
+            if moved is not None:
+                request = copy.copy(request)
+                request.messages = messages
+                _NOTE.moved = moved
+                if moved.recorded:
+                    log.info("kvstore: %s", moved.describe())
+        return tokenize(self, tokenizer, request, args)
+
+    generator._tokenize = _tokenize
+    generator._kvstore_stable_prefix = True
+
+
+@dataclass
+class Render:
+    """``--stable-prefix`` for ``prompts.request_tokens`` (``kvstore why``): the rules, the
+    records read (``Memory(write=False)``) and the salt; ``moved`` is filled in."""
+
+    rules: tuple[Rule, ...]
+    memory: Memory
+    salt_key: bytes | None = None
+    moved: Moved | None = None
