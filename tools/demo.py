@@ -51,6 +51,7 @@ PREFILL_STEP = {"reference": 64}
 SECONDS_PER_TOKEN = {"reference": 0.31, "openblas": 0.013}
 OTHER_SECONDS = {"reference": 260, "openblas": 60}
 CONVERT_SECONDS = 15  # the one-time GGUF conversion (12 s measured)
+ANSWER_TOKENS = 24  # each answer's length at most: a tool's name
 
 
 def system_prompt(tokenizer, target: int) -> str:
@@ -90,28 +91,38 @@ def one_request(args: argparse.Namespace, question: str) -> dict:
     from tools.testing.model_builds import model_path
 
     path = model_path(MODEL)
-    with Progress(f"load model {MODEL_NAME}"):
+    phases: dict[str, float] = {}  # where this process's time went, said by the parent
+    with Progress(f"load model {MODEL_NAME}") as step:
         model, tok = load(str(path))
-    messages = [{"role": "system", "content": system_prompt(tok, args.tokens)},
-                {"role": "user", "content": question}]
-    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    prompt = list(getattr(prompt, "input_ids", prompt))
-    system = dict((kind, n) for n, kind in message_boundaries(tok, messages, prompt)).get("system", 0)
-    store = KVStore(args.cache_dir)
-    text, first = "", None
+    phases["load the model"] = step.close()
+    with Progress("build the prompt (tool definitions, chat template)") as step:
+        messages = [{"role": "system", "content": system_prompt(tok, args.tokens)},
+                    {"role": "user", "content": question}]
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompt = list(getattr(prompt, "input_ids", prompt))
+        system = dict((kind, n) for n, kind in message_boundaries(tok, messages, prompt)).get("system", 0)
+        store = KVStore(args.cache_dir)
+    phases["build the prompt, open the store"] = step.close()
+    text, first, answer = "", None, None
     with PromptSteps(len(prompt)) as steps:
-        for step in stream_generate(store, model, tok, prompt, model_key=path, max_tokens=24, progress=steps,
-                                    prefill_step=PREFILL_STEP.get(blas.in_use(), 512)):
-            first = first or step
+        for step in stream_generate(store, model, tok, prompt, model_key=path, max_tokens=ANSWER_TOKENS,
+                                    progress=steps, prefill_step=PREFILL_STEP.get(blas.in_use(), 512)):
+            if first is None:  # the prefill bar has ended: say what the next seconds are
+                first = step
+                answer = Progress(f"first token after {step.ttft:.2f} s; generate the rest of the answer "
+                                  f"(at most {ANSWER_TOKENS} tokens)")
             text += step.text
-    with write_behind(len(prompt)):
+    phases["look up, restore and prefill (time to first token)"] = first.ttft
+    phases["generate the rest of the answer"] = answer.close() if answer is not None else 0.0
+    with write_behind(len(prompt)) as step:
         store.flush()
+    phases["write the prompt's KV to disk"] = step.close()
     key = entry_key(store, path, prompt)
     stored = store.disk.index.entry(key) is not None
     store.close()
     return {"prompt_tokens": len(prompt), "system_tokens": system, "cached_tokens": first.cached_tokens,
             "source": first.cache_source, "ttft": first.ttft, "answer": text.strip(),
-            "entry": short_id(key) if stored else None}
+            "entry": short_id(key) if stored else None, "phases": phases}
 
 
 # ----------------------------------------------------------------------------- the demo
@@ -225,8 +236,17 @@ def report(r: dict) -> None:
                 else "restored 0 (cold prefill)")
     print(f"    prompt {r['prompt_tokens']:,} tokens ({r['system_tokens']:,}-token system prompt + "
           f"{r['prompt_tokens'] - r['system_tokens']:,} for the question), {restored}\n"
-          f"    time to first token {r['ttft']:.2f} s (whole process {r['process_seconds']:.1f} s)\n"
+          f"    time to first token {r['ttft']:.2f} s; {where_the_time_went(r)}\n"
           f"    answer: {r['answer']!r}", flush=True)
+
+
+def where_the_time_went(r: dict) -> str:
+    """The whole process's seconds, phase by phase (the rest: starting Python and importing
+    MLX, mlx-lm and kvstore, which a server pays once, not per request)."""
+    phases = dict(r["phases"])
+    started = max(0.0, r["process_seconds"] - sum(phases.values()))
+    parts = [f"{started:.1f} s start Python, import MLX and mlx-lm"] + [f"{v:.1f} s {k}" for k, v in phases.items()]
+    return f"whole process {r['process_seconds']:.1f} s: " + ", ".join(parts)
 
 
 def main() -> None:
