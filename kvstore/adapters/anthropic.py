@@ -476,6 +476,7 @@ def _run(handler: Any, original: Callable[[Any], None], chat: dict[str, Any], mo
 
     def head(cap: Capture) -> None:
         if cap.head:  # mlx-lm's own 200 event-stream head (status, CORS), then our events
+            type(handler).log_request(handler, cap.status)  # the request's one access-log line
             real_out.write(cap.head)
             cap.head = b""
 
@@ -500,6 +501,9 @@ def _run(handler: Any, original: Callable[[Any], None], chat: dict[str, Any], mo
     del handler.headers["Content-Length"]
     handler.headers["Content-Length"] = str(len(raw))
     handler.wfile, handler.rfile, handler.path, handler.response_generator = cap, io.BytesIO(raw), "/v1/chat/completions", tap
+    # mlx-lm's answer is captured, not sent: its access-log line would be a second one for
+    # this request (the answer sent below, or the stream's head, logs it once)
+    handler.log_request = lambda *args: None
     failure: Exception | None = None
     try:
         original(handler)
@@ -508,6 +512,7 @@ def _run(handler: Any, original: Callable[[Any], None], chat: dict[str, Any], mo
         log.exception("kvstore: /v1/messages failed")
     finally:
         handler.wfile, handler.rfile, handler.path, handler.response_generator = real_out, real_in, real_path, real_gen
+        del handler.log_request
     if isinstance(failure, (BrokenPipeError, ConnectionResetError)):
         return  # the client went away (mlx-lm's handler stopped the generation)
     if cap.stream and cap.status == 200:
