@@ -219,14 +219,31 @@ def test_a_first_run_of_the_suite_says_what_it_builds_and_what_runs_long(tmp_pat
         return [line for line in p.stdout.splitlines() if line.startswith("kvstore:")]
 
     first = run()
-    assert first[0].startswith("kvstore: 2 tests, about 1 min on 2 quiet cores"), first
+    from tools.measured import pytest_estimate
+
+    assert first[0].startswith(f"kvstore: 2 tests, {pytest_estimate(2, 0)}; "), first  # README's runs, scaled
     assert f"test models to build on first use, seconds each, once per machine, into {tmp_path / 'models'}" in first[0]
     assert first[1] == "kvstore: building test model tiny-llama (once per machine) ...", first
     # test_long says so after 1 s, again after 2 s (test_model may take over 1 s too, when busy)
     long = [f"kvstore: still running test_one.py::test_long after {n} s (a few tests take minutes)" for n in (1, 2)]
     assert [line for line in first if "test_long" in line] == long, first
     again = run()  # tiny-llama is built now: no build line, one model fewer to build
-    assert again[0].startswith("kvstore: 2 tests, about 1 min") and again[-2:] == long, again
+    assert again[0].startswith(f"kvstore: 2 tests, {pytest_estimate(2, 0)}; ") and again[-2:] == long, again
     assert not any("building" in line for line in again), again
     missing = [int(line.split("; ")[1].split()[0]) for line in (first[0], again[0])]
     assert missing[1] == missing[0] - 1, (first, again)
+
+
+def test_readme_states_the_measured_runs_the_estimates_use() -> None:
+    """README's figures are tools/measured.py's (`python -m tools.measured` prints the
+    paragraph), the same runs pytest's first line and the demo's estimate scale."""
+    import re
+
+    from tools.measured import readme_paragraph
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert readme_paragraph() in readme, "README's figures differ from tools/measured.py: paste `python -m tools.measured`"
+    for stale in ("704 tests in 19 min", "not slowed by load", "slows all but the install"):
+        assert stale not in readme, stale
+    assert not re.search(r"\b(?:SECONDS_PER_TOKEN|OTHER_SECONDS|FAST_S_PER_TEST)\b",
+                         (ROOT / "tools" / "demo.py").read_text() + (ROOT / "tests" / "conftest.py").read_text())

@@ -43,14 +43,6 @@ QUESTIONS = ["Which tool should I use to convert 100 US dollars to euros?",
 # BLAS (~0.3 s a token on 2 cores; 512-token steps left it at 0/2,032 for 2.5 min); with
 # OpenBLAS or Metal a 512-token step takes seconds, and larger steps prefill faster.
 PREFILL_STEP = {"reference": 64}
-# What the demo announces before it starts, measured on 2 x86 cores, quiet machine: the cold
-# prefill's seconds per token of SmolLM2-135M float32 (reference BLAS: 2,032 tokens in
-# 621.6 s; OpenBLAS: 4,235 in 52 s) and the rest of a run (imports, two model loads, the
-# answers, the restore; reference: 14 min 44 s in all). A busy machine takes longer (here,
-# load 16 on 2 cores: 363 s for 4,031 tokens on OpenBLAS). Metal is far faster than either.
-SECONDS_PER_TOKEN = {"reference": 0.31, "openblas": 0.013}
-OTHER_SECONDS = {"reference": 260, "openblas": 60}
-CONVERT_SECONDS = 15  # the one-time GGUF conversion (12 s measured)
 ANSWER_TOKENS = 24  # each answer's length at most: a tool's name
 
 
@@ -214,21 +206,19 @@ def run_step(args: argparse.Namespace, i: int, cache_dir: Path) -> dict:
 
 
 def expected(blas_in_use: str, tokens: int, convert: bool) -> str:
-    """What the run will take, said before it starts (measured rates: ``SECONDS_PER_TOKEN``)."""
-    rate = SECONDS_PER_TOKEN.get(blas_in_use)
-    if rate is None:
+    """What the run will take, said before it starts: README's measured runs
+    (tools/measured.py), scaled to ``tokens``."""
+    from tools.measured import DEMO, demo_estimate, minutes
+
+    if blas_in_use not in ("openblas", "reference"):
         return "expected duration: about a minute on Metal (the cold prefill is the longest step)"
-    cold = tokens * rate
-    total = cold + OTHER_SECONDS[blas_in_use] + (CONVERT_SECONDS if convert else 0)
-    with_openblas = 4000 * SECONDS_PER_TOKEN["openblas"] + OTHER_SECONDS["openblas"]  # --tokens' default then
-    faster = (f"; with OpenBLAS (apt-get install libopenblas0-pthread) ~{_minutes(with_openblas)} for 4,000 tokens"
-              if blas_in_use == "reference" else "")
-    return (f"expected duration: ~{_minutes(total)} on 2 quiet cores, the cold prefill of {tokens:,} tokens "
-            f"~{_minutes(cold)} of it; longer on a busy machine{faster}")
-
-
-def _minutes(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+    total, cold, busy = demo_estimate(blas_in_use, tokens, convert)
+    faster = ""
+    if blas_in_use == "reference":
+        fast_total, _, _ = demo_estimate("openblas", 4000, False)  # --tokens' default then
+        faster = f"; with OpenBLAS (apt-get install libopenblas0-pthread) ~{minutes(fast_total)} for 4,000 tokens"
+    return (f"expected duration: ~{minutes(total)} on 2 quiet cores, the cold prefill of {tokens:,} tokens "
+            f"~{minutes(cold)} of it; ~{minutes(busy)} beside a load of {DEMO['busy']['load']}{faster}")
 
 
 def report(r: dict) -> None:
