@@ -86,6 +86,15 @@ def test_ls_says_what_differs_and_which_is_superseded(two_identities) -> None:
     assert new["others"] == [{"identity": t["old"].hex, "differs": differs}]
     assert old["superseded_by"] == t["new"].hex and new["superseded_by"] is None
     assert b["others"] == [] and b["superseded_by"] is None
+    from kvstore.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["ls", "--cache-dir", str(t["cache"])]) == 0
+    said = [ln.strip() for ln in out.getvalue().splitlines() if "another identity of this model directory" in ln]
+    assert sorted(said) == sorted([f"another identity of this model directory, {t['new'].hex[:12]}: {differs} differs; this one is "
+                    "superseded (`kvstore gc` removes it first)",
+                    f"another identity of this model directory, {t['old'].hex[:12]}: {differs} differs"]), said
 
 
 def test_gc_removes_the_superseded_identity_first(two_identities) -> None:
