@@ -195,9 +195,12 @@ def forget_earlier_run(cache_dir: Path, model: Path) -> str | None:
 
 def run_step(args: argparse.Namespace, i: int, cache_dir: Path) -> dict:
     """Step ``i`` in a new process; its progress goes straight to this terminal."""
+    from tools.testing.procs import die_with_parent
+
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, __file__, "--child", str(i), "--tokens", str(args.tokens),
-                          "--cache-dir", str(cache_dir)], stdout=subprocess.PIPE, text=True)
+                          "--cache-dir", str(cache_dir)], stdout=subprocess.PIPE, text=True,
+                         preexec_fn=die_with_parent)  # a killed demo leaves no step running
     if out.returncode != 0:
         sys.exit(f"demo: step {i + 1} failed (exit {out.returncode}); its error is above")
     r = json.loads(out.stdout.strip().splitlines()[-1])
