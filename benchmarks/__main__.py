@@ -97,6 +97,10 @@ def write_summary(out: Path) -> str:
     return text
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from kvstore import blas
@@ -107,8 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return common.child_main(*args.child)
 
+    import signal
     import tempfile
 
+    # SIGTERM (a test's timeout, a CI cancel) unwinds like Ctrl-C: the finally below ends the
+    # servers and removes the scratch directory; a SIGKILL leaves no server either (spawn).
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     out = Path(args.out) if args.out else (
         Path(tempfile.mkdtemp(prefix="kvstore-bench-quick-")) if args.quick else HERE / "results")
     out.mkdir(parents=True, exist_ok=True)
@@ -143,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             print(mod.report(doc))
             print(f"\n[{name}: {timings[name]:.0f} s -> {path}]", flush=True)
     finally:
+        common.end_all()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     total = time.perf_counter() - t_all

@@ -35,6 +35,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -47,6 +48,8 @@ from typing import Any, Callable, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from tools.testing.procs import die_with_parent  # noqa: E402
 
 HOST = "127.0.0.1"
 
@@ -247,7 +250,7 @@ class Proc:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         self._log = open(log, "ab")
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env)
+                                     stdin=subprocess.DEVNULL, env=env, preexec_fn=die_with_parent)
 
     @property
     def url(self) -> str:
@@ -346,16 +349,17 @@ def run_server(name: str, command: Callable[[int], list[str]], args: argparse.Na
         start()
         state["restart_ready_s"] = state["ready_s"]
 
-    start()
     session, client, run = api_session(args)
     missed: dict[str, Any] = {}
     try:
+        start()
         rows = play(session, args.turns, args.restart_after, lambda: client(state["proc"].url),
                     restart, log=lambda s: print(f"[{name}]{s}", flush=True), run=run)
         if is_kvstore:  # why the turns missed, as the server counted them (kvstore.misses)
             missed = miss_stats(state["proc"].url)
     finally:
-        state["proc"].stop(signal.SIGTERM)
+        if "proc" in state:
+            state["proc"].stop(signal.SIGTERM)
     later = [r["read_share"] for r in rows[1:]]
     return {"name": name, "rows": rows, "restart_ready_s": state.get("restart_ready_s"), "misses": missed,
             "read_share_after_turn_1": sum(r["cache_read_input_tokens"] for r in rows[1:])
@@ -529,10 +533,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks import common as C
 
-    from tools.testing.model_builds import model_path
-
     work = Path(args.work or tempfile.mkdtemp(prefix="agent-session-"))
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        return _session(args, work, C)
+    finally:
+        if not args.work:  # a temp dir of our own: its stores and logs go with the run
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _session(args: argparse.Namespace, work: Path, C: Any) -> int:
+    from tools.testing.model_builds import model_path
+
     model = with_tool_template(Path(args.model) if Path(args.model).is_dir() else model_path(args.model), work / "model")
     args.model_dir = model
     load_start = C.loadavg1()

@@ -495,8 +495,31 @@ def unload() -> None:
 # ----------------------------------------------------------------------------- children
 
 
+_SERVERS: "set[subprocess.Popen[bytes]]" = set()  # started by spawn, not yet terminated
+
+
+def spawn(cmd: Sequence[str], log: Any, env: dict[str, str] | None = None,
+          cwd: Path | str | None = REPO_ROOT) -> "subprocess.Popen[bytes]":
+    """Start a server subprocess (output to the open file ``log``) that cannot outlive this
+    run: it dies with this process (even by SIGKILL, on Linux), and ``end_all`` ends it when
+    the run finishes or fails, whichever benchmark forgot it."""
+    from tools.testing.procs import die_with_parent
+
+    proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=env, cwd=cwd, preexec_fn=die_with_parent)
+    _SERVERS.add(proc)
+    return proc
+
+
+def end_all() -> None:
+    """Terminate every server ``spawn`` started that is still running."""
+    while _SERVERS:
+        terminate(_SERVERS.pop(), timeout=30)
+
+
 def terminate(proc: "subprocess.Popen[bytes]", timeout: float = 120) -> int:
     """SIGTERM a server subprocess and wait (SIGKILL after ``timeout`` s); its exit status."""
+    _SERVERS.discard(proc)
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -512,7 +535,10 @@ def run_child(target: str, args: dict[str, Any], *, timeout: float = 1800) -> di
     environment) and return its JSON result."""
     cmd = [sys.executable, "-m", "benchmarks", "--child", target, json.dumps(args)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    from tools.testing.procs import die_with_parent
+
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=die_with_parent)
     wall = time.perf_counter() - t0
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(CHILD_MARK)]
     if proc.returncode != 0 or not lines:

@@ -24,7 +24,6 @@ import os
 import random
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -54,9 +53,15 @@ class Proc:
                [sys.executable, "-m", "kvstore.cli", "serve", "--cache-dir", str(cache_dir)])
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         self._log = open(log, "wb")
-        self.proc = subprocess.Popen(cmd + args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env, cwd=C.REPO_ROOT)
-        deadline = time.monotonic() + 600
+        self.proc = C.spawn(cmd + args, self._log, env=env)
+        try:
+            self._wait_ready(kind, log)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, kind: str, log: Path) -> None:
+        deadline = time.monotonic() + 1800  # a hang, not a slow start on a busy machine
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{kind} server exited with {self.proc.returncode}: {log.read_text()[-3000:]}")
@@ -68,7 +73,7 @@ class Proc:
             except OSError:
                 pass
             time.sleep(0.05)
-        raise RuntimeError(f"{kind} server not ready")
+        raise RuntimeError(f"{kind} server not ready after 1800 s: {log.read_text()[-3000:]}")
 
     def stop(self) -> int:
         code = C.terminate(self.proc)
@@ -126,10 +131,12 @@ def texts(model: Path, n_tokens: int, seed: int) -> str:
 
 def run_unique(ctx: C.Context, model: Path, s: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """The ``unique`` rounds on one long-lived server of each kind (fresh text every round)."""
-    procs = {k: Proc(k, model, ctx.scratch(f"unique-{k}"), ctx.work / f"unique-{k}.log") for k in KINDS}
+    procs: dict[str, Proc] = {}
     rows: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
     seed = 1000
     try:
+        for k in KINDS:
+            procs[k] = Proc(k, model, ctx.scratch(f"unique-{k}"), ctx.work / f"unique-{k}.log")
         for n in CLIENTS:
             for r in range(s["rounds"]):
                 for kind in (KINDS if r % 2 == 0 else KINDS[::-1]):
@@ -150,8 +157,10 @@ def run_shared(ctx: C.Context, model: Path, s: dict[str, Any]) -> dict[str, list
     system = texts(model, s["system_tokens"], seed=7)
     cache = ctx.scratch("shared-kvstore")
     first = Proc("kvstore", model, cache, ctx.work / "shared-warm.log")
-    stream(first.port, system, "Hello.", 4)
-    first.stop()
+    try:
+        stream(first.port, system, "Hello.", 4)
+    finally:
+        first.stop()
     rows: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
     for n in CLIENTS:
         for r in range(s["rounds"]):
@@ -185,20 +194,23 @@ def thread_costs(name: str = "tiny-llama", lengths: tuple[int, ...] = (1024, 819
         cache = make_prompt_cache(model)
         for i in range(0, n, 512):
             mx.eval(model(mx.array([base[i: i + 512]]), cache=cache))
-        pc = LRUPromptCache(10, cache_dir=tempfile.mkdtemp(prefix="kvstore-thread-"), queue_size=64)
-        pc.fetch_nearest_cache(key, [1, 2, 3])  # the identity, once
-        ins, miss = [], []
-        for _ in range(reps):
-            toks = [r.randrange(1, 255)] + base[1:]
-            t0 = time.perf_counter()
-            pc.insert_cache(key, toks, cache, cache_type="system")
-            ins.append(time.perf_counter() - t0)
-            pc.store.flush()
-            q = [r.randrange(1, 255) for _ in range(n)]
-            t0 = time.perf_counter()
-            pc.fetch_nearest_cache(key, q)
-            miss.append(time.perf_counter() - t0)
-        pc.close()
+        with tempfile.TemporaryDirectory(prefix="kvstore-thread-") as store_dir:
+            pc = LRUPromptCache(10, cache_dir=store_dir, queue_size=64)
+            try:
+                pc.fetch_nearest_cache(key, [1, 2, 3])  # the identity, once
+                ins, miss = [], []
+                for _ in range(reps):
+                    toks = [r.randrange(1, 255)] + base[1:]
+                    t0 = time.perf_counter()
+                    pc.insert_cache(key, toks, cache, cache_type="system")
+                    ins.append(time.perf_counter() - t0)
+                    pc.store.flush()
+                    q = [r.randrange(1, 255) for _ in range(n)]
+                    t0 = time.perf_counter()
+                    pc.fetch_nearest_cache(key, q)
+                    miss.append(time.perf_counter() - t0)
+            finally:
+                pc.close()
         out[str(n)] = {"insert_ms": statistics.median(ins) * 1e3, "missed_fetch_ms": statistics.median(miss) * 1e3}
     return out
 

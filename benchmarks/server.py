@@ -60,11 +60,14 @@ class Serve:
                "--host", HOST, "--port", str(self.port), "--max-tokens", str(MAX_TOKENS), *flags]
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, cwd=C.REPO_ROOT)
-        self.ready_s = self._wait_ready()
+        self.proc = C.spawn(cmd, self._log, env=env)
+        try:
+            self.ready_s = self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
 
-    def _wait_ready(self, timeout: float = 600) -> float:
+    def _wait_ready(self, timeout: float = 1800) -> float:  # a hang, not a slow start on a busy machine
         while time.perf_counter() - self.t0 < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvstore serve exited with {self.proc.returncode}:\n{self.log()}")

@@ -117,7 +117,7 @@ class KVStore:
         self.memo = DigestMemo(self.cache_dir / MEMO if self.disk else None, self.disk.modes if self.disk else None)
         disk = self.disk
         self.models = Resolver(self.memo, self._memory_only, self._errors.warn_once,
-                               (lambda i: disk.index.put_identity(i.digest, i.info)) if disk is not None else None,
+                               (lambda i: _file_identity(disk, i)) if disk is not None else None,
                                kv_bits, kv_group_size)
         self.writer = Writer(queue_size) if self.disk else None
         self.writes = WritePath(self._memory, self._lock, self._counters, self._errors, self.disk, self.writer,
@@ -505,3 +505,15 @@ def _watch_memory(store: KVStore) -> Watch:
         return True
 
     return Watch(tick)
+
+
+def _file_identity(disk: DiskTier, ident: Identity) -> None:
+    """Describe a newly derived identity in the index, and say in the log when another
+    identity of its model directory holds entries this process cannot use."""
+    from .maintenance.superseded import log_unusable
+
+    disk.index.put_identity(ident.digest, ident.info)
+    try:
+        log_unusable(disk.index, ident)
+    except Exception as e:  # a message, never worth an identity
+        log.debug("kvstore: could not list other identities of %s: %s", ident.name, e)

@@ -29,10 +29,6 @@ SLOW_MODULES = {"test_anthropic", "test_responses", "test_tenants_server", "test
                 "test_request_bodies"}
 
 
-# Seconds per test on 2 quiet x86 cores, measured (README: the fast tier, 520 tests, in 165 s; all
-# 704 in 1,152 s from a fresh clone): what the session's first line estimates from.
-FAST_S_PER_TEST = 0.32
-SLOW_S_PER_TEST = 5.4
 
 
 def say(config, line: str) -> None:
@@ -105,10 +101,11 @@ def pytest_collection_finish(session):
     items = session.items
     if not items or session.config.option.collectonly:
         return
+    from tools.measured import pytest_estimate  # README's measured runs: one source of figures
+
     slow = sum(1 for item in items if item.get_closest_marker("slow"))
-    minutes = max(1, round(((len(items) - slow) * FAST_S_PER_TEST + slow * SLOW_S_PER_TEST) / 60))
     line = (f"kvstore: {len(items)} test{'s' if len(items) > 1 else ''}{f' ({slow} slow)' if slow else ''}, "
-            f"about {minutes} min on 2 quiet cores, longer on a busy machine")
+            f"{pytest_estimate(len(items) - slow, slow)}")
     builds = {s.dir_name: name for name, s in model_builds.MODELS.items() if not s.on_demand}  # one per build
     missing = sum(not model_builds.is_built(name) for name in builds.values())
     if missing:

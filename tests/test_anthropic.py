@@ -83,6 +83,9 @@ def test_message_stream_count_tokens_and_errors(model_dir: Path, tmp_path: Path)
         assert final.stop_reason == "max_tokens"
         f = final.usage
         assert prompt_tokens(f) == counted and f.cache_read_input_tokens >= counted - 1, f
+        # one access-log line per request, streamed or not (mlx-lm's own answer is captured, not logged)
+        logged = [ln for ln in s.log(1 << 20).splitlines() if '"POST /v1/messages ' in ln]
+        assert len(logged) == 2 and all('" 200 ' in ln for ln in logged), logged
 
         # the same conversation as an OpenAI chat completion: one cache, one rendering, same text
         o = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0, timeout=300)

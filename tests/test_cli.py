@@ -512,14 +512,14 @@ def test_gc_and_verify_fix_under_a_live_reader(built, store_dir, tmp_path):
     stop, ready = tmp_path / "stop", tmp_path / "ready"
     payload = {"cache_dir": str(store_dir), "prompts": built["prompts"], "model_dir": str(built["model_dir"]),
                "gone_components": GONE_COMPONENTS, "gone_path": built["gone_path"],
-               "stop": str(stop), "ready": str(ready), "max_seconds": 120}
+               "stop": str(stop), "ready": str(ready), "max_seconds": 1800}
     reader = subprocess.Popen([sys.executable, "-m", "tests.support.programs.cli_reader", json.dumps(payload)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=str(ROOT))
     try:
         t0 = time.time()
         while not ready.exists():
             assert reader.poll() is None, reader.communicate()[1][-3000:]
-            assert time.time() - t0 < 120, "reader never got going"
+            assert time.time() - t0 < 900, "reader never got going"  # a hang, not a busy machine
             time.sleep(0.05)
         # damage B while the reader is serving it, add strays, then repair and collect
         damage_segment(segment_of(store_dir, keys["B"], chunk=2), "flip")
@@ -531,16 +531,21 @@ def test_gc_and_verify_fix_under_a_live_reader(built, store_dir, tmp_path):
         removed = {r["key"] for r in gc["removed"]}
         assert keys["D"] in removed and keys["E"] not in removed
         assert gc["blob_bytes_left"] <= 700 << 10
-        # keep both commands running against the live reader for a few seconds (they start
-        # in well under a second, so one pass may overlap only a round or two of fetches)
-        while time.time() - t_begin < 4.0:
+        # keep both commands running against the live reader until it finished 3 rounds of
+        # fetches meanwhile (it touches `ready` after each): counted, not timed, so a busy
+        # machine takes longer and still passes; 900 s bounds a reader that hangs
+        rounds, seen = 0, ready.stat().st_mtime_ns
+        while rounds < 3:
+            assert reader.poll() is None and time.time() - t_begin < 900, "the reader stopped fetching"
             again = cli("verify", "--fix", "--blob-age", "0", cache_dir=store_dir)
             assert again.returncode == 0, again.stdout + again.stderr
             cli_json("gc", "--max-bytes", "700K", cache_dir=store_dir)
+            now = ready.stat().st_mtime_ns
+            rounds, seen = rounds + (now != seen), now
         t_end = time.time()
         time.sleep(1.0)  # let the reader run a few rounds against the collected store
         stop.touch()
-        out, err = reader.communicate(timeout=120)
+        out, err = reader.communicate(timeout=900)  # its last round, then it stops (bounds a hang)
     finally:
         if reader.poll() is None:
             reader.kill()

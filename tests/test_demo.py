@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.models import requires_smollm2
+from tools.testing.procs import end_group, start_group
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM = r"(\d[\d,]*)"
@@ -37,8 +38,15 @@ def demo_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def run(args: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(args, capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=timeout)
+def run(args: list[str], env: dict[str, str], timeout: float = 1800) -> subprocess.CompletedProcess:
+    """``args`` in a process group of its own (the demo starts a process per step), ended
+    with it whatever happens; ``timeout`` bounds a hang, not a busy machine."""
+    proc = start_group(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        end_group(proc, grace=0)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
 def demo(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
@@ -70,6 +78,17 @@ def check_run(p: subprocess.CompletedProcess) -> dict[str, int]:
     for n in (p1, p2):
         assert f"write {n:,} tokens' KV to disk (write-behind flush): " in err
     assert err.count("load model SmolLM2-135M-Instruct: ") == 2
+    # after the prefill bar, the answer's generation is a step of its own (no silent seconds) ...
+    assert len(re.findall(r"^first token after \d+\.\d\d s; generate the rest of the answer \(at most 24 "
+                          r"tokens\): \d+\.\d s$", err, re.M)) == 2, err
+    # ... and each process's whole time is accounted for, phase by phase
+    wholes = re.findall(r"whole process (\d+\.\d) s: (.*)\n", out)
+    assert len(wholes) == 2, out
+    for whole, parts in wholes:
+        seconds = [float(x) for x in re.findall(r"(\d+\.\d) s ", parts + " ")]
+        assert "start Python, import MLX and mlx-lm" in parts and "generate the rest of the answer" in parts, parts
+        assert "look up, restore and prefill (time to first token)" in parts and "load the model" in parts, parts
+        assert abs(sum(seconds) - float(whole)) <= 0.1 * len(seconds), (whole, parts)
     assert f"Restored {restored:,} of {p2:,} prompt tokens from disk after a restart" in out
     return {"cold_prompt": p1, "prompt": p2, "restored": restored}
 

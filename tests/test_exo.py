@@ -24,6 +24,7 @@ from tests.support.models import TINY_FAMILIES, store_kwargs
 from tests.support.programs.exo_generate import Region, Snapshot, request
 from tools.testing import oracle
 from tools.testing.model_builds import model_path
+from tools.testing.procs import end_group, start_group
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARD = {"kind": "PipelineShardMetadata", "model_id": "tiny", "start_layer": 0, "end_layer": 2,
@@ -268,11 +269,15 @@ def test_a_node_group_restores_the_same_length_on_every_node(tmp_path: Path, fam
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
     job = json.dumps({"family": family, "dir": str(tmp_path), "held": held, "snapshot": snapshot,
                       "pressure": [[0.9, 0.1], [0.1, 0.1]]})
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.support.programs.exo_group", job], cwd=str(ROOT),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=child_env(MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank)))
+    procs = [start_group([sys.executable, "-m", "tests.support.programs.exo_group", job], cwd=str(ROOT),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=child_env(MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank)))
              for rank in range(2)]
-    outs = [p.communicate(timeout=600) for p in procs]
+    try:
+        outs = [p.communicate(timeout=1800) for p in procs]  # bounds a hang (a node waiting for its peer)
+    finally:
+        for p in procs:
+            end_group(p, grace=0)
     assert all(p.returncode == 0 for p in procs), [err[-3000:] for _, err in outs]
     got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert [(g["n"], g["oracle"], g["index"], g["entries"]) for g in got] == [(want, True, 0, 1)] * 2, got

@@ -23,6 +23,7 @@ import pytest
 from kvstore import pressure
 from tests.support.children import child_env
 from tests.support import ROOT
+from tools.testing.procs import end_group, start_group
 
 MB = 1 << 20
 LIMIT = 1400 * MB  # the group: python + MLX (~250 MB), the store's 10 x 48 MB, the hog's 640 MB
@@ -79,12 +80,21 @@ def cgroup():
 
 
 def test_the_memory_tier_yields_to_real_pressure_and_loses_nothing(tmp_path: Path, cgroup: Path) -> None:
-    store = subprocess.Popen(
+    store = start_group(
         [sys.executable, "-m", "tests.support.programs.memory_pressure",
          json.dumps({"cgroup": str(cgroup), "dir": str(tmp_path / "cache"), "floor": FLOOR, "entries": 10,
                      "layers": 12})],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
         cwd=str(ROOT))
+    started = [store]
+    try:
+        _pressure_round(store, cgroup, started)
+    finally:  # neither process outlives the test, whatever failed
+        for p in started:
+            end_group(p, grace=0)
+
+
+def _pressure_round(store: subprocess.Popen, cgroup: Path, started: list[subprocess.Popen]) -> None:
     assert store.stdin is not None and store.stdout is not None
 
     def ask(cmd: str | None = None) -> dict:
@@ -98,8 +108,9 @@ def test_the_memory_tier_yields_to_real_pressure_and_loses_nothing(tmp_path: Pat
     filled = ask()
     assert filled["memory_entries"] == 10 and filled["memory_bytes"] >= 10 * 48 * MB, filled
     assert filled["evictions_pressure"] in (0, None), filled  # room enough before the hog
-    hog = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOG), str(cgroup), str(640)],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    hog = start_group([sys.executable, "-c", textwrap.dedent(HOG), str(cgroup), str(640)],
+                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    started.append(hog)
     assert hog.stdout is not None and hog.stdin is not None
     assert hog.stdout.readline().strip() == "held", f"the hog was killed ({hog.poll()})"
     shrunk = ask("wait_shrink")
@@ -108,11 +119,11 @@ def test_the_memory_tier_yields_to_real_pressure_and_loses_nothing(tmp_path: Pat
     assert shrunk["dropped_writes"] == 0 and shrunk["write_errors"] == 0, shrunk
     hog.stdin.write("\n")
     hog.stdin.flush()
-    assert hog.wait(30) == 0
+    assert hog.wait(300) == 0
     grown = ask("wait_grow")
     assert grown["ok"], (shrunk, grown)
     checked = ask("check")
-    assert store.wait(60) == 0, store.stderr.read()[-3000:]  # type: ignore[union-attr]
+    assert store.wait(300) == 0, store.stderr.read()[-3000:]  # type: ignore[union-attr]
     fetched = checked["fetched"]
     assert all(f["n"] == 512 and f["same"] for f in fetched), fetched  # nothing lost, bit for bit
     assert {"disk"} <= {f["source"] for f in fetched}, fetched  # the evicted ones came back from disk

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 from tests.support import ROOT
 from tests.support.models import have_smollm2, requires_smollm2
+from tools.testing.procs import end_group, start_group
 
 from tools.testing import model_builds
 from tools.testing.oracle import cold_run, make_cache, prefill
@@ -96,11 +97,12 @@ def test_parallel_processes_build_once(tmp_path):
     """Three processes asking for the same unbuilt model at once get one complete build."""
     env = dict(os.environ, KVSTORE_MODELS_DIR=str(tmp_path))
     cmd = [sys.executable, str(ROOT / "tools" / "testing" / "model_builds.py"), "path", "tiny-cachelist"]
-    procs = [
-        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(3)
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
+    procs = [start_group(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    try:
+        outs = [p.communicate(timeout=1800) for p in procs]  # bounds a hang (a lock never released)
+    finally:
+        for p in procs:
+            end_group(p, grace=0)
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
     paths = {out.strip().splitlines()[-1] for out, _ in outs}
     expected = tmp_path / model_builds.MODELS["tiny-cachelist"].dir_name

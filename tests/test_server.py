@@ -15,6 +15,7 @@ paths are run here.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.children import child_env
 from tests.support.servers import Server, cached_tokens, reply, serve_command
 
 # mode -> (server flags, extra request fields)
@@ -130,6 +132,32 @@ def test_serve_help_lists_both_flag_sets() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "--cache-dir" in out.stdout and "--max-disk-bytes" in out.stdout, out.stdout
     assert "mlx_lm.server flags" in out.stdout and "--kv-bits" in out.stdout, out.stdout
+    ours = out.stdout[:out.stdout.index("mlx_lm.server flags")]
+    assert "--model DIR|REPO" in ours and "required" in ours, ours  # the one flag a server cannot start without
+
+
+def test_serve_help_imports_neither_mlx_lm_nor_transformers() -> None:
+    """The help is read from mlx_lm.server's source, not by importing it (seconds of
+    transformers): every flag of the imported parser is there all the same."""
+    script = (
+        "import contextlib, io, json, sys\n"
+        "from kvstore.adapters.server import main\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out):\n"
+        "    main(['--help'])\n"
+        "print(json.dumps({'text': out.getvalue(), 'loaded': sorted(m for m in ('mlx_lm', 'mlx_lm.server', "
+        "'transformers') if m in sys.modules)}))\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=child_env())
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["loaded"] == [], got["loaded"]
+    import re
+
+    import mlx_lm.server
+
+    flags = re.findall(r"add_argument\(\s*[\"'](--[\w-]+)", Path(mlx_lm.server.__file__).read_text())
+    theirs = got["text"].split("mlx_lm.server flags:")[1]
+    assert len(flags) > 20 and all(f"\n  {flag}" in theirs for flag in flags), (flags, theirs)
 
 
 @pytest.mark.parametrize("mode, stop", CASES)

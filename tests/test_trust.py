@@ -140,7 +140,7 @@ def _synthetic_store(cache_dir: Path, n: int = 1, length: int = 100) -> list[lis
     return prompts
 
 
-def _fetch_in_new_process(cache_dir: Path, prompts: list[list[int]], timeout: float = 60, **more: object) -> dict:
+def _fetch_in_new_process(cache_dir: Path, prompts: list[list[int]], timeout: float = 300, **more: object) -> dict:
     """Fetch each prompt (synthetic identity) in a new process: tokens served and counters
     (or the exception opening the store raised: ``error`` and ``message``)."""
     try:
@@ -151,9 +151,9 @@ def _fetch_in_new_process(cache_dir: Path, prompts: list[list[int]], timeout: fl
         pytest.fail(f"opening the store and fetching hung (over {timeout:.0f} s)")
 
 
-def _cli(cache_dir: Path, *args: str, timeout: float = 20) -> subprocess.CompletedProcess:
-    """``kvstore ARGS --cache-dir DIR`` in a new process, which must finish within
-    ``timeout`` seconds with exit 0 or 1 and no traceback."""
+def _cli(cache_dir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``kvstore ARGS --cache-dir DIR`` in a new process, which must finish with exit 0 or 1
+    and no traceback; ``timeout`` bounds a hang (a FIFO blocks forever), not a busy machine."""
     env = child_env()
     try:
         p = subprocess.run([sys.executable, "-m", "kvstore.cli", *args, "--cache-dir", str(cache_dir)],
@@ -191,7 +191,7 @@ def test_symlinked_fanout_dir_is_not_followed(tmp_path: Path) -> None:
 @pytest.mark.parametrize("where", ["pack", "index/clean", "file-digests.json", "index/data.mdb"])
 def test_fifo_in_place_of_a_file_never_blocks(tmp_path: Path, where: str) -> None:
     """A FIFO with no writer where kvstore expects one of its files: every fetch and
-    command returns within 20 s (a clear error or a miss) instead of waiting forever, and
+    command returns (a clear error or a miss) instead of waiting forever, and
     a FIFO among the pack files is left where it is."""
     cache = tmp_path / "cache"
     prompts = _synthetic_store(cache)
@@ -201,13 +201,13 @@ def test_fifo_in_place_of_a_file_never_blocks(tmp_path: Path, where: str) -> Non
     assert target.is_file()
     target.unlink()
     os.mkfifo(target, 0o600)
-    got = _fetch_in_new_process(cache, prompts, timeout=20, model=str(model_path("tiny-llama")))
+    got = _fetch_in_new_process(cache, prompts, model=str(model_path("tiny-llama")))
     if where == "index/data.mdb":
         assert got.get("error") == "StoreOpenError" and "data.mdb" in got["message"], got
     else:
         assert got["n"][0] == (0 if where == "pack" else len(prompts[0])), got
     for cmd in (["ls"], ["stats"], ["verify"], ["verify", "--fix", "--blob-age", "0"], ["gc", "--blob-age", "0"]):
-        _cli(cache, *cmd, timeout=20)
+        _cli(cache, *cmd)
     if where == "pack":
         assert craft.tree_state(target.parent)[target.name] == "fifo", "a file kvstore did not write was removed"
 

@@ -43,14 +43,7 @@ QUESTIONS = ["Which tool should I use to convert 100 US dollars to euros?",
 # BLAS (~0.3 s a token on 2 cores; 512-token steps left it at 0/2,032 for 2.5 min); with
 # OpenBLAS or Metal a 512-token step takes seconds, and larger steps prefill faster.
 PREFILL_STEP = {"reference": 64}
-# What the demo announces before it starts, measured on 2 x86 cores, quiet machine: the cold
-# prefill's seconds per token of SmolLM2-135M float32 (reference BLAS: 2,032 tokens in
-# 621.6 s; OpenBLAS: 4,235 in 52 s) and the rest of a run (imports, two model loads, the
-# answers, the restore; reference: 14 min 44 s in all). A busy machine takes longer (here,
-# load 16 on 2 cores: 363 s for 4,031 tokens on OpenBLAS). Metal is far faster than either.
-SECONDS_PER_TOKEN = {"reference": 0.31, "openblas": 0.013}
-OTHER_SECONDS = {"reference": 260, "openblas": 60}
-CONVERT_SECONDS = 15  # the one-time GGUF conversion (12 s measured)
+ANSWER_TOKENS = 24  # each answer's length at most: a tool's name
 
 
 def system_prompt(tokenizer, target: int) -> str:
@@ -90,28 +83,38 @@ def one_request(args: argparse.Namespace, question: str) -> dict:
     from tools.testing.model_builds import model_path
 
     path = model_path(MODEL)
-    with Progress(f"load model {MODEL_NAME}"):
+    phases: dict[str, float] = {}  # where this process's time went, said by the parent
+    with Progress(f"load model {MODEL_NAME}") as step:
         model, tok = load(str(path))
-    messages = [{"role": "system", "content": system_prompt(tok, args.tokens)},
-                {"role": "user", "content": question}]
-    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    prompt = list(getattr(prompt, "input_ids", prompt))
-    system = dict((kind, n) for n, kind in message_boundaries(tok, messages, prompt)).get("system", 0)
-    store = KVStore(args.cache_dir)
-    text, first = "", None
+    phases["load the model"] = step.close()
+    with Progress("build the prompt (tool definitions, chat template)") as step:
+        messages = [{"role": "system", "content": system_prompt(tok, args.tokens)},
+                    {"role": "user", "content": question}]
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompt = list(getattr(prompt, "input_ids", prompt))
+        system = dict((kind, n) for n, kind in message_boundaries(tok, messages, prompt)).get("system", 0)
+        store = KVStore(args.cache_dir)
+    phases["build the prompt, open the store"] = step.close()
+    text, first, answer = "", None, None
     with PromptSteps(len(prompt)) as steps:
-        for step in stream_generate(store, model, tok, prompt, model_key=path, max_tokens=24, progress=steps,
-                                    prefill_step=PREFILL_STEP.get(blas.in_use(), 512)):
-            first = first or step
+        for step in stream_generate(store, model, tok, prompt, model_key=path, max_tokens=ANSWER_TOKENS,
+                                    progress=steps, prefill_step=PREFILL_STEP.get(blas.in_use(), 512)):
+            if first is None:  # the prefill bar has ended: say what the next seconds are
+                first = step
+                answer = Progress(f"first token after {step.ttft:.2f} s; generate the rest of the answer "
+                                  f"(at most {ANSWER_TOKENS} tokens)")
             text += step.text
-    with write_behind(len(prompt)):
+    phases["look up, restore and prefill (time to first token)"] = first.ttft
+    phases["generate the rest of the answer"] = answer.close() if answer is not None else 0.0
+    with write_behind(len(prompt)) as step:
         store.flush()
+    phases["write the prompt's KV to disk"] = step.close()
     key = entry_key(store, path, prompt)
     stored = store.disk.index.entry(key) is not None
     store.close()
     return {"prompt_tokens": len(prompt), "system_tokens": system, "cached_tokens": first.cached_tokens,
             "source": first.cache_source, "ttft": first.ttft, "answer": text.strip(),
-            "entry": short_id(key) if stored else None}
+            "entry": short_id(key) if stored else None, "phases": phases}
 
 
 # ----------------------------------------------------------------------------- the demo
@@ -192,9 +195,12 @@ def forget_earlier_run(cache_dir: Path, model: Path) -> str | None:
 
 def run_step(args: argparse.Namespace, i: int, cache_dir: Path) -> dict:
     """Step ``i`` in a new process; its progress goes straight to this terminal."""
+    from tools.testing.procs import die_with_parent
+
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, __file__, "--child", str(i), "--tokens", str(args.tokens),
-                          "--cache-dir", str(cache_dir)], stdout=subprocess.PIPE, text=True)
+                          "--cache-dir", str(cache_dir)], stdout=subprocess.PIPE, text=True,
+                         preexec_fn=die_with_parent)  # a killed demo leaves no step running
     if out.returncode != 0:
         sys.exit(f"demo: step {i + 1} failed (exit {out.returncode}); its error is above")
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -203,21 +209,19 @@ def run_step(args: argparse.Namespace, i: int, cache_dir: Path) -> dict:
 
 
 def expected(blas_in_use: str, tokens: int, convert: bool) -> str:
-    """What the run will take, said before it starts (measured rates: ``SECONDS_PER_TOKEN``)."""
-    rate = SECONDS_PER_TOKEN.get(blas_in_use)
-    if rate is None:
+    """What the run will take, said before it starts: README's measured runs
+    (tools/measured.py), scaled to ``tokens``."""
+    from tools.measured import DEMO, demo_estimate, minutes
+
+    if blas_in_use not in ("openblas", "reference"):
         return "expected duration: about a minute on Metal (the cold prefill is the longest step)"
-    cold = tokens * rate
-    total = cold + OTHER_SECONDS[blas_in_use] + (CONVERT_SECONDS if convert else 0)
-    with_openblas = 4000 * SECONDS_PER_TOKEN["openblas"] + OTHER_SECONDS["openblas"]  # --tokens' default then
-    faster = (f"; with OpenBLAS (apt-get install libopenblas0-pthread) ~{_minutes(with_openblas)} for 4,000 tokens"
-              if blas_in_use == "reference" else "")
-    return (f"expected duration: ~{_minutes(total)} on 2 quiet cores, the cold prefill of {tokens:,} tokens "
-            f"~{_minutes(cold)} of it; longer on a busy machine{faster}")
-
-
-def _minutes(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+    total, cold, busy = demo_estimate(blas_in_use, tokens, convert)
+    faster = ""
+    if blas_in_use == "reference":
+        fast_total, _, _ = demo_estimate("openblas", 4000, False)  # --tokens' default then
+        faster = f"; with OpenBLAS (apt-get install libopenblas0-pthread) ~{minutes(fast_total)} for 4,000 tokens"
+    return (f"expected duration: ~{minutes(total)} on 2 quiet cores, the cold prefill of {tokens:,} tokens "
+            f"~{minutes(cold)} of it; ~{minutes(busy)} beside a load of {DEMO['busy']['load']}{faster}")
 
 
 def report(r: dict) -> None:
@@ -225,8 +229,17 @@ def report(r: dict) -> None:
                 else "restored 0 (cold prefill)")
     print(f"    prompt {r['prompt_tokens']:,} tokens ({r['system_tokens']:,}-token system prompt + "
           f"{r['prompt_tokens'] - r['system_tokens']:,} for the question), {restored}\n"
-          f"    time to first token {r['ttft']:.2f} s (whole process {r['process_seconds']:.1f} s)\n"
+          f"    time to first token {r['ttft']:.2f} s; {where_the_time_went(r)}\n"
           f"    answer: {r['answer']!r}", flush=True)
+
+
+def where_the_time_went(r: dict) -> str:
+    """The whole process's seconds, phase by phase (the rest: starting Python and importing
+    MLX, mlx-lm and kvstore, which a server pays once, not per request)."""
+    phases = dict(r["phases"])
+    started = max(0.0, r["process_seconds"] - sum(phases.values()))
+    parts = [f"{started:.1f} s start Python, import MLX and mlx-lm"] + [f"{v:.1f} s {k}" for k, v in phases.items()]
+    return f"whole process {r['process_seconds']:.1f} s: " + ", ".join(parts)
 
 
 def main() -> None:

@@ -126,7 +126,8 @@ def run_chat(handler: Any, original: Callable[[Any], None], chat: dict[str, Any]
     pending = b""
 
     def head(cap: Capture) -> None:
-        if cap.head:
+        if cap.head:  # mlx-lm's own 200 event-stream head (status, CORS), then the route's events
+            type(handler).log_request(handler, cap.status)  # the request's one access-log line
             real_out.write(cap.head)
             cap.head = b""
 
@@ -151,6 +152,9 @@ def run_chat(handler: Any, original: Callable[[Any], None], chat: dict[str, Any]
     del handler.headers["Content-Length"]
     handler.headers["Content-Length"] = str(len(raw))
     handler.wfile, handler.rfile, handler.path, handler.response_generator = cap, io.BytesIO(raw), "/v1/chat/completions", tap
+    # mlx-lm's answer is captured, not sent: its access-log line would be a second one for
+    # this request (the route's answer, or the stream's head, logs it once)
+    handler.log_request = lambda *args: None
     failure: Exception | None = None
     try:
         original(handler)
@@ -159,6 +163,7 @@ def run_chat(handler: Any, original: Callable[[Any], None], chat: dict[str, Any]
         log.exception("kvstore: %s failed", route)
     finally:
         handler.wfile, handler.rfile, handler.path, handler.response_generator = real_out, real_in, real_path, real_gen
+        del handler.log_request
     if isinstance(failure, (BrokenPipeError, ConnectionResetError)):
         return None
     if cap.stream and cap.status == 200:

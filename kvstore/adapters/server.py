@@ -36,6 +36,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
@@ -277,8 +278,17 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     except ValueError as e:
         parser.error(str(e))
     if "-h" in rest or "--help" in rest:
+        g = parser.add_argument_group("the model and the address (mlx_lm.server's flags; the model is required)")
+        g.add_argument("--model", metavar="DIR|REPO", help="the MLX model to serve: a local directory or a "
+                       "Hugging Face repo id; kvstore keeps its prompt cache per model")
+        g.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+        g.add_argument("--port", type=int, help="port to listen on (default 8080)")
         parser.print_help()
         print("\nmlx_lm.server flags:", flush=True)
+        text = mlx_lm_help()
+        if text is not None:  # read from its source: seconds of imports saved
+            print(text, flush=True)
+            return 0
         import mlx_lm.server
 
         sys.argv = ["mlx_lm.server", *rest]
@@ -317,6 +327,42 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     if exit_process:  # also when it failed: mlx-lm's generation thread (not a daemon) would keep it alive
         _exit_now(code)
     return code
+
+
+def mlx_lm_help() -> str | None:
+    """mlx_lm.server's ``--help``, rebuilt from the ``add_argument`` calls in its source
+    without importing it (importing it loads transformers: seconds, 10+ on a busy machine,
+    for a help text); None when its source cannot be read that way (then it is imported).
+    Only literal arguments are kept: a help text never needs the types."""
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("mlx_lm")  # finds the package without running it
+        origin = spec.origin if spec is not None else None
+        if origin is None:
+            return None
+        tree = ast.parse(Path(origin).with_name("server.py").read_text())
+        help_parser = argparse.ArgumentParser(prog="mlx_lm.server", add_help=False, usage=argparse.SUPPRESS)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+                flags = [ast.literal_eval(a) for a in node.args]
+                kw: dict[str, Any] = {}
+                for k in node.keywords:
+                    if k.arg in ("help", "action", "choices", "default", "metavar", "nargs", "required"):
+                        try:
+                            kw[k.arg] = ast.literal_eval(k.value)
+                        except ValueError:  # a name, or an f-string (its text with the names in braces)
+                            if k.arg == "help" and isinstance(k.value, ast.JoinedStr):
+                                kw["help"] = "".join(str(v.value) if isinstance(v, ast.Constant) else
+                                                     "{" + ast.unparse(getattr(v, "value", v)) + "}"
+                                                     for v in k.value.values)
+                help_parser.add_argument(*flags, **kw)
+    except (OSError, SyntaxError, ValueError, TypeError, argparse.ArgumentError):
+        return None
+    if not help_parser._actions:
+        return None
+    return help_parser.format_help().strip("\n")
 
 
 def _install(server_mod: Any, ours: argparse.Namespace, rest: list[str], policy: Any,

@@ -17,8 +17,10 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Remove entries, least recently used first: of the identities named with "
                     "--identity or whose model directory is gone (--missing-models; pinned "
                     "entries too), unused for longer than --max-age (never pinned ones), then "
-                    "until the blobs fit --max-bytes (never pinned ones unless --include-pinned, "
-                    "and then only when nothing else is left). Orphan pack files and broken records are always "
+                    "until the blobs fit --max-bytes: first those of superseded identities (another "
+                    "identity of the same model directory, e.g. after an mlx-lm upgrade, stored since "
+                    "their last use; `kvstore ls` shows them), then the rest (never pinned ones unless "
+                    "--include-pinned, and then only when nothing else is left). Orphan pack files and broken records are always "
                     "removed (as `kvstore verify --fix --no-checksums` does). Safe while servers "
                     "use the directory. --dry-run lists what would go and changes nothing.")
     p.add_argument("--max-bytes", type=common.parse_size, metavar="SIZE",
@@ -74,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     now = time.time()
     for r in res.removed:
         why = {"max_age": f"last used {common.ago(r['last_used'], now)}", "max_bytes": "over --max-bytes",
-               "identity": "--identity", "missing_model": "model directory is gone"}.get(r["reason"], r["reason"])
+               "identity": "--identity", "missing_model": "model directory is gone",
+               "superseded": "superseded: a newer identity of its model directory is in use"}.get(r["reason"], r["reason"])
         print(f"{verb} {common.short_id(r['key'])}  {r['model'] or common.short_id(r['identity'] or '')}  "
               f"{r['tokens']} tokens  frees {common.human_bytes(r['bytes'])}  ({why}"
               f"{', pinned' if r['pinned'] else ''})")

@@ -48,9 +48,25 @@ def collect(disk) -> dict[str, Any]:
             "kv_dtype": _dtype(disk, items, info),
             "entries": entries,
         })
+    _siblings(snap, out)
     out.sort(key=lambda g: (str(g["name"] or ""), g["identity"]))
     return {"cache_dir": str(disk.root), "total_bytes": snap.meta_bytes,
             "n_entries": sum(len(g["entries"]) for g in out), "identities": out}
+
+
+def _siblings(snap: Any, groups: list[dict[str, Any]]) -> None:
+    """Each group's ``others``: the other identities of its model directory that hold
+    entries, what differs (older -> newer), and ``superseded_by`` (``gc`` removes it first)."""
+    from ..maintenance.superseded import siblings, superseded, usage, what_differs
+
+    used = usage(snap.entries.items())
+    old = superseded(snap.identities, used)
+    for g in groups:
+        g["others"], g["superseded_by"] = [], old.get(g["identity"])
+        for hx in siblings(snap.identities, g["identity"]):
+            if hx in used:
+                a, b = sorted((g["identity"], hx), key=lambda h: used[h].first_created)
+                g["others"].append({"identity": hx, "differs": what_differs(snap.identities[a], snap.identities[b])})
 
 
 def _dtype(disk, items: list[tuple[bytes, Any]], info: Any) -> str | None:
@@ -88,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{common.identity_name(g['identity'], g)}{f'  ({bits})' if bits else ''}  identity {g['identity'][:12]}")
         if g["path"]:
             print(f"  model: {g['path']}{'' if g['model_present'] else '  (missing)'}")
+        for o in g["others"]:
+            print(f"  another identity of this model directory, {o['identity'][:12]}: {o['differs']} differs"
+                  f"{'; this one is superseded (`kvstore gc` removes it first)' if g['superseded_by'] == o['identity'] else ''}")
         rows = [[e["id"], e["tokens"], common.human_bytes(e["bytes"]), e["cache_type"] or "-",
                  common.ago(e["last_used"], now), e["hits"], "yes" if e["pinned"] else ""]
                 for e in g["entries"]]

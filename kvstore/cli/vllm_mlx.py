@@ -24,6 +24,17 @@ KV_FLAGS = {  # flag -> (install option, parser)
 }
 USAGE = ("usage: kvstore vllm-mlx serve MODEL [vllm-mlx serve flags] [--cache-dir DIR] "
          "[--max-disk-bytes N] [--persist {all,system,reused}] [--max-write-bytes-per-day N]")
+KV_HELP = """kvstore's flags (taken out before vllm-mlx parses the rest):
+  --cache-dir DIR       where the disk tier stores entries (default: $KVSTORE_DIR, else the
+                        user cache dir's kvstore/cache)
+  --max-disk-bytes N    disk budget in bytes (LRU eviction; default: none)
+  --persist {all,system,reused}
+                        what is written to disk: every new prefix (all, the default), system
+                        prompts only (system), or a prefix seen a second time (reused)
+  --max-write-bytes-per-day N
+                        stop writing to disk once this many bytes were written today (UTC)
+
+vllm-mlx's flags follow (`vllm-mlx serve --help`)."""
 
 
 def setup_arg_parser(subparsers: "argparse._SubParsersAction") -> None:
@@ -63,7 +74,7 @@ def split_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
 def run(args: argparse.Namespace) -> int:
     argv = list(args.args)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE + "\n\nvllm-mlx's flags: vllm-mlx serve --help", file=sys.stderr)
+        print(USAGE + "\n\n" + KV_HELP, file=sys.stderr)
         return 0 if argv else 2
     if argv[0] != "serve":
         print(f"kvstore vllm-mlx: error: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
@@ -78,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"kvstore vllm-mlx: error: {PAGED_REFUSAL}", file=sys.stderr)
         return 2
+    helping = "-h" in rest or "--help" in rest
+    if helping:  # ours first, then vllm-mlx's own (its parser prints them and exits)
+        print(USAGE + "\n\n" + KV_HELP + "\n", flush=True)
     from ..adapters import vllm_mlx as kv_vllm
 
     try:
@@ -85,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as e:
         print(f"kvstore vllm-mlx: error: {e}", file=sys.stderr)
         return 1
+    if not helping:
+        print(f"kvstore vllm-mlx: {disk_tier_line(options, rest)}", file=sys.stderr, flush=True)
     from vllm_mlx.cli import main as vllm_main
 
     sys.argv = ["vllm-mlx", "serve", *rest]
@@ -93,3 +109,16 @@ def run(args: argparse.Namespace) -> int:
     except SystemExit as e:
         return int(e.code) if isinstance(e.code, int) else (0 if e.code is None else 1)
     return 0
+
+
+def disk_tier_line(options: dict[str, Any], rest: list[str]) -> str:
+    """What the start says of the disk tier: on, where, its budget, and in which engine."""
+    from ..cachedir import default_cache_dir
+
+    where = options.get("cache_dir") or default_cache_dir()
+    budget = options.get("max_disk_bytes")
+    engine = ("the batched engine's prefix cache (--continuous-batching)" if "--continuous-batching" in rest
+              else "SimpleEngine's system-prompt KV slots" + (" and its --prefix-trie-cache"
+                                                              if "--prefix-trie-cache" in rest else ""))
+    return (f"disk tier on: entries in {where} ({f'at most {budget:,} bytes' if budget else 'no disk budget'}, "
+            f"--persist {options.get('persist', 'all')}), under {engine}")

@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from ..budget import BATCH, Removed, Sim, evict_to, lru_order, remove_unchanged
+from ..budget import BATCH, Removed, Sim, evict_to, lru_order, remove_unchanged, victims
 from ..index import scan
 from ..records import EntryRecord
 from .fsck import NOT_OURS, ORPHAN_BLOB_SECONDS, Problem, verify
+from .superseded import superseded, usage
 
 if TYPE_CHECKING:  # maintenance needs no MLX itself; DiskTier is only a type here
     from ..disk import DiskTier
@@ -54,9 +55,11 @@ def gc(disk: DiskTier, *, max_bytes: int | None = None, max_age: float | None = 
        against budgets, not against dropping a model);
     2. unpinned entries not used for ``max_age`` seconds (pinned entries never age out;
        a last use in the future counts as now);
-    3. least recently used entries until the pack files fit ``max_bytes``; pinned ones only
-       with ``pinned`` (the user asked for them: ``kvstore gc --include-pinned``), and then
-       only when nothing else is left;
+    3. until the pack files fit ``max_bytes``: first the unpinned entries of superseded
+       identities (``superseded``: another identity of the same model directory started
+       storing after their last use, e.g. an mlx-lm upgrade), then least recently used
+       entries; pinned ones only with ``pinned`` (the user asked for them: ``kvstore gc
+       --include-pinned``), and then only when nothing else is left;
     4. with ``orphans``: orphan pack files, unused chunks and records whose files are gone
        or the wrong size (``verify`` with sizes only, repaired).
 
@@ -93,6 +96,13 @@ def gc(disk: DiskTier, *, max_bytes: int | None = None, max_age: float | None = 
         take([(k, r) for k, r in records if not r.pinned and r.last_used < cutoff], "max_age",
              guard=lambda cur: cur.last_used < cutoff)
     if max_bytes is not None:
+        old = superseded(snap.identities, usage(records))
+        stale = [(k, r) for k, r in records if not r.pinned and r.identity.hex() in old and k not in sim.gone]
+        planned = victims(sim, stale, sim.total - max_bytes) if stale and sim.total > max_bytes else []
+        for j in range(0, len(planned), BATCH):
+            batch = planned[j : j + BATCH]
+            done = {v.key for v in batch} if dry_run else remove_unchanged(disk, [(v.key, v.record) for v in batch])
+            note((v for v in batch if v.key in done), "superseded")
         note(evict_to(disk, max_bytes, dry_run=dry_run, snap=snap, sim=sim, pinned=pinned), "max_bytes")
     if orphans:
         res.problems = verify(disk, fix=not dry_run, checksums=False, blob_age=blob_age, now=now)

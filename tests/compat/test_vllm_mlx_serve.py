@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from tests.support.children import child_env
+from tools.testing.procs import end_group, start_group
 
 SYSTEM = "You are a careful assistant who answers briefly and exactly. " * 30
 MAX_TOKENS = 12
@@ -48,16 +49,20 @@ class Server:
         self.port, self.log_path = port, log
         self.log_file = open(log, "w")
         env = child_env(HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.log()}"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-                return
-            except OSError:
-                time.sleep(0.5)
-        raise AssertionError(f"server not ready:\n{self.log()}")
+        self.proc = start_group(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 900  # a hang, not a slow start on a busy machine
+        try:
+            while time.monotonic() < deadline:
+                assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.log()}"
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+                    return
+                except OSError:
+                    time.sleep(0.5)
+            raise AssertionError(f"server not ready:\n{self.log()}")
+        except BaseException:
+            self.stop(signal.SIGKILL)
+            raise
 
     def log(self) -> str:
         return self.log_path.read_text()[-6000:]
@@ -93,10 +98,10 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
-                self.proc.wait(60)
+                self.proc.wait(300)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+                pass
+        end_group(self.proc, grace=0)  # the server, or anything it left running
         self.log_file.close()
 
 
@@ -150,6 +155,7 @@ def test_restart_after_sigkill_restores_the_system_prompt_from_disk(engine: str,
     cache_dir = tmp_path / "kv"
     first = _serve(tmp_path, "kv-1", model, flags, cache_dir)
     try:
+        assert f"kvstore vllm-mlx: disk tier on: entries in {cache_dir} " in first.log(), first.log()
         first.ask("chat", model, "Say hello.")  # the system prompt's KV, written to disk
         _wait(lambda: _entries(cache_dir), "an entry on disk")
     finally:

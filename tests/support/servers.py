@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.children import child_env
+from tools.testing.procs import end_group, start_group
 
 HOST = "127.0.0.1"
 
@@ -58,12 +59,15 @@ class Server:
             args, command = ["--cache-dir", str(cache_dir), *args], serve_command()
         env = child_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(command + args, stdout=self._log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        # its own process group, dead with the test process even if that is SIGKILLed
+        self.proc = start_group(command + args, stdout=self._log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
     # -- lifecycle -----------------------------------------------------------------
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        """Until ``/health`` answers; an exit fails at once, and ``timeout`` bounds only a
+        hang (a loaded laptop starts a server in tens of seconds, not minutes)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -77,8 +81,8 @@ class Server:
             time.sleep(0.1)
         raise AssertionError(f"server not ready after {timeout}s\n{self.log()}")
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
-        """Send ``sig`` and wait for the exit; returns the return code."""
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 300.0) -> int:
+        """Send ``sig`` and wait for the exit (``timeout`` bounds a hang); the return code."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
@@ -106,8 +110,8 @@ class Server:
 
     def __exit__(self, *exc: Any) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+            self.proc.kill()  # as a crash: nothing flushed on the way out
+        end_group(self.proc)  # then anything it started
         self._log.close()
 
     # -- HTTP ------------------------------------------------------------------------

@@ -62,10 +62,13 @@ class SuiteMissing(RuntimeError):
     """mlx-lm's tests/test_server.py is not cached and could not be downloaded."""
 
 
-def suite_path(version: str | None = None) -> Path:
+def suite_path(version: str | None = None, *, say: bool = False) -> Path:
     """``tests/test_server.py`` of mlx-lm ``version`` (default: the installed one), from its
     sdist on PyPI; downloaded and extracted once per machine (a file lock keeps parallel
-    runs from racing), then reused."""
+    runs from racing), then reused. ``say``: tell stderr what is fetched and why, and let
+    pip show its own progress (``--fetch``: a minute or two with no word is a hang to a user)."""
+    import time
+
     from filelock import FileLock
 
     version = version or mlx_lm_version()
@@ -77,13 +80,21 @@ def suite_path(version: str | None = None) -> Path:
     with FileLock(str(root / f"mlx_lm-{version}.lock")):
         if final.is_file():
             return final
+        t0 = time.monotonic()
+        if say:
+            print(f"fetching mlx-lm {version}'s source distribution from PyPI with pip (about 0.5 MB; pip "
+                  f"then installs build tools to read its metadata: a minute or two on a busy machine) for its {SUITE}, which "
+                  f"tests/test_upstream_server.py runs against kvstore; once per machine, into {final.parent}",
+                  file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(dir=root) as tmp:
-            got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                                  "--quiet", "-d", tmp, f"mlx-lm=={version}"], capture_output=True, text=True,
-                                 timeout=600)
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                   "--disable-pip-version-check", "-d", tmp, f"mlx-lm=={version}"]
+            # said: pip's own lines and progress bar on this terminal; else quiet, its error kept
+            got = subprocess.run(cmd if say else [*cmd, "--quiet"], capture_output=not say, text=True,
+                                 stdout=sys.stderr if say else None, timeout=1800)
             sdist = next(Path(tmp).glob("mlx_lm-*.tar.gz"), None)
             if got.returncode != 0 or sdist is None:
-                why = (got.stderr.strip().splitlines() or ["no sdist downloaded"])[-1]
+                why = ((got.stderr or "").strip().splitlines() or ["no sdist downloaded (pip's output is above)"])[-1]
                 raise SuiteMissing(
                     f"mlx-lm {version}'s {SUITE} (the upstream server suite) is not in {final.parent} and "
                     f"`pip download mlx-lm=={version}` (its sdist from PyPI) failed: {why}. Fetch it once where "
@@ -96,6 +107,8 @@ def suite_path(version: str | None = None) -> Path:
             part = final.with_suffix(".part")
             part.write_bytes(data)
             part.rename(final)
+        if say:
+            print(f"fetched {SUITE} of mlx-lm {version} in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     return final
 
 
@@ -200,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.fetch:
         try:
-            print(suite_path())
+            print(suite_path(say=True))
         except SuiteMissing as e:
             print(f"tools.gates.upstream_mlx_lm: {e}", file=sys.stderr)
             return 1
