@@ -279,6 +279,74 @@ def unwritten_roots(data: Path) -> str | None:
     return None
 
 
+def crash_check(data: Path) -> str | None:
+    """Why the newest snapshot of ``data`` could fault a process that maps it, or None;
+    read with pread only, at a cost that does not grow with the records it holds.
+
+    For a file a kvstore writer opened from a checked state and was then stopped without
+    a clean close (killed, out of memory, power lost): every page it reached after that
+    was written by LMDB's commit, which writes (and syncs) a transaction's pages before
+    the meta page naming them. What such a stop can leave is a file shorter than its
+    meta page says (a lost extension, a copy cut short): a page past the end read through
+    a map is a SIGBUS. So: the meta page is valid; the free-page list, the main tree and
+    each named database's root are pages of the right kind inside the file; and every
+    page from the file's end to ``last_pgno`` is on the free-page list (pages allocated
+    and freed inside one transaction are never written). LMDB refuses a page number past
+    ``last_pgno`` with an error. The cost is the free-page list and one page per database."""
+    try:
+        psize = page_size(data)
+        pages = _Pages(data, psize, None)
+    except (OSError, _Damaged, struct.error) as e:
+        return f"no readable meta page ({e})"
+    try:
+        errors: list[str] = []
+        subs: list[tuple[str, tuple]] = []
+
+        def main_sink(key: bytes, value: bytes, flags: int) -> None:
+            if flags & _F_SUBDATA and len(value) == 48:
+                subs.append((key.decode(errors="replace"), struct.unpack("<IHHQQQQQ", value)))
+
+        pages.walk(pages.main, main_sink, errors, "main")
+        for name, db in subs:
+            _check_root(pages, db, errors, name)
+        written = -(-pages.size // psize)  # pages the file holds (a partial last page counts)
+        tail = set(range(written, pages.last_pg + 1))
+        if tail:
+            pages.walk(pages.free, _free_pages(tail), errors, "free-page list", intkeys=True)
+            if tail:
+                errors.append(f"{data} is truncated: {pages.size} bytes, page {min(tail)} is in use "
+                              f"(the meta page names pages up to {pages.last_pg})")
+        else:
+            _check_root(pages, pages.free, errors, "free-page list")
+        return "; ".join(errors[:3]) if errors else None
+    except (OSError, struct.error) as e:
+        return str(e)
+    finally:
+        pages.close()
+
+
+def _check_root(pages: _Pages, db: tuple, errors: list[str], name: str) -> None:
+    """The root page of tree ``db`` is inside the file and of the kind its depth says."""
+    depth, root = db[2], db[7]
+    if root == _P_INVALID:
+        return
+    try:
+        pages.node_count(root, pages.page(root), _P_BRANCH if depth > 1 else _P_LEAF)
+    except _Damaged as e:
+        errors.append(f"{name}: {e}")
+
+
+def _free_pages(tail: set[int]) -> Callable[[bytes, bytes, int], None]:
+    """A walk sink over LMDB's free-page list (each value a count, then that many page
+    numbers, native 64-bit) taking every listed page out of ``tail``."""
+    def sink(key: bytes, value: bytes, flags: int) -> None:
+        n = len(value) // 8
+        if n:
+            ids = struct.unpack(f"<{n}Q", value[: n * 8])
+            tail.difference_update(ids[1: 1 + ids[0]])
+    return sink
+
+
 def last_txnid(data: Path) -> int | None:
     """The newest transaction id the data file's meta pages record (two preads), or None."""
     try:
