@@ -43,7 +43,6 @@ import logging
 import os
 import signal
 import stat
-import subprocess
 import sys
 import threading
 import time
@@ -56,7 +55,7 @@ import lmdb
 from .. import files
 from ..keys import FORMAT_VERSION
 from ..records import MAX_CHUNK, IdentityRecord, RecordError, parse
-from .pages import crash_check, last_txnid, unwritten_roots
+from .meta import last_txnid, unwritten_roots
 from .txn import DBS, Reader, WriteTxn, count
 
 log = logging.getLogger("kvstore")
@@ -357,6 +356,8 @@ class Index:
         if not any(isinstance(m, dict) and m.get("dev") == state["dev"] and m.get("ino") == state["ino"]
                    and isinstance(m.get("txnid"), int) and m["txnid"] <= state["txnid"] for _, m in self._marks()):
             return False
+        from .pages import crash_check  # the page walker: only after a crash
+
         why = crash_check(self.path / "data.mdb")
         if why is not None:
             log.info("kvstore: index %s after an unclean stop: %s; checking every record", self.path, why)
@@ -407,6 +408,8 @@ class Index:
             return True, None
         if not CHECK_AT_OPEN or not sys.executable:
             return False, None
+        import subprocess  # only a check starts a process
+
         timeout = CHECK_SECONDS + size / (20 << 20)
         cmd = [sys.executable, "-c", _WALK, str(self.path), "1" if self.readonly else "0",
                str(max(INITIAL_MAP, size))]

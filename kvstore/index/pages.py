@@ -18,14 +18,11 @@ from typing import Any, Callable
 
 import lmdb
 
+from .meta import P_INVALID as _P_INVALID, Damaged as _Damaged, page_size, read_meta
+
 _P_BRANCH, _P_LEAF, _P_OVERFLOW = 0x01, 0x02, 0x04
 _F_BIGDATA, _F_SUBDATA, _F_DUPDATA = 0x01, 0x02, 0x04
-_P_INVALID = (1 << 64) - 1
 _HDR, _NODE = 16, 8
-
-
-class _Damaged(Exception):
-    pass
 
 
 class _Pages:
@@ -33,23 +30,13 @@ class _Pages:
 
     def __init__(self, path: Path, psize: int, txnid: int | None) -> None:
         self.fd = os.open(path, os.O_RDONLY)
-        self.psize = psize
-        self.size = os.fstat(self.fd).st_size
-        metas = []
-        for m in (0, 1):
-            b = os.pread(self.fd, 160, m * psize)
-            if len(b) < 152 or int.from_bytes(b[16:20], "little") != 0xBEEFC0DE:
-                continue
-            metas.append((int.from_bytes(b[144:152], "little"), b))
-        if not metas:
-            raise _Damaged("no valid meta page")
-        pick = [mb for mb in metas if mb[0] == txnid] if txnid is not None else sorted(metas)[-1:]
-        if not pick:
-            raise LookupError("the read transaction's meta page was overwritten meanwhile")
-        self.txnid, b = pick[0]
-        self.last_pg = int.from_bytes(b[136:144], "little")
-        self.free = struct.unpack_from("<IHHQQQQQ", b, 40)  # LMDB's free-page list (FREE_DBI)
-        self.main = struct.unpack_from("<IHHQQQQQ", b, 40 + 48)
+        try:
+            m = read_meta(self.fd, psize, txnid)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.psize, self.size, self.txnid, self.last_pg, self.free, self.main = (
+            psize, m.size, m.txnid, m.last_pg, m.free, m.main)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -243,42 +230,6 @@ def db_roots(data: Path) -> dict[str, int]:
     return subs
 
 
-def page_size(data: Path) -> int:
-    """The page size the file records in its first meta page (FREE_DBI's md_pad), so a
-    file made on a 16 KiB-page Mac reads right anywhere; the system's if implausible."""
-    with open(data, "rb") as f:
-        head = f.read(48)
-    psize = int.from_bytes(head[40:44], "little") if len(head) >= 44 else 0
-    if psize < 512 or psize > 65536 or psize & (psize - 1):
-        psize = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-    return psize
-
-
-def unwritten_roots(data: Path) -> str | None:
-    """Why the newest meta page of ``data`` names a tree root past the end of the file
-    (a truncated file: reading that page through a map is a SIGBUS), or None.
-
-    Only what LMDB keeps is checked: a commit writes every page its trees reach before
-    the meta page naming them, so each root lies inside the file. ``last_pgno`` is no
-    bound: pages allocated and freed inside one transaction (a gc removing most entries)
-    count in it but are never written, and a healthy file ends before it. The meta page
-    is read before the file's size, so a commit in between only makes the file longer."""
-    try:
-        pages = _Pages(data, page_size(data), None)
-        try:
-            size = os.fstat(pages.fd).st_size
-        finally:
-            pages.close()
-    except (OSError, _Damaged, struct.error):
-        return None  # no meta page to go by: LMDB's own open says what is wrong
-    for name, db in (("free-page list", pages.free), ("main", pages.main)):
-        root = db[7]
-        if root != _P_INVALID and (root + 1) * pages.psize > size:
-            return (f"{data} is truncated: {size} bytes, the root page {root} of its {name} "
-                    f"needs {(root + 1) * pages.psize}")
-    return None
-
-
 def crash_check(data: Path) -> str | None:
     """Why the newest snapshot of ``data`` could fault a process that maps it, or None;
     read with pread only, at a cost that does not grow with the records it holds.
@@ -345,18 +296,6 @@ def _free_pages(tail: set[int]) -> Callable[[bytes, bytes, int], None]:
             ids = struct.unpack(f"<{n}Q", value[: n * 8])
             tail.difference_update(ids[1: 1 + ids[0]])
     return sink
-
-
-def last_txnid(data: Path) -> int | None:
-    """The newest transaction id the data file's meta pages record (two preads), or None."""
-    try:
-        pages = _Pages(data, page_size(data), None)
-    except (OSError, _Damaged, struct.error):
-        return None
-    try:
-        return pages.txnid
-    finally:
-        pages.close()
 
 
 def salvage(data: Path) -> tuple[list[str], dict[str, list[tuple[bytes, bytes]]]]:
