@@ -41,7 +41,6 @@ import errno
 import json
 import logging
 import os
-import signal
 import stat
 import sys
 import threading
@@ -73,7 +72,7 @@ CORRUPTION = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
               lmdb.VersionMismatchError, lmdb.PanicError)
 CHECK_AT_OPEN = True  # tests turn it off to reach a damaged page on purpose
 CHECK_SECONDS = 30.0  # a check gets this long plus 1 s per 20 MiB of data file
-_FATAL = {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE}
+_FATAL = ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE")  # signal names: ``signal`` costs start-up
 _WALK = r"""
 import sys, lmdb
 path, ro, size = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
@@ -408,7 +407,8 @@ class Index:
             return True, None
         if not CHECK_AT_OPEN or not sys.executable:
             return False, None
-        import subprocess  # only a check starts a process
+        import signal  # only a check starts a process
+        import subprocess
 
         timeout = CHECK_SECONDS + size / (20 << 20)
         cmd = [sys.executable, "-c", _WALK, str(self.path), "1" if self.readonly else "0",
@@ -423,7 +423,7 @@ class Index:
         why = p.stderr.decode(errors="replace").strip().splitlines()
         if p.returncode == 3:
             return True, f"reading {data} fails: {why[-1] if why else 'damaged'}"
-        if p.returncode < 0 and -p.returncode in _FATAL:
+        if p.returncode < 0 and -p.returncode in {getattr(signal, n) for n in _FATAL if hasattr(signal, n)}:
             return True, (f"reading {data} kills the process ({signal.Signals(-p.returncode).name}"
                           + (f": {why[-1]}" if why else "") + ")")
         if p.returncode == 5:  # the child could not open it: the parent's own open says why
