@@ -242,8 +242,9 @@ def crash_check(data: Path) -> str | None:
     a map is a SIGBUS. So: the meta page is valid; the free-page list, the main tree and
     each named database's root are pages of the right kind inside the file; and every
     page from the file's end to ``last_pgno`` is on the free-page list (pages allocated
-    and freed inside one transaction are never written). LMDB refuses a page number past
-    ``last_pgno`` with an error. The cost is the free-page list and one page per database."""
+    and freed inside one transaction are never written); a page past ``last_pgno`` is
+    named only by a damaged page, which a crash does not make (``verify`` walks them all).
+    The cost is the free-page list and one page per database."""
     try:
         psize = page_size(data)
         pages = _Pages(data, psize, None)
