@@ -158,7 +158,7 @@ def open_startup(ctx: C.Context, n: int | None = None, base: str | None = None) 
     trees: dict[str, str | None] = {"": None} | ({"_base": base} if base else {})
     for case in ("clean", "unclean"):
         got: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
-        for k in range(OPEN_RUNS):
+        for k in range(3 if ctx.quick else OPEN_RUNS):  # --quick: the suite has a time limit
             for suffix, tree in trees.items():
                 if case == "unclean":
                     _crash(str(d), seed=2 * k + bool(suffix), tree=tree)
