@@ -126,11 +126,11 @@ def _crash(cache_dir: str, seed: int, tree: str | None = None) -> None:
         raise RuntimeError(f"crash child ended with {proc.returncode}, not SIGKILL:\n{proc.stderr[-2000:]}")
 
 
-def open_startup(ctx: C.Context, n: int | None = None, base: str | None = None) -> dict[str, Any]:
+def open_startup(ctx: C.Context, n: int | None = None, base_tree: str | None = None) -> dict[str, Any]:
     """A new process's open + first lookup on a store of ``OPEN_ENTRIES`` entries after a
     page-cache drop (``scale.open_child``; median of ``OPEN_RUNS``), after a clean close
     and, as its own row, after an unclean stop (a writer SIGKILLed after a commit before
-    each run: the open finds no matching clean stamp). ``base``: the same runs, interleaved,
+    each run: the open finds no matching clean stamp). ``base_tree``: the same runs, interleaved,
     with the kvstore of that checkout too (rows ``clean_base``, ``unclean_base``)."""
     from .bandwidth import _child_in
 
@@ -155,7 +155,7 @@ def open_startup(ctx: C.Context, n: int | None = None, base: str | None = None) 
     index_bytes = (d / "index" / "data.mdb").stat().st_size
     args = {"cache_dir": str(d), "n_entries": n, "samples": 0, "drop": ctx.drop}
     out: dict[str, Any] = {"entries": n, "index_bytes": index_bytes}
-    trees: dict[str, str | None] = {"": None} | ({"_base": base} if base else {})
+    trees: dict[str, str | None] = {"": None} | ({"_base": base_tree} if base_tree else {})
     for case in ("clean", "unclean"):
         got: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
         for k in range(3 if ctx.quick else OPEN_RUNS):  # --quick: the suite has a time limit
