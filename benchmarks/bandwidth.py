@@ -445,10 +445,11 @@ def _grown(ctx: C.Context, name: str, n: int, turns: int) -> tuple[Path, Path, l
     return kv_dir, mlx_dir / "cache.safetensors", tokens, payload
 
 
-def limit_shape(ctx: C.Context, name: str, n: int, turns: int, reps: int, base: str | None = None) -> dict[str, Any]:
-    """Every method of ``LIMIT_METHODS`` (and ``kvstore_base``, the restore of checkout
-    ``base``, if given), cold and warm, ``reps`` interleaved rounds."""
-    methods = LIMIT_METHODS + (("kvstore_base",) if base else ())
+def limit_shape(ctx: C.Context, name: str, n: int, turns: int, reps: int, base: str | None = None,
+                only: tuple[str, ...] = LIMIT_METHODS) -> dict[str, Any]:
+    """Every method of ``only`` (``LIMIT_METHODS``; and ``kvstore_base``, the restore of
+    checkout ``base``, if given), cold and warm, ``reps`` interleaved rounds."""
+    methods = only + (("kvstore_base",) if base else ())
     kv_dir, mlx_file, tokens, payload = _grown(ctx, name, n, turns)
     files = [str(p) for p in _pack_files(kv_dir)]
     args = {"kv_dir": str(kv_dir), "mlx_file": str(mlx_file), "files": files, "tokens": tokens,
@@ -501,16 +502,17 @@ def _limit_medians(reads: dict, hashes: list[dict], payload: int) -> dict[str, A
     return med
 
 
-def run_limit(ctx: C.Context, reps: int = 3, base: str | None = None) -> dict[str, Any]:
+def run_limit(ctx: C.Context, reps: int = 3, base: str | None = None, shapes: list | None = None,
+              only: tuple[str, ...] = LIMIT_METHODS) -> dict[str, Any]:
     started = time.perf_counter()
-    shapes = LIMIT_QUICK if ctx.quick else LIMIT_SHAPES
+    shapes = shapes or (LIMIT_QUICK if ctx.quick else LIMIT_SHAPES)
     C.prefault_memory(True)
-    rows = [limit_shape(ctx, name, n, turns, reps, base) for name, n, turns in shapes]
+    rows = [limit_shape(ctx, name, n, turns, reps, base, only) for name, n, turns in shapes]
     medians = {f"{r['shape']}/{r['tokens']}/x{r['turns']}": r["medians"] for r in rows}
     headline = {k: {x: v[x] for x in ("cold_kvstore_vs_mlx_lm", "cold_kvstore_vs_device", "warm_kvstore_vs_mlx_lm",
                                       "warm_kvstore_vs_floor")} for k, v in medians.items()}
     settings = {"shapes": [{"model_shape": n, "tokens": t, "turns": k} for n, t, k in shapes], "reps": reps,
-                "methods": LIMIT_METHODS, "order": "every method once per round, rotating; cold then warm",
+                "methods": only, "order": "every method once per round, rotating; cold then warm",
                 "read_process": "a new process per read", "drop_page_cache": ctx.drop,
                 "base": {"tree": base, "commit": _commit_of(base)} if base else None}
     notes = ["pread<N>: every pack file read by N threads with 4 MB pread into per-thread buffers: the device's "
@@ -554,10 +556,13 @@ if __name__ == "__main__":
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--base", default=None, help="a checkout whose restore is measured alongside (kvstore_base)")
     ap.add_argument("--out", default=str(C.REPO_ROOT / "benchmarks" / "results" / "bandwidth_issue25.json"))
+    ap.add_argument("--shape", action="append", default=[], metavar="NAME:TOKENS:TURNS",
+                    help="measure this shape only (repeatable), e.g. smollm2:8192:1")
     a = ap.parse_args()
     work = C.new_workdir(None)
+    shapes = [(sp.split(":")[0], int(sp.split(":")[1]), int(sp.split(":")[2])) for sp in a.shape]
     try:
-        doc = run_limit(C.Context(quick=a.quick, work=work, out=Path(a.out).parent), a.reps, a.base)
+        doc = run_limit(C.Context(quick=a.quick, work=work, out=Path(a.out).parent), a.reps, a.base, shapes)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     C.write_json(Path(a.out).parent, Path(a.out).stem, doc)

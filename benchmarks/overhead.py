@@ -87,9 +87,53 @@ def cli_startup(ctx: C.Context) -> dict[str, Any]:
     return out
 
 
-def open_startup(ctx: C.Context) -> dict[str, Any]:
+def crash_child(cache_dir: str, seed: int) -> dict[str, Any]:
+    """Child: a writer opens the store, commits one new entry and is SIGKILLed before any
+    clean close (the state a crash, the OOM killer or a power loss leaves). Never returns."""
+    import os
+    import signal
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from kvstore import KVStore
+
+    from .scale import DIM, HEADS
+
+    store = KVStore(cache_dir, max_entries=10)
+    rng = random.Random(seed)
+    p = [rng.randrange(1, 50000) for _ in range(48)]
+    c = KVCache()
+    base = mx.zeros((1, HEADS, len(p) + 1, DIM), dtype=mx.float16)
+    c.keys, c.values, c.offset = base[..., : len(p), :], base[..., 1:, :], len(p)
+    store.insert(C.bench_identity("scale"), p, [c])
+    store.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+    return {}
+
+
+def _crash(cache_dir: str, seed: int, tree: str | None = None) -> None:
+    """``crash_child`` in a new process (with the kvstore of checkout ``tree`` if given)."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "benchmarks", "--child", "overhead:crash_child",
+           C.json.dumps({"cache_dir": cache_dir, "seed": seed})]
+    env = dict(os.environ, PYTHONPATH=tree) if tree else None
+    proc = subprocess.run(cmd, cwd=tree or C.REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != -9:
+        raise RuntimeError(f"crash child ended with {proc.returncode}, not SIGKILL:\n{proc.stderr[-2000:]}")
+
+
+def open_startup(ctx: C.Context, n: int | None = None, base_tree: str | None = None) -> dict[str, Any]:
     """A new process's open + first lookup on a store of ``OPEN_ENTRIES`` entries after a
-    page-cache drop (``scale.open_child``; median of ``OPEN_RUNS``)."""
+    page-cache drop (``scale.open_child``; median of ``OPEN_RUNS``), after a clean close
+    and, as its own row, after an unclean stop (a writer SIGKILLed after a commit before
+    each run: the open finds no matching clean stamp). ``base_tree``: the same runs, interleaved,
+    with the kvstore of that checkout too (rows ``clean_base``, ``unclean_base``)."""
+    from .bandwidth import _child_in
+
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
@@ -97,7 +141,7 @@ def open_startup(ctx: C.Context) -> dict[str, Any]:
 
     from .scale import DIM, HEADS, scale_prompts
 
-    n = 2_000 if ctx.quick else OPEN_ENTRIES
+    n = n or (2_000 if ctx.quick else OPEN_ENTRIES)
     d = ctx.scratch("open-startup")
     ident = C.bench_identity("scale")
     base = mx.random.normal((1, HEADS, 1024, DIM), key=mx.random.key(1)).astype(mx.float16)
@@ -108,17 +152,38 @@ def open_startup(ctx: C.Context) -> dict[str, Any]:
         c.keys, c.values, c.offset = base[..., : len(p), :], base[..., 1: len(p) + 1, :], len(p)
         store.insert(ident, p, [c])
     store.close()  # a clean close: the next open matches the stamp, as a restart does
-    runs = [C.run_child("scale:open_child", {"cache_dir": str(d), "n_entries": n, "samples": 0, "drop": ctx.drop})
-            for _ in range(OPEN_RUNS)]
+    index_bytes = (d / "index" / "data.mdb").stat().st_size
+    args = {"cache_dir": str(d), "n_entries": n, "samples": 0, "drop": ctx.drop}
+    out: dict[str, Any] = {"entries": n, "index_bytes": index_bytes}
+    trees: dict[str, str | None] = {"": None} | ({"_base": base_tree} if base_tree else {})
+    for case in ("clean", "unclean"):
+        got: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
+        for k in range(3 if ctx.quick else OPEN_RUNS):  # --quick: the suite has a time limit
+            for suffix, tree in trees.items():
+                if case == "unclean":
+                    _crash(str(d), seed=2 * k + bool(suffix), tree=tree)
+                got[suffix].append(C.run_child("scale:open_child", args) if tree is None
+                                   else _child_in(tree, "scale:open_child", args))
+        for suffix, runs in got.items():
+            _open_row(ctx, out, case + suffix, runs, n)
+    out["unclean_vs_clean"] = out["unclean"]["open_plus_first_lookup_s"] / out["clean"]["open_plus_first_lookup_s"]
+    return out
+
+
+def _open_row(ctx: C.Context, out: dict[str, Any], case: str, runs: list[dict[str, Any]], n: int) -> None:
+    """The median row of ``runs`` as ``out[case]`` (``clean`` also at the top level, as before)."""
     total = [r["open_s"] + r["first_lookup_s"] for r in runs]
-    out = {"entries": n, "open_plus_first_lookup_s": C.median(total), "runs": total,
+    row = {"open_plus_first_lookup_s": C.median(total), "runs": total,
            "open_s": C.median([r["open_s"] for r in runs]),
            "first_lookup_s": C.median([r["first_lookup_s"] for r in runs]),
            "page_cache_dropped": all(r["page_cache"].get("dropped") for r in runs),
+           "page_cache_method": runs[0]["page_cache"].get("method"),
            "sources": [r["first_lookup_source"] for r in runs]}
-    ctx.log(f"  open + first lookup, {n} entries, page cache "
-            f"{'dropped' if out['page_cache_dropped'] else 'NOT dropped'}: {C.fmt(out['open_plus_first_lookup_s'], 's')}")
-    return out
+    if case == "clean":
+        out.update(row)  # the row earlier runs reported, under the same keys
+    out[case] = row
+    ctx.log(f"  open + first lookup, {case} stop, {n} entries, page cache "
+            f"{'dropped' if row['page_cache_dropped'] else 'NOT dropped'}: {C.fmt(row['open_plus_first_lookup_s'], 's')}")
 
 
 def run(ctx: C.Context) -> dict[str, Any]:
@@ -213,12 +278,20 @@ def report(doc: dict[str, Any]) -> str:
                                  ["python -c pass (baseline)", C.fmt(cli["python_s"], "s")]])
     op = doc.get("open_startup")
     if op:
-        out += "\n\n" + C.table(f"New process: open + first lookup, {op['entries']} entries "
-                                 f"(page cache {'dropped' if op['page_cache_dropped'] else 'not dropped'})",
-                                 ["open", "first lookup", "open + first lookup"],
-                                 [[C.fmt(op["open_s"], "s"), C.fmt(op["first_lookup_s"], "s"),
-                                   C.fmt(op["open_plus_first_lookup_s"], "s")]])
+        out += "\n\n" + open_table(op)
     return out
+
+
+def open_table(op: dict[str, Any]) -> str:
+    """The open + first lookup rows: after a clean close and after an unclean stop."""
+    rows = [[case, C.fmt(op[case]["open_s"], "s"), C.fmt(op[case]["first_lookup_s"], "s"),
+             C.fmt(op[case]["open_plus_first_lookup_s"], "s")] for case in ("clean", "unclean", "clean_base", "unclean_base") if case in op]
+    if not rows:  # a result from before the unclean row
+        rows = [["clean", C.fmt(op["open_s"], "s"), C.fmt(op["first_lookup_s"], "s"),
+                 C.fmt(op["open_plus_first_lookup_s"], "s")]]
+    return C.table(f"New process: open + first lookup, {op['entries']} entries "
+                   f"(page cache {'dropped' if op['page_cache_dropped'] else 'not dropped'})",
+                   ["last stop", "open", "first lookup", "open + first lookup"], rows)
 
 
 def headline_rows(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -239,4 +312,43 @@ def headline_rows(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
         out.append((f"new process: open + first lookup, {op['entries']} entries",
                     C.fmt(op["open_plus_first_lookup_s"], "s"),
                     f"page cache {'dropped' if op['page_cache_dropped'] else 'not dropped'} (median of {len(op['runs'])})"))
+        if "unclean" in op:
+            out.append((f"new process after an unclean stop: open + first lookup, {op['entries']} entries",
+                        C.fmt(op["unclean"]["open_plus_first_lookup_s"], "s"),
+                        f"{op['unclean_vs_clean']:.2f}x the clean open (median of {len(op['unclean']['runs'])})"))
     return out
+
+
+def startup_main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.overhead [--entries N] [--out DIR]``: the start-up rows only
+    (CLI start-up, open after a clean and an unclean stop), without the model prefills;
+    JSON to ``<out>/overhead_startup.json``."""
+    import argparse
+    import shutil
+    import tempfile
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.overhead")
+    ap.add_argument("--entries", type=int, default=OPEN_ENTRIES)
+    ap.add_argument("--out", default=str(C.REPO_ROOT / "benchmarks" / "results"))
+    ap.add_argument("--no-drop", action="store_true")
+    ap.add_argument("--skip-cli", action="store_true")
+    ap.add_argument("--base", default=None, help="another checkout whose open is measured alongside")
+    a = ap.parse_args(argv)
+    work = C.Path(tempfile.mkdtemp(prefix="kvstore-overhead-"))
+    started = time.perf_counter()
+    try:
+        ctx = C.Context(quick=False, work=work, out=C.Path(a.out), drop=not a.no_drop)
+        doc = C.document("overhead_startup", ctx, {"entries": a.entries, "open_runs": OPEN_RUNS,
+                                                   "cli_runs": CLI_RUNS}, [], {}, {}, [], started)
+        if not a.skip_cli:
+            doc["cli_startup"] = cli_startup(ctx)
+        doc["open_startup"] = open_startup(ctx, a.entries, a.base)
+        C.write_json(ctx.out, "overhead_startup", doc)
+        print(open_table(doc["open_startup"]))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(startup_main())

@@ -39,6 +39,10 @@ SHARED_MEMORY = True
 # Bytes of one ``alloc`` call in a restore: the arrays are made a group at a time, so the
 # first segments' reads start while MLX still allocates (pages the rest) of the others.
 GROUP = 32 << 20
+# At most this many groups: each group is read from every segment of the entry (a chunked
+# entry has one per 256 tokens), so a fixed group size made the reads (segment ``add``
+# calls, tasks, spans) grow as the square of the conversation's length (issue 47, item 3).
+MAX_GROUPS = 8
 
 
 def fresh_bytes(n: int) -> memoryview:
@@ -53,8 +57,11 @@ def fresh_bytes(n: int) -> memoryview:
 
 
 def groups(specs: Specs, nbytes: int | None = None) -> list[Specs]:
-    """``specs`` cut, in order, into runs of about ``nbytes`` (``GROUP``; every tensor whole)."""
-    nbytes = nbytes or GROUP
+    """``specs`` cut, in order, into runs of about ``nbytes`` (every tensor whole; by
+    default ``GROUP``, or larger so there are at most about ``MAX_GROUPS``)."""
+    if not nbytes:
+        total = sum(host_dtype(st).itemsize * math.prod(shape) for st, shape in specs.values())
+        nbytes = max(GROUP, -(-total // MAX_GROUPS))
     out: list[Specs] = [{}]
     size = 0
     for name, (st, shape) in specs.items():

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 
 from . import files
 from .index import CORRUPTION, Index, IndexFailure, IndexOpenError, chunk_size
-from .index.core import DAMAGED, STAMP
+from .index.core import DAMAGED, STAMP, WRITER
 
 if TYPE_CHECKING:  # imported by ``open_disk`` only: ``kvstore ls`` starts without it
     from .disk import DiskTier
@@ -37,7 +37,7 @@ MEMO = "file-digests.json"  # the identity's file-digest memo (``identity.Digest
 # Every name kvstore creates under a cache directory ("*": chosen at random when created).
 CREATED: tuple[str, ...] = (
     "index/", "blobs/", "blobs/*/", "blobs/*/*.kvpack", "index/data.mdb", "index/lock.mdb",
-    f"index/{STAMP}", f"index/{DAMAGED}", MEMO, "index.rebuild-*/", "index.corrupt-*/",
+    f"index/{STAMP}", f"index/{DAMAGED}", f"index/{WRITER}*", MEMO, "index.rebuild-*/", "index.corrupt-*/",
     "responses/", "responses/*.json",  # kvstore serve's stored /v1/responses (adapters.response_store)
     "stable-prefix/", "stable-prefix/*.json",  # kvstore serve --stable-prefix (adapters.stable_prefix.Memory)
 )

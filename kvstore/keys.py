@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import xxhash
 
 FORMAT_VERSION = 4  # 4: token ids as int64; 3: binary records, pack files of segments; 2: trie edges sorted
 KEY_BYTES = 16  # bytes of a key, an identity digest, a pack id, a checksum
@@ -69,6 +68,8 @@ def decode_tokens(data: bytes) -> list[int]:
 
 
 def _h(*parts: bytes) -> bytes:
+    import xxhash  # here, not at the top: ``kvstore ls`` hashes nothing (the extension costs start-up)
+
     x = xxhash.xxh3_128()
     for p in parts:
         x.update(p)

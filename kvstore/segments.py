@@ -470,9 +470,11 @@ def _dest_views(header: Header, dests: dict[str, np.ndarray], names: list[str], 
         d = dests[tname]
         if d.shape != shape or d.dtype != np.dtype(_FROM_ST[st][1]):
             raise BlobError(f"{name}: tensor {tname!r} is {st} {list(shape)}, expected {list(d.shape)} {d.dtype}")
-        for row in _dest_rows(d):
-            mv = byte_view(row)
-            views.extend(mv[i : i + _PIECE] for i in range(0, len(mv), _PIECE))
+        for mv in _dest_rows(d):
+            if len(mv) <= _PIECE:
+                views.append(mv)
+            else:
+                views.extend(mv[i : i + _PIECE] for i in range(0, len(mv), _PIECE))
     return views
 
 
@@ -496,13 +498,26 @@ def _spans(views: list[memoryview], pos: int, span: int) -> list[tuple[int, list
     return out
 
 
-def _dest_rows(d: np.ndarray) -> Iterator[np.ndarray]:
+def _dest_rows(d: np.ndarray) -> list[memoryview]:
+    """The memory of destination ``d`` as writable byte views in C order: one if it is
+    contiguous, else one per run of its last two axes (a token slice of a KV array is
+    contiguous per head). One reshape and a view per run: a restore makes one call per
+    tensor per segment, thousands for a long conversation (issue 47, item 2)."""
     import numpy as np
-    rows = [d] if d.flags.c_contiguous else (d[i] for i in np.ndindex(d.shape[:-2]))
-    for r in rows:
-        if not r.flags.c_contiguous or not r.flags.writeable:
-            raise RuntimeError("destination is not writable in contiguous rows")  # kvstore's arrays, not the file
-        yield r
+    if not d.flags.writeable:
+        raise RuntimeError("destination is not writable")  # kvstore's arrays, not the file
+    if d.flags.c_contiguous:
+        return [byte_view(d)]
+    if d.size == 0:
+        return []
+    rows = d.view()
+    try:  # setting the shape never copies: it raises where one view cannot hold the runs
+        rows.shape = (-1, d.shape[-2] * d.shape[-1])
+    except AttributeError:
+        return [m for i in np.ndindex(d.shape[:-2]) for m in _dest_rows(d[i])]
+    if not rows[0].flags.c_contiguous:
+        raise RuntimeError("destination is not writable in contiguous rows")
+    return [memoryview(r).cast("B") for r in rows]
 
 
 def _batches(views: list[memoryview]) -> Iterator[list[memoryview]]:

@@ -4,6 +4,7 @@ is still readable (damage is confined to the node it is in)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import struct
@@ -91,6 +92,87 @@ def test_a_truncated_index_is_still_refused(tmp_path):
     with KVStore(tmp_path) as s:
         assert s.fetch(who, toks).n == 0
     assert list(tmp_path.glob("index.corrupt-*"))
+
+
+# --------------------------------------------------------------------------- after a crash
+
+_CRASH = r"""
+import json, os, signal, sys
+from kvstore import KVStore
+from kvstore.budget import evict_to
+from tests.support.caches import ident, rand_tokens, synth_kv_cache
+a = json.loads(sys.argv[1])
+s = KVStore(a["cache"], chunk_tokens=16)
+toks = rand_tokens(40, seed=a["seed"])
+s.insert(ident("crash"), toks, synth_kv_cache(1, 1, 40, 4, seed=a["seed"]))
+assert s.flush()
+if a["gc"]:
+    assert evict_to(s.disk, 1)  # most entries gone in one transaction, then the crash
+os.kill(os.getpid(), signal.SIGKILL)  # no clean close: the index keeps no matching stamp
+"""
+
+
+def _crashed_store(tmp_path: Path, *, gc: bool) -> tuple[Path, list[list[int]]]:
+    """A store of 30 entries closed cleanly, then written by a writer SIGKILLed after its
+    commit (after a gc of most entries with ``gc``): the state a crash leaves."""
+    cache = tmp_path / "cache"
+    who = ident("crash")
+    prompts = [rand_tokens(20 + 9 * i, seed=200 + i) for i in range(30)]
+    with KVStore(cache, chunk_tokens=16) as s:
+        for i, toks in enumerate(prompts):
+            s.insert(who, toks, synth_kv_cache(1, 1, len(toks), 4, seed=i))
+            assert s.flush()
+    p = subprocess.run([sys.executable, "-c", _CRASH, json.dumps({"cache": str(cache), "seed": 9, "gc": gc})],
+                       capture_output=True, text=True, timeout=300, env=child_env(), cwd=str(ROOT))
+    assert p.returncode == -9, p.stderr
+    return cache, prompts + [rand_tokens(40, seed=9)]
+
+
+@pytest.mark.parametrize("gc", [False, True])
+def test_open_after_a_crash_checks_without_walking_the_index(tmp_path, monkeypatch, gc):
+    """Issue 47, item 1: after a writer was killed, every open (server start, `ls`,
+    `stats`) ran the whole-index check in a child, in time growing with the index. Now a
+    file a checked writer left (its mark) is checked by what a crash can leave only: no
+    child is started (one that cannot start would leave the index unstamped and warn),
+    the index is stamped, and every entry (the killed writer's committed one too) is
+    served. With ``gc``: a file shorter than ``last_pgno`` (pages freed in the same
+    transaction) passes, as its unwritten tail is on the free-page list."""
+    import logging
+
+    cache, prompts = _crashed_store(tmp_path, gc=gc)
+    data = cache / "index" / "data.mdb"
+    if gc:
+        have, need = _unwritten_tail(data)
+        assert have < need, (have, need)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))  # no walk can run
+    warned: list[str] = []
+    handler = type("H", (logging.Handler,), {"emit": lambda s, r: warned.append(r.getMessage())})(logging.INFO)
+    logging.getLogger("kvstore").addHandler(handler)
+    try:
+        with KVStore(cache) as s:
+            assert (cache / "index" / "clean").is_file(), warned
+            served = [s.fetch(ident("crash"), toks).n for toks in prompts]
+    finally:
+        logging.getLogger("kvstore").removeHandler(handler)
+    assert not any("did not complete" in w or "checking every record" in w for w in warned), warned
+    assert gc or served == [len(t) for t in prompts], served
+    assert not list(cache.glob("index.corrupt-*"))
+    assert not list((cache / "index").glob("writer-*"))  # the dead writer's mark is gone, and ours
+
+
+def test_a_truncated_index_after_a_crash_is_still_refused(tmp_path):
+    """The crash check keeps what the whole-index check is for: a data file cut short
+    after a writer's crash is refused by a read-only open (`ls` exits 1, never a SIGBUS)
+    and salvaged by a writable one."""
+    cache, prompts = _crashed_store(tmp_path, gc=False)
+    data = cache / "index" / "data.mdb"
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    p = _cli("ls", "--cache-dir", str(cache))
+    assert p.returncode == 1 and "index" in p.stderr, (p.returncode, p.stdout, p.stderr)
+    with KVStore(cache) as s:
+        s.fetch(ident("crash"), prompts[0])
+    assert list(cache.glob("index.corrupt-*"))
 
 
 # --------------------------------------------------------------------------- salvage

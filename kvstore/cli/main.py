@@ -60,13 +60,11 @@ def _parser(command: str | None, module) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstore", description=DESCRIPTION)
     parser.add_argument("--version", action=_Version, nargs=0, help="show the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    registered: set[str] = set()
-    if module is not None:
+    if module is not None:  # the command's own parser only: a parser each costs start-up
         module.setup_arg_parser(sub)
-        registered = set(sub.choices)
-    for name, (_mod, help_) in COMMANDS.items():
-        if name not in registered:  # placeholder: listed in --help, never parsed
-            sub.add_parser(name, help=help_, add_help=False)
+        return parser
+    for name, (_mod, help_) in COMMANDS.items():  # placeholders: listed in --help, never parsed
+        sub.add_parser(name, help=help_, add_help=False)
     return parser
 
 

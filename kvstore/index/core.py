@@ -16,13 +16,23 @@ that kvstore's own LMDB code produced from a checked state:
   stopped from outside, could not start) is logged and proves nothing: the index is
   opened unchecked for this process and left unstamped, so the next open checks again. An open whose data file matches the
   stamp skips the check: it costs a stat and one meta page, whatever the index holds.
-- any other state (a writer killed, the file edited, replaced, copied in from elsewhere:
-  each changes ctime or inode) is checked before this process maps it: a child process
-  reads every record (and, for a writer, probes a write), so a damaged page kills the
-  child, not the server. A damaged index is moved aside and its readable records
-  salvaged (``pages.salvage``, which reads pages itself, without LMDB).
+- a writer stopped without a clean close (killed, out of memory, power lost): each
+  writer whose open was so checked leaves a ``writer-<pid>-<random>`` mark naming the
+  file it opened (device, inode, transaction id) and removes it at its clean close. A
+  file a writer's mark names, its transaction id not behind it, was written since the
+  check by LMDB's commits only, which write a transaction's pages before the meta page
+  naming them: ``pages.crash_check`` checks what such a stop can leave (a file shorter
+  than its pages, a page a root names of the wrong kind) by pread, in time that does
+  not grow with the index, and the open stamps the file as after a full check. A mark
+  whose process is gone is removed once the file is checked or stamped again.
+- any other state (the file edited, replaced, copied in from elsewhere: each changes
+  ctime or inode; or a crash check that found something) is checked before this process
+  maps it: a child process reads every record (and, for a writer, probes a write), so
+  a damaged page kills the child, not the server. A damaged index is moved aside and its
+  readable records salvaged (``pages.salvage``, which reads pages itself, without LMDB).
 Damage that reaches a file without going through the filesystem (bit rot under an
-unchanged ctime) is not caught at open; ``kvstore verify`` walks every page.
+unchanged ctime), or an edit of a file between a writer's crash and the next open, is
+not caught at open; ``kvstore verify`` walks every page.
 """
 
 from __future__ import annotations
@@ -31,9 +41,7 @@ import errno
 import json
 import logging
 import os
-import signal
 import stat
-import subprocess
 import sys
 import threading
 import time
@@ -46,7 +54,7 @@ import lmdb
 from .. import files
 from ..keys import FORMAT_VERSION
 from ..records import MAX_CHUNK, IdentityRecord, RecordError, parse
-from .pages import last_txnid, unwritten_roots
+from .meta import last_txnid, unwritten_roots
 from .txn import DBS, Reader, WriteTxn, count
 
 log = logging.getLogger("kvstore")
@@ -57,13 +65,14 @@ _PROBE_KEY = b"\x00kvstore-open-probe"  # main database; never committed
 _LOCK_BYTES = 64 << 10  # lock.mdb: LMDB's reader table for max_readers=512 needs ~33 KiB
 STAMP = "clean"
 DAMAGED = "damaged"  # written by a process that met damage: the next writable open salvages
+WRITER = "writer-"  # writer-<pid>-<random hex>: a writer holds the index open (module docstring)
 
 # Errors that mean the data file itself is damaged: only these move an index aside.
 CORRUPTION = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
               lmdb.VersionMismatchError, lmdb.PanicError)
 CHECK_AT_OPEN = True  # tests turn it off to reach a damaged page on purpose
 CHECK_SECONDS = 30.0  # a check gets this long plus 1 s per 20 MiB of data file
-_FATAL = {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE}
+_FATAL = ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE")  # signal names: ``signal`` costs start-up
 _WALK = r"""
 import sys, lmdb
 path, ro, size = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
@@ -115,6 +124,7 @@ class _Shared:
     refs: int
     state: dict[str, Any] | None = None
     verified: bool = False  # a check completed (or kvstore made the file): a clean close may stamp
+    mark: Path | None = None  # this process's writer mark (removed at its clean close)
 
 
 _SHARED: dict[tuple[int, str], _Shared] = {}
@@ -165,7 +175,8 @@ class Index:
                 raise IndexOpenError(f"index {self.path} is already open read-only in this process; "
                                      "open the writable store first")
             env = self._open()
-            self._shared = _SHARED[key] = _Shared(env, self.readonly, 1, self._state(), self._verified)
+            mark = None if self.readonly or not self._verified else self._write_mark()
+            self._shared = _SHARED[key] = _Shared(env, self.readonly, 1, self._state(), self._verified, mark)
             return env
 
     def _own_files(self) -> None:
@@ -194,13 +205,15 @@ class Index:
                 self._create_data_file()
             checked = not self._stamp_matches()
             self._verified = not checked
-            if checked:
+            if checked and not self._crash_checked():
                 self._verified, damage = self._check_in_child()
                 if damage:
                     raise lmdb.CorruptedError(damage)
             env = self._open_env(probe=checked)
             if checked and self._verified:
                 self._write_stamp()
+            if self._verified:
+                self._sweep_marks()
             return env
         except lmdb.Error as e:
             if self.readonly or not isinstance(e, CORRUPTION):
@@ -316,6 +329,70 @@ class Index:
         except OSError:
             pass
 
+    def _marks(self) -> list[tuple[Path, Any]]:
+        """Every writer mark beside the data file, with what it records (None if unreadable)."""
+        try:
+            names = [n for n in os.listdir(self.path) if n.startswith(WRITER) and not n.endswith(".tmp")]
+        except OSError:
+            return []
+        out: list[tuple[Path, Any]] = []
+        for name in names:
+            try:
+                fd = files.open_regular(self.path / name)  # a FIFO there must not block the open
+                with os.fdopen(fd, "rb") as f:
+                    out.append((self.path / name, json.loads(f.read(1 << 12))))
+            except (OSError, ValueError, RecursionError, files.BlobError):
+                out.append((self.path / name, None))
+        return out
+
+    def _crash_checked(self) -> bool:
+        """The data file is one a checked writer's mark names (same device and inode, its
+        transaction id not behind the mark's), and ``pages.crash_check`` finds nothing a
+        stopped writer could have left in it: the open needs no walk (module docstring)."""
+        state = self._state()
+        if state is None or state["txnid"] is None or not CHECK_AT_OPEN or self.marked_damaged() is not None:
+            return False
+        if not any(isinstance(m, dict) and m.get("dev") == state["dev"] and m.get("ino") == state["ino"]
+                   and isinstance(m.get("txnid"), int) and m["txnid"] <= state["txnid"] for _, m in self._marks()):
+            return False
+        from .pages import crash_check  # the page walker: only after a crash
+
+        why = crash_check(self.path / "data.mdb")
+        if why is not None:
+            log.info("kvstore: index %s after an unclean stop: %s; checking every record", self.path, why)
+            return False
+        self._verified = True
+        return True
+
+    def _write_mark(self) -> Path | None:
+        """Mark the index as held by this writer, from the state it was checked in. Best
+        effort: without a mark, the open after a crash walks the whole index."""
+        state = self._state()
+        if state is None:
+            return None
+        mark = self.path / f"{WRITER}{os.getpid()}-{os.urandom(8).hex()}"
+        try:
+            files.replace_file(mark, json.dumps({k: state[k] for k in ("dev", "ino", "txnid")}).encode(),
+                               self.modes)
+        except OSError as e:
+            log.info("kvstore: could not mark index %s open (%s); after a crash it is checked whole", self.path, e)
+            return None
+        return mark
+
+    def _sweep_marks(self) -> None:
+        """Remove the marks of writers that are gone (the file is checked or stamped now)."""
+        for path, _ in self._marks():
+            try:
+                pid = int(path.name[len(WRITER):].split("-", 1)[0])
+            except ValueError:
+                pid = 0
+            if pid > 0 and _alive(pid):
+                continue
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
     def _check_in_child(self) -> tuple[bool, str | None]:
         """(whether a check ran to completion, why the index would crash a process reading
         it or None). Only a child that exited 0 found the file clean; one that could not
@@ -330,6 +407,9 @@ class Index:
             return True, None
         if not CHECK_AT_OPEN or not sys.executable:
             return False, None
+        import signal  # only a check starts a process
+        import subprocess
+
         timeout = CHECK_SECONDS + size / (20 << 20)
         cmd = [sys.executable, "-c", _WALK, str(self.path), "1" if self.readonly else "0",
                str(max(INITIAL_MAP, size))]
@@ -343,7 +423,7 @@ class Index:
         why = p.stderr.decode(errors="replace").strip().splitlines()
         if p.returncode == 3:
             return True, f"reading {data} fails: {why[-1] if why else 'damaged'}"
-        if p.returncode < 0 and -p.returncode in _FATAL:
+        if p.returncode < 0 and -p.returncode in {getattr(signal, n) for n in _FATAL if hasattr(signal, n)}:
             return True, (f"reading {data} kills the process ({signal.Signals(-p.returncode).name}"
                           + (f": {why[-1]}" if why else "") + ")")
         if p.returncode == 5:  # the child could not open it: the parent's own open says why
@@ -423,6 +503,11 @@ class Index:
                 self._write_stamp()
             else:
                 self._drop_stamp()  # damage seen, or someone else wrote after this process
+            if got.mark is not None:
+                try:
+                    os.unlink(got.mark)
+                except OSError:
+                    pass
         self.env.close()
 
     def forget(self) -> None:
@@ -554,6 +639,17 @@ def _append_zeros(fd: int, size: int) -> None:
     zeros = memoryview(bytes(size - have))
     while zeros:
         zeros = zeros[os.write(fd, zeros):]
+
+
+def _alive(pid: int) -> bool:
+    """A process ``pid`` exists (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _unchecked(path: Path, why: str) -> tuple[bool, None]:

@@ -18,14 +18,11 @@ from typing import Any, Callable
 
 import lmdb
 
+from .meta import P_INVALID as _P_INVALID, Damaged as _Damaged, page_size, read_meta
+
 _P_BRANCH, _P_LEAF, _P_OVERFLOW = 0x01, 0x02, 0x04
 _F_BIGDATA, _F_SUBDATA, _F_DUPDATA = 0x01, 0x02, 0x04
-_P_INVALID = (1 << 64) - 1
 _HDR, _NODE = 16, 8
-
-
-class _Damaged(Exception):
-    pass
 
 
 class _Pages:
@@ -33,23 +30,13 @@ class _Pages:
 
     def __init__(self, path: Path, psize: int, txnid: int | None) -> None:
         self.fd = os.open(path, os.O_RDONLY)
-        self.psize = psize
-        self.size = os.fstat(self.fd).st_size
-        metas = []
-        for m in (0, 1):
-            b = os.pread(self.fd, 160, m * psize)
-            if len(b) < 152 or int.from_bytes(b[16:20], "little") != 0xBEEFC0DE:
-                continue
-            metas.append((int.from_bytes(b[144:152], "little"), b))
-        if not metas:
-            raise _Damaged("no valid meta page")
-        pick = [mb for mb in metas if mb[0] == txnid] if txnid is not None else sorted(metas)[-1:]
-        if not pick:
-            raise LookupError("the read transaction's meta page was overwritten meanwhile")
-        self.txnid, b = pick[0]
-        self.last_pg = int.from_bytes(b[136:144], "little")
-        self.free = struct.unpack_from("<IHHQQQQQ", b, 40)  # LMDB's free-page list (FREE_DBI)
-        self.main = struct.unpack_from("<IHHQQQQQ", b, 40 + 48)
+        try:
+            m = read_meta(self.fd, psize, txnid)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.psize, self.size, self.txnid, self.last_pg, self.free, self.main = (
+            psize, m.size, m.txnid, m.last_pg, m.free, m.main)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -243,52 +230,73 @@ def db_roots(data: Path) -> dict[str, int]:
     return subs
 
 
-def page_size(data: Path) -> int:
-    """The page size the file records in its first meta page (FREE_DBI's md_pad), so a
-    file made on a 16 KiB-page Mac reads right anywhere; the system's if implausible."""
-    with open(data, "rb") as f:
-        head = f.read(48)
-    psize = int.from_bytes(head[40:44], "little") if len(head) >= 44 else 0
-    if psize < 512 or psize > 65536 or psize & (psize - 1):
-        psize = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-    return psize
+def crash_check(data: Path) -> str | None:
+    """Why the newest snapshot of ``data`` could fault a process that maps it, or None;
+    read with pread only, at a cost that does not grow with the records it holds.
 
-
-def unwritten_roots(data: Path) -> str | None:
-    """Why the newest meta page of ``data`` names a tree root past the end of the file
-    (a truncated file: reading that page through a map is a SIGBUS), or None.
-
-    Only what LMDB keeps is checked: a commit writes every page its trees reach before
-    the meta page naming them, so each root lies inside the file. ``last_pgno`` is no
-    bound: pages allocated and freed inside one transaction (a gc removing most entries)
-    count in it but are never written, and a healthy file ends before it. The meta page
-    is read before the file's size, so a commit in between only makes the file longer."""
+    For a file a kvstore writer opened from a checked state and was then stopped without
+    a clean close (killed, out of memory, power lost): every page it reached after that
+    was written by LMDB's commit, which writes (and syncs) a transaction's pages before
+    the meta page naming them. What such a stop can leave is a file shorter than its
+    meta page says (a lost extension, a copy cut short): a page past the end read through
+    a map is a SIGBUS. So: the meta page is valid; the free-page list, the main tree and
+    each named database's root are pages of the right kind inside the file; and every
+    page from the file's end to ``last_pgno`` is on the free-page list (pages allocated
+    and freed inside one transaction are never written); a page past ``last_pgno`` is
+    named only by a damaged page, which a crash does not make (``verify`` walks them all).
+    The cost is the free-page list and one page per database."""
     try:
-        pages = _Pages(data, page_size(data), None)
-        try:
-            size = os.fstat(pages.fd).st_size
-        finally:
-            pages.close()
-    except (OSError, _Damaged, struct.error):
-        return None  # no meta page to go by: LMDB's own open says what is wrong
-    for name, db in (("free-page list", pages.free), ("main", pages.main)):
-        root = db[7]
-        if root != _P_INVALID and (root + 1) * pages.psize > size:
-            return (f"{data} is truncated: {size} bytes, the root page {root} of its {name} "
-                    f"needs {(root + 1) * pages.psize}")
-    return None
-
-
-def last_txnid(data: Path) -> int | None:
-    """The newest transaction id the data file's meta pages record (two preads), or None."""
+        psize = page_size(data)
+        pages = _Pages(data, psize, None)
+    except (OSError, _Damaged, struct.error) as e:
+        return f"no readable meta page ({e})"
     try:
-        pages = _Pages(data, page_size(data), None)
-    except (OSError, _Damaged, struct.error):
-        return None
-    try:
-        return pages.txnid
+        errors: list[str] = []
+        subs: list[tuple[str, tuple]] = []
+
+        def main_sink(key: bytes, value: bytes, flags: int) -> None:
+            if flags & _F_SUBDATA and len(value) == 48:
+                subs.append((key.decode(errors="replace"), struct.unpack("<IHHQQQQQ", value)))
+
+        pages.walk(pages.main, main_sink, errors, "main")
+        for name, db in subs:
+            _check_root(pages, db, errors, name)
+        written = -(-pages.size // psize)  # pages the file holds (a partial last page counts)
+        tail = set(range(written, pages.last_pg + 1))
+        if tail:
+            pages.walk(pages.free, _free_pages(tail), errors, "free-page list", intkeys=True)
+            if tail:
+                errors.append(f"{data} is truncated: {pages.size} bytes, page {min(tail)} is in use "
+                              f"(the meta page names pages up to {pages.last_pg})")
+        else:
+            _check_root(pages, pages.free, errors, "free-page list")
+        return "; ".join(errors[:3]) if errors else None
+    except (OSError, struct.error) as e:
+        return str(e)
     finally:
         pages.close()
+
+
+def _check_root(pages: _Pages, db: tuple, errors: list[str], name: str) -> None:
+    """The root page of tree ``db`` is inside the file and of the kind its depth says."""
+    depth, root = db[2], db[7]
+    if root == _P_INVALID:
+        return
+    try:
+        pages.node_count(root, pages.page(root), _P_BRANCH if depth > 1 else _P_LEAF)
+    except _Damaged as e:
+        errors.append(f"{name}: {e}")
+
+
+def _free_pages(tail: set[int]) -> Callable[[bytes, bytes, int], None]:
+    """A walk sink over LMDB's free-page list (each value a count, then that many page
+    numbers, native 64-bit) taking every listed page out of ``tail``."""
+    def sink(key: bytes, value: bytes, flags: int) -> None:
+        n = len(value) // 8
+        if n:
+            ids = struct.unpack(f"<{n}Q", value[: n * 8])
+            tail.difference_update(ids[1: 1 + ids[0]])
+    return sink
 
 
 def salvage(data: Path) -> tuple[list[str], dict[str, list[tuple[bytes, bytes]]]]:

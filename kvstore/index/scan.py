@@ -10,7 +10,6 @@ import lmdb
 from ..keys import KEY_BYTES
 from ..records import ChunkRecord, EntryRecord, IdentityRecord, PackRecord, RecordError, parse
 from .core import Index
-from .pages import check_pages
 from .txn import Reader
 
 
@@ -72,6 +71,8 @@ def scan(index: Index, *, full: bool = True, check: bool = False) -> IndexRecord
 
     def run(r: Reader) -> IndexRecords:
         if check:
+            from .pages import check_pages  # the page walker: verify only, not every listing
+
             check_pages(index.path / "data.mdb", psize, r.txn)
         tokens: dict[bytes, bytes] = {}
         bounds: list[tuple[bytes, bytes, bytes, bytes]] = []

@@ -1,0 +1,56 @@
+"""``kvstore ls`` start-up, two checkouts side by side (issue 47, item 5).
+
+    python -m benchmarks.ls_startup BASE_CHECKOUT THIS_CHECKOUT RUNS CACHE_DIR
+
+Fresh processes, interleaved in every round: ``kvstore ls --cache-dir CACHE_DIR`` (an empty
+store) with each checkout's kvstore, compiled every time (``PYTHONDONTWRITEBYTECODE=1``) and
+with a bytecode cache (``PYTHONPYCACHEPREFIX``, written by a warm-up run), and ``python -c
+pass``. Prints JSON: median seconds, each against ``python -c pass``, the load average.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _env(tree: str, cache_root: str, bytecode: bool) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=tree)
+    if bytecode:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = os.path.join(cache_root, os.path.basename(tree))
+    else:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def main(argv: list[str]) -> int:
+    base, this, runs, cache_dir = argv[0], argv[1], int(argv[2]), argv[3]
+    pycache = tempfile.mkdtemp(prefix="kvstore-ls-pyc-")
+    ls = [sys.executable, "-m", "kvstore.cli", "ls", "--cache-dir", cache_dir]
+    cmds: dict[str, tuple[list[str], dict[str, str], str | None]] = {}
+    for label, tree in (("main", base), ("branch", this)):
+        for bytecode in (False, True):
+            cmds[label + ("_bytecode" if bytecode else "")] = (ls, _env(tree, pycache, bytecode), tree)
+    cmds["python"] = ([sys.executable, "-c", "pass"], dict(os.environ), None)
+    for cmd, env, cwd in cmds.values():  # warm-up: writes the bytecode caches
+        subprocess.run(cmd, env=env, cwd=cwd, check=True, capture_output=True)
+    times: dict[str, list[float]] = {label: [] for label in cmds}
+    for _ in range(runs):
+        for label, (cmd, env, cwd) in cmds.items():
+            t0 = time.perf_counter()
+            subprocess.run(cmd, env=env, cwd=cwd, check=True, capture_output=True)
+            times[label].append(time.perf_counter() - t0)
+    med = {label: statistics.median(ts) for label, ts in times.items()}
+    print(json.dumps({"median_s": med, "vs_python": {k: v / med["python"] for k, v in med.items()},
+                      "loadavg": os.getloadavg(), "runs": times}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
