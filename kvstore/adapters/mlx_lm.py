@@ -129,10 +129,11 @@ class LRUPromptCache:
         self.store.settle()
         return self.store.memory.stats_by_type()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, salt: Salt | None = None) -> dict[str, Any]:
         """The store's counters (hits by tier, bytes, dropped writes, ...) and why lookups
-        missed (``Misses.stats``: ``miss_<reason>``, ``recent_misses``...)."""
-        return self.store.stats()
+        missed (``Misses.stats``: ``miss_<reason>``, ``recent_misses``...); with ``salt``,
+        that salt's lookups' (``KVStore.stats``)."""
+        return self.store.stats(salt)
 
     def preload(self, model: Any, how: int | str = "auto", **options: Any) -> Preloaded:  # salt=: KVStore.preload
         """Restore ``model``'s stored entries into the memory tier ahead of traffic

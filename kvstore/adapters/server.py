@@ -33,7 +33,7 @@ import os
 import signal
 import sys
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from .. import metrics
 from ..floors import MIN_DISK_HIT
@@ -98,7 +98,13 @@ def _install_routes(server_mod: Any) -> None:
         elif models and startup.STATE.installed and not startup.STATE.ready.is_set():
             send_json(self, 503, startup.not_ready_error())
         elif path == "/v1/cache/stats":
-            send_json(self, 200, cache_stats())
+            try:
+                salt = caller_salt(self)
+            except ValueError as e:  # salt.SaltError: a bad ?cache_salt=
+                send_json(self, 400, {"error": {"message": str(e), "type": "invalid_request_error",
+                                                "param": "cache_salt", "code": "invalid_cache_salt"}})
+                return
+            send_json(self, 200, cache_stats(salt))
         elif path == "/metrics":  # Prometheus text format, read from the same stats (kvstore.metrics)
             body, ctype = metrics.exposition(_METRICS)
             self.send_response(200)
@@ -116,10 +122,20 @@ def _install_routes(server_mod: Any) -> None:
     anthropic.install(server_mod)  # POST /v1/messages[/count_tokens]
 
 
-def cache_stats() -> dict[str, Any]:
-    """``GET /v1/cache/stats``: the prompt cache's counters (``KVStore.stats``) and, under
-    ``"startup"``, where ``kvstore serve``'s start is (``startup.startup_stats``)."""
-    out: dict[str, Any] = _STORES[0].stats() if _STORES else {}
+def caller_salt(handler: Any) -> Any:
+    """The salt whose lookups a ``GET /v1/cache/stats`` counts (``kvstore.callers``): the
+    caller's key's under ``--isolate-keys``, with the query's ``?cache_salt=`` (as a body's
+    would be); None reads the unsalted lookups. SaltError for a bad ``cache_salt``."""
+    query = parse_qs(urlsplit(handler.path).query)
+    body = {"cache_salt": query["cache_salt"][0]} if "cache_salt" in query else {}
+    return tenants.request_salt(body, tenants.presented_key(handler.headers))
+
+
+def cache_stats(salt: Any = None) -> dict[str, Any]:
+    """``GET /v1/cache/stats``: the prompt cache's counters (``KVStore.stats``: with
+    ``salt``, its lookups' counts) and, under ``"startup"``, where ``kvstore serve``'s start
+    is (``startup.startup_stats``)."""
+    out: dict[str, Any] = _STORES[0].stats(salt) if _STORES else {}
     start = startup.startup_stats()
     if start:
         out["startup"] = start

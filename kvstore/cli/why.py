@@ -61,9 +61,15 @@ class Nearest:
 def _read_request(path: str) -> Any:
     import sys
 
-    text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise common.CLIError(f"cannot read the request {path}: it is not UTF-8 text (byte {e.start}: "
+                              f"{e.object[e.start:e.start + 1]!r}); save it as UTF-8") from None
     try:
         body = json.loads(text)
+    except RecursionError:
+        raise common.CLIError(f"cannot read the request {path}: its JSON is nested too deeply") from None
     except ValueError:
         return text
     return body if isinstance(body, dict) else text
@@ -103,6 +109,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     from ..index import scan
     from ..store import local_model_dir
     from ..adapters.prompts import request_tokens
+    from ..salt import salt_of_body, salted
     from .inspect import readable
 
     model = local_model_dir(args.model)
@@ -127,14 +134,19 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     extra = {"chat_template": args.chat_template} if args.chat_template else None
     tokenizer = load_tokenizer(model, tokenizer_config_extra=extra)
     try:
+        salt = salt_of_body(body) if isinstance(body, dict) else None
         request = request_tokens(tokenizer, body, sort_tools=args.sort_tools,
                                  keep_billing_header=args.keep_billing_header,
                                  chat_template_args=args.chat_template_args)
-    except ValueError as e:
+    except RecursionError:
+        raise common.CLIError("cannot render the request: it is nested too deeply") from None
+    except ValueError as e:  # salt.SaltError too: the server's 400
         raise common.CLIError(f"cannot render the request: {e}") from None
     # the digests the servers of this directory remembered: the weights are not read again
     memo = DigestMemo(common.cache_dir(args) / MEMO, write=False)
-    ident = model_identity(model, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, memo=memo)
+    # the body's cache_salt files its entries under another identity, as the server does
+    ident = salted(model_identity(model, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, memo=memo), salt)
+    assert ident is not None
     decode = readable(lambda ids: str(tokenizer.decode(ids)))
     path = ident.info.get("path")
     by_identity: dict[str, list[tuple[bytes, Any, bytes]]] = {}
