@@ -20,7 +20,7 @@ Messages, Responses) that renders chat messages calls ``locate`` the same way.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .misses import CUT_REFUSED, DIVERGED, OTHER_IDENTITY, PARTS, Miss
@@ -84,18 +84,32 @@ def of_reason(miss: Miss) -> Part | None:
 
 
 def locate(miss: Miss, prompt: Sequence[int], messages: list[Any], tools: list[Any] | None,
-           render: Render, decode: Callable[[list[int]], str]) -> Part:
+           render: Render, decode: Callable[[list[int]], str], blocks: dict[int, list[int]] | None = None) -> Part:
     """The part of the request (its chat ``messages`` and ``tools``, as rendered into
     ``prompt``) that ``miss`` names: by its reason, or where token ``miss.at`` falls.
+    ``blocks``: the text length of each content block of the messages whose blocks were
+    joined into one string before rendering (mlx_lm.server joins them with nothing).
     ``UNKNOWN`` when the template renders no usable prefixes. Never raises for a template's
     quirks (a render that fails is ``UNKNOWN``)."""
     known = of_reason(miss)
     if known is not None:
         return known
     try:
-        return _at(len(decode(list(prompt[: miss.at]))), messages, tools, render, _held(miss, decode))
+        part = _at(len(decode(list(prompt[: miss.at]))), messages, tools, render, _held(miss, decode))
+        return _in_block(part, (blocks or {}).get(part.index or 0))
     except Exception:  # the template's or the tokenizer's own complaint: the part is unknown, the miss stays
         return Part(UNKNOWN)
+
+
+def _in_block(part: Part, lengths: list[int] | None) -> Part:
+    """``part`` with the content block its character falls in, from the blocks' lengths."""
+    if not lengths or part.char is None or part.block is not None or part.kind not in (SYSTEM, MESSAGES):
+        return part
+    k, char = 0, part.char
+    while k < len(lengths) - 1 and char >= lengths[k]:
+        char -= lengths[k]
+        k += 1
+    return replace(part, block=k, char=char)
 
 
 def _held(miss: Miss, decode: Callable[[list[int]], str]) -> str:
@@ -152,11 +166,9 @@ def _tool(c: int, text: str, start: int, tools: list[Any], held: str) -> Part:
         k = text.find(f'"{n}"', at) if n else -1
         pos.append(k)
         at = k + 1 if k >= 0 else at
-    if pos and pos[0] >= 0:
-        lead = pos[0] - start  # what a tool's rendering holds before its name
-        j = max((k for k, p in enumerate(pos) if 0 <= p and p - lead <= c), default=0)
-    else:
-        j = None
+    # a tool's rendering before its name is the same for every tool: a change there is rare,
+    # a reorder or a rename parts inside the name, a changed description or schema after it
+    j: int | None = max((k for k, p in enumerate(pos) if 0 <= p <= c), default=0) if pos and pos[0] >= 0 else None
     here = names[j] if j is not None else ""
     moved = j is not None and here in _stored_name(c, pos[j], here, held, names)
     return Part(TOOLS, j, name=here, note="order changed" if moved else "")

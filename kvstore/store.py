@@ -29,7 +29,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Hashable
 
@@ -46,6 +46,7 @@ from .identity import DigestMemo, Identity
 from .keys import TokenError, encode_tokens
 from .memory import ORDERING, MemoryTier, Snapshot
 from .misses import OTHER_IDENTITY, Miss, Misses, Near, changed_components, explain
+from .parts import Part
 from .preload import Preloaded, Preloader
 from .pressure import DEFAULT_MEMORY_FLOOR, Gauge, Watch
 from .query import Query
@@ -190,14 +191,16 @@ class KVStore:
 
     # -- fetch -------------------------------------------------------------------------
 
-    def fetch(self, model: Any, tokens: list[int], *, salt: Salt | None = None) -> Fetched:
+    def fetch(self, model: Any, tokens: list[int], *, salt: Salt | None = None,
+              name: Callable[[Miss], Part] | None = None) -> Fetched:
         """The longest reusable prefix of ``tokens`` in memory or on disk; a longer disk
         prefix replaces a memory hit only when it holds all of ``tokens`` or more than
         ``MIN_DISK_GAIN`` tokens more, and any disk hit must hold the whole prompt or at
         least ``min_disk_hit`` tokens (``restore_floor``). With ``salt`` only entries
         inserted with the same salt are found (``kvstore.salt``), in every tier. One disk
         plan, the chain hashed once. ``Fetched.miss`` says why not more, when a stored
-        prefix held more than was served.
+        prefix held more than was served; ``name`` (the caller's, who knows the request:
+        ``parts.locate``) names the part of the request it starts in, before it is counted.
 
         Raises ValueError (``keys.TokenError``, ``salt.SaltError``) for token lists that
         are not token ids, or a salt that is not a non-empty bounded string.
@@ -234,10 +237,10 @@ class KVStore:
             if got is not None:
                 return got
         if cache is not None:
-            miss = self._miss(base, salt, mem_key, tokens, enc, q, near, n, tally)
+            miss = self._counted(self._miss(base, salt, mem_key, tokens, enc, q, near, n), tally, name)
             return self._hit("memory", cache, n, snap, miss, tally.counters)
         tally.counters.add("misses")
-        return Fetched(None, 0, None, self._miss(base, salt, mem_key, tokens, enc, q, near, 0, tally))
+        return Fetched(None, 0, None, self._counted(self._miss(base, salt, mem_key, tokens, enc, q, near, 0), tally, name))
 
     def peek(self, model: Any, tokens: list[int], *, salt: Salt | None = None) -> int:
         """How many tokens ``fetch`` would restore now (memory or disk), reading no KV data
@@ -328,11 +331,11 @@ class KVStore:
         return Fetched(cache, n, tier, miss)
 
     def _miss(self, ident: Identity | None, salt: Salt | None, mem_key: Hashable, tokens: list[int], enc: bytes,
-              q: Query | None, near: Near, served: int, tally: Tally) -> Miss | None:
+              q: Query | None, near: Near, served: int) -> Miss | None:
         """Why ``served`` tokens were all this lookup gave, from what its searches saw and
         what this process lost (``WritePath.ghosts``; the identity the model had before its
         files changed, whose entries are still in memory). ``ident``: the model's own
-        (unsalted) identity. No disk read, no hashing. Counted in ``tally`` (the caller's)."""
+        (unsalted) identity. No disk read, no hashing."""
         if near.common <= served and served >= near.n_q - 1:
             return None  # served all a stored prefix shared, and all the prompt: nothing to explain
         bounds = q.hashed_bounds() if q is not None else None
@@ -344,7 +347,14 @@ class KVStore:
                 had = self._memory.peek(old_key.digest, tokens)
             if had > max(served, near.common, lost[2] if lost else 0):
                 lost = (OTHER_IDENTITY, changed_components(old.info, ident.info), had, had)  # type: ignore[union-attr]
-        miss = explain(near, served, lost)
+        return explain(near, served, lost)
+
+    @staticmethod
+    def _counted(miss: Miss | None, tally: Tally, name: Callable[[Miss], Part] | None) -> Miss | None:
+        """``miss`` named (``name``: the part of the request it starts in) and counted in
+        ``tally``, the caller's (``callers``)."""
+        if miss is not None and name is not None:
+            miss = replace(miss, part=name(miss))  # parts.locate never raises
         if miss is not None:
             tally.misses.record(miss)
         return miss

@@ -246,3 +246,75 @@ def test_why_says_an_unreadable_request_in_one_line(tmp_path, content) -> None:
     lines = p.stderr.strip().splitlines()
     assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("kvstore: error: "), p.stderr
     assert "Traceback" not in p.stderr
+
+
+# -- the divergence named in the request's own terms -------------------------------------------
+
+
+def test_misses_are_named_in_the_requests_terms(tmp_path, tool_model) -> None:
+    """One server, a base request and one change each: the system text, the tools' order,
+    the user's message (OpenAI), the system text (Anthropic), then the chat template file
+    (the model's identity). Each miss names the part of the request it starts in, in the
+    log line, ``recent_misses`` (no tool names: prompt text), the Prometheus ``part`` label
+    and ``kvstore why``."""
+    import json as json_mod
+
+    from tests.support.servers import Server
+    from tests.test_misses import DATE, served_request, urlread, why
+
+    names = TWENTY[:6]
+    question = "Which shelf keeps ledgers for 5 years? " + RULES[:400]  # a change early in it costs 400 tokens
+
+    def asked(q: str, sys_text: str = system(), listed: tuple[str, ...] = names) -> dict[str, Any]:
+        body = openai_body(sys_text, tools(listed))
+        body["messages"][1]["content"] = q
+        return body
+
+    base = asked(question)
+    changed_user = asked(question.replace("5 years", "9 years"))
+    sys_char = system().index(DATE) + len(DATE) - 1  # 2026-11-25 -> 2026-11-26: the last digit
+    cases = [  # (path, body, part, where)
+        ("/v1/chat/completions", asked(question, system(date="2026-11-26")), "system", f"system, char {sys_char}"),
+        ("/v1/chat/completions", asked(question, listed=names[:2] + (names[3], names[2]) + names[4:]), "tools",
+         'tools[2] "Tool03" (order changed)'),
+        ("/v1/chat/completions", changed_user, "messages", "messages[1] (user), char 30"),
+    ]
+    anthropic_base = anthropic_body(system(uuid=UUID2))
+    cases.append(("/v1/messages", anthropic_body(system(uuid=UUID2, date="2026-11-26")), "system",
+                  f"system, char {sys_char}"))
+    cache = tmp_path / "cache"
+    with Server(tool_model, cache, tmp_path / "server.log") as s:
+        s.post("/v1/chat/completions", base)
+        s.post("/v1/messages", anthropic_base)
+        s.wait_flushed()
+        first = s.stats()
+        answers = []
+        for i, (path, body, _, _) in enumerate(cases):
+            (tmp_path / f"{i}.json").write_text(json_mod.dumps(served_request(path, body)))
+            answers.append(why(tmp_path / f"{i}.json", {"model": tool_model, "dir": cache}))
+            s.post(path, body)
+        stats = s.stats()
+        metrics_text = urlread(s.url + "/metrics")
+        log = s.log(1 << 30)
+        template = json_mod.loads((tool_model / "tokenizer_config.json").read_text())["chat_template"]
+        (tool_model / "chat_template.jinja").write_text("{# v2 #}" + template)
+        (tmp_path / "base.json").write_text(json_mod.dumps(served_request("/v1/chat/completions", base)))
+        model_answer = why(tmp_path / "base.json", {"model": tool_model, "dir": cache})
+        s.post("/v1/chat/completions", base)
+        changed = s.stats()
+        later = miss_lines(s.log(1 << 30))[len(miss_lines(log)):]
+    listed = stats["recent_misses"][len(first["recent_misses"]):]
+    assert [(m["part"], m["where"]) for m in listed] == [(p, w.replace(' "Tool03"', "")) for _, _, p, w in cases], listed
+    lines = miss_lines(log)[-len(cases):]
+    for line, (_, _, _, where) in zip(lines, cases):
+        assert f"miss (diverged) in {where}: " in line, (line, where)
+    for got, (_, _, part, where) in zip(answers, cases):
+        assert got["part"] == {"part": part, "where": where}, got
+    for part in ("system", "tools", "messages"):
+        n = stats[f"miss_part_{part}"] - first[f"miss_part_{part}"]
+        assert n == sum(1 for c in cases if c[2] == part), (part, n)
+        assert f'kvstore_miss_parts_total{{part="{part}"}} {stats[f"miss_part_{part}"]:.1f}' in metrics_text
+    m = changed["recent_misses"][-1]
+    assert (m["reason"], m["part"], m["where"]) == ("other_identity", "model", "model identity (chat_template)"), m
+    assert "miss (other_identity: chat_template) in model identity (chat_template): " in later[-1], later
+    assert model_answer["part"] == {"part": "model", "where": "model identity (chat_template)"}, model_answer

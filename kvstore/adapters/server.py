@@ -39,7 +39,7 @@ from .. import metrics
 from ..floors import MIN_DISK_HIT
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..units import memory_floor, parse_size
-from . import anthropic, prompts, startup, tenants
+from . import anthropic, prompts, rendered, startup, tenants
 from .http import send_json
 
 if TYPE_CHECKING:  # imported when used: MLX and mlx-lm take seconds, --help and a refused start need neither
@@ -152,6 +152,7 @@ def patch(server_mod: Any, **options: Any) -> None:
     server_mod.LRUPromptCache = bind_prompt_cache(**options)
     _install_routes(server_mod)
     _learn_kv_quant(server_mod)
+    rendered.install(server_mod)  # innermost: names a miss's part of the request (kvstore.parts)
     tenants.install(server_mod)  # keys and cache_salt, for every route (kvstore.adapters.tenants)
     prompts.install_tool_sorting(server_mod)  # outermost: --sort-tools (kvstore.adapters.prompts)
 
@@ -171,6 +172,7 @@ def _learn_kv_quant(server_mod: Any) -> None:
             prompt_cache.store.set_kv_quant(getattr(cli, "kv_bits", None), getattr(cli, "kv_group_size", 64))
         if isinstance(prompt_cache, LRUPromptCache):
             prompt_cache.decode = _decoder(model_provider)
+            prompt_cache.name_part = rendered.namer
         original(self, model_provider, prompt_cache, *args, **kwargs)
 
     generator.__init__ = __init__

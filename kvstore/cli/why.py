@@ -108,7 +108,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     from ..identity import DigestMemo, model_identity
     from ..index import scan
     from ..store import local_model_dir
-    from ..adapters.prompts import request_tokens
+    from ..adapters.prompts import render_request
     from ..salt import salt_of_body, salted
     from .inspect import readable
 
@@ -135,9 +135,10 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = load_tokenizer(model, tokenizer_config_extra=extra)
     try:
         salt = salt_of_body(body) if isinstance(body, dict) else None
-        request = request_tokens(tokenizer, body, sort_tools=args.sort_tools,
-                                 keep_billing_header=args.keep_billing_header,
-                                 chat_template_args=args.chat_template_args)
+        rendered = render_request(tokenizer, body, sort_tools=args.sort_tools,
+                                  keep_billing_header=args.keep_billing_header,
+                                  chat_template_args=args.chat_template_args)
+        request = rendered.tokens
     except RecursionError:
         raise common.CLIError("cannot render the request: it is nested too deeply") from None
     except ValueError as e:  # salt.SaltError too: the server's 400
@@ -165,7 +166,26 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
             "shared_tokens": near.common if near else 0, "serves": near.serves if near else 0,
             "nearest": common.short_id(near.key) if near else None})
     others.sort(key=lambda o: -int(o["serves"]))
-    return _verdict(args, ident, request, own, others, len(by_identity.get(ident.hex, [])), decode, str(disk.root))
+    out = _verdict(args, ident, request, own, others, len(by_identity.get(ident.hex, [])), decode, str(disk.root))
+    out["part"] = _part(out, request, own, rendered, tokenizer)
+    return out
+
+
+def _part(out: dict[str, Any], request: list[int], own: Nearest | None, rendered: Any, tokenizer: Any) -> Any:
+    """Where in the request the verdict's miss starts (``kvstore.parts``), as the server
+    names it: ``{"part": kind, "where": phrase}``, or None (no miss, or not a chat request)."""
+    from .. import parts
+    from ..adapters.rendered import Rendered
+
+    if out["reason"] is None or rendered.messages is None:
+        return None
+    at = out["nearest"]["shared_tokens"] if out["reason"] != misses.OTHER_IDENTITY and own is not None else 0
+    miss = misses.Miss(out["reason"], len(request), out["serves"], at, len(own.tokens) if own else 0,
+                       detail=out["detail"], after=tuple(own.tokens[at:at + 32]) if own else ())
+    chat = Rendered(rendered.messages, rendered.tools, tokenizer, rendered.template_args, len(request),
+                    tuple(request[-4:]), rendered.blocks)
+    part = chat.name(request)(miss)
+    return {"part": part.kind, "where": part.said()}
 
 
 def _verdict(args: argparse.Namespace, ident: Any, request: list[int], own: Nearest | None,
@@ -229,4 +249,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         why = f"{reason}: {misses.SAID[reason]}{' (' + info['detail'] + ')' if info['detail'] else ''}"
     print(f"why         {why}")
+    if info.get("part"):
+        print(f"part        {info['part']['where']}")
     return 0
