@@ -234,7 +234,8 @@ class KVStore:
             got = self._fetch_disk(ident, q, floor, near, tally.counters)  # type: ignore[arg-type]
             if self.shared is not None:  # the prefill of what was not served starts now
                 self.shared.prefill.fetched(ident.digest, got.n if got is not None else n)  # type: ignore[union-attr]
-            if got is not None:
+            if got is not None:  # a disk or shared hit may serve less than a stored prefix held too
+                got.miss = self._counted(self._miss(base, salt, mem_key, tokens, enc, q, near, got.n), tally, name)
                 return got
         if cache is not None:
             miss = self._counted(self._miss(base, salt, mem_key, tokens, enc, q, near, n), tally, name)

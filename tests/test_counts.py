@@ -318,3 +318,30 @@ def test_misses_are_named_in_the_requests_terms(tmp_path, tool_model) -> None:
     assert (m["reason"], m["part"], m["where"]) == ("other_identity", "model", "model identity (chat_template)"), m
     assert "miss (other_identity: chat_template) in model identity (chat_template): " in later[-1], later
     assert model_answer["part"] == {"part": "model", "where": "model identity (chat_template)"}, model_answer
+
+
+def test_a_lost_prefix_is_named_the_previous_turn_not_in_the_store(tmp_path) -> None:
+    """--persist system keeps a conversation without a system prompt off the disk and a
+    one-entry memory tier drops it: asked again, the miss names the previous turn as not in
+    the store (``recent_misses``, the log line, the ``part`` metric)."""
+    from tests.support.servers import Server
+    from tests.test_misses import urlread
+    from tools.testing.model_builds import model_path
+
+    a = {"messages": [{"role": "user", "content": system() + " " + "Which shelf keeps ledgers for 5 years?"}],
+         "max_tokens": 4, "temperature": 0}
+    b = {"messages": [{"role": "user", "content": "Something else entirely. " + RULES}], "max_tokens": 4,
+         "temperature": 0}
+    extra = ["--persist", "system", "--prompt-cache-size", "1"]
+    with Server(model_path("tiny-llama"), tmp_path / "cache", tmp_path / "server.log", extra) as s:
+        for body in (a, b, a):
+            s.post("/v1/chat/completions", body)
+        stats = s.stats()
+        metrics_text = urlread(s.url + "/metrics")
+        log = s.log(1 << 30)
+    [m] = [m for m in stats["recent_misses"] if m["reason"] == "evicted_unwritten"]
+    assert (m["part"], m["where"]) == ("previous_turn", "previous turn not in the store (evicted_unwritten)"), m
+    assert stats["miss_part_previous_turn"] == 1
+    assert 'kvstore_miss_parts_total{part="previous_turn"} 1.0' in metrics_text
+    assert any("miss (evicted_unwritten: " in line and ") in previous turn not in the store" in line
+               for line in miss_lines(log)), log[-3000:]
