@@ -32,18 +32,18 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import xxhash
 
-from . import alloc, bytes_written, files, segments
-from .cachelayout import Layout
-from .served_tokens import CutRefused, bound, serves
-from .identity import Identity
-from .layouts import ArraySpec, layout_problem
-from .index import Index, IndexOpenError, Reader, WriteTxn, chunk_size
-from .keys import TOKEN_BYTES, chunk_key, encode_tokens, entry_key
-from .misses import Near
-from .query import Query
-from .keys import common_tokens as _common
-from .records import ChunkRecord, EntryRecord, Kind, PackRecord, RecordError, Segment
-from .segments import SegmentMeta, SegmentMismatch
+from .. import alloc, bytes_written, files, segments
+from ..cachelayout import Layout
+from ..served_tokens import CutRefused, bound, serves
+from ..identity import Identity
+from ..layouts import ArraySpec, layout_problem
+from ..index import Index, IndexOpenError, Reader, WriteTxn, chunk_size
+from ..keys import TOKEN_BYTES, chunk_key, encode_tokens, entry_key
+from ..misses import Near
+from ..query import Query
+from ..keys import common_tokens as _common
+from ..records import ChunkRecord, EntryRecord, Kind, PackRecord, RecordError, Segment
+from ..segments import SegmentMeta, SegmentMismatch
 
 if TYPE_CHECKING:
     import numpy as np
@@ -732,7 +732,7 @@ class _Reading:
 
 def _built(plan: Plan, pieces: list[_Piece], specs: segments.Specs, arrays: dict[str, Any], layout: Layout) -> Restored:
     """The live caches holding ``plan.n`` tokens from filled arrays (see ``restore``)."""
-    from . import codec  # lazy: keeps mlx_lm (3 s) out of CLI start-up
+    from .. import codec  # lazy: keeps mlx_lm (3 s) out of CLI start-up
 
     tensors = {name: alloc.finish(specs[name][0], a) for name, a in arrays.items()}
     nbytes = sum(p.segment.length for p in pieces)
