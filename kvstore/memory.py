@@ -29,10 +29,9 @@ from mlx_lm.models.cache import PromptTrie, PromptTrieResult
 from . import codec
 from .cachelayout import Layout
 from .served_tokens import serves
-from .misses import Near
+from .misses import AFTER, Near
 
 ORDERING = ("assistant", "user", "system")
-AFTER = 32  # stored token ids a search reports past a divergence (``Near.after``)
 
 
 @dataclass

@@ -144,6 +144,7 @@ class Misses:
 # -- the log line: the text either side of where the prompt parted from the store -------------
 
 AROUND = 8  # tokens shown either side of the divergence
+AFTER = 32  # stored token ids a search reports past a divergence (``Near.after``: ``parts`` reads a tool's name in it)
 
 
 def around(tokens: Sequence[int], at: int, decode: Callable[[list[int]], str],
@@ -216,7 +217,7 @@ class Near:
             continues: bool = False) -> None:
         if (common, stored) > (self.common, self.stored):
             self.common, self.stored, self.continues, self.tier = common, stored, continues, tier
-            self.after = after if isinstance(after, bytes) else tuple(after[:32])
+            self.after = after if isinstance(after, bytes) else tuple(after[:AFTER])
 
     def refused(self, at: int) -> None:
         self.cut_at = max(self.cut_at, at)

@@ -84,7 +84,7 @@ def repro_bodies() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     return probe, openai_body(system(), tools()), openai_body(system() + " Be brief.", tools())
 
 
-@pytest.mark.parametrize("tier", ["memory"])
+@pytest.mark.parametrize("tier", ["memory", "disk"])
 def test_big_miss_is_counted_at_its_cost(tmp_path, tool_model, tier) -> None:
     """The issue's reproduction on a fresh server (``repro_bodies``). The miss costs what the
     stored conversation with the tools held past the change (thousands of tokens), not the

@@ -16,7 +16,7 @@ from ..identity import Identity
 from ..index import Reader
 from ..keys import TOKEN_BYTES, chunk_key, entry_key
 from ..keys import common_tokens as _common
-from ..misses import Near
+from ..misses import AFTER, Near
 from ..records import Kind, RecordError
 from ..served_tokens import bound, serves
 
@@ -65,8 +65,9 @@ def find(r: Reader, ident: Identity, enc: bytes, bounds: list[bytes], C: int,
         after = enc[k * C * TOKEN_BYTES : (k + 1) * C * TOKEN_BYTES]
         for child, kind, in_common, exact in r.edges(bounds[k], after):
             top = bound(k * C + in_common, n_q, exact)
-            if best is not None and top <= best.n:
-                break  # what follows shares no more (trie.edges), so it cannot do better
+            if best is not None and top <= best.n and (near is None or k * C + in_common < near.common):
+                break  # what follows shares no more (trie.edges), so it cannot do better; a miss's
+                # explanation (near) still sees the candidates sharing as much: its cost is the one holding most
             got = None if child in skip else _candidate(r, ident, enc, bounds[k], k, child, kind, chain, C,
                                                         best.n if best else 0, near)
             if child in skip and near is not None:
@@ -88,16 +89,18 @@ def _candidate(r: Reader, ident: Identity, enc: bytes, boundary: bytes, k: int, 
     if kind is Kind.ENTRY:
         n_e = len(stored) // TOKEN_BYTES
         common = _common(stored, enc)
-        if (serves(n_e, common, n_q) or 0) <= beat or not _keyed(boundary, k, child, kind, stored, C):
+        if not _keyed(boundary, k, child, kind, stored, C):
+            return None
+        if near is not None:  # seen even when it would not be taken: a miss costs what the best prefix held
+            near.saw("disk", common, n_e, stored[common * TOKEN_BYTES : (common + AFTER) * TOKEN_BYTES])
+        if (serves(n_e, common, n_q) or 0) <= beat:
             return None
         rec = record(r, kind, child)
         if rec is None or rec.identity != ident.digest or rec.n != n_e or (rec.chunked and k > len(chain)):
             return None
         usable = serves(n_e, common, n_q, rec.trimmable)  # the stored layout decides the cut point (restore)
-        if near is not None:
-            near.saw("disk", common, n_e, stored[common * TOKEN_BYTES : (common + 8) * TOKEN_BYTES])
-            if usable is None:
-                near.refused(min(common, n_q - 1))
+        if near is not None and usable is None:
+            near.refused(min(common, n_q - 1))
         if not usable:
             return None
         return Plan(usable, tuple(chain[:k]) if rec.chunked else (), (kind, child), n_e, rec.chunked,
@@ -107,7 +110,7 @@ def _candidate(r: Reader, ident: Identity, enc: bytes, boundary: bytes, k: int, 
     m = _common(stored, enc[k * C * TOKEN_BYTES :])
     usable = serves((k + 1) * C, k * C + m, n_q, whole=False) or 0
     if near is not None and m > 0:
-        near.saw("disk", k * C + m, (k + 1) * C, stored[m * TOKEN_BYTES : (m + 8) * TOKEN_BYTES], continues=True)
+        near.saw("disk", k * C + m, (k + 1) * C, stored[m * TOKEN_BYTES : (m + AFTER) * TOKEN_BYTES], continues=True)
     if m <= 0 or usable <= beat or not _keyed(boundary, k, child, kind, stored, C):
         return None
     if record(r, kind, child) is None:
