@@ -165,7 +165,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
         others.append({"identity": hx, "entries": len(items), "differs": misses.differing(info.info, ident.info),
             "shared_tokens": near.common if near else 0, "serves": near.serves if near else 0,
             "nearest": common.short_id(near.key) if near else None})
-    others.sort(key=lambda o: -int(o["serves"]))
+    others.sort(key=lambda o: (-int(o["serves"]), len(o["differs"])))  # on a tie, the nearest identity
     out = _verdict(args, ident, request, own, others, len(by_identity.get(ident.hex, [])), decode, str(disk.root))
     out["part"] = _part(out, request, own, rendered, tokenizer)
     return out
