@@ -27,7 +27,18 @@ MIN_DISK_HIT = 64
 
 def restore_floor(memory_n: int, wanted: int, min_hit: int = 0) -> int:
     """The tokens a disk or shared hit must exceed, given a memory hit of ``memory_n`` of
-    ``wanted`` tokens: it must hold all ``wanted`` tokens, or at least ``min_hit`` tokens
-    and (over a memory hit) more than ``MIN_DISK_GAIN`` tokens more than memory."""
-    beat = memory_n + MIN_DISK_GAIN if memory_n > 0 else 0
-    return min(max(beat, min_hit - 1, 0), wanted - 1)
+    ``wanted`` tokens: it must hold the whole prompt, or at least ``min_hit`` tokens and
+    (over a memory hit) more than ``MIN_DISK_GAIN`` tokens more than memory. "The whole
+    prompt" is ``wanted - 1`` tokens too: a longer stored entry cut back to the prompt
+    keeps its last token for the model to feed (``served_tokens.serves``), and a repeated
+    short prompt after a restart always sits inside its own longer entry (prompt and reply)."""
+    beat = min(memory_n + MIN_DISK_GAIN, wanted - 1) if memory_n > 0 else 0
+    return max(beat, min(max(min_hit - 1, 0), max(wanted - 2, 0)))
+
+
+def memory_floor(wanted: int, min_hit: int = 0) -> int:
+    """The fewest tokens a memory hit must serve to be a hit: the rule ``restore_floor``
+    applies to the disk, for every tier. A prompt that shares only a chat template's
+    header with one in memory is a miss (``cached_tokens: 0``, counted as a miss), as it
+    is after a restart; one served whole (all but the one token kept) is always a hit."""
+    return min(min_hit, max(wanted - 1, 0))

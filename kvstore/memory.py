@@ -29,7 +29,7 @@ from mlx_lm.models.cache import PromptTrie, PromptTrieResult
 from . import codec
 from .cachelayout import Layout
 from .served_tokens import serves
-from .misses import Near
+from .misses import AFTER, Near
 
 ORDERING = ("assistant", "user", "system")
 
@@ -176,7 +176,8 @@ class MemoryTier:
             usable = snap.opaque is None or snap.trimmable  # mlx-lm: even with nothing to cut
             usable = usable and n is not None
             if near is not None:
-                near.saw("memory", common, longer, result.longer[common : common + 8])
+                best = self._longest_sharing(model, tokens, common) or result.longer
+                near.saw("memory", common, len(best), best[common : common + AFTER])
                 if not usable:
                     near.refused(min(common, len(tokens) - 1))
             if usable and n is not None:
@@ -185,11 +186,30 @@ class MemoryTier:
             out.append((self._trie.get(model, result.shorter), result.shorter, short))
         return out
 
-    def lookup(self, model: Hashable, tokens: list[int],
-               near: Near | None = None) -> tuple[list[Any] | None, int, Snapshot | None]:
+    def _longest_sharing(self, model: Hashable, tokens: list[int], common: int) -> tuple[int, ...] | None:
+        """The stored entry sharing ``common`` tokens with ``tokens`` that holds most of
+        them (the longest, up to the query's length): what a miss there cost. The trie's
+        ``longer`` is the shortest such entry (mlx-lm's, the one it cuts), which may end
+        a few tokens past the divergence while a whole conversation shares it. Read off
+        the entry keys (the ones sharing the query's first and last common token are
+        compared whole), on a lookup that leaves a longer entry only."""
+        head, n_q = tuple(tokens[:common]), len(tokens)
+        keys = sorted((k for lru in self._lrus.values() for m, k in lru if m == model and len(k) > common),
+                      key=lambda k: -min(len(k), n_q))
+        for k in keys:
+            if k[common - 1] == head[-1] and k[0] == head[0] and k[:common] == head:
+                return k
+        return None
+
+    def lookup(self, model: Hashable, tokens: list[int], near: Near | None = None,
+               floor: int = 0) -> tuple[list[Any] | None, int, Snapshot | None]:
         """mlx-lm's ``fetch_nearest_cache`` rules: (fresh cache or None, tokens it holds,
-        the snapshot it came from). The cache's arrays are evaluated: any thread may use them."""
+        the snapshot it came from). The cache's arrays are evaluated: any thread may use them.
+        ``floor``: candidates serving fewer tokens are passed over (``floors.memory_floor``;
+        ``near`` still sees them)."""
         for snap, stored, n in self._find(model, tokens, near):
+            if n < floor:
+                continue
             cache = snap.materialize()
             if n < len(stored):  # a longer entry, trimmed back to the common prefix (_find allowed it)
                 for c in cache:
@@ -202,10 +222,9 @@ class MemoryTier:
             return cache, n, snap
         return None, 0, None
 
-    def peek(self, model: Hashable, tokens: list[int]) -> int:
+    def peek(self, model: Hashable, tokens: list[int], floor: int = 0) -> int:
         """How many tokens ``lookup`` would serve, materialising nothing, touching nothing."""
-        found = self._find(model, tokens)
-        return found[0][2] if found else 0
+        return next((n for _, _, n in self._find(model, tokens) if n >= floor), 0)
 
     def snapshots(self) -> list[Snapshot]:
         """Every snapshot held, in no particular order."""

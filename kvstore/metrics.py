@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .misses import REASONS, STATS_PREFIX
+from .misses import PARTS, REASONS, STATS_PREFIX
 
 TIERS = ("memory", "disk", "shared")
 ERROR_KINDS = ("corrupt", "races", "io_errors", "write_errors", "unpersistable", "dropped_writes")
@@ -60,6 +60,9 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
     yield counter("misses", "Lookups no tier could serve")
     yield counter("miss_reasons", "Lookups that served less of the prompt than a stored prefix held, by why "
                   "(kvstore.misses)", [(r, f"{STATS_PREFIX}{r}") for r in REASONS], "reason")
+    yield counter("miss_parts", "Misses by the part of the request they start in: system, tools, messages, model "
+                  "(identity), previous_turn (not in the store), template, unknown (kvstore.parts)",
+                  [(p, f"{STATS_PREFIX}part_{p}") for p in PARTS], "part")
     yield counter("restored_tokens", "Prompt tokens restored instead of prefilled, by tier",
                   [(t, f"tokens_{t}") for t in TIERS], "tier")
     yield counter("read_bytes", "Bytes read, by tier", [("disk", "bytes_read"), ("shared", "shared_bytes_in")], "tier")

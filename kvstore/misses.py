@@ -17,12 +17,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .counters import Durations
 from .floors import MIN_DISK_GAIN
 from .keys import TOKEN_BYTES, common_tokens, decode_tokens
 from .escape import visible
+
+if TYPE_CHECKING:
+    from .parts import Part
 
 # The reasons, most specific first (``Miss.reason`` is one of them):
 DIVERGED = "diverged"                # the prompt parts from the nearest stored prefix at token ``at``
@@ -32,6 +35,8 @@ EVICTED_DISK = "evicted_disk"        # it was on disk and was evicted (``detail`
 OTHER_IDENTITY = "other_identity"    # another identity of the same model holds it (``detail``: what changed)
 SHARED_SKIPPED = "shared_skipped"    # the shared tier skipped or failed it (``detail``: cost / deadline / breaker / error)
 REASONS = (DIVERGED, CUT_REFUSED, EVICTED_UNWRITTEN, EVICTED_DISK, OTHER_IDENTITY, SHARED_SKIPPED)
+# the part of the request a miss starts in (``parts.Part.kind``; the Prometheus ``part`` label)
+PARTS = ("system", "tools", "messages", "model", "previous_turn", "template", "unknown")
 SAID = {  # each reason said plainly, for a person reading a log line or `kvstore why`
     DIVERGED: "the prompt parts from the nearest stored prefix",
     CUT_REFUSED: "a stored entry reaches further, but its cache cannot be cut where the prompt parts from it",
@@ -46,7 +51,7 @@ SAID = {  # each reason said plainly, for a person reading a log line or `kvstor
 class Miss:
     """One lookup that served ``served`` of ``prompt`` tokens while a stored prefix
     (``stored`` tokens long, in ``tier``) shared ``at`` tokens with the prompt or reached
-    further. ``after``: up to 8 stored token ids from ``at`` on (what the store holds where
+    further. ``after``: up to 32 stored token ids from ``at`` on (what the store holds where
     the prompt parts from it; empty when unknown), for a log line; never sent over HTTP."""
 
     reason: str
@@ -57,6 +62,7 @@ class Miss:
     tier: str | None = None
     detail: str = ""
     after: tuple[int, ...] = field(default=(), compare=False)
+    part: "Part | None" = field(default=None, compare=False)  # where in the request (``parts.locate``)
 
     @property
     def lost(self) -> int:
@@ -65,9 +71,12 @@ class Miss:
 
     def as_stats(self) -> dict[str, object]:
         """Reason, positions and counts only (no token ids): what ``stats()`` may show."""
-        return {"reason": self.reason, "detail": self.detail, "tier": self.tier, "prompt_tokens": self.prompt,
-                "served_tokens": self.served, "diverged_at": self.at, "stored_tokens": self.stored,
-                "lost_tokens": self.lost}
+        out: dict[str, object] = {
+            "reason": self.reason, "detail": self.detail, "tier": self.tier, "prompt_tokens": self.prompt,
+            "served_tokens": self.served, "diverged_at": self.at, "stored_tokens": self.stored, "lost_tokens": self.lost}
+        if self.part is not None:
+            out.update(self.part.as_stats())
+        return out
 
 
 # -- what a process keeps of its misses: counts, a histogram, the last few --------------------
@@ -91,6 +100,7 @@ class Misses:
         self.threshold = threshold
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(REASONS, 0)
+        self._parts = dict.fromkeys(PARTS, 0)
         self._lost = 0
         self._hist = Durations(LOST_BUCKETS)  # a cumulative histogram; here of tokens, not seconds
         self._recent: deque[dict[str, object]] = deque(maxlen=recent)
@@ -103,6 +113,8 @@ class Misses:
         worth = self.worth_logging(miss)
         with self._lock:
             self._counts[miss.reason] = self._counts.get(miss.reason, 0) + 1
+            if miss.part is not None:
+                self._parts[miss.part.kind] = self._parts.get(miss.part.kind, 0) + 1
             self._lost += miss.lost
             if worth and listed:
                 self._recent.append({"time": round(time.time(), 3), **miss.as_stats()})
@@ -114,11 +126,13 @@ class Misses:
 
     def stats(self) -> dict[str, object]:
         """Flat keys for ``KVStore.stats()``: ``miss_<reason>`` for every reason (0 when
-        none), ``miss_lost_tokens`` (their sum), ``miss_lost_tokens_histogram``
+        none), ``miss_part_<part>`` for every ``PARTS`` (the misses a route named the part of:
+        ``parts``), ``miss_lost_tokens`` (their sum), ``miss_lost_tokens_histogram``
         (``counters.Durations.snapshot``'s shape, ``le`` in tokens), ``miss_log_threshold``
         and ``recent_misses`` (those worth a log line, oldest first)."""
         with self._lock:
             out: dict[str, object] = {f"{STATS_PREFIX}{r}": n for r, n in self._counts.items()}
+            out.update({f"{STATS_PREFIX}part_{p}": n for p, n in self._parts.items()})
             out[f"{STATS_PREFIX}lost_tokens"] = self._lost
             recent = list(self._recent)
         out[f"{STATS_PREFIX}lost_tokens_histogram"] = self._hist.snapshot()
@@ -130,6 +144,7 @@ class Misses:
 # -- the log line: the text either side of where the prompt parted from the store -------------
 
 AROUND = 8  # tokens shown either side of the divergence
+AFTER = 32  # stored token ids a search reports past a divergence (``Near.after``: ``parts`` reads a tool's name in it)
 
 
 def around(tokens: Sequence[int], at: int, decode: Callable[[list[int]], str],
@@ -147,7 +162,8 @@ def log_line(miss: Miss, prompt: Sequence[int], decode: Callable[[list[int]], st
     ``CUT_REFUSED``) and ``decode`` (the model's tokenizer) is given, the text either side
     of ``miss.at`` in the prompt and what the store holds there (``miss.after``). Every
     decoded piece is escaped: the line is one line and carries no control characters."""
-    head = (f"kvstore: miss ({miss.reason}{f': {visible(miss.detail, newlines=False)}' if miss.detail else ''}): "
+    part = f" in {visible(miss.part.said(), newlines=False)}" if miss.part is not None else ""
+    head = (f"kvstore: miss ({miss.reason}{f': {visible(miss.detail, newlines=False)}' if miss.detail else ''}){part}: "
             f"recomputed {miss.lost:,} tokens a stored prefix held; served {miss.served:,} of {miss.prompt:,}")
     if miss.reason not in (DIVERGED, CUT_REFUSED):
         return f"{head}; {SAID.get(miss.reason, miss.reason)} ({miss.at:,} tokens of this prompt)"
@@ -164,10 +180,16 @@ def log_line(miss: Miss, prompt: Sequence[int], decode: Callable[[list[int]], st
     return text + (f', the store "{held}"' if miss.after else "")
 
 
+SALTED = "salted"  # the component named when a salt (a request's cache_salt, a key) tells two identities apart
+
+
 def differing(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """The identity components that differ between two identities' ``info``, sorted."""
+    """The identity components that differ between two identities' ``info``, sorted;
+    ``SALTED`` when either is a salted one (``salt.salted``: the salt is never stored,
+    so two salted identities of one model differ by it)."""
     a, b = old.get("components") or {}, new.get("components") or {}
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    salt = [SALTED] if old.get("salted") or new.get("salted") else []
+    return sorted([k for k in set(a) | set(b) if a.get(k) != b.get(k)] + salt)
 
 
 def changed_components(old: dict[str, Any], new: dict[str, Any]) -> str:
@@ -195,7 +217,7 @@ class Near:
             continues: bool = False) -> None:
         if (common, stored) > (self.common, self.stored):
             self.common, self.stored, self.continues, self.tier = common, stored, continues, tier
-            self.after = after if isinstance(after, bytes) else tuple(after[:8])
+            self.after = after if isinstance(after, bytes) else tuple(after[:AFTER])
 
     def refused(self, at: int) -> None:
         self.cut_at = max(self.cut_at, at)

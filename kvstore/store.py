@@ -29,22 +29,24 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Hashable
 
 from . import codec
 from .cachedir import MEMO, StoreOpenError, default_cache_dir, open_disk
+from .callers import Tallies, Tally
 from .counters import Counters
 from .served_tokens import CutRefused
 from .disk import DiskTier, Plan, Restored
 from .disk_errors import DiskErrors, Failure
 from .fleet import Fleet, SharedHit, open_shared
-from .floors import MIN_DISK_GAIN, restore_floor  # MIN_DISK_GAIN: re-exported (tests, README)
+from .floors import MIN_DISK_GAIN, memory_floor, restore_floor  # MIN_DISK_GAIN: re-exported (tests, README)
 from .identity import DigestMemo, Identity
 from .keys import TokenError, encode_tokens
 from .memory import ORDERING, MemoryTier, Snapshot
 from .misses import OTHER_IDENTITY, Miss, Misses, Near, changed_components, explain
+from .parts import Part
 from .preload import Preloaded, Preloader
 from .pressure import DEFAULT_MEMORY_FLOOR, Gauge, Watch
 from .query import Query
@@ -132,6 +134,8 @@ class KVStore:
         self._watch = _watch_memory(self) if gauge is not None else None
         self._preloaded: Preloaded | None = None  # the last preload's report (stats() shows it)
         self.misses = Misses()  # why lookups served less than the store held (``Fetched.miss``), counted
+        # a salted lookup counts into its salt's tally, never into the shared counters (``callers``)
+        self.tallies = Tallies(Tally(self._counters, self.misses))
         _open_stores.add(self)
 
     def _open_disk(self, chunk_tokens: int, shared_dir: bool, on_disk_error: str) -> DiskTier | None:
@@ -187,14 +191,16 @@ class KVStore:
 
     # -- fetch -------------------------------------------------------------------------
 
-    def fetch(self, model: Any, tokens: list[int], *, salt: Salt | None = None) -> Fetched:
+    def fetch(self, model: Any, tokens: list[int], *, salt: Salt | None = None,
+              name: Callable[[Miss], Part] | None = None) -> Fetched:
         """The longest reusable prefix of ``tokens`` in memory or on disk; a longer disk
         prefix replaces a memory hit only when it holds all of ``tokens`` or more than
         ``MIN_DISK_GAIN`` tokens more, and any disk hit must hold the whole prompt or at
         least ``min_disk_hit`` tokens (``restore_floor``). With ``salt`` only entries
         inserted with the same salt are found (``kvstore.salt``), in every tier. One disk
         plan, the chain hashed once. ``Fetched.miss`` says why not more, when a stored
-        prefix held more than was served.
+        prefix held more than was served; ``name`` (the caller's, who knows the request:
+        ``parts.locate``) names the part of the request it starts in, before it is counted.
 
         Raises ValueError (``keys.TokenError``, ``salt.SaltError``) for token lists that
         are not token ids, or a salt that is not a non-empty bounded string.
@@ -204,10 +210,12 @@ class KVStore:
         base = self.models.identity(model)  # resolved once: the lookup's key and a miss's explanation
         ident = salted(base, check_salt(salt, "salt"))
         mem_key = self._mem_key(model, ident, salt)
+        tally = self.tallies.of(salt)
         near = Near(len(tokens))
         self.settle()
+        least = memory_floor(len(tokens), self.min_disk_hit)  # one rule for every tier (floors)
         with self._lock:
-            cache, n, snap = self._memory.lookup(mem_key, tokens, near)
+            cache, n, snap = self._memory.lookup(mem_key, tokens, near, least)
         if cache is not None:
             # A snapshot is keyed by the tokens it was inserted with; a cache that holds fewer
             # positions (mlx-lm's server inserts prompt + generated tokens with a cache that
@@ -215,23 +223,25 @@ class KVStore:
             held = codec.held(cache)
             if held is not None and held < n:
                 n = held
-                if n <= 0:
+                if n <= 0 or n < least:
                     cache, n = None, 0
         if cache is not None and n == len(tokens):
-            return self._hit("memory", cache, n, snap)
+            return self._hit("memory", cache, n, snap, counts=tally.counters)
         q = None
         if self._disk_on(ident) and tokens:
             q = Query(enc, ident.digest, self.disk.chunk, tokens=tokens)  # type: ignore[union-attr]
             floor = restore_floor(n, len(tokens), self.min_disk_hit)  # what a disk or shared hit must beat
-            got = self._fetch_disk(ident, q, floor, near)  # type: ignore[arg-type]
+            got = self._fetch_disk(ident, q, floor, near, tally.counters)  # type: ignore[arg-type]
             if self.shared is not None:  # the prefill of what was not served starts now
                 self.shared.prefill.fetched(ident.digest, got.n if got is not None else n)  # type: ignore[union-attr]
-            if got is not None:
+            if got is not None:  # a disk or shared hit may serve less than a stored prefix held too
+                got.miss = self._counted(self._miss(base, salt, mem_key, tokens, enc, q, near, got.n), tally, name)
                 return got
         if cache is not None:
-            return self._hit("memory", cache, n, snap, self._miss(base, salt, mem_key, tokens, enc, q, near, n))
-        self._counters.add("misses")
-        return Fetched(None, 0, None, self._miss(base, salt, mem_key, tokens, enc, q, near, 0))
+            miss = self._counted(self._miss(base, salt, mem_key, tokens, enc, q, near, n), tally, name)
+            return self._hit("memory", cache, n, snap, miss, tally.counters)
+        tally.counters.add("misses")
+        return Fetched(None, 0, None, self._counted(self._miss(base, salt, mem_key, tokens, enc, q, near, 0), tally, name))
 
     def peek(self, model: Any, tokens: list[int], *, salt: Salt | None = None) -> int:
         """How many tokens ``fetch`` would restore now (memory or disk), reading no KV data
@@ -241,35 +251,37 @@ class KVStore:
         ident = self.models.salted(model, salt)
         self.settle()
         with self._lock:
-            n = self._memory.peek(self._mem_key(model, ident, salt), tokens)
+            n = self._memory.peek(self._mem_key(model, ident, salt), tokens, memory_floor(len(tokens), self.min_disk_hit))
         if n < len(tokens) and self._disk_on(ident) and tokens:
             plan = self._disk_plan(ident, Query(enc, ident.digest, self.disk.chunk))  # type: ignore[union-attr,arg-type]
             n = plan.n if plan is not None and plan.n > restore_floor(n, len(tokens), self.min_disk_hit) else n
         return n
 
-    def _fetch_disk(self, ident: Identity, q: Query, better_than: int, near: Near | None = None) -> Fetched | None:
+    def _fetch_disk(self, ident: Identity, q: Query, better_than: int, near: Near | None = None,
+                    counts: Counters | None = None) -> Fetched | None:
         """The disk tier's longest prefix of ``q`` beyond ``better_than`` tokens (asking the
         shared tier, with the same plan, when the disk holds less than the query), restored
-        and promoted into memory; None for nothing."""
+        and promoted into memory; None for nothing. ``counts``: the caller's (``callers``)."""
+        counts = counts if counts is not None else self._counters
         source = "disk"
         skip: frozenset[bytes] = frozenset()  # entries whose cut a restore refused
         plan = self._disk_plan(ident, q, skip, near)
         if self.fleet is not None:
             shared = self.fleet.lookup(ident, q, plan, better_than, near)
             if isinstance(shared, SharedHit):
-                return self._promote(ident, q, shared.plan, shared.got, "shared")
+                return self._promote(ident, q, shared.plan, shared.got, "shared", counts)
             if shared:  # a longer prefix is indexed on disk now
                 source, plan = "shared", self._disk_plan(ident, q)
         for _ in range(4):  # each failure drops (or skips) a record; the next plan may still hit
             if plan is None or plan.n <= better_than:
                 return None
             t0 = time.perf_counter()
-            got = self._restore(ident, plan)
+            got = self._restore(ident, plan, counts)
             if isinstance(got, Restored):
                 took = time.perf_counter() - t0
-                self._counters.add("restores", restore_seconds=took, bytes_read=got.nbytes)
-                self._counters.observe("restore_seconds", took)
-                return self._promote(ident, q, plan, got, source)
+                counts.add("restores", restore_seconds=took, bytes_read=got.nbytes)
+                counts.observe("restore_seconds", took)
+                return self._promote(ident, q, plan, got, source, counts)
             if got is Failure.REFUSED and plan.entry is not None:
                 skip |= {plan.entry}
                 if near is not None:
@@ -291,18 +303,19 @@ class KVStore:
                 self._errors.warn_once("plan", "kvstore: disk lookup failed (%s); treating as a miss", e)
             return None
 
-    def _restore(self, ident: Identity, plan: Plan) -> Restored | Failure:
+    def _restore(self, ident: Identity, plan: Plan, counts: Counters | None = None) -> Restored | Failure:
         """Read ``plan`` from disk, or say why not (``disk_errors.Failure``: DAMAGED, dropped or
         raced; UNREADABLE, I/O or resources, kept; REFUSED, a cut its layout refuses, kept)."""
         try:
             return self.disk.restore(plan, ident)  # type: ignore[union-attr]
         except CutRefused:
-            self._counters.add("refused_cuts")
+            (counts if counts is not None else self._counters).add("refused_cuts")
             return Failure.REFUSED
         except Exception as e:
             return self._errors.restore_failed(self.disk, plan, e)  # type: ignore[arg-type]
 
-    def _promote(self, ident: Identity, q: Query, plan: Plan, got: Restored, source: str) -> Fetched:
+    def _promote(self, ident: Identity, q: Query, plan: Plan, got: Restored, source: str,
+                 counts: Counters | None = None) -> Fetched:
         """Keep a disk or shared hit hot (marked as already on disk) and hand out its cache."""
         ctype = plan.cache_type if plan.cache_type in ORDERING else "assistant"
         snap = Snapshot(got.tensors, got.layout, None, codec.cache_nbytes(got.tensors),
@@ -310,10 +323,11 @@ class KVStore:
         with self._lock:
             evicted = self._memory.insert(ident.digest, q.tokens[: got.n], snap)
         self.writes.write_evicted(evicted)
-        return self._hit(source, got.cache, got.n, snap)
+        return self._hit(source, got.cache, got.n, snap, counts=counts)
 
-    def _hit(self, tier: str, cache: list[Any], n: int, snap: Snapshot | None, miss: Miss | None = None) -> Fetched:
-        self._counters.add(f"hits_{tier}", tokens_saved=n, **{f"tokens_{tier}": n})
+    def _hit(self, tier: str, cache: list[Any], n: int, snap: Snapshot | None, miss: Miss | None = None,
+             counts: Counters | None = None) -> Fetched:
+        (counts if counts is not None else self._counters).add(f"hits_{tier}", tokens_saved=n, **{f"tokens_{tier}": n})
         self.writes.credit(snap.disk_key if snap is not None else None)
         return Fetched(cache, n, tier, miss)
 
@@ -334,9 +348,16 @@ class KVStore:
                 had = self._memory.peek(old_key.digest, tokens)
             if had > max(served, near.common, lost[2] if lost else 0):
                 lost = (OTHER_IDENTITY, changed_components(old.info, ident.info), had, had)  # type: ignore[union-attr]
-        miss = explain(near, served, lost)
+        return explain(near, served, lost)
+
+    @staticmethod
+    def _counted(miss: Miss | None, tally: Tally, name: Callable[[Miss], Part] | None) -> Miss | None:
+        """``miss`` named (``name``: the part of the request it starts in) and counted in
+        ``tally``, the caller's (``callers``)."""
+        if miss is not None and name is not None:
+            miss = replace(miss, part=name(miss))  # parts.locate never raises
         if miss is not None:
-            self.misses.record(miss, listed=salt is None)
+            tally.misses.record(miss)
         return miss
 
     # -- insert ------------------------------------------------------------------------
@@ -391,8 +412,10 @@ class KVStore:
             self.writes.write_evicted([(self._mem_key(model, ident, salt), tokens, snap)])
         return snap is not None
 
-    def stats(self) -> dict[str, Any]:
-        """Counters by tier, plus queue depth, dropped and failed writes, disk totals."""
+    def stats(self, salt: Salt | None = None) -> dict[str, Any]:
+        """Counters by tier, plus queue depth, dropped and failed writes, disk totals. The
+        lookup counters (``callers.LOOKUP_KEYS``) and the misses count unsalted lookups;
+        with ``salt``, those of lookups made with that salt instead (``callers``)."""
         self.settle()
         s: dict[str, Any] = self._counters.snapshot()
         s["memory_entries"] = len(self._memory)
@@ -408,6 +431,8 @@ class KVStore:
         s.update(self.misses.stats())
         s.update((self._preloaded or Preloaded()).as_stats())
         s.update(self._counters.histograms())
+        if salt is not None:
+            s.update(self.tallies.read(salt))
         return s
 
     def flush(self, timeout: float | None = None) -> bool:

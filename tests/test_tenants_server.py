@@ -82,8 +82,9 @@ def chat(server: Server, *, key: str | None = None, salt: str | None = None, sys
     return got["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def stats(server: Server, key: str | None = None) -> dict[str, Any]:
-    status, got = call(server, "GET", "/v1/cache/stats", key=key)
+def stats(server: Server, key: str | None = None, salt: str | None = None) -> dict[str, Any]:
+    """/v1/cache/stats as ``key`` reads it; ``salt``: the counts of that cache_salt's lookups."""
+    status, got = call(server, "GET", "/v1/cache/stats" + (f"?cache_salt={salt}" if salt else ""), key=key)
     assert status == 200, (status, got)
     return got
 
@@ -136,12 +137,12 @@ def test_tenants_never_share_in_memory_on_disk_or_through_redis(mode: str, model
     with Server(model_dir, tmp_path / "one", tmp_path / "two.log", extra_flags(mode)) as s:  # restart: disk
         assert chat(s, **d) == 0
         assert chat(s, **a) > 1000
-        got = stats(s, admin)
+        got = stats(s, admin, a.get("salt"))  # A's own lookups (kvstore.callers)
         assert got["hits_disk"] >= 1 and got["hits_memory"] == 0, got
     with Server(model_dir, tmp_path / "three", tmp_path / "three.log", [*shared, *extra_flags(mode)]) as s:
         assert chat(s, **d) == 0                        # a fresh machine: Redis holds A's, B's and C's
         assert chat(s, **a) > 1000
-        got = stats(s, admin)
+        got = stats(s, admin, a.get("salt"))
         assert got["hits_shared"] == 1 and got["shared_lookups"] >= 2, got
         assert got["shared_rejected"] == 0 and got["shared_bad_signature"] == 0, got
     if mode == "salt":  # every value the fleet published is signed: a store without the secret finds none

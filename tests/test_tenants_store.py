@@ -59,7 +59,8 @@ def test_a_salt_never_hits_another_salt_in_memory_or_on_disk(tmp_path) -> None:
         got = s.fetch(WHO, longer, salt="tenant-a")
         assert (got.n, got.source) == (len(toks), "disk")
         assert_synth(got.cache, toks)
-        assert s.stats()["misses"] == 2
+        assert s.stats()["misses"] == 1 and s.stats("tenant-b")["misses"] == 1  # each caller's own (callers)
+        assert s.stats("tenant-a")["hits_disk"] == 1 and s.stats()["hits_disk"] == 0
         salted_hex = salted(WHO, "tenant-a").hex  # type: ignore[union-attr]
         described = s.disk.index.identities()  # type: ignore[union-attr]
         assert described[salted_hex].get("salted") is True
@@ -219,8 +220,9 @@ def test_a_short_or_missing_secret_file_is_refused(tmp_path) -> None:
 
 def test_a_tenants_miss_is_counted_but_its_positions_are_never_listed(tmp_path) -> None:
     """``recent_misses`` (in /v1/cache/stats, which every key holder reads) lists where an
-    unsalted prompt parted from the store; a salted (tenant's) miss is counted only, so no
-    tenant learns another's prompt size or where it changed."""
+    unsalted prompt parted from the store; a salted (tenant's) miss is counted and listed in
+    its salt's own counts only (``callers``), so no tenant learns another's prompt size or
+    where it changed."""
     system = rand_tokens(600, seed=70)
     with KVStore(tmp_path, chunk_tokens=C) as s:
         for salt in (None, "tenant-a"):
@@ -231,6 +233,7 @@ def test_a_tenants_miss_is_counted_but_its_positions_are_never_listed(tmp_path) 
         tenant = s.fetch(WHO, changed, salt="tenant-a")
         assert plain.miss is not None and tenant.miss is not None
         assert (plain.miss.reason, plain.miss.at) == (tenant.miss.reason, tenant.miss.at) == ("diverged", 300)
-        st = s.stats()
-    assert st["miss_diverged"] == 2  # both counted
+        st, own = s.stats(), s.stats("tenant-a")
+    assert st["miss_diverged"] == own["miss_diverged"] == 1  # each counted, in its caller's counts
     assert [(m["diverged_at"], m["prompt_tokens"]) for m in st["recent_misses"]] == [(300, 600)]  # one listed
+    assert [m["diverged_at"] for m in own["recent_misses"]] == [300]  # to the tenant itself

@@ -19,7 +19,8 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from ..misses import log_line
+from ..misses import Miss, log_line
+from ..parts import Part
 from .stable_prefix import note as stable_note
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..salt import Salt, salt_of
@@ -73,6 +74,9 @@ class LRUPromptCache:
         )
         # token ids -> text, for a miss's log line (``kvstore serve`` sets the model's tokenizer)
         self.decode: Callable[[list[int]], str] | None = None
+        # a lookup's tokens -> what names a miss's part of the request (``kvstore serve``:
+        # ``adapters.rendered.namer``), or None
+        self.name_part: Callable[[list[int]], Callable[[Miss], Part] | None] | None = None
 
     @property
     def max_size(self) -> int:
@@ -110,7 +114,8 @@ class LRUPromptCache:
         the store: ``KVStore.misses``) is logged when it recomputed at least the threshold of
         tokens a stored prefix held (``misses.log_line``, its text decoded with ``decode``)."""
         t0 = time.perf_counter()
-        got = self.store.fetch(model, tokens, salt=salt if salt is not None else salt_of(tokens))
+        name = self.name_part(tokens) if self.name_part is not None else None
+        got = self.store.fetch(model, tokens, salt=salt if salt is not None else salt_of(tokens), name=name)
         if got.source in ("disk", "shared"):
             log_restore(got.n, len(tokens), got.source, time.perf_counter() - t0)
         if got.miss is not None and self.store.misses.worth_logging(got.miss):
@@ -130,10 +135,11 @@ class LRUPromptCache:
         self.store.settle()
         return self.store.memory.stats_by_type()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, salt: Salt | None = None) -> dict[str, Any]:
         """The store's counters (hits by tier, bytes, dropped writes, ...) and why lookups
-        missed (``Misses.stats``: ``miss_<reason>``, ``recent_misses``...)."""
-        return self.store.stats()
+        missed (``Misses.stats``: ``miss_<reason>``, ``recent_misses``...); with ``salt``,
+        that salt's lookups' (``KVStore.stats``)."""
+        return self.store.stats(salt)
 
     def preload(self, model: Any, how: int | str = "auto", **options: Any) -> Preloaded:  # salt=: KVStore.preload
         """Restore ``model``'s stored entries into the memory tier ahead of traffic

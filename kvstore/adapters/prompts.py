@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import types
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import stable_prefix
@@ -84,7 +85,31 @@ def request_tokens(tokenizer: Any, body: Any, *, sort_tools: bool = False,
     text completion's prompt), through mlx_lm.server's ``_tokenize`` on ``tokenizer``
     (mlx-lm's ``TokenizerWrapper``), its messages rewritten as ``--stable-prefix`` does when
     ``stable`` is given (``stable.moved`` says how). ValueError for a body it cannot render."""
+    return render_request(tokenizer, body, sort_tools=sort_tools, keep_billing_header=keep_billing_header,
+                          chat_template_args=chat_template_args, stable=stable).tokens
+
+
+@dataclass
+class RenderedRequest:
+    """A request as ``kvstore serve`` renders it: its tokens and, for a chat request, the
+    ``messages`` and ``tools`` the chat template rendered (what ``kvstore.parts`` names a
+    miss's part in), ``blocks`` (``adapters.rendered.block_lengths``) and the template's
+    arguments."""
+
+    tokens: list[int]
+    messages: list[Any] | None = None
+    tools: list[Any] | None = None
+    blocks: dict[int, list[int]] = field(default_factory=dict)
+    template_args: dict[str, Any] = field(default_factory=dict)
+
+
+def render_request(tokenizer: Any, body: Any, *, sort_tools: bool = False, keep_billing_header: bool = False,
+                   chat_template_args: dict[str, Any] | None = None,
+                   stable: stable_prefix.Render | None = None) -> RenderedRequest:
+    """``request_tokens``, with what the chat template rendered (``RenderedRequest``)."""
     import mlx_lm.server as server_mod
+
+    from .rendered import block_lengths
 
     from . import anthropic
 
@@ -112,8 +137,11 @@ def request_tokens(tokenizer: Any, body: Any, *, sort_tools: bool = False,
         chat_template_args=dict(chat_template_args or {})))
     args = types.SimpleNamespace(chat_template_kwargs=body.get("chat_template_kwargs"))
     generator: Any = types.SimpleNamespace(model_provider=provider)  # all _tokenize reads of its self
+    blocks = block_lengths(request.messages)
     try:
         got = server_mod.ResponseGenerator._tokenize(generator, tokenizer, request, args)
     except Exception as e:  # the template's own complaint
         raise ValueError(f"the request cannot be rendered by the model's chat template: {e}") from None
-    return [int(t) for t in got[0]]
+    template_args = {**(chat_template_args or {}), **(body.get("chat_template_kwargs") or {})}
+    return RenderedRequest([int(t) for t in got[0]], request.messages if kind != "text" else None,
+                    request.tools or None, blocks, template_args)

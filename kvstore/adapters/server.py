@@ -38,13 +38,13 @@ import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from .. import metrics
 from ..floors import MIN_DISK_HIT
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..units import memory_floor, parse_size
-from . import anthropic, http, model_names, prompts, responses, stable_prefix, startup, tenants
+from . import anthropic, http, model_names, prompts, rendered, responses, stable_prefix, startup, tenants
 from .http import HeadersOnly, send_json
 
 if TYPE_CHECKING:  # imported when used: MLX and mlx-lm take seconds, --help and a refused start need neither
@@ -102,7 +102,13 @@ def _install_routes(server_mod: Any) -> None:
         elif models and startup.STATE.installed and not startup.STATE.ready.is_set():
             send_json(self, 503, startup.not_ready_error())
         elif path == "/v1/cache/stats":
-            send_json(self, 200, cache_stats())
+            try:
+                salt = caller_salt(self)
+            except ValueError as e:  # salt.SaltError: a bad ?cache_salt=
+                send_json(self, 400, {"error": {"message": str(e), "type": "invalid_request_error",
+                                                "param": "cache_salt", "code": "invalid_cache_salt"}})
+                return
+            send_json(self, 200, cache_stats(salt))
         elif path == "/metrics":  # Prometheus text format, read from the same stats (kvstore.metrics)
             body, ctype = metrics.exposition(_METRICS)
             self.send_response(200)
@@ -130,10 +136,20 @@ def _install_routes(server_mod: Any) -> None:
     responses.install(server_mod)  # POST /v1/responses, GET / DELETE /v1/responses/{id}
 
 
-def cache_stats() -> dict[str, Any]:
-    """``GET /v1/cache/stats``: the prompt cache's counters (``KVStore.stats``) and, under
-    ``"startup"``, where ``kvstore serve``'s start is (``startup.startup_stats``)."""
-    out: dict[str, Any] = _STORES[0].stats() if _STORES else {}
+def caller_salt(handler: Any) -> Any:
+    """The salt whose lookups a ``GET /v1/cache/stats`` counts (``kvstore.callers``): the
+    caller's key's under ``--isolate-keys``, with the query's ``?cache_salt=`` (as a body's
+    would be); None reads the unsalted lookups. SaltError for a bad ``cache_salt``."""
+    query = parse_qs(urlsplit(handler.path).query)
+    body = {"cache_salt": query["cache_salt"][0]} if "cache_salt" in query else {}
+    return tenants.request_salt(body, tenants.presented_key(handler.headers))
+
+
+def cache_stats(salt: Any = None) -> dict[str, Any]:
+    """``GET /v1/cache/stats``: the prompt cache's counters (``KVStore.stats``: with
+    ``salt``, its lookups' counts) and, under ``"startup"``, where ``kvstore serve``'s start
+    is (``startup.startup_stats``)."""
+    out: dict[str, Any] = _STORES[0].stats(salt) if _STORES else {}
     start = startup.startup_stats()
     if start:
         out["startup"] = start
@@ -151,6 +167,7 @@ def patch(server_mod: Any, **options: Any) -> None:
     _install_routes(server_mod)
     model_names.install(server_mod)  # any model name answers, never a hub lookup (--strict-model-names)
     _learn_kv_quant(server_mod)
+    rendered.install(server_mod)  # innermost: names a miss's part of the request (kvstore.parts)
     tenants.install(server_mod)  # keys and cache_salt, for every route (kvstore.adapters.tenants)
     prompts.install_tool_sorting(server_mod)  # --sort-tools (kvstore.adapters.prompts)
     stable_prefix.install(server_mod)  # outermost: --stable-prefix (kvstore.adapters.stable_prefix)
@@ -171,6 +188,7 @@ def _learn_kv_quant(server_mod: Any) -> None:
             prompt_cache.store.set_kv_quant(getattr(cli, "kv_bits", None), getattr(cli, "kv_group_size", 64))
         if isinstance(prompt_cache, LRUPromptCache):
             prompt_cache.decode = _decoder(model_provider)
+            prompt_cache.name_part = rendered.namer
         original(self, model_provider, prompt_cache, *args, **kwargs)
 
     generator.__init__ = __init__

@@ -66,9 +66,15 @@ class Nearest:
 def _read_request(path: str) -> Any:
     import sys
 
-    text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise common.CLIError(f"cannot read the request {path}: it is not UTF-8 text (byte {e.start}: "
+                              f"{e.object[e.start:e.start + 1]!r}); save it as UTF-8") from None
     try:
         body = json.loads(text)
+    except RecursionError:
+        raise common.CLIError(f"cannot read the request {path}: its JSON is nested too deeply") from None
     except ValueError:
         return text
     return body if isinstance(body, dict) else text
@@ -107,7 +113,8 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     from ..identity import DigestMemo, model_identity
     from ..index import scan
     from ..store import local_model_dir
-    from ..adapters.prompts import request_tokens
+    from ..adapters.prompts import render_request
+    from ..salt import salt_of_body, salted
     from .inspect import readable
 
     model = local_model_dir(args.model)
@@ -133,14 +140,20 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = load_tokenizer(model, tokenizer_config_extra=extra)
     stable = _stable(args, body)
     try:
-        request = request_tokens(tokenizer, body, sort_tools=args.sort_tools,
-                                 keep_billing_header=args.keep_billing_header,
-                                 chat_template_args=args.chat_template_args, stable=stable)
-    except ValueError as e:
+        salt = salt_of_body(body) if isinstance(body, dict) else None
+        rendered = render_request(tokenizer, body, sort_tools=args.sort_tools,
+                                  keep_billing_header=args.keep_billing_header,
+                                  chat_template_args=args.chat_template_args, stable=stable)
+        request = rendered.tokens
+    except RecursionError:
+        raise common.CLIError("cannot render the request: it is nested too deeply") from None
+    except ValueError as e:  # salt.SaltError too: the server's 400
         raise common.CLIError(f"cannot render the request: {e}") from None
     # the digests the servers of this directory remembered: the weights are not read again
     memo = DigestMemo(common.cache_dir(args) / MEMO, write=False)
-    ident = model_identity(model, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, memo=memo)
+    # the body's cache_salt files its entries under another identity, as the server does
+    ident = salted(model_identity(model, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, memo=memo), salt)
+    assert ident is not None
     decode = readable(lambda ids: str(tokenizer.decode(ids)))
     path = ident.info.get("path")
     by_identity: dict[str, list[tuple[bytes, Any, bytes]]] = {}
@@ -158,8 +171,9 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
         others.append({"identity": hx, "entries": len(items), "differs": misses.differing(info.info, ident.info),
             "shared_tokens": near.common if near else 0, "serves": near.serves if near else 0,
             "nearest": common.short_id(near.key) if near else None})
-    others.sort(key=lambda o: -int(o["serves"]))
+    others.sort(key=lambda o: (-int(o["serves"]), len(o["differs"])))  # on a tie, the nearest identity
     out = _verdict(args, ident, request, own, others, len(by_identity.get(ident.hex, [])), decode, str(disk.root))
+    out["part"] = _part(out, request, own, rendered, tokenizer)
     out["stable_prefix"] = stable.moved.as_json() if stable is not None and stable.moved is not None else None
     out["stable_prefix_said"] = stable.moved.describe() if stable is not None and stable.moved is not None else None
     return out
@@ -180,6 +194,23 @@ def _stable(args: argparse.Namespace, body: Any) -> Any:
     salt = body.get("cache_salt") if isinstance(body, dict) else None
     return stable_prefix.Render(rules, stable_prefix.Memory(common.cache_dir(args), write=False),
                                 salt_key(salt) if isinstance(salt, str) and salt else None)
+
+
+def _part(out: dict[str, Any], request: list[int], own: Nearest | None, rendered: Any, tokenizer: Any) -> Any:
+    """Where in the request the verdict's miss starts (``kvstore.parts``), as the server
+    names it: ``{"part": kind, "where": phrase}``, or None (no miss, or not a chat request)."""
+    from .. import parts
+    from ..adapters.rendered import Rendered
+
+    if out["reason"] is None or rendered.messages is None:
+        return None
+    at = out["nearest"]["shared_tokens"] if out["reason"] != misses.OTHER_IDENTITY and own is not None else 0
+    miss = misses.Miss(out["reason"], len(request), out["serves"], at, len(own.tokens) if own else 0,
+                       detail=out["detail"], after=tuple(own.tokens[at:at + 32]) if own else ())
+    chat = Rendered(rendered.messages, rendered.tools, tokenizer, rendered.template_args, len(request),
+                    tuple(request[-4:]), rendered.blocks)
+    part = chat.name(request)(miss)
+    return {"part": part.kind, "where": part.said()}
 
 
 def _verdict(args: argparse.Namespace, ident: Any, request: list[int], own: Nearest | None,
@@ -245,4 +276,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         why = f"{reason}: {misses.SAID[reason]}{' (' + info['detail'] + ')' if info['detail'] else ''}"
     print(f"why         {why}")
+    if info.get("part"):
+        print(f"part        {info['part']['where']}")
     return 0

@@ -42,6 +42,7 @@ RANKS: dict[str, int] = {
 # Inside a package, the order its modules may import each other in (others: no cycle only).
 INNER: dict[str, list[str]] = {
     "kvstore.index": ["errors", "pages", "trie", "txn", "core", "scan"],
+    "kvstore.disk": ["tier", "plan", "pieces", "restore", "persist", "transfer"],
     "kvstore.adapters": ["mlx_lm", "server", "vllm_mlx", "exo"],
 }
 

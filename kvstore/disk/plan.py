@@ -1,0 +1,138 @@
+"""The lookup plan: the longest reusable stored prefix of a query, found by walking its
+chunk boundaries through the index's trie (one read transaction).
+
+First the chain of stored full chunks matching the query is followed as far as it goes;
+then the boundaries from the deepest down to the end of that chain are searched for
+entries (and, at the chain's end, a chunk to trim). Every token of a plan is compared with
+the stored token ids; no hash is trusted alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..identity import Identity
+from ..index import Reader
+from ..keys import TOKEN_BYTES, chunk_key, entry_key
+from ..keys import common_tokens as _common
+from ..misses import AFTER, Near
+from ..records import Kind, RecordError
+from ..served_tokens import bound, serves
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to read to restore ``n`` tokens of a query: the full ``chunks`` in order, then
+    ``last`` (an entry's tail or snapshot, or a chunk to trim), ``stored_n`` tokens in all."""
+
+    n: int
+    chunks: tuple[bytes, ...]
+    last: tuple[Kind, bytes] | None
+    stored_n: int
+    chunked: bool
+    entry: bytes | None = None     # entry credited with the hit (last_used, hits)
+    cache_type: str = "assistant"  # kept when the hit is promoted to memory
+
+
+def record(r: Reader, kind: Kind, key: bytes) -> Any:
+    """The entry or chunk record ``key``, or None when missing or unreadable."""
+    try:
+        return r.entry(key) if kind is Kind.ENTRY else r.chunk(key)
+    except RecordError:
+        return None  # not kvstore's: passed over (verify --fix drops it)
+
+
+def find(r: Reader, ident: Identity, enc: bytes, bounds: list[bytes], C: int,
+         skip: frozenset[bytes] = frozenset(), near: Near | None = None) -> Plan | None:
+    """The longest reusable stored prefix of ``enc`` (``bounds`` its chain) for ``ident``
+    in one read transaction, or None (see ``DiskTier.plan``)."""
+    n_q = len(enc) // TOKEN_BYTES
+    # Full chunks whose stored token ids equal the query's. Their keys chain from the
+    # identity's root, so a chunk found under the query's own boundary is this identity's.
+    chain: list[bytes] = []
+    for k in range(1, len(bounds)):
+        if record(r, Kind.CHUNK, bounds[k]) is None or r.tokens(bounds[k]) != enc[(k - 1) * C * TOKEN_BYTES : k * C * TOKEN_BYTES]:
+            break
+        chain.append(bounds[k])
+    best: Plan | None = None
+    if chain:  # the chain alone is reusable (keeping one token to feed when it is all)
+        n = len(chain) * C
+        best = Plan(serves(n, n, n_q, whole=False) or 0, tuple(chain[:-1]), (Kind.CHUNK, chain[-1]), n, True)
+    for k in range(len(bounds) - 1, len(chain) - 1, -1):
+        if best is not None and best.n >= (k + 1) * C:
+            break  # everything filed at boundary k or above holds fewer tokens
+        after = enc[k * C * TOKEN_BYTES : (k + 1) * C * TOKEN_BYTES]
+        for child, kind, in_common, exact in r.edges(bounds[k], after):
+            top = bound(k * C + in_common, n_q, exact)
+            if best is not None and top <= best.n and (near is None or k * C + in_common < near.common):
+                break  # what follows shares no more (trie.edges), so it cannot do better; a miss's
+                # explanation (near) still sees the candidates sharing as much: its cost is the one holding most
+            got = None if child in skip else _candidate(r, ident, enc, bounds[k], k, child, kind, chain, C,
+                                                        best.n if best else 0, near)
+            if child in skip and near is not None:
+                near.refused(k * C + in_common)
+            if got is not None and (best is None or got.n > best.n):
+                best = got
+    return best
+
+
+def _candidate(r: Reader, ident: Identity, enc: bytes, boundary: bytes, k: int, child: bytes,
+               kind: Kind | None, chain: list[bytes], C: int, beat: int, near: Near | None = None) -> Plan | None:
+    """What one child of boundary ``k`` can restore for the query if it is more than
+    ``beat`` tokens, else None. Chunked pieces need the verified chain up to ``k``; the
+    stored token ids decide every length (compared first: the cheap test)."""
+    n_q = len(enc) // TOKEN_BYTES
+    stored = r.tokens(child)
+    if stored is None or len(stored) % TOKEN_BYTES or kind is None:
+        return None
+    if kind is Kind.ENTRY:
+        n_e = len(stored) // TOKEN_BYTES
+        common = _common(stored, enc)
+        if not _keyed(boundary, k, child, kind, stored, C):
+            return None
+        if near is not None:  # seen even when it would not be taken: a miss costs what the best prefix held
+            near.saw("disk", common, n_e, stored[common * TOKEN_BYTES : (common + AFTER) * TOKEN_BYTES])
+        if (serves(n_e, common, n_q) or 0) <= beat:
+            return None
+        rec = record(r, kind, child)
+        if rec is None or rec.identity != ident.digest or rec.n != n_e or (rec.chunked and k > len(chain)):
+            return None
+        usable = serves(n_e, common, n_q, rec.trimmable)  # the stored layout decides the cut point (restore)
+        if near is not None and usable is None:
+            near.refused(min(common, n_q - 1))
+        if not usable:
+            return None
+        return Plan(usable, tuple(chain[:k]) if rec.chunked else (), (kind, child), n_e, rec.chunked,
+                    entry=child, cache_type=rec.cache_type)
+    if k != len(chain):
+        return None
+    m = _common(stored, enc[k * C * TOKEN_BYTES :])
+    usable = serves((k + 1) * C, k * C + m, n_q, whole=False) or 0
+    if near is not None and m > 0:
+        near.saw("disk", k * C + m, (k + 1) * C, stored[m * TOKEN_BYTES : (m + AFTER) * TOKEN_BYTES], continues=True)
+    if m <= 0 or usable <= beat or not _keyed(boundary, k, child, kind, stored, C):
+        return None
+    if record(r, kind, child) is None:
+        return None
+    return Plan(usable, tuple(chain[:k]), (kind, child), (k + 1) * C, True)
+
+
+def _keyed(boundary: bytes, k: int, child: bytes, kind: Kind, stored: bytes, C: int) -> bool:
+    """The stored token ids hash to the key they are filed under. Token ids are what every
+    hit is checked against, so a damaged (or foreign) token record must not be trusted: a
+    flip in an entry's last partial chunk would otherwise serve its KV to another prompt."""
+    if kind is Kind.ENTRY:
+        return len(stored) // TOKEN_BYTES // C == k and entry_key(boundary, stored[k * C * TOKEN_BYTES :]) == child
+    return len(stored) == C * TOKEN_BYTES and chunk_key(boundary, stored) == child
+
+
+# ----------------------------------------------------------------------------- restoring
+
+
+
+def held(r: Reader, bounds: list[bytes], tokens: bytes, C: int) -> set[bytes]:
+    """The chunk keys of ``bounds[1:]`` (a query's chain) indexed with exactly the query's
+    token ids (unreadable records are not held)."""
+    return {bounds[k] for k in range(1, len(bounds)) if record(r, Kind.CHUNK, bounds[k]) is not None
+            and r.tokens(bounds[k]) == tokens[(k - 1) * C * TOKEN_BYTES : k * C * TOKEN_BYTES]}

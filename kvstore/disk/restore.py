@@ -1,0 +1,269 @@
+"""Restoring: a plan's segments read straight into the final arrays and built into live
+caches once. Each segment's header is checked against its record and the identity's layout
+before anything is allocated (``pieces.checked``), the reads run on reader threads as the
+arrays are allocated, and every checksum is verified before a cache is handed out. A
+failure of a record's bytes is a ``BlobError`` naming the record (the store drops it: a
+miss); any other failure (I/O, memory or threads running out) passes as it is.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from .. import alloc, files, segments
+from ..cachelayout import Layout
+from ..identity import Identity
+from ..records import ChunkRecord, EntryRecord
+from .pieces import Piece, blame, blamed, checked, framed_pieces, plan_pieces
+from .plan import Plan
+from .tier import Tier
+
+if TYPE_CHECKING:
+    import numpy as np
+
+# Reads of one restore in flight at once, on reader threads (each a span of a segment, see
+# ``segments.SegmentRead``): preadv and xxhash release the GIL, so reads overlap each other
+# and the hashing. Cold, the device is kept busy (it was also told to read everything
+# ahead, while MLX allocates); warm, the copies and hashes spread over every core.
+READ_THREADS = 8
+
+
+@dataclass
+class Restored:
+    """A restore's result: live ``cache`` objects holding ``n`` tokens, and the encoded
+    ``tensors`` / ``layout`` they were built from (what the memory tier keeps)."""
+
+    cache: list[Any]
+    tensors: dict[str, Any]
+    layout: Layout
+    n: int
+    nbytes: int
+
+
+
+def restore(tier: Tier, plan: Plan, ident: Identity) -> Restored:
+    """Read a plan's segments (verified) and build live caches holding ``plan.n`` tokens
+    (see ``DiskTier.restore``)."""
+    pieces = tier.index.view(lambda r: plan_pieces(r, plan))
+    with _Packs(tier.blob_root) as packs, ThreadPoolExecutor(READ_THREADS, "kvstore-restore") as pool:
+        heads = [_header(packs, p) for p in pieces]
+        layout, specs = checked(pieces, heads, ident, plan)
+        for p in pieces:  # the device reads ahead while MLX allocates the arrays
+            pool.submit(packs.prefetch, p)
+        reading = _Reading(pool, packs, pieces, heads, plan.chunked)
+        arrays: dict[str, Any] = {}
+        try:
+            for group in alloc.groups(specs):  # reads start as soon as their arrays exist
+                got, hosts = alloc.alloc(group)
+                arrays.update(got)
+                reading.add(hosts)
+            reading.finish()
+        except BaseException:
+            reading.cancel()  # no reader may still write into arrays being dropped
+            raise
+    return _built(plan, pieces, specs, arrays, layout)
+
+
+def restore_framed(tier: Tier, ident: Identity, key: bytes, rec: EntryRecord, n: int,
+                   chunks: list[tuple[bytes, ChunkRecord, bytes, Any]], tail: Any) -> Restored:
+    """``n`` tokens of an entry framed elsewhere, restored from its segment bytes in memory
+    (see ``DiskTier.restore_framed``)."""
+    C = tier.chunk
+    if rec.chunk != C or rec.identity != ident.digest or {ck for ck, *_ in chunks} != set(rec.chunks):
+        raise blamed(("entry", key), "not a whole entry of this directory's identity and chunk size")
+    plan = Plan(n, rec.chunks, None, rec.n, rec.chunked)
+    pieces, data = framed_pieces(key, rec, chunks, tail, C)
+    heads = []
+    for p, d in zip(pieces, data):
+        with blame(*p.record):
+            hlen = int.from_bytes(bytes(d[:8]), "little") if len(d) >= 8 else 0
+            heads.append(segments.parse_header(bytes(d[: 8 + min(hlen, len(d))]), len(d)))
+    layout, specs = checked(pieces, heads, ident, plan)
+    arrays, hosts = alloc.alloc(specs)
+    for p, d, h in zip(pieces, data, heads):
+        with blame(*p.record):
+            _copy_into(d, h, {nm: x[..., p.lo : p.hi, :] for nm, x in hosts.items()} if plan.chunked else hosts)
+    return _built(plan, pieces, specs, arrays, layout)
+
+
+class _Packs:
+    """The pack files of one restore (kvstore's own files only, see ``files``), opened as
+    its reads need them: one descriptor per pack while reads of it are in flight, and at
+    most ``OPEN`` idle ones kept for the next read (the least recently used is closed).
+
+    Why bounded: an agent conversation of T turns spans about T packs, and a restore
+    that kept every one open ran out of descriptors (EMFILE) at ~150-200 turns under
+    macOS's default soft limit of 256: a miss on every request. kvstore does not raise
+    the host's limit (it never changes host state); it holds at most ``OPEN`` plus one
+    per reader thread instead, whatever the number of packs. ``OPEN`` is half the soft
+    limit less 64 (for everything else the process has open), at least 64: 64 under
+    macOS's 256, 448 under Linux's 1024, where a 300-pack restore opens each pack once."""
+
+    def __init__(self, blob_root: Path) -> None:
+        self.blob_root = blob_root
+        self.OPEN = _open_cap()
+        self._lock = threading.Lock()
+        self._idle: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
+        self._busy: dict[bytes, list[int]] = {}              # pack -> [descriptor, users]
+
+    @contextmanager
+    def use(self, piece: Piece) -> Iterator[int]:
+        """A descriptor of ``piece``'s pack file for the block (opened now if no reader
+        holds one): BlobError naming the piece's record if it is missing or not
+        kvstore's; an OSError about the process (EMFILE) as it is."""
+        pack = piece.segment.pack
+        with self._lock:
+            got = self._busy.get(pack)
+            if got is not None:
+                got[1] += 1
+            else:
+                fd = self._idle.pop(pack, None)
+                if fd is None:
+                    with blame(*piece.record):
+                        fd = files.open_own(files.pack_path(self.blob_root, pack))
+                got = self._busy[pack] = [fd, 1]
+        try:
+            yield got[0]
+        finally:
+            with self._lock:
+                got[1] -= 1
+                if got[1] == 0:
+                    del self._busy[pack]
+                    self._idle[pack] = got[0]
+                    while len(self._idle) > self.OPEN:
+                        os.close(self._idle.popitem(last=False)[1])
+
+    def prefetch(self, piece: Piece) -> None:
+        """Have the OS read ``piece``'s segment ahead (``files.prefetch``; advice only,
+        nothing raised: the read that follows reports any failure)."""
+        try:
+            with self.use(piece) as fd:
+                files.prefetch(fd, piece.segment.offset, piece.segment.length)
+        except (OSError, files.BlobError):
+            pass
+
+    def __enter__(self) -> "_Packs":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._lock:
+            fds = list(self._idle.values()) + [got[0] for got in self._busy.values()]
+            self._idle.clear()
+            self._busy.clear()
+        for fd in fds:
+            os.close(fd)
+
+
+def _open_cap() -> int:
+    """Idle pack files a restore may keep open (see ``_Packs``), from the soft limit on
+    open files (read, never changed)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 64
+    if soft == resource.RLIM_INFINITY:
+        return 1024
+    return max(64, min(1024, soft // 2 - 64))
+
+
+def _header(packs: _Packs, p: Piece) -> segments.Header:
+    with packs.use(p) as fd, blame(*p.record):
+        if os.fstat(fd).st_size < p.segment.end:
+            raise files.BlobError(f"pack {p.segment.pack.hex()[:12]} is shorter than its segment")
+        return segments.read_header(fd, p.segment, f"{p.record[0]} {p.record[1].hex()[:12]}")
+
+
+class _Reading:
+    """A restore's reads: every piece read into its token slice of the arrays (chunked) or
+    into the arrays whole (a snapshot), span by span on ``pool`` as the arrays are
+    ``add``-ed (in file order), each piece hashed as its spans land (``segments.SegmentRead``).
+    ``finish`` returns when every piece verified and raises the first failure."""
+
+    def __init__(self, pool: ThreadPoolExecutor, packs: _Packs, pieces: list[Piece],
+                 heads: list[segments.Header], chunked: bool) -> None:
+        self.pool, self.packs, self.pieces, self.chunked = pool, packs, pieces, chunked
+        self.reads = []
+        for p, h in zip(pieces, heads):
+            with blame(*p.record):  # each span borrows its pack's descriptor as it is read
+                self.reads.append(segments.SegmentRead(-1, p.segment, h, f"{p.record[0]} {p.record[1].hex()[:12]}"))
+        self.futures: list[Future] = []
+
+    def add(self, hosts: dict[str, np.ndarray]) -> None:
+        """Start reading every piece's part of the tensors ``hosts`` (the next in file order)."""
+        for k, (p, r) in enumerate(zip(self.pieces, self.reads)):
+            dests = {n: a[..., p.lo : p.hi, :] for n, a in hosts.items()} if self.chunked else hosts
+            with blame(*p.record):
+                spans = r.add(dests)
+            self.futures.extend(self.pool.submit(self._read, k, i) for i in spans)
+
+    def _read(self, k: int, i: int) -> None:
+        with self.packs.use(self.pieces[k]) as fd, blame(*self.pieces[k].record):
+            self.reads[k].read(i, fd)
+
+    def finish(self) -> None:
+        for f in self.futures:
+            f.result()
+        for p, r in zip(self.pieces, self.reads):
+            with blame(*p.record):
+                r.verify()
+
+    def cancel(self) -> None:
+        """Cancel the reads not started and wait for the running ones."""
+        for f in self.futures:
+            f.cancel()
+        wait(self.futures)
+
+
+def _built(plan: Plan, pieces: list[Piece], specs: segments.Specs, arrays: dict[str, Any], layout: Layout) -> Restored:
+    """The live caches holding ``plan.n`` tokens from filled arrays (see ``restore``)."""
+    from .. import codec  # lazy: keeps mlx_lm (3 s) out of CLI start-up
+
+    tensors = {name: alloc.finish(specs[name][0], a) for name, a in arrays.items()}
+    nbytes = sum(p.segment.length for p in pieces)
+    with blame(*pieces[-1].record):  # verified bytes whose layout does not decode: the record's
+        if plan.chunked:
+            tensors = codec.slice_tokens(tensors, 0, plan.n)
+            layout = layout.with_offset(plan.n)
+        cache = codec.decode_cache(tensors, layout)
+        if not plan.chunked and plan.n < plan.stored_n:
+            for c in cache:
+                c.trim(plan.stored_n - plan.n)
+            tensors, layout = codec.encode_cache(cache)
+    why = codec.check_holds(cache, plan.n)
+    if why:
+        raise blamed(pieces[-1].record, f"restored cache: {why}")
+    # Evaluated here: MLX streams are per thread, and a lazy slice or view made on this
+    # thread cannot be evaluated on another (the caller's generation thread, or another
+    # request thread hitting the memory copy of this restore).
+    import mlx.core as mx
+
+    mx.eval(list(tensors.values()) + [a for c in cache for a in codec.layer_arrays(c)])
+    return Restored(cache, tensors, layout, plan.n, nbytes)
+
+
+def _copy_into(data: Any, header: segments.Header, dests: dict[str, np.ndarray]) -> None:
+    """A segment's tensors (bytes in memory, checksum already verified) copied into
+    ``dests`` as ``segments.read_into`` reads them from a file."""
+    import numpy as np
+    if set(dests) != set(header.specs):
+        raise files.BlobError(f"tensors {sorted(header.specs)}, expected {sorted(dests)}")
+    pos = header.start
+    for tname, (st, shape) in header.specs.items():
+        d, dt = dests[tname], segments.host_dtype(st)
+        if d.shape != shape or d.dtype != dt:
+            raise files.BlobError(f"tensor {tname!r} is {st} {list(shape)}, expected {list(d.shape)} {d.dtype}")
+        count = int(np.prod(shape))
+        np.copyto(d, np.frombuffer(data, dt, count, pos).reshape(shape))
+        pos += count * dt.itemsize
+    if pos != len(data):
+        raise files.BlobError(f"tensors end at {pos}, the segment at {len(data)}")
+
