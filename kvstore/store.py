@@ -221,7 +221,7 @@ class KVStore:
             return self._hit("memory", cache, n, snap)
         q = None
         if self._disk_on(ident) and tokens:
-            q = Query(enc, ident.digest, self.disk.chunk, tokens=tokens)  # type: ignore[union-attr]
+            q = self._query(ident, enc, tokens)  # type: ignore[arg-type]
             floor = restore_floor(n, len(tokens), self.min_disk_hit)  # what a disk or shared hit must beat
             got = self._fetch_disk(ident, q, floor, near)  # type: ignore[arg-type]
             if self.shared is not None:  # the prefill of what was not served starts now
@@ -243,7 +243,7 @@ class KVStore:
         with self._lock:
             n = self._memory.peek(self._mem_key(model, ident, salt), tokens)
         if n < len(tokens) and self._disk_on(ident) and tokens:
-            plan = self._disk_plan(Query(enc, ident.digest, self.disk.chunk))  # type: ignore[union-attr]
+            plan = self._disk_plan(self._query(ident, enc))  # type: ignore[arg-type]
             n = plan.n if plan is not None and plan.n > restore_floor(n, len(tokens), self.min_disk_hit) else n
         return n
 
@@ -278,6 +278,11 @@ class KVStore:
                 return None
             plan = self._disk_plan(q, skip)
         return None
+
+    def _query(self, ident: Identity, enc: bytes, tokens: list[int] | None = None) -> Query:
+        """A lookup's one ``Query``: ``enc`` under ``ident``, chained as the disk tier chains
+        (the disk plan, the shared tier and a miss's explanation read its chain, hashed once)."""
+        return Query(enc, ident.digest, self.disk.chunk, tokens=tokens)  # type: ignore[union-attr]
 
     def _disk_plan(self, q: Query, skip: frozenset[bytes] = frozenset(), near: Near | None = None) -> Plan | None:
         """The disk tier's plan for ``q`` (passing over the entries in ``skip``): None when
@@ -464,7 +469,7 @@ class KVStore:
 
     def _read_whole(self, ident: Identity, enc: bytes) -> Restored | None:
         """Read one entry's whole token list from disk, or None (a miss, handled as in fetch)."""
-        q = Query(enc, ident.digest, self.disk.chunk)  # type: ignore[union-attr]
+        q = self._query(ident, enc)
         plan = self._disk_plan(q)
         got = self._restore(ident, plan) if plan is not None and plan.n == q.n else None
         return got if isinstance(got, Restored) else None
