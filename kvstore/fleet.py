@@ -62,8 +62,8 @@ class Fleet:
             local = max(better_than, plan.n if plan is not None else 0)
             if local >= q.n:
                 return False
-            found = self.tier.lookup(ident.digest, q.enc, q.bounds, disk.chunk, disk.held_chunks(q.bounds, q.enc),
-                                     local, near)
+            held = set(plan.chain) if plan is not None else set()  # the chain the plan verified
+            found = self.tier.lookup(q, held, local, near)
         except Exception as e:  # a disk problem is a miss, as in fetch
             if not self.errors.index_damaged(e, disk):
                 self.errors.warn_once("shared-bug", "kvstore: shared-tier lookup failed (%s); a miss", e)

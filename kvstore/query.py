@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Sequence
 
-from .keys import TOKEN_BYTES, boundaries, decode_tokens, encode_tokens, entry_key, residual, root_key
+from .keys import TOKEN_BYTES, boundaries, decode_tokens, entry_key, residual, root_key
 
 
 class Query:
@@ -26,11 +26,6 @@ class Query:
         self._tokens = list(tokens) if tokens is not None else None
         if bounds is not None:
             self.__dict__["bounds"] = bounds
-
-    @classmethod
-    def of(cls, tokens: Sequence[int], digest: bytes, chunk: int) -> "Query":
-        """Raises ``keys.TokenError`` for a list that is not token ids."""
-        return cls(encode_tokens(tokens), digest, chunk, tokens=tokens)
 
     @property
     def n(self) -> int:

@@ -229,7 +229,7 @@ class KVStore:
             return self._hit("memory", cache, n, snap, counts=tally.counters)
         q = None
         if self._disk_on(ident) and tokens:
-            q = Query(enc, ident.digest, self.disk.chunk, tokens=tokens)  # type: ignore[union-attr]
+            q = self._query(ident, enc, tokens)  # type: ignore[arg-type]
             floor = restore_floor(n, len(tokens), self.min_disk_hit)  # what a disk or shared hit must beat
             got = self._fetch_disk(ident, q, floor, near, tally.counters)  # type: ignore[arg-type]
             if self.shared is not None:  # the prefill of what was not served starts now
@@ -253,7 +253,7 @@ class KVStore:
         with self._lock:
             n = self._memory.peek(self._mem_key(model, ident, salt), tokens, memory_floor(len(tokens), self.min_disk_hit))
         if n < len(tokens) and self._disk_on(ident) and tokens:
-            plan = self._disk_plan(ident, Query(enc, ident.digest, self.disk.chunk))  # type: ignore[union-attr,arg-type]
+            plan = self._disk_plan(self._query(ident, enc))  # type: ignore[arg-type]
             n = plan.n if plan is not None and plan.n > restore_floor(n, len(tokens), self.min_disk_hit) else n
         return n
 
@@ -265,13 +265,13 @@ class KVStore:
         counts = counts if counts is not None else self._counters
         source = "disk"
         skip: frozenset[bytes] = frozenset()  # entries whose cut a restore refused
-        plan = self._disk_plan(ident, q, skip, near)
+        plan = self._disk_plan(q, skip, near)
         if self.fleet is not None:
             shared = self.fleet.lookup(ident, q, plan, better_than, near)
             if isinstance(shared, SharedHit):
                 return self._promote(ident, q, shared.plan, shared.got, "shared", counts)
             if shared:  # a longer prefix is indexed on disk now
-                source, plan = "shared", self._disk_plan(ident, q)
+                source, plan = "shared", self._disk_plan(q)
         for _ in range(4):  # each failure drops (or skips) a record; the next plan may still hit
             if plan is None or plan.n <= better_than:
                 return None
@@ -288,16 +288,20 @@ class KVStore:
                     near.refused(plan.n)
             elif got in (Failure.UNREADABLE, Failure.REFUSED) or self._errors.off:  # a new plan would fail the same way
                 return None
-            plan = self._disk_plan(ident, q, skip)
+            plan = self._disk_plan(q, skip)
         return None
 
-    def _disk_plan(self, ident: Identity, q: Query, skip: frozenset[bytes] = frozenset(),
-                   near: Near | None = None) -> Plan | None:
+    def _query(self, ident: Identity, enc: bytes, tokens: list[int] | None = None) -> Query:
+        """A lookup's one ``Query``: ``enc`` under ``ident``, chained as the disk tier chains
+        (the disk plan, the shared tier and a miss's explanation read its chain, hashed once)."""
+        return Query(enc, ident.digest, self.disk.chunk, tokens=tokens)  # type: ignore[union-attr]
+
+    def _disk_plan(self, q: Query, skip: frozenset[bytes] = frozenset(), near: Near | None = None) -> Plan | None:
         """The disk tier's plan for ``q`` (passing over the entries in ``skip``): None when
         it has none or the lookup failed (a miss, logged once; a damaged index switches
         the disk tier off)."""
         try:
-            return self.disk.plan(ident, q, skip, near)  # type: ignore[union-attr]
+            return self.disk.lookup(q, skip, near)  # type: ignore[union-attr]
         except Exception as e:
             if not self._errors.index_damaged(e, self.disk):
                 self._errors.warn_once("plan", "kvstore: disk lookup failed (%s); treating as a miss", e)
@@ -492,8 +496,8 @@ class KVStore:
 
     def _read_whole(self, ident: Identity, enc: bytes) -> Restored | None:
         """Read one entry's whole token list from disk, or None (a miss, handled as in fetch)."""
-        q = Query(enc, ident.digest, self.disk.chunk)  # type: ignore[union-attr]
-        plan = self._disk_plan(ident, q)
+        q = self._query(ident, enc)
+        plan = self._disk_plan(q)
         got = self._restore(ident, plan) if plan is not None and plan.n == q.n else None
         return got if isinstance(got, Restored) else None
 

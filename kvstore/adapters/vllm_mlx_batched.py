@@ -77,7 +77,7 @@ def _base() -> type:
     return MemoryAwarePrefixCache
 
 
-class _DiskTier(_Base):
+class _StoreBackedPrefixCache(_Base):
     """vllm-mlx's ``MemoryAwarePrefixCache`` with kvstore's disk tier underneath: mixed in
     over vllm-mlx's installed class by ``_make_class`` (vllm-mlx is imported only then)."""
 
@@ -242,9 +242,9 @@ class _DiskTier(_Base):
 
 
 def _make_class() -> type:
-    """``KVPrefixCache``: ``_DiskTier`` over vllm-mlx's installed ``MemoryAwarePrefixCache``."""
-    return type("KVPrefixCache", (_DiskTier, _base()), {"__module__": __name__, "__qualname__": "KVPrefixCache",
-                                                        "__doc__": _DiskTier.__doc__})
+    """``KVPrefixCache``: ``_StoreBackedPrefixCache`` over vllm-mlx's installed ``MemoryAwarePrefixCache``."""
+    return type("KVPrefixCache", (_StoreBackedPrefixCache, _base()),
+                {"__module__": __name__, "__qualname__": "KVPrefixCache", "__doc__": _StoreBackedPrefixCache.__doc__})
 
 
 _CLASS: list[type] = []

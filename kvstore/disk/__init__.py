@@ -25,7 +25,7 @@ commits through them).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from ..identity import Identity
 from ..misses import Near
@@ -47,25 +47,30 @@ class DiskTier(Tier):
 
     # -- lookup ------------------------------------------------------------------------
 
-    def plan(self, ident: Identity, tokens: list[int] | bytes | Query, skip: frozenset[bytes] = frozenset(),
-             near: Near | None = None) -> Plan | None:
-        """The longest reusable stored prefix of ``tokens`` for ``ident``, or None.
+    def lookup(self, q: Query, skip: frozenset[bytes] = frozenset(), near: Near | None = None) -> Plan | None:
+        """The longest reusable stored prefix of the query ``q`` (its identity and chain
+        under this directory's chunk size), or None.
 
         One read transaction. First the chain of stored full chunks matching the query is
         followed as far as it goes; then the boundaries from the deepest down to the end of
         that chain are searched for entries (and, at the chain's end, a chunk to trim),
         stopping as soon as nothing shallower can be longer. Each boundary costs a few
         seeks however many children it has (``trie.edges``). Records kvstore did not write
-        are passed over, and so are the entries in ``skip`` (a cut a restore refused).
-        A ``Query`` brings its chain (hashed once for every tier); ``near`` is told the
-        stored entries the walk compared (``misses.Near``: why a query was not served further)."""
-        if not isinstance(tokens, Query):
-            enc = tokens if isinstance(tokens, bytes) else encode_tokens(tokens)
-            tokens = Query(enc, ident.digest, self.chunk)
-        q = tokens
-        if (q.chunk, q.digest) != (self.chunk, ident.digest):
-            q = Query(q.enc, ident.digest, self.chunk)
-        return self.index.view(lambda r: _plan(r, ident, q.enc, q.bounds, self.chunk, skip, near))
+        are passed over, and so are the entries in ``skip`` (a cut a restore refused). The
+        query's chain is the one every tier reads (hashed once); the plan returns the part
+        of it found stored and verified (``Plan.chain``: no second walk). ``near`` is told
+        the stored entries the walk compared (``misses.Near``: why a query was not served
+        further). Raises ValueError for a query chained under another chunk size."""
+        if q.chunk != self.chunk:
+            raise ValueError(f"a query chained every {q.chunk} tokens, this directory every {self.chunk}")
+        return self.index.view(lambda r: _plan(r, q, skip, near))
+
+    def plan(self, ident: Identity, tokens: Sequence[int] | bytes, skip: frozenset[bytes] = frozenset(),
+             near: Near | None = None) -> Plan | None:
+        """``lookup`` of ``tokens`` (token ids, or their encoding) for ``ident``: for callers
+        that hold tokens rather than a query (tools, tests, the CLI)."""
+        enc = tokens if isinstance(tokens, bytes) else encode_tokens(tokens)
+        return self.lookup(Query(enc, ident.digest, self.chunk), skip, near)
 
     # -- restore -----------------------------------------------------------------------
 

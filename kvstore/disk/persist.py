@@ -86,7 +86,7 @@ def persist(tier: Tier, job: PersistJob, committer: Callable[..., Commit]) -> in
             if writer.size:
                 writer.seal()
             rec = _entry_record(job, bounds, K, chunked, tail, C)
-            status = tier.index.transact(lambda t: committer(t, job, rec, writer, new, have, gone))
+            status = tier.index.transact(lambda t: committer(t, job.key, job.tokens, rec, writer, new, have, gone))
         except BaseException:
             writer.discard()
             raise
@@ -163,16 +163,17 @@ def _missing_files(blob_root: Path, held: dict[bytes, ChunkRecord | None]) -> di
     return out
 
 
-def commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: segments.PackWriter,
-            new: dict[bytes, tuple[ChunkRecord, bytes]], have: set[bytes],
-            gone: dict[bytes, Segment] | None = None) -> Commit:
+def commit(t: WriteTxn, key: bytes, tokens: bytes, rec: EntryRecord, w: segments.PackWriter,
+           new: dict[bytes, tuple[ChunkRecord, bytes]], have: set[bytes],
+           gone: dict[bytes, Segment] | None = None) -> Commit:
     """The persist's one write transaction: OK, EXISTS (the entry is already indexed) or
     RETRY (a chunk it shares, or its own pack file, was removed by a gc meanwhile: checked
-    here, under the write lock gc also takes to remove files). ``gone``: chunks indexed
+    here, under the write lock gc also takes to remove files). ``key``, ``tokens`` and
+    ``rec``: the entry to index (``rec.created`` dates its pack too). ``gone``: chunks indexed
     here whose file was found missing or short; this persist wrote them again, and their
     records move to the new segment (every entry built on them is whole again)."""
     gone = gone or {}
-    if t.raw("entries", job.key) is not None:
+    if t.raw("entries", key) is not None:
         return Commit.EXISTS
     if w.size and not w.still_there():
         return Commit.RETRY
@@ -185,7 +186,7 @@ def commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: segments.PackWrite
         if got is None:
             return Commit.RETRY
         reused[ck] = got
-    segments, live = 0, 0
+    written, live = 0, 0
     for ck, (crec, toks) in new.items():
         try:
             old = t.chunk(ck)
@@ -194,21 +195,21 @@ def commit(t: WriteTxn, job: PersistJob, rec: EntryRecord, w: segments.PackWrite
         if old is not None and ck in gone and old.segment == gone[ck]:  # its file was lost: ours replaces it
             t.release(old.segment)
             t.set_chunk(ck, replace(crec, refs=old.refs + 1))
-            segments, live = segments + 1, live + crec.segment.length
+            written, live = written + 1, live + crec.segment.length
         elif old is not None:  # written meanwhile by another writer: share it, ours is dead
             t.set_chunk(ck, old.with_refs(old.refs + 1))
         else:
             t.put_chunk(ck, crec, toks)
-            segments, live = segments + 1, live + crec.segment.length
+            written, live = written + 1, live + crec.segment.length
     for ck, old in reused.items():
         t.set_chunk(ck, old.with_refs(old.refs + 1))
     if rec.tail is not None:
-        segments, live = segments + 1, live + rec.tail.length
-    if segments:
-        t.put_pack(w.pack, PackRecord(w.size, segments, live, float(job.created)))
+        written, live = written + 1, live + rec.tail.length
+    if written:
+        t.put_pack(w.pack, PackRecord(w.size, written, live, rec.created))
     elif w.size:
         t.unlink_after_commit(w.path)
-    t.put_entry(job.key, rec, job.tokens)
+    t.put_entry(key, rec, tokens)
     if w.size:
         bytes_written.count(t, w.size)
     return Commit.OK

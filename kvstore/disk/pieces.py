@@ -118,10 +118,28 @@ def _final_specs(first: segments.Header, plan: Plan) -> segments.Specs:
     return specs
 
 
-def framed_pieces(key: bytes, rec: EntryRecord, chunks: list[tuple[bytes, ChunkRecord, bytes, Any]], tail: Any,
-            C: int) -> tuple[list[Piece], list[Any]]:
-    """The pieces (in token order) and their bytes of an entry framed elsewhere: the
-    given chunks, then its tail or snapshot (see ``import_entry``)."""
+@dataclass(frozen=True)
+class Framed:
+    """An entry framed elsewhere, taken apart: the plan of its ``n`` tokens, its pieces in
+    token order with their bytes (``data``) and parsed (not yet checked) headers."""
+
+    plan: Plan
+    pieces: list[Piece]
+    data: list[Any]
+    heads: list[segments.Header]
+
+
+def framed(C: int, ident: Identity, key: bytes, rec: EntryRecord, chunks: list[tuple[bytes, ChunkRecord, bytes, Any]],
+           tail: Any, n: int | None = None) -> Framed:
+    """The one preamble of a restore from bytes in memory and of an import: entry ``key``
+    (``rec``) of ``ident`` framed elsewhere, its given chunks then its tail or snapshot,
+    each header parsed (reading only the header's bytes). ``n``: a restore of ``n``
+    tokens, which needs every chunk of ``rec`` given; None: an import of all of it, given
+    the chunks not indexed here. BlobError naming the record otherwise."""
+    whole = n is not None
+    if rec.chunk != C or rec.identity != ident.digest or (whole and {ck for ck, *_ in chunks} != set(rec.chunks)):
+        raise blamed(("entry", key), f"not {'a whole entry' if whole else 'an entry'} of this directory's "
+                                     "identity and chunk size")
     at = {ck: k for k, ck in enumerate(rec.chunks)}
     pieces, data = [], []
     for ck, crec, _toks, seg in chunks:
@@ -133,7 +151,12 @@ def framed_pieces(key: bytes, rec: EntryRecord, chunks: list[tuple[bytes, ChunkR
         lo = len(rec.chunks) * C if rec.chunked else 0
         pieces.append(Piece(("entry", key), "tail" if rec.chunked else "snapshot", rec.tail, lo, rec.n))
         data.append(tail)
-    return pieces, data
+    heads = []
+    for p, d in zip(pieces, data):
+        with blame(*p.record):
+            hlen = int.from_bytes(bytes(d[:8]), "little") if len(d) >= 8 else 0
+            heads.append(segments.parse_header(bytes(d[: 8 + min(hlen, len(d))]), len(d)))
+    return Framed(Plan(rec.n if n is None else n, rec.chunks, None, rec.n, rec.chunked), pieces, data, heads)
 
 
 @contextmanager

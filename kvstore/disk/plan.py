@@ -9,14 +9,14 @@ the stored token ids; no hash is trusted alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from ..identity import Identity
 from ..index import Reader
 from ..keys import TOKEN_BYTES, chunk_key, entry_key
 from ..keys import common_tokens as _common
 from ..misses import AFTER, Near
+from ..query import Query
 from ..records import Kind, RecordError
 from ..served_tokens import bound, serves
 
@@ -33,6 +33,7 @@ class Plan:
     chunked: bool
     entry: bytes | None = None     # entry credited with the hit (last_used, hits)
     cache_type: str = "assistant"  # kept when the hit is promoted to memory
+    chain: tuple[bytes, ...] = ()  # the query's full chunks found stored here, verified (the walk's)
 
 
 def record(r: Reader, kind: Kind, key: bytes) -> Any:
@@ -43,11 +44,11 @@ def record(r: Reader, kind: Kind, key: bytes) -> Any:
         return None  # not kvstore's: passed over (verify --fix drops it)
 
 
-def find(r: Reader, ident: Identity, enc: bytes, bounds: list[bytes], C: int,
-         skip: frozenset[bytes] = frozenset(), near: Near | None = None) -> Plan | None:
-    """The longest reusable stored prefix of ``enc`` (``bounds`` its chain) for ``ident``
-    in one read transaction, or None (see ``DiskTier.plan``)."""
-    n_q = len(enc) // TOKEN_BYTES
+def find(r: Reader, q: Query, skip: frozenset[bytes] = frozenset(), near: Near | None = None) -> Plan | None:
+    """The longest reusable stored prefix of ``q`` in one read transaction, or None (see
+    ``DiskTier.lookup``). The plan carries the chain it verified (``Plan.chain``)."""
+    enc, bounds, C = q.enc, q.bounds, q.chunk
+    n_q = q.n
     # Full chunks whose stored token ids equal the query's. Their keys chain from the
     # identity's root, so a chunk found under the query's own boundary is this identity's.
     chain: list[bytes] = []
@@ -68,21 +69,20 @@ def find(r: Reader, ident: Identity, enc: bytes, bounds: list[bytes], C: int,
             if best is not None and top <= best.n and (near is None or k * C + in_common < near.common):
                 break  # what follows shares no more (trie.edges), so it cannot do better; a miss's
                 # explanation (near) still sees the candidates sharing as much: its cost is the one holding most
-            got = None if child in skip else _candidate(r, ident, enc, bounds[k], k, child, kind, chain, C,
-                                                        best.n if best else 0, near)
+            got = None if child in skip else _candidate(r, q, k, child, kind, chain, best.n if best else 0, near)
             if child in skip and near is not None:
                 near.refused(k * C + in_common)
             if got is not None and (best is None or got.n > best.n):
                 best = got
-    return best
+    return replace(best, chain=tuple(chain)) if best is not None else None
 
 
-def _candidate(r: Reader, ident: Identity, enc: bytes, boundary: bytes, k: int, child: bytes,
-               kind: Kind | None, chain: list[bytes], C: int, beat: int, near: Near | None = None) -> Plan | None:
+def _candidate(r: Reader, q: Query, k: int, child: bytes, kind: Kind | None, chain: list[bytes], beat: int,
+               near: Near | None = None) -> Plan | None:
     """What one child of boundary ``k`` can restore for the query if it is more than
     ``beat`` tokens, else None. Chunked pieces need the verified chain up to ``k``; the
     stored token ids decide every length (compared first: the cheap test)."""
-    n_q = len(enc) // TOKEN_BYTES
+    enc, boundary, C, n_q = q.enc, q.bounds[k], q.chunk, q.n
     stored = r.tokens(child)
     if stored is None or len(stored) % TOKEN_BYTES or kind is None:
         return None
@@ -96,7 +96,7 @@ def _candidate(r: Reader, ident: Identity, enc: bytes, boundary: bytes, k: int, 
         if (serves(n_e, common, n_q) or 0) <= beat:
             return None
         rec = record(r, kind, child)
-        if rec is None or rec.identity != ident.digest or rec.n != n_e or (rec.chunked and k > len(chain)):
+        if rec is None or rec.identity != q.digest or rec.n != n_e or (rec.chunked and k > len(chain)):
             return None
         usable = serves(n_e, common, n_q, rec.trimmable)  # the stored layout decides the cut point (restore)
         if near is not None and usable is None:

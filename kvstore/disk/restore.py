@@ -21,7 +21,7 @@ from .. import alloc, files, segments
 from ..cachelayout import Layout
 from ..identity import Identity
 from ..records import ChunkRecord, EntryRecord
-from .pieces import Piece, blame, blamed, checked, framed_pieces, plan_pieces
+from .pieces import Piece, blame, blamed, checked, framed, plan_pieces
 from .plan import Plan
 from .tier import Tier
 
@@ -75,22 +75,13 @@ def restore_framed(tier: Tier, ident: Identity, key: bytes, rec: EntryRecord, n:
                    chunks: list[tuple[bytes, ChunkRecord, bytes, Any]], tail: Any) -> Restored:
     """``n`` tokens of an entry framed elsewhere, restored from its segment bytes in memory
     (see ``DiskTier.restore_framed``)."""
-    C = tier.chunk
-    if rec.chunk != C or rec.identity != ident.digest or {ck for ck, *_ in chunks} != set(rec.chunks):
-        raise blamed(("entry", key), "not a whole entry of this directory's identity and chunk size")
-    plan = Plan(n, rec.chunks, None, rec.n, rec.chunked)
-    pieces, data = framed_pieces(key, rec, chunks, tail, C)
-    heads = []
-    for p, d in zip(pieces, data):
-        with blame(*p.record):
-            hlen = int.from_bytes(bytes(d[:8]), "little") if len(d) >= 8 else 0
-            heads.append(segments.parse_header(bytes(d[: 8 + min(hlen, len(d))]), len(d)))
-    layout, specs = checked(pieces, heads, ident, plan)
+    got = framed(tier.chunk, ident, key, rec, chunks, tail, n)
+    layout, specs = checked(got.pieces, got.heads, ident, got.plan)
     arrays, hosts = alloc.alloc(specs)
-    for p, d, h in zip(pieces, data, heads):
+    for p, d, h in zip(got.pieces, got.data, got.heads):
         with blame(*p.record):
-            _copy_into(d, h, {nm: x[..., p.lo : p.hi, :] for nm, x in hosts.items()} if plan.chunked else hosts)
-    return _built(plan, pieces, specs, arrays, layout)
+            _copy_into(d, h, {nm: x[..., p.lo : p.hi, :] for nm, x in hosts.items()} if got.plan.chunked else hosts)
+    return _built(got.plan, got.pieces, specs, arrays, layout)
 
 
 class _Packs:

@@ -13,49 +13,27 @@ from typing import Any
 import xxhash
 
 from .. import files, segments
-from ..cachelayout import Layout
 from ..identity import Identity
 from ..index import Reader
 from ..records import ChunkRecord, EntryRecord, RecordError, Segment
-from .persist import Commit, PersistJob, commit
-from .pieces import blame, blamed, checked, framed_pieces
-from .plan import Plan
+from .persist import Commit, commit
+from .pieces import blame, checked, framed
 from .tier import Tier
 
 
 def import_entry(tier: Tier, ident: Identity, key: bytes, rec: EntryRecord, tokens: bytes,
                  chunks: list[tuple[bytes, ChunkRecord, bytes, bytes]], tail: bytes) -> Commit:
-    """File segments framed elsewhere (another machine's, from a shared tier) as entry
-    ``key`` of ``tokens``: ``rec`` its record (its tail segment's place is ignored),
-    ``chunks`` the (key, record, token ids, segment bytes) of its chunks not indexed
-    here, ``tail`` its tail or snapshot bytes (b"" for none). Every chunk of ``rec``
-    not given must be indexed here.
-
-    Before anything is written, every segment is checked as ``restore`` checks it: its
-    header's metadata names this record, identity and token range, all share one
-    layout, and it fits ``ident``'s model. Then, as ``persist`` does: one new pack,
-    checksums verified as it is written, synced, and one transaction (``persist.commit``:
-    chunks indexed meanwhile are shared, the pack re-checked). Returns ``Commit``: OK,
-    EXISTS or RETRY (a gc removed what it needed; nothing is indexed). Raises
-    BlobError naming the failing record; OSError on a failed write."""
-    C = tier.chunk
-    if rec.chunk != C or rec.identity != ident.digest:
-        raise blamed(("entry", key), "not an entry of this directory's identity and chunk size")
-    plan = Plan(rec.n, rec.chunks, None, rec.n, rec.chunked)
-    pieces, data = framed_pieces(key, rec, chunks, tail, C)
-    heads = []
-    for p, d in zip(pieces, data):
-        with blame(*p.record):
-            heads.append(segments.parse_header(d, len(d)))
-    if pieces:
-        checked(pieces, heads, ident, plan)
+    """File entry ``key`` of ``tokens``, framed elsewhere, in ``tier``: checked as a
+    restore checks it, then written as a persist writes (see ``DiskTier.import_entry``)."""
+    got = framed(tier.chunk, ident, key, rec, chunks, tail)
+    if got.pieces:
+        checked(got.pieces, got.heads, ident, got.plan)
     have = set(rec.chunks) - {ck for ck, *_ in chunks}
     now = time.time()
-    job = PersistJob(ident, tokens, key, {}, Layout(), rec.cache_type, now)
     writer = segments.PackWriter(tier.blob_root, modes=tier.modes)
     try:
         segs = []
-        for p, d in zip(pieces, data):
+        for p, d in zip(got.pieces, got.data):
             with blame(*p.record):
                 segs.append(writer.add_framed(d, p.segment.checksum))
         if writer.size:
@@ -64,7 +42,7 @@ def import_entry(tier: Tier, ident: Identity, key: bytes, rec: EntryRecord, toke
                for (ck, crec, toks, _), seg in zip(chunks, segs)}
         local = replace(rec, tail=segs[-1] if rec.tail is not None else None, created=now,
                         last_used=now, hits=0, pinned=False)
-        status = tier.index.transact(lambda t: commit(t, job, local, writer, new, have))
+        status = tier.index.transact(lambda t: commit(t, key, tokens, local, writer, new, have))
     except BaseException:
         writer.discard()
         raise
@@ -72,6 +50,7 @@ def import_entry(tier: Tier, ident: Identity, key: bytes, rec: EntryRecord, toke
     if status is not Commit.OK:
         writer.discard()
     return status
+
 
 def export_entry(tier: Tier, key: bytes) -> tuple[EntryRecord, bytes, list[tuple[bytes, ChunkRecord, bytes]]] | None:
     """Entry ``key``'s record and token ids, and (key, record, token ids) of each of

@@ -80,6 +80,7 @@ from typing import Any, Callable
 
 from ..served_tokens import serves
 from ..misses import Near
+from ..query import Query
 from ..keys import TOKEN_BYTES, boundaries, chunk_key, common_tokens, entry_key, key_of, residual
 from ..records import ChunkRecord, EntryRecord, Segment
 from ..writer import Writer
@@ -187,14 +188,15 @@ class SharedTier:
 
     # -- lookup ------------------------------------------------------------------------
 
-    def lookup(self, identity: bytes, tokens: bytes, bounds: list[bytes], chunk: int,
-               held: set[bytes], better_than: int, near: Near | None = None) -> Found | None:
-        """The longest verified prefix of ``tokens`` (encoded) longer than ``better_than``
-        tokens, or None; at most two round trips (see the module docstring). ``bounds``:
-        the query's chain (``keys.boundaries`` from the identity's root, ``chunk`` tokens
-        per chunk); ``held``: its chunk keys indexed locally (read from there); ``near``
-        is told of a candidate skipped for its cost (``misses.Near``)."""
-        n_q, C, K = len(tokens) // TOKEN_BYTES, chunk, len(bounds) - 1
+    def lookup(self, q: Query, held: set[bytes], better_than: int, near: Near | None = None) -> Found | None:
+        """The longest verified prefix of the query ``q`` longer than ``better_than`` tokens,
+        or None; at most two round trips (see the module docstring). ``q`` brings its
+        identity's digest and its chain (``keys.boundaries`` from the identity's root,
+        ``q.chunk`` tokens per chunk, hashed once for every tier); ``held``: its chunk keys
+        indexed locally (read from there); ``near`` is told of a candidate skipped for its
+        cost (``misses.Near``)."""
+        identity, tokens, bounds, C = q.digest, q.enc, q.bounds, q.chunk
+        n_q, K = q.n, len(bounds) - 1
         levels = [k for k in range(K + 1) if min((k + 1) * C - 1, n_q) > better_than]
         if not levels or n_q == 0:
             return None
@@ -216,7 +218,7 @@ class SharedTier:
         chain = 0
         while chain < K and (chain + 1 not in sizes or _fits(sizes[chain + 1], self.max_value_bytes)):
             chain += 1
-        best = self._choose(tokens, bounds, C, levels, got[: len(levels)], chain, better_than)
+        best = self._choose(q, levels, got[: len(levels)], chain, better_than)
         if best is None:
             return None
         moving = self._moving(identity, best, sizes, C)
@@ -227,7 +229,7 @@ class SharedTier:
                 near.skipped("its transfer would cost more than the prefill it saves", best.n)
             return None
         until = time.monotonic() + budget  # round trip 1 had fetch_deadline; round trip 2 what the hit is worth
-        found = self._fetch(identity, tokens, bounds, C, held, best, better_than, until, moving)
+        found = self._fetch(q, held, best, better_than, until, moving)
         if found is not None:
             self._count("lookup_hits")
         return found
@@ -269,10 +271,11 @@ class SharedTier:
             self.link.late(moving, time.monotonic() - started if started is not None else None, received)
         return None
 
-    def _choose(self, tokens: bytes, bounds: list[bytes], C: int, levels: list[int], hashes: list[Any],
+    def _choose(self, q: Query, levels: list[int], hashes: list[Any],
                 chain: int, better_than: int) -> _Candidate | None:
         """The best candidate from round trip 1: most query tokens; at equal length an
         entry, then a chunk to trim, then the chain of chunks alone."""
+        tokens, C = q.enc, q.chunk
         n_q = len(tokens) // TOKEN_BYTES
         best: _Candidate | None = None
         if chain:
@@ -285,17 +288,17 @@ class SharedTier:
             for i, (fname, fvalue) in enumerate(fields.items()):
                 if i >= self.max_fields:
                     break
-                got = self._field(tokens, bounds, C, k, chain, fname, fvalue)
+                got = self._field(q, k, chain, fname, fvalue)
                 if got is not None and got.n > better_than and _better(got, best):
                     best = got
         return best
 
-    def _field(self, tokens: bytes, bounds: list[bytes], C: int, k: int, chain: int, fname: bytes,
-               fvalue: bytes) -> _Candidate | None:
+    def _field(self, q: Query, k: int, chain: int, fname: bytes, fvalue: bytes) -> _Candidate | None:
         """What one field of boundary ``k``'s hash offers the query, or None; a field that
         is not kvstore's is counted. A chunk field counts only where the chain ends (below,
         the chain itself is longer; beyond, its parent is out of reach) and only for a chunk
         that leaves the query inside it: 0 < m < C shared tokens, trimmed to k*C + m."""
+        tokens, bounds, C = q.enc, q.bounds, q.chunk
         n_q, after = len(tokens) // TOKEN_BYTES, tokens[k * C * TOKEN_BYTES :]
         try:
             if values.is_chunk_field(fname):
@@ -316,11 +319,12 @@ class SharedTier:
         n = serves(k * C + r, k * C + m, n_q, f.trimmable) or 0
         return _Candidate(n, k, f.key, f.chunked)
 
-    def _fetch(self, identity: bytes, tokens: bytes, bounds: list[bytes], C: int, held: set[bytes],
+    def _fetch(self, q: Query, held: set[bytes],
                best: _Candidate, better_than: int, until: float, moving: float | None = None) -> Found | None:
         """Round trip 2: the candidate's values, verified; a rejected or missing entry or
         chunk to trim falls back to the verified chain of chunks, a rejected chunk cuts
         the chain."""
+        identity, tokens, bounds, C = q.digest, q.enc, q.bounds, q.chunk
         wanted = [j for j in range(1, best.k + 1) if bounds[j] not in held] if best.chunked else []
         names = [self.name("chunk", bounds[j], identity) for j in wanted]
         if best.key is not None:
@@ -334,12 +338,12 @@ class SharedTier:
         self.link.transfer(identity, nbytes, len(wanted) * C + _value_tokens(best, C), time.monotonic() - t0)
         if self.secret is not None:  # every tag at once, in parallel; each value is judged where it is parsed
             got = signing.unseal_all(self.secret, names, got)
-        pieces, chain = self._chain(identity, tokens, bounds, C, best.k, dict(zip(wanted, got)), held)
+        pieces, chain = self._chain(q, best.k, dict(zip(wanted, got)), held)
         if best.key is not None and (chain == best.k or not best.chunked):
             if best.trim:
-                found = self._trimmed(identity, tokens, bounds, C, best, got[-1], pieces, better_than)
+                found = self._trimmed(q, best, got[-1], pieces, better_than)
             else:
-                found = self._entry(identity, tokens, bounds, C, best, got[-1], pieces, better_than)
+                found = self._entry(q, best, got[-1], pieces, better_than)
             if found is not None:
                 return found
             if got[-1] is not None and len(got[-1].data) == 0:  # its field outlived it: lookups would keep choosing it
@@ -349,11 +353,11 @@ class SharedTier:
             return None
         return _whole(identity, bounds[1 : chain + 1], tokens[: chain * C * TOKEN_BYTES], C, pieces, n)
 
-    def _chain(self, identity: bytes, tokens: bytes, bounds: list[bytes], C: int, k: int,
-               fetched: dict[int, Any], held: set[bytes]) -> tuple[list[ChunkPiece], int]:
+    def _chain(self, q: Query, k: int, fetched: dict[int, Any], held: set[bytes]) -> tuple[list[ChunkPiece], int]:
         """The verified chain up to boundary ``k``: its chunks not held locally, read in
         round trip 2, and the boundary where it ends (before the first missing or rejected
         chunk)."""
+        identity, tokens, bounds, C = q.digest, q.enc, q.bounds, q.chunk
         pieces: list[ChunkPiece] = []
         for j in range(1, k + 1):
             if bounds[j] in held:
@@ -384,12 +388,13 @@ class SharedTier:
             return None
         return key, rec, v.tokens, v.segment
 
-    def _trimmed(self, identity: bytes, tokens: bytes, bounds: list[bytes], C: int, best: _Candidate,
+    def _trimmed(self, q: Query, best: _Candidate,
                  data: Any, pieces: list[ChunkPiece], better_than: int) -> Found | None:
         """The verified chain up to boundary ``best.k`` and the chunk to trim after it, as
         one entry of whole chunks holding the publisher's token ids (the local plan trims
         it to the common prefix); None if the chunk is missing, rejected or shares too
         little with the query. Its length is re-derived from the value's token ids."""
+        identity, tokens, bounds, C = q.digest, q.enc, q.bounds, q.chunk
         assert best.key is not None
         k = best.k
         piece = self._chunk(identity, C, bounds[k], best.key, None, data)
@@ -403,9 +408,9 @@ class SharedTier:
         return _whole(identity, [*bounds[1 : k + 1], best.key], tokens[: k * C * TOKEN_BYTES] + piece[2], C,
                       [*pieces, piece], n)
 
-    def _entry(self, identity: bytes, tokens: bytes, bounds: list[bytes], C: int, best: _Candidate,
-               data: Any, pieces: list[ChunkPiece], better_than: int) -> Found | None:
+    def _entry(self, q: Query, best: _Candidate, data: Any, pieces: list[ChunkPiece], better_than: int) -> Found | None:
         """The chosen entry from its value, or None (missing or rejected)."""
+        identity, tokens, bounds, C = q.digest, q.enc, q.bounds, q.chunk
         assert best.key is not None
         name = self.name("entry", best.key, identity)
         if not self._present(data):
