@@ -57,6 +57,18 @@ def test_date_rule_on_opencode_system_prompt() -> None:
     assert [(s.message, s.rule, s.text) for s in sp.find_spans(messages, sp.BUILTIN)] == [(0, "date", OC_DAY)]
 
 
+def test_codex_date_rule_on_codex_environment_context() -> None:
+    """Codex CLI 0.171.0 sends today's date in the <environment_context> of its first user
+    message (after the developer messages and tools), rendered through /v1/responses."""
+    from kvstore.adapters import responses
+
+    body = agents.body("codex")
+    messages = responses.chat_request(responses.check_body(body), [])[0]["messages"]
+    spans = sp.find_spans(messages, sp.BUILTIN)
+    assert [(s.rule, s.text) for s in spans] == [("codex-date", "<current_date>2026-11-28</current_date>")]
+    assert messages[spans[0].message]["role"] == "user"
+
+
 def test_claude_code_mid_conversation_system_message_is_accepted() -> None:
     """Claude Code 2.1.332 sends its environment as a system-role message after the first
     user turn: /v1/messages renders it as a chat system message (main answered 400:

@@ -66,6 +66,8 @@ BUILTIN: tuple[Rule, ...] = (
     # Claude Code's environment message ("Today's date is 2026-11-28."), OpenCode's <env>
     # block ("  Today's date: Sat Nov 28 2026"): the rest of the line
     Rule("date", re.compile(r"Today's date(?: is|:) [^\n]*")),
+    # Codex CLI's <environment_context> (its first user message): <current_date>2026-11-28</current_date>
+    Rule("codex-date", re.compile(r"<current_date>[^<\n]*</current_date>")),
     # Claude Code's git-status snapshot (a reminder in the session's first user turn):
     # from its header through the last line of the commit list
     Rule("git-status", re.compile(r"# gitStatus\nThis is the git status at the start of the conversation\.[^\n]*\n"
