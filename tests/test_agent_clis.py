@@ -62,6 +62,8 @@ def test_three_turns_and_a_sigkill_read_the_prompt_from_the_cache(cli: str, tmp_
                        indent=1)
     assert [t["exit"] for t in turns] == [0, 0, 0], shown
     assert requests and all(200 <= r["status"] < 300 for r in requests), shown
+    # each CLI names the model by its configured id, not the served path: any name answers
+    assert {r["body"].get("model") for r in requests if isinstance(r["body"], dict)} == {agent_clis.MODEL_ID}, shown
     for turn in (1, 2):  # the second turn, and the third (after the SIGKILL and restart)
         convo = conversation(requests, turn)
         assert convo, shown

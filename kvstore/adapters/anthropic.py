@@ -36,6 +36,7 @@ KEEP_BILLING_HEADER = False
 # thinking.type -> the template's enable_thinking: "adaptive" (the model decides) needs the
 # thinking switch on, as "enabled" does; the model then thinks or not as it was trained to
 THINKING = {"enabled": True, "adaptive": True, "disabled": False}
+ERROR_PREFIX = "Error: "  # how a tool_result with is_error: true reaches the model
 MESSAGES, COUNT = "/v1/messages", "/v1/messages/count_tokens"
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 411: "invalid_request_error", 413: "request_too_large",
@@ -111,12 +112,13 @@ def _document(block: dict[str, Any], where: str) -> dict[str, Any]:
     """A ``document`` block with a text source (``{'type': 'text', 'data'}``, or ``content``
     of text blocks) as one text part: its ``title``, its ``context``, then the text, each on
     a line of its own. PDF, URL and file sources need what mlx-lm does not have: a 400."""
-    source = block.get("source")
-    kind = source.get("type") if isinstance(source, dict) else None
-    if kind == "text" and isinstance(source.get("data"), str):  # type: ignore[union-attr]
-        text = str(source["data"])  # type: ignore[index]
-    elif kind == "content" and isinstance(source.get("content"), (str, list)):  # type: ignore[union-attr]
-        body = source["content"]  # type: ignore[index]
+    given = block.get("source")
+    source: dict[str, Any] = given if isinstance(given, dict) else {}
+    kind = source.get("type")
+    if kind == "text" and isinstance(source.get("data"), str):
+        text = str(source["data"])
+    elif kind == "content" and isinstance(source.get("content"), (str, list)):
+        body = source["content"]
         text = body if isinstance(body, str) else "\n".join(_text(b, f"{where} source content") for b in body)
     else:
         raise RequestError(f"{where}: a document block with a {kind!r} source is not supported; supported: "
@@ -137,9 +139,6 @@ def _part(block: Any, where: str, images: bool, allowed: tuple[str, ...]) -> dic
         return _document(block, where)
     _need(kind in (None, "text"), f"{where}: block type {kind!r} is not supported here; supported: {', '.join(allowed)}")
     return {"type": "text", "text": _text(block, where)}
-
-
-ERROR_PREFIX = "Error: "  # how a tool_result with is_error: true reaches the model
 
 
 def _tool_result(block: dict[str, Any], images: bool) -> dict[str, Any]:
