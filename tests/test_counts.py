@@ -345,3 +345,48 @@ def test_a_lost_prefix_is_named_the_previous_turn_not_in_the_store(tmp_path) -> 
     assert 'kvstore_miss_parts_total{part="previous_turn"} 1.0' in metrics_text
     assert any("miss (evicted_unwritten: " in line and ") in previous turn not in the store" in line
                for line in miss_lines(log)), log[-3000:]
+
+
+def test_parts_located_from_the_rendered_request(tool_model) -> None:
+    """``parts.locate`` with the model's real tokenizer and tool template, for a change in
+    each part: the system text, the tools' order (and a renamed tool: not an order change),
+    a user message, an assistant turn, a content block."""
+    import copy
+
+    from mlx_lm.utils import load_tokenizer
+
+    from kvstore.adapters.prompts import request_tokens
+    from kvstore.adapters.rendered import Rendered, block_lengths
+    from kvstore.misses import Miss
+
+    tok = load_tokenizer(tool_model)
+    names = TWENTY[:6]
+    base = openai_body(system(), tools(names))
+
+    def said(body: dict[str, Any], ref: dict[str, Any]) -> str:
+        ta, tb = request_tokens(tok, ref), request_tokens(tok, body)
+        at = first_difference(ta, tb)
+        msgs = copy.deepcopy(body["messages"])
+        blocks = block_lengths(msgs)
+        for m in msgs:  # as mlx_lm.server's _tokenize leaves them: text blocks joined
+            if isinstance(m["content"], list):
+                m["content"] = "".join(b["text"] for b in m["content"])
+        chat = Rendered(msgs, body.get("tools"), tok, {}, len(tb), tuple(tb[-4:]), blocks)
+        return chat.name(tb)(Miss("diverged", len(tb), at, at, len(ta), after=tuple(ta[at:at + 32]))).said()
+
+    def turn(*contents: Any) -> dict[str, Any]:
+        return dict(base, messages=[base["messages"][0], *({"role": r, "content": c} for r, c in contents)])
+
+    blocks = [{"type": "text", "text": "Which shelf keeps ledgers for 5 years?"}, {"type": "text", "text": "Block here."}]
+    blocks2 = [blocks[0], {"type": "text", "text": "Block there."}]
+    assert said(openai_body(system(date="2026-11-26"), tools(names)), base) == \
+        f"system, char {system().index('2026-11-25') + 9}"
+    assert said(openai_body(system(), tools(names[:2] + (names[3], names[2]) + names[4:])), base) == \
+        'tools[2] "Tool03" (order changed)'
+    assert said(openai_body(system(), tools(names[:2] + ("Zed",) + names[3:])), base) == 'tools[2] "Zed"'
+    asked = turn(("user", "Which shelf keeps ledgers for 9 years?"))
+    assert said(asked, base) == "messages[1] (user), char 30"
+    q, q2 = ("user", "Q?"), ("user", "And for 7 years?")
+    assert said(turn(q, ("assistant", "Shelf 2."), q2), turn(q, ("assistant", "Shelf 1."), q2)) == \
+        "messages[2] (assistant), char 6"
+    assert said(turn(("user", blocks2)), turn(("user", blocks))) == "messages[1] (user), block 1, char 6"
