@@ -174,6 +174,31 @@ def test_tenants_do_not_see_each_others_responses(model_dir: Path, tmp_path: Pat
         assert s.stop(signal.SIGTERM) == 0, s.log()
 
 
+THINKING_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}")
+
+
+def test_reasoning_effort_switches_the_templates_thinking(model_dir: Path, tmp_path: Path) -> None:
+    """``reasoning.effort`` reaches the template as ``enable_thinking``: ``none`` renders the
+    empty think block a Qwen3-style template adds when thinking is off, ``high`` does not,
+    and without ``reasoning.effort`` the prompt is the chat route's (no switch passed)."""
+    with Server(model_dir, tmp_path / "cache", tmp_path / "server.log", ["--chat-template", THINKING_TEMPLATE]) as s:
+        c = client(s)
+
+        def prompt(**extra: Any) -> int:
+            return c.responses.create(model="tiny", input=QUESTION, max_output_tokens=1, **extra).usage.input_tokens
+
+        off, on, default = prompt(reasoning={"effort": "none"}), prompt(reasoning={"effort": "high"}), prompt()
+        assert off == on + len("<think>\n\n</think>\n\n"), (off, on)
+        chat = c.chat.completions.create(model=str(model_dir), max_tokens=1, messages=[{"role": "user", "content": QUESTION}])
+        assert default == chat.usage.prompt_tokens, (default, chat.usage)  # the server's own default, untouched
+        assert prompt(reasoning={"effort": "minimal", "summary": "auto"}) == off
+        assert s.stop(signal.SIGTERM) == 0, s.log()
+
+
 @pytest.mark.parametrize("chain", [False, True], ids=["resend", "chain"])
 def test_codex_session_survives_sigkill(model_dir: Path, tmp_path: Path, chain: bool) -> None:
     """Six turns of ``benchmarks.agent_session --api responses`` (Codex-shaped; ``chain``:
