@@ -17,15 +17,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .counters import Durations
 from .floors import MIN_DISK_GAIN
 from .keys import TOKEN_BYTES, common_tokens, decode_tokens
 from .escape import visible
-
-if TYPE_CHECKING:
-    from .parts import Part
 
 # The reasons, most specific first (``Miss.reason`` is one of them):
 DIVERGED = "diverged"                # the prompt parts from the nearest stored prefix at token ``at``
@@ -62,7 +59,7 @@ class Miss:
     tier: str | None = None
     detail: str = ""
     after: tuple[int, ...] = field(default=(), compare=False)
-    part: "Part | None" = field(default=None, compare=False)  # where in the request (``parts.locate``)
+    part: Any = field(default=None, compare=False)  # where in the request: a ``parts.Part`` (``parts.locate``)
 
     @property
     def lost(self) -> int:

@@ -74,6 +74,16 @@ class Part:
         return {"part": self.kind, "where": self.said(names=False)}
 
 
+def tool_name(tool: Any) -> str:
+    """A tool definition's name: OpenAI's ``function.name``, else a top-level ``name``."""
+    if isinstance(tool, dict):
+        fn = tool.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else tool.get("name")
+        if isinstance(name, str):
+            return name
+    return ""
+
+
 def of_reason(miss: Miss) -> Part | None:
     """The part a miss names by its reason alone (no position to locate), else None."""
     if miss.reason == OTHER_IDENTITY:
@@ -158,8 +168,6 @@ def _common(a: str, b: str) -> int:
 def _tool(c: int, text: str, start: int, tools: list[Any], held: str) -> Part:
     """tools[j]: the one whose rendering holds character ``c``; "order changed" when what
     the store holds there names another of this request's tools."""
-    from .adapters.prompts import tool_name
-
     names = [tool_name(t) for t in tools]
     at, pos = start, []
     for n in names:

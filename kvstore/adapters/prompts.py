@@ -20,19 +20,10 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..parts import tool_name
 from . import stable_prefix
 
 SORT_TOOLS = False  # kvstore serve --sort-tools
-
-
-def tool_name(tool: Any) -> str:
-    """A tool definition's name: OpenAI's ``function.name``, else a top-level ``name``."""
-    if isinstance(tool, dict):
-        fn = tool.get("function")
-        name = fn.get("name") if isinstance(fn, dict) else tool.get("name")
-        if isinstance(name, str):
-            return name
-    return ""
 
 
 def sorted_tools(tools: list[Any]) -> list[Any]:
