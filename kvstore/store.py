@@ -539,7 +539,7 @@ def _watch_memory(store: KVStore) -> Watch:
 def _file_identity(disk: DiskTier, ident: Identity) -> None:
     """Describe a newly derived identity in the index, and say in the log when another
     identity of its model directory holds entries this process cannot use."""
-    from .maintenance.superseded import log_unusable
+    from .superseded import log_unusable
 
     disk.index.put_identity(ident.digest, ident.info)
     try:

@@ -57,7 +57,7 @@ def collect(disk) -> dict[str, Any]:
 def _siblings(snap: Any, groups: list[dict[str, Any]]) -> None:
     """Each group's ``others``: the other identities of its model directory that hold
     entries, what differs (older -> newer), and ``superseded_by`` (``gc`` removes it first)."""
-    from ..maintenance.superseded import siblings, superseded, usage, what_differs
+    from ..superseded import siblings, superseded, usage, what_differs
 
     used = usage(snap.entries.items())
     old = superseded(snap.identities, used)

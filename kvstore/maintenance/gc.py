@@ -11,7 +11,7 @@ from ..budget import BATCH, Removed, Sim, evict_to, lru_order, remove_unchanged,
 from ..index import scan
 from ..records import EntryRecord
 from .fsck import NOT_OURS, ORPHAN_BLOB_SECONDS, Problem, verify
-from .superseded import superseded, usage
+from ..superseded import superseded, usage
 
 if TYPE_CHECKING:  # maintenance needs no MLX itself; DiskTier is only a type here
     from ..disk import DiskTier

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from ..misses import differing
+from .misses import differing
 
 
 @dataclass
@@ -88,8 +88,8 @@ def log_unusable(index: Any, ident: Any) -> None:
     records, no token ids)."""
     import logging
 
-    from ..index import scan
-    from ..units import human_bytes
+    from .index import scan
+    from .units import human_bytes
 
     if not siblings(index.identities(), ident.hex):
         return
