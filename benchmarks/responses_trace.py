@@ -22,7 +22,7 @@ import json
 import time
 from typing import Any
 
-from benchmarks.agent_session import Session
+from benchmarks.agent_trace import Session
 
 PERMISSIONS = ("<permissions instructions>Filesystem sandboxing: workspace-write. Approval policy: on-request."
                "</permissions instructions>")

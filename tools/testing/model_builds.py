@@ -665,7 +665,7 @@ def build_tiny_qwen_tools(out_dir: str | pathlib.Path, *, seed: int = TINY_SEED)
     import mlx.core as mx
     from tokenizers import Tokenizer
 
-    from benchmarks.agent_session import TOOL_TEMPLATE
+    from tools.testing.templates import TOOL_TEMPLATE
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
