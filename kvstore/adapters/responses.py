@@ -62,6 +62,15 @@ THINKING_OFF = frozenset({"none", "minimal"})
 EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh"})
 LIMITS = {"max_count": DEFAULT_MAX_COUNT, "max_bytes": DEFAULT_MAX_BYTES}  # kvstore serve --responses-max-*
 _STORE: list[ResponseStore] = []
+_DISK: list[Callable[[], Any]] = []  # the served store's disk tier, when asked (``configure``)
+
+
+def configure(disk: Callable[[], Any], max_count: int = DEFAULT_MAX_COUNT, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    """Keep stored responses beside the served store's disk tier (``disk()``: the
+    ``DiskTier``, or None when the cache directory could not be used; asked on first use,
+    after the start made it), bounded by ``max_count`` records and ``max_bytes``."""
+    LIMITS.update(max_count=max_count, max_bytes=max_bytes)
+    _DISK[:] = [disk]
 
 
 class RequestError(ValueError):
@@ -493,9 +502,7 @@ class Events:
 def store() -> ResponseStore:
     """The stored responses of the served cache directory (opened once, on first use)."""
     if not _STORE:
-        from .server import _STORES
-
-        disk = _STORES[0].store.disk if _STORES else None
+        disk = _DISK[0]() if _DISK else None
         root = Path(disk.root) if disk is not None else None
         modes = disk.modes if disk is not None else files.PRIVATE
         _STORE.append(ResponseStore(root, modes, max_count=LIMITS["max_count"], max_bytes=LIMITS["max_bytes"]))

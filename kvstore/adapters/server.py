@@ -404,7 +404,8 @@ def _install(server_mod: Any, ours: argparse.Namespace, rest: list[str], policy:
     http.MAX_BODY_BYTES = ours.max_body_bytes
     prompts.SORT_TOOLS = ours.sort_tools
     model_names.configure(ours)
-    responses.LIMITS.update(max_count=ours.responses_max_count, max_bytes=ours.responses_max_bytes)
+    responses.configure(lambda: _STORES[0].store.disk if _STORES else None,
+                        max_count=ours.responses_max_count, max_bytes=ours.responses_max_bytes)
     stable_prefix.configure(ours.stable_prefix, ours.volatile)
     startup.install(server_mod, startup.options(ours), _STORES, progress)
     signal.signal(signal.SIGTERM, _sigterm)
