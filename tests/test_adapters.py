@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvstore.floors import MIN_DISK_HIT
+
 ROOT = Path(__file__).resolve().parent.parent
 INSTALL = "from kvstore.adapters import vllm_mlx; vllm_mlx.install(cache_dir='unused')"
 
@@ -142,7 +144,9 @@ def test_image_keys_hit_their_own_image_in_memory_and_after_a_restart(tiny_llama
     prompt_a, key_a, start = image_key("data:image/png;base64,AAAA")
     prompt_b, key_b, _ = image_key("data:image/png;base64,BBBB", patch=PATCH + 1)
     cache_a = prefilled(tiny_llama, prompt_a)
-    ref, ours = Upstream(), LRUPromptCache(cache_dir=tmp_path / "c")
+    # min_disk_hit=0: mlx-lm's own rules in every tier (the default floor makes a hit of
+    # fewer than MIN_DISK_HIT tokens a miss in memory as on disk; checked below)
+    ref, ours = Upstream(), LRUPromptCache(cache_dir=tmp_path / "c", min_disk_hit=0)
     for pc in (ref, ours):
         pc.insert_cache(key, key_a, prefilled(tiny_llama, prompt_a))
     for query in (key_a + [5, 6], key_a[:50], key_b, key_b[:start] + [7]):
@@ -152,6 +156,11 @@ def test_image_keys_hit_their_own_image_in_memory_and_after_a_restart(tiny_llama
             assert all(np.array_equal(x, y) for x, y in zip(arrays(c), arrays(c_ref), strict=True)), len(query)
     assert len(ours.fetch_nearest_cache(key, key_b)[1]) >= len(key_b) - start  # never image a's KV
     ours.close()
+    floored = LRUPromptCache(cache_dir=tmp_path / "f")  # the default floor: 40 shared tokens are a miss
+    floored.insert_cache(key, key_a, prefilled(tiny_llama, prompt_a))
+    longer = key_b[:start] + [7] * MIN_DISK_HIT  # the 40 shared tokens are not the whole prompt
+    assert start < MIN_DISK_HIT and floored.fetch_nearest_cache(key, longer) == (None, longer)
+    floored.close()
     again = LRUPromptCache(cache_dir=tmp_path / "c")
     c, rest = again.fetch_nearest_cache(key, key_a + [5])
     assert rest == [5] and again.stats()["hits_disk"] == 1, again.stats()

@@ -102,7 +102,7 @@ def test_gc_removes_the_superseded_identity_first(two_identities) -> None:
     superseded identity's goes instead."""
     t = two_identities
     before = cli("ls", "--cache-dir", str(t["cache"]))
-    got = cli("gc", "--max-bytes", str(before["total_bytes"] - 1), "--cache-dir", str(t["cache"]))
+    got = cli("gc", "--max-bytes", f"{before['total_bytes'] - 1}B", "--cache-dir", str(t["cache"]))
     assert [(r["identity"], r["reason"]) for r in got["removed"]] == [(t["old"].hex, "superseded")]
     left = {g["identity"] for g in cli("ls", "--cache-dir", str(t["cache"]))["identities"]}
     assert left == {t["new"].hex, t["b"].hex}
