@@ -124,7 +124,7 @@ def gc_child(cache_dir: str, max_bytes: int) -> dict[str, Any]:
 
 def _gc(cache_dir: str, max_bytes: int) -> dict[str, Any]:
     if importlib.util.find_spec("kvstore.cli.gc") is not None:
-        cmd = [sys.executable, "-m", "kvstore.cli", "gc", "--cache-dir", cache_dir, "--max-bytes", str(max_bytes)]
+        cmd = [sys.executable, "-m", "kvstore.cli", "gc", "--cache-dir", cache_dir, "--max-bytes", f"{max_bytes}B"]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=C.REPO_ROOT)
         dt = time.perf_counter() - t0

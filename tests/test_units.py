@@ -45,3 +45,8 @@ def test_a_bare_number_under_a_mebibyte_is_refused_as_a_typo(text: str, capsys: 
         err = capsys.readouterr().err
         assert "no unit" in err and f"{text}B" in err and f"{text}G" in err, err
     assert parse_size(f"{text}B") == int(text) and parse_size(f"{text}K") == int(text) << 10
+    from kvstore.cli.vllm_mlx import split_args  # kvstore vllm-mlx serve's own flags: the same parser
+
+    with pytest.raises(ValueError, match="no unit"):
+        split_args(["model", "--max-disk-bytes", text])
+    assert split_args(["model", f"--max-write-bytes-per-day={text}G"])[0] == {"max_write_bytes_per_day": int(text) << 30}

@@ -14,25 +14,27 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import Any, Callable
 
-KV_FLAGS = {  # flag -> (install option, parser)
+from ..units import parse_size
+
+KV_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {  # flag -> (install option, parser)
     "--cache-dir": ("cache_dir", str),
-    "--max-disk-bytes": ("max_disk_bytes", int),
+    "--max-disk-bytes": ("max_disk_bytes", parse_size),
     "--persist": ("persist", str),
-    "--max-write-bytes-per-day": ("max_write_bytes_per_day", int),
+    "--max-write-bytes-per-day": ("max_write_bytes_per_day", parse_size),
 }
 USAGE = ("usage: kvstore vllm-mlx serve MODEL [vllm-mlx serve flags] [--cache-dir DIR] "
-         "[--max-disk-bytes N] [--persist {all,system,reused}] [--max-write-bytes-per-day N]")
+         "[--max-disk-bytes SIZE] [--persist {all,system,reused}] [--max-write-bytes-per-day SIZE]")
 KV_HELP = """kvstore's flags (taken out before vllm-mlx parses the rest):
   --cache-dir DIR       where the disk tier stores entries (default: $KVSTORE_DIR, else the
                         user cache dir's kvstore/cache)
-  --max-disk-bytes N    disk budget in bytes (LRU eviction; default: none)
+  --max-disk-bytes SIZE disk budget, e.g. 20G (LRU eviction; default: none)
   --persist {all,system,reused}
                         what is written to disk: every new prefix (all, the default), system
                         prompts only (system), or a prefix seen a second time (reused)
-  --max-write-bytes-per-day N
-                        stop writing to disk once this many bytes were written today (UTC)
+  --max-write-bytes-per-day SIZE
+                        stop writing to disk once this much was written today (UTC), e.g. 50G
 
 vllm-mlx's flags follow (`vllm-mlx serve --help`)."""
 
@@ -61,8 +63,8 @@ def split_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
                 val, i = argv[i + 1], i + 1
             try:
                 options[key] = conv(val)
-            except ValueError:
-                raise ValueError(f"{name}: not a valid value: {val!r}") from None
+            except (ValueError, argparse.ArgumentTypeError) as e:  # sizes: units.parse_size, e.g. 20G
+                raise ValueError(f"{name}: not a valid value: {val!r} ({e})") from None
         else:
             rest.append(a)
         i += 1

@@ -184,13 +184,15 @@ def test_paged_cache_is_refused_with_the_flag_to_drop(model: str, tmp_path: Path
 def test_kvstore_flags_are_taken_out_and_checked() -> None:
     from kvstore.cli.vllm_mlx import split_args
 
-    options, rest = split_args(["m", "--port", "1", "--cache-dir=/x", "--max-disk-bytes", "5", "--persist", "reused"])
-    assert options == {"cache_dir": "/x", "max_disk_bytes": 5, "persist": "reused"}
+    options, rest = split_args(["m", "--port", "1", "--cache-dir=/x", "--max-disk-bytes", "5G", "--persist", "reused"])
+    assert options == {"cache_dir": "/x", "max_disk_bytes": 5 << 30, "persist": "reused"}
     assert rest == ["m", "--port", "1"]
     with pytest.raises(ValueError, match="--persist"):
         split_args(["m", "--persist", "some"])
     with pytest.raises(ValueError, match="--max-disk-bytes needs a value"):
         split_args(["m", "--max-disk-bytes"])
+    with pytest.raises(ValueError, match="no unit"):  # the one size parser: `5` is a typo for 5G, not 5 bytes
+        split_args(["m", "--max-disk-bytes", "5"])
 
 
 def test_entries_from_another_kv_bound_are_refused_once_then_not_read(model: str, tmp_path: Path) -> None:

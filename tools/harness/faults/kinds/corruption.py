@@ -378,14 +378,14 @@ def _gc_case(ctx: Ctx, t: Tally, cdir: Path, tpl: dict, rng: random.Random, ctx_
 
     keep = rng.choice([1, 4096, 1 << 16, 1 << 18])
     n = rng.randint(20, 40)
-    ctx_info.update(mode="gc_most", damage=f"{n} more entries, then gc --max-bytes {keep}")
+    ctx_info.update(mode="gc_most", damage=f"{n} more entries, then gc --max-bytes {keep}B")
     cli = [sys.executable, "-m", "kvstore.cli"]
     p = subprocess.run([sys.executable, "-c", _FILL, str(cdir), str(n), str(rng.randrange(1 << 30)), str(CHUNK)],
                        capture_output=True, text=True, timeout=600)
     if p.returncode != 0:
         t.fail("harness error", **ctx_info, error=p.stderr[-600:])
         return {}
-    p = subprocess.run([*cli, "gc", "--max-bytes", str(keep), "--blob-age", "0", "--cache-dir", str(cdir)],
+    p = subprocess.run([*cli, "gc", "--max-bytes", f"{keep}B", "--blob-age", "0", "--cache-dir", str(cdir)],
                        capture_output=True, text=True, timeout=600)
     if p.returncode != 0:
         t.c["failed_cases"] += 1
