@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -32,6 +33,13 @@ def _env(tree: str, cache_root: str, bytecode: bool) -> dict[str, str]:
 def main(argv: list[str]) -> int:
     base, this, runs, cache_dir = argv[0], argv[1], int(argv[2]), argv[3]
     pycache = tempfile.mkdtemp(prefix="kvstore-ls-pyc-")
+    try:
+        return _run(base, this, runs, cache_dir, pycache)
+    finally:
+        shutil.rmtree(pycache, ignore_errors=True)
+
+
+def _run(base: str, this: str, runs: int, cache_dir: str, pycache: str) -> int:
     ls = [sys.executable, "-m", "kvstore.cli", "ls", "--cache-dir", cache_dir]
     cmds: dict[str, tuple[list[str], dict[str, str], str | None]] = {}
     for label, tree in (("main", base), ("branch", this)):

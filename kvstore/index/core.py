@@ -17,8 +17,9 @@ that kvstore's own LMDB code produced from a checked state:
   opened unchecked for this process and left unstamped, so the next open checks again. An open whose data file matches the
   stamp skips the check: it costs a stat and one meta page, whatever the index holds.
 - a writer stopped without a clean close (killed, out of memory, power lost): each
-  writer whose open was so checked leaves a ``writer-<pid>-<random>`` mark naming the
-  file it opened (device, inode, transaction id) and removes it at its clean close. A
+  writer whose open was so checked makes, before its first commit, a
+  ``writer-<pid>-<random>`` mark naming the file (device, inode, transaction id), and
+  removes it at its clean close (a process that never writes makes none). A
   file a writer's mark names, its transaction id not behind it, was written since the
   check by LMDB's commits only, which write a transaction's pages before the meta page
   naming them: ``pages.crash_check`` checks what such a stop can leave (a file shorter
@@ -124,7 +125,8 @@ class _Shared:
     refs: int
     state: dict[str, Any] | None = None
     verified: bool = False  # a check completed (or kvstore made the file): a clean close may stamp
-    mark: Path | None = None  # this process's writer mark (removed at its clean close)
+    mark: Path | None = None  # this process's writer mark, made before its first commit (removed at its clean close)
+    marked: bool = False  # a mark was attempted (once per process and environment)
 
 
 _SHARED: dict[tuple[int, str], _Shared] = {}
@@ -175,8 +177,7 @@ class Index:
                 raise IndexOpenError(f"index {self.path} is already open read-only in this process; "
                                      "open the writable store first")
             env = self._open()
-            mark = None if self.readonly or not self._verified else self._write_mark()
-            self._shared = _SHARED[key] = _Shared(env, self.readonly, 1, self._state(), self._verified, mark)
+            self._shared = _SHARED[key] = _Shared(env, self.readonly, 1, self._state(), self._verified)
             return env
 
     def _own_files(self) -> None:
@@ -364,6 +365,16 @@ class Index:
         self._verified = True
         return True
 
+    def _mark_once(self) -> None:
+        """Before this process's first commit, its writer mark (if its open was checked):
+        a process that never writes (``ls``, a server serving hits only) leaves none."""
+        shared = self._shared
+        if shared is None or shared.marked or self.readonly or not shared.verified:
+            return
+        with _SHARED_LOCK:
+            if not shared.marked:
+                shared.mark, shared.marked = self._write_mark(), True
+
     def _write_mark(self) -> Path | None:
         """Mark the index as held by this writer, from the state it was checked in. Best
         effort: without a mark, the open after a crash walks the whole index."""
@@ -524,6 +535,7 @@ class Index:
         """Run ``fn`` in one write transaction and commit; then unlink the files it
         scheduled (``WriteTxn.unlink_after_commit``). An exception in ``fn`` aborts the
         transaction and unlinks nothing. The map grows and ``fn`` runs again when full."""
+        self._mark_once()
         while True:
             try:
                 with self.env.begin(write=True) as txn:
