@@ -409,7 +409,7 @@ def hash_child(payload: int) -> dict[str, Any]:
     return {"seconds": time.perf_counter() - t0}
 
 
-def _child_in(tree: str, target: str, args: dict[str, Any]) -> dict[str, Any]:
+def child_in(tree: str, target: str, args: dict[str, Any]) -> dict[str, Any]:
     """``C.run_child`` with the kvstore (and benchmarks) of another checkout ``tree``: the
     restore path before a change, measured in the same interleaved rounds."""
     cmd = [sys.executable, "-m", "benchmarks", "--child", target, json.dumps(args)]
@@ -465,7 +465,7 @@ def limit_shape(ctx: C.Context, name: str, n: int, turns: int, reps: int, base: 
                 if state == "warm":
                     C.warm_files(paths.get(m, files))
                 if m == "kvstore_base":
-                    r = _child_in(base, "bandwidth:read_child", dict(args, method="kvstore", drop=drop))  # type: ignore[arg-type]
+                    r = child_in(base, "bandwidth:read_child", dict(args, method="kvstore", drop=drop))  # type: ignore[arg-type]
                 elif m.startswith("pread"):
                     r = C.run_child("bandwidth:pread_child", {"files": files, "threads": int(m[5:]), "drop": drop})
                 else:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from . import common as C
-from .bandwidth import _child_in
+from .bandwidth import child_in
 
 NAME = "long_session"
 SHAPE = "smollm2"
@@ -134,7 +134,7 @@ def run(ctx: C.Context, n_final: int, reps: int, base: str | None) -> dict[str, 
             for tree, path in (trees.items() if rep % 2 == 0 else reversed(trees.items())):
                 args = {"cache_dir": str(d), "n_final": n_final, "n": n}
                 r = (C.run_child(f"{NAME}:restore_child", args) if path is None
-                     else _child_in(path, f"{NAME}:restore_child", args))
+                     else child_in(path, f"{NAME}:restore_child", args))
                 assert r["n"] == n and r["source"] == "disk", r
                 reads[tree][str(n)].append(r)
                 ctx.log(f"    {tree} {n} tok: {C.fmt(r['seconds'], 's')}, peak +{r['peak_growth_bytes'] / (n * kv):.3f}x KV, "

@@ -132,7 +132,7 @@ def open_startup(ctx: C.Context, n: int | None = None, base_tree: str | None = N
     and, as its own row, after an unclean stop (a writer SIGKILLed after a commit before
     each run: the open finds no matching clean stamp). ``base_tree``: the same runs, interleaved,
     with the kvstore of that checkout too (rows ``clean_base``, ``unclean_base``)."""
-    from .bandwidth import _child_in
+    from .bandwidth import child_in
 
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
@@ -163,7 +163,7 @@ def open_startup(ctx: C.Context, n: int | None = None, base_tree: str | None = N
                 if case == "unclean":
                     _crash(str(d), seed=2 * k + bool(suffix), tree=tree)
                 got[suffix].append(C.run_child("scale:open_child", args) if tree is None
-                                   else _child_in(tree, "scale:open_child", args))
+                                   else child_in(tree, "scale:open_child", args))
         for suffix, runs in got.items():
             _open_row(ctx, out, case + suffix, runs, n)
     out["unclean_vs_clean"] = out["unclean"]["open_plus_first_lookup_s"] / out["clean"]["open_plus_first_lookup_s"]

@@ -92,7 +92,11 @@ class KVStore:
     ``min_disk_hit``: the fewest tokens a disk or shared hit must restore when memory has
     none of the prompt (a hit holding the whole prompt always counts). 0 here: any stored
     prefix, the exact lookup rules; the front ends a newcomer meets (``LRUPromptCache``,
-    so ``kvstore serve``, and ``kvstore warm``) pass ``MIN_DISK_HIT``.
+    so ``kvstore serve``, and ``kvstore warm``) pass ``MIN_DISK_HIT``. ``min_memory_hit``:
+    the same floor for a memory hit (``floors.memory_floor``: below it, unless it holds the
+    whole prompt, a lookup is a miss in memory as on disk). 0 here and in the drop-in:
+    mlx-lm's own memory rules, which its suite pins; ``kvstore serve`` passes its
+    ``--min-disk-hit``, so the usage it reports follows one rule for every tier.
     """
 
     def __init__(self, cache_dir: str | Path | None = None, *, max_entries: int = 10, max_bytes: int = 1 << 63,
@@ -101,12 +105,15 @@ class KVStore:
                  kv_bits: int | None = None, kv_group_size: int = 64, shared_dir: bool = False,
                  shared: "str | SharedConfig | None | bool" = None, persist: str = "all",
                  max_write_bytes_per_day: int | None = None,
-                 memory_floor: float | int | None = DEFAULT_MEMORY_FLOOR, min_disk_hit: int = 0) -> None:
+                 memory_floor: float | int | None = DEFAULT_MEMORY_FLOOR, min_disk_hit: int = 0,
+                 min_memory_hit: int = 0) -> None:
         self.write_policy = WritePolicy(persist, max_write_bytes_per_day)  # raises ValueError first
         gauge = Gauge(memory_floor) if memory_floor else None  # raises ValueError first
         if not isinstance(min_disk_hit, int) or min_disk_hit < 0:
             raise ValueError(f"min_disk_hit must be a number of tokens >= 0, got {min_disk_hit!r}")
-        self.min_disk_hit = min_disk_hit
+        if not isinstance(min_memory_hit, int) or min_memory_hit < 0:
+            raise ValueError(f"min_memory_hit must be a number of tokens >= 0, got {min_memory_hit!r}")
+        self.min_disk_hit, self.min_memory_hit = min_disk_hit, min_memory_hit
         self.max_bytes = max_bytes  # the user's hard cap; the gauge may hold the tier below it
         self.max_disk_bytes = max_disk_bytes
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
@@ -213,7 +220,7 @@ class KVStore:
         tally = self.tallies.of(salt)
         near = Near(len(tokens))
         self.settle()
-        least = memory_floor(len(tokens), self.min_disk_hit)  # one rule for every tier (floors)
+        least = memory_floor(len(tokens), self.min_memory_hit)  # one rule for every tier (floors)
         with self._lock:
             cache, n, snap = self._memory.lookup(mem_key, tokens, near, least)
         if cache is not None:
@@ -251,7 +258,7 @@ class KVStore:
         ident = self.models.salted(model, salt)
         self.settle()
         with self._lock:
-            n = self._memory.peek(self._mem_key(model, ident, salt), tokens, memory_floor(len(tokens), self.min_disk_hit))
+            n = self._memory.peek(self._mem_key(model, ident, salt), tokens, memory_floor(len(tokens), self.min_memory_hit))
         if n < len(tokens) and self._disk_on(ident) and tokens:
             plan = self._disk_plan(self._query(ident, enc))  # type: ignore[arg-type]
             n = plan.n if plan is not None and plan.n > restore_floor(n, len(tokens), self.min_disk_hit) else n

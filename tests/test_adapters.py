@@ -68,7 +68,7 @@ def test_kvstore_vllm_mlx_serve_help_lists_kvstores_flags_first() -> None:
     """`--help` shows kvstore's flags, then vllm-mlx's (here: vllm-mlx's missing, said after)."""
     p = subprocess.run([sys.executable, "-m", "kvstore.cli", "vllm-mlx", "serve", "--help"],
                        capture_output=True, text=True, timeout=300, cwd=str(ROOT))
-    for flag in ("--cache-dir DIR", "--max-disk-bytes N", "--persist {all,system,reused}", "--max-write-bytes-per-day"):
+    for flag in ("--cache-dir DIR", "--max-disk-bytes SIZE", "--persist {all,system,reused}", "--max-write-bytes-per-day"):
         assert flag in p.stdout, p.stdout
     assert p.stdout.index("kvstore's flags") < p.stdout.index("vllm-mlx's flags follow")
 
@@ -144,9 +144,7 @@ def test_image_keys_hit_their_own_image_in_memory_and_after_a_restart(tiny_llama
     prompt_a, key_a, start = image_key("data:image/png;base64,AAAA")
     prompt_b, key_b, _ = image_key("data:image/png;base64,BBBB", patch=PATCH + 1)
     cache_a = prefilled(tiny_llama, prompt_a)
-    # min_disk_hit=0: mlx-lm's own rules in every tier (the default floor makes a hit of
-    # fewer than MIN_DISK_HIT tokens a miss in memory as on disk; checked below)
-    ref, ours = Upstream(), LRUPromptCache(cache_dir=tmp_path / "c", min_disk_hit=0)
+    ref, ours = Upstream(), LRUPromptCache(cache_dir=tmp_path / "c")
     for pc in (ref, ours):
         pc.insert_cache(key, key_a, prefilled(tiny_llama, prompt_a))
     for query in (key_a + [5, 6], key_a[:50], key_b, key_b[:start] + [7]):
@@ -156,7 +154,7 @@ def test_image_keys_hit_their_own_image_in_memory_and_after_a_restart(tiny_llama
             assert all(np.array_equal(x, y) for x, y in zip(arrays(c), arrays(c_ref), strict=True)), len(query)
     assert len(ours.fetch_nearest_cache(key, key_b)[1]) >= len(key_b) - start  # never image a's KV
     ours.close()
-    floored = LRUPromptCache(cache_dir=tmp_path / "f")  # the default floor: 40 shared tokens are a miss
+    floored = LRUPromptCache(cache_dir=tmp_path / "f", min_memory_hit=MIN_DISK_HIT)  # kvstore serve's floor
     floored.insert_cache(key, key_a, prefilled(tiny_llama, prompt_a))
     longer = key_b[:start] + [7] * MIN_DISK_HIT  # the 40 shared tokens are not the whole prompt
     assert start < MIN_DISK_HIT and floored.fetch_nearest_cache(key, longer) == (None, longer)

@@ -42,7 +42,9 @@ class LRUPromptCache:
     every tier; given as a keyword, or carried by the token list itself
     (``salt.SaltedTokens``: how ``kvstore serve`` hands a request's ``cache_salt`` through
     mlx_lm.server's generation thread). None (the default) is mlx-lm's behaviour. ``min_disk_hit``: the fewest
-    tokens a disk hit must restore when memory holds none of the prompt (``KVStore``).
+    tokens a disk hit must restore when memory holds none of the prompt (``KVStore``);
+    ``min_memory_hit`` the same for a memory hit (0: mlx-lm's own rules; ``kvstore serve``
+    passes its ``--min-disk-hit``).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class LRUPromptCache:
         max_write_bytes_per_day: int | None = None,
         memory_floor: float | int | None = DEFAULT_MEMORY_FLOOR,
         min_disk_hit: int = MIN_DISK_HIT,
+        min_memory_hit: int = 0,
     ) -> None:
         self.store = store or KVStore(
             cache_dir, max_entries=max_size, max_bytes=max_bytes, max_disk_bytes=max_disk_bytes,
@@ -70,7 +73,7 @@ class LRUPromptCache:
             memory_only=not disk, on_disk_error="memory", kv_bits=kv_bits,
             kv_group_size=kv_group_size, shared=shared,
             persist=persist, max_write_bytes_per_day=max_write_bytes_per_day, memory_floor=memory_floor,
-            min_disk_hit=min_disk_hit,
+            min_disk_hit=min_disk_hit, min_memory_hit=min_memory_hit,
         )
         # token ids -> text, for a miss's log line (``kvstore serve`` sets the model's tokenizer)
         self.decode: Callable[[list[int]], str] | None = None

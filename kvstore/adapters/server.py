@@ -393,6 +393,7 @@ def _install(server_mod: Any, ours: argparse.Namespace, rest: list[str], policy:
         "chunk_tokens": ours.chunk_tokens, "queue_size": ours.write_queue,
         "persist": ours.persist, "max_write_bytes_per_day": ours.max_write_bytes_per_day,
         "memory_floor": ours.memory_floor, "min_disk_hit": ours.min_disk_hit,
+        "min_memory_hit": ours.min_disk_hit,  # one rule for every tier in the usage it reports
     }
     shared = shared_config(ours)
     if shared is not None:
