@@ -71,7 +71,18 @@ class Fleet:
         if found is None:
             return False
         if {ck for ck, *_ in found.chunks} != set(found.record.chunks):
-            return self.file(ident, found)
+            if self.file(ident, found):
+                return True
+            # Not filed (this disk's write policy or budget says no): the chunks it holds
+            # were not sent, so ask again for the whole entry and restore it from memory.
+            try:
+                found = self.tier.lookup(q, set(), local, near)
+            except Exception as e:  # a miss, as above
+                if not self.errors.index_damaged(e, disk):
+                    self.errors.warn_once("shared-bug", "kvstore: shared-tier lookup failed (%s); a miss", e)
+                return False
+            if found is None or {ck for ck, *_ in found.chunks} != set(found.record.chunks):
+                return False
         return self._restore(ident, found)
 
     def _restore(self, ident: Identity, found: Any) -> SharedHit | bool:

@@ -904,3 +904,20 @@ def test_serve_shared_flags():
     c = shared_config(ours)
     assert (c.tls, c.db, c.prefix, c.ttl, c.command_timeout) == (True, 1, "team", 600.0, 0.25)
     assert rest == ["--model", "m"] and shared_config(p.parse_known_args([])[0]) is None
+
+
+def test_a_shared_hit_this_disk_may_not_keep_is_served_whole(tmp_path, redis_server: RedisServer):
+    """Machine B under ``persist="system"`` holds a system prompt's chunks on its disk, so the
+    shared tier sends only the rest of a longer entry; B's write policy refuses to file that
+    entry, and the answer must then be restored whole from the shared tier, not dropped for
+    the system prompt in memory (the fault harness's ``limits`` trial met this once)."""
+    who, system = ident("limits"), rand_tokens(2 * C, 91)
+    entry = system + rand_tokens(40, 92)
+    publish(tmp_path / "a", redis_server.url, who, [entry])
+    with store(tmp_path / "b", redis_server.url, persist="system") as b:
+        b.insert(who, system, synth(system), cache_type="system")
+        assert b.flush(30) and b.stats()["disk_entries"] == 1, b.stats()
+        f = b.fetch(who, entry + [1])
+        assert (f.n, f.source) == (len(entry), "shared"), (f.n, f.source, b.stats())
+        exact(f, entry + [1])
+        assert b.stats()["disk_entries"] == 1  # nothing of it filed on this disk
