@@ -24,7 +24,6 @@ from .disk import Commit, DiskTier, PersistJob, Plan, Restored
 from .disk_errors import DiskErrors, names_record
 from .identity import Identity
 from .index import IndexFailure
-from .cachelayout import Layout
 from .misses import Near
 from .query import Query
 from .writes import WritePath
@@ -119,9 +118,8 @@ class Fleet:
         writer's); True if it is indexed there now. Never raises."""
         chunks = [(ck, rec, toks, bytes(seg)) for ck, rec, toks, seg in found.chunks]
         try:
-            job = PersistJob(ident, bytes(found.tokens), found.key, {}, Layout(), found.record.cache_type)
-            if self.writes.admit(job, framed=True) is None:  # the policy or the budget says no: nothing written
-                return False
+            if not self.writes.admit_framed(ident, bytes(found.tokens), found.key, found.record.cache_type):
+                return False  # the policy or the budget says no: nothing written
             self.writes.describe(ident)
             status = self.disk.import_entry(ident, found.key, found.record, found.tokens, chunks, bytes(found.tail))
         except (files.BlobError, OSError, IndexFailure) as e:

@@ -4,32 +4,24 @@
 model's entries in ``preload_order`` and puts each into the memory tier only if it fits the
 room left and drops no stored prefix, so nothing already in memory is evicted or replaced.
 It reads the disk through the store (``read``: a miss, never an error, as ``fetch`` reads)
-and fills the memory tier under the store's lock; ``Preloaded`` is its report.
+and files each entry by the memory tier's own check (``MemoryTier.add_cold``: it goes in only
+where it evicts nothing); ``Preloaded`` is its report.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
-from . import codec
 from .disk import DiskTier, Restored
 from .disk_errors import DiskErrors
 from .index import IndexFailure
 from .identity import Identity
 from .keys import TOKEN_BYTES, decode_tokens
-from .memory import MemoryTier, Snapshot
-
-
-class Room(Enum):
-    """Why an entry does not go into memory now."""
-
-    FULL = "full"  # it does not fit the room left: the preload ends
-    SKIP = "skip"  # it is held already, or would drop a held prefix: the next one is tried
+from .memory import MemoryTier, Room, Snapshot
 
 
 @dataclass
@@ -77,27 +69,14 @@ def preload_order(entries: dict[bytes, Any], identity: bytes, how: int | str) ->
     return mine[:how] if isinstance(how, int) else mine  # validated above: "auto" or an int
 
 
-def room(mem: MemoryTier, mem_key: Hashable, tokens: list[int], trimmable: bool, nbytes: int,
-         max_bytes: int | None) -> Room | None:
-    """None if a snapshot of ``tokens`` (``nbytes``) can go into memory now without
-    evicting or dropping anything, else why not. Called under the store's lock."""
-    if mem.get(mem_key, tokens) is not None or (trimmable and mem.holds_prefix(mem_key, tokens)):
-        return Room.SKIP
-    limit = min(mem.max_bytes, max_bytes if max_bytes is not None else mem.max_bytes)
-    if len(mem) + 1 > mem.max_entries or mem.nbytes + nbytes > limit:
-        return Room.FULL
-    return None
-
-
 @dataclass
 class Preloader:
-    """What a preload needs from its store: its memory tier and the lock guarding it, its
+    """What a preload needs from its store: its memory tier, its
     disk tier and error policy (None, or a damaged index: nothing to preload), and two of
     the store's answers, each a miss rather than an error: ``identity`` of a model key and
     ``read`` (one whole stored prefix, restored as ``fetch`` restores)."""
 
     memory: MemoryTier
-    lock: Any  # the store's lock (threading.RLock)
     disk: DiskTier | None
     errors: DiskErrors
     identity: Callable[[Any], Identity | None]
@@ -174,23 +153,18 @@ class Preloader:
 
     def _one(self, ident: Identity, key: bytes, rec: Any, max_bytes: int | None) -> Snapshot | Room | None:
         """Put one entry into memory: its Snapshot, else why not: ``Room.SKIP`` / None (it is
-        held, would drop a held prefix / is gone or unreadable: skipped) or ``Room.FULL``."""
+        held, would drop a held prefix / is gone or unreadable: skipped) or ``Room.FULL``
+        (it does not fit the room left: the preload ends)."""
         enc = self.tokens(key)
         if enc is None or len(enc) != rec.n * TOKEN_BYTES:
             return None
         tokens = decode_tokens(enc)
-        with self.lock:
-            why = room(self.memory, ident.digest, tokens, rec.trimmable, 0, max_bytes)
+        why = self.memory.room(ident.digest, tokens, rec.trimmable, 0, max_bytes)
         if why is not None:
             return why
         got = self.read(ident, enc)
         if got is None:
             return None
-        snap = Snapshot(got.tensors, got.layout, None, codec.cache_nbytes(got.tensors), got.layout.covers_prefixes,
-                        rec.cache_type if rec.cache_type in self.memory.stats_by_type() else "assistant",
-                        persisted=True, disk_key=key)
-        with self.lock:
-            why = room(self.memory, ident.digest, tokens, snap.trimmable, snap.nbytes, max_bytes)
-            if why is None:
-                self.memory.insert(ident.digest, tokens, snap, recent=False)  # fits: evicts nothing
+        snap = Snapshot.kept(got.tensors, got.layout, rec.cache_type, key)
+        why = self.memory.add_cold(ident.digest, tokens, snap, max_bytes)
         return snap if why is None else why

@@ -3,9 +3,11 @@
 ``fetch`` returns the longest reusable prefix from any tier as fresh cache objects;
 ``insert`` keeps a snapshot in memory and queues it for the disk (write-behind). The store
 coordinates rooms that each own one part and get their state handed in: ``Resolver``
-(model keys to identities), ``WritePath`` (inserts, settling, every write to disk, memory
-pressure), ``Fleet`` (the shared tier, ``$KVSTORE_SHARED``: a Redis machines share), the
-tiers themselves (``MemoryTier``, ``DiskTier``) and the disk-error policy (``DiskErrors``).
+(model keys to identities), ``MemoryTier`` (its lock, pending inserts and their settling,
+memory pressure; what leaves it goes to the write path by ``on_evict``), ``WritePath``
+(an insert's snapshot, every write to disk), ``Fleet`` (the shared tier,
+``$KVSTORE_SHARED``: a Redis machines share), ``DiskTier`` and the disk-error policy
+(``DiskErrors``).
 
 A lookup is one ``Query`` (the tokens encoded once, their chain of chunk keys hashed once)
 and one disk plan, shared by every tier it asks; a lookup that served less than a stored
@@ -15,7 +17,7 @@ is counted, logged once per kind, and never raised to the caller. Bad *input* (t
 are not token ids, a cache longer than its tokens) raises ``ValueError`` naming the
 problem, and changes nothing.
 
-Thread-safe: one lock guards the memory tier; disk reads run outside it; one writer thread
+Thread-safe: the memory tier has its own lock; disk reads run outside it; one writer thread
 owns disk writes. Several processes may share a cache directory (LMDB locking, unique pack
 names, commit after sync). A cache directory is private to its user unless ``shared_dir``
 says a group shares it (see ``cachedir``).
@@ -33,7 +35,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Hashable
 
-from . import codec
 from .cachedir import MEMO, StoreOpenError, default_cache_dir, open_disk
 from .callers import Tallies, Tally
 from .counters import Counters
@@ -117,8 +118,6 @@ class KVStore:
         self.max_bytes = max_bytes  # the user's hard cap; the gauge may hold the tier below it
         self.max_disk_bytes = max_disk_bytes
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        self._memory = MemoryTier(max_entries, max_bytes, touch_on_hit=touch_on_hit)
-        self._lock = threading.RLock()
         self._counters = Counters()
         self._errors = DiskErrors(self._counters, self.cache_dir)
         self._memory_only = MemoryOnly()
@@ -129,8 +128,11 @@ class KVStore:
                                (lambda i: _file_identity(disk, i)) if disk is not None else None,
                                kv_bits, kv_group_size)
         self.writer = Writer(queue_size) if self.disk else None
-        self.writes = WritePath(self._memory, self._lock, self._counters, self._errors, self.disk, self.writer,
-                                self.write_policy, max_bytes=max_bytes, max_disk_bytes=max_disk_bytes, gauge=gauge)
+        self.writes = WritePath(self._counters, self._errors, self.disk, self.writer, self.write_policy,
+                                max_disk_bytes=max_disk_bytes)
+        self._memory = MemoryTier(max_entries, max_bytes, touch_on_hit=touch_on_hit, gauge=gauge,
+                                  counters=self._counters, on_evict=self.writes.write_evicted,
+                                  behind=self.writes.behind)
         tier = open_shared(shared, queue_size) if self.disk else None
         self.shared = tier  # the shared tier itself (stats, its prefill rates), or None
         self.fleet = Fleet(tier, self.disk, self.writes, self._counters, self._errors) \
@@ -159,13 +161,13 @@ class KVStore:
 
     @property
     def memory(self) -> MemoryTier:
-        """The memory tier as it is: inserts still pending are filed by ``settle``
-        (every lookup does that first), not by reading this."""
+        """The memory tier: every read of it holds every insert made so far (it settles
+        first, ``MemoryTier.settle``)."""
         return self._memory
 
     def settle(self) -> list[Snapshot]:
-        """File every insert made so far into the memory tier (``WritePath.settle``)."""
-        return self.writes.settle()
+        """File every insert made so far into the memory tier (``MemoryTier.settle``)."""
+        return self._memory.settle()
 
     # -- identity ----------------------------------------------------------------------
 
@@ -219,19 +221,8 @@ class KVStore:
         mem_key = self._mem_key(model, ident, salt)
         tally = self.tallies.of(salt)
         near = Near(len(tokens))
-        self.settle()
         least = memory_floor(len(tokens), self.min_memory_hit)  # one rule for every tier (floors)
-        with self._lock:
-            cache, n, snap = self._memory.lookup(mem_key, tokens, near, least)
-        if cache is not None:
-            # A snapshot is keyed by the tokens it was inserted with; a cache that holds fewer
-            # positions (mlx-lm's server inserts prompt + generated tokens with a cache that
-            # has not seen the last one) serves only the prefix it holds.
-            held = codec.held(cache)
-            if held is not None and held < n:
-                n = held
-                if n <= 0 or n < least:
-                    cache, n = None, 0
+        cache, n, snap = self._memory.lookup(mem_key, tokens, near, least)  # settled first
         if cache is not None and n == len(tokens):
             return self._hit("memory", cache, n, snap, counts=tally.counters)
         q = None
@@ -256,9 +247,7 @@ class KVStore:
         tokens = _token_list(tokens)
         enc = encode_tokens(tokens)
         ident = self.models.salted(model, salt)
-        self.settle()
-        with self._lock:
-            n = self._memory.peek(self._mem_key(model, ident, salt), tokens, memory_floor(len(tokens), self.min_memory_hit))
+        n = self._memory.peek(self._mem_key(model, ident, salt), tokens, memory_floor(len(tokens), self.min_memory_hit))
         if n < len(tokens) and self._disk_on(ident) and tokens:
             plan = self._disk_plan(self._query(ident, enc))  # type: ignore[arg-type]
             n = plan.n if plan is not None and plan.n > restore_floor(n, len(tokens), self.min_disk_hit) else n
@@ -328,12 +317,8 @@ class KVStore:
     def _promote(self, ident: Identity, q: Query, plan: Plan, got: Restored, source: str,
                  counts: Counters | None = None) -> Fetched:
         """Keep a disk or shared hit hot (marked as already on disk) and hand out its cache."""
-        ctype = plan.cache_type if plan.cache_type in ORDERING else "assistant"
-        snap = Snapshot(got.tensors, got.layout, None, codec.cache_nbytes(got.tensors),
-                        got.layout.covers_prefixes, ctype, persisted=True, disk_key=plan.entry)
-        with self._lock:
-            evicted = self._memory.insert(ident.digest, q.tokens[: got.n], snap)
-        self.writes.write_evicted(evicted)
+        snap = Snapshot.kept(got.tensors, got.layout, plan.cache_type, plan.entry)
+        self._memory.insert(ident.digest, q.tokens[: got.n], snap)  # what it evicts goes to the write path
         return self._hit(source, got.cache, got.n, snap, counts=counts)
 
     def _hit(self, tier: str, cache: list[Any], n: int, snap: Snapshot | None, miss: Miss | None = None,
@@ -355,8 +340,7 @@ class KVStore:
         old = self.models.previous.get(ident.digest) if ident is not None else None
         old_key = salted(old, salt) if old is not None else None
         if old_key is not None and ident is not None:
-            with self._lock:
-                had = self._memory.peek(old_key.digest, tokens)
+            had = self._memory.peek(old_key.digest, tokens)
             if had > max(served, near.common, lost[2] if lost else 0):
                 lost = (OTHER_IDENTITY, changed_components(old.info, ident.info), had, had)  # type: ignore[union-attr]
         return explain(near, served, lost)
@@ -384,13 +368,14 @@ class KVStore:
         returns sees it all the same. Raises ValueError when the tokens are not token ids
         or the cache holds more positions than ``tokens``; nothing is stored then.
         """
-        with self.writes.inserting():  # first: a lookup from now on waits for this insert
+        with self._memory.inserting():  # first: a lookup from now on waits for this insert
             tokens = _token_list(tokens)
             enc = encode_tokens(tokens)
             ident = self.models.salted(model, salt) if cache_type in ORDERING else None
             vocab = self.models.vocab_size(ident) if ident is not None else None
-            _snap, why = self.writes.insert(self._mem_key(model, ident, salt), ident, tokens, enc, cache,
-                                            cache_type, vocab)
+            snap, covered, why = self.writes.take(ident, enc, cache, cache_type, vocab)
+            self._memory.put(self._mem_key(model, ident, salt), tokens, snap)  # from here on a lookup finds it
+            self.writes.follow(snap, ident, enc, covered, self._memory.settle)
         if why is not None:
             self._counters.add("unpersistable")
             self.note_memory_only(ident.name if ident is not None else str(model)[:200], why)
@@ -400,34 +385,26 @@ class KVStore:
     # -- limits, stats, lifecycle ------------------------------------------------------
 
     def relieve_memory(self) -> int:
-        """Give memory back now (``WritePath.relieve_memory``); returns the entries evicted."""
-        return self.writes.relieve_memory()
+        """Give memory back now (``MemoryTier.relieve``); returns the entries evicted."""
+        return self._memory.relieve()
 
     def trim_to(self, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         """Shrink the memory tier to at most ``n_sequences`` entries / ``n_bytes`` (mlx-lm's
         order); what goes and never reached disk is queued for it."""
-        self.settle()
-        with self._lock:
-            evicted = self._memory.trim_to(n_sequences, n_bytes)
-        self.writes.write_evicted(evicted)
+        self._memory.trim_to(n_sequences, n_bytes)
 
     def discard(self, model: Any, tokens: list[int], *, salt: Salt | None = None) -> bool:
         """Drop the memory entry stored under exactly ``tokens`` (an engine's own eviction,
         e.g. exo's); one that never reached disk is queued for it. True if one was held."""
         tokens = _token_list(tokens)
         ident = self.models.salted(model, salt)
-        self.settle()
-        with self._lock:
-            snap = self._memory.remove(self._mem_key(model, ident, salt), tokens)
-        if snap is not None:
-            self.writes.write_evicted([(self._mem_key(model, ident, salt), tokens, snap)])
-        return snap is not None
+        return self._memory.remove(self._mem_key(model, ident, salt), tokens) is not None
 
     def stats(self, salt: Salt | None = None) -> dict[str, Any]:
         """Counters by tier, plus queue depth, dropped and failed writes, disk totals. The
         lookup counters (``callers.LOOKUP_KEYS``) and the misses count unsalted lookups;
         with ``salt``, those of lookups made with that salt instead (``callers``)."""
-        self.settle()
+        self.settle()  # the counters of what settling evicts, too
         s: dict[str, Any] = self._counters.snapshot()
         s["memory_entries"] = len(self._memory)
         s["memory_only_reason"] = dict(self._memory_only.reasons)
@@ -463,8 +440,7 @@ class KVStore:
         if self._watch is not None:
             self._watch.stop()
         if self.writer is not None:
-            self.settle()
-            self.writes.write_unwritten(timeout)
+            self.writes.write_unwritten(self._memory.snapshots(), timeout)
             self.flush(timeout)
             self.writer.close(timeout)
             self.writer = self.writes.writer = None
@@ -496,8 +472,7 @@ class KVStore:
         ``salt``: the entries inserted with that salt (none: the unsalted ones only)."""
         check_salt(salt, "salt")
         report = self._preloaded = Preloaded(running=True)
-        self.settle()
-        preloader = Preloader(self._memory, self._lock, self.disk, self._errors,
+        preloader = Preloader(self._memory, self.disk, self._errors,
                               lambda m: self.models.salted(m, salt), self._read_whole)
         return preloader.run(report, model, how, max_bytes, progress, stop)
 
@@ -537,7 +512,7 @@ def _watch_memory(store: KVStore) -> Watch:
         s = ref()
         if s is None:
             return False
-        s.writes.memory_tick()
+        s.memory.tick()
         return True
 
     return Watch(tick)

@@ -69,26 +69,42 @@ class WritePolicy:
         self._seen: OrderedDict[bytes, None] = OrderedDict()
         self._lock = threading.Lock()
 
-    def admit(self, disk: Any, job: PersistJob, *, framed: bool = False) -> PersistJob | str:
+    def admit(self, disk: Any, job: PersistJob) -> PersistJob | str:
         """The job to write (``job``, or for "reused" its prefix seen before), or why
-        nothing is written: "policy" or "budget". Every write to the disk tier asks here
-        first. ``framed``: the job's segments were framed elsewhere (a shared-tier hit
-        filed here), so it is written whole or not at all; under "reused" it counts as a
-        second use (another machine stored it, this one asked for it)."""
-        n = (job.n if self.persist != "system" else self._wanted(disk, job)) if framed else self._wanted(disk, job)
+        nothing is written: "policy" or "budget". Every persist asks here first (an entry
+        framed elsewhere: ``admit_framed``)."""
+        n = self._wanted(disk, job)
         if n == 0:
             return "policy"
+        return self._over_budget(disk) or (job if n == job.n else prefix_job(job, n, disk.chunk))
+
+    def admit_framed(self, disk: Any, key: bytes, n: int, cache_type: str) -> str | None:
+        """Whether an entry framed elsewhere (a shared-tier hit filed here: entry ``key``,
+        ``n`` tokens) is written, whole, as ``admit`` would: None, or "policy" or "budget".
+        Under "reused" it counts as a second use (another machine stored it, this one
+        asked for it)."""
+        if n == 0 or (self.persist == "system" and not self._system(disk, key, cache_type)):
+            return "policy"
+        return self._over_budget(disk)
+
+    def _over_budget(self, disk: Any) -> str | None:
+        """"budget" once today's bytes written reached the daily budget, else None."""
         if self.max_write_bytes_per_day is not None and written(disk.index)[0] >= self.max_write_bytes_per_day:
             return "budget"
-        return job if n == job.n else prefix_job(job, n, disk.chunk)
+        return None
+
+    @staticmethod
+    def _system(disk: Any, key: bytes, cache_type: str) -> bool:
+        """"system" writes a system segment, or a re-write of the pinned entry ``key``."""
+        rec = None if cache_type == "system" else _entry(disk, key)
+        return cache_type == "system" or (rec is not None and rec.pinned)
 
     def _wanted(self, disk: Any, job: PersistJob) -> int:
         """How many of the job's tokens the policy writes (0: none)."""
         if self.persist == "all":
             return job.n
         if self.persist == "system":
-            rec = None if job.cache_type == "system" else _entry(disk, job.key)
-            return job.n if job.cache_type == "system" or (rec is not None and rec.pinned) else 0
+            return job.n if self._system(disk, job.key, job.cache_type) else 0
         bounds = job.chained(disk.chunk).bounds
         with self._lock:
             seen_whole = job.key in self._seen

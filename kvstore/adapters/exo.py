@@ -261,7 +261,6 @@ class ExoPrefixCache:
     def caches(self) -> list[list[Any] | None]:
         """Each entry's cache as stored (fresh objects; None if it left memory)."""
         out = []
-        self.store.settle()
         for key, owned in zip(self._keys, self._owned):
             snap = self.store.memory.get(self._ident.digest, key[: max(owned)].tolist()) \
                 if self._ident is not None and owned else None

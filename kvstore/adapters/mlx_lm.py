@@ -101,12 +101,10 @@ class LRUPromptCache:
         self.store.memory.max_bytes = v  # the next filing lowers it again to what memory allows
 
     def __len__(self) -> int:
-        self.store.settle()
         return len(self.store.memory)
 
     @property
     def nbytes(self) -> int:
-        self.store.settle()
         return self.store.memory.nbytes
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int], *,
@@ -135,7 +133,6 @@ class LRUPromptCache:
         self.store.trim_to(n_sequences, n_bytes)
 
     def stats_by_type(self) -> dict[str, dict[str, int]]:
-        self.store.settle()
         return self.store.memory.stats_by_type()
 
     def stats(self, salt: Salt | None = None) -> dict[str, Any]:

@@ -43,6 +43,7 @@ RANKS: dict[str, int] = {
 INNER: dict[str, list[str]] = {
     "kvstore.index": ["errors", "pages", "trie", "txn", "core", "scan"],
     "kvstore.disk": ["tier", "plan", "pieces", "restore", "persist", "transfer"],
+    "kvstore.memory": ["snapshot", "entries"],
     "kvstore.adapters": ["mlx_lm", "server", "vllm_mlx", "exo"],
 }
 

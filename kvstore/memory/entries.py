@@ -1,4 +1,4 @@
-"""The memory tier: hot prefix snapshots as MLX arrays in a trie over token ids.
+"""The entries the memory tier holds: prefix snapshots in a trie over token ids.
 
 Matching is mlx-lm's own (its ``PromptTrie`` rules, identical in 0.31 and 0.32; ``Trie`` only
 makes one search linear): an exact hit;
@@ -8,71 +8,33 @@ cut there" is decided per cut point (``served_tokens.serves`` with ``Layout.can_
 cuts a ChunkedKVCache inside the attention chunk of its first kept key, a wrong cache.
 Eviction is mlx-lm's too: three LRU lists (assistant, then user, then system are evicted
 first), by entry count and by bytes, and inserting an entry that covers its prefixes
-(every cut allowed) drops its stored prefixes.
-
-A snapshot holds encoded tensors (views, no copy) and hands out fresh cache objects on
-every hit, so the caller can extend its cache without touching the stored arrays and no
-hit pays a deep copy. Objects kvstore cannot encode are kept as given and deep-copied on
-hit, as mlx-lm does.
+(every cut allowed) drops its stored prefixes. ``Entries`` is not thread-safe: the memory
+tier (``kvstore.memory.MemoryTier``) serialises calls and settles inserts first.
 """
 
 from __future__ import annotations
 
-import copy
 from collections import OrderedDict
-from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Hashable
 
 import mlx.core as mx
 from mlx_lm.models.cache import PromptTrie, PromptTrieResult
 
-from . import codec
-from .cachelayout import Layout
-from .served_tokens import serves
-from .misses import AFTER, Near
-
-ORDERING = ("assistant", "user", "system")
-
-
-@dataclass
-class Snapshot:
-    """One stored prefix in memory: encoded tensors (views, no copy) and their layout, or
-    objects kvstore cannot encode (``opaque``: kvstore knows no more of them than their
-    own ``is_trimmable``, mlx-lm's rule). ``trimmable``: every prefix can be cut from it
-    (``Layout.covers_prefixes``; for opaque objects, ``is_trimmable``). ``disk_key``: the
-    entry it is on disk as (hits are credited to it); ``persist``: (identity, encoded
-    tokens) to write when it is evicted before it reached disk; ``persisted``: queued for,
-    or already on, disk."""
-
-    tensors: codec.Tensors | None
-    layout: Layout | None
-    opaque: list[Any] | None
-    nbytes: int
-    trimmable: bool
-    cache_type: str = "assistant"
-    persisted: bool = False
-    disk_key: bytes | None = None
-    persist: tuple[Any, bytes] | None = None
-
-    def materialize(self) -> list[Any]:
-        """Fresh cache objects; extending them never changes this snapshot."""
-        if self.opaque is not None:
-            return copy.deepcopy(self.opaque)
-        return codec.decode_cache(self.tensors or {}, self.layout or Layout())
-
-    def cut_to(self, stored: int, n: int) -> bool:
-        """Whether this snapshot, stored under ``stored`` tokens, may be cut back to serve
-        ``n`` of them: its cache (which may hold fewer positions than ``stored``) cut by
-        ``stored - n`` must stop at a point its layout allows (``Layout.can_cut``)."""
-        if self.opaque is not None:
-            return self.trimmable
-        if n >= stored:
-            return True
-        held = self.layout.length if self.layout is not None else None
-        return held is not None and self.layout is not None and self.layout.can_cut(held - (stored - n))
-
+from .. import codec
+from ..served_tokens import serves
+from ..misses import AFTER, Near
+from .snapshot import ORDERING, Snapshot
 
 Key = tuple[Hashable, tuple[int, ...]]
+Evicted = list[tuple[Hashable, list[int], Snapshot]]  # (model, tokens, snapshot) that left
+
+
+class Room(Enum):
+    """Why a snapshot does not go into memory now without evicting anything."""
+
+    FULL = "full"  # it does not fit the room left
+    SKIP = "skip"  # it is held already, or would drop a held prefix
 
 
 class Trie(PromptTrie):
@@ -135,8 +97,10 @@ def _shortest_extension(node: dict) -> list[int]:
     return []
 
 
-class MemoryTier:
-    """Not thread-safe by itself: the store serialises calls."""
+class Entries:
+    """mlx-lm's prompt cache rules over snapshots: match, LRU lists, limits. Not
+    thread-safe; its own methods call only its private ones (``MemoryTier`` wraps the
+    public ones in its lock)."""
 
     def __init__(self, max_entries: int = 10, max_bytes: int = 1 << 63, *,
                  touch_on_hit: bool = False) -> None:
@@ -148,10 +112,16 @@ class MemoryTier:
         self._bytes_by_type = {k: 0 for k in ORDERING}
 
     def __len__(self) -> int:
-        return sum(len(v) for v in self._lrus.values())
+        return self._count()
 
     @property
     def nbytes(self) -> int:
+        return self._held()
+
+    def _count(self) -> int:
+        return sum(len(v) for v in self._lrus.values())
+
+    def _held(self) -> int:
         return sum(self._bytes_by_type.values())
 
     def stats_by_type(self) -> dict[str, dict[str, int]]:
@@ -206,7 +176,8 @@ class MemoryTier:
         """mlx-lm's ``fetch_nearest_cache`` rules: (fresh cache or None, tokens it holds,
         the snapshot it came from). The cache's arrays are evaluated: any thread may use them.
         ``floor``: candidates serving fewer tokens are passed over (``floors.memory_floor``;
-        ``near`` still sees them)."""
+        ``near`` still sees them); a cache holding fewer positions than its key serves only
+        those, and none when that falls under ``floor``."""
         for snap, stored, n in self._find(model, tokens, near):
             if n < floor:
                 continue
@@ -219,6 +190,14 @@ class MemoryTier:
             # running the model on another thread could not evaluate them.
             mx.eval([a for c in cache for a in codec.layer_arrays(c)])
             self._touch(model, stored)
+            # A snapshot is keyed by the tokens it was inserted with; a cache that holds fewer
+            # positions (mlx-lm's server inserts prompt + generated tokens with a cache that
+            # has not seen the last one) serves only the prefix it holds.
+            held = codec.held(cache)
+            if held is not None and held < n:
+                n = held
+                if n <= 0 or n < floor:
+                    return None, 0, None
             return cache, n, snap
         return None, 0, None
 
@@ -236,14 +215,29 @@ class MemoryTier:
         return self._trie.holds_prefix(model, tokens)
 
     def get(self, model: Hashable, tokens: list[int]) -> Snapshot | None:
+        """The snapshot stored under exactly ``tokens``, or None."""
+        return self._get(model, tokens)
+
+    def _get(self, model: Hashable, tokens: list[int]) -> Snapshot | None:
         try:
             return self._trie.get(model, tokens)
         except KeyError:
             return None
 
+    def room(self, model: Hashable, tokens: list[int], trimmable: bool, nbytes: int,
+             max_bytes: int | None = None) -> Room | None:
+        """None if a snapshot of ``tokens`` (``nbytes``, ``trimmable``) can go in now without
+        evicting or dropping anything (within ``max_bytes`` too, if given), else why not."""
+        if self._get(model, tokens) is not None or (trimmable and self._trie.holds_prefix(model, tokens)):
+            return Room.SKIP
+        limit = min(self.max_bytes, max_bytes if max_bytes is not None else self.max_bytes)
+        if self._count() + 1 > self.max_entries or self._held() + nbytes > limit:
+            return Room.FULL
+        return None
+
     def remove(self, model: Hashable, tokens: list[int]) -> Snapshot | None:
         """Take out the snapshot stored under exactly ``tokens`` (None if there is none)."""
-        if self.get(model, tokens) is None:
+        if self._get(model, tokens) is None:
             return None
         snap: Snapshot = self._trie.pop(model, list(tokens))
         self._bytes_by_type[snap.cache_type] -= snap.nbytes
@@ -251,7 +245,7 @@ class MemoryTier:
         return snap
 
     def insert(self, model: Hashable, tokens: list[int], snap: Snapshot, *,
-               recent: bool = True) -> list[tuple[Hashable, list[int], Snapshot]]:
+               recent: bool = True) -> Evicted:
         """Store a snapshot; returns what was evicted by the limits (the store persists
         those not yet on disk). Prefixes dropped because ``snap`` covers them are not
         returned: ``snap`` itself will be persisted. ``recent=False`` files it as the least
@@ -266,29 +260,29 @@ class MemoryTier:
             self._lrus[snap.cache_type].move_to_end(key, last=False)
         self._bytes_by_type[snap.cache_type] += snap.nbytes
 
-        evicted: list[tuple[Hashable, list[int], Snapshot]] = []
+        evicted: Evicted = []
         if snap.trimmable:  # an entry every prefix can be cut from covers its prefixes
             for n, old in self._trie.pop_prefixes(model, tokens):
                 self._bytes_by_type[old.cache_type] -= old.nbytes
                 self._forget((model, tuple(tokens[:n])))
-        if len(self) > self.max_entries:
+        if self._count() > self.max_entries:
             evicted.append(self._pop())
-        while self.nbytes > self.max_bytes and len(self):
+        while self._held() > self.max_bytes and self._count():
             evicted.append(self._pop())
         return evicted
 
-    def trim_to(self, n_sequences: int | None = None, n_bytes: int | None = None) -> list[tuple[Hashable, list[int], Snapshot]]:
+    def trim_to(self, n_sequences: int | None = None, n_bytes: int | None = None) -> Evicted:
         n_sequences = max(0, n_sequences) if n_sequences is not None else 1 << 63
         n_bytes = max(0, n_bytes) if n_bytes is not None else 1 << 63
         out = []
-        while len(self) > n_sequences:
+        while self._count() > n_sequences:
             out.append(self._pop())
-        while self.nbytes > n_bytes and len(self):
+        while self._held() > n_bytes and self._count():
             out.append(self._pop())
         return out
 
-    def clear(self) -> list[tuple[Hashable, list[int], Snapshot]]:
-        return self.trim_to(n_sequences=0)
+    def clear(self) -> Evicted:
+        return Entries.trim_to(self, n_sequences=0)
 
     # -- internals ---------------------------------------------------------------------
 

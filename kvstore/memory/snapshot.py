@@ -1,0 +1,124 @@
+"""A snapshot: one prefix cache as the memory tier keeps it, and how one is taken.
+
+``take`` (the caller's thread) checks a prompt cache and encodes it (``codec``: views of its
+arrays, evaluated on the caller's stream, no copy); ``Snapshot.kept`` wraps what a disk or
+shared restore built. A snapshot hands out fresh cache objects on every hit, so the caller
+can extend its cache without touching the stored arrays and no hit pays a deep copy.
+Objects kvstore cannot encode are kept as given and deep-copied on hit, as mlx-lm does.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from .. import codec
+from ..cachelayout import Layout
+
+ORDERING = ("assistant", "user", "system")  # mlx-lm's eviction order: assistant turns go first
+
+
+@dataclass
+class Snapshot:
+    """One stored prefix in memory: encoded tensors (views, no copy) and their layout, or
+    objects kvstore cannot encode (``opaque``: kvstore knows no more of them than their
+    own ``is_trimmable``, mlx-lm's rule). ``trimmable``: every prefix can be cut from it
+    (``Layout.covers_prefixes``; for opaque objects, ``is_trimmable``). ``disk_key``: the
+    entry it is on disk as (hits are credited to it); ``persist``: (identity, encoded
+    tokens) to write when it is evicted before it reached disk; ``persisted``: queued for,
+    or already on, disk."""
+
+    tensors: codec.Tensors | None
+    layout: Layout | None
+    opaque: list[Any] | None
+    nbytes: int
+    trimmable: bool
+    cache_type: str = "assistant"
+    persisted: bool = False
+    disk_key: bytes | None = None
+    persist: tuple[Any, bytes] | None = None
+
+    @classmethod
+    def kept(cls, tensors: codec.Tensors, layout: Layout, cache_type: str, disk_key: bytes | None) -> "Snapshot":
+        """What a disk or shared restore built (``tensors`` in ``layout``), kept hot: marked
+        as on disk already under ``disk_key``; an unknown ``cache_type`` files as "assistant"."""
+        return cls(tensors, layout, None, codec.cache_nbytes(tensors), layout.covers_prefixes,
+                   cache_type if cache_type in ORDERING else "assistant", persisted=True, disk_key=disk_key)
+
+    def materialize(self) -> list[Any]:
+        """Fresh cache objects; extending them never changes this snapshot."""
+        if self.opaque is not None:
+            return copy.deepcopy(self.opaque)
+        return codec.decode_cache(self.tensors or {}, self.layout or Layout())
+
+    def cut_to(self, stored: int, n: int) -> bool:
+        """Whether this snapshot, stored under ``stored`` tokens, may be cut back to serve
+        ``n`` of them: its cache (which may hold fewer positions than ``stored``) cut by
+        ``stored - n`` must stop at a point its layout allows (``Layout.can_cut``)."""
+        if self.opaque is not None:
+            return self.trimmable
+        if n >= stored:
+            return True
+        held = self.layout.length if self.layout is not None else None
+        return held is not None and self.layout is not None and self.layout.can_cut(held - (stored - n))
+
+
+def check(cache: Any, cache_type: str) -> None:
+    """Raises ValueError for a ``cache_type`` mlx-lm does not know or a cache that is not
+    one (``check_cache``): checked before anything is taken or stored."""
+    if cache_type not in ORDERING:
+        raise ValueError(f"cache_type must be one of {list(ORDERING)}, got {cache_type!r}")
+    check_cache(cache)
+
+
+def take(cache: list[Any], n_tokens: int, cache_type: str) -> tuple[Snapshot, int, str | None]:
+    """(the snapshot of ``cache`` (checked: ``check``), which holds ``n_tokens`` tokens, the
+    positions it covers, why it cannot be persisted or None), evaluated. Raises ValueError
+    when the cache holds more positions than ``n_tokens`` or its layers disagree."""
+    snap, covered, why = _encoded(cache, n_tokens, cache_type)
+    # Evaluated before any lookup can find it: its views are made on this thread's
+    # stream, and MLX streams are per thread (Metal, MLX >= 0.31.2), so no other thread
+    # could evaluate them. (Views: free once the caller's cache is computed.)
+    mx.eval([a for c in snap.opaque for a in codec.layer_arrays(c)] if snap.opaque is not None
+            else list((snap.tensors or {}).values()))
+    return snap, covered, why
+
+
+def _encoded(cache: list[Any], n_tokens: int, cache_type: str) -> tuple[Snapshot, int, str | None]:
+    """(the snapshot of ``cache``, positions it covers, why it cannot be persisted or None)."""
+    try:
+        tensors, layout = codec.encode_cache(cache)
+    except codec.Unsupported as e:
+        nbytes = sum(getattr(c, "nbytes", 0) for c in cache) if isinstance(cache, (list, tuple)) else 0
+        trim = bool(cache) and all(getattr(c, "is_trimmable", lambda: False)() for c in cache)
+        return Snapshot(None, None, cache, nbytes, trim, cache_type), 0, str(e)
+    offsets = [m["offset"] for m in layout.flat if "offset" in m]
+    covered = min(offsets) if offsets else n_tokens
+    if covered > n_tokens:
+        raise ValueError(f"cache holds {covered} positions but only {n_tokens} tokens were given")
+    if len(set(offsets)) > 1:
+        raise ValueError(f"cache layers disagree on their length: {sorted(set(offsets))}")
+    if not offsets:  # recurrent state only: it must be taken at the prefix boundary
+        covered = n_tokens
+    try:  # what the snapshot keeps alive: its views pin the whole allocated buffers,
+        # which is also what mlx-lm's LRUPromptCache counts against max_bytes
+        nbytes = int(sum(c.nbytes for c in cache))
+    except Exception:
+        nbytes = codec.cache_nbytes(tensors)
+    return Snapshot(tensors, layout, None, nbytes, layout.covers_prefixes, cache_type), covered, None
+
+
+def check_cache(cache: Any) -> None:
+    """A prompt cache is a non-empty list of cache objects whose arrays hold what they claim."""
+    if not isinstance(cache, (list, tuple)) or not cache:
+        raise ValueError(f"cache must be a non-empty list of cache objects (one per layer), "
+                         f"got {type(cache).__name__}{' (empty)' if isinstance(cache, (list, tuple)) else ''}")
+    for i, c in enumerate(codec.flat_layers(cache)):
+        if not (hasattr(type(c), "state") or hasattr(c, "nbytes")) or isinstance(c, (int, float, str, bytes)):
+            raise ValueError(f"cache layer {i} is a {type(c).__name__}, not a cache object")
+    why = codec.check_holds(cache)
+    if why:
+        raise ValueError(f"cache {why}")
