@@ -44,7 +44,7 @@ from .disk_errors import DiskErrors, Failure
 from .fleet import Fleet, SharedHit, open_shared
 from .floors import MIN_DISK_GAIN, memory_floor, restore_floor  # MIN_DISK_GAIN: re-exported (tests, README)
 from .identity import DigestMemo, Identity
-from .keys import TokenError, encode_tokens
+from .keys import TokenError, decode_tokens, encode_tokens
 from .memory import ORDERING, MemoryTier, Snapshot
 from .misses import OTHER_IDENTITY, Miss, Misses, Near, changed_components, explain
 from .parts import Part
@@ -233,13 +233,13 @@ class KVStore:
             if self.shared is not None:  # the prefill of what was not served starts now
                 self.shared.prefill.fetched(ident.digest, got.n if got is not None else n)  # type: ignore[union-attr]
             if got is not None:  # a disk or shared hit may serve less than a stored prefix held too
-                got.miss = self._counted(self._miss(base, salt, mem_key, tokens, enc, q, near, got.n), tally, name)
+                got.miss = self._counted(self._miss(base, salt, mem_key, enc, q, near, got.n), tally, name)
                 return got
         if cache is not None:
-            miss = self._counted(self._miss(base, salt, mem_key, tokens, enc, q, near, n), tally, name)
+            miss = self._counted(self._miss(base, salt, mem_key, enc, q, near, n), tally, name)
             return self._hit("memory", cache, n, snap, miss, tally.counters)
         tally.counters.add("misses")
-        return Fetched(None, 0, None, self._counted(self._miss(base, salt, mem_key, tokens, enc, q, near, 0), tally, name))
+        return Fetched(None, 0, None, self._counted(self._miss(base, salt, mem_key, enc, q, near, 0), tally, name))
 
     def peek(self, model: Any, tokens: list[int], *, salt: Salt | None = None) -> int:
         """How many tokens ``fetch`` would restore now (memory or disk), reading no KV data
@@ -327,8 +327,8 @@ class KVStore:
         self.writes.credit(snap.disk_key if snap is not None else None)
         return Fetched(cache, n, tier, miss)
 
-    def _miss(self, ident: Identity | None, salt: Salt | None, mem_key: Hashable, tokens: list[int], enc: bytes,
-              q: Query | None, near: Near, served: int) -> Miss | None:
+    def _miss(self, ident: Identity | None, salt: Salt | None, mem_key: Hashable, enc: bytes, q: Query | None,
+              near: Near, served: int) -> Miss | None:
         """Why ``served`` tokens were all this lookup gave, from what its searches saw and
         what this process lost (``WritePath.ghosts``; the identity the model had before its
         files changed, whose entries are still in memory). ``ident``: the model's own
@@ -340,7 +340,7 @@ class KVStore:
         old = self.models.previous.get(ident.digest) if ident is not None else None
         old_key = salted(old, salt) if old is not None else None
         if old_key is not None and ident is not None:
-            had = self._memory.peek(old_key.digest, tokens)
+            had = self._memory.peek(old_key.digest, q.tokens if q is not None else decode_tokens(enc))
             if had > max(served, near.common, lost[2] if lost else 0):
                 lost = (OTHER_IDENTITY, changed_components(old.info, ident.info), had, had)  # type: ignore[union-attr]
         return explain(near, served, lost)
