@@ -24,7 +24,7 @@ from .disk import Commit, DiskTier, PersistJob, Plan, Restored
 from .disk_errors import DiskErrors, names_record
 from .identity import Identity
 from .index import IndexFailure
-from .cachelayout import Layout
+from .layout import Layout
 from .misses import Near
 from .query import Query
 from .writes import WritePath

@@ -49,7 +49,7 @@ import xxhash
 
 from .files import open_foreign, read_foreign, special_files
 from .keys import FORMAT_VERSION
-from .layouts import layout_from_config
+from .model_layout import layout_from_config
 
 log = logging.getLogger("kvstore")
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz", ".bin")

@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import PromptTrie, PromptTrieResult
 
 from . import codec
-from .cachelayout import Layout
+from .layout import Layout
 from .served_tokens import serves
 from .misses import AFTER, Near
 
