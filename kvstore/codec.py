@@ -288,10 +288,10 @@ def encode_cache(cache: list[Any]) -> tuple[Tensors, Layout]:
     return tensors, Layout.of(metas)
 
 
-def decode_cache(tensors: Tensors, layout: Layout) -> list[Any]:
+def decode_cache(tensors: Tensors, cache_layout: Layout) -> list[Any]:
     """Rebuild cache objects of the stored classes; arrays are fresh views of ``tensors``."""
     out = []
-    for i, meta in enumerate(layout):
+    for i, meta in enumerate(cache_layout):
         p = f"{i}."
         out.append(decode_layer({k[len(p):]: v for k, v in tensors.items() if k.startswith(p)}, meta))
     return out

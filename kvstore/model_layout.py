@@ -101,6 +101,11 @@ class ModelLayout:
         return cls(tuple(ModelLayer.from_json(m if isinstance(m, dict) else {}) for m in obj))
 
     @property
+    def classes(self) -> set[str]:
+        """Every class name it holds (CacheList members too)."""
+        return {m.cls for m in self.layers} | {c for m in self.layers if m.sub is not None for c in m.sub.classes}
+
+    @property
     def has_shapes(self) -> bool:
         """Some layer records whole array shapes (recurrent state)."""
         return any(m.shapes is not None or (m.sub is not None and m.sub.has_shapes) for m in self.layers)
@@ -178,9 +183,9 @@ def _lazy_model(model_dir: Path) -> tuple[Any, bool]:
 
         from .files import read_foreign
 
-        config = json.loads(read_foreign(model_dir / "config.json"))
-        model_cls, args_cls = _get_classes(config)
-        return model_cls(args_cls.from_dict(config)), False
+        model_config = json.loads(read_foreign(model_dir / "config.json"))
+        model_cls, args_cls = _get_classes(model_config)
+        return model_cls(args_cls.from_dict(model_config)), False
 
 
 def _probe(model: Any, n: int = 1) -> list:
