@@ -11,11 +11,10 @@ Guarantees:
 - ``decode`` hands out fresh array objects (free ``a[:]`` views), so a caller that extends
   the restored cache never changes the arrays it came from.
 - A cache kvstore cannot serialise raises ``Unsupported`` naming the class and why.
-- A layout is a ``cachelayout.Layout``: what is true of a stored class (its family, where
-  it may be cut, whether it is chunkable) is ``cachelayout.CLASSES``, data read without
-  MLX. Each codec owns what needs its live class: ``encode`` / ``decode``, ``holds(c)``
-  (why a live layer does not hold what it claims) and ``shapes`` (the arrays a layer of
-  its class holds, for ``layouts.shape_problem``).
+- A layout is a ``layout.Layout``: what is true of a stored class (its family, where it
+  may be cut, whether it is chunkable, which arrays it holds) is ``layout.CLASSES``, data
+  read without MLX. A codec only encodes and decodes its live class; what a layer's arrays
+  must look like is ``fit``'s, read from the same table.
 """
 
 from __future__ import annotations
@@ -26,17 +25,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from .cachelayout import CLASSES, ITEM_KINDS, Layout
+from .layout import CLASSES, ITEM_KINDS, STATE, Layout
 
 Tensors = dict[str, mx.array]
-Meta = Mapping[str, Any]  # one layer's stored meta (a ``cachelayout.Layer``, or a dict being encoded)
-# The shape an array must have, axis by axis: an int (that length), TOKENS (the token axis:
-# any length, the same in every array of the layer), None (any length: an axis the
-# identity's record does not fix) and, last, ``...`` (any further axes).
-Pattern = tuple[Any, ...]
-Expected = dict[str, tuple[Pattern, "str | None"]]  # array name -> (pattern, dtype name or None: any)
-TOKENS = "T"
-ALL, ALL_OR_NONE, ANY = "all", "all or none", "any"  # which of its expected arrays a layer holds
+Meta = Mapping[str, Any]  # one layer's stored meta (a ``layout.Layer``, or a dict being encoded)
 
 
 class Unsupported(TypeError):
@@ -52,8 +44,7 @@ def _kv_encode(c: Any, n: int) -> Tensors:
 
 
 class _Codec:
-    """What every codec says unless its class says otherwise: nothing to check on a live
-    layer, no arrays expected."""
+    """One live cache class's encoder and decoder (every concrete codec has both)."""
 
     cls: type = object
 
@@ -65,38 +56,9 @@ class _Codec:
         """A fresh cache object from what ``encode`` gave; every concrete codec has one."""
         raise NotImplementedError(type(self).__name__)
 
-    def holds(self, c: Any) -> str | None:
-        return None
-
-    def shapes(self, meta: Meta, want: dict) -> tuple[Expected, str]:
-        """Every array a layer of this class (stored ``meta``) may hold, with the shape and
-        dtype the model's own cache gives it (``want``: the identity's record of the
-        layer, {} when it has none: then only what every prompt cache of the class has,
-        such as batch 1), and which of them it holds (ALL, ALL_OR_NONE, ANY). ValueError when no
-        cache the model makes is of this meta. A cache of these shapes is one the
-        model's code can run (mlx-lm's batching merges a layer's arrays into a batch-1
-        slot; a batch of 2 or a fifth axis kills the generation thread)."""
-        return {}, ALL
-
-
-def _kv_shapes(want: dict) -> tuple[Expected, str]:
-    """Keys and values as mlx-lm's attention caches hold them: (1, KV heads, tokens, head_dim)."""
-    (kh, kd), (vh, vd) = (want.get(n) or (None, None) for n in ("k", "v"))
-    return {"k": ((1, kh, TOKENS, kd), want.get("dtype")), "v": ((1, vh, TOKENS, vd), want.get("dtype"))}, ALL_OR_NONE
-
 
 class _KVCodec(_Codec):
     cls: type = mlx_cache.KVCache
-
-    def holds(self, c: Any) -> str | None:
-        keys, off = c.keys, c.offset
-        k = keys[0] if isinstance(keys, (tuple, list)) else keys
-        if k is not None and isinstance(off, int) and k.shape[-2] < off:
-            return f"{type(c).__name__} claims {off} positions but its arrays hold {k.shape[-2]}"
-        return None
-
-    def shapes(self, meta: Meta, want: dict) -> tuple[Expected, str]:
-        return _kv_shapes(want)
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         if c.keys is None:
@@ -113,26 +75,6 @@ class _KVCodec(_Codec):
 
 class _QuantKVCodec(_KVCodec):
     cls = mlx_cache.QuantizedKVCache
-
-    def shapes(self, meta: Meta, want: dict) -> tuple[Expected, str]:
-        """``mx.quantize``'s parts of keys and values: the packed words (head_dim * bits / 32
-        uint32) and the scales and biases (head_dim / group_size, the KV dtype), of the
-        bits and group size ``want`` names (the identity's ``kv_bits``, or a recorded
-        QuantizedKVCache layer's) when it names them."""
-        bits, group = meta.get("bits"), meta.get("group_size")
-        if not isinstance(bits, int) or not 0 < bits <= 8 or not isinstance(group, int) or group <= 0:
-            raise ValueError(f"is {bits}-bit KV in groups of {group}, which no quantisation makes")
-        if want.get("bits") is not None and (want["bits"], want.get("group_size")) != (bits, group):
-            raise ValueError(f"is {bits}-bit KV in groups of {group}, the model's is {want['bits']}-bit in groups "
-                             f"of {want.get('group_size')}")
-        out: Expected = {}
-        for n in "kv":
-            h, d = want.get(n) or (None, None)
-            if d is not None and (d * bits % 32 or d % group):
-                raise ValueError(f"is {bits}-bit KV in groups of {group}, which head_dim {d} does not fit")
-            out[f"{n}0"] = ((1, h, TOKENS, None if d is None else d * bits // 32), "uint32")
-            out[f"{n}1"] = out[f"{n}2"] = ((1, h, TOKENS, None if d is None else d // group), want.get("dtype"))
-        return out, ALL_OR_NONE
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         meta = {"offset": int(c.offset), "group_size": int(c.group_size), "bits": int(c.bits)}
@@ -155,12 +97,9 @@ class _QuantKVCodec(_KVCodec):
 
 class _RotatingCodec(_Codec):
     """The ring buffer is stored as it is, with its write index: rotation state is history
-    (so it can be cut only while it has not wrapped: ``cachelayout``)."""
+    (so it can be cut only while it has not wrapped: ``layout``)."""
 
     cls = mlx_cache.RotatingKVCache
-
-    def shapes(self, meta: Meta, want: dict) -> tuple[Expected, str]:
-        return _kv_shapes(want)
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         meta = {"offset": int(c.offset), "keep": int(c.keep), "max_size": int(c.max_size),
@@ -179,12 +118,9 @@ class _RotatingCodec(_Codec):
 
 class _ChunkedCodec(_Codec):
     """Keys from ``start`` on (mlx-lm drops those before the current attention chunk; where
-    such a layer may be cut is ``cachelayout``'s)."""
+    such a layer may be cut is ``layout``'s)."""
 
     cls = mlx_cache.ChunkedKVCache
-
-    def shapes(self, meta: Meta, want: dict) -> tuple[Expected, str]:
-        return _kv_shapes(want)
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         meta = {"offset": int(c.offset), "chunk_size": int(c.chunk_size),
@@ -206,17 +142,6 @@ class _ArraysCodec(_Codec):
 
     cls = mlx_cache.ArraysCache
 
-    def shapes(self, meta: Meta, want: dict) -> tuple[Expected, str]:
-        """The state arrays the identity records (``layouts.describe_layout``), exactly (but
-        for an axis recorded as None: one that grows with the prompt) and all of them
-        (state a forward leaves empty is not the model's); without a record, any of
-        ``size`` arrays of batch 1 (mlx-lm's ``ArraysCache.batch_size`` is
-        their first axis)."""
-        rec, dts = want.get("shapes"), want.get("dtypes") or {}
-        if isinstance(rec, dict):
-            return {n: (tuple(s), dts.get(n)) for n, s in rec.items()}, ALL
-        return {f"a{i}": ((1, ...), None) for i in range(meta["size"])}, ANY
-
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         if getattr(c, "left_padding", None) is not None or getattr(c, "lengths", None) is not None:
             raise Unsupported("ArraysCache with batch padding/lengths (a batched cache)")
@@ -235,9 +160,6 @@ class _CacheListCodec(_Codec):
     """Its members in order."""
 
     cls = mlx_cache.CacheList
-
-    def holds(self, c: Any) -> str | None:
-        return next((why for sub in c.caches if (why := codec_of(sub).holds(sub))), None)
 
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         tensors: Tensors = {}
@@ -301,17 +223,6 @@ class _StateCodec(_Codec):
                  for i, it in enumerate(meta["items"])]
         return cls.from_state(tuple(state))
 
-    def shapes(self, meta: Meta, want: dict) -> tuple[Expected, str]:
-        """Every array item; where the identity records it, of its number of axes, batch and
-        dtype (which axis holds tokens is the class's own: not known here)."""
-        rec, dts = want.get("shapes") or {}, want.get("dtypes") or {}
-        out: Expected = {}
-        for i, it in enumerate(meta["items"]):
-            if it[0] == "a":
-                s = rec.get(f"t{i}")
-                out[f"t{i}"] = ((*s[:1], *[None] * (len(s) - 1)) if isinstance(s, list) else (...,), dts.get(f"t{i}"))
-        return out, ALL
-
 
 def _state_class(name: str) -> type[mlx_cache._BaseCache]:
     """The class a stored ``module:qualname`` names, if it is a protocol-following cache
@@ -326,42 +237,42 @@ def _state_class(name: str) -> type[mlx_cache._BaseCache]:
 
 
 CODECS: dict[str, _Codec] = {
-    codec.cls.__name__: codec
-    for codec in (_KVCodec(), _QuantKVCodec(), _RotatingCodec(), _ChunkedCodec(),
-                  _ArraysCodec(), _CacheListCodec())
+    one.cls.__name__: one
+    for one in (_KVCodec(), _QuantKVCodec(), _RotatingCodec(), _ChunkedCodec(),
+                _ArraysCodec(), _CacheListCodec())
 }
 
 
-STATE = _StateCodec()
-STORED: dict[str, _Codec] = {**CODECS, "State": STATE}  # every class name a stored layout may hold
-assert set(STORED) == set(CLASSES), "cachelayout.CLASSES names every stored class, codec encodes each"
+STATE_CODEC = _StateCodec()
+STORED: dict[str, _Codec] = {**CODECS, STATE: STATE_CODEC}  # every class name a stored layout may hold
+assert set(STORED) == set(CLASSES), "layout.CLASSES names every stored class, codec encodes each"
 
 
 def codec_of(c: Any) -> _Codec:
     """The codec of a live cache object's exact class (a dedicated one, else the generic
     ``State`` codec for classes following mlx-lm's protocol); Unsupported if none fits."""
-    codec = CODECS.get(type(c).__name__)
-    if codec is not None and type(c) is codec.cls:
-        return codec
-    if codec is None and STATE.follows(c):
-        return STATE
-    why = "" if codec is not None else " and it does not follow mlx-lm's state / from_state protocol"
+    known = CODECS.get(type(c).__name__)
+    if known is not None and type(c) is known.cls:
+        return known
+    if known is None and STATE_CODEC.follows(c):
+        return STATE_CODEC
+    why = "" if known is not None else " and it does not follow mlx-lm's state / from_state protocol"
     raise Unsupported(f"no codec for cache class {type(c).__module__}.{type(c).__name__}{why}")
 
 
 def encode_layer(c: Any) -> tuple[Tensors, dict]:
     """One cache layer to (tensors, meta); meta["class"] names the codec."""
-    codec = codec_of(c)
-    tensors, meta = codec.encode(c)
-    meta["class"] = "State" if codec is STATE else codec.cls.__name__
+    one = codec_of(c)
+    tensors, meta = one.encode(c)
+    meta["class"] = STATE if one is STATE_CODEC else one.cls.__name__
     return tensors, meta
 
 
 def decode_layer(t: Tensors, meta: Meta) -> Any:
-    codec = STORED.get(meta.get("class", ""))
-    if codec is None:
+    one = STORED.get(meta.get("class", ""))
+    if one is None:
         raise Unsupported(f"unknown cache class in stored layout: {meta.get('class')!r}")
-    return codec.decode(t, meta)
+    return one.decode(t, meta)
 
 
 def encode_cache(cache: list[Any]) -> tuple[Tensors, Layout]:
@@ -377,10 +288,10 @@ def encode_cache(cache: list[Any]) -> tuple[Tensors, Layout]:
     return tensors, Layout.of(metas)
 
 
-def decode_cache(tensors: Tensors, layout: Layout) -> list[Any]:
+def decode_cache(tensors: Tensors, cache_layout: Layout) -> list[Any]:
     """Rebuild cache objects of the stored classes; arrays are fresh views of ``tensors``."""
     out = []
-    for i, meta in enumerate(layout):
+    for i, meta in enumerate(cache_layout):
         p = f"{i}."
         out.append(decode_layer({k[len(p):]: v for k, v in tensors.items() if k.startswith(p)}, meta))
     return out
@@ -456,8 +367,19 @@ def check_holds(cache: Sequence[Any], n: int | None = None) -> str | None:
         off = getattr(c, "offset", None)
         if n is not None and isinstance(off, int) and off != n:
             return f"layer {i} holds {off} positions, not {n}"
-        codec = CODECS.get(type(c).__name__)
-        why = codec.holds(c) if codec is not None and type(c) is codec.cls else None
+        known = CODECS.get(type(c).__name__)
+        dense = known is not None and type(c) is known.cls and CLASSES[type(c).__name__].dense
+        why = _dense_holds(c) if dense else None
         if why:
             return f"layer {i} ({why})"
+    return None
+
+
+def _dense_holds(c: Any) -> str | None:
+    """Why a layer of a class whose arrays hold every position it claims (``dense``) holds
+    fewer, or None."""
+    keys, off = c.keys, c.offset
+    k = keys[0] if isinstance(keys, (tuple, list)) else keys
+    if k is not None and isinstance(off, int) and k.shape[-2] < off:
+        return f"{type(c).__name__} claims {off} positions but its arrays hold {k.shape[-2]}"
     return None

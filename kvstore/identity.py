@@ -49,7 +49,7 @@ import xxhash
 
 from .files import open_foreign, read_foreign, special_files
 from .keys import FORMAT_VERSION
-from .layouts import layout_from_config
+from .model_layout import ModelLayout, Record, layout_from_config
 
 log = logging.getLogger("kvstore")
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz", ".bin")
@@ -311,7 +311,7 @@ def dir_components(model_dir: Path, memo: DigestMemo | None = None) -> dict[str,
     return comps
 
 
-def code_digest(config: dict, layout: list) -> str | None:
+def code_digest(config: dict, layout: Record) -> str | None:
     """A digest of the code that computes this model's KV: the source of the mlx-lm module
     that builds the model, of every ``mlx_lm.models`` module it reaches (attention, RoPE,
     activations), and of each cache class in ``layout`` with its kvstore-relevant bases.
@@ -333,7 +333,7 @@ def code_digest(config: dict, layout: list) -> str | None:
             h.update(b"?")
     from mlx_lm.models import cache as mlx_cache
 
-    for cls_name in sorted(_classes(layout)):
+    for cls_name in sorted(ModelLayout.from_json(layout).classes):
         for cls in getattr(getattr(mlx_cache, cls_name, None), "__mro__", ()):
             if getattr(cls, "__module__", None) == mlx_cache.__name__:
                 try:
@@ -361,15 +361,6 @@ def _model_modules(root: Any) -> dict[str, Any]:
     return found
 
 
-def _classes(layout: list) -> set[str]:
-    out: set[str] = set()
-    for m in layout:
-        if isinstance(m, dict):
-            out.add(str(m.get("class")))
-            out |= _classes(m.get("sub") or [])
-    return out
-
-
 def model_identity(
     model_path: str | Path,
     *,
@@ -377,7 +368,7 @@ def model_identity(
     draft_path: str | Path | None = None,
     kv_bits: int | None = None,
     kv_group_size: int | None = None,
-    layout: list | None = None,
+    layout: Record | None = None,
     memo: DigestMemo | None = None,
 ) -> Identity:
     """The identity of an mlx-lm model directory (plus adapter / draft / KV quantisation).

@@ -19,7 +19,7 @@ Guarantees:
   what its record says is refused, so a pack file moved, copied or crafted under another
   record's name is never read as that record's KV. Nothing else in kvstore builds or
   parses these fields (``stored_layout`` reads the layout for display, unchecked: what a
-  layout may hold is ``cachelayout.Layout.from_json``'s to say).
+  layout may hold is ``layout.Layout.from_json``'s to say).
 - ``parse_header`` accepts only a header whose tensors exactly tile the segment, so nothing
   a header says makes a reader allocate more than the segment holds.
 - ``PackWriter`` writes a new, never reused name (``files.create_own``): a crash leaves at

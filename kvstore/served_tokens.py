@@ -5,7 +5,7 @@ shares ``common`` of them with a query of ``n_q`` tokens. If it is a prefix of t
 serves all it holds (an exact entry serves the whole query: the caller keeps a token for
 the model). Otherwise it is cut back to the common prefix, leaving at least one query token
 for the model to feed, and only where the candidate can be cut there: trimmability is a
-property of the cut point (see ``cachelayout.Layout.can_cut``), and a cut it refuses is a miss. mlx-free
+property of the cut point (see ``layout.Layout.can_cut``), and a cut it refuses is a miss. mlx-free
 (the disk planner and the shared tier use it without loading MLX).
 """
 

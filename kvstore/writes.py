@@ -30,8 +30,8 @@ from .disk_errors import DiskErrors
 from .identity import Identity
 from .index import IndexFailure
 from .keys import TOKEN_BYTES, TokenError
-from .cachelayout import Layout
-from .layouts import layout_problem
+from .layout import Layout
+from .fit import layout_problem
 from .memory import Evicted, Snapshot, check, take
 from .misses import EVICTED_DISK, EVICTED_UNWRITTEN, Ghosts
 from .query import Query

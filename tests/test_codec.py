@@ -28,7 +28,7 @@ from mlx_lm.models.cache import (
 )
 
 from kvstore import alloc, codec, files, keys, segments
-from kvstore.cachelayout import Layout
+from kvstore.layout import Layout
 from kvstore.keys import TokenError
 
 H, D = 2, 64  # kv heads, head dim (64: divisible by the quantisation group size 32)

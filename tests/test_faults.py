@@ -81,7 +81,7 @@ def test_disk_hit_is_usable_from_another_thread(tmp_path: Path) -> None:
 
     from kvstore import KVStore
     from kvstore.identity import Identity
-    from kvstore.layouts import layout_of
+    from kvstore.model_layout import layout_of
 
     ident = Identity.from_components({"test": "threads", "layout": layout_of(synth_kv_cache(2, 2, 1, 8))},
                                      name="threads")
@@ -142,7 +142,7 @@ def _store_with_free_list(cache_dir: Path) -> tuple:
 
     from kvstore import KVStore
     from kvstore.identity import Identity
-    from kvstore.layouts import layout_of
+    from kvstore.model_layout import layout_of
 
     ident = Identity.from_components({"test": "free-list", "layout": layout_of(synth_kv_cache(2, 2, 1, 8))},
                                      name="free-list")
@@ -234,7 +234,7 @@ def test_crash_damage_excuses_every_entry_it_can_cost(tmp_path: Path) -> None:
 
     from kvstore import KVStore
     from kvstore.identity import Identity
-    from kvstore.layouts import layout_of
+    from kvstore.model_layout import layout_of
     from tools.harness.faults.check import raw_entries, segment_users
     from tools.harness.faults.common import decode
     from tools.harness.faults.damage import damage_segments

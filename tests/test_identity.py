@@ -18,7 +18,7 @@ from tests.support.stores import CHUNK, cache_digest
 
 from kvstore import KVStore, model_identity
 from kvstore.identity import Identity
-from kvstore.layouts import layout_of
+from kvstore.model_layout import layout_of
 from tools.testing.model_builds import MODELS, model_path
 from tools.testing.oracle import prefill
 

@@ -594,7 +594,7 @@ def test_verify_and_gc_out_of_file_descriptors_drop_nothing(tmp_path):
 
     from kvstore import KVStore
     from kvstore.identity import Identity
-    from kvstore.layouts import layout_of
+    from kvstore.model_layout import layout_of
     from tests.support.caches import synth_kv_cache
     from tests.support.stores import out_of_descriptors
 

@@ -51,7 +51,7 @@ def test_every_array_of_every_class_is_checked_whole(name, load_named):
     ChunkedKVCache: a real prefilled cache fits its model; the same cache with any one
     array given a batch of 2 or a fifth axis does not, and the problem names the array."""
     from kvstore.codec import encode_cache
-    from kvstore.layouts import ArraySpec, layout_problem
+    from kvstore.fit import ArraySpec, layout_problem
     from tools.testing.model_builds import MODELS
     from tools.testing.oracle import prefill
 

@@ -22,7 +22,7 @@ def test_ls_imports_no_lookup_or_identity_code(tmp_path: Path) -> None:
         import json, sys
         from kvstore.cli.main import main
         rc = main(["ls", "--cache-dir", json.loads(sys.argv[1])])
-        heavy = ("kvstore.disk", "kvstore.identity", "kvstore.layouts", "kvstore.alloc", "mlx", "mlx_lm")
+        heavy = ("kvstore.disk", "kvstore.identity", "kvstore.model_layout", "kvstore.alloc", "mlx", "mlx_lm")
         print(json.dumps({"rc": rc, "loaded": [m for m in heavy if m in sys.modules]}))
     """, str(d))
     assert got == {"rc": 0, "loaded": []}, got
@@ -91,7 +91,7 @@ def test_persist_and_plan_load_no_mlx(tmp_path: Path) -> None:
     got = run_py("""
         import json, sys
         import numpy as np
-        from kvstore.cachelayout import Layout
+        from kvstore.layout import Layout
         from kvstore.disk import DiskTier, PersistJob
         from kvstore.identity import Identity
         from kvstore.keys import encode_tokens, key_of, root_key

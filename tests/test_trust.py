@@ -28,7 +28,7 @@ from tests.support.stores import CHUNK
 
 from kvstore import KVStore
 from kvstore.identity import Identity, code_digest, model_identity
-from kvstore.layouts import layout_of
+from kvstore.model_layout import layout_of
 from tools.harness.faults import craft
 from tools.testing.model_builds import model_path
 from tools.testing.oracle import prefill

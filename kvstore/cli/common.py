@@ -225,7 +225,9 @@ def kv_dtype(header: Any) -> str | None:
     layers, else the dtype of its first key tensor (``"float16"``...)."""
     if header is None:
         return None
-    q = [m for m in header_layout(header) if isinstance(m, dict) and m.get("class") == "QuantizedKVCache"]
+    from ..layout import facts
+
+    q = [m for m in header_layout(header) if isinstance(m, dict) and facts(m.get("class")).quantized]
     if q:
         return f"{q[0].get('bits')}-bit (group {q[0].get('group_size')})"
     names = sorted(header.specs)

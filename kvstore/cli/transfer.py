@@ -255,9 +255,10 @@ def _tokenizer(model_dir: Path) -> Any:
 
 def _open_store(args: argparse.Namespace, cache: list[Any]) -> Any:
     """A store whose identities carry the file's KV quantisation (mlx-lm's QuantizedKVCache)."""
+    from ..layout import facts
     from ..store import KVStore, StoreOpenError
 
-    quant = next((c for c in cache if type(c).__name__ == "QuantizedKVCache"), None)
+    quant = next((c for c in cache if facts(type(c).__name__).quantized), None)
     bits = (int(quant.bits), int(quant.group_size)) if quant is not None else (None, 64)
     try:
         return KVStore(common.cache_dir(args), max_entries=1, kv_bits=bits[0], kv_group_size=bits[1],
@@ -268,11 +269,11 @@ def _open_store(args: argparse.Namespace, cache: list[Any]) -> Any:
 
 def _check_fits(ident: Any, cache: list[Any], path: Path) -> None:
     """Refuse a cache whose layers or arrays are not what ``ident``'s model makes (every
-    array's whole shape but the token axis, its dtype: ``layouts.layout_problem``), before
+    array's whole shape but the token axis, its dtype: ``fit.layout_problem``), before
     anything is stored: a batch of 2 or a fifth axis kills mlx_lm.server's generation
     thread at the first request that restores it."""
     from ..codec import Unsupported, encode_cache
-    from ..layouts import layout_problem
+    from ..fit import layout_problem
 
     try:
         why = layout_problem(ident, *encode_cache(cache))

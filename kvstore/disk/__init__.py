@@ -77,7 +77,7 @@ class DiskTier(Tier):
     def restore(self, plan: Plan, ident: Identity) -> Restored:
         """Read a plan's segments (verified) and build live caches holding ``plan.n`` tokens.
 
-        The stored layout must fit ``ident``'s model (``layouts.layout_problem``), checked
+        The stored layout must fit ``ident``'s model (``fit.layout_problem``), checked
         on the segments' headers before anything is allocated. Raises BlobError (naming the record in ``err.record``) when a record's
         bytes are bad, anything else (OSError, MemoryError, RuntimeError) as it is; then
         nothing is returned and the arrays being filled are dropped.

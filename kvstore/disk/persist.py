@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import bytes_written, files, segments
-from ..cachelayout import Layout
+from ..layout import Layout
 from ..identity import Identity
 from ..index import Reader, WriteTxn
 from ..keys import TOKEN_BYTES

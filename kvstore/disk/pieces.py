@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from .. import files, segments
-from ..cachelayout import Layout
+from ..layout import Layout
 from ..identity import Identity
 from ..index import Reader
-from ..layouts import ArraySpec, layout_problem
+from ..fit import ArraySpec, layout_problem
 from ..records import ChunkRecord, EntryRecord, Kind, RecordError, Segment
 from ..segments import SegmentMeta, SegmentMismatch
 from ..served_tokens import CutRefused
@@ -94,7 +94,7 @@ def _check_pieces(pieces: list[Piece], heads: list[segments.Header], ident: Iden
 def checked(pieces: list[Piece], heads: list[segments.Header], ident: Identity,
              plan: Plan) -> tuple[Layout, segments.Specs]:
     """The stored layout and the restored arrays' specs, once ``_check_pieces`` and the
-    identity's layout check (``layouts.layout_problem``, on the specs) accept the pieces; CutRefused
+    identity's layout check (``fit.layout_problem``, on the specs) accept the pieces; CutRefused
     if the plan cuts a snapshot where its layout does not allow (nothing allocated yet)."""
     layout = _check_pieces(pieces, heads, ident, plan)
     with blame(*pieces[0].record):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from .. import alloc, files, segments
-from ..cachelayout import Layout
+from ..layout import Layout
 from ..identity import Identity
 from ..records import ChunkRecord, EntryRecord
 from .pieces import Piece, blame, blamed, checked, framed, plan_pieces

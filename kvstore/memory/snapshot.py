@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 
 from .. import codec
-from ..cachelayout import Layout
+from ..layout import Layout
 
 ORDERING = ("assistant", "user", "system")  # mlx-lm's eviction order: assistant turns go first
 

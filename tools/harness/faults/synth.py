@@ -106,7 +106,7 @@ def syn_cache(kind: str, tokens: list[int]) -> list:
 def syn_identity(kind: str) -> Identity:
     """The store identity of synthetic caches of ``kind`` (``kv`` or ``snap``)."""
     from kvstore.identity import Identity
-    from kvstore.layouts import layout_of
+    from kvstore.model_layout import layout_of
     return Identity.from_components({"synthetic": f"kvfaults-{kind}-v1", "layout": layout_of(syn_cache(kind, []))},
                                     name=f"synthetic-{kind}")
 

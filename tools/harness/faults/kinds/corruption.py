@@ -348,7 +348,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 from kvstore import KVStore
 from kvstore.identity import Identity
-from kvstore.layouts import layout_of
+from kvstore.model_layout import layout_of
 d, n, seed, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 rng = random.Random(seed)
 def cache(L):

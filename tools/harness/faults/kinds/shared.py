@@ -126,7 +126,7 @@ def other_identity(fam: str) -> Any:
     """An identity with the layout of ``fam``'s synthetic caches but another name: its
     lookups walk the same Redis, and must never hit what ``fam`` published."""
     from kvstore.identity import Identity
-    from kvstore.layouts import layout_of
+    from kvstore.model_layout import layout_of
     return Identity.from_components({"synthetic": f"kvfaults-{fam}-other", "layout": layout_of(syn_cache(fam, []))},
                                     name=f"other-{fam}")
 

@@ -1,4 +1,5 @@
-"""A stored cache layout as one frozen value, without MLX: ``Layout``.
+"""What is true of each stored cache class (``CLASSES``) and a stored cache layout as one
+frozen value (``Layout``), without MLX.
 
 A layout is what ``codec.encode_cache`` writes beside a cache's tensors (a segment's
 ``kvstore.layout``): per layer, its stored class name and fields (lengths, ring and chunk
@@ -6,13 +7,16 @@ parameters, quantisation, CacheList members, a ``State`` class's items). ``Layou
 it read-only and answers every question asked of it without building a cache: its length,
 where it may be cut, whether it can be cut into token chunks, its signature (what an
 identity records). What is true of each stored class is data, ``CLASSES``: its family, its
-cut rule, whether it is chunkable; ``codec`` encodes and decodes, and reads the same table.
+cut rule, whether it is chunkable, which arrays a layer holds and what their axes are, how
+its KV is stored. It is the one home of those facts: ``codec`` encodes and decodes by it,
+``fit`` checks shapes by it, the CLI describes entries by it; no other module tests a class
+name.
 
 Guarantees:
 - ``Layout.from_json`` accepts only what ``codec`` writes (known classes, bounded integer
   fields, CacheList nesting at most two deep) and raises ValueError naming what is wrong:
   nothing else about a stored layout is trusted before it passed this and the identity's
-  layout check (``layouts.layout_problem``).
+  layout check (``fit.layout_problem``).
 - ``to_json`` gives back exactly the JSON it was built from (fields in their stored order),
   so the bytes written are those ``codec`` always wrote.
 - A cut is allowed only where the cut cache is, in everything the model reads, what a cold
@@ -35,28 +39,53 @@ CUT_CHUNK_KEPT = "chunk kept"      # where the kept keys cover the attention chu
 CUT_MEMBERS = "members"            # where every member allows it
 
 
+# Which arrays a layer of a class holds, by name, and what their axes are.
+KV = "keys and values"          # k, v: (batch 1, KV heads, tokens, head_dim)
+QUANT_KV = "quantised KV"       # k0..k2, v0..v2: mx.quantize's packed words (head_dim * bits / 32 uint32),
+                                # scales and biases (head_dim / group_size), each (1, KV heads, tokens, .)
+STATE_ARRAYS = "state arrays"   # a0..a{size-1}: recurrent state, shapes as the identity records them
+STATE_ITEMS = "state items"     # t{i}: a ``State`` class's array items, shapes its own
+MEMBERS = "members"             # none of its own: its members' (s{j}.<name>)
+
+
 @dataclass(frozen=True)
 class ClassFacts:
     """What is true of a stored class whatever its layer holds. ``family``: ATTENTION for
     every attention-KV class, else its own (layers of one family may stand for each other
     in a model's layout); ``cut``: its cut rule (``CUT_*``); ``chunkable``: a prefix can be
-    cut into token chunks and glued back (plain and quantised KV)."""
+    cut into token chunks and glued back (plain and quantised KV); ``arrays``: which arrays
+    a layer holds (``KV``...); ``dense``: its arrays hold every position its offset claims
+    (no ring buffer, no dropped window)."""
 
     family: str
     cut: str = CUT_NEVER
     chunkable: bool = False
+    arrays: str = ""
+    dense: bool = False
 
+    @property
+    def quantized(self) -> bool:
+        """Its KV is stored quantised (the layer's ``bits`` and ``group_size`` say how)."""
+        return self.arrays == QUANT_KV
+
+    @property
+    def nested(self) -> bool:
+        """It holds other cache layers (a CacheList), not arrays of its own."""
+        return self.arrays == MEMBERS
+
+
+STATE = "State"  # the stored name of any class following mlx-lm's state / from_state protocol
 
 # Every class name a stored layout may hold ("State": any class following mlx-lm's
 # ``state`` / ``from_state`` protocol, see ``codec``).
 CLASSES: dict[str, ClassFacts] = {
-    "KVCache": ClassFacts(ATTENTION, CUT_WITHIN, chunkable=True),
-    "QuantizedKVCache": ClassFacts(ATTENTION, CUT_WITHIN, chunkable=True),
-    "RotatingKVCache": ClassFacts(ATTENTION, CUT_UNWRAPPED),
-    "ChunkedKVCache": ClassFacts(ATTENTION, CUT_CHUNK_KEPT),
-    "ArraysCache": ClassFacts("ArraysCache"),
-    "CacheList": ClassFacts("CacheList", CUT_MEMBERS),
-    "State": ClassFacts("State"),
+    "KVCache": ClassFacts(ATTENTION, CUT_WITHIN, chunkable=True, arrays=KV, dense=True),
+    "QuantizedKVCache": ClassFacts(ATTENTION, CUT_WITHIN, chunkable=True, arrays=QUANT_KV, dense=True),
+    "RotatingKVCache": ClassFacts(ATTENTION, CUT_UNWRAPPED, arrays=KV),
+    "ChunkedKVCache": ClassFacts(ATTENTION, CUT_CHUNK_KEPT, arrays=KV),
+    "ArraysCache": ClassFacts("ArraysCache", arrays=STATE_ARRAYS),
+    "CacheList": ClassFacts("CacheList", CUT_MEMBERS, arrays=MEMBERS),
+    STATE: ClassFacts(STATE, arrays=STATE_ITEMS),
 }
 
 INT_FIELDS = ("offset", "keep", "max_size", "idx", "chunk_size", "start", "group_size", "bits", "size")
@@ -66,10 +95,16 @@ MAX_LAYERS = 4096
 MAX_ARRAYS = 1024  # an ArraysCache's size
 
 
-def family(cls_name: str) -> str:
+def facts(cls_name: Any) -> ClassFacts:
+    """The facts of a stored class name; an unknown one (a record not checked against
+    ``CLASSES``) is its own family, never cut, and holds no arrays kvstore knows."""
+    known = CLASSES.get(cls_name) if isinstance(cls_name, str) else None
+    return known if known is not None else ClassFacts(str(cls_name), arrays="")
+
+
+def family(cls_name: Any) -> str:
     """The family of a stored class name (see ``ClassFacts``); an unknown name is its own."""
-    facts = CLASSES.get(cls_name)
-    return facts.family if facts is not None else cls_name
+    return facts(cls_name).family
 
 
 @dataclass(frozen=True)
@@ -96,6 +131,11 @@ class Layer(Mapping[str, Any]):
         """The stored class name."""
         return str(self.get("class"))
 
+    @property
+    def facts(self) -> ClassFacts:
+        """What is true of its class (``CLASSES``)."""
+        return facts(self.cls)
+
     def replaced(self, key: str, value: Any) -> Layer:
         """This layer with ``key`` set to ``value`` (in its place, else last)."""
         if key in self:
@@ -104,7 +144,7 @@ class Layer(Mapping[str, Any]):
 
     def can_cut(self, n: int) -> bool:
         """Whether this layer may be cut back to ``n`` positions (its class's cut rule)."""
-        rule = CLASSES[self.cls].cut
+        rule = self.facts.cut
         if rule == CUT_WITHIN:
             return 0 <= n <= self["offset"]
         if rule == CUT_UNWRAPPED:
@@ -121,9 +161,9 @@ class Layer(Mapping[str, Any]):
 
     def signature(self) -> dict[str, Any]:
         """The layer without lengths: its class and parameters."""
-        if self.cls == "CacheList":
+        if self.facts.nested:
             return {"class": self.cls, "sub": self["sub"].signature()}
-        if self.cls == "State":
+        if self.facts.arrays == STATE_ITEMS:
             return {"class": self.cls, "type": self["type"], "items": [x[0] for x in self["items"]]}
         return {k: _thaw(v) for k, v in self.fields if k not in LENGTH_FIELDS}
 
@@ -159,7 +199,7 @@ class Layout:
         """Layers with CacheList members in their place."""
         out: list[Layer] = []
         for m in self.layers:
-            out.extend(m["sub"].flat if m.cls == "CacheList" else [m])
+            out.extend(m["sub"].flat if m.facts.nested else [m])
         return tuple(out)
 
     @property
@@ -172,11 +212,11 @@ class Layout:
     def chunkable(self, n_tokens: int) -> bool:
         """Every layer is of a chunkable class and holds exactly ``n_tokens`` positions: the
         cache can be cut into token chunks and glued back (prefix reuse at any length)."""
-        return all(CLASSES[m.cls].chunkable and m["offset"] == n_tokens for m in self.flat)
+        return all(m.facts.chunkable and m["offset"] == n_tokens for m in self.flat)
 
     def with_offset(self, n: int) -> Layout:
         """A chunkable layout re-labelled to hold ``n`` tokens."""
-        return Layout(tuple(m.replaced("sub", m["sub"].with_offset(n)) if m.cls == "CacheList"
+        return Layout(tuple(m.replaced("sub", m["sub"].with_offset(n)) if m.facts.nested
                             else m.replaced("offset", n) for m in self.layers))
 
     def can_cut(self, n: int) -> bool:
@@ -232,15 +272,15 @@ def _check(obj: Any, depth: int) -> None:
             if k in INT_FIELDS:
                 if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 31:
                     raise ValueError(f"layout field {k}={v!r} out of range")
-            elif k == "sub" and m["class"] == "CacheList":
+            elif k == "sub" and CLASSES[m["class"]].nested:
                 _check(v, depth + 1)
-            elif m["class"] == "State":
+            elif CLASSES[m["class"]].arrays == STATE_ITEMS:
                 if not (k == "type" and isinstance(v, str) and len(v) <= 200 and v.startswith("mlx_lm.models.")
                         or k == "items" and isinstance(v, list) and len(v) <= 64 and all(map(_item_ok, v))):
                     raise ValueError(f"layout field {k}={str(v)[:80]!r} is not a state description")
             else:
                 raise ValueError(f"unexpected layout field {k!r}")
-        if m["class"] == "ArraysCache" and not 0 < m.get("size", 0) <= MAX_ARRAYS:
+        if CLASSES[m["class"]].arrays == STATE_ARRAYS and not 0 < m.get("size", 0) <= MAX_ARRAYS:
             raise ValueError(f"ArraysCache size {m.get('size')!r} out of range")
 
 
