@@ -15,7 +15,7 @@ import pytest
 
 from kvstore.floors import MIN_DISK_HIT
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 INSTALL = "from kvstore.adapters import vllm_mlx; vllm_mlx.install(cache_dir='unused')"
 
 

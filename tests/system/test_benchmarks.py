@@ -24,7 +24,7 @@ import pytest
 
 from tools.testing.procs import end_group, run_watched
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("ttft", "bandwidth", "agent_loop", "overhead", "scale", "shared", "server", "serve")
 TOP_KEYS = {"benchmark", "schema", "quick", "machine", "settings", "raw", "medians", "headline", "notes", "seconds"}
 MACHINE_KEYS = {"cpu", "cores", "ram_bytes", "os", "blas", "versions", "loadavg"}

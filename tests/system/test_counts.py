@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_misses import (RULES, UUID2, anthropic_body, cached, first_difference, miss_lines, openai_body,
+from tests.system.test_misses import (RULES, UUID2, anthropic_body, cached, first_difference, miss_lines, openai_body,
                                system, tool_model)  # noqa: F401 (tool_model: a fixture)
 
 __all__ = ["tool_model"]
@@ -142,7 +142,7 @@ def test_a_tenants_lookups_cannot_be_differenced_out_of_shared_counts(tmp_path) 
     then a diverged miss) and see nothing move; A reads its own counts (before: A's hit
     length, divergence and lost tokens were the shared counters' difference)."""
     from tests.support.servers import Server
-    from tests.test_tenants_server import call
+    from tests.system.test_tenants_server import call
     from tools.testing.model_builds import model_path
 
     key_a, key_b = "key-tenant-a-0001", "key-tenant-b-0002"
@@ -178,7 +178,7 @@ def test_an_unsalted_reader_cannot_difference_a_salted_request(tmp_path) -> None
     """No keys: a request's cache_salt keeps its lookups out of the counts everyone reads;
     ``?cache_salt=`` reads them."""
     from tests.support.servers import Server
-    from tests.test_misses import urlread
+    from tests.system.test_misses import urlread
     from tools.testing.model_builds import model_path
 
     with Server(model_path("tiny-llama"), tmp_path / "cache", tmp_path / "server.log") as s:
@@ -202,7 +202,7 @@ def test_why_salts_the_identity_from_the_body(tmp_path) -> None:
     import json as json_mod
 
     from tests.support.servers import Server
-    from tests.test_misses import why
+    from tests.system.test_misses import why
     from tools.testing.model_builds import model_path
 
     model = model_path("tiny-llama")
@@ -260,7 +260,7 @@ def test_misses_are_named_in_the_requests_terms(tmp_path, tool_model) -> None:
     import json as json_mod
 
     from tests.support.servers import Server
-    from tests.test_misses import DATE, served_request, urlread, why
+    from tests.system.test_misses import DATE, served_request, urlread, why
 
     names = TWENTY[:6]
     question = "Which shelf keeps ledgers for 5 years? " + RULES[:400]  # a change early in it costs 400 tokens
@@ -325,7 +325,7 @@ def test_a_lost_prefix_is_named_the_previous_turn_not_in_the_store(tmp_path) -> 
     one-entry memory tier drops it: asked again, the miss names the previous turn as not in
     the store (``recent_misses``, the log line, the ``part`` metric)."""
     from tests.support.servers import Server
-    from tests.test_misses import urlread
+    from tests.system.test_misses import urlread
     from tools.testing.model_builds import model_path
 
     a = {"messages": [{"role": "user", "content": system() + " " + "Which shelf keeps ledgers for 5 years?"}],

@@ -21,7 +21,7 @@ import pytest
 from tests.support.models import requires_smollm2
 from tools.testing.procs import end_group, start_group
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NUM = r"(\d[\d,]*)"
 
 

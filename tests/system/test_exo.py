@@ -26,7 +26,7 @@ from tools.testing import oracle
 from tools.testing.model_builds import model_path
 from tools.testing.procs import end_group, start_group
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHARD = {"kind": "PipelineShardMetadata", "model_id": "tiny", "start_layer": 0, "end_layer": 2,
          "n_layers": 4, "device_rank": 0, "world_size": 2}
 NEXT_SHARD = dict(SHARD, start_layer=2, end_layer=4, device_rank=1)

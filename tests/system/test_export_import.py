@@ -20,7 +20,7 @@ import pytest
 
 from tests.support import ROOT
 from tests.support.children import child_env
-from tests.test_cli import cli
+from tests.system.test_cli import cli
 
 PROMPT = ("You are a careful assistant. Answer in one short sentence and name your sources. "
           "The question is about the history of the city of Lyon and its silk weavers.")

@@ -17,7 +17,7 @@ import pytest
 
 from tools.harness.families import configs, survey
 
-RESULTS = pathlib.Path(__file__).resolve().parent.parent / "tools" / "harness" / "families" / "results" / "results.json"
+RESULTS = pathlib.Path(__file__).resolve().parents[2] / "tools" / "harness" / "families" / "results" / "results.json"
 
 # one family per cache shape (see tools/harness/families/results/results.md for every family)
 CI_FAMILIES = [

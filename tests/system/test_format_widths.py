@@ -14,8 +14,8 @@ import pytest
 
 from kvstore import KVStore
 from tests.support.stores import cache_digest
-from tests.test_cli import cli
-from tests.test_trust import SNAP, _snapshot_cache
+from tests.system.test_cli import cli
+from tests.system.test_trust import SNAP, _snapshot_cache
 
 IMAGE = -1 - 0x3A7F09B1C2D4E5F  # mlx_lm.server's id for an image's patches: -1 - int(sha256(url)[:15], 16)
 

@@ -88,7 +88,7 @@ class Impl:
             return mlc.LRUPromptCache(max_size, max_bytes)
         d = cache_dir or self.tmp_path / f"kv{len(self.opened)}"
         # min_disk_hit=0: these toy prompts are a few tokens long; the rules compared here
-        # are the lookup's own, not the floor on tiny disk hits (tests/test_newcomer.py)
+        # are the lookup's own, not the floor on tiny disk hits (tests/system/test_newcomer.py)
         pc = kvstore.LRUPromptCache(max_size, max_bytes, cache_dir=d, disk=self.kind == "kvstore_disk",
                                     min_disk_hit=0)
         self.opened.append(pc)

@@ -20,7 +20,7 @@ import mlx.core as mx
 import pytest
 
 from tests.support.servers import Server, cached_tokens, reply
-from tests.test_cli import cli
+from tests.system.test_cli import cli
 
 FAMILIES = ["tiny-llama", "tiny-llama-q", "tiny-gemma3", "tiny-qwen3next", "tiny-cachelist", "tiny-llama4"]
 CRAFTS: dict[str, Callable[[mx.array], mx.array]] = {

@@ -23,7 +23,7 @@ def test_every_upstream_server_test_that_passes_on_mlx_lm_passes_on_kvstore(tmp_
     # the kvstore run used kvstore's prompt cache: its disk tier holds what the suite served
     index = tmp_path / "kvstore-cache" / "index"
     assert index.is_dir() and any(index.iterdir()), "the kvstore run never opened kvstore's store"
-    docs = (Path(__file__).resolve().parent.parent / "docs" / "serve.md").read_text()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "serve.md").read_text()
     for test, why in upstream_mlx_lm.DELIBERATE.items():  # each deliberate difference is documented
         assert test in docs and why in docs, test
 
@@ -32,5 +32,5 @@ def test_the_suite_is_downloaded_once_and_never_copied_into_the_repository() -> 
     path = upstream_mlx_lm.suite_path()
     assert path.is_file() and upstream_mlx_lm.upstream_dir() in path.parents
     assert path.stat().st_mtime == upstream_mlx_lm.suite_path().stat().st_mtime  # reused, not fetched again
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     assert not any(p.read_bytes() == path.read_bytes() for p in repo.rglob("test_server.py"))

@@ -25,10 +25,10 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 from tests.support.servers import Server, cached_tokens, reply, serve_command
-from tests.test_server import SYSTEM, USER1, USER2
+from tests.system.test_server import SYSTEM, USER1, USER2
 
 FILLER = 60  # unpinned entries that make a preload last long enough to be seen from outside
 

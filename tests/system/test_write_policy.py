@@ -15,7 +15,7 @@ import pytest
 from kvstore import KVStore
 from kvstore.bytes_written import count, written
 from tests.support.caches import ident, rand_tokens, synth
-from tests.test_cli import cli
+from tests.system.test_cli import cli
 
 pytest_plugins = ("tests.support.redis_servers",)
 
