@@ -73,16 +73,6 @@ def test_kvstore_vllm_mlx_serve_help_lists_kvstores_flags_first() -> None:
     assert p.stdout.index("kvstore's flags") < p.stdout.index("vllm-mlx's flags follow")
 
 
-def test_kvstore_vllm_mlx_serve_says_where_its_disk_tier_is() -> None:
-    from kvstore.cli.vllm_mlx import disk_tier_line, split_args
-
-    options, rest = split_args(["m", "--continuous-batching", "--cache-dir", "/data/kv", "--max-disk-bytes", "5000B"])
-    line = disk_tier_line(options, rest)
-    assert line.startswith("disk tier on: entries in /data/kv (at most 5,000 bytes, --persist all)"), line
-    assert "batched engine" in line
-    assert "SimpleEngine" in disk_tier_line(*split_args(["m"]))
-
-
 def test_vllm_mlx_install_names_a_missing_dependency(tmp_path: Path) -> None:
     """vllm-mlx present (a stand-in package first on the path) but one of its imports missing."""
     engine = tmp_path / "vllm_mlx" / "engine"

@@ -295,15 +295,3 @@ def test_claude_codes_remaining_fields(model_dir: Path, tmp_path: Path) -> None:
         assert "'search_result'" in e.value.message and "supported: text, image, document" in e.value.message
         with pytest.raises(anthropic.BadRequestError, match="thinking: type must be one of"):
             c.messages.count_tokens(model="m", messages=QUESTION, thinking={"type": "sometimes"})  # type: ignore[arg-type,typeddict-item]
-
-
-def test_thinking_types_map_to_the_templates_switch() -> None:
-    """``adaptive`` turns the template's thinking switch on, as ``enabled`` does;
-    ``budget_tokens`` is accepted (it cannot be enforced) and changes nothing rendered."""
-    from kvstore.adapters.anthropic import chat_request
-
-    def switch(thinking: dict[str, Any]) -> Any:
-        return chat_request({"max_tokens": 8, "messages": QUESTION, "thinking": thinking}, False)["chat_template_kwargs"]
-
-    assert switch({"type": "adaptive"}) == switch({"type": "enabled", "budget_tokens": 1024}) == {"enable_thinking": True}
-    assert switch({"type": "disabled"}) == {"enable_thinking": False}

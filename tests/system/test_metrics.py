@@ -107,17 +107,6 @@ def settled(s: Server) -> dict:
     raise AssertionError(f"the writer did not settle: {s.stats()}")
 
 
-def test_durations_buckets_are_cumulative_and_inclusive() -> None:
-    from kvstore.counters import Durations
-
-    d = Durations((0.01, 0.1, 1.0))
-    for x in (0.005, 0.01, 0.05, 2.0):
-        d.observe(x)
-    snap = d.snapshot()
-    assert snap["counts"] == [2, 3, 3] and snap["count"] == 4  # le is "<=": 0.01 falls in the first
-    assert snap["sum"] == pytest.approx(2.065)
-
-
 def test_shared_tier_figures_follow_its_stats(tmp_path: Path) -> None:
     """A shared tier nobody answers (connection refused): its errors, breaker state and
     skipped calls, rendered by the same collector the server uses."""

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from kvstore import misses
-from kvstore.misses import Miss, Misses
+from kvstore.misses import Miss
 from tests.support import ROOT
 from tests.support.children import child_env
 
@@ -50,34 +50,6 @@ def first_difference(a: list[int], b: list[int]) -> int:
 # -- Misses, the log line, the metrics -------------------------------------------------------
 
 
-def test_misses_counts_histogram_recent_and_threshold() -> None:
-    m = Misses(threshold=256, recent=3)
-    small = Miss(misses.DIVERGED, prompt=400, served=300, at=300, stored=380, after=(1, 2, 3))
-    big = Miss(misses.OTHER_IDENTITY, prompt=2000, served=0, at=2000, stored=2000, detail="chat_template differs")
-    assert m.record(small) is False and m.record(big) is True
-    for _ in range(3):
-        m.record(small)
-    s = m.stats()
-    assert s["miss_diverged"] == 4 and s["miss_other_identity"] == 1 and s["miss_cut_refused"] == 0
-    assert set(f"miss_{r}" for r in misses.REASONS) <= set(s)
-    assert s["miss_lost_tokens"] == 4 * 80 + 2000 and s["miss_log_threshold"] == 256
-    h = s["miss_lost_tokens_histogram"]
-    assert h["count"] == 5 and h["counts"][h["le"].index(256)] == 4 and h["sum"] == 2320
-    [listed] = s["recent_misses"]  # only the misses worth a log line
-    assert listed["reason"] == "other_identity" and listed["lost_tokens"] == 2000 and listed["diverged_at"] == 2000
-    for i in range(5):
-        m.record(Miss(misses.DIVERGED, prompt=4000, served=100 + i, at=100 + i, stored=4000))
-    recent = m.stats()["recent_misses"]
-    assert [r["served_tokens"] for r in recent] == [102, 103, 104]  # the last 3, oldest first
-    assert not any("after" in r or "tokens" == k for r in recent for k in r)  # no token ids
-    json.dumps(s)  # what /v1/cache/stats sends
-    near = misses.Near(4000)  # a prompt sharing only a role header with a stored one is new, not changed:
-    near.saw("disk", 6, 4000)   # the store makes no Miss of it (so nothing is counted)
-    assert misses.explain(near, 6) is None
-    near.saw("disk", misses.MIN_DISK_GAIN, 4000)
-    assert misses.explain(near, misses.MIN_DISK_GAIN).reason == misses.DIVERGED
-
-
 def test_log_line_shows_escaped_text_either_side() -> None:
     from kvstore.cli.inspect import tokenizer_json_decoder
     from kvstore.escape import visible
@@ -105,24 +77,6 @@ def test_log_line_shows_escaped_text_either_side() -> None:
     assert misses.log_line(other, prompt, decode) == (
         "kvstore: miss (other_identity: chat_template): recomputed 2,000 tokens a stored prefix held; served 0 of "
         "2,000; another identity of this model holds the prefix (2,000 tokens of this prompt)")
-
-
-def test_metrics_count_reasons_and_tokens_recomputed() -> None:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from kvstore import metrics
-
-    m = Misses()
-    m.record(Miss(misses.DIVERGED, prompt=1000, served=100, at=100, stored=900))
-    m.record(Miss(misses.EVICTED_UNWRITTEN, prompt=500, served=0, at=500, stored=500, detail="policy"))
-    body, _ = metrics.exposition(metrics.registry(lambda: {**m.stats(), "misses": 1}))
-    fams = {f.name: f for f in text_string_to_metric_families(body.decode())}
-    by_reason = {s.labels["reason"]: s.value for s in fams["kvstore_miss_reasons"].samples
-                 if s.name.endswith("_total")}
-    assert by_reason == {r: (1.0 if r in ("diverged", "evicted_unwritten") else 0.0) for r in misses.REASONS}
-    lost = {(s.name, s.labels.get("le")): s.value for s in fams["kvstore_miss_lost_tokens"].samples}
-    assert lost[("kvstore_miss_lost_tokens_count", None)] == 2 and lost[("kvstore_miss_lost_tokens_sum", None)] == 1300
-    assert lost[("kvstore_miss_lost_tokens_bucket", "1024.0")] == 2 and lost[("kvstore_miss_lost_tokens_bucket", "256.0")] == 0
 
 
 # -- kvstore why ---------------------------------------------------------------------------

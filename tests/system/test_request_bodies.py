@@ -28,6 +28,7 @@ import pytest
 
 from tests.support.children import child_env
 from tests.support.servers import Server, serve_command
+from tests.unit.test_adapters_http import nested
 
 KEY = "reliability-key-0001"
 FILE_KEY = "key-from-a-file-with-a-bom"
@@ -61,10 +62,6 @@ def stats(server: Server) -> dict[str, Any]:
     req = urllib.request.Request(server.url + "/v1/cache/stats", headers={"x-api-key": KEY})
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())
-
-
-def nested(depth: int, inner: str = "1") -> str:
-    return "[" * depth + inner + "]" * depth
 
 
 def openai_error(got: Any) -> str:
@@ -215,18 +212,3 @@ def test_a_key_that_can_never_match_is_refused_at_start(key: str, tmp_path: Path
     p = subprocess.run([*serve_command(), "--model", str(tmp_path / "no-model"), "--api-key-file", str(keys)],
                        capture_output=True, text=True, env=child_env(), timeout=120)
     assert p.returncode != 0 and "API key #2" in p.stderr and "outside printable ASCII" in p.stderr, p.stderr[-2000:]
-
-
-def test_brackets_inside_strings_do_not_count_as_nesting() -> None:
-    """The depth bound reads the JSON's structure, not its text: a prompt full of brackets
-    (code, a quoted bracket after an escaped quote) is accepted; the structure's own depth
-    is what is refused."""
-    from kvstore.adapters.http import MAX_DEPTH, BodyError, nesting, parse_json
-
-    text = "x = [[[[{{{{" * 500 + ' \\" [[[ \\\\'
-    body = json.dumps({"messages": [{"role": "user", "content": text}], "deep": json.loads(nested(MAX_DEPTH - 1))})
-    assert nesting(body.encode()) == MAX_DEPTH and parse_json(body.encode())["messages"][0]["content"] == text
-    assert nesting(b'{"a": "]]]]", "b": [[["}"]]]}') == 4
-    with pytest.raises(BodyError, match="levels deep") as e:
-        parse_json(nested(MAX_DEPTH + 1).encode())
-    assert e.value.status == 400

@@ -15,9 +15,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from kvstore.shared import SharedClient, SharedConfig, key_slot, make_key
-from kvstore.shared.breaker import Breaker
-from kvstore.shared.client import client_kwargs
+from kvstore.shared import SharedClient, SharedConfig, key_slot
 
 if TYPE_CHECKING:  # imported at run time by pytest_plugins, which rewrites its asserts
     from tests.support.redis_servers import RedisCluster, RedisServer
@@ -25,7 +23,6 @@ if TYPE_CHECKING:  # imported at run time by pytest_plugins, which rewrites its 
 pytest_plugins = ("tests.support.redis_servers",)
 
 FAST = {"breaker_failures": 3, "breaker_backoff": 0.2, "breaker_backoff_max": 0.8}
-SECRET = "hunter2-Zq9"
 
 
 def wait_for(predicate, timeout: float, step: float = 0.02) -> float:
@@ -41,131 +38,6 @@ def timed(fn, *args, **kwargs):
     start = time.monotonic()
     result = fn(*args, **kwargs)
     return result, time.monotonic() - start
-
-
-# -- config and keys (no server) ---------------------------------------------------------
-
-
-def test_url_forms_and_overrides() -> None:
-    c = SharedConfig.from_url("redis://alice:p%40ss@cache.example:7000/3?prefix=team-a&ttl=60",
-                              environ={})
-    assert (c.hosts, c.db, c.username, c.password, c.prefix, c.ttl) == (
-        (("cache.example", 7000),), 3, "alice", "p@ss", "team-a", 60.0)
-    assert (c.tls, c.cluster, c.scheme) == (False, False, "redis")
-    assert (c.connect_timeout, c.command_timeout) == (0.05, 0.1)
-
-    t = SharedConfig.from_url("rediss://h?ca_file=/etc/ca.pem", environ={},
-                              command_timeout=0.3)
-    assert (t.tls, t.port, t.tls_ca_file, t.command_timeout) == (True, 6379, "/etc/ca.pem", 0.3)
-    assert client_kwargs(t)["ssl"] is True and client_kwargs(t)["ssl_ca_certs"] == "/etc/ca.pem"
-
-    cl = SharedConfig.from_url("rediss+cluster://n1:7000,[::1]:7001,n3", environ={})
-    assert cl.cluster and cl.tls and cl.hosts == (("n1", 7000), ("::1", 7001), ("n3", 6379))
-    assert SharedConfig.from_url("redis://n1:7000", cluster=True, environ={}).scheme == \
-        "redis+cluster"
-    assert SharedConfig.from_url("redis://n1?cluster=yes", environ={}).cluster
-
-
-def test_credentials_from_env_and_precedence() -> None:
-    env = {"KVSTORE_SHARED_USER": "envuser", "KVSTORE_SHARED_PASSWORD": "envpw",
-           "KVSTORE_SHARED": "redis://h:1/2"}
-    from_env = SharedConfig.from_env(env)
-    assert from_env is not None
-    assert (from_env.username, from_env.password, from_env.db) == ("envuser", "envpw", 2)
-    url_wins = SharedConfig.from_url("redis://u:p@h", environ=env)
-    assert (url_wins.username, url_wins.password) == ("u", "p")
-    override_wins = SharedConfig.from_url("redis://u:p@h", environ=env, password="o")
-    assert override_wins.password == "o"
-    assert SharedConfig.from_env({}) is None
-
-
-@pytest.mark.parametrize("url, problem", [
-    ("", "empty"),
-    ("cache.example:6379", "no scheme"),
-    ("http://h", "unsupported scheme 'http'"),
-    ("redis://", "no host"),
-    (f"redis://u:{SECRET}@h:99999", "port"),
-    (f"redis://u:{SECRET}h:6379", "port"),  # the '@' forgotten: the password parses as a port
-    (f"redis://u:ab/{SECRET}@h/0", "port"),  # an unencoded '/' in the password
-    (f"redis://u:ab?{SECRET}@h", "port"),  # an unencoded '?'
-    (f"redis://h?{SECRET}@x=1", "unknown option in the query"),
-    ("redis://h/x", "db number"),
-    ("redis://h?colour=blue", "unknown option 'colour'"),
-    ("redis://h?ttl=soon", "bad value for option 'ttl'"),
-    ("redis://h?ttl=-5", "ttl must be a positive"),
-    ("redis://h1,h2", "redis+cluster"),
-    ("redis+cluster://h/2", "only db 0"),
-    ("redis://someone@h", "needs a password"),
-    ("redis://h?prefix=a{b}", "prefix"),
-    ("redis://h?connect_timeout=0", "connect_timeout must be a positive"),
-    ("redis://h?ca_file=/x", "rediss://"),
-])
-def test_bad_urls_name_the_problem_and_hide_secrets(url: str, problem: str) -> None:
-    with pytest.raises(ValueError) as err:
-        SharedConfig.from_url(url, environ={})
-    assert problem in str(err.value)
-    assert SECRET not in str(err.value)
-
-
-def test_redacted_repr_and_unknown_options() -> None:
-    c = SharedConfig.from_url(f"redis://alice:{SECRET}@h:1/4", environ={})
-    assert c.redacted() == "redis://***@h:1/4"
-    assert SECRET not in repr(c) and "alice" not in repr(c)
-    assert SECRET not in repr(SharedClient(c))
-    with pytest.raises(ValueError, match="unknown SharedConfig option"):
-        SharedConfig.from_url("redis://h", environ={}, timeout=1)
-
-
-def test_keys_carry_one_hash_tag() -> None:
-    assert make_key("kvstore", "blob", 7, tag="ab12") == "kvstore:{ab12}:blob:7"
-    assert make_key("kvstore", "meta") == "kvstore:meta"
-    # the slot depends on the tag alone
-    assert key_slot("kvstore:{ab12}:blob:7") == key_slot("other:{ab12}:rec") == key_slot("ab12")
-    for bad in ({"tag": "a{b"}, {"tag": ""}, {"tag": "a b"}):
-        with pytest.raises(ValueError):
-            make_key("kvstore", "x", **bad)
-    with pytest.raises(ValueError):
-        make_key("kvstore", "x}y")
-    with pytest.raises(ValueError):
-        make_key("kvstore")
-
-
-def test_breaker_backoff_doubles_to_cap_and_resets() -> None:
-    now = [0.0]
-    b = Breaker(failures=2, backoff=1.0, backoff_max=3.0, clock=lambda: now[0])
-    assert b.allow() and not b.failure() and b.state == "closed"
-    assert b.failure() and b.state == "open" and b.opens == 1
-    assert not b.allow() and b.retry_in() == 1.0
-    now[0] = 1.0
-    assert b.allow() and b.state == "half-open"
-    assert not b.allow()  # one probe at a time
-    assert b.failure() and b.retry_in() == 2.0  # failed probe: doubled
-    now[0] = 3.0
-    assert b.allow() and b.failure() and b.retry_in() == 3.0  # capped
-    now[0] = 6.0
-    assert b.allow()
-    b.abandon()  # the probe raised a non-Redis error: the next call probes instead
-    assert b.state == "open" and b.allow()
-    assert b.success() and b.state == "closed"
-    assert not b.failure() and b.failure() and b.retry_in() == 1.0  # backoff reset
-    assert b.opens == 4
-
-
-def test_bad_arguments_raise_value_error_without_io() -> None:
-    c = SharedClient("redis://127.0.0.1:1/0")  # nothing listens on port 1
-    k = c.key("x", tag="t")
-    for call in (lambda: c.pipeline_get(k),  # one string, not a list of keys
-                 lambda: c.pipeline_get([b"bytes"]),  # type: ignore[list-item]
-                 lambda: c.set_many({k: None}),  # type: ignore[arg-type]
-                 lambda: c.set_many([(k, b"v", 1)]),  # type: ignore[list-item]
-                 lambda: c.set_many({k: b"v"}, ttl=-1),
-                 lambda: c.set_many({c.key("a", tag="t1"): b"", c.key("b", tag="t2"): b""},
-                                    atomic=True),
-                 lambda: c.hset(k, {}),
-                 lambda: c.scan_iter("elsewhere:*")):
-        with pytest.raises(ValueError):
-            call()
-    assert c.stats()["calls"] == 0 and c.stats()["errors"] == 0
 
 
 # -- one server ------------------------------------------------------------------------------

@@ -883,29 +883,6 @@ def test_gc_removes_fields_whose_values_are_gone(tmp_path, redis_server: RedisSe
     assert _cli(capsys, "gc", "--shared", url, "--max-age", "1d")[1]["fields"] == 0
 
 
-def test_cli_shared_errors_are_clear(capsys):
-    from kvstore.cli.main import main
-
-    assert main(["stats", "--shared", "redis://127.0.0.1:1/0"]) == 1
-    assert "does not answer" in capsys.readouterr().err
-    assert main(["gc", "--shared", "redis://127.0.0.1:1/0"]) == 2
-    assert "--identity" in capsys.readouterr().err
-
-
-def test_serve_shared_flags():
-    import argparse
-
-    from kvstore.adapters.server import setup_arg_parser, shared_config
-
-    p = argparse.ArgumentParser()
-    setup_arg_parser(p)
-    ours, rest = p.parse_known_args(["--shared", "rediss://u:pw@h:7000/1", "--shared-prefix", "team",
-                                     "--shared-ttl", "600", "--shared-timeout", "250", "--model", "m"])
-    c = shared_config(ours)
-    assert (c.tls, c.db, c.prefix, c.ttl, c.command_timeout) == (True, 1, "team", 600.0, 0.25)
-    assert rest == ["--model", "m"] and shared_config(p.parse_known_args([])[0]) is None
-
-
 def test_a_shared_hit_this_disk_may_not_keep_is_served_whole(tmp_path, redis_server: RedisServer):
     """Machine B under ``persist="system"`` holds a system prompt's chunks on its disk, so the
     shared tier sends only the rest of a longer entry; B's write policy refuses to file that

@@ -938,24 +938,6 @@ def test_planted_fifo_or_symlink_at_every_written_name(tmp_path: Path, what: str
             ("index", "blobs", "index/data.mdb", "index/lock.mdb")} == {}, results
 
 
-def test_temp_names_are_unpredictable_and_exclusive(tmp_path: Path) -> None:
-    """``replace_file`` writes through a new random name each time and never opens an
-    existing one; ``create`` refuses a FIFO or symlink at its name at once."""
-    from kvstore import files
-
-    names = {files.temp_name(tmp_path / "clean") for _ in range(100)}
-    assert len(names) == 100 and all(files.TEMP_NAME.fullmatch(n.name) for n in names)
-    os.mkfifo(tmp_path / "fifo")
-    os.symlink(tmp_path / "target", tmp_path / "link")
-    for n in ("fifo", "link"):
-        with pytest.raises(FileExistsError):
-            files.create(tmp_path / n)
-    assert not (tmp_path / "target").exists()
-    files.replace_file(tmp_path / "link", b"x")
-    assert (tmp_path / "link").read_bytes() == b"x" and not (tmp_path / "link").is_symlink()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link"]
-
-
 # -- 20.5: terminal injection through stored prompts and names ------------------------------
 
 _EVIL = "\x1b]52;c;aGVsbG8=\x07\x1b]0;owned\x07\x1b[2J\x1b[Hfake output\x9b31m"
@@ -1178,4 +1160,3 @@ def test_repair_names_cannot_be_planted_in_advance(tmp_path: Path) -> None:
         disk.close()
     assert all((d / "someone").is_dir() for d in planted)
     assert _fetch_in_new_process(cache, prompts)["n"] == [100] * 3
-
