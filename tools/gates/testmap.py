@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from tools.gates.layers import DESIGN_DOC, TOP, modules
@@ -44,10 +45,20 @@ def reexports(mods: dict[str, Path]) -> dict[tuple[str, str], str]:
     return out
 
 
+def statements(node: ast.AST) -> Iterator[ast.AST]:
+    """Every statement under ``node``, nested ones (in functions, ``with``, ``try``) included:
+    imports are statements, so expressions are not walked."""
+    for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+        children = getattr(node, field, None)
+        for child in children if isinstance(children, list) else ():
+            yield child
+            yield from statements(child)
+
+
 def covered(test: Path, mods: dict[str, Path], exports: dict[tuple[str, str], str]) -> set[str]:
     """The kvstore modules one test file imports."""
     out: set[str] = set()
-    for node in ast.walk(ast.parse(test.read_text())):
+    for node in statements(ast.parse(test.read_text())):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
