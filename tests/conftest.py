@@ -47,7 +47,7 @@ def say(config, line: str) -> None:
 
 # A test running this long says so (a timer thread writes straight to the terminal), again at
 # twice as long, then every 2 min at most: under -q a long test is otherwise silent for minutes
-# (the quick benchmark suite behind tests/test_benchmarks.py ran 7.3 min on a busy machine).
+# (the quick benchmark suite behind tests/system/test_benchmarks.py ran 7.3 min on a busy machine).
 STILL_RUNNING_S = float(os.environ.get("KVSTORE_TEST_STILL_RUNNING_S", "60"))
 _terminal_fd: list[int] = []  # a dup of the real terminal, taken while pytest's capture is off
 

@@ -6,7 +6,7 @@ fresh clone with an empty HOME on 2 x86 cores (Debian's Python; OpenBLAS install
 the run says ``blas: "reference"``): ``quiet`` alone on the machine, ``busy`` beside other
 work (``load``: the 1-minute load average seen during the run). Replace a run's figures
 only with those of a new run, all of them together, then paste ``python -m tools.measured``
-into README (tests/test_newcomer.py checks README says exactly that paragraph).
+into README (tests/system/test_newcomer.py checks README says exactly that paragraph).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 Claude Code, OpenCode and Codex CLI, pinned (``PINS``), are installed from npm into a
 private prefix in the user cache dir (``.../kvstore/agent-clis/<pins>/``), as
 tools/gates/upstream_mlx_lm.py fetches mlx-lm's suite: ``.ci/run`` installs them where the
-registry is reachable, and tests/test_agent_clis.py skips, naming the command, where they
+registry is reachable, and tests/system/test_agent_clis.py skips, naming the command, where they
 are missing. ``run`` drives one CLI non-interactively, as a user would, against a real
 ``kvstore serve`` on 127.0.0.1 serving tiny-qwen-tools (the real Qwen BPE tokenizer, a
 template that renders tools; tools/testing/model_builds.py), through a recording proxy:
@@ -19,7 +19,7 @@ Every request the CLI made is written to the report with its status, its body an
 the answer carried one, its usage (prompt tokens, tokens read from the cache). HOME is a
 temp dir holding the CLI's config only; telemetry, update checks and error reports are
 off by each CLI's own switches. The caller runs ``run`` in a network namespace with only
-loopback (tests/test_agent_clis.py: ``unshare -n`` as root) so nothing can leave
+loopback (tests/system/test_agent_clis.py: ``unshare -n`` as root) so nothing can leave
 127.0.0.1; where that is unavailable the proxies point at a dead loopback port.
 """
 
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.install:
         where = install()
-        print(where or "tools.gates.agent_clis: npm is missing: the agent CLIs' tier (tests/test_agent_clis.py) "
+        print(where or "tools.gates.agent_clis: npm is missing: the agent CLIs' tier (tests/system/test_agent_clis.py) "
                        "will skip; install Node.js with npm, then run `python -m tools.gates.agent_clis --install`")
         return 0
     if args.cmd == "run":

@@ -23,7 +23,7 @@ MLX_LM="mlx-lm==0.31.3"
 VLLM_MLX="vllm-mlx==0.6.0"
 VLLM_MLX_DEPS=("jsonschema>=4.0.0" "requests>=2.28.0"        # what its engines import
                "fastapi" "starlette>=1.0.1" "uvicorn" "python-multipart")   # its server
-DEFAULT_TESTS=(tests/test_lru_parity.py tests/compat tests/test_codec.py tests/test_store.py)
+DEFAULT_TESTS=(tests/system/test_lru_parity.py tests/compat tests/system/test_codec.py tests/system/test_store.py)
 
 t0=$(date +%s)
 if [ ! -x "$VENV/bin/python" ]; then

@@ -84,7 +84,7 @@ def suite_path(version: str | None = None, *, say: bool = False) -> Path:
         if say:
             print(f"fetching mlx-lm {version}'s source distribution from PyPI with pip (about 0.5 MB; pip "
                   f"then installs build tools to read its metadata: a minute or two on a busy machine) for its {SUITE}, which "
-                  f"tests/test_upstream_server.py runs against kvstore; once per machine, into {final.parent}",
+                  f"tests/system/test_upstream_server.py runs against kvstore; once per machine, into {final.parent}",
                   file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(dir=root) as tmp:
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",

@@ -1,7 +1,7 @@
 """A new process opens the store, fetches every prompt (plus a short user turn) and checks each
-hit with the oracle (tests/test_cli.py's template store).
+hit with the oracle (tests/system/test_cli.py's template store).
 
-Moved verbatim from a program string in tests/test_cli.py; run as
+Moved verbatim from a program string in tests/system/test_cli.py; run as
 ``python -m tests.support.programs.cli_fetch JSON`` (see ``tests.support.children.run_module``).
 """
 

@@ -2,7 +2,7 @@
 counts hits, misses and errors, compares restored tensors with a prefill and runs the oracle
 on some hits, until the stop file appears.
 
-Moved verbatim from a program string in tests/test_cli.py; run as
+Moved verbatim from a program string in tests/system/test_cli.py; run as
 ``python -m tests.support.programs.cli_reader JSON`` (see ``tests.support.children.run_module``).
 """
 

@@ -1,5 +1,5 @@
 """One node of a two-node exo group (MLX's ring backend on 127.0.0.1), for
-``tests/test_exo.py``: each node has its own cache directory holding a different prefix of
+``tests/system/test_exo.py``: each node has its own cache directory holding a different prefix of
 the prompt; ``get_kv_cache`` must give both the same number of tokens, each equal to a cold
 prefill; then an add under memory pressure on one node evicts on both (exo's maximum over
 the group).

@@ -1,5 +1,5 @@
 """``kvstore.adapters.exo.install`` in a process where ``exo`` is a stand-in package with exo's
-builder shape (``tests/test_exo.py`` writes it): build a node's cache the way exo's runner
+builder shape (``tests/system/test_exo.py`` writes it): build a node's cache the way exo's runner
 does (``load(bound_instance)``, then ``build()``), use it, build again (a restart) and
 report what was built; then ``uninstall``.
 

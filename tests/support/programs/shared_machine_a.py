@@ -1,7 +1,7 @@
 """Machine A of the two-machine shared-tier test: prefill a prefix on every family and insert
 it into a store backed by the shared tier.
 
-Moved verbatim from a program string in tests/test_shared_tier.py; run as
+Moved verbatim from a program string in tests/system/test_shared_tier.py; run as
 ``python -m tests.support.programs.shared_machine_a JSON`` (see ``tests.support.children.run_module``).
 """
 

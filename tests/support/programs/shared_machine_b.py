@@ -1,7 +1,7 @@
 """Machine B of the two-machine shared-tier test: a fresh store fetches each prompt (from the
 shared tier), digests what it got and optionally runs the oracle / a cold prefill.
 
-Moved verbatim from a program string in tests/test_shared_tier.py; run as
+Moved verbatim from a program string in tests/system/test_shared_tier.py; run as
 ``python -m tests.support.programs.shared_machine_b JSON`` (see ``tests.support.children.run_module``).
 """
 

@@ -1,7 +1,7 @@
 """Disk tier in a new process: open each case's directory with a plain KVStore(dir), fetch P
 (memory empty, so it comes from disk), run the oracle, and report per family/case.
 
-Moved verbatim from a program string in tests/test_store.py; run as
+Moved verbatim from a program string in tests/system/test_store.py; run as
 ``python -m tests.support.programs.store_disk_fetch JSON`` (see ``tests.support.children.run_module``).
 """
 

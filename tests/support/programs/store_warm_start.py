@@ -1,7 +1,7 @@
 """Warm start in a new process: plan every entry through the index alone, counting the pack
 files opened (through kvstore.files.open_own), then fetch one entry.
 
-Moved verbatim from a program string in tests/test_store.py; run as
+Moved verbatim from a program string in tests/system/test_store.py; run as
 ``python -m tests.support.programs.store_warm_start JSON`` (see ``tests.support.children.run_module``).
 """
 

@@ -1,7 +1,7 @@
 """Fetch each prompt under the synthetic identity in a new process: tokens served and counters,
 or the exception opening the store raised (error and message).
 
-Moved verbatim from a program string in tests/test_trust.py; run as
+Moved verbatim from a program string in tests/system/test_trust.py; run as
 ``python -m tests.support.programs.trust_fetch JSON`` (see ``tests.support.children.run_module``).
 """
 

@@ -1,7 +1,7 @@
 """Open a cache directory each way asked (KVStore raising, LRUPromptCache, shared_dir=True)
 and report what happened: opened, the StoreOpenError text, or LRU's disk state and warning.
 
-Moved verbatim from a program string in tests/test_trust.py; run as
+Moved verbatim from a program string in tests/system/test_trust.py; run as
 ``python -m tests.support.programs.trust_open_ways JSON`` (see ``tests.support.children.run_module``).
 """
 

@@ -1,7 +1,7 @@
 """Fetch synthetic entries in a new process, collecting kvstore's warnings and counters;
 optionally a gc in another process runs between each lookup and its restore.
 
-Moved verbatim from a program string in tests/test_trust.py; run as
+Moved verbatim from a program string in tests/system/test_trust.py; run as
 ``python -m tests.support.programs.trust_watched_fetch JSON`` (see ``tests.support.children.run_module``).
 """
 

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     """The command line (``--help``); exits 1 if any wrong restore, escaped exception, crash or lost entry, or a harness error."""
     ap = argparse.ArgumentParser(prog="python -m tools.harness.faults", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small run (minutes)")
-    ap.add_argument("--ci", action="store_true", help="the CI subset (what tests/test_faults.py runs)")
+    ap.add_argument("--ci", action="store_true", help="the CI subset (what tests/system/test_faults.py runs)")
     ap.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", help=f"comma-separated fault kinds ({','.join(KINDS)})")

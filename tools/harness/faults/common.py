@@ -20,7 +20,7 @@ EXTRA_TOKEN = 65     # token appended after a restored prefix for the oracle
 N_GEN = 3            # greedy steps the oracle compares
 VOCAB = 256          # prompts use the byte tokens of the tiny models
 
-# trials per kind and size; "ci" is the subset tests/test_faults.py runs
+# trials per kind and size; "ci" is the subset tests/system/test_faults.py runs
 SIZES: dict[str, dict[str, Any]] = {
     "full": dict(crash=240, crash_lineage=6, blob=720, lmdb=300, lmdb_live=40, full_disk=12,
                  conc_seconds=60, conc_procs=4, conc_threads=4, templates=3, huge_fetch=2_000_000,

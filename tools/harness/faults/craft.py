@@ -1,6 +1,6 @@
 """Crafting hostile cache directories: what someone else may put in or around one.
 
-Shared by the ``hostile`` fault kind and ``tests/test_trust.py``. Everything here works
+Shared by the ``hostile`` fault kind and ``tests/system/test_trust.py``. Everything here works
 on real files and the real LMDB index (records written with ``lmdb`` directly, as another
 program would), never through kvstore's own write path, except where a test needs a
 segment kvstore would accept byte for byte (``pack_with``)."""

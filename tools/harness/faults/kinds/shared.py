@@ -91,7 +91,7 @@ CLUSTER_TRIALS = TRIALS[:-1] + ("publish_down", "fetch_allstop", "publish_allsto
 SLOW_RATES = (20e3, 200e3)    # bytes/s through the relay in ``slow_link``
 SLOW_DEADLINE = 0.3           # seconds per lookup in ``slow_link``: larger entries cannot make it
 PREFIX = "kvfaults"
-# breaker tuned as tests/test_shared_tier.py does; timeouts are the defaults (0.05 s connect,
+# breaker tuned as tests/system/test_shared_tier.py does; timeouts are the defaults (0.05 s connect,
 # 0.1 s command, 1 s per socket operation moving values)
 FAST = {"breaker_failures": 2, "breaker_backoff": 0.2, "breaker_backoff_max": 0.4}
 FETCH_BOUND = 3.0    # seconds: 2 round trips at <= ~1.1 s each, with slack for a loaded machine

@@ -1,0 +1,1 @@
+"""System tests: real models, child processes, `kvstore serve` and Redis servers."""

@@ -1,0 +1,348 @@
+"""``kvstore serve``'s OpenAI Responses API (``/v1/responses``) as the official ``openai`` SDK
+and a Codex-shaped client meet it.
+
+Real ``kvstore serve`` subprocesses, the real SDK over HTTP:
+- tiny-llama: ``client.responses.create`` and ``client.responses.stream`` (same text, the
+  second reads the whole prompt from the cache), the same conversation as a chat completion
+  from the same cache, stored responses (``retrieve``, ``delete``, OpenAI's 404), tenants
+  (another ``cache_salt`` is a 404), refused requests (400s naming the field, nothing stored);
+- ``benchmarks.agent_session --api responses``'s Codex-shaped session, the server SIGKILLed
+  midway: every turn after the first >= 95% cached; with ``--chain`` the
+  ``previous_response_id`` chain continues in the fresh process;
+- a scripted tool-calling model (tests/support/scripted_model.py): a streamed request shaped
+  like Codex CLI 0.171's (two ``developer`` messages, flat + namespace + ``web_search``
+  tools, ``store: false``, ``include``, ``prompt_cache_key``, ``client_metadata``), the
+  event sequence Codex parses, then the next turn with its ``function_call`` /
+  ``function_call_output`` history read from the cache;
+- ``response_store.ResponseStore`` on real files: tests/unit/test_adapters_response_store.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.support.servers import Server
+from tests.unit.test_adapters_response_store import stored
+
+SYSTEM = " ".join(f"Clause {i}: the archive keeps every ledger for {i + 3} years and lists it by shelf {i * 5 % 17}."
+                  for i in range(10))
+QUESTION = "Which shelf holds the ledgers kept for five years?"
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from tools.testing.model_builds import model_path
+
+    return model_path("tiny-llama")
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="not-needed", max_retries=0, timeout=300)
+
+
+def raw(server: Server, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    """(status, JSON body) of one request, whatever its status."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(server.url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_sdk_create_stream_store_and_errors(model_dir: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    with Server(model_dir, cache, tmp_path / "server.log") as s:
+        c = client(s)
+        r = c.responses.create(model="tiny", instructions=SYSTEM, input=QUESTION, max_output_tokens=16, temperature=0,
+                               metadata={"run": "1"})
+        assert r.object == "response" and r.id.startswith("resp_") and r.model == "tiny"
+        assert [o.type for o in r.output] == ["message"] and r.output_text
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens", r
+        u = r.usage
+        assert u.output_tokens == 16 and u.input_tokens > 700 and u.input_tokens_details.cached_tokens == 0, u
+        assert u.total_tokens == u.input_tokens + 16 and u.output_tokens_details.reasoning_tokens == 0
+        prompt = u.input_tokens
+
+        # streamed, the same request: the event sequence, the same text, the prompt from the cache
+        with c.responses.stream(model="tiny", instructions=SYSTEM, input=QUESTION, max_output_tokens=16,
+                                temperature=0) as stream:
+            events = list(stream)
+            final = stream.get_final_response()
+        kinds = [e.type for e in events]
+        assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                             "response.content_part.added"], kinds
+        assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                              "response.completed"], kinds
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+        assert final.output_text == r.output_text and final.id.startswith("resp_") and final.id != r.id
+        f = final.usage
+        assert f.input_tokens == prompt and f.input_tokens_details.cached_tokens >= prompt - 1, f
+
+        # the same conversation as a chat completion: one rendering, one cache, the same text
+        chat = c.chat.completions.create(model=str(model_dir), max_tokens=16, temperature=0, messages=[
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
+        assert chat.choices[0].message.content == r.output_text
+        assert chat.usage.prompt_tokens == prompt and chat.usage.prompt_tokens_details.cached_tokens >= prompt - 1
+
+        # stored: retrieve, continue, delete; files private
+        got = c.responses.retrieve(r.id)
+        assert got.id == r.id and got.output_text == r.output_text and got.metadata == {"run": "1"}
+        files = stored(cache)
+        assert len(files) == 2 and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files), files
+        assert stat.S_IMODE((cache / "responses").stat().st_mode) == 0o700
+        nxt = c.responses.create(model="tiny", previous_response_id=r.id, input="And the next?", max_output_tokens=4,
+                                 temperature=0)
+        assert nxt.previous_response_id == r.id
+        # no instructions carried over (as OpenAI's): the chained prompt is the input, the answer, the new input
+        assert nxt.usage.input_tokens < prompt
+        c.responses.delete(r.id)
+        with pytest.raises(openai.NotFoundError) as e:
+            c.responses.retrieve(r.id)
+        assert e.value.body == {"message": f"Response with id '{r.id}' not found.", "type": "invalid_request_error",
+                                "param": None, "code": None}
+        with pytest.raises(openai.NotFoundError):
+            c.responses.delete(r.id)
+        assert len(stored(cache)) == 2  # the stream's and nxt's
+
+        # store: false keeps nothing
+        c.responses.create(model="tiny", input=QUESTION, max_output_tokens=2, store=False)
+        assert len(stored(cache)) == 2
+
+        # refused: OpenAI's error object naming the field; nothing stored, nothing generated
+        before = stored(cache)
+        bad: list[tuple[dict[str, Any], str]] = [
+            ({"input": QUESTION, "max_output_tokens": 0}, "max_output_tokens"),
+            ({"input": QUESTION, "temperature": "hot"}, "temperature"),
+            ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
+            ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]"),
+            ({"input": [{"role": "critic", "content": "x"}]}, "input[0].role"),
+            ({"input": QUESTION, "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice"),
+            ({"input": QUESTION, "tools": [{"type": "function", "name": "f"}],
+              "tool_choice": {"type": "function", "name": "g"}}, "tool_choice.name"),
+            ({"input": QUESTION, "tools": [{"type": "shell_magic"}]}, "tools[0].type"),
+            ({"input": QUESTION, "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+            ({"input": QUESTION, "background": True}, "background"),
+            ({}, "input"),
+        ]
+        for body, param in bad:
+            status, err = raw(s, "POST", "/v1/responses", {"model": "tiny", **body})
+            assert status == 400 and err["error"]["param"] == param, (body, status, err)
+            assert err["error"]["type"] == "invalid_request_error" and err["error"]["message"], err
+        with pytest.raises(openai.NotFoundError) as e:
+            c.responses.create(model="tiny", previous_response_id="resp_gone", input="hi")
+        assert e.value.body["param"] == "previous_response_id"
+        assert stored(cache) == before
+        assert s.stop(signal.SIGTERM) == 0, s.log()
+
+
+def test_tenants_do_not_see_each_others_responses(model_dir: Path, tmp_path: Path) -> None:
+    """A response stored under one ``cache_salt`` is a 404 under another (or none), for
+    ``retrieve``, ``delete`` and ``previous_response_id``; its own tenant still finds it."""
+    with Server(model_dir, tmp_path / "cache", tmp_path / "server.log") as s:
+        c = client(s)
+        r = c.responses.create(model="tiny", input=QUESTION, max_output_tokens=2, extra_body={"cache_salt": "alice"})
+        for query in ({"cache_salt": "bob"}, {}):
+            with pytest.raises(openai.NotFoundError):
+                c.responses.retrieve(r.id, extra_query=query)
+            with pytest.raises(openai.NotFoundError):
+                c.responses.delete(r.id, extra_query=query)
+        with pytest.raises(openai.NotFoundError):
+            c.responses.create(model="tiny", previous_response_id=r.id, input="x", max_output_tokens=2,
+                               extra_body={"cache_salt": "bob"})
+        assert c.responses.retrieve(r.id, extra_query={"cache_salt": "alice"}).id == r.id
+        nxt = c.responses.create(model="tiny", previous_response_id=r.id, input="x", max_output_tokens=2,
+                                 extra_body={"cache_salt": "alice"})
+        assert nxt.previous_response_id == r.id
+        assert s.stop(signal.SIGTERM) == 0, s.log()
+
+
+THINKING_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}")
+
+
+def test_reasoning_effort_switches_the_templates_thinking(model_dir: Path, tmp_path: Path) -> None:
+    """``reasoning.effort`` reaches the template as ``enable_thinking``: ``none`` renders the
+    empty think block a Qwen3-style template adds when thinking is off, ``high`` does not,
+    and without ``reasoning.effort`` the prompt is the chat route's (no switch passed)."""
+    with Server(model_dir, tmp_path / "cache", tmp_path / "server.log", ["--chat-template", THINKING_TEMPLATE]) as s:
+        c = client(s)
+
+        def prompt(**extra: Any) -> int:
+            return c.responses.create(model="tiny", input=QUESTION, max_output_tokens=1, **extra).usage.input_tokens
+
+        off, on, default = prompt(reasoning={"effort": "none"}), prompt(reasoning={"effort": "high"}), prompt()
+        assert off == on + len("<think>\n\n</think>\n\n"), (off, on)
+        chat = c.chat.completions.create(model=str(model_dir), max_tokens=1, messages=[{"role": "user", "content": QUESTION}])
+        assert default == chat.usage.prompt_tokens, (default, chat.usage)  # the server's own default, untouched
+        assert prompt(reasoning={"effort": "minimal", "summary": "auto"}) == off
+        assert s.stop(signal.SIGTERM) == 0, s.log()
+
+
+@pytest.mark.parametrize("chain", [False, True], ids=["resend", "chain"])
+def test_codex_session_survives_sigkill(model_dir: Path, tmp_path: Path, chain: bool) -> None:
+    """Six turns of ``benchmarks.agent_session --api responses`` (Codex-shaped; ``chain``:
+    store + previous_response_id with only the new items), the server SIGKILLed after turn
+    3 once its writes are on disk and started again: every turn after the first, the first
+    after the restart included, reads >= 95% of its prompt from the cache, and the chain
+    continues in the new process."""
+    from benchmarks.agent_session import TOOL_TEMPLATE, play, system_prompt, tools
+    from benchmarks.responses_trace import ResponsesSession, run_turn
+
+    cache = tmp_path / "cache"
+    extra = ["--chat-template", TOOL_TEMPLATE]
+    servers = [Server(model_dir, cache, tmp_path / "server1.log", extra).__enter__()]
+
+    def restart() -> None:
+        servers[-1].wait_flushed()
+        assert servers[-1].stop(signal.SIGKILL) == -signal.SIGKILL
+        servers[-1].__exit__()
+        servers.append(Server(model_dir, cache, tmp_path / "server2.log", extra).__enter__())
+
+    sent: list[dict[str, Any]] = []
+
+    def run(c: openai.OpenAI, req: dict[str, Any]) -> dict[str, Any]:
+        sent.append(req)
+        return run_turn(c, req)
+
+    try:
+        session = ResponsesSession(system_prompt(8), tools(2), max_tokens=8, result_lines=1, chain=chain)
+        rows = play(session, 6, 3, lambda: client(servers[-1]), restart, run=run)
+        if chain:  # the restarted server holds every response of the chain, the first one's included
+            first = client(servers[-1]).responses.retrieve(sent[1]["previous_response_id"])
+            assert first.output and first.usage.input_tokens == rows[0]["prompt_tokens"], first
+        else:
+            assert not stored(cache)  # store: false
+    finally:
+        for s in servers:
+            s.__exit__()
+    assert len(servers) == 2 and [r["error"] for r in rows] == [None] * 6, rows
+    assert rows[0]["prompt_tokens"] > 3000 and rows[0]["cache_read_input_tokens"] == 0, rows[0]
+    for r in rows[1:]:
+        assert r["cache_read_input_tokens"] >= 0.95 * r["prompt_tokens"], (r, rows)
+    assert all(r["prompt_tokens"] > p["prompt_tokens"] for r, p in zip(rows[1:], rows)), rows
+    if chain:  # only the new items after the first turn; the server held the rest, after the restart too
+        assert all(q.get("previous_response_id") and len(q["input"]) <= 3 for q in sent[1:]), sent
+    else:
+        assert all(q["store"] is False and "previous_response_id" not in q for q in sent)
+
+
+# -- Codex-shaped ---------------------------------------------------------------------------------
+
+
+CALL = {"name": "shell", "arguments": {"command": ["ls", "-la"]}}
+CODEX_TOOLS = [
+    {"type": "function", "name": "shell", "description": "Runs a shell command and returns its output.", "strict": False,
+     "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+                    "required": ["command"], "additionalProperties": False}},
+    {"type": "namespace", "name": "mcp__files", "description": "File tools.", "tools": [
+        {"type": "function", "name": "read_file", "description": "Reads a file.", "strict": False,
+         "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]},
+    {"type": "web_search"},
+]
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.support.scripted_model import build
+
+    return build(tmp_path_factory.mktemp("tool-model"), "<tool_call>\n" + json.dumps(CALL) + "\n</tool_call>")
+
+
+def codex_body(history: list[dict[str, Any]], turn: int) -> dict[str, Any]:
+    """What Codex CLI 0.171 sends (from its logged requests), reduced."""
+    return {"model": "tiny", "stream": True, "store": False, "tools": CODEX_TOOLS, "tool_choice": "auto",
+            "parallel_tool_calls": False, "reasoning": {"summary": "auto"}, "include": ["reasoning.encrypted_content"],
+            "prompt_cache_key": "0199a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b",
+            "client_metadata": {"turn_id": f"turn-{turn}-{os.urandom(4).hex()}", "ts": f"2026-11-28T01:0{turn}:00Z"},
+            "input": [
+                {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": SYSTEM}]},
+                {"type": "message", "role": "developer", "content": [
+                    {"type": "input_text", "text": "<permissions>sandbox: workspace-write</permissions>"}]},
+                {"type": "message", "role": "user", "content": [
+                    {"type": "input_text", "text": "<environment_context>cwd: /repo</environment_context>"}]},
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List the files."}]},
+                *history]}
+
+
+def sse_events(server: Server, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The events of one streamed request, read as Codex reads them (``data:`` lines)."""
+    req = urllib.request.Request(server.url + "/v1/responses", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        text = r.read().decode()
+    out = []
+    for block in text.split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        if "data" in lines:
+            event = json.loads(lines["data"])
+            assert lines.get("event") == event["type"], block
+            out.append(event)
+    return out
+
+
+def test_codex_shaped_stream_and_tool_history(tool_model: Path, tmp_path: Path) -> None:
+    with Server(tool_model, tmp_path / "cache", tmp_path / "server.log") as s:
+        events = sse_events(s, codex_body([], 1))
+        kinds = [e["type"] for e in events]
+        assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                         "response.output_item.done", "response.completed"], kinds
+        assert isinstance(events[0]["response"]["id"], str) and events[0]["response"]["status"] == "in_progress"
+        call = events[-2]["item"]
+        assert call["type"] == "function_call" and call["name"] == "shell" and isinstance(call["call_id"], str)
+        assert json.loads(call["arguments"]) == CALL["arguments"]
+        done = events[-1]["response"]
+        assert done["status"] == "completed" and done["output"] == [call]
+        u = done["usage"]
+        assert set(u) == {"input_tokens", "input_tokens_details", "output_tokens", "output_tokens_details", "total_tokens"}
+        assert u["input_tokens_details"]["cached_tokens"] == 0 and u["output_tokens_details"]["reasoning_tokens"] == 0
+        first = u["input_tokens"]
+        assert first > 900, u  # the system prompt, both developer messages and the two function tools rendered
+
+        # client_metadata (a new turn id and time) never reaches the prompt: the same request is all cached
+        again = sse_events(s, codex_body([], 2))[-1]["response"]["usage"]
+        assert again["input_tokens"] == first and again["input_tokens_details"]["cached_tokens"] >= first - 1, again
+
+        # the next turn: the call and its output resent as history; the prompt so far from the cache
+        history = [{"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": None},
+                   {k: call[k] for k in ("type", "id", "call_id", "name", "arguments")},
+                   {"type": "function_call_output", "call_id": call["call_id"], "output": "README.md\nkvstore/\ntests/"}]
+        nxt = sse_events(s, codex_body(history, 3))[-1]["response"]
+        assert nxt["usage"]["input_tokens"] > first + len("README.md\nkvstore/\ntests/")
+        assert nxt["usage"]["input_tokens_details"]["cached_tokens"] >= first - 1, nxt["usage"]
+        assert not stored(tmp_path / "cache")  # store: false
+
+        # the same history as a chat completion renders the same prompt, answered from the cache
+        chat = s.post("/v1/chat/completions", {"model": str(tool_model), "max_tokens": 4, "messages": [
+            {"role": "system", "content": SYSTEM + "\n\n<permissions>sandbox: workspace-write</permissions>"},
+            {"role": "user", "content": "<environment_context>cwd: /repo</environment_context>"},
+            {"role": "user", "content": "List the files."},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": call["call_id"], "type": "function", "function": {
+                "name": "shell", "arguments": call["arguments"]}}]},
+            {"role": "tool", "tool_call_id": call["call_id"], "content": "README.md\nkvstore/\ntests/"}],
+            "tools": [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
+                      for t in (CODEX_TOOLS[0], CODEX_TOOLS[1]["tools"][0])]})
+        assert chat["usage"]["prompt_tokens"] == nxt["usage"]["input_tokens"], (chat["usage"], nxt["usage"])
+        assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] >= nxt["usage"]["input_tokens"] - 1
+        assert s.stop(signal.SIGTERM) == 0, s.log()
+
+
+# -- the store on its own ---------------------------------------------------------------------------

@@ -1,0 +1,66 @@
+"""Start-up costs that must not grow back (issue 31.11): what ``kvstore ls`` imports, whatever
+the store holds (what opening a cache directory looks at: tests/unit/test_cachedir.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.support.children import run_py
+
+
+def test_ls_imports_no_lookup_or_identity_code(tmp_path: Path) -> None:
+    """``kvstore ls`` (empty and missing directory) imports neither the disk tier's lookup
+    and restore code nor the identity's (nor MLX): only what listing the index needs.
+    Before: ``kvstore.cachedir`` imported ``kvstore.disk`` (and through it the identity,
+    layouts, allocation code) for every command."""
+    from kvstore.cachedir import open_disk
+
+    d = tmp_path / "cache"
+    open_disk(d).close()
+    got = run_py("""
+        import json, sys
+        from kvstore.cli.main import main
+        rc = main(["ls", "--cache-dir", json.loads(sys.argv[1])])
+        heavy = ("kvstore.disk", "kvstore.identity", "kvstore.model_layout", "kvstore.alloc", "mlx", "mlx_lm")
+        print(json.dumps({"rc": rc, "loaded": [m for m in heavy if m in sys.modules]}))
+    """, str(d))
+    assert got == {"rc": 0, "loaded": []}, got
+
+
+def test_store_without_a_shared_tier_does_not_import_it(tmp_path: Path) -> None:
+    """A store opened with no shared tier configured (``$KVSTORE_SHARED`` unset) imports
+    none of the shared tier's code (10 ms of a cold open here). Before: it imported the
+    package to read the environment."""
+    got = run_py("""
+        import json, sys
+        from kvstore import KVStore
+        with KVStore(json.loads(sys.argv[1])) as s:
+            print(json.dumps([m for m in sys.modules if m.startswith("kvstore.shared")]))
+    """, str(tmp_path / "cache"), env={"KVSTORE_SHARED": ""})
+    assert got == [], got
+
+
+def test_persist_and_plan_load_no_mlx(tmp_path: Path) -> None:
+    """The writer thread's work (``DiskTier.persist`` of host views and a ``Layout``) and a
+    lookup plan run without MLX, mlx_lm or the codec: every layout fact disk asks is
+    ``cachelayout``'s (issue 32.2). Before: persist imported ``codec`` (and MLX, about 3 s)
+    to ask whether the layout could be chunked and cut."""
+    got = run_py("""
+        import json, sys
+        import numpy as np
+        from kvstore.layout import Layout
+        from kvstore.disk import DiskTier, PersistJob
+        from kvstore.identity import Identity
+        from kvstore.keys import encode_tokens, key_of, root_key
+        disk = DiskTier(json.loads(sys.argv[1]), chunk_tokens=4)
+        ident = Identity.from_components({"test": "no-mlx"})
+        toks = list(range(1, 11))
+        enc = encode_tokens(toks)
+        kv = np.zeros((1, 2, 10, 8), np.float32)
+        job = PersistJob(ident, enc, key_of(root_key(ident.digest), enc, 4), {"0.k": ("F32", kv), "0.v": ("F32", kv)},
+                         Layout.from_json([{"offset": 10, "class": "KVCache"}]))
+        wrote, plan = disk.persist(job), disk.plan(ident, toks)
+        print(json.dumps({"wrote": wrote > 0, "n": plan.n, "chunks": len(plan.chunks),
+                          "loaded": [m for m in ("mlx", "mlx_lm", "kvstore.codec") if m in sys.modules]}))
+    """, str(tmp_path))
+    assert got == {"wrote": True, "n": 10, "chunks": 2, "loaded": []}, got
