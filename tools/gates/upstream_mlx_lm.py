@@ -33,7 +33,6 @@ import sys
 import tarfile
 import tempfile
 import xml.etree.ElementTree as ET
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,17 +184,9 @@ def regressions(upstream: Outcome, ours: Outcome) -> list[str]:
 
 
 def gate(work: Path) -> tuple[Outcome, Outcome, list[str]]:
-    """Both runs and the regressions (empty: the gate holds).
-
-    The two runs are independent processes (each its own cache dir and junit file, servers
-    on ports the OS picks, the shared fake hub made before either starts), so they run at
-    once: on 2 cores the gate takes about the longer run, not the sum of both."""
-    from tools.testing.model_builds import model_path
-
-    fake_hub(work / "hub", model_path(MODEL))
-    with ThreadPoolExecutor(2) as pool:
-        runs = [pool.submit(run_suite, mode, work) for mode in ("mlx_lm", "kvstore")]
-        upstream, ours = (r.result() for r in runs)
+    """Both runs and the regressions (empty: the gate holds)."""
+    upstream = run_suite("mlx_lm", work)
+    ours = run_suite("kvstore", work)
     return upstream, ours, regressions(upstream, ours)
 
 
