@@ -15,6 +15,7 @@ and after any entry point.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from typing import Any, Callable, TypeVar, cast
 
@@ -33,6 +34,8 @@ def isolated(fn: Callable[[], T], name: str = "kvstore-isolated") -> T:
             out["value"] = fn()
         except BaseException as e:  # handed to the caller
             out["error"] = e
+        finally:
+            release_streams()
 
     t = threading.Thread(target=run, name=name, daemon=True)
     t.start()
@@ -40,6 +43,23 @@ def isolated(fn: Callable[[], T], name: str = "kvstore-isolated") -> T:
     if "error" in out:
         raise out["error"]
     return out["value"]
+
+
+def release_streams() -> None:
+    """Destroy the MLX streams this thread made, now: call it last on every thread kvstore
+    starts that may run MLX work (never on a caller's thread: its streams are the host's).
+
+    Why: MLX 0.32 gives each thread its own default stream and otherwise destroys it in
+    the thread's C++ thread-local destructors, after ``Thread.join`` has already returned.
+    If the interpreter is finalizing by then (a short program that joins the thread and
+    exits), that destructor's wait for the GIL ends the thread by a forced unwind through
+    a ``noexcept`` frame and the whole process aborts: "terminate called without an active
+    exception", rc -6 (ml-explore/mlx#4110; MLX asks threads to call ``clear_streams``
+    before they end). A no-op when MLX was never imported or has no ``clear_streams``."""
+    mx = sys.modules.get("mlx.core")
+    clear = getattr(mx, "clear_streams", None)
+    if clear is not None:
+        clear()
 
 
 def _limits(mx: Any) -> dict[str, Any]:

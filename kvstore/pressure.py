@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .hoststate import release_streams
+
 # The memory tier keeps this much of the machine's (or container's) memory free by default:
 # a fifth leaves room for the model's activations and the user's other programs on a Mac.
 DEFAULT_MEMORY_FLOOR = 0.2
@@ -247,6 +249,12 @@ class Watch:
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._watch()
+        finally:
+            release_streams()  # a tick may evict and clear MLX's cache: see hoststate
+
+    def _watch(self) -> None:
         warned = False
         while not self._stopped.wait(self._interval):
             try:

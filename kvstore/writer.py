@@ -12,6 +12,8 @@ import queue
 import threading
 from typing import Callable
 
+from .hoststate import release_streams
+
 log = logging.getLogger("kvstore")
 
 Job = Callable[[], None]
@@ -74,6 +76,12 @@ class Writer:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            release_streams()  # the jobs ran MLX work on this thread: see hoststate
+
+    def _serve(self) -> None:
         while True:
             job = self._q.get()
             try:

@@ -658,16 +658,21 @@ def test_warm_reports_each_step(built, tmp_path):
 _LOADS = """
 import json, sys
 from kvstore.cli.main import main
-rc = main(json.loads(sys.argv[1]))
-print(json.dumps({"rc": rc, "mlx": "mlx" in sys.modules, "mlx_lm": "mlx_lm" in sys.modules}), file=sys.stderr)
+got = []
+for args in json.loads(sys.argv[1]):
+    rc = main(args)
+    got.append({"rc": rc, "mlx": "mlx" in sys.modules, "mlx_lm": "mlx_lm" in sys.modules})
+print(json.dumps(got), file=sys.stderr)
 """
 
 
-def _modules_after(args: list[str]) -> dict:
-    """Run ``kvstore ARGS`` in a new process; its exit code and whether it imported
-    mlx / mlx_lm (read from ``sys.modules`` after the command ran)."""
-    p = subprocess.run([sys.executable, "-c", _LOADS, json.dumps(args)], capture_output=True, text=True,
-                       timeout=120, env=child_env(), cwd=str(ROOT))
+def _modules_after(runs: list[list[str]]) -> list[dict]:
+    """Run ``kvstore ARGS`` for each ARGS of ``runs``, in order, in one new process (one
+    Python start-up, not one per command): each command's exit code and whether mlx / mlx_lm
+    were imported by the time it returned (read from ``sys.modules``; nothing imports them
+    before the first command, so the first command that does is the first one flagged)."""
+    p = subprocess.run([sys.executable, "-c", _LOADS, json.dumps(runs)], capture_output=True, text=True,
+                       timeout=240, env=child_env(), cwd=str(ROOT))
     return json.loads(p.stderr.strip().splitlines()[-1])
 
 
@@ -687,8 +692,8 @@ def test_maintenance_commands_never_import_mlx(built, tmp_path, populated):
     runs = [["ls"], ["ls", "--json"], ["stats"], ["inspect", entry], ["inspect", entry, "--prompt"],
             ["verify"], ["gc", "--dry-run", "--max-bytes", "1G"], ["gc", "--max-bytes", "1G"],
             ["pin", entry], ["unpin", entry]]
-    got = {" ".join(a): _modules_after([*a, "--cache-dir", str(d)]) for a in runs}
-    got["ls (missing dir)"] = _modules_after(["ls", "--cache-dir", str(tmp_path / "none")])
+    argv = [[*a, "--cache-dir", str(d)] for a in runs] + [["ls", "--cache-dir", str(tmp_path / "none")]]
+    got = dict(zip([" ".join(a) for a in runs] + ["ls (missing dir)"], _modules_after(argv), strict=True))
     assert {k: v for k, v in got.items() if v["mlx"] or v["mlx_lm"]} == {}
     codes = {k: v["rc"] for k, v in got.items()}
     assert codes["ls"] == 0 and codes["ls (missing dir)"] == 1

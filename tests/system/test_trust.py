@@ -904,35 +904,45 @@ def test_planted_fifo_or_symlink_at_every_written_name(tmp_path: Path, what: str
     outside = tmp_path / "outside.txt"
     outside.write_text("someone's file")
     base = _unstamped_store(tmp_path)
-    results = {}
+    caches = {}
+    last = int(Path("/proc/sys/kernel/ns_last_pid").read_text())  # the one child below, and its index checks
     for name in _planted_names():
-        cache = tmp_path / f"c-{name.replace('/', '_')}"
+        cache = caches[name] = tmp_path / f"c-{name.replace('/', '_')}"
         shutil.copytree(base, cache, symlinks=True)
         _plant(cache / name, what, outside)
-        last = int(Path("/proc/sys/kernel/ns_last_pid").read_text())
         for rel in ("index/clean", "index/damaged", "file-digests.json"):
             for pid in range(last + 1, last + 150):
                 if (cache / rel).parent.is_dir() and not (cache / rel).parent.is_symlink():
                     os.mkfifo(cache / f"{rel}.{pid}.tmp", 0o600)
-        try:
-            got = run_py("""
-                import json, sys
-                from kvstore import KVStore, StoreOpenError
-                from kvstore.identity import Identity
-                a = json.loads(sys.argv[1])
+    # One child for every name (one Python + MLX start-up, not one per name): it says on
+    # stderr which name it starts, so a hang (faulthandler ends it, or the timeout) names it.
+    try:
+        results = run_py("""
+            import faulthandler, json, sys
+            from kvstore import KVStore, StoreOpenError
+            a = json.loads(sys.argv[1])
+            faulthandler.dump_traceback_later(a["timeout"], exit=True)
+            results = {}
+            for name, cache in a["caches"].items():
+                print(f"planted {name}", file=sys.stderr, flush=True)
                 try:
-                    with KVStore(a["cache"], chunk_tokens=a["chunk"]) as s:
+                    with KVStore(cache, chunk_tokens=a["chunk"]) as s:
                         s.identity(a["model"])
                         if s.disk is not None:
                             s.disk.index.mark_damaged("test")
-                    print(json.dumps({"opened": True}))
+                    got = {"opened": True}
                 except StoreOpenError as e:
-                    print(json.dumps({"refused": str(e)}))
-            """, {"cache": str(cache), "chunk": CHUNK, "model": str(model_path("tiny-llama"))}, timeout=120)
-        except subprocess.TimeoutExpired:
-            got = {"hung": True}
-        results[name] = got
-        assert outside.read_text() == "someone's file", f"{name}: wrote through a planted {what}"
+                    got = {"refused": str(e)}
+                with open(a["outside"]) as f:
+                    got["outside"] = f.read()
+                results[name] = got
+            print(json.dumps(results))
+        """, {"caches": {n: str(c) for n, c in caches.items()}, "chunk": CHUNK, "outside": str(outside),
+              "model": str(model_path("tiny-llama")), "timeout": 600}, timeout=900)
+    except subprocess.TimeoutExpired:
+        results = {"(the child)": {"hung": True}}
+    changed = [n for n, r in results.items() if r.get("outside", "someone's file") != "someone's file"]
+    assert outside.read_text() == "someone's file" and not changed, f"wrote through a planted {what} at {changed}"
     assert {n: r for n, r in results.items() if "hung" in r} == {}, results
     assert {n: r for n, r in results.items() if "refused" in r and n not in
             ("index", "blobs", "index/data.mdb", "index/lock.mdb")} == {}, results

@@ -3,6 +3,13 @@
 live request. Prints how far each thread got; if the two deadlock, faulthandler prints
 every thread's stack and exits 1 after ``payload["timeout"]`` seconds.
 
+Each thread that ran MLX work calls ``mx.clear_streams()`` last, as MLX 0.32 asks of every
+thread (mlx-lm's generation thread included): otherwise MLX destroys the thread's stream in
+its C++ thread-local destructors after ``join`` has returned, and if the interpreter is
+finalizing by then the process aborts ("terminate called without an active exception",
+rc -6, ml-explore/mlx#4110) after every check passed. kvstore's own threads do the same
+(``kvstore.hoststate.release_streams``).
+
 Run as ``python -m tests.support.programs.store_restore_beside_prefill JSON``
 (``{"dir", "restores", "timeout"}``; see ``tests.support.children.run_module``).
 """
@@ -38,6 +45,7 @@ def main() -> None:
                     done["restores"] += 1
             finally:
                 stop.set()
+                mx.clear_streams()
 
         def prefill() -> None:  # mlx-lm's generation thread (generate.py, prompt processing)
             w = mx.random.normal((256, 256))
@@ -46,6 +54,7 @@ def main() -> None:
                 mx.eval(x @ w)
                 mx.clear_cache()
                 done["prefill_steps"] += 1
+            mx.clear_streams()
 
         threads = [threading.Thread(target=restores), threading.Thread(target=prefill)]
         for t in threads:
