@@ -3,6 +3,7 @@ and inserting, for ``kvstore serve`` and ``mlx_lm.server`` alike (issue 47, item
 
     python -m benchmarks.turn_parts OUT.jsonl kvstore serve --model M --port P ...
     python -m benchmarks.turn_parts OUT.jsonl mlx_lm.server --model M --port P ...
+    python -m benchmarks.turn_parts --render [MODEL [ROUNDS]]   # _tokenize alone (``render``)
 
 Runs the server in this process with its generation thread's calls timed, one JSON line per
 call appended to OUT.jsonl (``part``, seconds ``s``, prompt tokens ``n``):
@@ -77,8 +78,60 @@ def _install(out: Any) -> None:
     generator.__init__ = __init__  # type: ignore[method-assign]
 
 
+def render(model: str = "smollm2", rounds: int = 21, paragraphs: int = 128, n_tools: int = 8) -> dict[str, Any]:
+    """``python -m benchmarks.turn_parts --render [MODEL [ROUNDS]]``: mlx-lm's ``_tokenize``
+    of the agent trace's third request (``paragraphs`` of system prompt, the tools, two
+    turns; 128 paragraphs: ~8.6k SmolLM2 tokens, the issue's agent prompt), plain
+    and with kvstore's ``system_render`` (the probe remembered), interleaved in one process;
+    median seconds of ``rounds`` each."""
+    import statistics
+    import types
+
+    import mlx_lm.server as server_mod
+    from mlx_lm.utils import load_tokenizer
+
+    from benchmarks.agent_trace import Session, system_prompt, tools
+    from kvstore.adapters import system_render
+    from kvstore.adapters.anthropic import chat_request
+    from tools.testing.model_builds import model_path
+    from tools.testing.templates import TOOL_TEMPLATE
+
+    tok = load_tokenizer(model_path(model), tokenizer_config_extra={"chat_template": TOOL_TEMPLATE})
+    session = Session(system_prompt(paragraphs), tools(n_tools), 16)
+    for _ in range(2):  # the third request ends with a user message (the second's with a tool result,
+        session.request()  # which mlx-lm renders once: no system segment without a user message last)
+        session.answer([{"type": "text", "text": "Looking."}])
+    req = session.request()
+    req.pop("extra_body")
+    chat = chat_request(req, False)
+    plain: Any = type("Plain", (server_mod.ResponseGenerator,), {})
+    probed: Any = type("Probed", (server_mod.ResponseGenerator,), {})
+    system_render.install(types.SimpleNamespace(ResponseGenerator=probed))
+    me = types.SimpleNamespace(model_provider=types.SimpleNamespace(
+        processor=None, cli_args=types.SimpleNamespace(chat_template_args={})))
+    args = types.SimpleNamespace(chat_template_kwargs=None)
+    times: dict[str, list[float]] = {"plain": [], "system_render": []}
+    n = 0
+    for _ in range(rounds):
+        for name, cls in (("plain", plain), ("system_render", probed)):
+            request = server_mod.CompletionRequest("chat", "", json.loads(json.dumps(chat["messages"])),
+                                                   chat.get("tools"), None)
+            t0 = time.perf_counter()
+            n = len(cls._tokenize(me, tok, request, args)[0])
+            times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    import os
+
+    return {"model": model, "prompt_tokens": n, "rounds": rounds, "median_s": med,
+            "ratio": med["system_render"] / med["plain"], "loadavg": os.getloadavg()}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--render"]:
+        print(json.dumps(render(argv[1] if len(argv) > 1 else "smollm2", int(argv[2]) if len(argv) > 2 else 21),
+                         indent=1))
+        return 0
     if len(argv) < 2 or argv[1] not in ("kvstore", "mlx_lm.server"):
         print(__doc__, file=sys.stderr)
         return 2
