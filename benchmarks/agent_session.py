@@ -79,6 +79,53 @@ def run_turn(client: Any, req: dict[str, Any]) -> dict[str, Any]:
             "content": [b.model_dump(exclude_none=True) for b in final.content]}
 
 
+def run_chat_turn(client: Any, req: dict[str, Any]) -> dict[str, Any]:
+    """``run_turn`` over ``/v1/chat/completions`` (``--api chat``, what mlx_lm.server
+    serves): the Messages request translated as kvstore serve's ``/v1/messages`` route
+    translates it (``anthropic.chat_request``), streamed through the openai SDK; TTFT to the
+    first content or tool-call delta, usage from ``prompt_tokens_details.cached_tokens``,
+    the reply as Messages content blocks (text, tool_use) for the session."""
+    from kvstore.adapters.anthropic import chat_request
+
+    extra = req.pop("extra_body", None) or {}
+    chat = chat_request({**req, **extra, "stream": True}, False)
+    chat["model"] = req["model"]
+    if not chat.get("stop"):
+        chat.pop("stop", None)
+    t0 = time.perf_counter()
+    ttft = None
+    text, usage = "", None
+    calls: dict[int, dict[str, Any]] = {}
+    for chunk in client.chat.completions.create(**chat):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            d = choice.delta
+            if ttft is None and (d.content or d.tool_calls):
+                ttft = time.perf_counter() - t0
+            text += d.content or ""
+            for tc in d.tool_calls or []:
+                got = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+                got["id"] = tc.id or got["id"]
+                got["name"] += (tc.function.name or "") if tc.function else ""
+                got["arguments"] += (tc.function.arguments or "") if tc.function else ""
+    total = time.perf_counter() - t0
+    prompt = usage.prompt_tokens if usage is not None else 0
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = (getattr(details, "cached_tokens", 0) or 0) if details is not None else 0
+    content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+    for i, c in sorted(calls.items()):
+        try:
+            args = json.loads(c["arguments"] or "{}")
+        except ValueError:
+            args = {"raw": c["arguments"]}
+        content.append({"type": "tool_use", "id": c["id"] or f"call_{i}", "name": c["name"], "input": args})
+    return {"ttft_s": ttft if ttft is not None else total, "total_s": total, "prompt_tokens": prompt,
+            "input_tokens": prompt - cached, "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0,
+            "output_tokens": usage.completion_tokens if usage is not None else 0,
+            "stop_reason": None, "read_share": cached / max(prompt, 1), "content": content}
+
+
 def play(session: Session, turns: int, restart_after: int, client: Callable[[], Any],
          restart: Callable[[], None], log: Callable[[str], None] = print,
          run: Callable[[Any, dict[str, Any]], dict[str, Any]] = run_turn) -> list[dict[str, Any]]:
@@ -193,9 +240,14 @@ def with_tool_template(src: Path, dst: Path) -> Path:
     return dst
 
 
-def kvstore_command(model: Path, cache_dir: Path, extra: Sequence[str] = ()) -> Callable[[int], list[str]]:
+def kvstore_command(model: Path, cache_dir: Path, extra: Sequence[str] = (),
+                    parts: Path | None = None) -> Callable[[int], list[str]]:
+    """``kvstore serve`` on ``port``; with ``parts``, its request-path parts timed into that
+    file (``benchmarks.turn_parts``)."""
     def command(port: int) -> list[str]:
-        return [sys.executable, "-m", "kvstore.cli", "serve", "--model", str(model), "--cache-dir", str(cache_dir),
+        head = ([sys.executable, "-m", "benchmarks.turn_parts", str(parts), "kvstore"] if parts is not None
+                else [sys.executable, "-m", "kvstore.cli"])
+        return [*head, "serve", "--model", str(model), "--cache-dir", str(cache_dir),
                 "--host", HOST, "--port", str(port), *extra]
     return command
 
@@ -242,6 +294,12 @@ def api_session(args: argparse.Namespace) -> tuple[Session, Callable[[str], Any]
     common = (system_prompt(args.paragraphs), tools(args.tools), args.max_tokens)
     options = {"model": str(args.model_dir), "vary": args.vary, "vary_every": args.vary_every,
                "result_lines": args.result_lines}
+    if args.api == "chat":
+        import openai
+
+        return (Session(*common, **options),
+                lambda url: openai.OpenAI(base_url=url + "/v1", api_key="local", max_retries=0, timeout=3600),
+                run_chat_turn)
     if args.api == "responses":
         import openai
 
@@ -293,6 +351,9 @@ def report(doc: dict[str, Any]) -> str:
         route = "/v1/responses (Codex-shaped" + (", store + previous_response_id)" if s.get("chain") else ")")
         shape = "developer messages, client_metadata changing every request"
         read = "input_tokens_details.cached_tokens / input_tokens"
+    elif s.get("api") == "chat":
+        route, shape, read = "/v1/chat/completions (the Messages trace translated as kvstore's route does)", \
+            "billing header dropped", "prompt_tokens_details.cached_tokens / prompt_tokens"
     else:
         route, shape, read = "/v1/messages", "billing header changing every request", \
             "cache_read_input_tokens / prompt tokens"
@@ -312,6 +373,7 @@ def report(doc: dict[str, Any]) -> str:
             cells += [f"{r['ttft_s']:.3f}", share] if r else ["-", "-"]
         lines.append(f"| {row['turn']}{mark} | {row['prompt_tokens']} | " + " | ".join(cells) + " |")
     lines.append("")
+    lines += steady_lines(doc)
     for srv in doc["servers"]:
         restart = (f", TTFT of the first turn after the restart {srv['ttft_after_restart_s']:.3f} s, "
                    f"restart to ready {srv['restart_ready_s']:.1f} s" if restarts else "")
@@ -351,6 +413,36 @@ def report(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def steady_lines(doc: dict[str, Any]) -> list[str]:
+    """Each server's median TTFT over the turns after the first (none after a restart, no
+    error), against the first server's; then, with ``--parts``, each part's median per call."""
+    import statistics
+
+    out = []
+    steady = {}
+    for srv in doc["servers"]:
+        got = [r["ttft_s"] for r in srv["rows"][1:] if not r.get("error") and not r["after_restart"]]
+        if got:
+            steady[srv["name"]] = statistics.median(got)
+    first = doc["servers"][0]["name"] if doc["servers"] else None
+    for name, t in steady.items():
+        vs = [f"{t / o:.3f}x {other}'s" for other, o in steady.items() if other != name]
+        out.append(f"- {name}: median TTFT after turn 1 {t:.3f} s" + (f" ({', '.join(vs)})" if vs and name == first else ""))
+    parts = doc.get("parts") or {}
+    if parts:
+        names = list(parts)
+        every = sorted({p for v in parts.values() for p in v}, key=["render", "lookup", "insert", "snapshot"].index)
+        out += ["", "Request-path parts (`--parts`, benchmarks/turn_parts.py): median ms per call after the first; "
+                "insert is the end of a turn (the next request waits for it), snapshot is inside insert.", "",
+                "| part | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        for part in every:
+            cells = [f"{1000 * parts[n][part]['steady_median_s']:.1f} ({parts[n][part]['calls']} calls)"
+                     if part in parts[n] else "-" for n in names]
+            out.append(f"| {part} | " + " | ".join(cells) + " |")
+        out.append("")
+    return out
+
+
 def _vary(text: str) -> tuple[str, ...]:
     got = tuple(v for v in text.split(",") if v)
     bad = [v for v in got if v not in VARY]
@@ -386,9 +478,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sort-tools", action="store_true", help="run kvstore serve with --sort-tools")
     p.add_argument("--note", action="append", default=[], metavar="TEXT",
                    help="a line for the results' notes (e.g. why this model), repeatable")
-    p.add_argument("--api", choices=("messages", "responses"), default="messages",
-                   help="the API the trace speaks: Anthropic Messages as Claude Code (default), or the OpenAI "
-                        "Responses API as Codex CLI (benchmarks/responses_trace.py)")
+    p.add_argument("--api", choices=("messages", "responses", "chat"), default="messages",
+                   help="the API the trace speaks: Anthropic Messages as Claude Code (default), the OpenAI "
+                        "Responses API as Codex CLI (benchmarks/responses_trace.py), or the same Messages trace "
+                        "as /v1/chat/completions (chat: what mlx_lm.server serves, e.g. --other "
+                        "'mlx_lm.server=mlx_lm.server --model {model} --port {port}')")
+    p.add_argument("--parts", action="store_true",
+                   help="time each server's request-path parts (render, lookup, insert, snapshot: "
+                        "benchmarks/turn_parts.py; kvstore serve, and an --other command starting with mlx_lm.server)")
     p.add_argument("--chain", action="store_true",
                    help="--api responses: store: true and previous_response_id with only the new items, "
                         "instead of the whole history every turn")
@@ -411,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _session(args: argparse.Namespace, work: Path, C: Any) -> int:
+    from benchmarks import turn_parts
     from tools.testing.model_builds import model_path
 
     model = with_tool_template(Path(args.model) if Path(args.model).is_dir() else model_path(args.model), work / "model")
@@ -418,13 +516,17 @@ def _session(args: argparse.Namespace, work: Path, C: Any) -> int:
     load_start = C.loadavg1()
     args.paragraphs = size_system(model, args.system_tokens, work, args.tools)
     kv_extra = shlex.split(args.kvstore_args) + (["--sort-tools"] if args.sort_tools else [])
+    parts = work / "parts-kvstore.jsonl" if args.parts else None
     servers = [] if args.no_kvstore else [
-        run_server("kvstore", kvstore_command(model, work / "cache", kv_extra), args, work, True)]
+        run_server("kvstore", kvstore_command(model, work / "cache", kv_extra, parts), args, work, True)]
     for spec in args.other:
         name, _, cmd = spec.partition("=")
 
-        def other(port: int, cmd: str = cmd) -> list[str]:
-            return shlex.split(cmd.format(model=model, port=port, work=work))
+        def other(port: int, cmd: str = cmd, name: str = name) -> list[str]:
+            got = shlex.split(cmd.format(model=model, port=port, work=work))
+            if args.parts and got[:1] == ["mlx_lm.server"]:  # in this Python, timed as kvstore is
+                return [sys.executable, "-m", "benchmarks.turn_parts", str(work / f"parts-{name}.jsonl"), *got]
+            return got
 
         servers.append(run_server(name, other, args, work, False, args.ready_path))
     doc = {"benchmark": "agent_session", "machine": C.machine(work),
@@ -433,9 +535,10 @@ def _session(args: argparse.Namespace, work: Path, C: Any) -> int:
                         "stop": args.stop, "kvstore_args": kv_extra, "others": args.other, "vary": list(args.vary),
                         "vary_every": args.vary_every, "sort_tools": args.sort_tools, "api": args.api,
                         "result_lines": args.result_lines,
-                        "chain": args.chain},
+                        "chain": args.chain, "parts": args.parts},
            "loadavg": {"start": load_start, "end": C.loadavg1()},
            "servers": servers,
+           "parts": {f.stem[len("parts-"):]: turn_parts.summary(str(f)) for f in sorted(work.glob("parts-*.jsonl"))},
            "notes": ["TTFT: request sent -> first content_block_delta, through the anthropic SDK's stream."
                      if args.api == "messages" else "TTFT: request sent -> first output delta (text or function "
                      "call arguments), through the openai SDK's stream.",

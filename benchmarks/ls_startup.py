@@ -5,7 +5,9 @@
 Fresh processes, interleaved in every round: ``kvstore ls --cache-dir CACHE_DIR`` (an empty
 store) with each checkout's kvstore, compiled every time (``PYTHONDONTWRITEBYTECODE=1``) and
 with a bytecode cache (``PYTHONPYCACHEPREFIX``, written by a warm-up run), and ``python -c
-pass``. Prints JSON: median seconds, each against ``python -c pass``, the load average.
+pass``. Prints JSON: median seconds, each against ``python -c pass``, the load average, and
+what each import of this checkout's ``kvstore ls`` costs in both bytecode states
+(``python -X importtime``; a table of the compiled state on stderr).
 """
 
 from __future__ import annotations
@@ -55,9 +57,42 @@ def _run(base: str, this: str, runs: int, cache_dir: str, pycache: str) -> int:
             subprocess.run(cmd, env=env, cwd=cwd, check=True, capture_output=True)
             times[label].append(time.perf_counter() - t0)
     med = {label: statistics.median(ts) for label, ts in times.items()}
+    imports = {label: import_costs(ls, cmds[label][1], this, runs) for label in ("branch", "branch_bytecode")}
     print(json.dumps({"median_s": med, "vs_python": {k: v / med["python"] for k, v in med.items()},
-                      "loadavg": os.getloadavg(), "runs": times}, indent=1))
+                      "loadavg": os.getloadavg(), "runs": times, "imports": imports}, indent=1))
+    print(import_table(imports["branch"]), file=sys.stderr)
     return 0
+
+
+def import_costs(cmd: list[str], env: dict[str, str], cwd: str, runs: int) -> list[dict[str, object]]:
+    """What ``cmd``'s imports cost (``python -X importtime``, the least of ``runs`` runs per
+    module: the load only adds): each module that takes 0.5 ms or more with what it imports,
+    in import order, its own ms, its ms with what it imports, and its depth."""
+    own: dict[str, list[int]] = {}
+    total: dict[str, list[int]] = {}
+    depth: dict[str, int] = {}
+    for _ in range(runs):
+        p = subprocess.run([cmd[0], "-X", "importtime", *cmd[1:]], env=env, cwd=cwd, check=True,
+                           capture_output=True, text=True)
+        for line in p.stderr.splitlines():
+            if not line.startswith("import time:") or line.endswith("imported package"):
+                continue
+            a, b, name = line[len("import time:"):].split("|")
+            if not a.strip().isdigit():
+                continue
+            depth.setdefault(name.strip(), (len(name) - len(name.lstrip()) - 1) // 2)
+            own.setdefault(name.strip(), []).append(int(a))
+            total.setdefault(name.strip(), []).append(int(b))
+    return [{"module": m, "depth": d, "own_ms": min(own[m]) / 1000, "with_imports_ms": min(total[m]) / 1000}
+            for m, d in depth.items() if min(total[m]) >= 500]
+
+
+def import_table(rows: list[dict[str, object]]) -> str:
+    """``import_costs`` as a markdown table (modules indented by depth)."""
+    lines = ["| module | own ms | with its imports, ms |", "|---|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {'. ' * int(str(r['depth']))}{r['module']} | {r['own_ms']:.1f} | {r['with_imports_ms']:.1f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

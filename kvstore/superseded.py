@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from .misses import differing
 
 
 @dataclass
@@ -50,6 +49,8 @@ def siblings(identities: dict[str, Any], hx: str) -> list[str]:
     me = identities.get(hx)
     if me is None or not me.path or me.get("salted"):
         return []
+    from .misses import differing  # the miss log's module: `kvstore ls` imports it only for a model with entries
+
     path = me.path
     return sorted(other for other, info in identities.items()
                   if other != hx and info.path == path and not info.get("salted") and differing(info.info, me.info))
@@ -71,6 +72,8 @@ def what_differs(old: Any, new: Any) -> str:
     """The components that differ between two identity descriptions (``IdentityRecord`` or
     ``Identity.info``), with the mlx-lm versions when its model code is one of them:
     e.g. "code (mlx-lm 0.31.3 -> 0.32.2)"."""
+    from .misses import differing
+
     a, b = getattr(old, "info", old), getattr(new, "info", new)
     parts = []
     for name in differing(a, b):

@@ -1,7 +1,8 @@
 """The chat request mlx_lm.server's generation thread just rendered, for the lookup that follows.
 
-``install`` wraps ``ResponseGenerator._tokenize`` (innermost: it sees the request as the
-template renders it, tools sorted by ``--sort-tools`` included) to keep, per thread, the
+``install`` wraps ``ResponseGenerator._tokenize`` (innermost but for ``system_render``, which
+changes no request: it sees the request as the template renders it, tools sorted by
+``--sort-tools`` included) to keep, per thread, the
 chat ``messages`` and ``tools`` it rendered and the chat template arguments: references,
 no copy, no work per request. The lookup of those tokens (``LRUPromptCache``, on the same
 thread right after) asks ``namer`` for a function naming a miss's part (``kvstore.parts``),

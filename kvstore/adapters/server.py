@@ -44,7 +44,7 @@ from .. import metrics
 from ..floors import MIN_DISK_HIT
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..units import memory_floor, parse_size
-from . import anthropic, http, model_names, prompts, rendered, responses, stable_prefix, startup, tenants
+from . import anthropic, http, model_names, prompts, rendered, responses, stable_prefix, startup, system_render, tenants
 from .http import HeadersOnly, send_json
 
 if TYPE_CHECKING:  # imported when used: MLX and mlx-lm take seconds, --help and a refused start need neither
@@ -167,7 +167,8 @@ def patch(server_mod: Any, **options: Any) -> None:
     _install_routes(server_mod)
     model_names.install(server_mod)  # any model name answers, never a hub lookup (--strict-model-names)
     _learn_kv_quant(server_mod)
-    rendered.install(server_mod)  # innermost: names a miss's part of the request (kvstore.parts)
+    system_render.install(server_mod)  # innermost: mlx-lm's system-prompt probe rendered once per system prompt
+    rendered.install(server_mod)  # names a miss's part of the request (kvstore.parts)
     tenants.install(server_mod)  # keys and cache_salt, for every route (kvstore.adapters.tenants)
     prompts.install_tool_sorting(server_mod)  # --sort-tools (kvstore.adapters.prompts)
     stable_prefix.install(server_mod)  # outermost: --stable-prefix (kvstore.adapters.stable_prefix)

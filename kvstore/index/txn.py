@@ -16,13 +16,15 @@ chunk_tokens and ``bytes`` (the pack files' total size).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from .. import files
 from ..keys import KEY_BYTES, TOKEN_BYTES, boundaries, entry_key, root_key
 from ..records import (ChunkRecord, EntryRecord, IdentityRecord, Kind, PackRecord, RecordError, Segment,
                        parse)
-from . import trie
+
+if TYPE_CHECKING:  # the trie's edges: a lookup or a write reads them (imported there), a scan never
+    from . import trie
 
 DBS = ("entries", "chunks", "packs", "tokens", "bounds", "identities", "meta")
 
@@ -92,6 +94,8 @@ class Reader:
 
     def edges(self, boundary: bytes, after: bytes) -> Iterator[trie.Edge]:
         """See ``trie.edges``."""
+        from . import trie
+
         return trie.edges(self.txn, self.db["bounds"], boundary, after)
 
     def keys(self, db: str) -> list[bytes]:
@@ -157,6 +161,8 @@ class WriteTxn(Reader):
 
     def put_entry(self, key: bytes, rec: EntryRecord, tokens: bytes) -> None:
         """A new entry: record, token ids and trie edges."""
+        from . import trie
+
         self._put("entries", key, rec.to_bytes())
         self._put("tokens", key, tokens)
         for e in trie.entry_edges(key, rec, tokens) or ():
@@ -168,6 +174,8 @@ class WriteTxn(Reader):
 
     def put_chunk(self, key: bytes, rec: ChunkRecord, tokens: bytes) -> None:
         """A new chunk: record, token ids and its trie edges under its parent boundary."""
+        from . import trie
+
         self._put("chunks", key, rec.to_bytes())
         self._put("tokens", key, tokens)
         for e in trie.chunk_edges(key, rec, tokens) or ():
@@ -206,6 +214,8 @@ class WriteTxn(Reader):
         chunk it was the last user of: the chunks its token ids make (``own_chunks``),
         not whatever its chunk list says. Returns the removed record (None if absent).
         RecordError if the record is unreadable (``drop_raw`` removes such a record)."""
+        from . import trie
+
         rec = self.entry(key)
         if rec is None:
             return None
@@ -236,6 +246,8 @@ class WriteTxn(Reader):
         """Drop a chunk record with its edges and token ids and release its segment
         (unless ``release`` is False, as for ``remove_entry``; entries built on it are the
         caller's business)."""
+        from . import trie
+
         crec = crec or self.chunk(key)
         if crec is None:
             return
@@ -256,6 +268,8 @@ class WriteTxn(Reader):
             self._delete("bounds", k)
 
     def _drop_edges(self, boundary: bytes, child: bytes, edge_keys: list[bytes] | None) -> None:
+        from . import trie
+
         if edge_keys is not None and all([self._delete("bounds", e) for e in edge_keys]):
             return
         for e in trie.child_edges(self.txn, self.db["bounds"], boundary, child):

@@ -1,0 +1,89 @@
+"""mlx_lm.server's second chat-template render of a request, made once per system prompt.
+
+mlx-lm's ``ResponseGenerator._tokenize`` renders every chat request that ends with a user
+message twice: the prompt, then its leading system messages followed by an empty user
+message (``tokenize=True``, ``add_generation_prompt=False``), only to find where the system
+prompt's tokens end (the prompt cache's system segment). An agent's system prompt (its
+instructions and tool definitions: most of the prompt) is the same every turn, so that second
+render is too: at 12.5k tokens it was half of the ~62 ms ``_tokenize`` took per turn.
+
+``install`` hands mlx-lm's ``_tokenize`` a tokenizer that answers that probe, and only that
+call shape, from the last ``KEEP`` probes it rendered, keyed by everything the template
+reads (the messages, the tools, the template's keyword arguments) and the tokenizer
+itself; every other call goes to the tokenizer unchanged. The tokens are the template's own
+(a copy is handed out). What the probe decides is only where the system segment ends, so
+even a template that reads the clock (a date) cannot make a wrong prompt: the prompt itself
+is rendered every time.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+KEEP = 8  # system prompts remembered (per process; a few tenants' agents at once)
+_LOCK = threading.Lock()
+_PROBES: OrderedDict[str, tuple[Any, list[int]]] = OrderedDict()
+
+
+def _probe_key(messages: Any, kwargs: dict[str, Any]) -> str | None:
+    """The memo key of an ``apply_chat_template`` call, if it is mlx-lm's system probe."""
+    if kwargs.get("tokenize") is not True or kwargs.get("add_generation_prompt") is not False:
+        return None
+    if not isinstance(messages, list) or len(messages) < 2 or messages[-1] != {"role": "user", "content": ""}:
+        return None
+    try:
+        return json.dumps([messages, sorted(kwargs.items())], sort_keys=True, default=repr)
+    except (TypeError, ValueError):  # not a JSON request's messages: render as before
+        return None
+
+
+class Probed:
+    """``tokenizer`` for one ``_tokenize`` call: its system probe remembered, all else its own."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+    def apply_chat_template(self, messages: Any, *args: Any, **kwargs: Any) -> Any:
+        key = _probe_key(messages, kwargs) if not args else None
+        if key is None:
+            return self._tokenizer.apply_chat_template(messages, *args, **kwargs)
+        with _LOCK:
+            got = _PROBES.get(key)
+            if got is not None and got[0] is self._tokenizer:
+                _PROBES.move_to_end(key)
+                return list(got[1])
+        tokens = self._tokenizer.apply_chat_template(messages, **kwargs)
+        if isinstance(tokens, list):
+            with _LOCK:
+                _PROBES[key] = (self._tokenizer, list(tokens))
+                while len(_PROBES) > KEEP:
+                    _PROBES.popitem(last=False)
+        return tokens
+
+
+def install(server_mod: Any) -> None:
+    """Make ``server_mod.ResponseGenerator._tokenize`` render each system probe once
+    (``Probed``); idempotent. Install it first: innermost, so that every other wrapper
+    sees (and keeps) the real tokenizer."""
+    generator = server_mod.ResponseGenerator
+    if getattr(generator, "_kvstore_system_render", False):
+        return
+    tokenize = generator._tokenize
+
+    def _tokenize(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
+        return tokenize(self, Probed(tokenizer), request, args)
+
+    generator._tokenize = _tokenize
+    generator._kvstore_system_render = True
+
+
+def forget() -> None:
+    """Drop every remembered probe (tests)."""
+    with _LOCK:
+        _PROBES.clear()

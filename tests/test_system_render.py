@@ -1,0 +1,109 @@
+"""mlx-lm's system-prompt probe rendered once per system prompt (issue 47, item 4):
+``kvstore.adapters.system_render`` on mlx_lm.server's own ``_tokenize``, a real tokenizer
+and chat template (tiny-llama with the agent trace's tool template)."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from mlx_lm.utils import load_tokenizer
+
+    from tools.testing.model_builds import model_path
+    from tools.testing.templates import TOOL_TEMPLATE
+
+    return load_tokenizer(model_path("tiny-llama"), tokenizer_config_extra={"chat_template": TOOL_TEMPLATE})
+
+
+def _generator(patched: bool) -> Any:
+    """mlx_lm.server's ``ResponseGenerator`` (a subclass: the real one stays as it is), with
+    ``system_render`` installed when ``patched``, and the ``self`` its ``_tokenize`` reads."""
+    import mlx_lm.server as server_mod
+
+    from kvstore.adapters import system_render
+
+    cls = type("Generator", (server_mod.ResponseGenerator,), {})
+    if patched:
+        system_render.install(types.SimpleNamespace(ResponseGenerator=cls))
+    self = types.SimpleNamespace(model_provider=types.SimpleNamespace(
+        processor=None, cli_args=types.SimpleNamespace(chat_template_args={})))
+    return cls, self
+
+
+def _request(system: str, user: str) -> Any:
+    import mlx_lm.server as server_mod
+
+    tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "path": {"type": "string"}}}}}]
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return server_mod.CompletionRequest("chat", "", messages, tools, None)
+
+
+def _counting(tokenizer: Any) -> list[dict[str, Any]]:
+    """Every ``apply_chat_template`` call the tokenizer renders, from now on."""
+    calls: list[dict[str, Any]] = []
+    render = type(tokenizer).apply_chat_template
+
+    def counted(messages: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append({"messages": len(messages), **{k: v for k, v in kwargs.items() if k != "tools"}})
+        return render(tokenizer, messages, *args, **kwargs)
+
+    tokenizer.apply_chat_template = counted
+    return calls
+
+
+def test_the_system_probe_is_rendered_once_per_system_prompt(tokenizer: Any) -> None:
+    from kvstore.adapters import system_render
+
+    system_render.forget()
+    args = types.SimpleNamespace(chat_template_kwargs=None)
+    plain_cls, plain_self = _generator(False)
+    cls, self = _generator(True)
+    turns = [("You are a coding agent. " * 40, "Fix the test."), ("You are a coding agent. " * 40, "Now run it."),
+             ("You are a careful coding agent. " * 40, "Fix the test.")]
+    try:
+        calls = _counting(tokenizer)
+        for system, user in turns:
+            want = plain_cls._tokenize(plain_self, tokenizer, _request(system, user), args)
+            before = len(calls)
+            got = cls._tokenize(self, tokenizer, _request(system, user), args)
+            assert got[:4] == want[:4]  # the same prompt, segments, segment types and state
+            assert got[2] == ["system", "user"] and len(got[1][0]) > 100, got[2]
+            renders = calls[before:]
+            assert all(c["tokenize"] for c in renders), renders
+            if (system, user) == turns[1]:  # the second turn of one system prompt: the prompt only
+                assert [c["add_generation_prompt"] for c in renders] == [True], renders
+            else:  # a system prompt not seen before: the prompt, then the probe
+                assert [c["add_generation_prompt"] for c in renders] == [True, False], renders
+    finally:
+        del tokenizer.apply_chat_template
+        system_render.forget()
+
+
+def test_only_the_probe_is_remembered(tokenizer: Any) -> None:
+    """A prompt render, a text render and another tokenizer's probe are never answered
+    from what was remembered."""
+    from kvstore.adapters.system_render import Probed, forget
+
+    forget()
+    probe = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ""}]
+    try:
+        calls = _counting(tokenizer)
+        first = Probed(tokenizer).apply_chat_template(probe, tokenize=True, add_generation_prompt=False)
+        again = Probed(tokenizer).apply_chat_template(probe, tokenize=True, add_generation_prompt=False)
+        assert again == first and again is not first and len(calls) == 1
+        Probed(tokenizer).apply_chat_template(probe, tokenize=True, add_generation_prompt=True)
+        Probed(tokenizer).apply_chat_template(probe, tokenize=False, add_generation_prompt=False)
+        assert len(calls) == 3
+        other = types.SimpleNamespace(apply_chat_template=lambda messages, **kw: [1, 2, 3])
+        assert Probed(other).apply_chat_template(probe, tokenize=True, add_generation_prompt=False) == [1, 2, 3]
+        assert Probed(tokenizer).has_chat_template is tokenizer.has_chat_template
+    finally:
+        del tokenizer.apply_chat_template
+        forget()
