@@ -172,12 +172,12 @@ def _segment_files(kv_dir: Path, seg_dir: Path) -> list[dict[str, Any]]:
 
 
 def run(ctx: C.Context, n: int, turns: int, reps: int, base: str | None,
-        states: tuple[str, ...] = ("warm", "cold")) -> dict[str, Any]:
+        states: tuple[str, ...] = ("warm", "cold"), only: tuple[str, ...] = PATHS) -> dict[str, Any]:
     started = time.perf_counter()
     kv_dir, mlx_file, tokens, payload = _grown(ctx, SHAPE, n, turns)
     seg_dir = ctx.scratch("segment-files")
     pieces = _segment_files(kv_dir, seg_dir)
-    paths = PATHS + (("kvstore_base",) if base else ())
+    paths = tuple(dict.fromkeys(("mlx_lm",) + only)) + (("kvstore_base",) if base else ())
     args = {"kv_dir": str(kv_dir), "mlx_file": str(mlx_file), "seg_dir": str(seg_dir), "pieces": pieces,
             "tokens": tokens, "payload": payload}
     warm = {"mlx_lm": [mlx_file], "segment_files": [seg_dir]}
@@ -235,12 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--states", default="warm,cold", help="warm, cold or both (a drop empties the whole "
                                                           "machine's page cache: not beside another benchmark)")
     ap.add_argument("--name", default=NAME, help="JSON file name (without .json)")
+    ap.add_argument("--paths", default=",".join(PATHS), help="the paths to run (mlx_lm always runs)")
     ap.add_argument("--out", default=str(C.REPO_ROOT / "benchmarks" / "results"))
     a = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="kvstore-paths-"))
     try:
         ctx = C.Context(quick=False, work=work, out=Path(a.out), drop=not a.no_drop)
-        doc = run(ctx, a.tokens, a.turns, a.reps, a.base, tuple(a.states.split(",")))
+        doc = run(ctx, a.tokens, a.turns, a.reps, a.base, tuple(a.states.split(",")), tuple(a.paths.split(",")))
         C.write_json(ctx.out, a.name, doc)
         print(report(doc))
     finally:
