@@ -60,7 +60,7 @@ def _tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(1, 30000) for _ in range(n)]
 
 
-def _pack_files(kv_dir: str | Path) -> list[Path]:
+def pack_files(kv_dir: str | Path) -> list[Path]:
     from kvstore.files import own_packs
 
     return sorted(f.path for f in own_packs(Path(kv_dir) / "blobs")[0])
@@ -227,7 +227,7 @@ def run_shape(ctx: C.Context, name: str, n: int, reps: int) -> dict[str, Any]:
     probe = KVStore(kv_dir, max_entries=2)
     segments = len(probe.disk.plan(ident, tokens).chunks) + 1
     probe.close()
-    files = _pack_files(kv_dir)
+    files = pack_files(kv_dir)
     file_bytes = {"kvstore": sum(p.stat().st_size for p in files), "raw": sum(p.stat().st_size for p in files),
                   "mlx_lm": mlx_file.stat().st_size}
     paths = {"kvstore": [kv_dir], "raw": files, "mlx_lm": [mlx_file]}
@@ -421,7 +421,7 @@ def child_in(tree: str, target: str, args: dict[str, Any]) -> dict[str, Any]:
     return json.loads(lines[-1][len(C.CHILD_MARK):])
 
 
-def _grown(ctx: C.Context, name: str, n: int, turns: int) -> tuple[Path, Path, list[int], int]:
+def grown(ctx: C.Context, name: str, n: int, turns: int) -> tuple[Path, Path, list[int], int]:
     """An entry of ``n`` tokens persisted as a conversation grown over ``turns`` turns (one
     pack file per turn), and mlx-lm's file of the same cache."""
     from mlx_lm.models.cache import save_prompt_cache
@@ -450,8 +450,8 @@ def limit_shape(ctx: C.Context, name: str, n: int, turns: int, reps: int, base: 
     """Every method of ``only`` (``LIMIT_METHODS``; and ``kvstore_base``, the restore of
     checkout ``base``, if given), cold and warm, ``reps`` interleaved rounds."""
     methods = only + (("kvstore_base",) if base else ())
-    kv_dir, mlx_file, tokens, payload = _grown(ctx, name, n, turns)
-    files = [str(p) for p in _pack_files(kv_dir)]
+    kv_dir, mlx_file, tokens, payload = grown(ctx, name, n, turns)
+    files = [str(p) for p in pack_files(kv_dir)]
     args = {"kv_dir": str(kv_dir), "mlx_file": str(mlx_file), "files": files, "tokens": tokens,
             "tag": f"bandwidth-{name}", "payload": payload}
     paths = {"kvstore": [kv_dir], "mlx_lm": [mlx_file]}

@@ -31,6 +31,8 @@ Guarantees:
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import math
 import os
@@ -73,6 +75,17 @@ def host_dtype(st: str) -> np.dtype:
     """The numpy dtype holding a safetensors dtype on the host (``uint16`` for ``BF16``)."""
     import numpy as np
     return np.dtype(_FROM_ST[st][1])
+
+
+class _HostDtypes(dict):
+    """``host_dtype`` by safetensors dtype, filled as asked (numpy imported only then)."""
+
+    def __missing__(self, st: str) -> np.dtype:
+        self[st] = got = host_dtype(st)
+        return got
+
+
+_HOST: dict[str, np.dtype] = _HostDtypes()
 
 
 def mlx_dtype_name(st: str) -> str:
@@ -412,10 +425,24 @@ class SegmentRead:
     def add(self, dests: dict[str, np.ndarray]) -> range:
         """Destinations for the next ``len(dests)`` tensors in file order; the indices of
         their spans. BlobError if they are not those tensors, shapes and dtypes."""
+        names = self._next_names(dests)
+        return self._add(names, _dest_views(self.header, dests, names, self.name))
+
+    def add_tokens(self, dests: Mapping[str, TokenRuns], lo: int, hi: int) -> range:
+        """As ``add``, for tokens ``[lo, hi)`` of whole arrays (``TokenRuns``): the
+        destinations are slices of views made once per array, not numpy views made per
+        segment and tensor (a long conversation has one segment per 256 tokens)."""
+        names = self._next_names(dests)
+        return self._add(names, _run_views(self.header, dests, names, lo, hi, self.name))
+
+    def _next_names(self, dests: Mapping[str, Any]) -> list[str]:
         names = self._tensors[self._added : self._added + len(dests)]
         if set(names) != set(dests) or (len(dests) == 0 and self._added < len(self._tensors)):
             raise BlobError(f"{self.name}: tensors {self._tensors}, expected {sorted(dests)}")
-        spans = _spans(_dest_views(self.header, dests, names, self.name), self._pos, self._span)
+        return names
+
+    def _add(self, names: list[str], views: list[memoryview]) -> range:
+        spans = _spans(views, self._pos, self._span)
         self._added += len(names)
         if spans:
             self._pos = spans[-1][0] + sum(len(v) for v in spans[-1][1])
@@ -478,23 +505,68 @@ def _dest_views(header: Header, dests: dict[str, np.ndarray], names: list[str], 
     return views
 
 
+class TokenRuns:
+    """A contiguous, writable host array ``(..., tokens, width)`` that segments holding
+    token ranges of it are read into. Its bytes are viewed once: the runs of a range
+    (one per leading index, contiguous in a C-order array) are slices of that view, so a
+    segment costs a few slices per tensor, not numpy views and reshapes (issue 47)."""
+
+    __slots__ = ("dtype", "shape", "codes", "_token", "_starts", "_bytes")
+
+    def __init__(self, a: np.ndarray) -> None:
+        if not a.flags.c_contiguous or not a.flags.writeable or a.ndim < 2:
+            raise RuntimeError("token runs need a contiguous, writable array with a token axis")
+        self.dtype, self.shape = a.dtype, tuple(a.shape)
+        self.codes = frozenset(st for st in _FROM_ST if _HOST[st] == a.dtype)  # what it may hold
+        self._token = a.shape[-1] * a.dtype.itemsize
+        stride = a.shape[-2] * self._token
+        self._starts = [r * stride for r in range(math.prod(a.shape[:-2]))]
+        self._bytes = byte_view(a)
+
+    def shape_of(self, lo: int, hi: int) -> tuple[int, ...]:
+        """The shape of tokens ``[lo, hi)`` of the array."""
+        return (*self.shape[:-2], hi - lo, self.shape[-1])
+
+    def runs(self, lo: int, hi: int) -> list[memoryview]:
+        """The bytes of tokens ``[lo, hi)``, in C order, as writable views."""
+        if not 0 <= lo <= hi <= self.shape[-2]:
+            raise ValueError(f"tokens {lo}-{hi} of an array of {self.shape[-2]}")
+        a, b, mv = lo * self._token, hi * self._token, self._bytes
+        return [mv[s + a : s + b] for s in self._starts] if b > a else []
+
+
+def _run_views(header: Header, dests: Mapping[str, TokenRuns], names: list[str], lo: int, hi: int,
+               name: str) -> list[memoryview]:
+    """``_dest_views`` for tokens ``[lo, hi)`` of ``TokenRuns``: the same checks (each
+    tensor has the header's shape and dtype), the same pieces."""
+    views: list[memoryview] = []
+    specs = header.specs
+    for tname in names:
+        st, shape = specs[tname]
+        d = dests[tname]
+        want = d.shape_of(lo, hi)
+        if want != shape or st not in d.codes:
+            raise BlobError(f"{name}: tensor {tname!r} is {st} {list(shape)}, expected {list(want)} {d.dtype}")
+        if (hi - lo) * d._token <= _PIECE:
+            views += d.runs(lo, hi)
+            continue
+        for mv in d.runs(lo, hi):
+            views.extend(mv[i : i + _PIECE] for i in range(0, len(mv), _PIECE))
+    return views
+
+
 def _spans(views: list[memoryview], pos: int, span: int) -> list[tuple[int, list[memoryview]]]:
     """``views`` (contiguous in the file from ``pos``) grouped into runs of about ``span``
-    bytes: (file position, views)."""
+    bytes: (file position, views); a run ends with the view that reaches ``span``. The
+    ends are found by bisection over the running sizes (a 128k-token restore groups
+    ~90,000 views: no Python per view)."""
     out: list[tuple[int, list[memoryview]]] = []
-    run: list[memoryview] = []
-    start = size = 0
-    for v in views:
-        if not run:
-            start = pos
-        run.append(v)
-        size += len(v)
-        pos += len(v)
-        if size >= span:
-            out.append((start, run))
-            run, size = [], 0
-    if run:
-        out.append((start, run))
+    ends = list(itertools.accumulate(map(len, views)))
+    i, base = 0, 0
+    while i < len(views):
+        j = min(bisect.bisect_left(ends, base + span, i), len(views) - 1)
+        out.append((pos + base, views[i : j + 1]))
+        base, i = ends[j], j + 1
     return out
 
 

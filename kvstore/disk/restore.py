@@ -190,10 +190,10 @@ class _Reading:
 
     def add(self, hosts: dict[str, np.ndarray]) -> None:
         """Start reading every piece's part of the tensors ``hosts`` (the next in file order)."""
+        runs = {n: segments.TokenRuns(a) for n, a in hosts.items()} if self.chunked else {}
         for k, (p, r) in enumerate(zip(self.pieces, self.reads)):
-            dests = {n: a[..., p.lo : p.hi, :] for n, a in hosts.items()} if self.chunked else hosts
             with blame(*p.record):
-                spans = r.add(dests)
+                spans = r.add_tokens(runs, p.lo, p.hi) if self.chunked else r.add(hosts)
             self.futures.extend(self.pool.submit(self._read, k, i) for i in spans)
 
     def _read(self, k: int, i: int) -> None:

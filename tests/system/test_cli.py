@@ -235,14 +235,20 @@ def test_inspect(built, store_dir):
     assert main_json("inspect", key[:9], "--prompt", cache_dir=store_dir)["prompt"] == text
     assert [pc["piece"] for pc in info["pieces"]] == ["chunk"] * 5 + ["tail"]
     assert info["pieces"][-1]["tokens"] == [320, 380]
-    assert all(pc["state"] == "ok" for pc in info["pieces"]) and info["checksums_ok"]
+    assert all(pc["state"] == "ok" for pc in info["pieces"]) and info["blobs_ok"]
+    assert info["checksums_checked"] is False and info["checksums_ok"] is None
     assert [pc["refs"] for pc in info["pieces"][:5]] == [2, 2, 2, 2, 1]
     assert [m["class"] for m in info["layers"]] == ["KVCache"] * 3 and info["kv_dtype"] == "float32"
     assert info["bytes"] == sum(pc["bytes"] for pc in info["pieces"])
-    # a damaged chunk shows in the checksum column and the exit code
+    assert main_json("inspect", key[:9], "--verify", cache_dir=store_dir)["checksums_ok"] is True
+    # a damaged chunk: inspect reads headers and records only (fast on a long entry);
+    # --verify reads every byte and shows it in the checksum column and the exit code
     damage_segment(segment_of(store_dir, key, chunk=4), "flip")
-    bad = main_json("inspect", key[:12], "--no-prompt", cache_dir=store_dir, code=1)
+    assert main_json("inspect", key[:12], "--no-prompt", cache_dir=store_dir)["blobs_ok"] is True
+    bad = main_json("inspect", key[:12], "--no-prompt", "--verify", cache_dir=store_dir, code=1)
     assert [pc["state"] for pc in bad["pieces"]] == ["ok"] * 4 + ["bad_checksum", "ok"]
+    assert bad["checksums_ok"] is False and "CHECKSUM" in main_text("inspect", key[:12], "--verify",
+                                                                       cache_dir=store_dir, code=1)
     # the gone model: no tokenizer, said softly
     gone = main_json("inspect", built["keys"]["D"][:12], cache_dir=store_dir)
     assert gone["prompt"] is None and gone["prompt_head"] is None and "no longer exists" in gone["prompt_error"]

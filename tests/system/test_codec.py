@@ -405,6 +405,43 @@ def test_segment_read_in_spans_any_order_is_the_segment(tmp_path):
         r.verify()
 
 
+def test_token_runs_read_segments_into_their_token_slices(tmp_path):
+    """Segments holding token ranges of whole arrays, read with ``add_tokens`` into
+    ``TokenRuns`` (views made once per array), give exactly the stored tokens in their
+    slices and verify; a range of the wrong length, or arrays of another dtype, is a
+    BlobError before anything is read; a sliced (non-contiguous) array is refused."""
+    kv = make_kv(20)
+    whole = codec.encode_cache([kv])[0]
+    cuts = [(0, 5), (5, 12), (12, 20)]
+    parts = [codec.slice_tokens(whole, lo, hi) for lo, hi in cuts]
+    w = segments.PackWriter(tmp_path)
+    segs = [w.add(segments.host_views(t), {}) for t in parts]
+    w.seal()
+    w.close()
+    host = segments.host_views(whole)
+    dests = {n: np.full(np.asarray(a).shape, -1, np.asarray(a).dtype) for n, (_, a) in host.items()}
+    runs = {n: segments.TokenRuns(a) for n, a in dests.items()}
+    fd = files.open_own(w.path)
+    try:
+        for seg, (lo, hi) in zip(segs, cuts):
+            r = segments.SegmentRead(fd, seg, segments.read_header(fd, seg), span=1 << 10)
+            for i in r.add_tokens(runs, lo, hi):
+                r.read(i)
+            r.verify()
+        for name, (_, a) in host.items():
+            assert np.array_equal(dests[name], np.asarray(a)), name
+        wrong = segments.SegmentRead(fd, segs[1], segments.read_header(fd, segs[1]))
+        with pytest.raises(files.BlobError, match="expected"):
+            wrong.add_tokens(runs, 5, 13)  # the segment holds 7 tokens, not 8
+        halves = {n: segments.TokenRuns(a.view(np.float16)[..., : a.shape[-1]].copy()) for n, a in dests.items()}
+        with pytest.raises(files.BlobError, match="expected"):
+            segments.SegmentRead(fd, segs[1], segments.read_header(fd, segs[1])).add_tokens(halves, 5, 12)
+    finally:
+        os.close(fd)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        segments.TokenRuns(next(iter(dests.values()))[..., 2:9, :])
+
+
 def test_pack_holds_segments_back_to_back(tmp_path):
     """Several segments in one pack file: each is found at its offset, verified on its
     own, and is a complete safetensors buffer once cut out."""
