@@ -599,6 +599,22 @@ def write_json(out: Path, name: str, doc: dict[str, Any]) -> Path:
     return path
 
 
+def run_alone(prefix: str, out: str, name: str, drop: bool, body: Callable[[Context], dict[str, Any]],
+              report: Callable[[dict[str, Any]], str]) -> int:
+    """One benchmark run on its own (``python -m benchmarks.X``): a scratch directory removed
+    afterwards whatever happens, ``body``'s document written as ``out/name.json`` and its
+    ``report`` printed."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        ctx = Context(quick=False, work=work, out=Path(out), drop=drop)
+        doc = body(ctx)
+        write_json(ctx.out, name, doc)
+        print(report(doc))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
 def fmt(x: Any, unit: str = "") -> str:
     if x is None:
         return "-"

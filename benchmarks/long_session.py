@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import random
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -207,16 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(C.REPO_ROOT / "benchmarks" / "results"))
     ap.add_argument("--name", default=NAME, help="JSON file name (without .json)")
     a = ap.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="kvstore-long-"))
-    try:
-        ctx = C.Context(quick=False, work=work, out=Path(a.out), drop=False)
-        doc = run(ctx, a.tokens, a.reps, a.base)
-        C.write_json(ctx.out, a.name, doc)
-        print(report(doc))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0
-
+    return C.run_alone("kvstore-long-", a.out, a.name, False, report=report,
+                       body=lambda ctx: run(ctx, a.tokens, a.reps, a.base))
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -238,16 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paths", default=",".join(PATHS), help="the paths to run (mlx_lm always runs)")
     ap.add_argument("--out", default=str(C.REPO_ROOT / "benchmarks" / "results"))
     a = ap.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="kvstore-paths-"))
-    try:
-        ctx = C.Context(quick=False, work=work, out=Path(a.out), drop=not a.no_drop)
-        doc = run(ctx, a.tokens, a.turns, a.reps, a.base, tuple(a.states.split(",")), tuple(a.paths.split(",")))
-        C.write_json(ctx.out, a.name, doc)
-        print(report(doc))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0
-
+    return C.run_alone("kvstore-paths-", a.out, a.name, not a.no_drop, report=report, body=lambda ctx: run(
+        ctx, a.tokens, a.turns, a.reps, a.base, tuple(a.states.split(",")), tuple(a.paths.split(","))))
 
 if __name__ == "__main__":
     raise SystemExit(main())
