@@ -1,73 +1,16 @@
 """The shared tier: prefix lookups in two round trips, and a publisher, over SharedClient.
 
-``SharedTier.lookup`` finds, for a query whose local tiers gave fewer tokens than it could
-use, the longest prefix other machines published, in at most TWO round trips (per Redis
-Cluster node holding the keys; one when nothing longer exists), whatever the prompt's
-length:
+Guaranteed: ``SharedTier.lookup`` costs at most two round trips per node whatever the
+prompt's length, is bounded in wall time (a late lookup is a counted miss, never a wait)
+and returns only what it verified (identity, keys re-derived from token ids, token ids,
+parents; signatures with a fleet secret): a verified chain of whole chunks or None, never a
+partial cache. ``SharedTier.submit`` never blocks (a full queue drops and counts); a publish
+writes chunks, then the entry, then the hash fields, so a reader never sees a field whose
+values were not written. A server failure never raises: it is counted and local serving
+goes on. Needs no DiskTier or KVStore (the store glues them).
 
-1. one pipeline: ``HGETALL`` of the boundary hash of every chunk boundary of the query that
-   could file a longer entry, and ``STRLEN`` of every chunk of the query's chain not held
-   locally. Candidates are chosen by comparing each field's residual token ids with the
-   query; a chunked entry needs every chunk up to its boundary (local or present and not
-   too large); the chain of present chunks alone is a candidate too (trimmed, as locally).
-   At the boundary where that chain ends, the chunk fields (every chunk published after
-   that boundary, with its token ids) are candidates as well: the one sharing the most
-   tokens with the query (0 < m < chunk) serves k*C + m of them (never the whole query),
-   as the local plan trims a chunk at the end of its chain.
-2. one pipeline (``SharedClient.read_values``): ``GETRANGE 0 max_value_bytes-1`` of the
-   chosen entry (or chunk to trim) and of the chunks it needs that are not held locally
-   (a value never makes the reader allocate more than the bound), each read off the
-   socket once and its segment hashed while it arrives; ``Found`` holds views of those
-   buffers, which the store restores from directly.
-
-Everything read is verified before it is returned (``values`` parses it; here: the
-identity, every key re-derived from the token ids, stored token ids compared with the
-query, each chunk's parent). A missing or rejected chunk cuts the chain there: the result
-is the verified chain before it (a shorter hit) or None, never a partial cache. A chunk to
-trim is verified like any chunk of the chain (its key re-derived from its own token ids,
-which are the publisher's) and is returned with the chain as one entry of whole chunks:
-the store imports it and its local plan trims it, so only trimmable KV is ever cut. A
-value that fails verification is counted and deleted (off the request path, by the
-publisher thread), so the next publisher of that content writes it again: chunks are
-written ``SET NX`` and would otherwise stay damaged for the whole fleet. A value gone
-since its field was read is counted (``missing``) and its field removed the same way.
-
-``SharedTier.submit`` hands a locally committed entry to the publisher thread (its own
-bounded queue: a full queue drops and counts, never blocks). ``publish`` (each value sent
-as its pieces, ``SharedClient.write_values``: never joined into one copy) writes, in this
-order, each step only after the one before succeeded: the chunks the server lacks
-(``SET NX``: content-addressed, never overwritten), the entry value, and last, in one
-pipeline (``hset_many``), the entry's field in its boundary hash and each of its chunks'
-fields the hashes lack in its parent boundary's hash. A reader that sees a field
-therefore finds its entry and chunks unless they were evicted or deleted since, which it
-handles like any missing key.
-
-Never raises for a server failure: ``SharedClient`` returns None / False, counted here and
-there; local serving goes on. Round trip 1 uses the configured timeouts; moving values
-(round trip 2, publishing) uses a second client whose per-operation timeout is
-``max(BULK_TIMEOUT, 10 x command_timeout)``, since a many-MB reply takes longer than a
-small one before its first byte (the publisher has a third, so that abandoning a late
-publish never cuts a lookup). Needs no DiskTier or KVStore (the store glues them).
-
-Bounded in wall time (``deadline``): round trip 1 by ``config.fetch_deadline``; round
-trip 2 by what the hit is worth (``_budget``: ``fetch_deadline`` until the prefill rate is
-measured, then at most the expected prefill of the tokens it saves, and twice the
-expected transfer once the link is measured); a publish by ``publish_deadline``; ``flush`` / ``close`` by
-``flush_deadline`` (then queued publishes are dropped, counted, and the one in flight is
-abandoned). Late is a counted miss (``deadline_misses``), never a wait.
-
-With a fleet secret (``config.secret``) every chunk and entry value is published with an
-HMAC tag over its name and bytes and verified before it is parsed (``signing``): a value
-without a valid tag is rejected like any other (counted also as ``bad_signature``).
-
-Only when it pays (``cost``): a candidate whose expected transfer time (moving estimate
-of this link's bandwidth) exceeds the expected prefill time of the tokens it saves (this
-model's measured prefill rate here) is not fetched: counted as ``skipped_cost``.
-
-Values larger than ``max_value_bytes`` (the config's cap, lowered to the server's
-``proto-max-bulk-len`` when ``CONFIG GET`` is allowed) are never read (round trip 1 sizes
-the chunks; an entry cut short by the read bound is not parsed) nor built for a publish
-(sized from the records first): counted as ``too_large``.
+How and why, step by step (round trips, verification, publishing, timeouts, deadlines,
+cost, size bounds): docs/shared.md.
 """
 
 from __future__ import annotations
