@@ -844,13 +844,15 @@ def test_check_that_did_not_complete_leaves_the_index_unstamped(tmp_path: Path, 
     logging.getLogger("kvstore").addHandler(handler)
     found: list = []
     stop = threading.Event()
+    signaller: threading.Thread | None = None
     try:
         monkeypatch.setattr(core, "CHECK_SECONDS", 3.0)
         if how == "cannot start":
             monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
         else:
-            threading.Thread(target=_signal_check_children, args=(getattr(signal, how), found, stop),
-                             daemon=True).start()
+            signaller = threading.Thread(target=_signal_check_children, args=(getattr(signal, how), found, stop),
+                                         daemon=True)
+            signaller.start()
         for _ in range(2):  # and again: never a loop of trusting an unchecked file
             idx = Index(cache)
             assert not (cache / "index" / "clean").exists(), "an unchecked index was stamped clean at open"
@@ -859,6 +861,8 @@ def test_check_that_did_not_complete_leaves_the_index_unstamped(tmp_path: Path, 
             assert not (cache / "index" / "clean").exists(), "an unchecked index was stamped clean at close"
     finally:
         stop.set()
+        if signaller is not None:  # ended before the next open: a late scan must not signal its check child
+            signaller.join(timeout=300)
         logging.getLogger("kvstore").removeHandler(handler)
         for pid in found:
             try:
