@@ -33,8 +33,11 @@ SLOW_MODULES = {"test_anthropic", "test_responses", "test_tenants_server", "test
 
 def say(config, line: str) -> None:
     """``line`` on the terminal now, on a line of its own, even under -q and inside a test's
-    captured output (pytest's own terminal writer, capture suspended)."""
+    captured output (pytest's own terminal writer, capture suspended; in an xdist worker,
+    which has no terminal, the real stderr it kept at start)."""
     if config.pluginmanager.get_plugin("terminalreporter") is None:  # an xdist worker, -p no:terminal
+        if _worker_stderr:
+            os.write(_worker_stderr[0], f"\n{line}\n".encode())
         return
     writer = config.get_terminal_writer()
     capture = config.pluginmanager.get_plugin("capturemanager")
@@ -43,6 +46,9 @@ def say(config, line: str) -> None:
             writer.line()
         writer.line(line)
         writer.flush()
+
+
+_worker_stderr: list[int] = []  # an xdist worker's real stderr (its stdout carries xdist's channel)
 
 
 # A test running this long says so (a timer thread writes straight to the terminal), again at
@@ -74,8 +80,63 @@ def pytest_runtest_protocol(item, nextitem):
         done.set()
 
 
+class _RunningOnWorkers:
+    """Under pytest-xdist (``-n``), the tests run in workers that have no terminal: the
+    controller hears each test start and finish (xdist forwards both hooks) and says which
+    is still running, as a serial run does."""
+
+    def __init__(self, config) -> None:
+        self.config, self.running, self.lock, self.width_then = config, {}, threading.Lock(), 0
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def pytest_runtest_logstart(self, nodeid, location) -> None:
+        with self.lock:
+            self.running[nodeid] = [time.monotonic(), STILL_RUNNING_S]
+
+    def pytest_runtest_logfinish(self, nodeid, location) -> None:
+        with self.lock:
+            self.running.pop(nodeid, None)
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(1.0)
+            lines = []
+            with self.lock:
+                for nodeid, r in self.running.items():  # r: [started, say at this many seconds]
+                    if time.monotonic() - r[0] >= r[1]:
+                        lines.append(f"kvstore: still running {nodeid} after {r[1]:.0f} s (a few tests take minutes)")
+                        r[1] += min(r[1], 120.0)
+            writer = self.config.get_terminal_writer()
+            for line in lines:
+                if writer.width_of_current_line != self.width_then:  # pytest wrote since: end its line first
+                    line = "\n" + line
+                if _terminal_fd:
+                    os.write(_terminal_fd[0], f"{line}\n".encode())
+                self.width_then = writer.width_of_current_line
+
+
+def pytest_cmdline_main(config):
+    """Under ``-n`` (pytest-xdist), each test file's tests run in one worker (``--dist
+    loadfile``): a module's fixtures (a benchmark run, a server) are made once, not once per
+    worker. An explicit ``--dist`` other than xdist's default is kept."""
+    if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", None) == "load":
+        config.option.dist = "loadfile"
+
+
+def _xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def pytest_configure(config):
     from tools.testing import model_builds
+
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if _xdist_worker(config) and capture is not None:
+        with capture.global_and_fixture_disabled():
+            _worker_stderr.append(os.dup(2))
+    if config.pluginmanager.hasplugin("xdist") and getattr(config.option, "numprocesses", None) \
+            and not _xdist_worker(config):
+        config.pluginmanager.register(_RunningOnWorkers(config), "kvstore-running-on-workers")
 
     known = set(model_builds.MODELS)  # not the specs a test of model_builds adds for itself
 
@@ -90,42 +151,89 @@ def pytest_unconfigure(config):
     from tools.testing import model_builds
 
     model_builds.build_notice = None
-    while _terminal_fd:
-        os.close(_terminal_fd.pop())
+    for fds in (_terminal_fd, _worker_stderr):
+        while fds:
+            os.close(fds.pop())
 
 
-def pytest_collection_finish(session):
-    """The first line a run prints: how many tests, about how long, and what a first run adds."""
+def _first_line(config, nodeids: list[str]) -> None:
+    """The first line a run prints: how many tests, about how long, and what a first run
+    adds; then the terminal is kept for the still-running lines."""
+    from tools.measured import pytest_estimate  # README's measured runs: one source of figures
     from tools.testing import model_builds
 
-    items = session.items
-    if not items or session.config.option.collectonly:
-        return
-    from tools.measured import pytest_estimate  # README's measured runs: one source of figures
-
-    slow = sum(1 for item in items if item.get_closest_marker("slow"))
-    line = (f"kvstore: {len(items)} test{'s' if len(items) > 1 else ''}{f' ({slow} slow)' if slow else ''}, "
-            f"{pytest_estimate(len(items) - slow, slow)}")
-    builds = {s.dir_name: name for name, s in model_builds.MODELS.items() if not s.on_demand}  # one per build
-    missing = sum(not model_builds.is_built(name) for name in builds.values())
+    slow = sum(1 for n in nodeids if _is_slow(n))
+    line = (f"kvstore: {len(nodeids)} test{'s' if len(nodeids) > 1 else ''}{f' ({slow} slow)' if slow else ''}, "
+            f"{pytest_estimate(len(nodeids) - slow, slow, workers=_workers(config))}")
+    missing = len(_missing_models())
     if missing:
         line += (f"; {missing} test models to build on first use, seconds each, once per machine,"
                  f" into {model_builds.models_dir()}")
-    say(session.config, line)
-    capture = session.config.pluginmanager.get_plugin("capturemanager")
-    if session.config.pluginmanager.get_plugin("terminalreporter") is not None and capture is not None:
+    say(config, line)
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if config.pluginmanager.get_plugin("terminalreporter") is not None and capture is not None:
         with capture.global_and_fixture_disabled():
             _terminal_fd.append(os.dup(1))
 
 
-def pytest_collection_modifyitems(config, items):
+def _missing_models() -> list[str]:
+    """The test models this machine has not built yet (one name per build)."""
+    from tools.testing import model_builds
+
+    builds = {s.dir_name: name for name, s in model_builds.MODELS.items() if not s.on_demand}
+    return [name for name in builds.values() if not model_builds.is_built(name)]
+
+
+def _workers(config) -> int:
+    """How many xdist workers run the tests (1: none, the tests run in this process)."""
+    n = getattr(config.option, "numprocesses", None) if config.pluginmanager.hasplugin("xdist") else None
+    return int(n) if isinstance(n, int) and n > 1 else 1
+
+
+def pytest_collection_finish(session):
+    if session.items and not session.config.option.collectonly and not _xdist_worker(session.config):
+        _first_line(session.config, [item.nodeid for item in session.items])
+
+
+_collected_on_workers: list[bool] = []
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under xdist the controller collects nothing: the first worker's collection gives the count."""
+    if not _collected_on_workers and ids and not node.config.option.collectonly:
+        _collected_on_workers.append(True)
+        _first_line(node.config, list(ids))
+        # A worker has no terminal to say it builds a model: for a run beyond the unit tier
+        # the controller builds them first, saying so (the workers wait meanwhile).
+        from tools.testing import model_builds
+
+        for name in _missing_models() if any(not i.startswith("tests/unit/") for i in ids) else []:
+            try:
+                model_builds.model_path(name)
+            except Exception as e:  # the tests that need it fail with the reason
+                say(node.config, f"kvstore: test model {name} did not build here: {e}")
+
+
+def _slow_ids() -> set[str]:
     from pathlib import Path
 
     listed = Path(__file__).with_name("slow.txt")
-    slow = {line.strip() for line in listed.read_text().splitlines() if line.strip() and not line.startswith("#")}
+    return {line.strip() for line in listed.read_text().splitlines() if line.strip() and not line.startswith("#")}
+
+
+def _is_slow(nodeid: str) -> bool:
+    """Whether the test ``nodeid`` is in the slow tier (tests/slow.txt, or its module's)."""
+    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+    return nodeid in _SLOW_IDS or module in SLOW_MODULES
+
+
+def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.nodeid in slow or item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+        if _is_slow(item.nodeid):
             item.add_marker(pytest.mark.slow)
+
+
+_SLOW_IDS = _slow_ids()
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

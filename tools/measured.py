@@ -27,6 +27,7 @@ TESTS = {
     "quiet": {"load": None, "total_s": 1200, "install_s": 60, "tests": 704, "pytest_s": 1152,
               "fast_tests": 520, "fast_s": 165},
     "busy": {"load": "2.5-8.7", "total_s": 3491, "install_s": 312, "tests": 705, "pytest_s": 3175},
+    "serial": {"load": None, "tests": 704, "pytest_s": 1152},
 }
 
 
@@ -35,23 +36,27 @@ def _demo_s(run: dict) -> float:
 
 
 def rates_per_test() -> tuple[float, float]:
-    """(seconds per fast test, per slow test) on 2 quiet cores, from the quiet run."""
-    q = TESTS["quiet"]
-    slow = q["tests"] - q["fast_tests"]
-    return q["fast_s"] / q["fast_tests"], (q["pytest_s"] - q["fast_s"]) / slow
+    """(seconds per fast test, per slow test) on 2 quiet cores in one process, from the quiet
+    serial run (``serial``) and the quiet fast tier."""
+    q, one = TESTS["quiet"], TESTS["serial"]
+    slow = one["tests"] - q["fast_tests"]
+    return q["fast_s"] / q["fast_tests"], (one["pytest_s"] - q["fast_s"]) / slow
 
 
 def busy_factor(runs: dict) -> float:
     """How much longer the busy run of a command took than its quiet one (after the install)."""
-    key = "pytest_s" if "pytest_s" in runs["quiet"] else None
-    quiet, busy = runs["quiet"], runs["busy"]
-    return (busy[key] / quiet[key]) if key else (_demo_s(busy) / _demo_s(quiet))
+    if "pytest_s" in runs["busy"]:  # the busy test run was one process: against the quiet one of those
+        return runs["busy"]["pytest_s"] / runs["serial"]["pytest_s"]
+    return _demo_s(runs["busy"]) / _demo_s(runs["quiet"])
 
 
-def pytest_estimate(fast: int, slow: int) -> str:
-    """pytest's first line: the run of ``fast`` + ``slow`` tests, quiet and busy."""
+def pytest_estimate(fast: int, slow: int, workers: int = 1) -> str:
+    """pytest's first line: the run of ``fast`` + ``slow`` tests, quiet and busy, in one
+    process or (``workers`` 2, README's ``-n 2``) two, scaled by the measured gain of two."""
     per_fast, per_slow = rates_per_test()
     quiet = fast * per_fast + slow * per_slow
+    if workers > 1:
+        quiet *= TESTS["quiet"]["pytest_s"] / TESTS["serial"]["pytest_s"]
     return (f"about {minutes(quiet)} on 2 quiet cores, {minutes(quiet * busy_factor(TESTS))} beside a load of "
             f"{TESTS['busy']['load']}")
 

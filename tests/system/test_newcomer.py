@@ -247,3 +247,37 @@ def test_readme_states_the_measured_runs_the_estimates_use() -> None:
         assert stale not in readme, stale
     assert not re.search(r"\b(?:SECONDS_PER_TOKEN|OTHER_SECONDS|FAST_S_PER_TEST)\b",
                          (ROOT / "tools" / "demo.py").read_text() + (ROOT / "tests" / "conftest.py").read_text())
+
+
+def test_two_workers_say_the_same_as_one_process(tmp_path: Path) -> None:
+    """README's `-n 2` (pytest-xdist): the workers have no terminal, so the controller says
+    the first line (scaled to two workers), builds a missing test model before the workers
+    start (saying so) and says which test is still running."""
+    import os
+
+    from tools.testing import model_builds
+
+    for name in model_builds.MODELS:  # what this machine has built, linked, but for tiny-llama
+        if not model_builds.MODELS[name].on_demand:
+            model_builds.model_path(name)
+    models = tmp_path / "models"
+    models.mkdir()
+    built = model_builds.models_dir()
+    for d in built.iterdir():
+        if d.is_dir() and not d.name.startswith("tiny-llama-v"):
+            subprocess.run(["cp", "-al", str(d), str(models / d.name)], check=True)
+    (tmp_path / "test_one.py").write_text("import time\n\n\ndef test_model(load_named):\n"
+                                          "    load_named('tiny-llama')\n\n\ndef test_long():\n    time.sleep(3)\n")
+    env = child_env(KVSTORE_MODELS_DIR=str(models), KVSTORE_TEST_STILL_RUNNING_S="1")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                        "--rootdir", str(tmp_path), str(tmp_path / "test_one.py")],
+                       capture_output=True, text=True, timeout=600, cwd=str(ROOT), env=env)
+    assert p.returncode == 0 and "2 passed" in p.stdout, p.stdout + p.stderr
+    said = [line for line in p.stdout.splitlines() if line.startswith("kvstore:")]
+    from tools.measured import pytest_estimate
+
+    assert said[0].startswith(f"kvstore: 2 tests, {pytest_estimate(2, 0, workers=2)}; 1 test models to build"), said
+    assert said[1].startswith("kvstore: building test model tiny-llama") and said[1].endswith(
+        " (once per machine) ..."), said  # the build's first name (tiny-llama and tiny-llama-q share it)
+    assert "kvstore: still running test_one.py::test_long after 1 s (a few tests take minutes)" in said, said
+    assert any(d.name.startswith("tiny-llama-v") for d in models.iterdir()) and os.listdir(built)
