@@ -198,6 +198,7 @@ def pytest_collection_finish(session):
 _collected_on_workers: list[bool] = []
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without xdist, never called
 def pytest_xdist_node_collection_finished(node, ids):
     """Under xdist the controller collects nothing: the first worker's collection gives the count."""
     if not _collected_on_workers and ids and not node.config.option.collectonly:

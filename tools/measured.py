@@ -12,22 +12,27 @@ into README (tests/system/test_newcomer.py checks README says exactly that parag
 from __future__ import annotations
 
 # Command 1: install, then `python tools/demo.py` (its cold prefill of `prefill_tokens`).
-# (load None: the run did not record it; the quiet runs are main's README figures, the busy
-# ones issue 46's, main d92c1bf.)
+# quiet: main 3bc9ab1, 2026-11-28; busy: main 5209c45, the same day, beside seven other jobs;
+# reference: an earlier quiet run (this machine ran its prefill about 2.2x faster that day).
 DEMO = {
-    "quiet": {"load": None, "total_s": 102, "install_s": 30, "prefill_tokens": 4031, "prefill_s": 59},
-    "busy": {"load": "2.5-8.7", "total_s": 391, "install_s": 110, "prefill_tokens": 4031, "prefill_s": 220.8},
+    "quiet": {"load": "0.5-1.4", "total_s": 204, "install_s": 51, "prefill_tokens": 4031, "prefill_s": 130.1},
+    "busy": {"load": "6.2-19.6", "total_s": 995, "install_s": 215, "prefill_tokens": 4031, "prefill_s": 693.4},
     # `KVSTORE_NO_OPENBLAS=1 python tools/demo.py` (--tokens defaults to 2,000 there), quiet
     "reference": {"load": None, "total_s": 884, "install_s": 0, "prefill_tokens": 2032, "prefill_s": 621.6},
 }
-CONVERT_S = 15  # the demo's one-time GGUF conversion, when this machine has not converted it yet
+CONVERT_S = 3  # the demo's one-time GGUF conversion, when this machine has not converted it yet (2.1 s quiet)
 
-# Command 2: install, fetch mlx-lm's server suite, then `python -m pytest -q tests`.
+# Command 2: install, fetch mlx-lm's server suite, then `python -m pytest -q -n 2 tests`
+# (quiet: README's command, main cf2b632; its fast tier: `python -m pytest -q -m "not slow"
+# tests`, one process, main 3bc9ab1). serial: the same suite in one process, `python -m pytest
+# -q tests`, quiet, main 3bc9ab1 (its per-test rates are what pytest's first line scales);
+# busy: the one-process command beside seven other jobs, main 5209c45 (exit 1: one test's own
+# race under load, fixed in 3bc9ab1). All 2026-11-28.
 TESTS = {
-    "quiet": {"load": None, "total_s": 1200, "install_s": 60, "tests": 704, "pytest_s": 1152,
-              "fast_tests": 520, "fast_s": 165},
-    "busy": {"load": "2.5-8.7", "total_s": 3491, "install_s": 312, "tests": 705, "pytest_s": 3175},
-    "serial": {"load": None, "tests": 704, "pytest_s": 1152},
+    "quiet": {"load": "0.9-3.6", "total_s": 1110, "install_s": 112, "tests": 802, "pytest_s": 1006,
+              "fast_tests": 582, "fast_s": 208},
+    "busy": {"load": "2.9-21.2", "total_s": 4176, "install_s": 435, "tests": 787, "pytest_s": 3741},
+    "serial": {"load": "0.9-1.8", "tests": 801, "pytest_s": 1768},
 }
 
 
@@ -77,7 +82,7 @@ def minutes(seconds: float) -> str:
 def readme_paragraph() -> str:
     """README's paragraph of figures, from the runs above."""
     q, b, r = DEMO["quiet"], DEMO["busy"], DEMO["reference"]
-    tq, tb = TESTS["quiet"], TESTS["busy"]
+    tq, tb, ts = TESTS["quiet"], TESTS["busy"], TESTS["serial"]
     return (
         f"Measured from a fresh clone with an empty HOME on 2 x86 cores, Debian's Python and OpenBLAS "
         f"(`sudo apt-get install libopenblas0-pthread`, used automatically): the first command took "
@@ -86,11 +91,12 @@ def readme_paragraph() -> str:
         f"a load of {b['load']} (the install {minutes(b['install_s'])}, the prefill {minutes(b['prefill_s'])}); "
         f"without OpenBLAS (MLX's reference BLAS) the demo prefills {r['prefill_tokens']:,} tokens in "
         f"{minutes(r['prefill_s'])} instead. The second command took {minutes(tq['total_s'])} quiet (the install "
-        f"and the fetch {minutes(tq['install_s'])}, then {tq['tests']:,} tests in {minutes(tq['pytest_s'])}; the "
-        f"fast tier, `-m \"not slow\"`, {tq['fast_tests']:,} of them, in {minutes(tq['fast_s'])}) and "
-        f"{minutes(tb['total_s'])} beside a load of {tb['load']} (the install and the fetch "
-        f"{minutes(tb['install_s'])}, {tb['tests']:,} tests in {minutes(tb['pytest_s'])}), with or without "
-        f"OpenBLAS. A busy machine slows every step, the install too. pytest's first line (today's test count "
+        f"and the fetch {minutes(tq['install_s'])}, then {tq['tests']:,} tests in {minutes(tq['pytest_s'])} in two "
+        f"workers; in one process, `python -m pytest -q tests`, {ts['tests']:,} tests took "
+        f"{minutes(ts['pytest_s'])}; the fast tier, `-m \"not slow\"`, {tq['fast_tests']:,} of them, in "
+        f"{minutes(tq['fast_s'])}) and {minutes(tb['total_s'])} in one process beside a load of {tb['load']} "
+        f"(the install and the fetch {minutes(tb['install_s'])}, {tb['tests']:,} tests in "
+        f"{minutes(tb['pytest_s'])}), with or without OpenBLAS. A busy machine slows every step, the install too. pytest's first line (today's test count "
         f"and its estimate) and the demo's estimate come from these same runs (tools/measured.py).")
 
 
