@@ -254,6 +254,7 @@ def test_two_workers_say_the_same_as_one_process(tmp_path: Path) -> None:
     the first line (scaled to two workers), builds a missing test model before the workers
     start (saying so) and says which test is still running."""
     import os
+    import shutil
 
     from tools.testing import model_builds
 
@@ -265,7 +266,7 @@ def test_two_workers_say_the_same_as_one_process(tmp_path: Path) -> None:
     built = model_builds.models_dir()
     for d in built.iterdir():
         if d.is_dir() and not d.name.startswith("tiny-llama-v"):
-            subprocess.run(["cp", "-al", str(d), str(models / d.name)], check=True)
+            shutil.copytree(d, models / d.name, copy_function=os.link)  # linked, not copied
     (tmp_path / "test_one.py").write_text("import time\n\n\ndef test_model(load_named):\n"
                                           "    load_named('tiny-llama')\n\n\ndef test_long():\n    time.sleep(3)\n")
     env = child_env(KVSTORE_MODELS_DIR=str(models), KVSTORE_TEST_STILL_RUNNING_S="1")
