@@ -9,8 +9,9 @@ render is too: at 12.5k tokens it was half of the ~62 ms ``_tokenize`` took per 
 
 ``install`` hands mlx-lm's ``_tokenize`` a tokenizer that answers that probe, and only that
 call shape, from the last ``KEEP`` probes it rendered, keyed by everything the template
-reads (the messages, the tools, the template's keyword arguments) and the tokenizer
-itself; every other call goes to the tokenizer unchanged. The tokens are the template's own
+reads (the messages, the tools, the template's keyword arguments), the tokenizer itself and
+the request's ``cache_salt`` (one caller's probe never answers another's: a remembered probe
+is faster, a timing side channel); every other call goes to the tokenizer unchanged. The tokens are the template's own
 (a copy is handed out). What the probe decides is only where the system segment ends, so
 even a template that reads the clock (a date) cannot make a wrong prompt: the prompt itself
 is rendered every time.
@@ -23,34 +24,37 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from .tenants import salt_carried
+
 KEEP = 8  # system prompts remembered (per process; a few tenants' agents at once)
 _LOCK = threading.Lock()
 _PROBES: OrderedDict[str, tuple[Any, list[int]]] = OrderedDict()
 
 
-def _probe_key(messages: Any, kwargs: dict[str, Any]) -> str | None:
+def _probe_key(messages: Any, kwargs: dict[str, Any], salt: Any) -> str | None:
     """The memo key of an ``apply_chat_template`` call, if it is mlx-lm's system probe."""
     if kwargs.get("tokenize") is not True or kwargs.get("add_generation_prompt") is not False:
         return None
     if not isinstance(messages, list) or len(messages) < 2 or messages[-1] != {"role": "user", "content": ""}:
         return None
     try:
-        return json.dumps([messages, sorted(kwargs.items())], sort_keys=True, default=repr)
+        return json.dumps([repr(salt), messages, sorted(kwargs.items())], sort_keys=True, default=repr)
     except (TypeError, ValueError):  # not a JSON request's messages: render as before
         return None
 
 
 class Probed:
-    """``tokenizer`` for one ``_tokenize`` call: its system probe remembered, all else its own."""
+    """``tokenizer`` for one ``_tokenize`` call under the caller's ``salt``: its system probe
+    remembered, all else its own."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, salt: Any = None) -> None:
+        self._tokenizer, self._salt = tokenizer, salt
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tokenizer, name)
 
     def apply_chat_template(self, messages: Any, *args: Any, **kwargs: Any) -> Any:
-        key = _probe_key(messages, kwargs) if not args else None
+        key = _probe_key(messages, kwargs, self._salt) if not args else None
         if key is None:
             return self._tokenizer.apply_chat_template(messages, *args, **kwargs)
         with _LOCK:
@@ -77,7 +81,7 @@ def install(server_mod: Any) -> None:
     tokenize = generator._tokenize
 
     def _tokenize(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
-        return tokenize(self, Probed(tokenizer), request, args)
+        return tokenize(self, Probed(tokenizer, salt_carried(request)), request, args)
 
     generator._tokenize = _tokenize
     generator._kvstore_system_render = True

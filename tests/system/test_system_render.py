@@ -107,3 +107,25 @@ def test_only_the_probe_is_remembered(tokenizer: Any) -> None:
     finally:
         del tokenizer.apply_chat_template
         forget()
+
+
+def test_one_callers_probe_never_answers_anothers() -> None:
+    """A remembered probe is faster: it is kept per ``cache_salt``, so no caller learns by
+    timing that another rendered the same system prompt."""
+    from kvstore.adapters import system_render
+
+    calls: list[int] = []
+
+    class Tokenizer:
+        def apply_chat_template(self, messages, **kwargs):
+            calls.append(1)
+            return [1, 2, 3]
+
+    system_render.forget()
+    tok = Tokenizer()
+    probe = [{"role": "system", "content": "tools"}, {"role": "user", "content": ""}]
+    kw = {"tokenize": True, "add_generation_prompt": False}
+    for salt in ("tenant-a", "tenant-a", "tenant-b", None):
+        system_render.Probed(tok, salt).apply_chat_template(probe, **kw)
+    assert len(calls) == 3, calls  # a's second probe remembered; b's and the unsalted one rendered
+    system_render.forget()
