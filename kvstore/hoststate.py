@@ -62,6 +62,19 @@ def release_streams() -> None:
         clear()
 
 
+def releasing(run: Callable[[], Any]) -> Callable[[], None]:
+    """``run`` as the target of a thread kvstore starts: its MLX streams released at its end
+    (``release_streams``), however it ends."""
+
+    def target() -> None:
+        try:
+            run()
+        finally:
+            release_streams()
+
+    return target
+
+
 def _limits(mx: Any) -> dict[str, Any]:
     """MLX's memory, cache and wired limits (each read by setting it back at once)."""
     got = {}

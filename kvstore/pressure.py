@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .hoststate import release_streams
+from .hoststate import releasing
 
 # The memory tier keeps this much of the machine's (or container's) memory free by default:
 # a fifth leaves room for the model's activations and the user's other programs on a Mac.
@@ -245,14 +245,9 @@ class Watch:
     def __init__(self, tick: Callable[[], bool], interval: float = WATCH_SECONDS) -> None:
         self._tick, self._interval = tick, interval
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvstore-memory", daemon=True)
+        # a tick may evict and clear MLX's cache: MLX work on this thread (see hoststate)
+        self._thread = threading.Thread(target=releasing(self._watch), name="kvstore-memory", daemon=True)
         self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._watch()
-        finally:
-            release_streams()  # a tick may evict and clear MLX's cache: see hoststate
 
     def _watch(self) -> None:
         warned = False

@@ -12,7 +12,7 @@ import queue
 import threading
 from typing import Callable
 
-from .hoststate import release_streams
+from .hoststate import releasing
 
 log = logging.getLogger("kvstore")
 
@@ -22,7 +22,7 @@ Job = Callable[[], None]
 class Writer:
     def __init__(self, maxsize: int = 16, name: str = "kvstore-writer") -> None:
         self._q: queue.Queue[Job | None] = queue.Queue(maxsize=maxsize)
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=releasing(self._serve), name=name, daemon=True)  # its jobs run MLX work
         self._closed = False
         self.dropped = 0
         self._thread.start()
@@ -74,12 +74,6 @@ class Writer:
         except queue.Full:
             pass
         self._thread.join(timeout)
-
-    def _run(self) -> None:
-        try:
-            self._serve()
-        finally:
-            release_streams()  # the jobs ran MLX work on this thread: see hoststate
 
     def _serve(self) -> None:
         while True:

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..hoststate import release_streams
+from ..hoststate import releasing
 
 log = logging.getLogger("kvstore")
 
@@ -137,16 +137,8 @@ def start(provider: Any, opts: Options, cache: Any, progress: ProgressFactory | 
         return
     mark_ready(opts)
     if later is not None:
-        STATE.thread = threading.Thread(target=_releasing, args=(later,), name="kvstore-preload", daemon=True)
+        STATE.thread = threading.Thread(target=releasing(later), name="kvstore-preload", daemon=True)
         STATE.thread.start()
-
-
-def _releasing(run: Callable[[], None]) -> None:
-    """``run()`` on kvstore's own thread, its MLX streams released at its end (see hoststate)."""
-    try:
-        run()
-    finally:
-        release_streams()
 
 
 def preload(cache: Any, model_key: Any, opts: Options, max_bytes: int | None,
