@@ -36,7 +36,7 @@ from . import common as C
 NAME = "serve"
 HOST = "127.0.0.1"
 CLIENTS = (1, 4, 8)
-DEFAULT = {"model": "tiny-llama", "system_tokens": 2048, "max_tokens": 64, "rounds": 3}
+DEFAULT = {"model": "tiny-llama", "system_tokens": 2048, "max_tokens": 64, "rounds": 3, "clients": CLIENTS}
 # --quick (the test suite's run): the same scenarios at two client counts, one round each
 QUICK = {"model": "tiny-llama", "system_tokens": 512, "max_tokens": 32, "rounds": 1, "clients": (1, 4)}
 KINDS = ("mlx_lm", "kvstore")
@@ -138,7 +138,7 @@ def run_unique(ctx: C.Context, model: Path, s: dict[str, Any]) -> dict[str, list
     try:
         for k in KINDS:
             procs[k] = Proc(k, model, ctx.scratch(f"unique-{k}"), ctx.work / f"unique-{k}.log")
-        for n in s.get("clients", CLIENTS):
+        for n in s["clients"]:
             for r in range(s["rounds"]):
                 for kind in (KINDS if r % 2 == 0 else KINDS[::-1]):
                     seed += n
@@ -163,7 +163,7 @@ def run_shared(ctx: C.Context, model: Path, s: dict[str, Any]) -> dict[str, list
     finally:
         first.stop()
     rows: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
-    for n in s.get("clients", CLIENTS):
+    for n in s["clients"]:
         for r in range(s["rounds"]):
             for kind in (KINDS if r % 2 == 0 else KINDS[::-1]):
                 p = Proc(kind, model, cache, ctx.work / f"shared-{kind}-{n}-{r}.log")
@@ -251,7 +251,7 @@ def run(ctx: C.Context) -> dict[str, Any]:
              "tiny-llama is a 3-layer model, so per-token model time is small and kvstore's per-request "
              "overhead is as visible as it can be.",
              "thread: medians of KVStore work on the calling thread (insert_cache; a missed fetch), tiny-llama."]
-    return C.document(NAME, ctx, dict(s, clients=list(s.get("clients", CLIENTS))), {"unique": unique, "shared": shared},
+    return C.document(NAME, ctx, dict(s, clients=list(s["clients"])), {"unique": unique, "shared": shared},
                       medians, headline, notes, started)
 
 
