@@ -530,10 +530,11 @@ def terminate(proc: "subprocess.Popen[bytes]", timeout: float = 120) -> int:
     return proc.returncode
 
 
-def run_child(target: str, args: dict[str, Any], *, timeout: float = 1800) -> dict[str, Any]:
+def run_child(target: str, args: dict[str, Any], *, timeout: float = 1800,
+              prefix: tuple[str, ...] = ()) -> dict[str, Any]:
     """Run ``benchmarks.<module>:<func>(**args)`` in a fresh interpreter (same BLAS, same
-    environment) and return its JSON result."""
-    cmd = [sys.executable, "-m", "benchmarks", "--child", target, json.dumps(args)]
+    environment; under the command ``prefix`` if given) and return its JSON result."""
+    cmd = [*prefix, sys.executable, "-m", "benchmarks", "--child", target, json.dumps(args)]
     t0 = time.perf_counter()
     from tools.testing.procs import die_with_parent
 
