@@ -22,6 +22,9 @@ log = logging.getLogger("kvstore")
 CHECK_AT_OPEN = True  # tests turn it off to reach a damaged page on purpose
 CHECK_SECONDS = 30.0  # a check gets this long plus 1 s per 20 MiB of data file
 _FATAL = ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE")  # signal names: ``signal`` costs start-up
+# The child ``check_in_child`` runs: reads every value of every database (a damaged page
+# kills it, not the caller) and, for a writer, probes a write. Exit 0 clean, 3 damaged,
+# 4 or 5 no verdict.
 _WALK = r"""
 import sys, lmdb
 path, ro, size = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
@@ -63,7 +66,6 @@ if unread:  # not read to the end (readers table full, out of memory...): no ver
     print("; ".join(unread), file=sys.stderr)
     sys.exit(4)
 """
-
 
 
 def check(path: Path, *, readonly: bool, state: dict[str, Any] | None, marks: list[Any],

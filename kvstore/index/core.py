@@ -71,6 +71,8 @@ WRITER = "writer-"  # writer-<pid>-<random hex>: a writer holds the index open (
 # Errors that mean the data file itself is damaged: only these move an index aside.
 CORRUPTION = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
               lmdb.VersionMismatchError, lmdb.PanicError)
+
+
 @dataclass
 class _Shared:
     """One environment of this process, with the handles using it and the data file's
