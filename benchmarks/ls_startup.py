@@ -1,13 +1,15 @@
 """``kvstore ls`` start-up, two checkouts side by side (issue 47, item 5).
 
-    python -m benchmarks.ls_startup BASE_CHECKOUT THIS_CHECKOUT RUNS CACHE_DIR
+    python -m benchmarks.ls_startup BASE_CHECKOUT THIS_CHECKOUT RUNS CACHE_DIR [--instructions]
 
 Fresh processes, interleaved in every round: ``kvstore ls --cache-dir CACHE_DIR`` (an empty
 store) with each checkout's kvstore, compiled every time (``PYTHONDONTWRITEBYTECODE=1``) and
 with a bytecode cache (``PYTHONPYCACHEPREFIX``, written by a warm-up run), and ``python -c
 pass``. Prints JSON: median seconds, each against ``python -c pass``, the load average, and
 what each import of this checkout's ``kvstore ls`` costs in both bytecode states
-(``python -X importtime``; a table of the compiled state on stderr).
+(``python -X importtime``; a table of the compiled state on stderr). ``--instructions``
+adds the instructions each command executes (valgrind's callgrind, one run each): unlike
+wall time, that count does not move with the load of a shared machine.
 """
 
 from __future__ import annotations
@@ -36,12 +38,12 @@ def main(argv: list[str]) -> int:
     base, this, runs, cache_dir = argv[0], argv[1], int(argv[2]), argv[3]
     pycache = tempfile.mkdtemp(prefix="kvstore-ls-pyc-")
     try:
-        return _run(base, this, runs, cache_dir, pycache)
+        return _run(base, this, runs, cache_dir, pycache, "--instructions" in argv[4:])
     finally:
         shutil.rmtree(pycache, ignore_errors=True)
 
 
-def _run(base: str, this: str, runs: int, cache_dir: str, pycache: str) -> int:
+def _run(base: str, this: str, runs: int, cache_dir: str, pycache: str, count: bool) -> int:
     ls = [sys.executable, "-m", "kvstore.cli", "ls", "--cache-dir", cache_dir]
     cmds: dict[str, tuple[list[str], dict[str, str], str | None]] = {}
     for label, tree in (("main", base), ("branch", this)):
@@ -58,10 +60,22 @@ def _run(base: str, this: str, runs: int, cache_dir: str, pycache: str) -> int:
             times[label].append(time.perf_counter() - t0)
     med = {label: statistics.median(ts) for label, ts in times.items()}
     imports = {label: import_costs(ls, cmds[label][1], this, runs) for label in ("branch", "branch_bytecode")}
-    print(json.dumps({"median_s": med, "vs_python": {k: v / med["python"] for k, v in med.items()},
-                      "loadavg": os.getloadavg(), "runs": times, "imports": imports}, indent=1))
+    out = {"median_s": med, "vs_python": {k: v / med["python"] for k, v in med.items()},
+           "loadavg": os.getloadavg(), "runs": times, "imports": imports}
+    if count:
+        ins = {label: instructions(cmd, env, cwd) for label, (cmd, env, cwd) in cmds.items()}
+        out["instructions"] = ins
+        out["instructions_vs_python"] = {k: v / ins["python"] for k, v in ins.items()}
+    print(json.dumps(out, indent=1))
     print(import_table(imports["branch"]), file=sys.stderr)
     return 0
+
+
+def instructions(cmd: list[str], env: dict[str, str], cwd: str | None) -> int:
+    """Instructions ``cmd`` executes (``valgrind --tool=callgrind``; its children not counted)."""
+    p = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *cmd], env=env,
+                       cwd=cwd, check=True, capture_output=True, text=True)
+    return next(int(line.split()[-1]) for line in p.stderr.splitlines() if "Collected :" in line)
 
 
 def import_costs(cmd: list[str], env: dict[str, str], cwd: str, runs: int) -> list[dict[str, object]]:

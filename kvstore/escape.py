@@ -11,14 +11,21 @@ tab and, where allowed, newline), DEL, C1 controls and the bidirectional overrid
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import re
 from typing import Any, TextIO
 
 _BIDI = "\u202a-\u202e\u2066-\u2069\u200e\u200f\u061c"
-_CONTROL = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f{_BIDI}]")
-_CONTROL_NL = re.compile(f"[\x00-\x08\x0a-\x1f\x7f-\x9f{_BIDI}]")
+
+
+@functools.cache
+def _control(newlines: bool) -> re.Pattern[str]:
+    """What ``visible`` escapes, compiled when some text first needs it (the bidi ranges
+    make it slow to compile: start-up of every command otherwise)."""
+    first = "\x0b" if newlines else "\x0a"  # newline kept, or escaped too
+    return re.compile(f"[\x00-\x08{first}-\x1f\x7f-\x9f{_BIDI}]")
 
 
 def _escape(m: re.Match) -> str:
@@ -29,7 +36,13 @@ def _escape(m: re.Match) -> str:
 def visible(text: Any, *, newlines: bool = True) -> str:
     """``str(text)`` with control characters shown as escapes (see the module docstring);
     ``newlines=False`` escapes newlines too (one log record stays one line)."""
-    return (_CONTROL if newlines else _CONTROL_NL).sub(_escape, str(text))
+    s = str(text)
+    bare = s.replace("\t", "")
+    if newlines:
+        bare = bare.replace("\n", "")
+    if bare.isprintable():  # every character escaped is unprintable (Cc, Cf): none here
+        return s
+    return _control(newlines).sub(_escape, s)
 
 
 class VisibleWriter(io.TextIOBase):

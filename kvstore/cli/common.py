@@ -60,6 +60,16 @@ def add_cache_dir(parser: argparse.ArgumentParser) -> None:
              "another member (without it, a directory another user could write is refused)")
 
 
+def add_shared(parser: argparse.ArgumentParser) -> None:
+    """``--shared [URL]`` and ``--shared-prefix``: ask a shared tier (``shared_tier``)."""
+    parser.add_argument(
+        "--shared", nargs="?", const="", default=None, metavar="URL",
+        help="ask a shared tier instead of a cache directory: redis://[user:pass@]host:port/db, "
+             "rediss://, redis+cluster://h1:p1,h2:p2 (no URL: $KVSTORE_SHARED)")
+    parser.add_argument("--shared-prefix", metavar="P", default=None,
+                        help="the shared tier's key prefix (default: the URL's ?prefix=, else kvstore)")
+
+
 def add_json(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
 

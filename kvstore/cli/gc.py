@@ -6,7 +6,7 @@ import argparse
 import time
 from typing import Any
 
-from . import common, shared_tier
+from . import common
 
 
 def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -43,12 +43,14 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"pack files no record names older than this are orphans (default {ORPHAN_BLOB_SECONDS})")
     common.add_cache_dir(p)
     common.add_json(p)
-    shared_tier.add_shared(p)
+    common.add_shared(p)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     if args.shared is not None:  # a shared tier, not a cache directory
+        from . import shared_tier  # the shared tier's code: only with --shared
+
         return shared_tier.run_gc(args)
     from .. import maintenance
     from .verify import describe

@@ -6,7 +6,7 @@ import argparse
 import time
 from typing import Any
 
-from . import common, shared_tier
+from . import common
 
 
 def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -18,7 +18,7 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "other commands accept any unique prefix.")
     common.add_cache_dir(p)
     common.add_json(p)
-    shared_tier.add_shared(p)
+    common.add_shared(p)
     return p
 
 
@@ -57,6 +57,8 @@ def collect(disk) -> dict[str, Any]:
 def _siblings(snap: Any, groups: list[dict[str, Any]]) -> None:
     """Each group's ``others``: the other identities of its model directory that hold
     entries, what differs (older -> newer), and ``superseded_by`` (``gc`` removes it first)."""
+    if not groups:  # no identity holds an entry: nothing to compare (nor its code to import)
+        return
     from ..superseded import siblings, superseded, usage, what_differs
 
     used = usage(snap.entries.items())
@@ -84,6 +86,8 @@ def _dtype(disk, items: list[tuple[bytes, Any]], info: Any) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     if args.shared is not None:  # a shared tier, not a cache directory
+        from . import shared_tier  # the shared tier's code: only with --shared
+
         return shared_tier.run_ls(args)
     disk = common.open_disk(args, index_only=True)
     try:

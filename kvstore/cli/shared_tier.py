@@ -1,6 +1,8 @@
 """``--shared URL`` for ``kvstore stats``, ``ls`` and ``gc``: the same questions asked of a
 shared tier (Redis) instead of a cache directory. A separate code path: the local one is
-untouched, and nothing here opens a cache directory. See ``kvstore.shared.admin``."""
+untouched, and nothing here opens a cache directory; the commands import it only when
+``--shared`` is given (the option itself is ``common.add_shared``). See
+``kvstore.shared.admin``."""
 
 from __future__ import annotations
 
@@ -9,15 +11,6 @@ import time
 from typing import Any
 
 from . import common
-
-
-def add_shared(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--shared", nargs="?", const="", default=None, metavar="URL",
-        help="ask a shared tier instead of a cache directory: redis://[user:pass@]host:port/db, "
-             "rediss://, redis+cluster://h1:p1,h2:p2 (no URL: $KVSTORE_SHARED)")
-    parser.add_argument("--shared-prefix", metavar="P", default=None,
-                        help="the shared tier's key prefix (default: the URL's ?prefix=, else kvstore)")
 
 
 def client(args: argparse.Namespace) -> Any:

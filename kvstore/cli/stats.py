@@ -6,7 +6,7 @@ import argparse
 import shutil
 from typing import Any
 
-from . import common, shared_tier
+from . import common
 
 MEMORY_NOTE = ("per process: each server holds its own memory tier; ask the server for its memory "
                "entries and bytes (`GET /v1/cache/stats` on a `kvstore serve`)")
@@ -21,7 +21,7 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "filesystem. The memory tier is per process and not visible here.")
     common.add_cache_dir(p)
     common.add_json(p)
-    shared_tier.add_shared(p)
+    common.add_shared(p)
     return p
 
 
@@ -86,6 +86,8 @@ def collect(disk) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     if args.shared is not None:  # a shared tier, not a cache directory
+        from . import shared_tier  # the shared tier's code: only with --shared
+
         return shared_tier.run_stats(args)
     disk = common.open_disk(args)
     try:

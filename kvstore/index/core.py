@@ -33,7 +33,8 @@ that kvstore's own LMDB code produced from a checked state:
   readable records salvaged (``pages.salvage``, which reads pages itself, without LMDB).
 Damage that reaches a file without going through the filesystem (bit rot under an
 unchanged ctime), or an edit of a file between a writer's crash and the next open, is
-not caught at open; ``kvstore verify`` walks every page.
+not caught at open; ``kvstore verify`` walks every page. The crash check, the child's walk
+and the salvage are ``checks``, imported only by an open whose file does not match its stamp.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ import json
 import logging
 import os
 import stat
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -71,50 +71,8 @@ WRITER = "writer-"  # writer-<pid>-<random hex>: a writer holds the index open (
 # Errors that mean the data file itself is damaged: only these move an index aside.
 CORRUPTION = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
               lmdb.VersionMismatchError, lmdb.PanicError)
-CHECK_AT_OPEN = True  # tests turn it off to reach a damaged page on purpose
-CHECK_SECONDS = 30.0  # a check gets this long plus 1 s per 20 MiB of data file
-_FATAL = ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE")  # signal names: ``signal`` costs start-up
-_WALK = r"""
-import sys, lmdb
-path, ro, size = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
-try:
-    env = lmdb.open(path, readonly=ro, lock=True, max_dbs=64, subdir=True, readahead=False,
-                    max_readers=512, map_size=size, create=False)
-except lmdb.Error as e:
-    print(f"cannot open: {e}", file=sys.stderr)
-    sys.exit(5)  # no verdict: the parent's own open reports what is wrong
-DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError)
-unread = []
-bad = []
-try:
-    with env.begin() as txn:
-        names = [bytes(k) for k, _ in txn.cursor()]
-    for name in names:  # one transaction each: an error spoils the transaction it happens in
-        try:
-            db = env.open_db(name, create=False)
-            with env.begin(db=db, buffers=True) as txn:
-                for k, v in txn.cursor():
-                    if len(v):  # first and last byte: a value running past the file faults
-                        v[0], v[len(v) - 1]
-        except DAMAGE as e:
-            bad.append(f"{name.decode(errors='replace')}: {e}")
-        except lmdb.Error as e:
-            unread.append(f"{name.decode(errors='replace')}: {e}")
-    if not ro:
-        with env.begin(write=True) as txn:
-            txn.put(b"\x00kvstore-open-probe", b"")
-            txn.delete(b"\x00kvstore-open-probe")
-except DAMAGE as e:
-    bad.append(str(e))
-except lmdb.Error as e:
-    unread.append(str(e))
-if bad:  # a damaged B-tree: the next read of it may fault instead of failing
-    print("; ".join(bad), file=sys.stderr)
-    sys.exit(3)
-if unread:  # not read to the end (readers table full, out of memory...): no verdict
-    print("; ".join(unread), file=sys.stderr)
-    sys.exit(4)
-"""
+
+
 @dataclass
 class _Shared:
     """One environment of this process, with the handles using it and the data file's
@@ -206,8 +164,13 @@ class Index:
                 self._create_data_file()
             checked = not self._stamp_matches()
             self._verified = not checked
-            if checked and not self._crash_checked():
-                self._verified, damage = self._check_in_child()
+            if checked:  # the checks: only for a file not as its stamp says (``checks``)
+                from .checks import check
+
+                self._verified, damage = check(self.path, readonly=self.readonly, state=self._state(),
+                                               marks=[m for _, m in self._marks()],
+                                               marked_damaged=self.marked_damaged() is not None,
+                                               initial_map=INITIAL_MAP)
                 if damage:
                     raise lmdb.CorruptedError(damage)
             env = self._open_env(probe=checked)
@@ -232,6 +195,8 @@ class Index:
         self._allocate_lock_file()
         self._create_data_file()
         env = self._open_env(probe=False)
+        from .checks import salvage_into
+
         kept = salvage_into(env, aside / "data.mdb")
         self._verified = True  # written by this process from records read page by page
         self._write_stamp()
@@ -346,25 +311,6 @@ class Index:
                 out.append((self.path / name, None))
         return out
 
-    def _crash_checked(self) -> bool:
-        """The data file is one a checked writer's mark names (same device and inode, its
-        transaction id not behind the mark's), and ``pages.crash_check`` finds nothing a
-        stopped writer could have left in it: the open needs no walk (module docstring)."""
-        state = self._state()
-        if state is None or state["txnid"] is None or not CHECK_AT_OPEN or self.marked_damaged() is not None:
-            return False
-        if not any(isinstance(m, dict) and m.get("dev") == state["dev"] and m.get("ino") == state["ino"]
-                   and isinstance(m.get("txnid"), int) and m["txnid"] <= state["txnid"] for _, m in self._marks()):
-            return False
-        from .pages import crash_check  # the page walker: only after a crash
-
-        why = crash_check(self.path / "data.mdb")
-        if why is not None:
-            log.info("kvstore: index %s after an unclean stop: %s; checking every record", self.path, why)
-            return False
-        self._verified = True
-        return True
-
     def _mark_once(self) -> None:
         """Before this process's first commit, its writer mark (if its open was checked):
         a process that never writes (``ls``, a server serving hits only) leaves none."""
@@ -403,47 +349,6 @@ class Index:
                 os.unlink(path)
             except OSError:
                 pass
-
-    def _check_in_child(self) -> tuple[bool, str | None]:
-        """(whether a check ran to completion, why the index would crash a process reading
-        it or None). Only a child that exited 0 found the file clean; one that could not
-        start, took too long (a stopped child does), or was killed by a signal other than a
-        fault of its own (SIGKILL from the OOM killer) checked nothing: logged, (False, None)."""
-        data = self.path / "data.mdb"
-        try:
-            size = data.stat().st_size
-        except OSError:
-            return True, None  # nothing to check: LMDB makes a new file
-        if size == 0:
-            return True, None
-        if not CHECK_AT_OPEN or not sys.executable:
-            return False, None
-        import signal  # only a check starts a process
-        import subprocess
-
-        timeout = CHECK_SECONDS + size / (20 << 20)
-        cmd = [sys.executable, "-c", _WALK, str(self.path), "1" if self.readonly else "0",
-               str(max(INITIAL_MAP, size))]
-        try:
-            p = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return _unchecked(self.path, f"it took over {timeout:.0f} s and was killed")
-        except OSError as e:
-            return _unchecked(self.path, f"it could not start: {e}")
-        why = p.stderr.decode(errors="replace").strip().splitlines()
-        if p.returncode == 3:
-            return True, f"reading {data} fails: {why[-1] if why else 'damaged'}"
-        if p.returncode < 0 and -p.returncode in {getattr(signal, n) for n in _FATAL if hasattr(signal, n)}:
-            return True, (f"reading {data} kills the process ({signal.Signals(-p.returncode).name}"
-                          + (f": {why[-1]}" if why else "") + ")")
-        if p.returncode == 5:  # the child could not open it: the parent's own open says why
-            log.info("kvstore: the check of index %s could not open it: %s", self.path, why[-1] if why else "")
-            return False, None
-        if p.returncode != 0:
-            how = f"killed by {signal.Signals(-p.returncode).name}" if p.returncode < 0 else f"exit {p.returncode}"
-            return _unchecked(self.path, f"it ended without a verdict ({how}{': ' + why[-1] if why else ''})")
-        return True, None
 
     def _create_data_file(self) -> None:
         """Make ``data.mdb`` (empty: LMDB starts a new environment in it) with this
@@ -664,46 +569,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _unchecked(path: Path, why: str) -> tuple[bool, None]:
-    log.warning("kvstore: the check of index %s did not complete (%s); opening it unchecked for this "
-                "process and leaving it unstamped, so the next open checks it again", path, why)
-    return False, None
-
-
 def aside_name(path: Path, what: str) -> Path:
     """A new name beside ``path`` to move it to (``<name>.<what>-<time>-<random hex>``),
     which nobody can have planted in advance."""
     return path.with_name(f"{path.name}.{what}-{int(time.time())}-{os.urandom(4).hex()}")
 
 
-def salvage_into(env: lmdb.Environment, data: Path) -> int:
-    """Copy the readable records of a damaged data file into a new environment, the byte
-    counter recomputed from the pack records kept. Returns the number of records kept."""
-    from .pages import salvage
-
-    _, found = salvage(data)
-    kept, total = 0, 0
-    with env.begin(write=True) as txn:
-        for name in DBS:
-            db = env.open_db(name.encode(), txn=txn)
-            for k, v in found.get(name, []):
-                if name == "meta" and k == b"bytes":
-                    continue
-                if name == "packs":
-                    try:
-                        total += parse("packs", v).size
-                    except RecordError:
-                        pass  # unreadable: verify reports it
-                try:
-                    txn.put(k, v, db=db)
-                    kept += 1
-                except lmdb.Error:  # a key LMDB cannot hold (damaged length)
-                    pass
-        txn.put(b"bytes", str(total).encode(), db=env.open_db(b"meta", txn=txn))
-    return kept
-
-
-__all__ = ["CHECK_AT_OPEN", "CORRUPTION", "Index", "IndexOpenError", "count", "salvage_into"]
+__all__ = ["CORRUPTION", "Index", "IndexOpenError", "count"]
 
 
 def chunk_size(stored: bytes | None, asked: int, where: Path) -> int:

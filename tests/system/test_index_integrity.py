@@ -217,7 +217,7 @@ def test_salvage_keeps_the_intact_records_beside_a_damaged_node(tmp_path, monkey
     damage were lost by the salvage. Now damage is confined to its node: the salvage
     (at a writable open that finds the damage, or by `verify --fix`) keeps the other 8
     token records, the entry that lost its token ids is dropped, and the 8 are served."""
-    from kvstore.index import core
+    from kvstore.index import checks
 
     who = ident("salvage")
     prompts = [rand_tokens(12, seed=40 + i) for i in range(9)]
@@ -230,7 +230,7 @@ def test_salvage_keeps_the_intact_records_beside_a_damaged_node(tmp_path, monkey
     assert len(offs) == 9
     lost = _damage_node(data, 4, how)
     if path == "verify":
-        monkeypatch.setattr(core, "CHECK_AT_OPEN", False)  # reach the damage with verify, not at open
+        monkeypatch.setattr(checks, "CHECK_AT_OPEN", False)  # reach the damage with verify, not at open
     disk = DiskTier(tmp_path)
     try:
         if path == "verify":

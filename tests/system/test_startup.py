@@ -27,6 +27,47 @@ def test_ls_imports_no_lookup_or_identity_code(tmp_path: Path) -> None:
     assert got == {"rc": 0, "loaded": []}, got
 
 
+def test_ls_of_a_stamped_index_imports_no_check_or_shared_tier_code(tmp_path: Path) -> None:
+    """``kvstore ls`` on an index its clean stamp vouches for (a store closed cleanly, no
+    entries) imports neither the checks an unstamped index needs (``index.checks``, the
+    page walker, ``subprocess``) nor the shared tier's command code nor the comparison of
+    identities: issue 47.5, what start-up compiles (PYTHONDONTWRITEBYTECODE) on every run.
+    Before: ``index.core`` held the checks, and ``ls`` imported ``cli.shared_tier`` and
+    ``superseded`` whatever it listed."""
+    from kvstore.cachedir import open_disk
+
+    d = tmp_path / "cache"
+    open_disk(d).close()
+    got = run_py("""
+        import json, sys
+        from kvstore.cli.main import main
+        rc = main(["ls", "--cache-dir", json.loads(sys.argv[1])])
+        unneeded = ("kvstore.index.checks", "kvstore.index.pages", "subprocess", "kvstore.cli.shared_tier",
+                    "kvstore.superseded")
+        print(json.dumps({"rc": rc, "loaded": [m for m in unneeded if m in sys.modules]}))
+    """, str(d))
+    assert got == {"rc": 0, "loaded": []}, got
+
+
+def test_ls_of_an_unstamped_index_still_checks_it(tmp_path: Path) -> None:
+    """Moving the checks out of ``index.core`` changed nothing about when they run: ``ls``
+    on an index without its clean stamp (as after a crash) walks it in a child process
+    and, finding it clean, stamps it again."""
+    from kvstore.cachedir import open_disk
+
+    d = tmp_path / "cache"
+    open_disk(d).close()
+    (d / "index" / "clean").unlink()
+    got = run_py("""
+        import json, sys
+        from kvstore.cli.main import main
+        rc = main(["ls", "--cache-dir", json.loads(sys.argv[1])])
+        print(json.dumps({"rc": rc, "checked": "kvstore.index.checks" in sys.modules}))
+    """, str(d))
+    assert got == {"rc": 0, "checked": True}, got
+    assert (d / "index" / "clean").is_file()
+
+
 def test_store_without_a_shared_tier_does_not_import_it(tmp_path: Path) -> None:
     """A store opened with no shared tier configured (``$KVSTORE_SHARED`` unset) imports
     none of the shared tier's code (10 ms of a cold open here). Before: it imported the

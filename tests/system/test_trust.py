@@ -800,7 +800,7 @@ def _unstamped_store(tmp_path: Path) -> Path:
 
 
 def _check_children() -> list[int]:
-    """Pids of this process's children running the index check (``index.core._WALK``)."""
+    """Pids of this process's children running the index check (``index.checks._WALK``)."""
     out = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -835,7 +835,7 @@ def test_check_that_did_not_complete_leaves_the_index_unstamped(tmp_path: Path, 
     import signal
     import threading
 
-    import kvstore.index.core as core
+    import kvstore.index.checks as checks
     from kvstore.index import Index
 
     cache = _unstamped_store(tmp_path)
@@ -846,7 +846,7 @@ def test_check_that_did_not_complete_leaves_the_index_unstamped(tmp_path: Path, 
     stop = threading.Event()
     signaller: threading.Thread | None = None
     try:
-        monkeypatch.setattr(core, "CHECK_SECONDS", 3.0)
+        monkeypatch.setattr(checks, "CHECK_SECONDS", 3.0)
         if how == "cannot start":
             monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
         else:

@@ -41,7 +41,7 @@ RANKS: dict[str, int] = {
 }
 # Inside a package, the order its modules may import each other in (others: no cycle only).
 INNER: dict[str, list[str]] = {
-    "kvstore.index": ["errors", "pages", "trie", "txn", "core", "scan"],
+    "kvstore.index": ["errors", "pages", "trie", "txn", "checks", "core", "scan"],
     "kvstore.disk": ["tier", "plan", "pieces", "restore", "persist", "transfer"],
     "kvstore.memory": ["snapshot", "entries"],
     "kvstore.adapters": ["mlx_lm", "server", "vllm_mlx", "exo"],

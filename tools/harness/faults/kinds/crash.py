@@ -423,8 +423,8 @@ def _check_trial(ctx: Ctx, t: Tally, rng: random.Random, i: int, phase: str, d: 
 _OPEN_INDEX = """
 import json, logging, sys
 from pathlib import Path
-import kvstore.index.core as core
-core.CHECK_SECONDS = 2.0  # a stopped check runs into this limit
+import kvstore.index.checks as checks
+checks.CHECK_SECONDS = 2.0  # a stopped check runs into this limit
 warned = []
 logging.getLogger("kvstore").addHandler(
     type("H", (logging.Handler,), {"emit": lambda s, r: warned.append(r.getMessage())})(logging.WARNING))
@@ -437,7 +437,7 @@ print(json.dumps({"entries": n, "warned": warned}))
 
 
 def check_children(parent: int) -> list[int]:
-    """Pids of ``parent``'s children running kvstore's index check (``index.core._WALK``,
+    """Pids of ``parent``'s children running kvstore's index check (``index.checks._WALK``,
     which names its probe key ``kvstore-open-probe``)."""
     out = []
     for d in os.listdir("/proc"):
