@@ -12,9 +12,11 @@ call appended to OUT.jsonl (``part``, seconds ``s``, prompt tokens ``n``):
   the tokenizer; kvstore's wrappers of it included),
 - ``lookup``: the prompt cache's ``fetch_nearest_cache``,
 - ``insert``: its ``insert_cache`` (the end of a turn: the next request waits for it),
-  and, inside it for kvstore, ``snapshot`` (``WritePath._take``: the checks and the
-  ``mx.eval`` of the snapshot); the rest of ``insert`` is the persist hand-off (host views,
-  the writer's queue).
+  and, inside it for kvstore, ``snapshot`` (``WritePath.take``: the checks and the
+  snapshot); the rest of ``insert`` is the persist hand-off (host views, the writer's
+  queue: ``hand-off`` in ``summary``),
+- ``persist``: kvstore's ``WritePath.persist``, on its writer thread (off the request
+  path, but on the same cores).
 
 The wrappers are installed when the ``ResponseGenerator`` is made, i.e. after kvstore's own
 patches: the same code runs, each call's wall time around it. Timing only; nothing else changes.
@@ -70,9 +72,12 @@ def _install(out: Any) -> None:
         if "kvstore.writes" in sys.modules:
             from kvstore.writes import WritePath
 
-            if not getattr(WritePath._take, "_turn_parts", False):
-                WritePath._take = _timed(WritePath._take, "snapshot", out,  # type: ignore[method-assign]
-                                         lambda self, mem_key, ident, tokens, *a, **k: len(tokens))
+            if not getattr(WritePath.take, "_turn_parts", False):  # a staticmethod: kept one
+                WritePath.take = staticmethod(_timed(WritePath.take, "snapshot", out,  # type: ignore[method-assign]
+                                                     lambda ident, enc, *a, **k: len(enc) // 8))
+            if not getattr(WritePath.persist, "_turn_parts", False):  # the writer thread's
+                WritePath.persist = _timed(WritePath.persist, "persist", out,  # type: ignore[method-assign]
+                                           lambda self, job: job.n)
         init(self, model_provider, prompt_cache, *args, **kwargs)
 
     generator.__init__ = __init__  # type: ignore[method-assign]
@@ -162,6 +167,8 @@ def summary(path: str) -> dict[str, Any]:
     for line in lines:
         row = json.loads(line)
         parts.setdefault(row["part"], []).append(row["s"])
+    if "snapshot" in parts and len(parts["snapshot"]) == len(parts.get("insert", ())):  # one take per insert
+        parts["hand-off"] = [i - t for i, t in zip(parts["insert"], parts["snapshot"])]
     return {p: {"calls": len(v), "seconds": v, "steady_median_s": statistics.median(v[1:] or v)}
             for p, v in parts.items()}
 
