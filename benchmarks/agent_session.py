@@ -502,7 +502,7 @@ def paired(servers: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-PART_ORDER = ["render", "lookup", "insert", "snapshot", "hand-off", "persist"]
+PART_ORDER = ["render", "lookup", "lookup: memory", "lookup: disk", "insert", "snapshot", "hand-off", "persist"]
 
 
 def steady_lines(doc: dict[str, Any]) -> list[str]:
@@ -526,7 +526,7 @@ def steady_lines(doc: dict[str, Any]) -> list[str]:
         ref = names[-1] if len(names) > 1 else None
         every = sorted({p for v in parts.values() for p in v}, key=PART_ORDER.index)
         out += ["", "Request-path parts (`--parts`, benchmarks/turn_parts.py): median ms per call after the first "
-                "(calls per turn); insert is the end of a turn (the next request waits for it), snapshot is inside "
+                "(the calling thread's CPU ms: the rest was waiting; calls per turn); insert is the end of a turn (the next request waits for it), snapshot is inside "
                 "insert, hand-off is the rest of it, persist runs on kvstore's writer thread (off the request path, "
                 "on the same cores)." + (f" Per turn = median x calls per turn; last column: {names[0]} minus {ref}."
                                          if ref else ""), "",
@@ -539,7 +539,8 @@ def steady_lines(doc: dict[str, Any]) -> list[str]:
 
         for part in every:
             cells = [f"{1000 * parts[n][part]['steady_median_s']:.1f} "
-                     f"({parts[n][part]['calls'] / max(1, turns.get(n, 1)):.1f}/turn)"
+                     f"(cpu {1000 * parts[n][part].get('steady_median_cpu_s', float('nan')):.1f}; "
+                     f"{parts[n][part]['calls'] / max(1, turns.get(n, 1)):.1f}/turn)"
                      if part in parts[n] else "-" for n in names]
             diff = [f"{per_turn(names[0], part) - per_turn(ref, part):+.1f}"] if ref else []
             out.append(f"| {part} | " + " | ".join(cells + diff) + " |")
