@@ -109,7 +109,8 @@ class Misses:
         ``listed=False`` (a tenant's salted lookup): counted, never in ``recent_misses``,
         which every key holder may read: its positions would tell one tenant the size and
         shape of another's prompts. ``name``: names the part of an unnamed miss later
-        (``name_pending``), where its part is counted."""
+        (``name_pending``: at the next read of the counts, or when the caller asks), where
+        its part is counted."""
         worth = self.worth_logging(miss)
         with self._lock:
             self._counts[miss.reason] = self._counts.get(miss.reason, 0) + 1
@@ -122,6 +123,11 @@ class Misses:
                 self._recent.append({"time": round(time.time(), 3), **miss.as_stats()})
         self._hist.observe(miss.lost)
         return worth
+
+    @property
+    def unnamed(self) -> int:
+        """Misses recorded with a ``name`` and not named yet."""
+        return len(self._unnamed)
 
     def name_pending(self) -> None:
         """Name and count the parts of the misses ``record`` took with a ``name`` (any

@@ -38,7 +38,7 @@ def test_misses_counts_histogram_recent_and_threshold() -> None:
 
 def test_a_small_miss_is_named_later_and_every_read_counts_its_part() -> None:
     """``record(name=)``: naming a miss's part renders the request again, so a miss not
-    worth a log line is named later (``name_pending``, the writer thread in a store), once;
+    worth a log line is named later (``name_pending``: a store runs it when its counts are read), once;
     a read of the counts names what is still pending first, so it always holds every part."""
     from kvstore.parts import Part
 
