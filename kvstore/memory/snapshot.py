@@ -54,7 +54,7 @@ class Snapshot:
     persisted: bool = False
     disk_key: bytes | None = None
     persist: tuple[Any, bytes] | None = None
-    scheduled: list[Any] = field(default_factory=list, repr=False)  # arrays not waited for yet
+    scheduled: list[Any] = field(default_factory=list, repr=False, compare=False)  # arrays not waited for yet
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def schedule(self, arrays: list[Any]) -> None:
