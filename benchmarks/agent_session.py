@@ -158,11 +158,12 @@ def free_port() -> int:
 class Proc:
     """A server subprocess from a command line, ready when ``ready_path`` answers 200."""
 
-    def __init__(self, command: list[str], port: int, log: Path, ready_path: str = "/health") -> None:
+    def __init__(self, command: list[str], port: int, log: Path, ready_path: str = "/health",
+                 root: Path = ROOT) -> None:
         self.command, self.port, self.log, self.ready_path = command, port, log, ready_path
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         env.update(same_blas())
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
         self._log = open(log, "ab")
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, preexec_fn=die_with_parent)
@@ -241,59 +242,103 @@ def with_tool_template(src: Path, dst: Path) -> Path:
 
 
 def kvstore_command(model: Path, cache_dir: Path, extra: Sequence[str] = (),
-                    parts: Path | None = None) -> Callable[[int], list[str]]:
+                    parts: Path | None = None, base: bool = False) -> Callable[[int], list[str]]:
     """``kvstore serve`` on ``port``; with ``parts``, its request-path parts timed into that
-    file (``benchmarks.turn_parts``)."""
+    file (``benchmarks.turn_parts``). ``base``: the kvstore of another checkout, first on
+    the server's PYTHONPATH (``Server(root=)``), timed by this checkout's turn_parts (run as
+    a script, so that only the package ``kvstore`` comes from the checkout)."""
     def command(port: int) -> list[str]:
-        head = ([sys.executable, "-m", "benchmarks.turn_parts", str(parts), "kvstore"] if parts is not None
+        timed = ([str(ROOT / "benchmarks" / "turn_parts.py")] if base else ["-m", "benchmarks.turn_parts"])
+        head = ([sys.executable, *timed, str(parts), "kvstore"] if parts is not None
                 else [sys.executable, "-m", "kvstore.cli"])
         return [*head, "serve", "--model", str(model), "--cache-dir", str(cache_dir),
                 "--host", HOST, "--port", str(port), *extra]
     return command
 
 
-def run_server(name: str, command: Callable[[int], list[str]], args: argparse.Namespace, work: Path,
-               is_kvstore: bool, ready_path: str = "/health") -> dict[str, Any]:
-    sig = signal.SIGKILL if args.stop == "kill" else signal.SIGTERM
-    state: dict[str, Any] = {}
+class Server:
+    """One server of the run: started once, its rounds played (``play_round``), restarted
+    after turn ``--restart-after`` of each round, stopped by ``stop``; ``result`` is its part
+    of the JSON. ``root``: the checkout first on its PYTHONPATH (``--base``)."""
 
-    def start() -> None:
+    def __init__(self, name: str, command: Callable[[int], list[str]], args: argparse.Namespace, work: Path,
+                 is_kvstore: bool, ready_path: str = "/health", root: Path = ROOT) -> None:
+        self.name, self.command, self.args, self.work = name, command, args, work
+        self.is_kvstore, self.ready_path, self.root = is_kvstore, ready_path, root
+        self.proc: Proc | None = None
+        self.rows: list[dict[str, Any]] = []
+        self.restart_ready_s: float | None = None
+        self.misses: dict[str, Any] = {}
+
+    def start(self) -> None:
         port = free_port()
-        state["proc"] = Proc(command(port), port, work / f"{name}.log", ready_path)
-        state["ready_s"] = state["proc"].wait_ready()
+        self.proc = Proc(self.command(port), port, self.work / f"{self.name}.log", self.ready_path, self.root)
+        self.proc.wait_ready()
 
-    def restart() -> None:
-        if is_kvstore:
-            wait_flushed(state["proc"].url)
-        state["proc"].stop(sig)
-        start()
-        state["restart_ready_s"] = state["ready_s"]
+    def restart(self) -> None:
+        assert self.proc is not None
+        if self.is_kvstore:
+            wait_flushed(self.proc.url)
+        self.proc.stop(signal.SIGKILL if self.args.stop == "kill" else signal.SIGTERM)
+        t0 = time.perf_counter()
+        self.start()
+        self.restart_ready_s = time.perf_counter() - t0
 
-    session, client, run = api_session(args)
-    missed: dict[str, Any] = {}
+    def play_round(self, index: int) -> None:
+        """Round ``index`` (0-based): the trace with the session seed of that round (the same
+        for every server), its rows kept with ``round`` set (1-based)."""
+        session, client, run = api_session(self.args, seed=3 + index)
+        rows = play(session, self.args.turns, self.args.restart_after,
+                    lambda: client(self.proc.url),  # type: ignore[union-attr]
+                    self.restart, log=lambda s: print(f"[{self.name} r{index + 1}]{s}", flush=True), run=run)
+        self.rows += [{**r, "round": index + 1} for r in rows]
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            if self.is_kvstore and not self.misses:  # why the turns missed, as the server counted them
+                try:
+                    self.misses = miss_stats(self.proc.url)
+                except OSError:
+                    pass
+            self.proc.stop(signal.SIGTERM)
+            self.proc = None
+
+    def result(self) -> dict[str, Any]:
+        rows, restart_after = self.rows, self.args.restart_after
+        later = [r for r in rows if r["turn"] > 1]
+        first_after = [r for r in rows if r["turn"] == restart_after + 1 and 0 < restart_after]
+        return {"name": self.name, "rows": rows, "restart_ready_s": self.restart_ready_s, "misses": self.misses,
+                "read_share_after_turn_1": sum(r["cache_read_input_tokens"] for r in later)
+                / max(1, sum(r["prompt_tokens"] for r in later)),
+                "min_read_share_after_turn_1": min(r["read_share"] for r in later) if later else None,
+                "ttft_after_restart_s": first_after[0]["ttft_s"] if first_after else None,
+                "errors": sum(1 for r in rows if r.get("error"))}
+
+
+def play_rounds(servers: list[Server], rounds: int) -> list[dict[str, Any]]:
+    """Every server plays ``rounds`` rounds of the trace, interleaved: round 1 in the
+    servers' order, round 2 in reverse, and so on (ABBA...), so that a load that changes
+    during the run reaches every server alike; each server keeps running between its
+    rounds (a new session each round: ``play_round``). Their results."""
     try:
-        start()
-        rows = play(session, args.turns, args.restart_after, lambda: client(state["proc"].url),
-                    restart, log=lambda s: print(f"[{name}]{s}", flush=True), run=run)
-        if is_kvstore:  # why the turns missed, as the server counted them (kvstore.misses)
-            missed = miss_stats(state["proc"].url)
+        for srv in servers:
+            srv.start()
+        for index in range(rounds):
+            for srv in (servers if index % 2 == 0 else servers[::-1]):
+                srv.play_round(index)
     finally:
-        if "proc" in state:
-            state["proc"].stop(signal.SIGTERM)
-    later = [r["read_share"] for r in rows[1:]]
-    return {"name": name, "rows": rows, "restart_ready_s": state.get("restart_ready_s"), "misses": missed,
-            "read_share_after_turn_1": sum(r["cache_read_input_tokens"] for r in rows[1:])
-            / max(1, sum(r["prompt_tokens"] for r in rows[1:])),
-            "min_read_share_after_turn_1": min(later) if later else None,
-            "ttft_after_restart_s": rows[args.restart_after]["ttft_s"] if len(rows) > args.restart_after else None,
-            "errors": sum(1 for r in rows if r.get("error"))}
+        for srv in servers:
+            srv.stop()
+    return [srv.result() for srv in servers]
 
 
-def api_session(args: argparse.Namespace) -> tuple[Session, Callable[[str], Any], Callable[..., dict[str, Any]]]:
-    """(the session, a client for a server URL, the turn runner) of ``--api``."""
+def api_session(args: argparse.Namespace,
+                seed: int = 3) -> tuple[Session, Callable[[str], Any], Callable[..., dict[str, Any]]]:
+    """(the session, a client for a server URL, the turn runner) of ``--api``; ``seed``: the
+    session's (its user messages and tool results)."""
     common = (system_prompt(args.paragraphs), tools(args.tools), args.max_tokens)
     options = {"model": str(args.model_dir), "vary": args.vary, "vary_every": args.vary_every,
-               "result_lines": args.result_lines}
+               "result_lines": args.result_lines, "seed": seed}
     if args.api == "chat":
         import openai
 
@@ -361,17 +406,23 @@ def report(doc: dict[str, Any]) -> str:
              f"First prompt: {doc['servers'][0]['rows'][0]['prompt_tokens']} tokens (system prompt with "
              f"{s['tools']} tools, {shape}). TTFT in seconds; read = {read}.", ""]
     names = [r["name"] for r in doc["servers"]]
-    lines.append("| turn | prompt tokens (kvstore) | " + " | ".join(f"{n} TTFT | {n} read" for n in names) + " |")
+    rounds = s.get("rounds") or 1
+    if rounds > 1:
+        lines += [f"Each server played {rounds} rounds (new sessions), interleaved: each cell is the median over "
+                  "the rounds.", ""]
+    lines.append(f"| turn | prompt tokens ({names[0]}) | " + " | ".join(f"{n} TTFT | {n} read" for n in names) + " |")
     lines.append("|---:|---:|" + "---:|---:|" * len(names))
-    for i, row in enumerate(doc["servers"][0]["rows"]):
-        mark = " (after restart)" if row["after_restart"] else ""
+    for turn in sorted({r["turn"] for r in doc["servers"][0]["rows"]}):
+        of = [[r for r in srv["rows"] if r["turn"] == turn] for srv in doc["servers"]]
+        mark = " (after restart)" if any(r["after_restart"] for r in of[0]) else ""
         cells = []
-        for srv in doc["servers"]:
-            r = srv["rows"][i] if i < len(srv["rows"]) else None
-            share = "error" if r and r.get("error") else \
-                f"{100 * r['read_share']:.1f}%" if r and r["prompt_tokens"] else "n/a"  # no usage reported
-            cells += [f"{r['ttft_s']:.3f}", share] if r else ["-", "-"]
-        lines.append(f"| {row['turn']}{mark} | {row['prompt_tokens']} | " + " | ".join(cells) + " |")
+        for got in of:
+            ok = [r for r in got if not r.get("error")]
+            share = "error" if not ok and got else \
+                f"{100 * _median([r['read_share'] for r in ok]):.1f}%" if ok and ok[0]["prompt_tokens"] else "n/a"
+            cells += [f"{_median([r['ttft_s'] for r in ok]):.3f}" if ok else "-", share] if got else ["-", "-"]
+        prompt = _median([r["prompt_tokens"] for r in of[0]])
+        lines.append(f"| {turn}{mark} | {prompt:.0f} | " + " | ".join(cells) + " |")
     lines.append("")
     lines += steady_lines(doc)
     for srv in doc["servers"]:
@@ -413,32 +464,86 @@ def report(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def steady_lines(doc: dict[str, Any]) -> list[str]:
-    """Each server's median TTFT over the turns after the first (none after a restart, no
-    error), against the first server's; then, with ``--parts``, each part's median per call."""
+def _median(values: Sequence[float]) -> float:
     import statistics
 
+    return statistics.median(values) if values else float("nan")
+
+
+def _steady(srv: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]]:
+    """A server's steady turns by (round, turn): after the first, not the first after a
+    restart, answered without an error."""
+    return {(r.get("round", 1), r["turn"]): r for r in srv["rows"]
+            if r["turn"] > 1 and not r.get("error") and not r["after_restart"]}
+
+
+def paired(servers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every pair of servers (A before B in the run's order) compared turn by turn: for TTFT
+    and the whole turn, A's time over B's in each steady turn both played (same round, same
+    turn: the same prompt), the median of those ratios, how many, and each round's median
+    (its min and max: the spread a changing load leaves). Keyed "A / B"."""
+    out: dict[str, Any] = {}
+    for i, a in enumerate(servers):
+        for b in servers[i + 1:]:
+            mine, theirs = _steady(a), _steady(b)
+            keys = sorted(mine.keys() & theirs.keys())
+            if not keys:
+                continue
+            got: dict[str, Any] = {}
+            for metric in ("ttft_s", "total_s"):
+                ratios = [mine[k][metric] / theirs[k][metric] for k in keys if theirs[k][metric] > 0]
+                by_round: dict[int, list[float]] = {}
+                for k, ratio in zip(keys, ratios):
+                    by_round.setdefault(k[0], []).append(ratio)
+                per_round = [_median(v) for _, v in sorted(by_round.items())]
+                got[metric] = {"median": _median(ratios), "pairs": len(ratios), "per_round": per_round,
+                               "min_round": min(per_round), "max_round": max(per_round)}
+            out[f"{a['name']} / {b['name']}"] = got
+    return out
+
+
+PART_ORDER = ["render", "lookup", "lookup: memory", "lookup: disk", "insert", "snapshot", "hand-off", "persist"]
+
+
+def steady_lines(doc: dict[str, Any]) -> list[str]:
+    """Each server's median TTFT over its steady turns; the paired ratios (``paired``);
+    then, with ``--parts``, each part's median per call, per turn, and what the first
+    server spends per turn more than the last ``--other`` that was timed."""
     out = []
-    steady = {}
     for srv in doc["servers"]:
-        got = [r["ttft_s"] for r in srv["rows"][1:] if not r.get("error") and not r["after_restart"]]
+        got = [r["ttft_s"] for r in _steady(srv).values()]
         if got:
-            steady[srv["name"]] = statistics.median(got)
-    first = doc["servers"][0]["name"] if doc["servers"] else None
-    for name, t in steady.items():
-        vs = [f"{t / o:.3f}x {other}'s" for other, o in steady.items() if other != name]
-        out.append(f"- {name}: median TTFT after turn 1 {t:.3f} s" + (f" ({', '.join(vs)})" if vs and name == first else ""))
+            out.append(f"- {srv['name']}: median TTFT after turn 1 {_median(got):.3f} s ({len(got)} turns)")
+    for pair, got in (doc.get("ratios") or {}).items():
+        t, w = got["ttft_s"], got["total_s"]
+        out.append(f"- {pair}: TTFT ratio {t['median']:.3f}x (median of {t['pairs']} turn pairs; per round "
+                   f"{t['min_round']:.3f}x-{t['max_round']:.3f}x over {len(t['per_round'])}); whole turn "
+                   f"{w['median']:.3f}x ({w['min_round']:.3f}x-{w['max_round']:.3f}x)")
     parts = doc.get("parts") or {}
     if parts:
         names = list(parts)
-        every = sorted({p for v in parts.values() for p in v}, key=["render", "lookup", "insert", "snapshot"].index)
-        out += ["", "Request-path parts (`--parts`, benchmarks/turn_parts.py): median ms per call after the first; "
-                "insert is the end of a turn (the next request waits for it), snapshot is inside insert.", "",
-                "| part | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        turns = {srv["name"]: len(srv["rows"]) for srv in doc["servers"]}
+        ref = names[-1] if len(names) > 1 else None
+        every = sorted({p for v in parts.values() for p in v}, key=PART_ORDER.index)
+        out += ["", "Request-path parts (`--parts`, benchmarks/turn_parts.py): median ms per call after the first "
+                "(the calling thread's CPU ms: the rest was waiting; calls per turn); insert is the end of a turn (the next request waits for it), snapshot is inside "
+                "insert, hand-off is the rest of it, persist runs on kvstore's writer thread (off the request path, "
+                "on the same cores)." + (f" Per turn = median x calls per turn; last column: {names[0]} minus {ref}."
+                                         if ref else ""), "",
+                "| part | " + " | ".join(names) + (f" | {names[0]} - {ref} per turn |" if ref else " |"),
+                "|---|" + "---:|" * (len(names) + (1 if ref else 0))]
+
+        def per_turn(name: str, part: str) -> float:
+            p = parts[name].get(part)
+            return 1000 * p["steady_median_s"] * p["calls"] / max(1, turns.get(name, 1)) if p else 0.0
+
         for part in every:
-            cells = [f"{1000 * parts[n][part]['steady_median_s']:.1f} ({parts[n][part]['calls']} calls)"
+            cells = [f"{1000 * parts[n][part]['steady_median_s']:.1f} "
+                     f"(cpu {1000 * parts[n][part].get('steady_median_cpu_s', float('nan')):.1f}; "
+                     f"{parts[n][part]['calls'] / max(1, turns.get(n, 1)):.1f}/turn)"
                      if part in parts[n] else "-" for n in names]
-            out.append(f"| {part} | " + " | ".join(cells) + " |")
+            diff = [f"{per_turn(names[0], part) - per_turn(ref, part):+.1f}"] if ref else []
+            out.append(f"| {part} | " + " | ".join(cells + diff) + " |")
         out.append("")
     return out
 
@@ -489,6 +594,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chain", action="store_true",
                    help="--api responses: store: true and previous_response_id with only the new items, "
                         "instead of the whole history every turn")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds of the trace per server, interleaved (ABBA...: every server plays round 1, then "
+                        "round 2 in reverse order...), each a new session; the steady turns are compared in pairs "
+                        "(same round and turn) and the ratio's median and per-round spread reported (default 1)")
+    p.add_argument("--base", default=None, metavar="DIR",
+                   help="also run the kvstore of another checkout (e.g. `git archive main | tar -x -C DIR`) in the "
+                        "same rounds, as kvstore@NAME: before/after in one run")
+    p.add_argument("--base-name", default="", help="NAME of --base's server (default: DIR's name)")
     p.add_argument("--tag", default="", help="results go to agent_session[_TAG].json / .md")
     p.add_argument("--ready-path", default="/health", help="the other servers' readiness URL path (default /health)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -518,7 +631,13 @@ def _session(args: argparse.Namespace, work: Path, C: Any) -> int:
     kv_extra = shlex.split(args.kvstore_args) + (["--sort-tools"] if args.sort_tools else [])
     parts = work / "parts-kvstore.jsonl" if args.parts else None
     servers = [] if args.no_kvstore else [
-        run_server("kvstore", kvstore_command(model, work / "cache", kv_extra, parts), args, work, True)]
+        Server("kvstore", kvstore_command(model, work / "cache", kv_extra, parts), args, work, True)]
+    if args.base:  # another checkout's kvstore, same flags, in the same rounds
+        base = Path(args.base).resolve()
+        name = f"kvstore@{args.base_name or base.name}"
+        servers.append(Server(name, kvstore_command(model, work / "cache-base", kv_extra,
+                                                    work / f"parts-{name}.jsonl" if args.parts else None, base=True),
+                              args, work, True, root=base))
     for spec in args.other:
         name, _, cmd = spec.partition("=")
 
@@ -528,17 +647,21 @@ def _session(args: argparse.Namespace, work: Path, C: Any) -> int:
                 return [sys.executable, "-m", "benchmarks.turn_parts", str(work / f"parts-{name}.jsonl"), *got]
             return got
 
-        servers.append(run_server(name, other, args, work, False, args.ready_path))
+        servers.append(Server(name, other, args, work, False, args.ready_path))
+    results = play_rounds(servers, args.rounds)
     doc = {"benchmark": "agent_session", "machine": C.machine(work),
            "settings": {"model": str(args.model), "system_tokens": args.system_tokens, "paragraphs": args.paragraphs, "tools": args.tools,
                         "turns": args.turns, "restart_after": args.restart_after, "max_tokens": args.max_tokens,
                         "stop": args.stop, "kvstore_args": kv_extra, "others": args.other, "vary": list(args.vary),
                         "vary_every": args.vary_every, "sort_tools": args.sort_tools, "api": args.api,
                         "result_lines": args.result_lines,
-                        "chain": args.chain, "parts": args.parts},
+                        "chain": args.chain, "parts": args.parts, "rounds": args.rounds,
+                        "base": str(args.base) if args.base else None},
            "loadavg": {"start": load_start, "end": C.loadavg1()},
-           "servers": servers,
-           "parts": {f.stem[len("parts-"):]: turn_parts.summary(str(f)) for f in sorted(work.glob("parts-*.jsonl"))},
+           "servers": results,
+           "ratios": paired(results),
+           "parts": {srv["name"]: turn_parts.summary(str(work / f"parts-{srv['name']}.jsonl")) for srv in results
+                     if (work / f"parts-{srv['name']}.jsonl").exists()},
            "notes": ["TTFT: request sent -> first content_block_delta, through the anthropic SDK's stream."
                      if args.api == "messages" else "TTFT: request sent -> first output delta (text or function "
                      "call arguments), through the openai SDK's stream.",

@@ -6,15 +6,21 @@ and inserting, for ``kvstore serve`` and ``mlx_lm.server`` alike (issue 47, item
     python -m benchmarks.turn_parts --render [MODEL [ROUNDS]]   # _tokenize alone (``render``)
 
 Runs the server in this process with its generation thread's calls timed, one JSON line per
-call appended to OUT.jsonl (``part``, seconds ``s``, prompt tokens ``n``):
+call appended to OUT.jsonl (``part``, seconds ``s``, the calling thread's CPU seconds ``cpu``
+(what the call computed; the rest of ``s`` it waited: for the GIL, a lock, the stream, a
+core of a loaded machine), prompt tokens ``n``):
 
 - ``render``: ``ResponseGenerator._tokenize`` as the server runs it (the chat template and
   the tokenizer; kvstore's wrappers of it included),
-- ``lookup``: the prompt cache's ``fetch_nearest_cache``,
+- ``lookup``: the prompt cache's ``fetch_nearest_cache``; inside it for kvstore ``lookup:
+  memory`` (``MemoryTier.lookup``: settling pending inserts, the trie, the hit's cache
+  objects) and ``lookup: disk`` (``KVStore._fetch_disk``: the disk plan),
 - ``insert``: its ``insert_cache`` (the end of a turn: the next request waits for it),
-  and, inside it for kvstore, ``snapshot`` (``WritePath._take``: the checks and the
-  ``mx.eval`` of the snapshot); the rest of ``insert`` is the persist hand-off (host views,
-  the writer's queue).
+  and, inside it for kvstore, ``snapshot`` (``WritePath.take``: the checks and the
+  snapshot); the rest of ``insert`` is the persist hand-off (host views, the writer's
+  queue: ``hand-off`` in ``summary``),
+- ``persist``: kvstore's ``WritePath.persist``, on its writer thread (off the request
+  path, but on the same cores).
 
 The wrappers are installed when the ``ResponseGenerator`` is made, i.e. after kvstore's own
 patches: the same code runs, each call's wall time around it. Timing only; nothing else changes.
@@ -35,17 +41,17 @@ _LOCK = threading.Lock()
 def _timed(fn: Callable[..., Any], part: str, out: Any, n_of: Callable[..., int]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return fn(*args, **kwargs)
         finally:
-            took = time.perf_counter() - t0
+            took, cpu = time.perf_counter() - t0, time.thread_time() - c0
             try:
                 n = n_of(*args, **kwargs)
             except Exception:
                 n = -1
             with _LOCK:
-                out.write(json.dumps({"part": part, "s": took, "n": n, "t": time.time()}) + "\n")
+                out.write(json.dumps({"part": part, "s": took, "cpu": cpu, "n": n, "t": time.time()}) + "\n")
                 out.flush()
     wrapper._turn_parts = True  # type: ignore[attr-defined]
     return wrapper
@@ -70,9 +76,21 @@ def _install(out: Any) -> None:
         if "kvstore.writes" in sys.modules:
             from kvstore.writes import WritePath
 
-            if not getattr(WritePath._take, "_turn_parts", False):
-                WritePath._take = _timed(WritePath._take, "snapshot", out,  # type: ignore[method-assign]
-                                         lambda self, mem_key, ident, tokens, *a, **k: len(tokens))
+            if not getattr(WritePath.take, "_turn_parts", False):  # a staticmethod: kept one
+                WritePath.take = staticmethod(_timed(WritePath.take, "snapshot", out,  # type: ignore[method-assign]
+                                                     lambda ident, enc, *a, **k: len(enc) // 8))
+            from kvstore.memory import MemoryTier
+            from kvstore.store import KVStore
+
+            if not getattr(MemoryTier.lookup, "_turn_parts", False):  # inside lookup: settle, trie, hit
+                MemoryTier.lookup = _timed(MemoryTier.lookup, "lookup: memory", out,  # type: ignore[method-assign]
+                                           lambda self, model, tokens, *a, **k: len(tokens))
+            if not getattr(KVStore._fetch_disk, "_turn_parts", False):  # inside lookup: the disk plan
+                KVStore._fetch_disk = _timed(KVStore._fetch_disk, "lookup: disk", out,  # type: ignore[method-assign]
+                                             lambda self, ident, q, *a, **k: len(q.tokens))
+            if not getattr(WritePath.persist, "_turn_parts", False):  # the writer thread's
+                WritePath.persist = _timed(WritePath.persist, "persist", out,  # type: ignore[method-assign]
+                                           lambda self, job: job.n)
         init(self, model_provider, prompt_cache, *args, **kwargs)
 
     generator.__init__ = __init__  # type: ignore[method-assign]
@@ -155,6 +173,7 @@ def summary(path: str) -> dict[str, Any]:
     import statistics
 
     parts: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
     try:
         lines = open(path).read().splitlines()
     except FileNotFoundError:
@@ -162,7 +181,12 @@ def summary(path: str) -> dict[str, Any]:
     for line in lines:
         row = json.loads(line)
         parts.setdefault(row["part"], []).append(row["s"])
-    return {p: {"calls": len(v), "seconds": v, "steady_median_s": statistics.median(v[1:] or v)}
+        cpu.setdefault(row["part"], []).append(row.get("cpu", float("nan")))
+    if "snapshot" in parts and len(parts["snapshot"]) == len(parts.get("insert", ())):  # one take per insert
+        parts["hand-off"] = [i - t for i, t in zip(parts["insert"], parts["snapshot"])]
+        cpu["hand-off"] = [i - t for i, t in zip(cpu["insert"], cpu["snapshot"])]
+    return {p: {"calls": len(v), "seconds": v, "steady_median_s": statistics.median(v[1:] or v),
+                "cpu_seconds": cpu[p], "steady_median_cpu_s": statistics.median(cpu[p][1:] or cpu[p])}
             for p, v in parts.items()}
 
 

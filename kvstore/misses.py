@@ -101,22 +101,49 @@ class Misses:
         self._lost = 0
         self._hist = Durations(LOST_BUCKETS)  # a cumulative histogram; here of tokens, not seconds
         self._recent: deque[dict[str, object]] = deque(maxlen=recent)
+        self._unnamed: list[tuple[Miss, Callable[[Miss], Any]]] = []  # recorded, part to name
+        self._naming = threading.Lock()  # one naming at a time: a read waits for the one under way
 
-    def record(self, miss: Miss, *, listed: bool = True) -> bool:
+    def record(self, miss: Miss, *, listed: bool = True, name: Callable[[Miss], Any] | None = None) -> bool:
         """Count ``miss``; True when it is worth a log line (``worth_logging``).
         ``listed=False`` (a tenant's salted lookup): counted, never in ``recent_misses``,
         which every key holder may read: its positions would tell one tenant the size and
-        shape of another's prompts."""
+        shape of another's prompts. ``name``: names the part of an unnamed miss later
+        (``name_pending``: at the next read of the counts, or when the caller asks), where
+        its part is counted."""
         worth = self.worth_logging(miss)
         with self._lock:
             self._counts[miss.reason] = self._counts.get(miss.reason, 0) + 1
             if miss.part is not None:
                 self._parts[miss.part.kind] = self._parts.get(miss.part.kind, 0) + 1
+            elif name is not None:
+                self._unnamed.append((miss, name))
             self._lost += miss.lost
             if worth and listed:
                 self._recent.append({"time": round(time.time(), 3), **miss.as_stats()})
         self._hist.observe(miss.lost)
         return worth
+
+    @property
+    def unnamed(self) -> int:
+        """Misses recorded with a ``name`` and not named yet."""
+        return len(self._unnamed)
+
+    def name_pending(self) -> None:
+        """Name and count the parts of the misses ``record`` took with a ``name`` (any
+        thread; ``stats`` runs it first, so a read of the counts holds every recorded miss's
+        part). A name that fails leaves its miss counted without a part."""
+        with self._naming:
+            with self._lock:
+                pending, self._unnamed = self._unnamed, []
+            for miss, name in pending:
+                try:
+                    part = name(miss)
+                except Exception:  # naming is a diagnosis: the miss stays counted
+                    continue
+                if part is not None:
+                    with self._lock:
+                        self._parts[part.kind] = self._parts.get(part.kind, 0) + 1
 
     def worth_logging(self, miss: Miss) -> bool:
         return miss.lost >= self.threshold
@@ -127,6 +154,7 @@ class Misses:
         ``parts``), ``miss_lost_tokens`` (their sum), ``miss_lost_tokens_histogram``
         (``counters.Durations.snapshot``'s shape, ``le`` in tokens), ``miss_log_threshold``
         and ``recent_misses`` (those worth a log line, oldest first)."""
+        self.name_pending()
         with self._lock:
             out: dict[str, object] = {f"{STATS_PREFIX}{r}": n for r, n in self._counts.items()}
             out.update({f"{STATS_PREFIX}part_{p}": n for p, n in self._parts.items()})

@@ -160,10 +160,11 @@ def _dtype_name(d: Any) -> str:
     return str(d).split(".")[-1]
 
 
-def host_views(tensors: dict[str, Any]) -> dict[str, tuple[str, Any]]:
+def host_views(tensors: dict[str, Any], evaluate: bool = True) -> dict[str, tuple[str, Any]]:
     """Prepare MLX tensors for a writer thread: ``name -> (safetensors dtype, evaluated
     array)``. Runs on the caller's thread (MLX ops stay there); bfloat16 becomes a free
-    uint16 view so the writer needs nothing but numpy's buffer protocol."""
+    uint16 view so the writer needs nothing but numpy's buffer protocol. ``evaluate=False``:
+    the arrays are returned unevaluated, for the caller to schedule (``Snapshot.schedule``)."""
     import mlx.core as mx
 
     out: dict[str, tuple[str, Any]] = {}
@@ -172,7 +173,8 @@ def host_views(tensors: dict[str, Any]) -> dict[str, tuple[str, Any]]:
         if dn not in _DTYPES:
             raise TypeError(f"tensor {name!r} has dtype {dn}, which blobs cannot hold")
         out[name] = (_DTYPES[dn][0], a.view(mx.uint16) if dn == "bfloat16" else a)
-    mx.eval([a for _, a in out.values()])
+    if evaluate:
+        mx.eval([a for _, a in out.values()])
     return out
 
 

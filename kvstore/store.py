@@ -345,14 +345,22 @@ class KVStore:
                 lost = (OTHER_IDENTITY, changed_components(old.info, ident.info), had, had)  # type: ignore[union-attr]
         return explain(near, served, lost)
 
-    @staticmethod
-    def _counted(miss: Miss | None, tally: Tally, name: Callable[[Miss], Part] | None) -> Miss | None:
-        """``miss`` named (``name``: the part of the request it starts in) and counted in
-        ``tally``, the caller's (``callers``)."""
-        if miss is not None and name is not None:
-            miss = replace(miss, part=name(miss))  # parts.locate never raises
-        if miss is not None:
-            tally.misses.record(miss)
+    def _counted(self, miss: Miss | None, tally: Tally, name: Callable[[Miss], Part] | None) -> Miss | None:
+        """``miss`` counted in ``tally``, the caller's (``callers``), and its part named
+        (``name``: the part of the request it starts in). Naming renders the request again
+        (``parts.locate``: milliseconds): a miss worth a log line is named here (its line
+        says the part); any other only counts its part, so it is named when the counts are
+        read (``Misses.name_pending``), or behind on the writer thread once ``UNNAMED_MAX``
+        wait (each holds its request's messages). Not on the writer thread every time: a
+        thread rendering beside the generation slows it down on a loaded machine (measured:
+        benchmarks.agent_session --rounds, issue 47)."""
+        if miss is None:
+            return None
+        if name is not None and tally.misses.worth_logging(miss):
+            miss, name = replace(miss, part=name(miss)), None  # parts.locate never raises
+        tally.misses.record(miss, name=name)
+        if tally.misses.unnamed >= UNNAMED_MAX and not self.writes.behind(tally.misses.name_pending):
+            tally.misses.name_pending()  # no writer, or its queue is full: here
         return miss
 
     # -- insert ------------------------------------------------------------------------
@@ -490,6 +498,8 @@ def _token_list(tokens: Any) -> list:
     except TypeError:
         raise TokenError(f"tokens must be a sequence of integers, got {type(tokens).__name__}") from None
 
+
+UNNAMED_MAX = 16  # misses waiting for their part's name (``KVStore._counted``) before it is named behind
 
 _open_stores: "weakref.WeakSet[KVStore]" = weakref.WeakSet()
 

@@ -1,7 +1,7 @@
 """The write path: an insert's snapshot, and what leaves memory onto the disk.
 
-``take`` (the caller's thread) checks an insert and snapshots the cache (views, evaluated
-on the caller's stream); the caller makes it pending in the memory tier, and ``follow``
+``take`` (the caller's thread) checks an insert and snapshots the cache (views, their
+evaluation scheduled on the caller's stream: ``Snapshot.ready`` waits for it); the caller makes it pending in the memory tier, and ``follow``
 queues, on the writer thread, the memory tier's settle and then the snapshot's write. A
 snapshot that can be stored is written to disk behind (``queue``), through one door
 (``admit``, ``admit_framed``: the write policy and the daily budget), then the disk budget
@@ -69,7 +69,7 @@ class WritePath:
     def take(ident: Identity | None, enc: bytes, cache: list[Any], cache_type: str,
              vocab: int | None) -> tuple[Snapshot, int, str | None]:
         """Check ``cache`` (holding the tokens ``enc``) and snapshot it (``memory.take``: on
-        the caller's thread, evaluated); returns the snapshot, the positions it covers and
+        the caller's thread, its evaluation scheduled); returns the snapshot, the positions it covers and
         why it cannot be persisted (None: it can). Raises ValueError for bad input."""
         check(cache, cache_type)
         if ident is not None and enc and vocab is not None:
@@ -81,10 +81,10 @@ class WritePath:
     def follow(self, snap: Snapshot, ident: Identity | None, enc: bytes, covered: int,
                settle: Callable[[], object]) -> None:
         """After ``snap`` is pending in the memory tier: prepare its write (host views: MLX
-        work, the caller's thread) and queue ``settle`` (the memory tier's) and then its
+        work scheduled on the caller's thread) and queue ``settle`` (the memory tier's) and then its
         write on the writer thread (here when there is none or its queue is full)."""
         if snap.tensors is not None and ident is not None and self.disk_on and covered > 0:
-            host = self._host_views(snap)
+            host = self._host_views(snap, here=True)
             if host is not None:
                 with self._lock:
                     snap.persist = (ident, enc[: covered * TOKEN_BYTES])
@@ -131,10 +131,15 @@ class WritePath:
         query = Query(enc, ident.digest, self.disk.chunk)
         job = PersistJob(ident, enc, query.key, host, snap.layout or Layout(), snap.cache_type, query=query)
         snap.disk_key = job.key
-        if self.writer.on_thread():  # settling on the writer thread: write now, keep the queue's room
+
+        def write() -> None:
+            snap.ready()  # its arrays (and host views) computed: waited for once, then read here
             self.persist(job)
+
+        if self.writer.on_thread():  # settling on the writer thread: write now, keep the queue's room
+            write()
             return True
-        return self.writer.submit(lambda: self.persist(job))
+        return self.writer.submit(write)
 
     def persist(self, job: PersistJob) -> None:
         """The writer thread's half of an insert: write, commit, keep the budget."""
@@ -229,10 +234,17 @@ class WritePath:
                 self.writer.flush(timeout)
                 self.queue(snap)
 
-    def _host_views(self, snap: Snapshot) -> dict[str, Any] | None:
-        """``segments.host_views`` of a snapshot (MLX work: the caller's thread), None if its
-        dtype cannot be stored (said once)."""
+    def _host_views(self, snap: Snapshot, here: bool = False) -> dict[str, Any] | None:
+        """``segments.host_views`` of a snapshot, None if its dtype cannot be stored (said
+        once). ``here``: on the thread that took it (the insert), where the views' evaluation
+        is scheduled with the snapshot's (``Snapshot.schedule``); elsewhere (an eviction) the
+        snapshot is waited for first and the views are evaluated on this thread."""
         try:
+            if here:
+                host = segments.host_views(snap.tensors, evaluate=False)  # type: ignore[arg-type]
+                snap.schedule([a for _, a in host.values()])
+                return host
+            snap.ready()
             return segments.host_views(snap.tensors)  # type: ignore[arg-type]
         except TypeError as e:
             self.errors.warn_once("dtype", "kvstore: %s; kept in memory only", e)

@@ -43,7 +43,10 @@ class Rendered:
         return str(self.tokenizer.decode(ids))
 
     def name(self, tokens: Sequence[int]) -> Callable[[Miss], parts.Part]:
-        return lambda miss: parts.locate(miss, tokens, self.messages, self.tools, self.render, self.decode,
+        """What names a miss of ``tokens``, now or later (``Misses.name_pending``): on a copy,
+        since mlx-lm appends the generated tokens to the list it looked up."""
+        held = list(tokens)
+        return lambda miss: parts.locate(miss, held, self.messages, self.tools, self.render, self.decode,
                                          self.blocks)
 
 

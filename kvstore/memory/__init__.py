@@ -78,7 +78,7 @@ class MemoryTier(Entries):
                 self._inserted.notify_all()
 
     def put(self, model: Hashable, tokens: list[int], snap: Snapshot) -> None:
-        """Make ``snap`` (an evaluated snapshot of ``tokens``) pending: from here on every
+        """Make ``snap`` (a snapshot of ``tokens``, its evaluation scheduled) pending: from here on every
         read finds it; ``settle`` files it."""
         with self._lock:
             self._pending.append((model, tokens, snap))

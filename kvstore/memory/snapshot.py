@@ -1,16 +1,30 @@
 """A snapshot: one prefix cache as the memory tier keeps it, and how one is taken.
 
 ``take`` (the caller's thread) checks a prompt cache and encodes it (``codec``: views of its
-arrays, evaluated on the caller's stream, no copy); ``Snapshot.kept`` wraps what a disk or
-shared restore built. A snapshot hands out fresh cache objects on every hit, so the caller
-can extend its cache without touching the stored arrays and no hit pays a deep copy.
-Objects kvstore cannot encode are kept as given and deep-copied on hit, as mlx-lm does.
+arrays, no copy) and schedules their evaluation on the caller's stream without waiting
+(``mx.async_eval``); ``Snapshot.kept`` wraps what a disk or shared restore built. A snapshot
+hands out fresh cache objects on every hit, so the caller can extend its cache without
+touching the stored arrays and no hit pays a deep copy. Objects kvstore cannot encode are
+kept as given and deep-copied on hit, as mlx-lm does.
+
+Why scheduled and not waited for: the caller's cache is often still being computed when
+it is inserted (mlx-lm's generation runs one step ahead), and waiting at the insert held
+the end of every turn up by that step. Why this is safe across threads (MLX 0.32): only
+the caller's thread schedules the work (MLX streams are per thread: no other thread may
+evaluate these arrays), and any thread may then wait for it, because waiting is a host
+wait on the arrays' event (a mutex and condition variable on the CPU, a shared event on
+Metal), no stream involved. But MLX does not synchronise an array's own state (its
+event and status, which ``array::wait`` clears): two threads waiting on one array at once
+race. So every reader of a snapshot's arrays (a hit's ``materialize``, the write path's
+persist) calls ``ready`` first, which waits under the snapshot's lock, once; after it the
+arrays are plain evaluated arrays, read by any thread as before.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -40,6 +54,23 @@ class Snapshot:
     persisted: bool = False
     disk_key: bytes | None = None
     persist: tuple[Any, bytes] | None = None
+    scheduled: list[Any] = field(default_factory=list, repr=False, compare=False)  # arrays not waited for yet
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def schedule(self, arrays: list[Any]) -> None:
+        """Evaluate ``arrays`` (this snapshot's, or made from them) on this thread's stream
+        without waiting: ``ready`` waits for them. Call it on the thread that made them."""
+        with self._lock:
+            mx.async_eval(arrays)
+            self.scheduled += arrays
+
+    def ready(self) -> None:
+        """Wait until the arrays ``schedule`` scheduled are computed (any thread; once, under
+        this snapshot's lock: see the module docstring). Every reader of the arrays calls it."""
+        with self._lock:
+            if self.scheduled:
+                mx.eval(self.scheduled)  # all scheduled already: a host wait on each, nothing run here
+                self.scheduled = []
 
     @classmethod
     def kept(cls, tensors: codec.Tensors, layout: Layout, cache_type: str, disk_key: bytes | None) -> "Snapshot":
@@ -50,6 +81,7 @@ class Snapshot:
 
     def materialize(self) -> list[Any]:
         """Fresh cache objects; extending them never changes this snapshot."""
+        self.ready()
         if self.opaque is not None:
             return copy.deepcopy(self.opaque)
         return codec.decode_cache(self.tensors or {}, self.layout or Layout())
@@ -76,14 +108,15 @@ def check(cache: Any, cache_type: str) -> None:
 
 def take(cache: list[Any], n_tokens: int, cache_type: str) -> tuple[Snapshot, int, str | None]:
     """(the snapshot of ``cache`` (checked: ``check``), which holds ``n_tokens`` tokens, the
-    positions it covers, why it cannot be persisted or None), evaluated. Raises ValueError
-    when the cache holds more positions than ``n_tokens`` or its layers disagree."""
+    positions it covers, why it cannot be persisted or None), its evaluation scheduled.
+    Raises ValueError when the cache holds more positions than ``n_tokens`` or its layers
+    disagree."""
     snap, covered, why = _encoded(cache, n_tokens, cache_type)
-    # Evaluated before any lookup can find it: its views are made on this thread's
-    # stream, and MLX streams are per thread (Metal, MLX >= 0.31.2), so no other thread
-    # could evaluate them. (Views: free once the caller's cache is computed.)
-    mx.eval([a for c in snap.opaque for a in codec.layer_arrays(c)] if snap.opaque is not None
-            else list((snap.tensors or {}).values()))
+    # Scheduled before any lookup can find it: its views are made on this thread's stream,
+    # and MLX streams are per thread (MLX >= 0.31.2), so no other thread could evaluate
+    # them; readers wait (``Snapshot.ready``). (Views: free once the caller's cache is computed.)
+    snap.schedule([a for c in snap.opaque for a in codec.layer_arrays(c)] if snap.opaque is not None
+                  else list((snap.tensors or {}).values()))
     return snap, covered, why
 
 

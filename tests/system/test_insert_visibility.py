@@ -54,3 +54,66 @@ def test_a_lookup_right_after_the_end_of_a_response_finds_its_cache(tmp_path: Pa
         cache.close()
     assert not errors, errors
     assert found == ROUNDS, f"{ROUNDS - found} of {ROUNDS} lookups missed the insert that ended just before them"
+
+
+def test_a_cache_still_being_computed_is_inserted_without_waiting_and_read_whole_elsewhere(tmp_path: Path) -> None:
+    """mlx-lm inserts a cache its generation may still be computing. The insert schedules
+    the snapshot on the inserting thread's stream and returns without waiting for it
+    (``Snapshot.scheduled`` still holds the arrays); another thread's lookup, and the writer
+    thread's disk write, each wait for it (``Snapshot.ready``) and read the right values
+    (bfloat16 too: its host views are scheduled with the snapshot)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from kvstore.store import KVStore
+    from tests.support.caches import ident
+
+    store = KVStore(tmp_path / "cache", max_entries=8)
+    alone = KVStore(tmp_path / "memory", max_entries=8, memory_only=True)  # no writer thread reads its snapshots
+    model = ident("lazy")
+    made: Queue[tuple[list[int], list[np.ndarray], list[int]]] = Queue()
+    errors: list[BaseException] = []
+
+    def generation_thread() -> None:  # the cache's arrays are lazy results made on this thread
+        try:
+            for i, dtype in enumerate((mx.float32, mx.bfloat16)):
+                tokens = rand_tokens(300, seed=10 + i, vocab=256)
+                kv = synth(tokens)
+                want = [np.array((c.keys.astype(mx.float32) * 3 + 1).astype(dtype).astype(mx.float32)) for c in kv]
+                for c in kv:
+                    w = mx.ones((c.keys.shape[-1], c.keys.shape[-1]))
+                    c.keys = ((c.keys @ w) * 0 + c.keys * 3 + 1).astype(dtype)  # unevaluated until someone waits
+                    c.values = c.values.astype(dtype)
+                store.insert(model, tokens, kv)
+                alone.insert(model, tokens, kv)
+                snap = alone.memory.get(model.digest, tokens)  # no read of its arrays yet
+                made.put((tokens, want, [len(snap.scheduled) if snap is not None else -1]))
+        except BaseException as e:  # reported by the test thread
+            errors.append(e)
+            made.put(([], [], [-1]))
+
+    wants = []
+    try:
+        thread = threading.Thread(target=generation_thread, daemon=True)
+        thread.start()
+        for _ in range(2):
+            tokens, want, scheduled = made.get(timeout=120)
+            wants.append((tokens, want))
+            assert not errors, errors
+            assert scheduled[0] > 0  # the insert returned with the snapshot scheduled, not waited for
+            for one in (alone, store):
+                got = one.fetch(model, tokens)
+                assert got.n == len(tokens) and got.source == "memory"
+                for c, w in zip(got.cache, want):
+                    np.testing.assert_array_equal(np.array(c.keys.astype(mx.float32)), w)
+        thread.join(120)
+        store.flush()
+        store.memory.clear()  # the next lookups read what the writer thread wrote
+        for tokens, want in wants:
+            got = store.fetch(model, tokens)
+            assert got.source == "disk" and got.n == len(tokens)
+            for c, w in zip(got.cache, want):
+                np.testing.assert_array_equal(np.array(c.keys.astype(mx.float32)), w)
+    finally:
+        store.close()
+        alone.close()

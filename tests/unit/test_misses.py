@@ -34,3 +34,33 @@ def test_misses_counts_histogram_recent_and_threshold() -> None:
     assert misses.explain(near, 6) is None
     near.saw("disk", misses.MIN_DISK_GAIN, 4000)
     assert misses.explain(near, misses.MIN_DISK_GAIN).reason == misses.DIVERGED
+
+
+def test_a_small_miss_is_named_later_and_every_read_counts_its_part() -> None:
+    """``record(name=)``: naming a miss's part renders the request again, so a miss not
+    worth a log line is named later (``name_pending``: a store runs it when its counts are read), once;
+    a read of the counts names what is still pending first, so it always holds every part."""
+    from kvstore.parts import Part
+
+    m = Misses(threshold=256)
+    calls: list[int] = []
+
+    def name(miss: Miss) -> Part:
+        calls.append(miss.served)
+        return Part("messages", index=1)
+
+    small = Miss(misses.DIVERGED, prompt=400, served=390, at=390, stored=400)
+    m.record(small, name=name)
+    m.record(Miss(misses.DIVERGED, prompt=400, served=391, at=391, stored=400), name=name)
+    assert calls == []  # not named by record
+    s = m.stats()
+    assert calls == [390, 391] and s["miss_part_messages"] == 2 and s["miss_diverged"] == 2
+    m.name_pending()
+    assert calls == [390, 391] and m.stats()["miss_part_messages"] == 2  # each named once
+
+    def broken(miss: Miss) -> Part:
+        raise RuntimeError("the request's template cannot be rendered again")
+
+    m.record(small, name=broken)
+    s = m.stats()
+    assert s["miss_diverged"] == 3 and s["miss_part_messages"] == 2  # counted, without a part
