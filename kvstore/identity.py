@@ -38,7 +38,6 @@ import inspect
 import json
 import logging
 import os
-import stat
 import sys
 import threading
 from dataclasses import dataclass, field

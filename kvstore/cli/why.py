@@ -199,7 +199,6 @@ def _stable(args: argparse.Namespace, body: Any) -> Any:
 def _part(out: dict[str, Any], request: list[int], own: Nearest | None, rendered: Any, tokenizer: Any) -> Any:
     """Where in the request the verdict's miss starts (``kvstore.parts``), as the server
     names it: ``{"part": kind, "where": phrase}``, or None (no miss, or not a chat request)."""
-    from .. import parts
     from ..adapters.rendered import Rendered
 
     if out["reason"] is None or rendered.messages is None:

@@ -138,7 +138,7 @@ class SharedTier:
         ``q.chunk`` tokens per chunk, hashed once for every tier); ``held``: its chunk keys
         indexed locally (read from there); ``near`` is told of a candidate skipped for its
         cost (``misses.Near``)."""
-        identity, tokens, bounds, C = q.digest, q.enc, q.bounds, q.chunk
+        identity, bounds, C = q.digest, q.bounds, q.chunk
         n_q, K = q.n, len(bounds) - 1
         levels = [k for k in range(K + 1) if min((k + 1) * C - 1, n_q) > better_than]
         if not levels or n_q == 0:
