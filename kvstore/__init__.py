@@ -18,10 +18,6 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-from .escape import install as _install_log_filter  # noqa: E402 (stdlib only: no start-up cost)
-
-_install_log_filter("kvstore", "kvstore.shared")  # kvstore's own records: controls made visible
-
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:

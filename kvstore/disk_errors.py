@@ -13,7 +13,6 @@ no checksums, and walking a damaged tree further can abort the process.
 
 from __future__ import annotations
 
-import logging
 import threading
 from enum import Enum
 from pathlib import Path
@@ -23,11 +22,12 @@ from . import files
 from .counters import Counters
 from .index import DAMAGE, IndexFailure
 from .records import Kind
+from .escape import logger
 
 if TYPE_CHECKING:
     from .disk import DiskTier, Plan
 
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 
 
 class Failure(Enum):

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import functools
 import io
-import logging
 import re
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    import logging
 
 _BIDI = "\u202a-\u202e\u2066-\u2069\u200e\u200f\u061c"
 
@@ -62,24 +64,34 @@ class VisibleWriter(io.TextIOBase):
         return self.raw.isatty()
 
 
-class LogFilter(logging.Filter):
-    """Makes a record's message visible, on one line (installed on kvstore's own loggers
-    by ``install``; the host's loggers and handlers are left alone)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        clean = visible(msg, newlines=False)
-        if clean != msg:
-            record.msg, record.args = clean, None
-        return True
+def _visible_record(record: "logging.LogRecord") -> bool:
+    """A logging filter: makes a record's message visible, on one line (added to kvstore's
+    own loggers by ``logger``; the host's loggers and handlers are left alone)."""
+    msg = record.getMessage()
+    clean = visible(msg, newlines=False)
+    if clean != msg:
+        record.msg, record.args = clean, None
+    return True
 
 
-_FILTER = LogFilter()
+def logger(name: str = "kvstore") -> "logging.Logger":
+    """kvstore's logger ``name`` with its records made visible (``_visible_record``, added
+    once). Every kvstore module gets its logger here, so no record of kvstore's is written
+    unfiltered, and a command that never logs (``ls``) never imports ``logging``."""
+    import logging
+
+    log = logging.getLogger(name)
+    if _visible_record not in log.filters:
+        log.addFilter(_visible_record)
+    return log
 
 
-def install(*names: str) -> None:
-    """Add the filter to kvstore's loggers ``names`` (once each)."""
-    for name in names:
-        logger = logging.getLogger(name)
-        if _FILTER not in logger.filters:
-            logger.addFilter(_FILTER)
+class LazyLogger:
+    """``logger(name)``, made on first use: for a module on the CLI's start-up path that
+    logs only when something is wrong (``index.core``)."""
+
+    def __init__(self, name: str = "kvstore") -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(logger(self._name), attr)

@@ -12,7 +12,6 @@ value's own bytes drops it from the shared tier (``disk_errors.names_record``).
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -28,11 +27,12 @@ from .misses import Near
 from .query import Query
 from .writes import WritePath
 from . import files
+from .escape import logger
 
 if TYPE_CHECKING:
     from .shared.tier import SharedTier
 
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 
 
 @dataclass

@@ -36,7 +36,6 @@ from __future__ import annotations
 import errno
 import inspect
 import json
-import logging
 import os
 import sys
 import threading
@@ -49,8 +48,9 @@ import xxhash
 from .files import open_foreign, read_foreign, special_files
 from .keys import FORMAT_VERSION
 from .model_layout import ModelLayout, Record, layout_from_config
+from .escape import logger
 
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz", ".bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")

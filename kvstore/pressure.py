@@ -16,7 +16,6 @@ pays more than one reading per interval.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import threading
@@ -26,12 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .hoststate import releasing
+from .escape import logger
 
 # The memory tier keeps this much of the machine's (or container's) memory free by default:
 # a fifth leaves room for the model's activations and the user's other programs on a Mac.
 DEFAULT_MEMORY_FLOOR = 0.2
 WATCH_SECONDS = 0.5
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a huge number (PAGE_COUNTER_MAX pages)
 
 

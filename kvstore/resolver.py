@@ -11,7 +11,6 @@ as another identity's (``misses.OTHER_IDENTITY``).
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from pathlib import Path
@@ -19,8 +18,9 @@ from typing import Any, Callable, Hashable
 
 from .identity import DigestMemo, Identity, file_stamp, model_identity, read_config, watch
 from .salt import Salt, check_salt, salted
+from .escape import logger
 
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 
 
 class MemoryOnly:

@@ -26,7 +26,6 @@ says a group shares it (see ``cachedir``).
 from __future__ import annotations
 
 import atexit
-import logging
 import threading
 import time
 import weakref
@@ -56,12 +55,13 @@ from .salt import Salt, check_salt, memory_key, salted
 from .write_policy import WritePolicy
 from .writer import Writer
 from .writes import WritePath
+from .escape import logger
 
 if TYPE_CHECKING:
     from .shared import SharedConfig
 
 __all__ = ["KVStore", "Fetched", "MIN_DISK_GAIN", "local_model_dir"]
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 
 
 @dataclass

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from .escape import logger
+
 
 
 @dataclass
@@ -89,8 +91,6 @@ def log_unusable(index: Any, ident: Any) -> None:
     of ``ident``'s model directory hold entries: this process cannot use them. Only the
     identity descriptions are read unless there is such an identity (then one scan of the
     records, no token ids)."""
-    import logging
-
     from .index import scan
     from .units import human_bytes
 
@@ -102,7 +102,7 @@ def log_unusable(index: Any, ident: Any) -> None:
         if hx not in used:
             continue
         u = used[hx]
-        logging.getLogger("kvstore").warning(
+        logger("kvstore").warning(
             "kvstore: %d entr%s (%s) of %s were stored under another identity of this model directory, %s "
             "(%s differs): this process cannot use them. `kvstore ls` lists them, `kvstore gc --identity %s` "
             "removes them, and `kvstore gc --max-bytes` removes a superseded identity's entries first",

@@ -7,14 +7,14 @@ is on disk (or failed); ``close`` flushes and stops the thread.
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from typing import Callable
 
 from .hoststate import releasing
+from .escape import logger
 
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 
 Job = Callable[[], None]
 

@@ -15,7 +15,6 @@ The write path never touches the memory tier: its lock guards its own state only
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from typing import Any, Callable
@@ -38,8 +37,9 @@ from .query import Query
 from .write_policy import WritePolicy
 from .writer import Writer
 from .bytes_written import written
+from .escape import logger
 
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 
 
 class WritePath:

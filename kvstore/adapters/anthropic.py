@@ -21,7 +21,6 @@ the rendered prompt unless ``KEEP_BILLING_HEADER`` (``kvstore serve --keep-billi
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import types
 import uuid
@@ -29,8 +28,9 @@ from typing import Any, Callable
 
 from .chat_route import Capture, Tap, chat_error, drop_buffered_head, read_json, run_chat
 from .http import BodyError, send_json
+from ..escape import logger
 
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 BILLING_PREFIX = "x-anthropic-billing-header:"
 KEEP_BILLING_HEADER = False
 # thinking.type -> the template's enable_thinking: "adaptive" (the model decides) needs the

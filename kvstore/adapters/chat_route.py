@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from .http import body_of
+from ..escape import logger
 
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 
 
 class Capture(io.RawIOBase):

@@ -48,7 +48,6 @@ import contextvars
 import copy
 import functools
 import gc
-import logging
 import os
 from pathlib import Path
 from typing import Any, Sequence, cast
@@ -61,8 +60,9 @@ from .. import codec
 from ..identity import Identity, model_identity
 from ..salt import check_salt, salted
 from ..store import KVStore
+from ..escape import logger
 
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 
 MEDIA_BIT = 1 << 31  # key ids of media positions: no tokenizer's vocabulary reaches 2**31
 _EXO_CACHE = "exo.worker.engines.mlx.cache"

@@ -13,7 +13,6 @@ warn and run memory-only, so an engine never fails to start because of its cache
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 from collections.abc import Callable
@@ -26,8 +25,9 @@ from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..salt import Salt, salt_of
 from ..floors import MIN_DISK_HIT
 from ..store import KVStore, Preloaded
+from ..escape import logger
 
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 
 
 class LRUPromptCache:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import re
 import stat
@@ -39,8 +38,9 @@ from typing import Any
 
 from .. import files
 from ..salt import Salt, salt_key
+from ..escape import logger
 
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 DIRECTORY = "responses"
 DEFAULT_MAX_COUNT = 1000
 DEFAULT_MAX_BYTES = 256 << 20

@@ -40,7 +40,6 @@ continues it, also after a restart; a response of another tenant is a 404.
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from pathlib import Path
@@ -52,8 +51,9 @@ from . import tenants
 from .chat_route import Tap, chat_error, drop_buffered_head, read_json, run_chat
 from .http import BodyError, send_json
 from .response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_COUNT, ResponseStore
+from ..escape import logger
 
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 PATH = "/v1/responses"
 HOSTED_TOOLS = frozenset({"web_search", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
                           "code_interpreter", "image_generation", "computer_use_preview", "mcp", "local_shell",

@@ -46,11 +46,12 @@ from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..units import memory_floor, parse_size
 from . import anthropic, http, model_names, prompts, rendered, responses, stable_prefix, startup, system_render, tenants
 from .http import HeadersOnly, send_json
+from ..escape import logger
 
 if TYPE_CHECKING:  # imported when used: MLX and mlx-lm take seconds, --help and a refused start need neither
     from .mlx_lm import LRUPromptCache
 
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 _STORES: list[LRUPromptCache] = []
 _METRICS = metrics.registry(lambda: _STORES[0].stats() if _STORES else None)
 

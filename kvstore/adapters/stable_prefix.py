@@ -37,16 +37,15 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import logging
 import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..escape import visible
+from ..escape import logger, visible
 
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 DIRECTORY = "stable-prefix"
 MAX_UPDATES = 64  # updates kept per record, oldest dropped (a dropped one costs a resumed session's cache only)
 UPDATE_HEAD = ("The environment changed since the start of this conversation; "

@@ -23,15 +23,15 @@ mlx-lm's queue behind the start and is served once the server is ready: never co
 from __future__ import annotations
 
 import argparse
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..hoststate import releasing
+from ..escape import logger
 
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 
 ProgressFactory = Callable[..., Any]
 """``factory(label, total=, unit=, since=)`` -> an object with ``update_to(done)`` and

@@ -33,7 +33,6 @@ import argparse
 import hashlib
 import hmac
 import ipaddress
-import logging
 import os
 import threading
 from pathlib import Path
@@ -43,8 +42,9 @@ from typing import Any, Mapping
 from .anthropic import error_body as anthropic_error
 from .http import BodyError, ParsedOnce, admit_body, forget_body, send_json
 from ..salt import Salt, SaltedTokens, SaltError, combine, salt_of, salt_of_body, tag
+from ..escape import logger
 
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 ENV_KEYS = "KVSTORE_API_KEYS"
 OPEN_PATHS = frozenset({"/health"})
 MAX_KEY_CHARS = 4096

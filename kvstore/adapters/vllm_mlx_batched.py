@@ -29,13 +29,13 @@ the scheduler refuses to start with it, naming the flag to drop.
 
 from __future__ import annotations
 
-import logging
 import threading
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from ..escape import logger
 
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 
 _PATHS: dict[int, tuple[Any, str]] = {}    # id(model) -> (weak ref, path it was loaded from)
 _OPTIONS: dict[str, Any] = {}              # install()'s options, read by every new cache

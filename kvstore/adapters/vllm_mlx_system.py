@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import logging
 import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
+from ..escape import logger
 
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 _TEXTS: "OrderedDict[str, tuple[str, Any]]" = OrderedDict()  # hash -> (prefix text, tokenizer)
 _TEXTS_MAX = 256
 _TEXTS_LOCK = threading.Lock()

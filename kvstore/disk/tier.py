@@ -7,15 +7,15 @@ their own, given this state (see ``kvstore.disk``).
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Callable
 
 from .. import files
 from ..index import Index, IndexOpenError, WriteTxn, chunk_size
 from ..records import EntryRecord, RecordError
+from ..escape import logger
 
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 
 
 class Tier:

@@ -7,17 +7,17 @@ whose stamp matches (every open after a clean close) starts without this code.
 
 from __future__ import annotations
 
-import logging
 import sys
 from pathlib import Path
 from typing import Any
 
 import lmdb
 
+from ..escape import logger
 from ..records import RecordError, parse
 from .txn import DBS
 
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 
 CHECK_AT_OPEN = True  # tests turn it off to reach a damaged page on purpose
 CHECK_SECONDS = 30.0  # a check gets this long plus 1 s per 20 MiB of data file

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import stat
 import threading
@@ -53,12 +52,13 @@ from typing import Any, Callable, TypeVar
 import lmdb
 
 from .. import files
+from ..escape import LazyLogger
 from ..keys import FORMAT_VERSION
 from ..records import MAX_CHUNK, IdentityRecord, RecordError, parse
 from .meta import last_txnid, unwritten_roots
 from .txn import DBS, Reader, WriteTxn, count
 
-log = logging.getLogger("kvstore")
+log = LazyLogger("kvstore")  # logs only when something is wrong: ``ls`` never imports logging
 T = TypeVar("T")
 
 INITIAL_MAP = 64 << 20  # bytes LMDB maps at first (it grows; the fault harness shrinks this)

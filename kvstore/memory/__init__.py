@@ -15,7 +15,6 @@ set at every filing, and by the memory watch (``tick``), whose relief runs ``beh
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
@@ -27,9 +26,10 @@ from ..misses import Near
 from ..pressure import Gauge
 from .entries import Entries, Evicted, Room, Trie
 from .snapshot import ORDERING, Snapshot, check, take
+from ..escape import logger
 
 __all__ = ["MemoryTier", "Snapshot", "ORDERING", "Evicted", "Room", "Trie", "check", "take"]
-log = logging.getLogger("kvstore")
+log = logger("kvstore")
 INSERT_WAIT_S = 30.0  # the longest a read waits for an insert begun on another thread
 
 

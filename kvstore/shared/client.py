@@ -39,7 +39,6 @@ failures are: the call they were made for fails).
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import threading
@@ -62,10 +61,11 @@ from .bulk import Bulk, Tally, read_strings, write_strings
 from .config import SharedConfig
 from .keys import key_slot, make_key
 from .wire import Wire
+from ..escape import logger
 
 __all__ = ["SharedClient", "SharedConfig", "ERROR_KINDS", "READ_COMMANDS"]
 
-log = logging.getLogger("kvstore.shared")
+log = logger("kvstore.shared")
 
 T = TypeVar("T")
 Value = bytes | str | int | float

@@ -15,7 +15,6 @@ cost, size bounds): docs/shared.md.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -33,8 +32,9 @@ from .bulk import Bulk, Tally
 from .client import SharedClient
 from .cost import Link, PrefillRates
 from .config import SharedConfig
+from ..escape import logger
 
-log = logging.getLogger("kvstore.shared")
+log = logger("kvstore.shared")
 
 MAX_FIELDS = 4096            # fields of one boundary hash considered per lookup
 PUBLISH_BATCH_BYTES = 32 << 20  # chunk bytes per SET NX pipeline

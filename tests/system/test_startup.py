@@ -31,9 +31,10 @@ def test_ls_of_a_stamped_index_imports_no_check_or_shared_tier_code(tmp_path: Pa
     """``kvstore ls`` on an index its clean stamp vouches for (a store closed cleanly, no
     entries) imports neither the checks an unstamped index needs (``index.checks``, the
     page walker, ``subprocess``) nor the shared tier's command code nor the comparison of
-    identities: issue 47.5, what start-up compiles (PYTHONDONTWRITEBYTECODE) on every run.
-    Before: ``index.core`` held the checks, and ``ls`` imported ``cli.shared_tier`` and
-    ``superseded`` whatever it listed."""
+    identities, nor ``logging`` (nothing is logged): issue 47.5, what start-up compiles
+    (PYTHONDONTWRITEBYTECODE) on every run. Before: ``index.core`` held the checks, ``ls``
+    imported ``cli.shared_tier`` and ``superseded`` whatever it listed, and the package
+    imported ``logging`` to filter kvstore's records."""
     from kvstore.cachedir import open_disk
 
     d = tmp_path / "cache"
@@ -43,10 +44,35 @@ def test_ls_of_a_stamped_index_imports_no_check_or_shared_tier_code(tmp_path: Pa
         from kvstore.cli.main import main
         rc = main(["ls", "--cache-dir", json.loads(sys.argv[1])])
         unneeded = ("kvstore.index.checks", "kvstore.index.pages", "subprocess", "kvstore.cli.shared_tier",
-                    "kvstore.superseded")
+                    "kvstore.superseded", "logging")
         print(json.dumps({"rc": rc, "loaded": [m for m in unneeded if m in sys.modules]}))
     """, str(d))
     assert got == {"rc": 0, "loaded": []}, got
+
+
+def test_a_record_of_kvstore_code_is_escaped_in_a_process_that_imported_only_what_logs_it(tmp_path: Path) -> None:
+    """The log filter is added where kvstore's loggers are made (``escape.logger``), not at
+    package import: a process whose only kvstore import is the index still gets the records
+    of opening a damaged index escaped, on one line (the index's path holds ESC and a newline)."""
+    from kvstore.cachedir import open_disk
+
+    d = tmp_path / "cache\x1b]0;owned\x07\nforged"
+    open_disk(d).close()
+    (d / "index" / "clean").unlink()
+    (d / "index" / "data.mdb").write_bytes(b"not an index " * 1000)
+    got = run_py("""
+        import json, logging, sys
+        seen = []
+        logging.getLogger("kvstore").addHandler(
+            type("H", (logging.Handler,), {"emit": lambda s, r: seen.append(r.getMessage())})(logging.INFO))
+        logging.getLogger("kvstore").setLevel(logging.INFO)
+        from kvstore.index import Index
+        from pathlib import Path
+        Index(Path(json.loads(sys.argv[1]))).close()
+        print(json.dumps(seen))
+    """, str(d))
+    assert got and all("\x1b" not in m and "\n" not in m and "\x07" not in m for m in got), got
+    assert any("\\x1b]0;owned\\x07\\x0aforged" in m for m in got), got
 
 
 def test_ls_of_an_unstamped_index_still_checks_it(tmp_path: Path) -> None:
