@@ -88,7 +88,7 @@ class ResponseStore:
     def put(self, salt: Salt | None, response_id: str, response: dict[str, Any],
             conversation: list[dict[str, Any]]) -> None:
         """Keep ``response`` and its ``conversation`` as ``response_id``'s (replacing one of
-        that id), durable for readers when this returns; NotStored saying why not."""
+        that id), found by ``get`` once this returns (renamed into place); NotStored saying why not."""
         try:
             self._put(record_name(salt, response_id), response_id, response, conversation)
         except NotStored as e:
@@ -101,7 +101,10 @@ class ResponseStore:
             raise NotStored("--responses-max-count is 0: no response is kept")
         with self._lock:
             seq = self._next_seq()
-            data = Record(response_id, response, conversation, seq).to_bytes()
+            try:
+                data = Record(response_id, response, conversation, seq).to_bytes()
+            except (TypeError, ValueError, RecursionError) as e:
+                raise NotStored(f"the record could not be made: {e}") from None
             if len(data) > self.max_bytes:
                 raise NotStored(f"the record is {len(data):,} bytes, more than the {self.max_bytes:,} the store "
                                 "keeps (--responses-max-bytes)")
@@ -190,10 +193,16 @@ class ResponseStore:
         return True
 
     def _next_seq(self) -> int:
+        """The next sequence number: on first use, one past the largest on disk."""
         if self._next is None:
-            self._next = 0
             if self.dir is not None and files.real_dir(self.dir):
-                self._found()  # recovers the largest seq on disk
+                try:
+                    self._next = 0
+                    self._found()
+                except OSError as e:
+                    self._next = None
+                    raise NotStored(f"the stored responses could not be listed: {e}") from None
+            self._next = self._next or 0
         return self._next
 
     def _rank(self, name: str, st: os.stat_result) -> tuple[int, int]:

@@ -34,7 +34,11 @@ tokens kvstore restored from any tier), ``output_tokens``,
 Errors are OpenAI error objects naming the field (``param``); a refused request stores
 nothing. With ``store`` (default true) a completed response is kept with the conversation
 that led to it (``response_store``), salted like every cache key, so ``previous_response_id``
-continues it, also after a restart; a response of another tenant is a 404.
+continues it, also after a restart; a response of another tenant is a 404. It is stored
+before the answer is sent (streamed: before ``response.completed``), so a client that
+continues it at once finds it; one that cannot be stored is answered with ``store`` false
+and ``store_error`` saying why (``keep``). A stored record is read only through
+``response_record.Record.from_bytes``: one kvstore did not write is a 404, never a traceback.
 """
 
 from __future__ import annotations
