@@ -21,7 +21,7 @@ Guarantees:
   ``stats()`` (``invalid_records``, by reason), never an exception in a handler.
 - Bounded: at most ``max_count`` records and ``max_bytes`` bytes (defaults
   ``DEFAULT_MAX_COUNT``, ``DEFAULT_MAX_BYTES``). Each record carries a sequence number
-  (``seq``) this store hands out, recovered at start as the largest on disk + 1; once a
+  (``seq``) this store hands out, one past the largest on disk (read at its first write); once a
   write passes either bound the lowest are removed first: records no reader accepts, then
   records written before ``seq`` existed (by modification time among themselves), then by
   ``seq``. Never by the clock alone (a clock stepped back would otherwise evict the newest

@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import stat
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -366,7 +367,7 @@ def test_a_clock_step_never_evicts_the_newest(model_dir: Path, tmp_path: Path) -
         old = [raw(s, "POST", "/v1/responses", {"model": "tiny", "input": f"Old {i}.", "max_output_tokens": 1})[1]["id"]
                for i in range(5)]
         assert s.stop(signal.SIGTERM) == 0, s.log()
-    ahead = __import__("time").time() + 3600
+    ahead = time.time() + 3600
     for p in stored(cache):
         os.utime(p, (ahead, ahead))
     with Server(model_dir, cache, tmp_path / "server2.log", extra) as s:

@@ -143,3 +143,28 @@ def test_malformed_records_are_counted_misses(tmp_path: Path, name: str) -> None
     assert store.stats()["invalid_records"] == 2, store.stats()
     store.put(None, "next", response("next"), CONVERSATION)  # the malformed file ranks lowest
     assert store.get(None, "good") is not None and store.get(None, "next") is not None
+
+
+def test_concurrent_writers_get_distinct_numbers_and_the_bound_holds(tmp_path: Path) -> None:
+    """8 threads writing 10 records each (some replaying an id) through one store: every
+    number handed out once, ``max_count`` left, the last one written among them."""
+    import threading
+
+    from kvstore.adapters.response_store import ResponseStore
+
+    store = ResponseStore(tmp_path, max_count=20)
+
+    def write(t: int) -> None:
+        for i in range(10):
+            rid = f"t{t}_{i % 7}"  # ids 0-2 written twice: a replay replaces the record
+            store.put(None, rid, response(rid), CONVERSATION)
+
+    threads = [threading.Thread(target=write, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    records = [store.get(None, f"t{t}_{i}") for t in range(8) for i in range(7)]
+    kept = [r for r in records if r is not None]
+    assert len(stored(tmp_path)) == len(kept) == 20
+    assert sorted(r.seq for r in kept) == sorted({r.seq for r in kept}) and max(r.seq for r in kept) == 79  # type: ignore[type-var]
