@@ -15,6 +15,9 @@ Real ``kvstore serve`` subprocesses, the real SDK over HTTP:
   event sequence Codex parses, then the next turn with its ``function_call`` /
   ``function_call_output`` history read from the cache;
 - ``response_store.ResponseStore`` on real files: tests/unit/test_adapters_response_store.py.
+- stored responses as a client sees them: a clock step never evicts the newest, a response
+  is found the moment its answer arrives (or is answered ``store: false`` with
+  ``store_error``), planted malformed records are counted JSON 404s.
 """
 
 from __future__ import annotations
