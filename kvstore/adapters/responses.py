@@ -34,7 +34,11 @@ tokens kvstore restored from any tier), ``output_tokens``,
 Errors are OpenAI error objects naming the field (``param``); a refused request stores
 nothing. With ``store`` (default true) a completed response is kept with the conversation
 that led to it (``response_store``), salted like every cache key, so ``previous_response_id``
-continues it, also after a restart; a response of another tenant is a 404.
+continues it, also after a restart; a response of another tenant is a 404. It is stored
+before the answer is sent (streamed: before ``response.completed``), so a client that
+continues it at once finds it; one that cannot be stored is answered with ``store`` false
+and ``store_error`` saying why (``keep``). A stored record is read only through
+``response_record.Record.from_bytes``: one kvstore did not write is a 404, never a traceback.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from .. import files
 from . import tenants
 from .chat_route import Tap, chat_error, drop_buffered_head, read_json, run_chat
 from .http import BodyError, send_json
-from .response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_COUNT, ResponseStore
+from .response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_COUNT, NotStored, ResponseStore
 from ..escape import logger
 
 log = logger("kvstore")
@@ -405,7 +409,7 @@ class Events:
         self.started = False
         self.open: dict[str, Any] | None = None  # the item being streamed
         self.text = ""
-        self.finish: str | None = None
+        self.finish_reason: str | None = None
 
     def _send(self, kind: str, **fields: Any) -> None:
         self.out(sse({"type": kind, "sequence_number": self.seq, **fields}))
@@ -480,14 +484,16 @@ class Events:
                            content_index=0, delta=d["content"], logprobs=[])
             for call in d.get("tool_calls") or []:
                 self._call(call)
-            self.finish = choice.get("finish_reason") or self.finish
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
 
-    def end(self, u: dict[str, Any]) -> dict[str, Any]:
+    def finish(self, u: dict[str, Any]) -> dict[str, Any]:
+        """Close the last item and finish the response (``completed`` sends it)."""
         self.start()
         self._close()
-        obj = self.reply.finish(self.finish, u)
+        return self.reply.finish(self.finish_reason, u)
+
+    def completed(self, obj: dict[str, Any]) -> None:
         self._send("response.completed", response=obj)
-        return obj
 
     def fail(self, message: str) -> None:
         self.start()
@@ -542,7 +548,7 @@ def handle_post(handler: Any, original: Callable[[Any], None]) -> None:
             if record is None:
                 raise RequestError(f"Previous response with id '{body['previous_response_id']}' not found.",
                                    "previous_response_id", 404)
-            history = record["conversation"]
+            history = record.conversation
         chat, conversation, custom = chat_request(body, history)
     except RequestError as e:
         _send_error(handler, e)
@@ -561,7 +567,9 @@ def handle_post(handler: Any, original: Callable[[Any], None]) -> None:
             handler.wfile.flush()
             return
         prompt, cached = tap.prompt()
-        obj = events.end(usage(prompt, cached, len(tap.tokens), _reasoning_tokens(tokenizer, reply.obj["output"])))
+        obj = events.finish(usage(prompt, cached, len(tap.tokens), _reasoning_tokens(tokenizer, reply.obj["output"])))
+        keep(salt, body, obj, conversation)  # stored before the client hears it is done
+        events.completed(obj)
         handler.wfile.flush()
     elif outcome.cap.status == 200:
         chat_resp = json.loads(outcome.body)
@@ -571,17 +579,36 @@ def handle_post(handler: Any, original: Callable[[Any], None]) -> None:
         cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         obj = reply.finish(choice.get("finish_reason"), usage(
             u["prompt_tokens"], cached, u["completion_tokens"], _reasoning_tokens(tokenizer, reply.obj["output"])))
+        keep(salt, body, obj, conversation)  # stored before the answer is sent
         send_json(handler, 200, obj)
     elif outcome.cap.status is not None:
         status, text = chat_error(outcome.cap.status, outcome.body)
         send_json(handler, status, error_body(text, _param(text), kind="invalid_request_error" if status < 500 else "server_error"))
-        return
     else:  # failed before anything was written
         drop_buffered_head(handler)
         send_json(handler, 500, error_body(f"generation failed: {outcome.failure}", kind="server_error"))
+
+
+def keep(salt: Any, body: dict[str, Any], obj: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+    """Store the finished response ``obj`` (unless the request said ``store: false``), so
+    that ``GET`` and ``previous_response_id`` find it as soon as the client has the answer;
+    one that cannot be stored says so in ``obj``: ``store`` false and ``store_error``
+    (``code`` ``response_not_stored``, ``message`` why)."""
+    if not body.get("store", True):
         return
-    if body.get("store", True):
-        store().put(salt, reply.id, {"response": obj, "conversation": [*conversation, *history_of(obj["output"])]})
+    try:
+        store().put(salt, str(obj["id"]), obj, [*conversation, *history_of(obj["output"])])
+    except NotStored as e:
+        obj["store"] = False
+        obj["store_error"] = {"code": "response_not_stored",
+                              "message": f"this response was not stored ({e}): GET and previous_response_id "
+                                         "will not find it"}
+
+
+def stats() -> dict[str, Any]:
+    """What ``GET /v1/cache/stats`` says of stored responses under ``"responses"``
+    (``ResponseStore.stats``; zeros before the store was first used)."""
+    return _STORE[0].stats() if _STORE else ResponseStore(None).stats()
 
 
 def _target(handler: Any) -> tuple[str, Any]:
@@ -608,7 +635,7 @@ def handle_get_or_delete(handler: Any) -> None:
     if handler.command == "GET":
         record = store().get(salt, response_id)
         if record is not None:
-            send_json(handler, 200, record["response"])
+            send_json(handler, 200, record.response)
             return
     elif store().delete(salt, response_id):
         send_json(handler, 200, {"id": response_id, "object": "response", "deleted": True})

@@ -15,6 +15,9 @@ Real ``kvstore serve`` subprocesses, the real SDK over HTTP:
   event sequence Codex parses, then the next turn with its ``function_call`` /
   ``function_call_output`` history read from the cache;
 - ``response_store.ResponseStore`` on real files: tests/unit/test_adapters_response_store.py.
+- stored responses as a client sees them: a clock step never evicts the newest, a response
+  is found the moment its answer arrives (or is answered ``store: false`` with
+  ``store_error``), planted malformed records are counted JSON 404s.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import os
 import signal
 import stat
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -346,3 +350,143 @@ def test_codex_shaped_stream_and_tool_history(tool_model: Path, tmp_path: Path) 
 
 
 # -- the store on its own ---------------------------------------------------------------------------
+#    tests/unit/test_adapters_response_store.py (and test_adapters_response_record.py: the
+#    record reader on any bytes); below, what a client of a real server sees of it.
+
+
+def continue_(server: Server, response_id: str) -> tuple[int, Any]:
+    """(status, body) of continuing ``response_id`` with one token, storing nothing."""
+    return raw(server, "POST", "/v1/responses", {"model": "tiny", "previous_response_id": response_id,
+                                                 "input": "Go on.", "max_output_tokens": 1, "store": False})
+
+
+def test_a_clock_step_never_evicts_the_newest(model_dir: Path, tmp_path: Path) -> None:
+    """Issue 52.5: 5 stored responses whose files' mtimes are an hour ahead (the clock was
+    stepped back) and a restart; 3 new responses under ``--responses-max-count 5``: each is
+    found and continued at once, and the 3 oldest of the first 5 are the ones evicted."""
+    cache = tmp_path / "cache"
+    extra = ["--responses-max-count", "5"]
+    with Server(model_dir, cache, tmp_path / "server1.log", extra) as s:
+        old = [raw(s, "POST", "/v1/responses", {"model": "tiny", "input": f"Old {i}.", "max_output_tokens": 1})[1]["id"]
+               for i in range(5)]
+        assert s.stop(signal.SIGTERM) == 0, s.log()
+    ahead = time.time() + 3600
+    for p in stored(cache):
+        os.utime(p, (ahead, ahead))
+    with Server(model_dir, cache, tmp_path / "server2.log", extra) as s:
+        new = []
+        for i in range(3):
+            status, r = raw(s, "POST", "/v1/responses", {"model": "tiny", "input": f"New {i}.", "max_output_tokens": 1})
+            assert status == 200 and r["store"] is True and "store_error" not in r, r
+            new.append(r["id"])
+            assert raw(s, "GET", f"/v1/responses/{r['id']}")[0] == 200, (i, s.log())
+            assert continue_(s, r["id"])[0] == 200, (i, s.log())
+        found = [raw(s, "GET", f"/v1/responses/{rid}")[0] for rid in old + new]
+        assert found == [404, 404, 404, 200, 200, 200, 200, 200], found
+        assert len(stored(cache)) == 5
+        assert s.stats()["responses"]["evicted"] == 3
+        assert s.stop(signal.SIGTERM) == 0, s.log()
+
+
+def _stream_then_use(server: Server, body: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
+    """(the final response, GET status, continue status): GET and continue sent the moment
+    ``response.completed`` arrives, as the SDK would, the stream's connection still open."""
+    import http.client
+
+    conn = http.client.HTTPConnection(server.url.split("//")[1], timeout=300)
+    try:
+        conn.request("POST", "/v1/responses", json.dumps({**body, "stream": True}),
+                     {"Content-Type": "application/json", "Accept": "text/event-stream"})
+        r = conn.getresponse()
+        assert r.status == 200
+        while True:
+            line = r.readline()
+            assert line, "the stream ended without response.completed"
+            if line.startswith(b"data: ") and b'"type": "response.completed"' in line[:60]:
+                final = json.loads(line[6:])["response"]
+                return final, raw(server, "GET", f"/v1/responses/{final['id']}")[0], continue_(server, final["id"])[0]
+    finally:
+        conn.close()
+
+
+def test_a_response_is_stored_before_it_is_answered(model_dir: Path, tmp_path: Path) -> None:
+    """Issue 52.6: a client that GETs or continues a response the moment its answer (or its
+    stream's ``response.completed``) arrives finds it: 20 rounds each, a ~1 MB response
+    (its metadata) written each time, no 404. A response over ``--responses-max-bytes`` is
+    answered with ``store: false`` and ``store_error`` saying why, streamed or not."""
+    blob = {"blob": "x" * 1_000_000}
+    with Server(model_dir, tmp_path / "cache", tmp_path / "server.log", ["--responses-max-bytes", "4M"]) as s:
+        misses = []
+        for i in range(20):
+            status, r = raw(s, "POST", "/v1/responses", {"model": "tiny", "input": f"Round {i}.",
+                                                         "max_output_tokens": 1, "metadata": blob})
+            assert status == 200 and r["store"] is True, r
+            got, cont = raw(s, "GET", f"/v1/responses/{r['id']}")[0], continue_(s, r["id"])[0]
+            final, sgot, scont = _stream_then_use(s, {"model": "tiny", "input": f"Streamed {i}.", "max_output_tokens": 1,
+                                                      "metadata": blob})
+            assert final["store"] is True and "store_error" not in final, final.get("store_error")
+            misses += [(i, what) for what, code in (("get", got), ("continue", cont), ("stream get", sgot),
+                                                    ("stream continue", scont)) if code != 200]
+        assert misses == [], f"{len(misses)} of 80 lookups right after the answer missed: {misses}"
+
+        huge = {"blob": "y" * 5_000_000}  # over --responses-max-bytes: said in the answer, never a later 404
+        status, r = raw(s, "POST", "/v1/responses", {"model": "tiny", "input": "Big.", "max_output_tokens": 1,
+                                                     "metadata": huge})
+        assert status == 200 and r["status"] in ("completed", "incomplete") and r["store"] is False, r["store"]
+        assert r["store_error"]["code"] == "response_not_stored" and "--responses-max-bytes" in r["store_error"]["message"]
+        assert raw(s, "GET", f"/v1/responses/{r['id']}")[0] == 404
+        final, sgot, _ = _stream_then_use(s, {"model": "tiny", "input": "Big.", "max_output_tokens": 1, "metadata": huge})
+        assert final["store"] is False and final["store_error"]["code"] == "response_not_stored" and sgot == 404
+        assert s.stats()["responses"]["not_stored"] == 2
+        status, r = raw(s, "POST", "/v1/responses", {"model": "tiny", "input": "Small.", "max_output_tokens": 1})
+        assert status == 200 and r["store"] is True and raw(s, "GET", f"/v1/responses/{r['id']}")[0] == 200
+        assert s.stop(signal.SIGTERM) == 0, s.log()
+
+
+def test_malformed_stored_records_are_404s(model_dir: Path, tmp_path: Path) -> None:
+    """Issue 52.7: records planted under the names of ids (missing keys, wrong types, not
+    JSON, over the byte bound, nested 100,000 deep, a symlink to a good record, a FIFO):
+    ``GET``, ``previous_response_id`` and ``DELETE`` each answer a JSON 404, counted in
+    ``GET /v1/cache/stats`` under ``responses.invalid_records``; the server keeps serving and
+    nothing planted outside is touched."""
+    from kvstore.adapters.response_store import record_name
+
+    cache = tmp_path / "cache"
+    with Server(model_dir, cache, tmp_path / "server.log", ["--responses-max-bytes", "2M"]) as s:
+        status, good = raw(s, "POST", "/v1/responses", {"model": "tiny", "input": QUESTION, "max_output_tokens": 1})
+        assert status == 200
+        d = cache / "responses"
+        outside = tmp_path / "outside.json"
+        outside.write_bytes((d / record_name(None, good["id"])).read_bytes())
+        planted: dict[str, bytes | str] = {
+            "resp_noresponse": json.dumps({"id": "resp_noresponse", "conversation": []}),
+            "resp_noconversation": json.dumps({"id": "resp_noconversation", "response": {"id": "resp_noconversation"}}),
+            "resp_stringconv": json.dumps({"id": "resp_stringconv", "response": {"id": "resp_stringconv"},
+                                           "conversation": "hello"}),
+            "resp_badmessage": json.dumps({"id": "resp_badmessage", "response": {"id": "resp_badmessage"},
+                                           "conversation": [{"content": "no role"}]}),
+            "resp_notjson": b"\x00\xffnot json{",
+            "resp_huge": json.dumps({"id": "resp_huge", "response": {"id": "resp_huge", "x": "z" * 3_000_000},
+                                     "conversation": []}),
+            "resp_deep": b"[" * 100_000 + b"]" * 100_000,
+        }
+        for rid, data in planted.items():
+            (d / record_name(None, rid)).write_bytes(data.encode() if isinstance(data, str) else data)
+        (d / record_name(None, "resp_link")).symlink_to(outside)
+        os.mkfifo(d / record_name(None, "resp_fifo"))
+        ids = [*planted, "resp_link", "resp_fifo"]
+        for rid in ids:
+            for method, path, body in (("GET", f"/v1/responses/{rid}", None), ("DELETE", f"/v1/responses/{rid}", None),
+                                       ("POST", "/v1/responses", {"model": "tiny", "previous_response_id": rid,
+                                                                  "input": "x", "max_output_tokens": 1})):
+                status, err = raw(s, method, path, body)  # a dropped connection raises here
+                assert status == 404 and rid in err["error"]["message"], (rid, method, status, err, s.log())
+        counts = s.stats()["responses"]
+        assert counts["invalid_records"] == 3 * len(ids), counts
+        assert counts["invalid_by_reason"] == {"bad_field": 12, "not_json": 3, "too_large": 3, "too_deep": 3,
+                                               "not_regular": 6}, counts
+        assert "Traceback" not in s.log(1 << 30)
+        assert outside.exists() and (d / record_name(None, "resp_link")).is_symlink()
+        assert stat.S_ISFIFO(os.lstat(d / record_name(None, "resp_fifo")).st_mode)
+        assert raw(s, "GET", f"/v1/responses/{good['id']}")[0] == 200 and continue_(s, good["id"])[0] == 200
+        assert s.stop(signal.SIGTERM) == 0, s.log()
