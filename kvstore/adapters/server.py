@@ -150,9 +150,11 @@ def cache_stats(salt: Any = None) -> dict[str, Any]:
     """``GET /v1/cache/stats``: the prompt cache's counters (``KVStore.stats``: with
     ``salt``, its lookups' counts) and, under ``"startup"``, where ``kvstore serve``'s start
     is (``startup.startup_stats``), and under ``"responses"`` the stored responses'
-    counters (``responses.stats``)."""
+    counters (``responses.stats``): only to an unsalted caller, since they count every
+    tenant's responses (a salted caller sees its own lookups and nothing of others')."""
     out: dict[str, Any] = _STORES[0].stats(salt) if _STORES else {}
-    out["responses"] = responses.stats()  # stored /v1/responses: invalid records, not stored, evicted
+    if salt is None:
+        out["responses"] = responses.stats()  # stored /v1/responses: invalid records, not stored, evicted
     start = startup.startup_stats()
     if start:
         out["startup"] = start

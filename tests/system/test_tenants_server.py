@@ -139,6 +139,9 @@ def test_tenants_never_share_in_memory_on_disk_or_through_redis(mode: str, model
         assert chat(s, **a) > 1000
         got = stats(s, admin, a.get("salt"))  # A's own lookups (kvstore.callers)
         assert got["hits_disk"] >= 1 and got["hits_memory"] == 0, got
+        assert "responses" not in got, got  # they count every tenant's stored responses
+        if mode == "salt":
+            assert "responses" in stats(s), "the unsalted view keeps the stored responses' counters"
     with Server(model_dir, tmp_path / "three", tmp_path / "three.log", [*shared, *extra_flags(mode)]) as s:
         assert chat(s, **d) == 0                        # a fresh machine: Redis holds A's, B's and C's
         assert chat(s, **a) > 1000
