@@ -31,9 +31,12 @@ def restore_floor(memory_n: int, wanted: int, min_hit: int = 0) -> int:
     (over a memory hit) more than ``MIN_DISK_GAIN`` tokens more than memory. "The whole
     prompt" is ``wanted - 1`` tokens too: a longer stored entry cut back to the prompt
     keeps its last token for the model to feed (``served_tokens.serves``), and a repeated
-    short prompt after a restart always sits inside its own longer entry (prompt and reply)."""
-    beat = min(memory_n + MIN_DISK_GAIN, wanted - 1) if memory_n > 0 else 0
-    return max(beat, min(max(min_hit - 1, 0), max(wanted - 2, 0)))
+    short prompt after a restart always sits inside its own longer entry (prompt and reply),
+    so both floors stop at ``wanted - 2``; never below ``memory_n``: a disk hit must serve
+    more than memory does."""
+    whole = wanted - 2  # a hit must exceed the floor: ``wanted - 1`` tokens exceed this one
+    beat = min(memory_n + MIN_DISK_GAIN, max(memory_n, whole)) if memory_n > 0 else 0
+    return max(beat, min(max(min_hit - 1, 0), max(whole, 0)))
 
 
 def memory_floor(wanted: int, min_hit: int = 0) -> int:
