@@ -18,7 +18,7 @@ from ..keys import common_tokens as _common
 from ..misses import AFTER, Near
 from ..query import Query
 from ..records import Kind, RecordError
-from ..served_tokens import bound, serves
+from ..served_tokens import bound, holds_prompt, serves
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class Plan:
     entry: bytes | None = None     # entry credited with the hit (last_used, hits)
     cache_type: str = "assistant"  # kept when the hit is promoted to memory
     chain: tuple[bytes, ...] = ()  # the query's full chunks found stored here, verified (the walk's)
+    holds_prompt: bool = False     # it agrees with every query token (``served_tokens.holds_prompt``)
 
 
 def record(r: Reader, kind: Kind, key: bytes) -> Any:
@@ -59,22 +60,33 @@ def find(r: Reader, q: Query, skip: frozenset[bytes] = frozenset(), near: Near |
     best: Plan | None = None
     if chain:  # the chain alone is reusable (keeping one token to feed when it is all)
         n = len(chain) * C
-        best = Plan(serves(n, n, n_q, whole=False) or 0, tuple(chain[:-1]), (Kind.CHUNK, chain[-1]), n, True)
+        best = Plan(serves(n, n, n_q, whole=False) or 0, tuple(chain[:-1]), (Kind.CHUNK, chain[-1]), n, True,
+                    holds_prompt=holds_prompt(n, n_q))
     for k in range(len(bounds) - 1, len(chain) - 1, -1):
         if best is not None and best.n >= (k + 1) * C:
             break  # everything filed at boundary k or above holds fewer tokens
         after = enc[k * C * TOKEN_BYTES : (k + 1) * C * TOKEN_BYTES]
         for child, kind, in_common, exact in r.edges(bounds[k], after):
             top = bound(k * C + in_common, n_q, exact)
-            if best is not None and top <= best.n and (near is None or k * C + in_common < near.common):
+            beat = _beat(best)
+            if best is not None and top <= beat and (near is None or k * C + in_common < near.common):
                 break  # what follows shares no more (trie.edges), so it cannot do better; a miss's
                 # explanation (near) still sees the candidates sharing as much: its cost is the one holding most
-            got = None if child in skip else _candidate(r, q, k, child, kind, chain, best.n if best else 0, near)
+            got = None if child in skip else _candidate(r, q, k, child, kind, chain, beat, near)
             if child in skip and near is not None:
                 near.refused(k * C + in_common)
-            if got is not None and (best is None or got.n > best.n):
+            if got is not None and (best is None or got.n > best.n or (got.holds_prompt and got.n > beat)):
                 best = got
     return replace(best, chain=tuple(chain)) if best is not None else None
+
+
+def _beat(best: Plan | None) -> int:
+    """The tokens a candidate must exceed to replace ``best``: as many as it serves, or one
+    fewer when ``best`` does not hold the whole prompt (so one that does, serving as
+    many, is taken: ``floors.restore_floor`` takes it over a memory hit)."""
+    if best is None:
+        return 0
+    return best.n if best.holds_prompt else best.n - 1
 
 
 def _candidate(r: Reader, q: Query, k: int, child: bytes, kind: Kind | None, chain: list[bytes], beat: int,
@@ -104,7 +116,7 @@ def _candidate(r: Reader, q: Query, k: int, child: bytes, kind: Kind | None, cha
         if not usable:
             return None
         return Plan(usable, tuple(chain[:k]) if rec.chunked else (), (kind, child), n_e, rec.chunked,
-                    entry=child, cache_type=rec.cache_type)
+                    entry=child, cache_type=rec.cache_type, holds_prompt=holds_prompt(common, n_q))
     if k != len(chain):
         return None
     m = _common(stored, enc[k * C * TOKEN_BYTES :])
@@ -115,7 +127,7 @@ def _candidate(r: Reader, q: Query, k: int, child: bytes, kind: Kind | None, cha
         return None
     if record(r, kind, child) is None:
         return None
-    return Plan(usable, tuple(chain[:k]), (kind, child), (k + 1) * C, True)
+    return Plan(usable, tuple(chain[:k]), (kind, child), (k + 1) * C, True, holds_prompt=holds_prompt(k * C + m, n_q))
 
 
 def _keyed(boundary: bytes, k: int, child: bytes, kind: Kind, stored: bytes, C: int) -> bool:

@@ -1,8 +1,9 @@
 """Which tier a lookup serves from, over a memory hit and a disk entry (issue 52.10).
 
 A memory hit is kept unless the disk holds the whole prompt (an entry the query is a
-prefix of, served all but the one token kept when it must be cut) or more than
-``MIN_DISK_GAIN`` tokens more (``floors.restore_floor``). Real components: tiny-llama
+prefix of, served all but the one token kept when it must be cut; a shorter prefix, even
+one token short, does not) or more than ``MIN_DISK_GAIN`` tokens more
+(``floors.restore_floor``). Real components: tiny-llama
 (trimmable) and tiny-qwen3next (recurrent: a snapshot that cannot be cut) caches prefilled
 by the real model, the real ``LRUPromptCache`` and its log, a real LMDB cache directory
 across a restart, the restored-equals-cold oracle. Then a property over synthetic caches
@@ -33,11 +34,11 @@ MEMORY, QUERY = 100, 110  # memory holds L[:100]; the request is L[:110]
 @pytest.mark.parametrize("family, disk_n, want_n, want_tier", [
     ("tiny-llama", 140, QUERY - 1, "disk"),   # the issue's case: the disk entry holds the whole prompt, cut back
     ("tiny-llama", QUERY, QUERY, "disk"),     # the prompt itself: served whole
-    ("tiny-llama", QUERY - 1, QUERY - 1, "disk"),  # shorter, all but the token the model feeds anyway
+    ("tiny-llama", QUERY - 1, MEMORY, "memory"),  # one token short is not the whole prompt: 9 more are not worth it
     ("tiny-llama", 105, MEMORY, "memory"),    # shorter by 5: 5 tokens more than memory are not worth a restore
     ("tiny-qwen3next", 140, MEMORY, "memory"),  # recurrent state: it cannot be cut at 109, memory serves
     ("tiny-qwen3next", QUERY, QUERY, "disk"),   # the prompt itself: no cut needed
-    ("tiny-qwen3next", QUERY - 1, QUERY - 1, "disk"),
+    ("tiny-qwen3next", QUERY - 1, MEMORY, "memory"),
 ], ids=["longer", "equal", "one-short", "shorter", "uncuttable-longer", "uncuttable-equal", "uncuttable-one-short"])
 def test_a_disk_entry_holding_the_whole_prompt_beats_a_memory_hit(tmp_path, load_named, caplog, family, disk_n,
                                                                    want_n, want_tier) -> None:
@@ -123,9 +124,9 @@ def test_the_tier_chosen_serves_what_the_floors_allow(data, base, trim_m, trim_d
     mem = mem if mem >= floor or mem >= n_q - 1 else 0
     assert (mem > 0) == (mem >= max(memory_floor(n_q, floor), 1))
     disk = tier_serves(d, q, trim_d)
-    whole = disk >= n_q - 1  # the whole prompt: all but the token the model feeds (a cut keeps it)
-    take = disk > mem and (whole or (disk > mem + MIN_DISK_GAIN if mem else disk >= floor))
-    assert take == (disk > restore_floor(mem, n_q, floor)), (mem, disk, n_q, floor)
+    whole = common_tokens(encode_tokens(d), encode_tokens(q)) >= n_q  # D agrees with all of Q: it holds the prompt
+    take = disk > mem and (whole or (disk > mem + MIN_DISK_GAIN if mem else disk >= floor or disk >= n_q - 1))
+    assert take == (disk > restore_floor(mem, n_q, floor, holds_prompt=whole)), (mem, disk, n_q, floor, whole)
     want, tier, held = (disk, "disk", (d, trim_d)) if take else (mem, "memory" if mem else None, (m, trim_m))
     assert (f.n, f.source) == (want, tier), dict(m=m, d=d, q=q, trim_m=trim_m, trim_d=trim_d, mem=mem, disk=disk)
     if f.cache is not None:
