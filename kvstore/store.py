@@ -337,7 +337,8 @@ class KVStore:
         """Why ``served`` tokens were all this lookup gave, from what its searches saw and
         what this process lost (``WritePath.ghosts``; the identity the model had before its
         files changed, whose entries are still in memory). ``ident``: the model's own
-        (unsalted) identity. No disk read, no hashing."""
+        (unsalted) identity. No hashing; no disk read but, where the nearest stored prefix
+        is a chunk others go on from, the index edges below it (``DiskTier.nearest``)."""
         if near.common <= served and served >= near.n_q - 1:
             return None  # served all a stored prefix shared, and all the prompt: nothing to explain
         bounds = q.hashed_bounds() if q is not None else None
@@ -348,6 +349,11 @@ class KVStore:
             had = self._memory.peek(old_key.digest, q.tokens if q is not None else decode_tokens(enc))
             if had > max(served, near.common, lost[2] if lost else 0):
                 lost = (OTHER_IDENTITY, changed_components(old.info, ident.info), had, had)  # type: ignore[union-attr]
+        if near.below is not None and q is not None and self.disk is not None:
+            try:  # the nearest is a chunk others go on from: its cost is the entry's own length
+                self.disk.nearest(q, near)
+            except Exception as e:  # an explanation never costs the lookup: the chunk's end stays
+                log.debug("kvstore: could not name the entry below a chunk: %s", e)
         return explain(near, served, lost)
 
     def _counted(self, miss: Miss | None, tally: Tally, name: Callable[[Miss], Part] | None) -> Miss | None:

@@ -13,9 +13,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..index import Reader
-from ..keys import TOKEN_BYTES, chunk_key, entry_key
+from ..keys import KEY_BYTES, TOKEN_BYTES, chunk_key, entry_key
 from ..keys import common_tokens as _common
-from ..misses import AFTER, Near
+from ..misses import AFTER, Near, rank
 from ..query import Query
 from ..records import Kind, RecordError
 from ..served_tokens import bound, holds_prompt, serves
@@ -122,7 +122,7 @@ def _candidate(r: Reader, q: Query, k: int, child: bytes, kind: Kind | None, cha
     m = _common(stored, enc[k * C * TOKEN_BYTES :])
     usable = serves((k + 1) * C, k * C + m, n_q, whole=False) or 0
     if near is not None and m > 0:
-        near.saw("disk", k * C + m, (k + 1) * C, stored[m * TOKEN_BYTES : (m + AFTER) * TOKEN_BYTES], continues=True)
+        near.saw("disk", k * C + m, (k + 1) * C, stored[m * TOKEN_BYTES : (m + AFTER) * TOKEN_BYTES], below=child)
     if m <= 0 or usable <= beat or not _keyed(boundary, k, child, kind, stored, C):
         return None
     if record(r, kind, child) is None:
@@ -137,6 +137,49 @@ def _keyed(boundary: bytes, k: int, child: bytes, kind: Kind, stored: bytes, C: 
     if kind is Kind.ENTRY:
         return len(stored) // TOKEN_BYTES // C == k and entry_key(boundary, stored[k * C * TOKEN_BYTES :]) == child
     return len(stored) == C * TOKEN_BYTES and chunk_key(boundary, stored) == child
+
+
+# ----------------------------------------------------------------------------- a miss's nearest entry
+
+BELOW_EDGES = 1024  # trie edges ``entry_below`` reads at most (a few per chunk of a conversation)
+
+
+def entry_below(r: Reader, q: Query, near: Near, budget: int = BELOW_EDGES) -> bool:
+    """Name the entry the nearest stored prefix is, when the walk left it at a chunk others
+    go on from (``near.below``: every entry filed below it shares the same ``near.common``
+    tokens with the query): of those entries, the nearest by ``misses.rank`` (the one
+    holding most of the query's length, then the shorter), found depth first through the
+    trie under that chunk, reading at most ``budget`` edges. True when one was found
+    (``Near.resolved``); else ``near`` keeps the chunk's end as a lower bound. Run on a
+    miss only, after the walk (a hit never pays it); each entry's token ids are checked
+    to share exactly ``near.common`` tokens with the query, so a damaged edge names nothing."""
+    if near.below is None:
+        return False
+    enc, C, n_q, common = q.enc, q.chunk, q.n, near.common
+    best: tuple[tuple[int, int, int], bytes] | None = None
+    stack = [(near.below, near.stored)]  # (a chunk's key, the tokens up to its end)
+    while stack and budget > 0:
+        boundary, depth = stack.pop()
+        if best is not None and best[0][1] == n_q and -best[0][2] <= depth:
+            continue  # every entry below holds at least ``depth`` tokens: none is nearer
+        for edge in r.keys_from("bounds", boundary):
+            budget -= 1
+            if edge[:KEY_BYTES] != boundary or budget < 0:
+                break
+            child, kind = edge[-KEY_BYTES:], r.raw("bounds", edge)
+            if kind == Kind.CHUNK.value:
+                stack.append((child, depth + C))
+                continue
+            stored = r.tokens(child) if kind == Kind.ENTRY.value else None
+            if stored is None or len(stored) % TOKEN_BYTES or _common(stored, enc) != common:
+                continue
+            got = rank(common, len(stored) // TOKEN_BYTES, n_q)
+            if best is None or got > best[0]:
+                best = (got, stored)
+    if best is None:
+        return False
+    near.resolved(len(best[1]) // TOKEN_BYTES, best[1][common * TOKEN_BYTES : (common + AFTER) * TOKEN_BYTES])
+    return True
 
 
 # ----------------------------------------------------------------------------- restoring
