@@ -470,10 +470,10 @@ def test_a_miss_names_the_nearest_entry_below_a_chunk(tmp_path, n_q) -> None:
     f = s.fetch(who, query)
     snap = scan(s.disk.index, full=True)
     s.close()
-    want = max((len(e) for e in entries), key=lambda k: misses.rank(20, k, n_q))
-    assert want == {40: 50, 70: 90, 200: 130}[n_q]
+    want = {40: 50, 70: 90, 200: 130}[n_q]  # all hold the query's length: the shorter; else the one holding most
     assert f.n == 20 and f.miss is not None and f.miss.reason == "diverged"
     assert (f.miss.stored, f.miss.at, f.miss.lost) == (want, 20, min(want, n_q) - 20), f.miss
+    assert want == max((len(e) for e in entries), key=lambda k: misses.rank(20, k, n_q))
     assert f.miss.after == tuple(base[20:min(want, 52)])  # the entry's own tokens past the divergence, not the chunk's end
     own = [(k, r, snap.tokens[k]) for k, r in snap.entries.items() if r is not None and r.identity == who.digest]
     assert sorted(r.n for _, r, _ in own) == [50, 90, 130]
