@@ -182,6 +182,7 @@ class Misses:
 
 # -- the log line: the text either side of where the prompt parted from the store -------------
 
+BELOW = 32  # chunks as near as each other a lookup keeps to name the entry below (``Near.below``)
 AROUND = 8  # tokens shown either side of the divergence
 AFTER = 32  # stored token ids a search reports past a divergence (``Near.after``: ``parts`` reads a tool's name in it)
 
@@ -245,8 +246,9 @@ class Near:
     def __init__(self, n_q: int) -> None:
         self.n_q = n_q
         self.common = 0      # tokens the nearest stored prefix shares with the query
-        self.stored = 0      # its length; with ``below``: at least that (a chunk others go on from)
-        self.below: bytes | None = None  # that chunk's key, under which the entries going on from it are filed
+        self.stored = 0      # its length; ``bounded``: at least that (the end of a chunk others go on from)
+        self.bounded = False
+        self.below: tuple[bytes, ...] = ()  # the keys of such chunks as near: the entries going on are filed under them
         self.tier: str | None = None
         self.after: bytes | tuple[int, ...] = ()
         self.cut_at = 0      # the furthest a refused cut would have served
@@ -256,17 +258,26 @@ class Near:
             below: bytes | None = None) -> None:
         """A stored prefix ``stored`` tokens long sharing ``common`` with the query, kept
         when it is nearer than the one kept (``rank``). ``below``: it is a chunk others go
-        on from (``stored``: the tokens up to its end, a lower bound), filed under that key:
-        ``resolved`` names the entry there once a miss needs its length."""
-        if rank(common, stored, self.n_q) > rank(self.common, self.stored, self.n_q):
-            self.common, self.stored, self.tier, self.below = common, stored, tier, below
+        on from (``stored``: the tokens up to its end, a lower bound), filed under that key;
+        chunks as near as the one kept are kept too (up to ``BELOW``: conversations parting
+        from each other inside the chunk the query parts in), and ``resolved`` names the
+        nearest entry under them once a miss needs its length."""
+        new, old = rank(common, stored, self.n_q), rank(self.common, self.stored, self.n_q)
+        if new > old:
+            self.common, self.stored, self.tier, self.bounded = common, stored, tier, below is not None
+            self.below = (below,) if below is not None else ()
             self.after = after if isinstance(after, bytes) else tuple(after[:AFTER])
+        elif new == old and below is not None and len(self.below) < BELOW:
+            self.below += (below,)
 
     def resolved(self, stored: int, after: bytes | Sequence[int]) -> None:
-        """The entry below the kept chunk (``below``) is ``stored`` tokens long and holds
-        ``after`` from the divergence on: the nearest stored prefix is that entry."""
-        self.stored, self.below = stored, None
-        self.after = after if isinstance(after, bytes) else tuple(after[:AFTER])
+        """The nearest entry filed under the chunks in ``below`` is ``stored`` tokens long and
+        holds ``after`` from the divergence on: it is the nearest stored prefix when the one
+        kept was a chunk's end (``bounded``) or it is nearer (``rank``)."""
+        if self.bounded or rank(self.common, stored, self.n_q) > rank(self.common, self.stored, self.n_q):
+            self.stored, self.bounded = stored, False
+            self.after = after if isinstance(after, bytes) else tuple(after[:AFTER])
+        self.below = ()
 
     def refused(self, at: int) -> None:
         self.cut_at = max(self.cut_at, at)

@@ -349,7 +349,7 @@ class KVStore:
             had = self._memory.peek(old_key.digest, q.tokens if q is not None else decode_tokens(enc))
             if had > max(served, near.common, lost[2] if lost else 0):
                 lost = (OTHER_IDENTITY, changed_components(old.info, ident.info), had, had)  # type: ignore[union-attr]
-        if near.below is not None and q is not None and self.disk is not None:
+        if near.below and q is not None and self.disk is not None:
             try:  # the nearest is a chunk others go on from: its cost is the entry's own length
                 self.disk.nearest(q, near)
             except Exception as e:  # an explanation never costs the lookup: the chunk's end stays

@@ -145,19 +145,20 @@ BELOW_EDGES = 1024  # trie edges ``entry_below`` reads at most (a few per chunk 
 
 
 def entry_below(r: Reader, q: Query, near: Near, budget: int = BELOW_EDGES) -> bool:
-    """Name the entry the nearest stored prefix is, when the walk left it at a chunk others
-    go on from (``near.below``: every entry filed below it shares the same ``near.common``
+    """Name the entry the nearest stored prefix is, when the walk left it at chunks others
+    go on from (``near.below``: every entry filed below them shares the same ``near.common``
     tokens with the query): of those entries, the nearest by ``misses.rank`` (the one
     holding most of the query's length, then the shorter), found depth first through the
-    trie under that chunk, reading at most ``budget`` edges. True when one was found
+    trie under those chunks, reading at most ``budget`` edges. True when one was found
     (``Near.resolved``); else ``near`` keeps the chunk's end as a lower bound. Run on a
     miss only, after the walk (a hit never pays it); each entry's token ids are checked
     to share exactly ``near.common`` tokens with the query, so a damaged edge names nothing."""
-    if near.below is None:
+    if not near.below:
         return False
     enc, C, n_q, common = q.enc, q.chunk, q.n, near.common
     best: tuple[tuple[int, int, int], bytes] | None = None
-    stack = [(near.below, near.stored)]  # (a chunk's key, the tokens up to its end)
+    depth = common // C * C + C  # the tokens up to the chunks' end (the query parts inside them)
+    stack = [(key, depth) for key in reversed(near.below)]  # (a chunk's key, the tokens up to its end)
     while stack and budget > 0:
         boundary, depth = stack.pop()
         if best is not None and best[0][1] == n_q and -best[0][2] <= depth:

@@ -450,8 +450,8 @@ def test_a_disk_miss_counts_the_stored_entry_not_the_request(tmp_path, tiny_llam
 
 @pytest.mark.parametrize("n_q", [40, 70, 200])
 def test_a_miss_names_the_nearest_entry_below_a_chunk(tmp_path, n_q) -> None:
-    """Three conversations go on from one chunk the query parts from: the miss names the
-    one ``misses.rank`` puts nearest (holding most of the query's length, then the shorter),
+    """Three conversations go on from the chunks the query parts in (two of them, parting
+    from each other there too): the miss names the one ``misses.rank`` puts nearest (holding most of the query's length, then the shorter),
     the one ``kvstore why``'s ``_nearest`` picks from the same index."""
     from kvstore import KVStore
     from kvstore.cli.why import _nearest
@@ -459,7 +459,8 @@ def test_a_miss_names_the_nearest_entry_below_a_chunk(tmp_path, n_q) -> None:
     from tests.support.caches import ident, synth
 
     base = [i % 7 + 1 for i in range(300)]
-    entries = [base[:k] for k in (50, 90, 130)]
+    # the first parts from the others at token 24: two chunks go on from boundary 16, both as near
+    entries = [base[:24] + [8] * 26] + [base[:k] for k in (90, 130)]
     query = base[:20] + [9] * (n_q - 20)  # parts from all three at token 20, inside the second 16-token chunk
     who = ident("below")
     s = KVStore(tmp_path / "c", chunk_tokens=16)
@@ -474,7 +475,8 @@ def test_a_miss_names_the_nearest_entry_below_a_chunk(tmp_path, n_q) -> None:
     assert f.n == 20 and f.miss is not None and f.miss.reason == "diverged"
     assert (f.miss.stored, f.miss.at, f.miss.lost) == (want, 20, min(want, n_q) - 20), f.miss
     assert want == max((len(e) for e in entries), key=lambda k: misses.rank(20, k, n_q))
-    assert f.miss.after == tuple(base[20:min(want, 52)])  # the entry's own tokens past the divergence, not the chunk's end
+    nearest = next(e for e in entries if len(e) == want)
+    assert f.miss.after == tuple(nearest[20:52])  # the entry's own tokens past the divergence, not the chunk's end
     own = [(k, r, snap.tokens[k]) for k, r in snap.entries.items() if r is not None and r.identity == who.digest]
     assert sorted(r.n for _, r, _ in own) == [50, 90, 130]
     near = _nearest(query, own)
@@ -506,9 +508,9 @@ def test_the_entry_below_a_chunk_is_read_within_a_budget_and_never_trusted_blind
     q = Query(encode_tokens(query), who.digest, 16, tokens=query)
     near = misses.Near(len(query))
     s.disk.lookup(q, near=near)
-    assert (near.common, near.stored, near.below is not None) == (20, 32, True)  # the chunk, 16..32
+    assert (near.common, near.stored, len(near.below), near.bounded) == (20, 32, 1, True)  # the chunk, 16..32
     assert s.disk.index.view(lambda r: entry_below(r, q, near, budget=1)) is False
-    assert (near.stored, near.below is not None) == (32, True)  # out of budget: the chunk's end stays
+    assert (near.stored, near.bounded) == (32, True)  # out of budget: the chunk's end stays
     assert s.disk.index.view(lambda r: entry_below(r, q, near)) is True and near.stored == 130
     keys = {r.n: k for k, r in scan(s.disk.index, full=True).entries.items() if r is not None}
     s.disk.index.transact(lambda t: t.delete_raw("tokens", keys[130]))  # deleted

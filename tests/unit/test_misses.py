@@ -77,14 +77,23 @@ def test_the_nearest_is_ranked_one_way_and_a_chunk_counts_its_entry() -> None:
     assert misses.held_past(1000, n_q, 1861) == 0
     near = misses.Near(n_q)
     near.saw("disk", 1861, 2048, b"", below=b"k" * 16)  # a chunk: its entries are filed under its key
-    assert near.below == b"k" * 16
+    near.saw("disk", 1861, 2048, b"", below=b"j" * 16)  # another, as near: kept too (its entries may hold more)
+    assert near.below == (b"k" * 16, b"j" * 16) and near.bounded
     unresolved = misses.explain(near, 1861)
     assert unresolved is not None and (unresolved.stored, unresolved.lost) == (2048, 2048 - 1861)
     near.resolved(7200, (5, 6, 7))
     miss = misses.explain(near, 1861)
-    assert miss is not None and near.below is None
+    assert miss is not None and near.below == () and not near.bounded
     assert (miss.reason, miss.stored, miss.lost, miss.after) == (misses.DIVERGED, 7200, 5339, (5, 6, 7))
     assert "recomputed 5,339 tokens a stored prefix held; served 1,861 of 7,695, the prompt parts from the " \
            "stored 7,200-token prefix" in misses.log_line(miss, [], None)
     near.saw("memory", 1861, 7000)  # shares as much, holds less of the query: not nearer
     assert near.stored == 7200 and near.tier == "disk"
+    near.saw("disk", 1861, 2048, b"", below=b"i" * 16)  # a chunk's end ranks below the entry kept: not kept
+    assert near.below == ()
+    entry = misses.Near(n_q)
+    entry.saw("memory", 1861, 2048)  # an entry as long as a chunk's end, and such a chunk: both kept
+    entry.saw("disk", 1861, 2048, b"", below=b"k" * 16)
+    assert entry.below == (b"k" * 16,) and not entry.bounded
+    entry.resolved(2000, ())  # an entry below that ranks no nearer leaves the one kept
+    assert entry.stored == 2048 and entry.tier == "memory"
