@@ -25,13 +25,19 @@ MIN_DISK_GAIN = 16
 MIN_DISK_HIT = 64
 
 
-def restore_floor(memory_n: int, wanted: int, min_hit: int = 0) -> int:
+def restore_floor(memory_n: int, wanted: int, min_hit: int = 0, *, holds_prompt: bool = False) -> int:
     """The tokens a disk or shared hit must exceed, given a memory hit of ``memory_n`` of
     ``wanted`` tokens: it must hold the whole prompt, or at least ``min_hit`` tokens and
-    (over a memory hit) more than ``MIN_DISK_GAIN`` tokens more than memory. "The whole
-    prompt" is ``wanted - 1`` tokens too: a longer stored entry cut back to the prompt
-    keeps its last token for the model to feed (``served_tokens.serves``), and a repeated
-    short prompt after a restart always sits inside its own longer entry (prompt and reply)."""
+    (over a memory hit) more than ``MIN_DISK_GAIN`` tokens more than memory.
+    ``holds_prompt``: the candidate agrees with every token of the prompt (an entry as long
+    or longer, ``served_tokens.holds_prompt``): it holds the whole prompt, so it need only
+    serve more than memory, also when it is cut back to ``wanted - 1`` tokens (the one
+    token kept for the model to feed: ``served_tokens.serves``); a repeated short prompt
+    after a restart sits inside its own longer entry (prompt and reply). Without the flag
+    (a caller that knows only a count: ``KVStore.peek``'s) serving all ``wanted`` tokens
+    is the whole prompt; ``min_hit`` stops at ``wanted - 1`` tokens of any shape."""
+    if holds_prompt:
+        return memory_n
     beat = min(memory_n + MIN_DISK_GAIN, wanted - 1) if memory_n > 0 else 0
     return max(beat, min(max(min_hit - 1, 0), max(wanted - 2, 0)))
 

@@ -44,6 +44,20 @@ SAID = {  # each reason said plainly, for a person reading a log line or `kvstor
 }
 
 
+def rank(common: int, stored: int, n_q: int) -> tuple[int, int, int]:
+    """The order of stored prefixes by nearness to a query of ``n_q`` tokens, nearest
+    greatest: the one sharing most tokens with it; of those, the one holding most of the
+    query's length (what a miss there cost: ``held_past``); then the shorter. The one rule
+    the lookup's searches (``Near.saw``) and ``kvstore why`` pick "the nearest" by."""
+    return common, min(stored, n_q), -stored
+
+
+def held_past(stored: int, prompt: int, served: int) -> int:
+    """Tokens of a ``prompt``-token request a ``stored``-token prefix held that the lookup
+    did not serve (``served``): what a miss cost, in the log, the stats and ``kvstore why``."""
+    return max(0, min(stored, prompt) - served)
+
+
 @dataclass(frozen=True)
 class Miss:
     """One lookup that served ``served`` of ``prompt`` tokens while a stored prefix
@@ -63,8 +77,8 @@ class Miss:
 
     @property
     def lost(self) -> int:
-        """Tokens recomputed that the stored prefix held: what the miss cost."""
-        return max(0, min(self.stored, self.prompt) - self.served)
+        """Tokens recomputed that the stored prefix held: what the miss cost (``held_past``)."""
+        return held_past(self.stored, self.prompt, self.served)
 
     def as_stats(self) -> dict[str, object]:
         """Reason, positions and counts only (no token ids): what ``stats()`` may show."""
@@ -168,6 +182,7 @@ class Misses:
 
 # -- the log line: the text either side of where the prompt parted from the store -------------
 
+BELOW = 32  # chunks as near as each other a lookup keeps to name the entry below (``Near.below``)
 AROUND = 8  # tokens shown either side of the divergence
 AFTER = 32  # stored token ids a search reports past a divergence (``Near.after``: ``parts`` reads a tool's name in it)
 
@@ -231,18 +246,38 @@ class Near:
     def __init__(self, n_q: int) -> None:
         self.n_q = n_q
         self.common = 0      # tokens the nearest stored prefix shares with the query
-        self.stored = 0      # its length; ``continues``: at least that (a chunk others go on from)
-        self.continues = False
+        self.stored = 0      # its length; ``bounded``: at least that (the end of a chunk others go on from)
+        self.bounded = False
+        self.below: tuple[bytes, ...] = ()  # the keys of such chunks as near: the entries going on are filed under them
         self.tier: str | None = None
         self.after: bytes | tuple[int, ...] = ()
         self.cut_at = 0      # the furthest a refused cut would have served
         self.shared: tuple[str, int] | None = None  # why the shared tier skipped a candidate, its length
 
     def saw(self, tier: str, common: int, stored: int, after: bytes | Sequence[int] = (), *,
-            continues: bool = False) -> None:
-        if (common, stored) > (self.common, self.stored):
-            self.common, self.stored, self.continues, self.tier = common, stored, continues, tier
+            below: bytes | None = None) -> None:
+        """A stored prefix ``stored`` tokens long sharing ``common`` with the query, kept
+        when it is nearer than the one kept (``rank``). ``below``: it is a chunk others go
+        on from (``stored``: the tokens up to its end, a lower bound), filed under that key;
+        chunks as near as the one kept are kept too (up to ``BELOW``: conversations parting
+        from each other inside the chunk the query parts in), and ``resolved`` names the
+        nearest entry under them once a miss needs its length."""
+        new, old = rank(common, stored, self.n_q), rank(self.common, self.stored, self.n_q)
+        if new > old:
+            self.common, self.stored, self.tier, self.bounded = common, stored, tier, below is not None
+            self.below = (below,) if below is not None else ()
             self.after = after if isinstance(after, bytes) else tuple(after[:AFTER])
+        elif new == old and below is not None and len(self.below) < BELOW:
+            self.below += (below,)
+
+    def resolved(self, stored: int, after: bytes | Sequence[int]) -> None:
+        """The nearest entry filed under the chunks in ``below`` is ``stored`` tokens long and
+        holds ``after`` from the divergence on: it is the nearest stored prefix when the one
+        kept was a chunk's end (``bounded``) or it is nearer (``rank``)."""
+        if self.bounded or rank(self.common, stored, self.n_q) > rank(self.common, self.stored, self.n_q):
+            self.stored, self.bounded = stored, False
+            self.after = after if isinstance(after, bytes) else tuple(after[:AFTER])
+        self.below = ()
 
     def refused(self, at: int) -> None:
         self.cut_at = max(self.cut_at, at)
@@ -303,7 +338,7 @@ def explain(near: Near, served: int, lost: tuple[str, str, int, int] | None = No
         return Miss(SHARED_SKIPPED, n_q, served, near.common, near.shared[1], "shared", near.shared[0])
     if near.cut_at > served:
         return Miss(CUT_REFUSED, n_q, served, near.common, near.stored, near.tier, "", after)
-    stored = max(near.stored, n_q) if near.continues else near.stored
+    stored = near.stored  # an entry's own length (below a chunk: ``Near.resolved``; else the chunk's end)
     if near.common < MIN_DISK_GAIN:  # parts within a chat template's role header: a new prompt, not a changed one
         return None
     if near.common < min(stored, n_q) and min(stored, n_q) > served:

@@ -27,6 +27,14 @@ def serves(stored: int, common: int, n_q: int, cut: bool | Callable[[int], bool]
     return n if (cut(n) if callable(cut) else cut) else None
 
 
+def holds_prompt(common: int, n_q: int) -> bool:
+    """The candidate agrees with every one of the query's ``n_q`` tokens (it is as long as
+    the query or longer): it holds the whole prompt, served whole or, when cut, all but the
+    one token kept (``floors.restore_floor``: such a hit beats any shorter memory hit). A
+    shorter prefix, even one token short, does not."""
+    return n_q > 0 and common >= n_q
+
+
 def bound(common: int, n_q: int, ends_inside: bool) -> int:
     """The most a candidate sharing ``common`` query tokens can serve: ``common`` if it
     may end inside the query, else (a longer one, to be cut) one token fewer than the

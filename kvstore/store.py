@@ -228,8 +228,9 @@ class KVStore:
         q = None
         if self._disk_on(ident) and tokens:
             q = self._query(ident, enc, tokens)  # type: ignore[arg-type]
-            floor = restore_floor(n, len(tokens), self.min_disk_hit)  # what a disk or shared hit must beat
-            got = self._fetch_disk(ident, q, floor, near, tally.counters)  # type: ignore[arg-type]
+            floor = restore_floor(n, len(tokens), self.min_disk_hit)  # what a disk or shared hit must beat,
+            whole = restore_floor(n, len(tokens), self.min_disk_hit, holds_prompt=True)  # and one holding the prompt
+            got = self._fetch_disk(ident, q, floor, near, tally.counters, whole)  # type: ignore[arg-type]
             if self.shared is not None:  # the prefill of what was not served starts now
                 self.shared.prefill.fetched(ident.digest, got.n if got is not None else n)  # type: ignore[union-attr]
             if got is not None:  # a disk or shared hit may serve less than a stored prefix held too
@@ -250,14 +251,18 @@ class KVStore:
         n = self._memory.peek(self._mem_key(model, ident, salt), tokens, memory_floor(len(tokens), self.min_memory_hit))
         if n < len(tokens) and self._disk_on(ident) and tokens:
             plan = self._disk_plan(self._query(ident, enc))  # type: ignore[arg-type]
-            n = plan.n if plan is not None and plan.n > restore_floor(n, len(tokens), self.min_disk_hit) else n
+            if plan is not None and plan.n > restore_floor(n, len(tokens), self.min_disk_hit,
+                                                           holds_prompt=plan.holds_prompt):
+                n = plan.n
         return n
 
     def _fetch_disk(self, ident: Identity, q: Query, better_than: int, near: Near | None = None,
-                    counts: Counters | None = None) -> Fetched | None:
+                    counts: Counters | None = None, whole: int | None = None) -> Fetched | None:
         """The disk tier's longest prefix of ``q`` beyond ``better_than`` tokens (asking the
         shared tier, with the same plan, when the disk holds less than the query), restored
-        and promoted into memory; None for nothing. ``counts``: the caller's (``callers``)."""
+        and promoted into memory; None for nothing. ``whole``: the tokens a disk plan holding
+        the whole prompt must exceed instead (``restore_floor(holds_prompt=True)``; the
+        shared tier is asked with ``better_than``). ``counts``: the caller's (``callers``)."""
         counts = counts if counts is not None else self._counters
         source = "disk"
         skip: frozenset[bytes] = frozenset()  # entries whose cut a restore refused
@@ -269,7 +274,7 @@ class KVStore:
             if shared:  # a longer prefix is indexed on disk now
                 source, plan = "shared", self._disk_plan(q)
         for _ in range(4):  # each failure drops (or skips) a record; the next plan may still hit
-            if plan is None or plan.n <= better_than:
+            if plan is None or plan.n <= (whole if plan.holds_prompt and whole is not None else better_than):
                 return None
             t0 = time.perf_counter()
             got = self._restore(ident, plan, counts)
@@ -332,7 +337,8 @@ class KVStore:
         """Why ``served`` tokens were all this lookup gave, from what its searches saw and
         what this process lost (``WritePath.ghosts``; the identity the model had before its
         files changed, whose entries are still in memory). ``ident``: the model's own
-        (unsalted) identity. No disk read, no hashing."""
+        (unsalted) identity. No hashing; no disk read but, where the nearest stored prefix
+        is a chunk others go on from, the index edges below it (``DiskTier.nearest``)."""
         if near.common <= served and served >= near.n_q - 1:
             return None  # served all a stored prefix shared, and all the prompt: nothing to explain
         bounds = q.hashed_bounds() if q is not None else None
@@ -343,6 +349,11 @@ class KVStore:
             had = self._memory.peek(old_key.digest, q.tokens if q is not None else decode_tokens(enc))
             if had > max(served, near.common, lost[2] if lost else 0):
                 lost = (OTHER_IDENTITY, changed_components(old.info, ident.info), had, had)  # type: ignore[union-attr]
+        if near.below and q is not None and self.disk is not None:
+            try:  # the nearest is a chunk others go on from: its cost is the entry's own length
+                self.disk.nearest(q, near)
+            except Exception as e:  # an explanation never costs the lookup: the chunk's end stays
+                log.debug("kvstore: could not name the entry below a chunk: %s", e)
         return explain(near, served, lost)
 
     def _counted(self, miss: Miss | None, tally: Tally, name: Callable[[Miss], Part] | None) -> Miss | None:

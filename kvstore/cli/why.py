@@ -81,8 +81,8 @@ def _read_request(path: str) -> Any:
 
 
 def _nearest(request: list[int], entries: list[tuple[bytes, Any, bytes]]) -> Nearest | None:
-    """Over ``(key, record, encoded tokens)`` of one identity: the entry sharing the most
-    tokens, and the most any of them serves (``served_tokens.serves``: a prefix entry in full, a
+    """Over ``(key, record, encoded tokens)`` of one identity: the nearest entry
+    (``misses.rank``, the order the server's lookup picks by), and the most any of them serves (``served_tokens.serves``: a prefix entry in full, a
     longer one cut back where it can be; a chunked one to its last whole chunk)."""
     from ..served_tokens import serves
     from ..keys import common_tokens, decode_tokens, encode_tokens
@@ -100,7 +100,7 @@ def _nearest(request: list[int], entries: list[tuple[bytes, Any, bytes]]) -> Nea
         if rec.chunked:  # its whole chunks serve without a cut
             got = max(got, min(c, rec.n, n_q - 1) // rec.chunk * rec.chunk)
         most = max(most, got)
-        if best is None or c > best.common or (c == best.common and rec.n < len(best.tokens)):
+        if best is None or misses.rank(c, rec.n, n_q) > misses.rank(best.common, len(best.tokens), n_q):
             best = Nearest(key, decode_tokens(toks), c, 0, False)
     if best is not None:
         best.serves, best.cut_refused = most, refused_at > most
@@ -231,6 +231,8 @@ def _verdict(args: argparse.Namespace, ident: Any, request: list[int], own: Near
     out: dict[str, Any] = {
         "cache_dir": root, "model": {"name": ident.name, "path": ident.info.get("path"), "identity": ident.hex},
         "request_tokens": n, "entries": n_own, "serves": served, "reason": reason, "detail": detail,
+        # what the server's log and stats count for this miss (``Miss.lost``): one computation
+        "lost_tokens": misses.held_past(stored, n, served) if reason is not None else 0,
         "nearest": None, "other_identities": others,
     }
     if own is not None:
@@ -258,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
               f"the nearest, {near['entry']} ({near['tokens']} tokens), shares {near['shared_tokens']} tokens")
         print(f"servable    {info['serves']} of {n} tokens at most ({n - info['serves']} to prefill; from disk only "
               f"above --min-disk-hit)")
+        if info["lost_tokens"]:
+            print(f"recomputes  {info['lost_tokens']} tokens the stored prefix held (the server's miss_lost_tokens)")
         if near["diverges_at"] is not None:
             print(f"diverges    at token {near['diverges_at']}: \"{near['before']}\"")
             print(f"  request   then \"{near['request_after']}\"")

@@ -34,7 +34,7 @@ from ..keys import encode_tokens
 from ..records import ChunkRecord, EntryRecord, Segment
 from . import restore as _restore, transfer as _transfer
 from .persist import Commit, PersistJob, commit as _commit, persist as _persist
-from .plan import Plan, find as _plan, held as _held
+from .plan import Plan, entry_below as _entry_below, find as _plan, held as _held
 from .restore import READ_THREADS, Restored
 from .tier import Tier
 
@@ -64,6 +64,12 @@ class DiskTier(Tier):
         if q.chunk != self.chunk:
             raise ValueError(f"a query chained every {q.chunk} tokens, this directory every {self.chunk}")
         return self.index.view(lambda r: _plan(r, q, skip, near))
+
+    def nearest(self, q: Query, near: Near) -> bool:
+        """Name the stored entry ``near``'s nearest prefix is, when the walk left it at a
+        chunk others go on from (``plan.entry_below``: a miss's cost is the entry's own
+        length, not the query's). One read transaction; True when one was found."""
+        return self.index.view(lambda r: _entry_below(r, q, near))
 
     def plan(self, ident: Identity, tokens: Sequence[int] | bytes, skip: frozenset[bytes] = frozenset(),
              near: Near | None = None) -> Plan | None:

@@ -13,12 +13,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..index import Reader
-from ..keys import TOKEN_BYTES, chunk_key, entry_key
+from ..keys import KEY_BYTES, TOKEN_BYTES, chunk_key, entry_key
 from ..keys import common_tokens as _common
-from ..misses import AFTER, Near
+from ..misses import AFTER, Near, rank
 from ..query import Query
 from ..records import Kind, RecordError
-from ..served_tokens import bound, serves
+from ..served_tokens import bound, holds_prompt, serves
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class Plan:
     entry: bytes | None = None     # entry credited with the hit (last_used, hits)
     cache_type: str = "assistant"  # kept when the hit is promoted to memory
     chain: tuple[bytes, ...] = ()  # the query's full chunks found stored here, verified (the walk's)
+    holds_prompt: bool = False     # it agrees with every query token (``served_tokens.holds_prompt``)
 
 
 def record(r: Reader, kind: Kind, key: bytes) -> Any:
@@ -59,22 +60,33 @@ def find(r: Reader, q: Query, skip: frozenset[bytes] = frozenset(), near: Near |
     best: Plan | None = None
     if chain:  # the chain alone is reusable (keeping one token to feed when it is all)
         n = len(chain) * C
-        best = Plan(serves(n, n, n_q, whole=False) or 0, tuple(chain[:-1]), (Kind.CHUNK, chain[-1]), n, True)
+        best = Plan(serves(n, n, n_q, whole=False) or 0, tuple(chain[:-1]), (Kind.CHUNK, chain[-1]), n, True,
+                    holds_prompt=holds_prompt(n, n_q))
     for k in range(len(bounds) - 1, len(chain) - 1, -1):
         if best is not None and best.n >= (k + 1) * C:
             break  # everything filed at boundary k or above holds fewer tokens
         after = enc[k * C * TOKEN_BYTES : (k + 1) * C * TOKEN_BYTES]
         for child, kind, in_common, exact in r.edges(bounds[k], after):
             top = bound(k * C + in_common, n_q, exact)
-            if best is not None and top <= best.n and (near is None or k * C + in_common < near.common):
+            beat = _beat(best)
+            if best is not None and top <= beat and (near is None or k * C + in_common < near.common):
                 break  # what follows shares no more (trie.edges), so it cannot do better; a miss's
                 # explanation (near) still sees the candidates sharing as much: its cost is the one holding most
-            got = None if child in skip else _candidate(r, q, k, child, kind, chain, best.n if best else 0, near)
+            got = None if child in skip else _candidate(r, q, k, child, kind, chain, beat, near)
             if child in skip and near is not None:
                 near.refused(k * C + in_common)
-            if got is not None and (best is None or got.n > best.n):
+            if got is not None and (best is None or got.n > best.n or (got.holds_prompt and got.n > beat)):
                 best = got
     return replace(best, chain=tuple(chain)) if best is not None else None
+
+
+def _beat(best: Plan | None) -> int:
+    """The tokens a candidate must exceed to replace ``best``: as many as it serves, or one
+    fewer when ``best`` does not hold the whole prompt (so one that does, serving as
+    many, is taken: ``floors.restore_floor`` takes it over a memory hit)."""
+    if best is None:
+        return 0
+    return best.n if best.holds_prompt else best.n - 1
 
 
 def _candidate(r: Reader, q: Query, k: int, child: bytes, kind: Kind | None, chain: list[bytes], beat: int,
@@ -104,18 +116,18 @@ def _candidate(r: Reader, q: Query, k: int, child: bytes, kind: Kind | None, cha
         if not usable:
             return None
         return Plan(usable, tuple(chain[:k]) if rec.chunked else (), (kind, child), n_e, rec.chunked,
-                    entry=child, cache_type=rec.cache_type)
+                    entry=child, cache_type=rec.cache_type, holds_prompt=holds_prompt(common, n_q))
     if k != len(chain):
         return None
     m = _common(stored, enc[k * C * TOKEN_BYTES :])
     usable = serves((k + 1) * C, k * C + m, n_q, whole=False) or 0
     if near is not None and m > 0:
-        near.saw("disk", k * C + m, (k + 1) * C, stored[m * TOKEN_BYTES : (m + AFTER) * TOKEN_BYTES], continues=True)
+        near.saw("disk", k * C + m, (k + 1) * C, stored[m * TOKEN_BYTES : (m + AFTER) * TOKEN_BYTES], below=child)
     if m <= 0 or usable <= beat or not _keyed(boundary, k, child, kind, stored, C):
         return None
     if record(r, kind, child) is None:
         return None
-    return Plan(usable, tuple(chain[:k]), (kind, child), (k + 1) * C, True)
+    return Plan(usable, tuple(chain[:k]), (kind, child), (k + 1) * C, True, holds_prompt=holds_prompt(k * C + m, n_q))
 
 
 def _keyed(boundary: bytes, k: int, child: bytes, kind: Kind, stored: bytes, C: int) -> bool:
@@ -125,6 +137,50 @@ def _keyed(boundary: bytes, k: int, child: bytes, kind: Kind, stored: bytes, C: 
     if kind is Kind.ENTRY:
         return len(stored) // TOKEN_BYTES // C == k and entry_key(boundary, stored[k * C * TOKEN_BYTES :]) == child
     return len(stored) == C * TOKEN_BYTES and chunk_key(boundary, stored) == child
+
+
+# ----------------------------------------------------------------------------- a miss's nearest entry
+
+BELOW_EDGES = 1024  # trie edges ``entry_below`` reads at most (a few per chunk of a conversation)
+
+
+def entry_below(r: Reader, q: Query, near: Near, budget: int = BELOW_EDGES) -> bool:
+    """Name the entry the nearest stored prefix is, when the walk left it at chunks others
+    go on from (``near.below``: every entry filed below them shares the same ``near.common``
+    tokens with the query): of those entries, the nearest by ``misses.rank`` (the one
+    holding most of the query's length, then the shorter), found depth first through the
+    trie under those chunks, reading at most ``budget`` edges. True when one was found
+    (``Near.resolved``); else ``near`` keeps the chunk's end as a lower bound. Run on a
+    miss only, after the walk (a hit never pays it); each entry's token ids are checked
+    to share exactly ``near.common`` tokens with the query, so a damaged edge names nothing."""
+    if not near.below:
+        return False
+    enc, C, n_q, common = q.enc, q.chunk, q.n, near.common
+    best: tuple[tuple[int, int, int], bytes] | None = None
+    depth = common // C * C + C  # the tokens up to the chunks' end (the query parts inside them)
+    stack = [(key, depth) for key in reversed(near.below)]  # (a chunk's key, the tokens up to its end)
+    while stack and budget > 0:
+        boundary, depth = stack.pop()
+        if best is not None and best[0][1] == n_q and -best[0][2] <= depth:
+            continue  # every entry below holds at least ``depth`` tokens: none is nearer
+        for edge in r.keys_from("bounds", boundary):
+            budget -= 1
+            if edge[:KEY_BYTES] != boundary or budget < 0:
+                break
+            child, kind = edge[-KEY_BYTES:], r.raw("bounds", edge)
+            if kind == Kind.CHUNK.value:
+                stack.append((child, depth + C))
+                continue
+            stored = r.tokens(child) if kind == Kind.ENTRY.value else None
+            if stored is None or len(stored) % TOKEN_BYTES or _common(stored, enc) != common:
+                continue
+            got = rank(common, len(stored) // TOKEN_BYTES, n_q)
+            if best is None or got > best[0]:
+                best = (got, stored)
+    if best is None:
+        return False
+    near.resolved(len(best[1]) // TOKEN_BYTES, best[1][common * TOKEN_BYTES : (common + AFTER) * TOKEN_BYTES])
+    return True
 
 
 # ----------------------------------------------------------------------------- restoring

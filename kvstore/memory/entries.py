@@ -158,14 +158,15 @@ class Entries:
 
     def _longest_sharing(self, model: Hashable, tokens: list[int], common: int) -> tuple[int, ...] | None:
         """The stored entry sharing ``common`` tokens with ``tokens`` that holds most of
-        them (the longest, up to the query's length): what a miss there cost. The trie's
-        ``longer`` is the shortest such entry (mlx-lm's, the one it cuts), which may end
-        a few tokens past the divergence while a whole conversation shares it. Read off
+        them (the longest, up to the query's length; then the shorter: ``misses.rank``):
+        what a miss there cost. The trie's ``longer`` is the shortest such entry (mlx-lm's,
+        the one it cuts), which may end a few tokens past the divergence while a whole
+        conversation shares it. Read off
         the entry keys (the ones sharing the query's first and last common token are
         compared whole), on a lookup that leaves a longer entry only."""
         head, n_q = tuple(tokens[:common]), len(tokens)
         keys = sorted((k for lru in self._lrus.values() for m, k in lru if m == model and len(k) > common),
-                      key=lambda k: -min(len(k), n_q))
+                      key=lambda k: (-min(len(k), n_q), len(k)))  # misses.rank's order
         for k in keys:
             if k[common - 1] == head[-1] and k[0] == head[0] and k[:common] == head:
                 return k

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 
 from kvstore import misses
+from kvstore.escape import visible
 from kvstore.misses import Miss
 from tests.support import ROOT
 from tests.support.children import child_env
@@ -398,3 +400,122 @@ def test_reason_cut_refused(tmp_path) -> None:
     [m] = [m for m in stats["recent_misses"] if m["reason"] == "cut_refused"][-1:]
     assert m["served_tokens"] == hit and m["diverged_at"] >= 300
     assert any("miss (cut_refused" in line for line in miss_lines(log)), log[-3000:]
+
+
+# -- a miss counts the stored entry's own length (issue 52.12) ---------------------------------
+
+LEDGER = " ".join(f"Entry {i}: the ledger of shelf {i * 7 % 13} holds {i + 3} volumes." for i in range(60))
+
+
+def test_a_disk_miss_counts_the_stored_entry_not_the_request(tmp_path, tiny_llama, caplog) -> None:
+    """The next day's request (longer than the stored prompt) parts from it inside a chunk
+    others go on from: the log line, the stats and ``kvstore why`` all name the stored
+    entry's own length, and count what it held past the divergence (not the request's)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from kvstore.adapters.mlx_lm import LRUPromptCache
+    from kvstore.adapters.prompts import request_tokens
+    from tools.testing.model_builds import model_path
+    from tools.testing.oracle import prefill
+
+    mdir = model_path("tiny-llama")
+    tokenizer = load_tokenizer(mdir)
+    stored_text, asked_text = LEDGER[:720], LEDGER[:240] + " Today the archive is closed; " + LEDGER[300:900]
+    stored, asked = request_tokens(tokenizer, stored_text), request_tokens(tokenizer, asked_text)
+    at, S, n = first_difference(asked, stored), len(stored), len(asked)
+    assert 200 < at < S - 300 and n > S + 100 and at % 64, (at, S, n)  # inside a chunk; the request the longer
+    cache = tmp_path / "cache"
+    first = LRUPromptCache(cache_dir=cache, chunk_tokens=64)
+    first.insert_cache(mdir, stored, prefill(tiny_llama[0], stored))
+    first.store.close()
+    lru = LRUPromptCache(cache_dir=cache, chunk_tokens=64)  # the next day: memory holds nothing
+    lru.decode = lambda ids: str(tokenizer.decode(ids))
+    caplog.set_level(logging.INFO, logger="kvstore")
+    _, rest = lru.fetch_nearest_cache(mdir, asked)
+    stats = lru.store.stats()
+    lru.store.close()
+    assert n - len(rest) == at  # served up to the divergence (the chunk cut there)
+    [line] = [r.getMessage() for r in caplog.records if "kvstore: miss (" in r.getMessage()]
+    assert line.startswith(f"kvstore: miss (diverged): recomputed {S - at:,} tokens a stored prefix held; served "
+                           f"{at:,} of {n:,}, the prompt parts from the stored {S:,}-token prefix (disk) at token {at:,}"), line
+    assert f'the store "{visible(tokenizer.decode(stored[at:at + 8]), newlines=False)}"' in line, line
+    m = stats["recent_misses"][-1]
+    assert (m["stored_tokens"], m["lost_tokens"], m["served_tokens"], m["diverged_at"]) == (S, S - at, at, at), m
+    assert stats["miss_lost_tokens"] == S - at and stats["miss_diverged"] == 1
+    (tmp_path / "req.txt").write_text(asked_text)
+    got = why(tmp_path / "req.txt", {"model": mdir, "dir": cache})
+    assert got["reason"] == "diverged" and got["serves"] == at and got["lost_tokens"] == S - at, got
+    assert (got["nearest"]["tokens"], got["nearest"]["shared_tokens"]) == (S, at), got["nearest"]
+
+
+@pytest.mark.parametrize("n_q", [40, 70, 200])
+def test_a_miss_names_the_nearest_entry_below_a_chunk(tmp_path, n_q) -> None:
+    """Three conversations go on from the chunks the query parts in (two of them, parting
+    from each other there too): the miss names the one ``misses.rank`` puts nearest (holding most of the query's length, then the shorter),
+    the one ``kvstore why``'s ``_nearest`` picks from the same index."""
+    from kvstore import KVStore
+    from kvstore.cli.why import _nearest
+    from kvstore.index import scan
+    from tests.support.caches import ident, synth
+
+    base = [i % 7 + 1 for i in range(300)]
+    # the first parts from the others at token 24: two chunks go on from boundary 16, both as near
+    entries = [base[:24] + [8] * 26] + [base[:k] for k in (90, 130)]
+    query = base[:20] + [9] * (n_q - 20)  # parts from all three at token 20, inside the second 16-token chunk
+    who = ident("below")
+    s = KVStore(tmp_path / "c", chunk_tokens=16)
+    for e in entries:
+        s.insert(who, e, synth(e))
+    s.close()
+    s = KVStore(tmp_path / "c", chunk_tokens=16)
+    f = s.fetch(who, query)
+    snap = scan(s.disk.index, full=True)
+    s.close()
+    want = {40: 50, 70: 90, 200: 130}[n_q]  # all hold the query's length: the shorter; else the one holding most
+    assert f.n == 20 and f.miss is not None and f.miss.reason == "diverged"
+    assert (f.miss.stored, f.miss.at, f.miss.lost) == (want, 20, min(want, n_q) - 20), f.miss
+    assert want == max((len(e) for e in entries), key=lambda k: misses.rank(20, k, n_q))
+    nearest = next(e for e in entries if len(e) == want)
+    assert f.miss.after == tuple(nearest[20:52])  # the entry's own tokens past the divergence, not the chunk's end
+    own = [(k, r, snap.tokens[k]) for k, r in snap.entries.items() if r is not None and r.identity == who.digest]
+    assert sorted(r.n for _, r, _ in own) == [50, 90, 130]
+    near = _nearest(query, own)
+    assert near is not None and len(near.tokens) == want and near.common == 20
+
+
+def test_the_entry_below_a_chunk_is_read_within_a_budget_and_never_trusted_blind(tmp_path) -> None:
+    """Hostile cases for naming the entry below a chunk (``disk.plan.entry_below``): a
+    subtree too big for its edge budget leaves the chunk's end (a lower bound, never the
+    query's length); a token record deleted or planted with other tokens names nothing; the
+    store serves the same throughout and keeps serving."""
+    from kvstore import KVStore
+    from kvstore.disk.plan import entry_below
+    from kvstore.index import scan
+    from kvstore.keys import encode_tokens
+    from kvstore.query import Query
+    from tests.support.caches import ident, synth
+
+    base = [i % 7 + 1 for i in range(300)]
+    entries = [base[:k] for k in (50, 90, 130)]
+    query = base[:20] + [9] * 180
+    who = ident("below-hostile")
+    s = KVStore(tmp_path / "c", chunk_tokens=16)
+    for e in entries:
+        s.insert(who, e, synth(e))
+    s.close()
+    s = KVStore(tmp_path / "c", chunk_tokens=16)
+    assert s.disk is not None
+    q = Query(encode_tokens(query), who.digest, 16, tokens=query)
+    near = misses.Near(len(query))
+    s.disk.lookup(q, near=near)
+    assert (near.common, near.stored, len(near.below), near.bounded) == (20, 32, 1, True)  # the chunk, 16..32
+    assert s.disk.index.view(lambda r: entry_below(r, q, near, budget=1)) is False
+    assert (near.stored, near.bounded) == (32, True)  # out of budget: the chunk's end stays
+    assert s.disk.index.view(lambda r: entry_below(r, q, near)) is True and near.stored == 130
+    keys = {r.n: k for k, r in scan(s.disk.index, full=True).entries.items() if r is not None}
+    s.disk.index.transact(lambda t: t.delete_raw("tokens", keys[130]))  # deleted
+    s.disk.index.transact(lambda t: t.put_raw("tokens", keys[90], encode_tokens([9] * 90)))  # planted: other tokens
+    f = s.fetch(who, query)
+    assert f.n == 20 and f.miss is not None and (f.miss.stored, f.miss.lost) == (50, 30), f.miss
+    assert s.fetch(who, base[:50] + [3]).n == 50  # still serving
+    s.close()

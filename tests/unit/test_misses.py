@@ -64,3 +64,36 @@ def test_a_small_miss_is_named_later_and_every_read_counts_its_part() -> None:
     m.record(small, name=broken)
     s = m.stats()
     assert s["miss_diverged"] == 3 and s["miss_part_messages"] == 2  # counted, without a part
+
+
+def test_the_nearest_is_ranked_one_way_and_a_chunk_counts_its_entry() -> None:
+    """``rank``: most shared tokens, then most of the query's length held, then the shorter
+    (``kvstore why`` and every tier's search pick by it). A chunk others go on from counts
+    at its end until ``resolved`` names its entry; never at the query's length (issue 52.12)."""
+    n_q = 7695
+    assert misses.rank(1861, 7200, n_q) > misses.rank(1861, 2048, n_q) > misses.rank(1800, 9000, n_q)
+    assert misses.rank(1861, 7695, n_q) > misses.rank(1861, 9000, n_q)  # both hold the query's length: the shorter
+    assert misses.held_past(7200, n_q, 1861) == 5339 and misses.held_past(9000, n_q, 1861) == n_q - 1861
+    assert misses.held_past(1000, n_q, 1861) == 0
+    near = misses.Near(n_q)
+    near.saw("disk", 1861, 2048, b"", below=b"k" * 16)  # a chunk: its entries are filed under its key
+    near.saw("disk", 1861, 2048, b"", below=b"j" * 16)  # another, as near: kept too (its entries may hold more)
+    assert near.below == (b"k" * 16, b"j" * 16) and near.bounded
+    unresolved = misses.explain(near, 1861)
+    assert unresolved is not None and (unresolved.stored, unresolved.lost) == (2048, 2048 - 1861)
+    near.resolved(7200, (5, 6, 7))
+    miss = misses.explain(near, 1861)
+    assert miss is not None and near.below == () and not near.bounded
+    assert (miss.reason, miss.stored, miss.lost, miss.after) == (misses.DIVERGED, 7200, 5339, (5, 6, 7))
+    assert "recomputed 5,339 tokens a stored prefix held; served 1,861 of 7,695, the prompt parts from the " \
+           "stored 7,200-token prefix" in misses.log_line(miss, [], None)
+    near.saw("memory", 1861, 7000)  # shares as much, holds less of the query: not nearer
+    assert near.stored == 7200 and near.tier == "disk"
+    near.saw("disk", 1861, 2048, b"", below=b"i" * 16)  # a chunk's end ranks below the entry kept: not kept
+    assert near.below == ()
+    entry = misses.Near(n_q)
+    entry.saw("memory", 1861, 2048)  # an entry as long as a chunk's end, and such a chunk: both kept
+    entry.saw("disk", 1861, 2048, b"", below=b"k" * 16)
+    assert entry.below == (b"k" * 16,) and not entry.bounded
+    entry.resolved(2000, ())  # an entry below that ranks no nearer leaves the one kept
+    assert entry.stored == 2048 and entry.tier == "memory"
