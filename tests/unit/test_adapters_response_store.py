@@ -47,3 +47,25 @@ def test_response_store_bounds_tenants_and_foreign_files(tmp_path: Path) -> None
     for i in range(3):
         memory.put(None, f"resp_{i}", {"response": i})
     assert memory.get(None, "resp_0") is None and memory.get(None, "resp_2") == {"id": "resp_2", "response": 2}
+
+
+def test_in_memory_records_are_bounded_by_bytes_oldest_first() -> None:
+    """Issue 52.14: the in-memory store (no cache directory) ignoring ``max_bytes`` passed
+    every test. Records of ~1 kB under a 3,500-byte bound and a count bound it never reaches:
+    after every put the records still readable fit the bound, the newest are the ones kept,
+    and one larger than the bound alone is refused without dropping anything."""
+    from kvstore.adapters.response_store import ResponseStore
+
+    def size(response_id: str, record: dict) -> int:  # what the store holds of a record: its JSON
+        return len(json.dumps({"id": response_id, **record}, separators=(",", ":")).encode())
+
+    memory = ResponseStore(None, max_count=1000, max_bytes=3500)
+    records = {f"resp_{i}": {"response": str(i % 10) * 1000} for i in range(12)}
+    for n, (rid, record) in enumerate(records.items()):
+        assert memory.put(None, rid, record)
+        held = [r for r in records if memory.get(None, r) is not None]
+        assert sum(size(r, records[r]) for r in held) <= 3500, (rid, held)
+        assert held == list(records)[max(0, n + 1 - 3): n + 1], (rid, held)  # 3 fit; the oldest went
+    assert not memory.put(None, "resp_huge", {"response": "h" * 4000})
+    assert memory.get(None, "resp_huge") is None
+    assert [r for r in records if memory.get(None, r) is not None] == ["resp_9", "resp_10", "resp_11"]
