@@ -157,21 +157,21 @@ class Server:
     def stats(self) -> dict[str, Any]:
         return self.get("/v1/cache/stats")
 
-    def wait_flushed(self, timeout: float = 30.0, settle: float = 0.3) -> dict[str, Any]:
-        """Poll the stats until the write-behind queue is empty, something was written,
-        and the write counters stay put for ``settle`` seconds (``queue_depth`` does not
-        count the job being written, so one reading of 0 is not enough on its own)."""
+    def wait_flushed(self, timeout: float = 120.0) -> dict[str, Any]:
+        """Poll the stats until the writer has nothing queued or running (``pending_writes``,
+        the write-behind queue's unfinished jobs, is 0) and something was written; the stats
+        of that moment. A stats read settles the memory tier first, waiting for an insert
+        another thread has begun (a response's, which mlx_lm.server makes just after the
+        response ends), so that insert's write is counted in ``pending_writes`` by then.
+        ``timeout`` bounds the whole wait (a hang), not how fast the disk is."""
         deadline = time.monotonic() + timeout
-        last = None
-        while time.monotonic() < deadline:
+        while True:
             s = self.stats()
-            now = (s.get("queue_depth"), s.get("writes"), s.get("bytes_written"),
-                   s.get("memory_entries"), s.get("disk_entries"))
-            if s.get("queue_depth") == 0 and s.get("writes", 0) >= 1 and now == last:
+            if s.get("pending_writes") == 0 and s.get("writes", 0) >= 1:
                 return s
-            last = now
-            time.sleep(settle)
-        raise AssertionError(f"write-behind did not flush within {timeout}s: {self.stats()}")
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"write-behind did not flush within {timeout}s: {s}")
+            time.sleep(0.05)
 
 
 def reply(resp: dict[str, Any]) -> tuple[str, list[int]]:

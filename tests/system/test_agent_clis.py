@@ -2,8 +2,9 @@
 
 Claude Code, OpenCode and Codex CLI (pinned npm releases, tools/gates/agent_clis.py; `.ci/run`
 installs them, ``python -m tools.gates.agent_clis --install`` anywhere npm's registry is
-reachable) each run three non-interactive turns of one conversation against ``kvstore serve``
-on tiny-qwen-tools (the real Qwen BPE tokenizer, a template that renders tools), the server
+reachable; where they are missing the tests skip, naming that command, except under CI,
+where they fail) each run three non-interactive turns of one conversation against
+``kvstore serve`` on tiny-qwen-tools (the real Qwen BPE tokenizer, a template that renders tools), the server
 SIGKILLed and restarted on the same cache directory before the third, configured with the
 model id ``tiny``. Every request passes a recording proxy. Asserted: every request answered
 2xx, every turn's CLI exits 0, and the conversation's requests of turns 2 and 3 read >= 95%
@@ -50,6 +51,8 @@ def conversation(requests: list[dict[str, Any]], turn: int) -> list[dict[str, An
 @pytest.mark.parametrize("cli", sorted(agent_clis.PINS))
 def test_three_turns_and_a_sigkill_read_the_prompt_from_the_cache(cli: str, tmp_path: Path) -> None:
     why = agent_clis.missing(cli)
+    if why and agent_clis.in_ci():  # CI must run the gate: a skip there would pass unseen
+        pytest.fail(f"CI is set and {why}")
     if why:
         pytest.skip(why)
     command, isolation = isolated([sys.executable, "-m", "tools.gates.agent_clis", "run", cli, "--work", str(tmp_path)])

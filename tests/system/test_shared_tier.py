@@ -446,13 +446,12 @@ def _queries(n: int) -> list[list[int]]:
 
 def test_killed_paused_and_restarted_server_never_fails_a_request(tmp_path, redis_server: RedisServer):
     """Fetches and publishes run while the server is killed, restarted, paused (SIGSTOP)
-    and resumed: every request returns in bounded time with exact KV or less, nothing
-    raises, and failures are counted."""
+    and resumed: every request returns with exact KV or less, nothing raises, and failures
+    are counted (how long a request took is the machine's, not asserted)."""
     who = ident("faults")
     entries = _queries(12)
     publish(tmp_path / "a", redis_server.url, who, entries[:6])
     errors: list[BaseException] = []
-    slowest = [0.0]
     got_hits = [0]
     stop = threading.Event()
 
@@ -463,9 +462,7 @@ def test_killed_paused_and_restarted_server_never_fails_a_request(tmp_path, redi
                 with store(tmp_path / f"b{i}", redis_server.url) as b:  # an empty machine each time
                     for q in entries:
                         q = q + [7, 7]
-                        t0 = time.monotonic()
                         f = b.fetch(who, q)
-                        slowest[0] = max(slowest[0], time.monotonic() - t0)
                         if f.cache is not None:
                             exact(f, q)
                             got_hits[0] += 1
@@ -480,16 +477,13 @@ def test_killed_paused_and_restarted_server_never_fails_a_request(tmp_path, redi
             time.sleep(0.4)
             getattr(redis_server, action)()
             toks = entries[6 + step]
-            t0 = time.monotonic()
-            w.insert(who, toks, synth(toks))
-            assert time.monotonic() - t0 < 0.5  # insert never waits for the shared tier
+            w.insert(who, toks, synth(toks))  # the publish is behind it, on the publisher thread
         time.sleep(0.4)
         assert w.flush(30)
         ws = w.stats()
     stop.set()
     t.join(60)
     assert not t.is_alive() and not errors, errors
-    assert slowest[0] < 2.0, f"a fetch took {slowest[0]:.2f} s"
     assert got_hits[0] > 0
     assert ws["shared_publish_failed"] + ws["shared_published"] + ws["shared_publish_skipped"] == 6
     assert ws["writes"] == 6  # the local tier took every entry whatever Redis did
@@ -716,6 +710,35 @@ def test_cluster_a_master_killed_during_publishes(tmp_path, redis_binary: str, c
         assert hits >= 1 and not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+def test_an_insert_returns_while_the_shared_server_cannot_answer(tmp_path, redis_server: RedisServer):
+    """An insert never waits for the shared tier: with the server paused (SIGSTOP) and every
+    shared timeout at 60 s, the insert returns while its publish (behind it: the writer, then
+    the publisher thread) has not finished, neither published nor failed nor skipped; once
+    the server resumes it is published. An insert that waited would return only after its
+    publish had failed at the timeout, counted."""
+    who = ident("insert-no-wait")
+    first, second = rand_tokens(140, 81), rand_tokens(150, 82)
+    slow = {"connect_timeout": 60.0, "command_timeout": 60.0, "publish_deadline": 120.0, "flush_deadline": 120.0}
+
+    def publishes(st: dict) -> tuple:
+        return st["shared_published"], st["shared_publish_failed"], st["shared_publish_skipped"]
+
+    with KVStore(tmp_path / "w", chunk_tokens=C, shared=SharedConfig.from_url(redis_server.url, **slow)) as w:
+        w.insert(who, first, synth(first))
+        assert w.flush(120)
+        before = w.stats()
+        assert publishes(before) == (1, 0, 0), before  # a pooled connection is open now
+        redis_server.pause()
+        try:
+            w.insert(who, second, synth(second))
+            assert publishes(w.stats()) == publishes(before), w.stats()  # not finished: it did not wait
+        finally:
+            redis_server.resume()
+        assert w.flush(120)
+        after = w.stats()
+        assert publishes(after) == (2, 0, 0) and after["writes"] == 2, after
+
+
 def test_cluster_node_dripping_its_topology_costs_one_fetch_deadline(tmp_path, redis_cluster: RedisCluster):
     """The startup node drips its replies (a real relay sending 20 B/s of what a real node
     answers; ``CLUSTER SLOTS`` alone takes ~12 s): ``fetch`` is a counted miss at its
@@ -731,14 +754,14 @@ def test_cluster_node_dripping_its_topology_costs_one_fetch_deadline(tmp_path, r
                      shared=SharedConfig.from_url(url, breaker_failures=1, breaker_backoff=30.0,
                                                   breaker_backoff_max=30.0)) as b:
             assert b.shared.config.fetch_deadline == 2.0
-            t0 = time.monotonic()
-            f = b.fetch(who, toks + [1])
-            assert f.cache is None and time.monotonic() - t0 < 2.6, time.monotonic() - t0
-            t0 = time.monotonic()
-            assert b.fetch(who, toks + [2]).cache is None and time.monotonic() - t0 < 0.2
+            assert b.fetch(who, toks + [1]).cache is None  # ended by its deadline: counted so
             s = b.stats()
             assert s["shared_deadline_misses"] == 1 and s["shared_errors"] == 1, s
-            assert s["shared_breaker_state"] == "open" and s["shared_skipped_calls"] >= 1, s
+            assert s["shared_breaker_state"] == "open", s
+            assert b.fetch(who, toks + [2]).cache is None  # the breaker: no wait, no call
+            after = b.stats()
+            assert after["shared_skipped_calls"] > s["shared_skipped_calls"], (s, after)
+            assert (after["shared_deadline_misses"], after["shared_errors"]) == (1, 1), after
 
 
 def test_cluster_trims_a_chunk_and_every_hash_expires(tmp_path, redis_cluster: RedisCluster):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import signal
-import statistics
 import time
 import urllib.error
 import urllib.request
@@ -158,9 +157,11 @@ def test_tenants_never_share_in_memory_on_disk_or_through_redis(mode: str, model
 
 
 def test_a_hit_is_not_observable_across_salts(model_dir: Path, tmp_path: Path) -> None:
-    """The timing probe: B's time to first token (a one-token completion) for A's prefix is
-    a cold prefill's, not A's hit's. Each B probe uses a salt of its own (so it never meets
-    its own earlier entry); the cold reference is prompts nobody sent before."""
+    """The timing probe: B's one-token completion for A's prefix is a cold prefill, not A's
+    hit. Each B probe uses a salt of its own (so it never meets its own earlier entry); the
+    cold reference is prompts nobody sent before. Asserted on what the server did (cached
+    tokens, each salt's own lookup counts), not on the times, which are printed: a loaded
+    machine makes any run slow."""
     def ttft(**kw: Any) -> tuple[float, int]:
         t0 = time.perf_counter()
         n = chat(s, max_tokens=1, **kw)
@@ -171,13 +172,15 @@ def test_a_hit_is_not_observable_across_salts(model_dir: Path, tmp_path: Path) -
         runs["hit"] = [ttft(salt="A") for _ in range(3)]
         runs["probe"] = [ttft(salt=f"B{i}") for i in range(3)]
         runs["cold"] += [ttft(salt="cold-1", system=OTHER), ttft(salt="cold-2", system=OTHER.replace("charter", "act"))]
+        tallies = {salt: stats(s, salt=salt) for salt in ["A"] + [f"B{i}" for i in range(3)]}
     assert all(n == 0 for _, n in runs["cold"] + runs["probe"]), runs  # cold runs and probes: nothing cached
     assert all(n > 1000 for _, n in runs["hit"]), runs
+    for i in range(3):  # each probe's own lookup: one miss, nothing restored from any tier
+        t = tallies[f"B{i}"]
+        assert (t["misses"], t["hits_memory"], t["hits_disk"], t["tokens_saved"]) == (1, 0, 0, 0), t
+    assert tallies["A"]["hits_memory"] == 3 and tallies["A"]["misses"] == 1, tallies["A"]
     t = {k: [round(x, 3) for x, _ in v] for k, v in runs.items()}
-    hit, probe, base = max(t["hit"]), statistics.median(t["probe"]), statistics.median(t["cold"])
     print(f"\nTTFT (s): cold {t['cold']}, A's hits {t['hit']}, B's probes {t['probe']}")
-    assert min(t["probe"]) > 5 * hit, "a probe answered as fast as a hit"
-    assert probe > 0.5 * base, "a probe answered much faster than a cold prefill"
 
 
 def test_keys_guard_every_endpoint_but_health(model_dir: Path, tmp_path: Path) -> None:

@@ -499,19 +499,19 @@ def test_arrays_cache_size_in_a_header_is_refused_before_allocating(tmp_path: Pa
     craft.put_raw(cache, "entries", key, replace(rec, tail=seg).to_bytes())
     assert "bad_checksum" not in _cli(cache, "verify").stdout  # a true checksum: the layout is all that is wrong
     got = run_py("""
-        import json, resource, sys, time
+        import json, resource, sys
         from kvstore import KVStore
         a = json.loads(sys.argv[1])
         with KVStore(a["cache"], chunk_tokens=a["chunk"]) as s:
             s.identity(a["model"])
-            rss, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.time()
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             n = s.fetch(a["model"], a["prompt"]).n
-            out = {"n": n, "seconds": time.time() - t0, "corrupt": s.stats()["corrupt"],
+            out = {"n": n, "corrupt": s.stats()["corrupt"],
                    "grew": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) * 1024}
         print(json.dumps(out))
     """, {"cache": str(cache), "chunk": CHUNK, "model": mdir, "prompt": prompt})
     assert got["n"] == 0 and got["corrupt"] == 1, got
-    assert got["seconds"] < 5 and got["grew"] < 64 << 20, got
+    assert got["grew"] < 64 << 20, got  # nothing sized by the planted claim (20 M positions) was made
 
 
 # -- finding: a cache directory others can write, or another user's ---------------------

@@ -168,3 +168,36 @@ def test_concurrent_writers_get_distinct_numbers_and_the_bound_holds(tmp_path: P
     kept = [r for r in records if r is not None]
     assert len(stored(tmp_path)) == len(kept) == 20
     assert sorted(r.seq for r in kept) == sorted({r.seq for r in kept}) and max(r.seq for r in kept) == 79  # type: ignore[type-var]
+
+
+def test_in_memory_records_are_bounded_by_bytes_oldest_first() -> None:
+    """Issue 52.14: the in-memory store (no cache directory) ignoring ``max_bytes`` passed
+    every test. Records of ~1 kB under a 3,500-byte bound and a count bound it never reaches:
+    after every put the records still readable fit the bound, the newest are the ones kept,
+    and one larger than the bound alone is refused without dropping anything."""
+    from kvstore.adapters.response_record import Record
+    from kvstore.adapters.response_store import NotStored, ResponseStore
+
+    def size(rid: str) -> int:  # what the store holds of a record: its bytes as written
+        return len(Record(rid, records[rid], CONVERSATION, 0).to_bytes())
+
+    def newest_that_fit(ids: list[str]) -> list[str]:
+        kept: list[str] = []
+        for r in reversed(ids):
+            if sum(map(size, [r, *kept])) > 3500:
+                break
+            kept.insert(0, r)
+        return kept
+
+    memory = ResponseStore(None, max_count=1000, max_bytes=3500)
+    records = {f"resp_{i}": response(f"resp_{i}", text=str(i % 10) * 1000) for i in range(12)}
+    assert len(newest_that_fit(list(records))) >= 2  # the bound holds more than one record, fewer than all
+    for n, (rid, record) in enumerate(records.items()):
+        memory.put(None, rid, record, CONVERSATION)
+        held = [r for r in records if memory.get(None, r) is not None]
+        assert sum(size(r) for r in held) <= 3500, (rid, held)
+        assert held == newest_that_fit(list(records)[: n + 1]), (rid, held)  # the oldest went first
+    with pytest.raises(NotStored, match="more than the 3,500"):
+        memory.put(None, "resp_huge", response("resp_huge", text="h" * 4000), CONVERSATION)
+    assert memory.get(None, "resp_huge") is None
+    assert [r for r in records if memory.get(None, r) is not None] == newest_that_fit(list(records))

@@ -1,13 +1,15 @@
 """A standing gate: the real coding-agent CLIs against ``kvstore serve``.
 
-    python -m tools.gates.agent_clis --install           # npm-install the pinned CLIs (once; needs npm)
+    python -m tools.gates.agent_clis --install           # npm-install the pinned CLIs (once; needs npm; 1 if it cannot)
     python -m tools.gates.agent_clis run CLI --work DIR   # one CLI's three turns; DIR/report.json
 
 Claude Code, OpenCode and Codex CLI, pinned (``PINS``), are installed from npm into a
 private prefix in the user cache dir (``.../kvstore/agent-clis/<pins>/``), as
-tools/gates/upstream_mlx_lm.py fetches mlx-lm's suite: ``.ci/run`` installs them where the
-registry is reachable, and tests/system/test_agent_clis.py skips, naming the command, where they
-are missing. ``run`` drives one CLI non-interactively, as a user would, against a real
+tools/gates/upstream_mlx_lm.py fetches mlx-lm's suite: ``.ci/run`` installs them, and
+``--install`` exits non-zero, saying why, when it cannot (no npm, npm failing), so CI stops
+there. tests/system/test_agent_clis.py skips, naming the command, where they are missing on a
+developer's machine, and fails instead under CI (``CI`` set, as every CI service sets it), so
+a green CI run always ran them. ``run`` drives one CLI non-interactively, as a user would, against a real
 ``kvstore serve`` on 127.0.0.1 serving tiny-qwen-tools (the real Qwen BPE tokenizer, a
 template that renders tools; tools/testing/model_builds.py), through a recording proxy:
 
@@ -89,18 +91,42 @@ def missing(cli: str) -> str | None:
     return f"{PINS[cli][0]}@{PINS[cli][1]} is not installed: run `{install_command()}` (needs the npm registry)"
 
 
-def install() -> Path | None:
-    """npm-install every pinned CLI into ``prefix()`` (a no-op once they are there); None
-    when npm is missing (the tier then skips, saying so). A failed install raises."""
+class InstallError(Exception):
+    """The pinned CLIs could not be installed; the message says why and what to do."""
+
+
+def in_ci(env: dict[str, str] | None = None) -> bool:
+    """True under CI: ``CI`` set to anything but empty, 0, false or no (GitHub Actions,
+    GitLab, Buildkite, CircleCI and Travis all set ``CI``)."""
+    value = (os.environ if env is None else env).get("CI", "")
+    return value.strip().lower() not in ("", "0", "false", "no")
+
+
+def install() -> Path:
+    """npm-install every pinned CLI into ``prefix()`` (a no-op once they are there) and
+    return the prefix. Raises InstallError when that cannot be done: npm missing, npm
+    failing or hanging, or the CLIs still missing after it."""
     if all(missing(cli) is None for cli in PINS):
         return prefix()
     npm = shutil.which("npm")
     if npm is None:
-        return None
+        raise InstallError("npm is not on PATH: install Node.js with npm, then run "
+                           f"`{install_command()}` again")
     prefix().mkdir(parents=True, exist_ok=True)
     packages = [f"{package}@{version}" for package, version, _ in PINS.values()]
-    subprocess.run([npm, "install", "--prefix", str(prefix()), "--no-audit", "--no-fund", "--loglevel=error",
-                    *packages], check=True, timeout=1800)
+    try:
+        subprocess.run([npm, "install", "--prefix", str(prefix()), "--no-audit", "--no-fund", "--loglevel=error",
+                        *packages], check=True, timeout=1800)
+    except subprocess.CalledProcessError as e:
+        raise InstallError(f"`npm install {' '.join(packages)}` exited with {e.returncode} (its output is above; "
+                           "is the npm registry reachable?)") from None
+    except subprocess.TimeoutExpired:
+        raise InstallError(f"`npm install {' '.join(packages)}` did not finish in 30 minutes") from None
+    except OSError as e:
+        raise InstallError(f"could not run {npm}: {e}") from None
+    still = [why for cli in PINS if (why := missing(cli)) is not None]
+    if still:
+        raise InstallError("npm install exited 0 but the CLIs are not there: " + "; ".join(still))
     return prefix()
 
 
@@ -287,16 +313,19 @@ def run(cli: str, work: Path, timeout: float = 900) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.gates.agent_clis", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--install", action="store_true", help="npm-install the pinned CLIs and print the prefix")
+    p.add_argument("--install", action="store_true",
+                   help="npm-install the pinned CLIs and print the prefix; exits 1, saying why, when it cannot")
     sub = p.add_subparsers(dest="cmd")
     r = sub.add_parser("run", help="drive one CLI through its three turns; writes WORK/report.json")
     r.add_argument("cli", choices=sorted(PINS))
     r.add_argument("--work", required=True, type=Path)
     args = p.parse_args(argv)
     if args.install:
-        where = install()
-        print(where or "tools.gates.agent_clis: npm is missing: the agent CLIs' tier (tests/system/test_agent_clis.py) "
-                       "will skip; install Node.js with npm, then run `python -m tools.gates.agent_clis --install`")
+        try:
+            print(install())
+        except InstallError as e:
+            print(f"tools.gates.agent_clis: the agent CLIs could not be installed: {e}", file=sys.stderr)
+            return 1
         return 0
     if args.cmd == "run":
         why = missing(args.cli)
