@@ -169,8 +169,9 @@ def test_user_rules_and_a_bad_one() -> None:
     memory = sp.Memory(None)
     a = [{"role": "system", "content": "Agent. Build id: a1"}, {"role": "user", "content": "Hi"}]
     sp.stabilize(a, rules, memory)
-    b = [{"role": "system", "content": "Agent. Build id: b2"}, {"role": "user", "content": "Hi"}]
+    b = [{"role": "system", "content": "Agent. Build id: b2"}, {"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Build it."}]
     got, moved = sp.stabilize(b, rules, memory)
-    assert moved is not None and got[0]["content"] == "Agent. Build id: a1" and "Build id: b2" in got[1]["content"]
+    assert moved is not None and got[0]["content"] == "Agent. Build id: a1" and "Build id: b2" in got[3]["content"]
     with pytest.raises(ValueError, match=r"--volatile '\(' is not a regular expression"):
         sp.user_rules(["("])
