@@ -121,6 +121,7 @@ class RecordDir:
         self.max_count, self.max_bytes, self.max_record = max_count, max_bytes, max_record
         self._seqs: dict[str, int] = {}  # name -> sequence, as read or written by this process
         self._next = 0
+        self._learned = False
         self._memory: dict[str, bytes] = {}
         self.lock = threading.Lock()
 
@@ -154,8 +155,12 @@ class RecordDir:
         ``max_record``."""
         if not _NAME.fullmatch(name):
             raise ValueError(f"not a record name: {name!r}")
+        if not self._learned and self.path is not None:  # once: number after every record already there
+            self._learned = True
+            for other, _ in _listing(self.path):
+                self._order(other)
         data = json.dumps({**rec, "seq": self._bump(name, self._seqs.get(name, -1))},
-                          ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+                          separators=(",", ":")).encode()  # ASCII: a lone surrogate is escaped, read back
         if len(data) > self.max_record:
             raise ValueError(f"{len(data)} bytes, more than the {self.max_record} one record may take")
         if self.path is None:

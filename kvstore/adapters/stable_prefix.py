@@ -26,9 +26,12 @@ Guarantees (``stabilize``):
   opening) renders as sent and starts its record; when another first request with the same
   opening brings other values, the record is marked shared and neither conversation is
   rewritten again (as sent: only the cache is lost, never another conversation's value).
-- A request with no span, a first request, or one whose values are those its
-  conversation began with and which carries no recorded update renders byte for byte as
-  without the option (the same list object is returned).
+- A request with no span, a first request, a later one whose conversation has no record
+  (its first request was not seen, or its record was lost: a record is only ever made
+  from a first request, so today's values of one conversation never become another's
+  first ones), or one whose values are those its conversation began with and which
+  carries no recorded update renders byte for byte as without the option (the same list
+  object is returned).
 - An update's place never moves from one turn to the next: it is recorded under a digest
   of the conversation up to and including the user turn it precedes (spans masked), and
   put back before that turn in every later request of the conversation. A new value adds
@@ -403,11 +406,8 @@ def stabilize(messages: list[Any], rules: Sequence[Rule], memory: Memory, *, sal
             elif rec["began"] is not None and rec["began"] != values:
                 memory.save(key, {"began": None, "updates": {}})  # two conversations: neither is given one
             return messages, None
-        if rec is not None and rec["began"] is None:
-            return messages, None
-        if rec is None or len(rec["began"]) != len(spans):
-            memory.save(key, {"began": values, "updates": {}})
-            return messages, None
+        if rec is None or rec["began"] is None or len(rec["began"]) != len(spans):
+            return messages, None  # no first values known (or shared): as sent, and today's are no first values
         began: list[str] = rec["began"]
         inserts = [(i, list(rec["updates"][at[i]])) for i in users if at[i] in rec["updates"]
                    and len(rec["updates"][at[i]]) == len(spans)]
