@@ -25,7 +25,8 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "use the directory. --dry-run lists what would go and changes nothing.")
     p.add_argument("--max-bytes", type=common.parse_size, metavar="SIZE",
                    help="keep at most this many blob bytes, e.g. 500M, 10G (powers of 1024; a bare number "
-                        "under 1 MiB is refused as a likely typo: write 500B for bytes)")
+                        "under 1 MiB is refused as a likely typo: write 500B for bytes); kvstore serve's "
+                        "--stable-prefix records count in it: they are first trimmed, oldest first, to a quarter")
     p.add_argument("--include-pinned", action="store_true",
                    help="let --max-bytes remove pinned entries too (last, when nothing else is left); "
                         "without it pinned entries are kept even if the budget is then not met")
