@@ -25,7 +25,6 @@ import json
 import os
 import re
 import stat
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,7 +112,7 @@ def _seq(rec: dict[str, Any] | None) -> int:
 class RecordDir:
     """One record directory (``path`` None: this process's memory only), bounded by
     ``max_count`` records and ``max_bytes`` bytes; a record over ``max_record`` bytes is
-    not written."""
+    not written. Not locked: its user serializes calls (``stable_prefix.Memory.lock``)."""
 
     def __init__(self, path: Path | None, modes: files.Modes = files.PRIVATE, *, max_count: int,
                  max_bytes: int, max_record: int) -> None:
@@ -123,7 +122,6 @@ class RecordDir:
         self._next = 0
         self._learned = False
         self._memory: dict[str, bytes] = {}
-        self.lock = threading.Lock()
 
     def _bump(self, name: str, seq: int = -1) -> int:
         self._next = max(self._next, seq + 1)
