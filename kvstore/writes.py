@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import files, segments
+from . import files, segments, side_records
 from .budget import evict_to
 from .counters import Counters
 from .disk import DiskTier, PersistJob
@@ -202,9 +202,10 @@ class WritePath:
             self._described.add(ident.digest)
 
     def keep_disk_budget(self) -> None:
-        """After every write: evict least recently used entries down to ``max_disk_bytes``."""
+        """After every write: evict least recently used entries until they and the side
+        records (``side_records``: ``--stable-prefix``'s) fit ``max_disk_bytes``."""
         if self.max_disk_bytes is not None and self.disk is not None:
-            gone = evict_to(self.disk, self.max_disk_bytes)
+            gone = evict_to(self.disk, side_records.budget_for(self.disk.root, self.max_disk_bytes))  # records count
             self.counters.add("gc_runs", int(bool(gone)), evictions_disk=len(gone),
                               gc_freed_bytes=sum(r.freed for r in gone))
             C = self.disk.chunk

@@ -272,9 +272,17 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
                         "user turn that first saw them: a session resumed on another day or work tree still "
                         "reads its prompt from the cache; the model reads every current value. Off by default")
     g.add_argument("--volatile", action="append", default=[], metavar="REGEX",
-                   help="another volatile span for --stable-prefix (a Python regular expression matched in the "
-                        "system and user messages before the first assistant turn); repeatable; implies "
-                        "--stable-prefix")
+                   help="another volatile span for --stable-prefix (a regular expression in RE2 syntax: Python's "
+                        "without backreferences or lookaround, searched in linear time in the system and user "
+                        "messages before the first assistant turn); repeatable; implies --stable-prefix")
+    g.add_argument("--stable-prefix-max-count", type=int, default=stable_prefix.DEFAULT_MAX_COUNT, metavar="N",
+                   help=f"--stable-prefix: keep at most N conversation records in the cache directory, the oldest "
+                        f"removed first (default {stable_prefix.DEFAULT_MAX_COUNT})")
+    g.add_argument("--stable-prefix-max-bytes", type=parse_size, default=stable_prefix.DEFAULT_MAX_BYTES,
+                   metavar="BYTES",
+                   help=f"--stable-prefix: keep at most this many bytes of records, e.g. 64M (default "
+                        f"{stable_prefix.DEFAULT_MAX_BYTES >> 20}M; at most a quarter of --max-disk-bytes, in "
+                        f"which they are counted)")
 
 
 def main(argv: list[str] | None = None, *, exit_process: bool = True,
@@ -301,6 +309,8 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
         stable_prefix.user_rules(ours.volatile)
     except ValueError as e:
         parser.error(str(e))
+    if ours.stable_prefix_max_count < 1:
+        parser.error(f"--stable-prefix-max-count {ours.stable_prefix_max_count}: keep at least 1 record")
     if "-h" in rest or "--help" in rest:
         g = parser.add_argument_group("the model and the address (mlx_lm.server's flags; the model is required)")
         g.add_argument("--model", metavar="DIR|REPO", help="the MLX model to serve: a local directory or a "
@@ -413,7 +423,8 @@ def _install(server_mod: Any, ours: argparse.Namespace, rest: list[str], policy:
     model_names.configure(ours)
     responses.configure(lambda: _STORES[0].store.disk if _STORES else None,
                         max_count=ours.responses_max_count, max_bytes=ours.responses_max_bytes)
-    stable_prefix.configure(ours.stable_prefix, ours.volatile)
+    stable_prefix.configure(ours.stable_prefix, ours.volatile, max_count=ours.stable_prefix_max_count,
+                            max_bytes=ours.stable_prefix_max_bytes)
     startup.install(server_mod, startup.options(ours), _STORES, progress)
     signal.signal(signal.SIGTERM, _sigterm)
     if hasattr(signal, "SIGUSR1"):  # POSIX (Linux, macOS)

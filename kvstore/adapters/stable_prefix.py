@@ -11,23 +11,40 @@ stored, and the model still reads every current value, last.
 
 Guarantees (``stabilize``):
 - Spans are matches of ``Rule`` patterns (``BUILTIN``, plus ``--volatile REGEX``) in the
-  system and user messages before the first assistant or tool message: the place agents
-  send them. Nothing after an assistant turn or a tool result is read or changed, and no
-  text moves: a span keeps its place, only its value is the first one seen.
-- A request with no span, one seen for the first time, or one whose values are those its
-  session began with and which carries no recorded update renders byte for byte as
-  without the option (the same list object is returned).
+  system and user messages before the first assistant or tool message (the conversation's
+  *opening*): the place agents send them. Nothing after an assistant turn or a tool result
+  is read or changed, and no text moves: a span keeps its place, only its value is the
+  first one seen.
+- Bounded: every pattern runs in RE2 (linear in the text; a pattern it cannot run, a
+  backreference or lookaround, is refused when the server starts), only the first
+  ``SCAN_CHARS`` characters of each text and ``SCAN_TOTAL`` of a request are searched, at
+  most ``MAX_SPANS`` spans are kept, and a request with a span longer than ``MAX_VALUE``
+  renders as sent: one client's huge message costs milliseconds, not every client's turn.
+- A conversation is its opening with the spans masked: the record is keyed by a digest of
+  it (keyed with the request's salt: tenants never share a record), so conversations with
+  another first question never share one. A conversation's first request (nothing but its
+  opening) renders as sent and starts its record; when another first request with the same
+  opening brings other values, the record is marked shared and neither conversation is
+  rewritten again (as sent: only the cache is lost, never another conversation's value).
+- A request with no span, a first request, a later one whose conversation has no record
+  (its first request was not seen, or its record was lost: a record is only ever made
+  from a first request, so today's values of one conversation never become another's
+  first ones), or one whose values are those its conversation began with and which
+  carries no recorded update renders byte for byte as without the option (the same list
+  object is returned).
 - An update's place never moves from one turn to the next: it is recorded under a digest
   of the conversation up to and including the user turn it precedes (spans masked), and
   put back before that turn in every later request of the conversation. A new value adds
-  one update before the latest user turn; nothing is added when no user turn follows the
-  spans (the request renders as sent).
-- What a session began with is kept across restarts in the cache directory
-  (``Memory``: ``stable-prefix/<digest>.json``, made through ``files``), keyed by a digest
-  of the masked span-bearing messages keyed with the request's salt (tenants never share
-  a record). A record lost, unreadable or not written only costs the cache: the prompt
-  then renders as sent, or with today's values as a new update, never with a stale value
-  last.
+  one update before the latest user turn after the opening; nothing is added when there is
+  none (the request renders as sent).
+- Records are kept across restarts in the cache directory (``Memory``:
+  ``stable-prefix/<digest>.json``, ``side_records.RecordDir``): at most
+  ``--stable-prefix-max-count`` records and ``--stable-prefix-max-bytes`` bytes (and a
+  quarter of ``--max-disk-bytes``, in which they are counted), the oldest by kvstore's own
+  sequence removed first, each at most ``MAX_RECORD`` bytes; ``kvstore ls``, ``stats`` and
+  ``gc --max-bytes`` see them. A record lost, unreadable or not written only costs the
+  cache: the prompt then renders as sent, or with today's values as a new update, never
+  with a stale value last.
 - The update is a system message where the chat template renders one mid-conversation
   (``Placement``, probed once per template), else the head of that user turn's text.
 """
@@ -36,6 +53,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import json
 import re
 import threading
@@ -43,11 +61,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import re2  # google-re2: every span search runs in linear time
+
+from .. import side_records
 from ..escape import logger, visible
 
 log = logger("kvstore")
 DIRECTORY = "stable-prefix"
 MAX_UPDATES = 64  # updates kept per record, oldest dropped (a dropped one costs a resumed session's cache only)
+SCAN_CHARS = 64 * 1024  # spans are searched in the first this many characters of each text
+SCAN_TOTAL = 512 * 1024  # ... and in at most this many characters of one request
+MAX_SPANS = 32  # spans of one request (later matches are plain text)
+MAX_VALUE = 32 * 1024  # characters of one span: a request with a longer one renders as sent
+MAX_RECORD = 1 << 20  # bytes of one record (its oldest updates dropped to fit)
+DEFAULT_MAX_COUNT = 1000  # records kept (--stable-prefix-max-count)
+DEFAULT_MAX_BYTES = 64 << 20  # bytes of records kept (--stable-prefix-max-bytes)
 UPDATE_HEAD = ("The environment changed since the start of this conversation; "
                "these current values replace the ones given above:")
 PERSON = b"kvstore-stable"
@@ -55,34 +83,53 @@ PERSON = b"kvstore-stable"
 
 @dataclass(frozen=True)
 class Rule:
-    """A kind of volatile span: ``pattern``'s non-empty matches."""
+    """A kind of volatile span: ``pattern``'s non-empty matches (an RE2 regex: linear in the
+    text whatever the pattern)."""
 
     name: str
-    pattern: re.Pattern[str]
+    pattern: Any
+
+
+def _options() -> Any:
+    o = re2.Options()
+    o.log_errors = False  # a refused pattern is said once, by us
+    return o
+
+
+def compile_rule(pattern: str) -> Any:
+    """``pattern`` compiled by RE2; ValueError saying why when it cannot run in linear time
+    (a backreference, lookaround) or is not a regular expression."""
+    try:
+        return re2.compile(pattern, _options())
+    except re2.error as e:
+        why = e.args[0].decode("utf-8", "replace") if e.args and isinstance(e.args[0], bytes) else str(e)
+    except (TypeError, ValueError, UnicodeError) as e:
+        why = str(e)
+    try:
+        re.compile(pattern)
+    except (re.error, TypeError, ValueError, RecursionError, OverflowError) as e:
+        raise ValueError(f"--volatile {pattern!r} is not a regular expression: {e}") from None
+    raise ValueError(f"--volatile {pattern!r} cannot be searched in linear time ({why}): patterns run in "
+                     f"RE2, which has no backreferences and no lookaround; write it without them") from None
 
 
 BUILTIN: tuple[Rule, ...] = (
     # Claude Code's environment message ("Today's date is 2026-11-28."), OpenCode's <env>
     # block ("  Today's date: Sat Nov 28 2026"): the rest of the line
-    Rule("date", re.compile(r"Today's date(?: is|:) [^\n]*")),
+    Rule("date", compile_rule(r"Today's date(?: is|:) [^\n]*")),
     # Codex CLI's <environment_context> (its first user message): <current_date>2026-11-28</current_date>
-    Rule("codex-date", re.compile(r"<current_date>[^<\n]*</current_date>")),
+    Rule("codex-date", compile_rule(r"<current_date>[^<\n]*</current_date>")),
     # Claude Code's git-status snapshot (a reminder in the session's first user turn):
     # from its header through the last line of the commit list
-    Rule("git-status", re.compile(r"# gitStatus\nThis is the git status at the start of the conversation\.[^\n]*\n"
-                                  r"(?:[^\n]*\n)*?Recent commits:\n(?:[^\n]+\n?)*")),
+    Rule("git-status", compile_rule(r"# gitStatus\nThis is the git status at the start of the conversation\.[^\n]*\n"
+                                    r"(?:[^\n]*\n)*?Recent commits:\n(?:[^\n]+\n?)*")),
 )
 
 
 def user_rules(patterns: Sequence[str]) -> tuple[Rule, ...]:
-    """``--volatile`` patterns as rules; ValueError naming a pattern that does not compile."""
-    out = []
-    for i, p in enumerate(patterns, 1):
-        try:
-            out.append(Rule(f"volatile-{i}", re.compile(p)))
-        except re.error as e:
-            raise ValueError(f"--volatile {p!r} is not a regular expression: {e}") from None
-    return tuple(out)
+    """``--volatile`` patterns as rules; ValueError naming a pattern that does not compile
+    or cannot run in RE2 (linear time), and why."""
+    return tuple(Rule(f"volatile-{i}", compile_rule(p)) for i, p in enumerate(patterns, 1))
 
 
 @dataclass(frozen=True)
@@ -117,17 +164,34 @@ def head_length(messages: Sequence[Any]) -> int:
     return len(messages)
 
 
+def _matches(rule: Rule, text: str, limit: int) -> list[tuple[int, int]]:
+    """``rule``'s first ``MAX_SPANS`` non-empty matches in ``text[:limit]`` (one cut at
+    ``limit`` in a longer text is dropped: its value would be a piece); none in a text RE2
+    cannot take (a lone surrogate is not UTF-8)."""
+    try:
+        found = [m.span() for m in itertools.islice(rule.pattern.finditer(text[:limit]), MAX_SPANS)]
+    except UnicodeError:
+        return []
+    return [(a, b) for a, b in found if b > a and (b < limit or limit == len(text))]
+
+
 def find_spans(messages: Sequence[Any], rules: Sequence[Rule]) -> list[Span]:
     """The spans of ``rules`` in the head of ``messages`` (``head_length``), in order; where
-    two overlap the earlier (then the longer) wins."""
+    two overlap the earlier (then the longer) wins. Bounded: only the first ``SCAN_CHARS``
+    of each text and ``SCAN_TOTAL`` of the request are searched, at most ``MAX_SPANS``
+    found, each search linear (RE2)."""
     out: list[Span] = []
+    budget = SCAN_TOTAL
     for i in range(head_length(messages)):
         for part, text in _texts(messages[i]):
-            found = sorted(((m.start(), -m.end(), r.name) for r in rules for m in r.pattern.finditer(text)
-                            if m.end() > m.start()))
+            if budget <= 0 or len(out) >= MAX_SPANS:
+                return out
+            limit = min(len(text), SCAN_CHARS, budget)
+            budget -= limit
+            found = sorted((a, -b, r.name) for r in rules for a, b in _matches(r, text, limit))
             end = 0
             for start, neg_end, name in found:
-                if start >= end:
+                if start >= end and len(out) < MAX_SPANS:
                     out.append(Span(i, part, start, -neg_end, name, text[start:-neg_end]))
                     end = -neg_end
     return out
@@ -157,7 +221,7 @@ def _with_values(message: dict[str, Any], spans: list[Span], values: Sequence[st
 
 
 def _canonical(message: Any) -> bytes:
-    return json.dumps(message, sort_keys=True, ensure_ascii=False, default=str).encode()
+    return json.dumps(message, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass")
 
 
 def _spans_of(spans: list[Span], i: int) -> list[Span]:
@@ -176,11 +240,14 @@ def _digest(salt_key: bytes | None) -> Any:
     return hashlib.blake2b(digest_size=16, key=salt_key or b"", person=PERSON)
 
 
-def session_key(plain: Sequence[Any], spans: list[Span], salt_key: bytes | None) -> str:
-    """The record's name: a digest of the masked messages up to the last one holding a
-    span, keyed with the request's salt (``salt.salt_key``; None: unsalted)."""
+def session_key(head: Sequence[Any], salt_key: bytes | None) -> str:
+    """The record's name: a digest of the conversation's opening (its masked ``head``: every
+    message before the first assistant or tool message, which every request of the
+    conversation repeats), keyed with the request's salt (``salt.salt_key``; None:
+    unsalted). Two conversations share a record only when their openings are the same but
+    for the spans' values."""
     h = _digest(salt_key)
-    for m in plain[:max(s.message for s in spans) + 1]:
+    for m in head:
         h.update(_canonical(m))
     return str(h.hexdigest())
 
@@ -202,56 +269,55 @@ def anchors(plain: Sequence[Any], key: str, salt_key: bytes | None) -> dict[int,
 
 
 class Memory:
-    """Records ``{"began": [values], "updates": {anchor: [values]}}`` by session key, in
-    ``root/stable-prefix/<key>.json`` (``root`` None: in this process only). Files are made
-    with the cache directory's ``modes`` through ``files`` (never through a symlink, never
-    blocking on a FIFO, replaced whole); one that cannot be read is no record. ``write``
+    """Records ``{"began": [values] | None, "updates": {anchor: [values]}}`` by session key,
+    in ``root/stable-prefix/<key>.json`` (``root`` None: in this process only), through
+    ``side_records.RecordDir``: made with the cache directory's ``modes`` (never through a
+    symlink, replaced whole), at most ``max_count`` records and ``max_bytes`` bytes (the
+    oldest by kvstore's own sequence go first), each at most ``MAX_RECORD`` bytes, counted
+    in the disk budget. ``began`` None: two conversations began with this opening and other
+    values, so neither is given one. One that cannot be read is no record. ``write``
     False: records are read, never written (``kvstore why``)."""
 
-    def __init__(self, root: Path | None, modes: Any = None, *, write: bool = True) -> None:
+    def __init__(self, root: Path | None, modes: Any = None, *, write: bool = True,
+                 max_count: int = DEFAULT_MAX_COUNT, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        from .. import files
+
         self.dir = root / DIRECTORY if root is not None else None
-        self.modes = modes
+        self.records = side_records.RecordDir(self.dir, modes or files.PRIVATE, max_count=max_count,
+                                              max_bytes=max_bytes, max_record=MAX_RECORD)
         self.write = write
         self.lock = threading.Lock()  # held over a request's read, rewrite and write
-        self._local: dict[str, dict[str, Any]] = {}
         self._warned = False
 
     def load(self, key: str) -> dict[str, Any] | None:
-        if self.dir is None:
-            return copy.deepcopy(self._local.get(key))
-        from ..files import BlobError, open_regular
-        import os
-
-        try:
-            fd = open_regular(self.dir / f"{key}.json")
-        except (BlobError, OSError):
-            return None
-        try:
-            with os.fdopen(fd, "rb") as f:
-                rec = json.loads(f.read(1 << 24))
-        except (OSError, ValueError, RecursionError):
-            return None
-        ok = (isinstance(rec, dict) and _values(rec.get("began")) and isinstance(rec.get("updates"), dict)
+        rec = self.records.read(f"{key}.json")
+        ok = (isinstance(rec, dict) and (rec.get("began") is None or _values(rec.get("began")))
+              and isinstance(rec.get("updates"), dict)
               and all(_values(v) for v in rec["updates"].values()))
-        return rec if ok else None
+        return {"began": rec["began"], "updates": dict(rec["updates"])} if ok and rec is not None else None
 
     def save(self, key: str, rec: dict[str, Any]) -> None:
         if not self.write:
             return
-        if self.dir is None:
-            self._local[key] = copy.deepcopy(rec)
-            return
-        from ..files import PRIVATE, make_dir, replace_file
+        rec = {"began": rec["began"], "updates": dict(rec["updates"])}
+        while True:
+            try:
+                self.records.write(f"{key}.json", rec)
+                return
+            except ValueError as e:  # over MAX_RECORD: the oldest updates go first, then nothing is kept
+                if not rec["updates"]:
+                    self._warn(f"a record of {e}")
+                    return
+                rec["updates"] = dict(list(rec["updates"].items())[len(rec["updates"]) // 2 + 1:])
+            except Exception as e:  # an OSError, or BlobError: a symlink or a file where the directory goes
+                self._warn(f"{self.dir}: {e}")
+                return
 
-        try:
-            make_dir(self.dir, self.modes or PRIVATE)
-            replace_file(self.dir / f"{key}.json", json.dumps(rec, ensure_ascii=False).encode(),
-                         self.modes or PRIVATE)
-        except Exception as e:  # an OSError, or BlobError: a symlink or a file where the directory goes
-            if not self._warned:
-                self._warned = True
-                log.warning("kvstore: --stable-prefix cannot keep what sessions began with in %s (%s): a "
-                            "resumed session whose volatile lines changed is prefilled again", self.dir, e)
+    def _warn(self, why: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("kvstore: --stable-prefix cannot keep what a session began with (%s): a resumed "
+                        "session whose volatile lines changed is prefilled again", why)
 
 
 def _values(v: Any) -> bool:
@@ -321,27 +387,34 @@ def stabilize(messages: list[Any], rules: Sequence[Rule], memory: Memory, *, sal
     """``messages`` (a chat-completions list) as ``--stable-prefix`` renders them, and what
     moved (None: ``messages`` itself, unchanged). See the module docstring."""
     spans = find_spans(messages, rules)
-    if not spans:
+    if not spans or any(len(s.text) > MAX_VALUE for s in spans):
+        return messages, None  # nothing to keep, or a value too long to record: as sent
+    n = head_length(messages)
+    try:
+        plain = masked(messages, spans)
+        key = session_key(plain[:n], salt_key)
+        at = anchors(plain, key, salt_key)
+    except (RecursionError, ValueError, TypeError):  # content json cannot write (too deep): as sent
         return messages, None
-    plain = masked(messages, spans)
-    key = session_key(plain, spans, salt_key)
     values = [s.text for s in spans]
-    users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
+    users = [i for i in at if i >= n]  # the user turns after the opening: where updates go
     with memory.lock:
         rec = memory.load(key)
-        if rec is None or len(rec["began"]) != len(spans):
-            memory.save(key, {"began": values, "updates": {}})
+        if n == len(messages):  # a conversation's first request: its own values, as sent
+            if rec is None:
+                memory.save(key, {"began": values, "updates": {}})
+            elif rec["began"] is not None and rec["began"] != values:
+                memory.save(key, {"began": None, "updates": {}})  # two conversations: neither is given one
             return messages, None
+        if rec is None or rec["began"] is None or len(rec["began"]) != len(spans):
+            return messages, None  # no first values known (or shared): as sent, and today's are no first values
         began: list[str] = rec["began"]
-        at = anchors(plain, key, salt_key)
         inserts = [(i, list(rec["updates"][at[i]])) for i in users if at[i] in rec["updates"]
                    and len(rec["updates"][at[i]]) == len(spans)]
-        last = max(s.message for s in spans)
-        inserts = [(i, v) for i, v in inserts if i > last]
         current = inserts[-1][1] if inserts else began
         recorded = False
-        if current != values and not (users and users[-1] > last):
-            return messages, None  # no user turn follows the spans to carry today's values: as sent
+        if current != values and not users:
+            return messages, None  # no user turn follows the opening to carry today's values: as sent
         if current != values:
             if inserts and inserts[-1][0] == users[-1]:
                 inserts[-1] = (users[-1], values)
@@ -374,10 +447,13 @@ def stabilize(messages: list[Any], rules: Sequence[Rule], memory: Memory, *, sal
 @dataclass
 class Config:
     """``kvstore serve``'s choice: off by default; ``--stable-prefix`` turns the built-in
-    rules on, each ``--volatile REGEX`` adds one (and turns the rewrite on)."""
+    rules on, each ``--volatile REGEX`` adds one (and turns the rewrite on); the records'
+    bounds (``--stable-prefix-max-count`` / ``-max-bytes``)."""
 
     enabled: bool = False
     rules: tuple[Rule, ...] = BUILTIN
+    max_count: int = DEFAULT_MAX_COUNT
+    max_bytes: int = DEFAULT_MAX_BYTES
 
 
 CONFIG = Config()
@@ -386,10 +462,12 @@ _INLINE: dict[str, bool] = {}
 _NOTE = threading.local()  # the generation thread's last rewrite, read by its next lookup's miss line
 
 
-def configure(enabled: bool, patterns: Sequence[str] = ()) -> None:
+def configure(enabled: bool, patterns: Sequence[str] = (), *, max_count: int = DEFAULT_MAX_COUNT,
+              max_bytes: int = DEFAULT_MAX_BYTES) -> None:
     """Set ``CONFIG`` from the flags; ValueError naming a bad ``--volatile`` pattern."""
     extra = user_rules(patterns)
     CONFIG.enabled, CONFIG.rules = enabled or bool(extra), BUILTIN + extra
+    CONFIG.max_count, CONFIG.max_bytes = max_count, max_bytes
 
 
 def inline_for(tokenizer: Any) -> bool:
@@ -411,12 +489,16 @@ def inline_for(tokenizer: Any) -> bool:
 
 def memory_of(prompt_cache: Any) -> Memory:
     """The ``Memory`` of a server's prompt cache: in its store's cache directory when it
-    has a disk tier (else this process only), made once."""
+    has a disk tier (else this process only), made once, bounded by ``CONFIG`` and by a
+    share of the store's disk budget (``side_records.bound``)."""
     got = getattr(prompt_cache, "_kvstore_stable_memory", None)
     if got is None:
         store = getattr(prompt_cache, "store", None)
         disk = getattr(store, "disk", None)
-        got = Memory(store.cache_dir if store is not None and disk is not None else None, getattr(disk, "modes", None))
+        budget = getattr(store, "max_disk_bytes", None)
+        got = Memory(store.cache_dir if store is not None and disk is not None else None, getattr(disk, "modes", None),
+                     max_count=CONFIG.max_count,
+                     max_bytes=side_records.bound(CONFIG.max_bytes, budget if isinstance(budget, int) else None))
         try:
             prompt_cache._kvstore_stable_memory = got
         except AttributeError:

@@ -25,7 +25,8 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "use the directory. --dry-run lists what would go and changes nothing.")
     p.add_argument("--max-bytes", type=common.parse_size, metavar="SIZE",
                    help="keep at most this many blob bytes, e.g. 500M, 10G (powers of 1024; a bare number "
-                        "under 1 MiB is refused as a likely typo: write 500B for bytes)")
+                        "under 1 MiB is refused as a likely typo: write 500B for bytes); kvstore serve's "
+                        "--stable-prefix records count in it: they are first trimmed, oldest first, to a quarter")
     p.add_argument("--include-pinned", action="store_true",
                    help="let --max-bytes remove pinned entries too (last, when nothing else is left); "
                         "without it pinned entries are kept even if the budget is then not met")
@@ -83,15 +84,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"{verb} {common.short_id(r['key'])}  {r['model'] or common.short_id(r['identity'] or '')}  "
               f"{r['tokens']} tokens  frees {common.human_bytes(r['bytes'])}  ({why}"
               f"{', pinned' if r['pinned'] else ''})")
+    for d in sorted({r["directory"] for r in res.records_removed}):
+        mine = [r for r in res.records_removed if r["directory"] == d]
+        print(f"{verb} {common.plural(len(mine), f'{d} record')}  frees "
+              f"{common.human_bytes(sum(r['bytes'] for r in mine))}  (over --max-bytes, oldest first)")
     for p in res.problems:
         print(("would fix " if args.dry_run else "") + describe(p))
     P = common.plural
     files = sum(1 for p in res.problems if p.record == "file")
     summary = (f"{'would free' if args.dry_run else 'freed'} {common.human_bytes(res.freed)}: "
-               f"{P(len(res.removed), 'entry', 'entries')}, {P(files, 'stray file')}, "
+               f"{P(len(res.removed), 'entry', 'entries')}, "
+               f"{P(len(res.records_removed), 'record') + ', ' if res.records_removed else ''}{P(files, 'stray file')}, "
                f"{P(len(res.problems) - files, 'broken record')}")
     remains = (f"{'' if res.exact else 'at most '}{common.human_bytes(res.bytes_left)} in "
-               f"{P(res.entries_left, 'entry', 'entries')}")
+               f"{P(res.entries_left, 'entry', 'entries')}"
+               + (f" and {common.human_bytes(res.record_bytes_left)} of records" if res.record_bytes_left else ""))
     if args.dry_run:
         print(f"{summary}; would leave {remains} (dry run: nothing changed)")
     else:

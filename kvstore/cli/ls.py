@@ -50,8 +50,11 @@ def collect(disk) -> dict[str, Any]:
         })
     _siblings(snap, out)
     out.sort(key=lambda g: (str(g["name"] or ""), g["identity"]))
+    from ..side_records import usage
+
+    records = {name: {"count": u.count, "bytes": u.bytes} for name, u in usage(disk.root).items()}
     return {"cache_dir": str(disk.root), "total_bytes": snap.meta_bytes,
-            "n_entries": sum(len(g["entries"]) for g in out), "identities": out}
+            "n_entries": sum(len(g["entries"]) for g in out), "identities": out, "records": records}
 
 
 def _siblings(snap: Any, groups: list[dict[str, Any]]) -> None:
@@ -97,8 +100,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         common.print_json(data)
         return 0
+    records = "".join(f"; {common.plural(r['count'], f'{name} record')}, {common.human_bytes(r['bytes'])}"
+                      for name, r in data["records"].items() if r["count"])  # kvstore.side_records
     if not data["identities"]:
-        print(f"no entries in {data['cache_dir']}")
+        print(f"no entries in {data['cache_dir']}{records}")
         return 0
     now = time.time()
     for i, g in enumerate(data["identities"]):
@@ -119,5 +124,5 @@ def run(args: argparse.Namespace) -> int:
     n_id = len(data["identities"])
     print(f"\n{common.plural(data['n_entries'], 'entry', 'entries')}, "
           f"{common.plural(n_id, 'identity', 'identities')}, {common.human_bytes(data['total_bytes'])} "
-          "of blobs (shared chunks counted once)")
+          f"of blobs (shared chunks counted once){records}")
     return 0

@@ -29,6 +29,7 @@ def collect(disk) -> dict[str, Any]:
     from .. import files
     from ..index import scan
     from ..bytes_written import utc_day, written
+    from ..side_records import usage as record_usage
 
     snap = scan(disk.index, full=False)
     by: dict[str, dict[str, Any]] = {}
@@ -74,6 +75,7 @@ def collect(disk) -> dict[str, Any]:
             "blob_bytes_on_disk": sum(f.st.st_size for f in own),
             "blob_files": len(own),
             "index_bytes": disk.index.file_bytes(),
+            "records": {name: {"count": u.count, "bytes": u.bytes} for name, u in record_usage(disk.root).items()},
         },
         "memory": None,
         "memory_note": MEMORY_NOTE,
@@ -108,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"blob bytes    {hb(d['blob_bytes'])} in {P(d['blob_files'], 'pack file')}{drift}"
           + (f"; {hb(dead)} of it no longer used (freed with the last user of each pack)" if dead > 0 else ""))
     print(f"index bytes   {hb(d['index_bytes'])} (index/data.mdb)")
+    for name, r in d["records"].items():  # kvstore.side_records: counted in the disk budget
+        print(f"{name + ' ':<14}{P(r['count'], 'record')}, {hb(r['bytes'])} (in the disk budget)")
     print(f"hits          {s['hits']} (sum of entries' hit counters)")
     w = s["written"]
     print(f"written       {hb(w['today_bytes'])} today ({w['day']} UTC), {hb(w['total_bytes'])} in total")

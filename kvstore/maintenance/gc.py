@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from .. import side_records
 from ..budget import BATCH, Removed, Sim, evict_to, lru_order, remove_unchanged, victims
 from ..index import scan
 from ..records import EntryRecord
@@ -22,6 +23,8 @@ class GcResult:
     """What ``gc`` removed (or, in a dry run, would remove), and what it would leave."""
 
     removed: list[dict[str, Any]] = field(default_factory=list)  # key, reason, bytes, tokens, ...
+    records_removed: list[dict[str, Any]] = field(default_factory=list)  # side records: directory, name, bytes
+    record_bytes_left: int = 0  # side records' bytes left (``side_records``: counted in ``max_bytes``)
     problems: list[Problem] = field(default_factory=list)        # orphans / broken records found
     dry_run: bool = False
     bytes_left: int = 0      # pack bytes left (would be left) after this gc
@@ -35,12 +38,13 @@ class GcResult:
 
     @property
     def freed(self) -> int:
-        return sum(r["bytes"] for r in self.removed) + sum(
+        return sum(r["bytes"] for r in self.removed) + sum(r["bytes"] for r in self.records_removed) + sum(
             p.bytes for p in self.problems if (p.fixed or self.dry_run) and p.kind not in NOT_OURS)
 
     def to_dict(self) -> dict[str, Any]:
         return {"dry_run": self.dry_run, "freed_bytes": self.freed, "bytes_left": self.bytes_left,
                 "entries_left": self.entries_left, "exact": self.exact, "removed": self.removed,
+                "records_removed": self.records_removed, "record_bytes_left": self.record_bytes_left,
                 "problems": [p.to_dict() for p in self.problems]}
 
 
@@ -55,7 +59,8 @@ def gc(disk: DiskTier, *, max_bytes: int | None = None, max_age: float | None = 
        against budgets, not against dropping a model);
     2. unpinned entries not used for ``max_age`` seconds (pinned entries never age out;
        a last use in the future counts as now);
-    3. until the pack files fit ``max_bytes``: first the unpinned entries of superseded
+    3. the side records (``side_records``: ``--stable-prefix``'s), oldest first, down to
+       their share of ``max_bytes``; then until the pack files fit what is left: first the unpinned entries of superseded
        identities (``superseded``: another identity of the same model directory started
        storing after their last use, e.g. an mlx-lm upgrade), then least recently used
        entries; pinned ones only with ``pinned`` (the user asked for them: ``kvstore gc
@@ -95,7 +100,12 @@ def gc(disk: DiskTier, *, max_bytes: int | None = None, max_age: float | None = 
         cutoff = now - max_age
         take([(k, r) for k, r in records if not r.pinned and r.last_used < cutoff], "max_age",
              guard=lambda cur: cur.last_used < cutoff)
-    if max_bytes is not None:
+    res.record_bytes_left = side_records.total_bytes(disk.root)
+    if max_bytes is not None:  # the side records first to their share, then the packs to what is left
+        res.records_removed = [{"directory": d, "name": n, "bytes": b} for d, n, b in
+                               side_records.trim(disk.root, side_records.bound(max_bytes, max_bytes), dry_run=dry_run)]
+        res.record_bytes_left -= sum(r["bytes"] for r in res.records_removed)
+        max_bytes = max(0, max_bytes - res.record_bytes_left)
         old = superseded(snap.identities, usage(records))
         stale = [(k, r) for k, r in records if not r.pinned and r.identity.hex() in old and k not in sim.gone]
         planned = victims(sim, stale, sim.total - max_bytes) if stale and sim.total > max_bytes else []

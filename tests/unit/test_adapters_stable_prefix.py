@@ -160,8 +160,10 @@ def test_a_damaged_record_is_no_record(tmp_path) -> None:
     rec.write_text('{"began": [1]}')
     resumed = chat(agents.opencode_resumed())
     got, moved = sp.stabilize(resumed, sp.BUILTIN, memory)
-    assert got is resumed and moved is None  # as sent; the record is made again from it
-    assert json.loads(rec.read_text())["began"] == [OC_NEXT]
+    assert got is resumed and moved is None  # as sent
+    assert rec.read_text() == '{"began": [1]}'  # never made from a later request: today's are no first values
+    assert sp.stabilize(first, sp.BUILTIN, memory) == (first, None)  # a first request makes it again
+    assert json.loads(rec.read_text())["began"] == [OC_DAY]
 
 
 def test_user_rules_and_a_bad_one() -> None:
@@ -169,8 +171,256 @@ def test_user_rules_and_a_bad_one() -> None:
     memory = sp.Memory(None)
     a = [{"role": "system", "content": "Agent. Build id: a1"}, {"role": "user", "content": "Hi"}]
     sp.stabilize(a, rules, memory)
-    b = [{"role": "system", "content": "Agent. Build id: b2"}, {"role": "user", "content": "Hi"}]
+    b = [{"role": "system", "content": "Agent. Build id: b2"}, {"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Build it."}]
     got, moved = sp.stabilize(b, rules, memory)
-    assert moved is not None and got[0]["content"] == "Agent. Build id: a1" and "Build id: b2" in got[1]["content"]
+    assert moved is not None and got[0]["content"] == "Agent. Build id: a1" and "Build id: b2" in got[3]["content"]
     with pytest.raises(ValueError, match=r"--volatile '\(' is not a regular expression"):
         sp.user_rules(["("])
+
+
+# -- issue 52.2: every span search linear and bounded ---------------------------------------------
+
+
+class Counting:
+    """A rule's pattern that counts the characters it is given to search (then searches)."""
+
+    def __init__(self, pattern: Any) -> None:
+        self.pattern, self.seen = pattern, []
+
+    def finditer(self, text: str, *bounds: int) -> Any:
+        self.seen.append(min(len(text), bounds[1]) if len(bounds) > 1 else len(text))
+        return self.pattern.finditer(text, *bounds)
+
+
+def test_rules_search_a_bounded_window_of_each_request() -> None:
+    """However long a client's messages, each rule is given at most ``SCAN_CHARS`` of one
+    text and ``SCAN_TOTAL`` of a request (main: the whole 4 MB, 1 MB per message); a span
+    inside the window is still found, one beyond it is plain text."""
+    rules = [sp.Rule(r.name, Counting(r.pattern)) for r in sp.BUILTIN]
+    big = "x" * (1 << 20)
+    messages = [{"role": "system", "content": f"Agent.\n{OC_DAY}\n{big}{OC_NEXT}\n"},
+                *({"role": "user", "content": big} for _ in range(3))]
+    spans = sp.find_spans(messages, rules)
+    assert [s.text for s in spans] == [OC_DAY]
+    for r in rules:
+        assert max(r.pattern.seen) <= sp.SCAN_CHARS and sum(r.pattern.seen) <= sp.SCAN_TOTAL, r.pattern.seen
+
+
+def test_every_rule_runs_in_re2_and_an_adversarial_megabyte_is_plain_text() -> None:
+    """The built-in rules and every --volatile pattern are RE2 (linear in the text: the
+    git-status rule was quadratic in Python's re, 552 KB 15.6 s); a megabyte of git-status
+    headers without a commit list, in one message and split over many, finds no span and
+    renders as sent."""
+    import re2
+
+    kind = type(re2.compile("a"))
+    assert all(isinstance(r.pattern, kind) for r in sp.BUILTIN + sp.user_rules([r"Build \w+"]))
+    header = "# gitStatus\nThis is the git status at the start of the conversation.\n"
+    text = header * ((1 << 20) // len(header))
+    for messages in ([{"role": "user", "content": text}],
+                     [{"role": "user", "content": [{"type": "text", "text": header * 500}] * 40}]):
+        assert sp.find_spans(messages, sp.BUILTIN) == []
+        got, moved = sp.stabilize(messages, sp.BUILTIN, sp.Memory(None))
+        assert got is messages and moved is None
+
+
+@pytest.mark.parametrize("pattern,why", [(r"(a)\1", "invalid escape sequence"), (r"a(?=b)", "invalid perl operator"),
+                                         (r"(?<!x)y", "invalid perl operator")])
+def test_a_pattern_re2_cannot_run_is_refused_saying_why(pattern, why) -> None:
+    with pytest.raises(ValueError) as e:
+        sp.user_rules(["fine", pattern])
+    said = str(e.value)
+    assert said.startswith(f"--volatile {pattern!r} cannot be searched in linear time") and why in said, said
+    assert "backreferences" in said and "lookaround" in said
+
+
+def test_a_span_cut_by_the_window_or_too_long_is_not_kept(tmp_path) -> None:
+    """A match the window cuts is dropped (its value would be a piece); a span longer than
+    ``MAX_VALUE`` makes the request render as sent, nothing recorded."""
+    cut = "y" * (sp.SCAN_CHARS - len(OC_DAY) + 3) + OC_DAY + " and more"
+    assert sp.find_spans([{"role": "system", "content": cut}], sp.BUILTIN) == []
+    long = [{"role": "system", "content": f"{OC_DAY}{'z' * sp.MAX_VALUE}\n"}, {"role": "user", "content": "Hi"}]
+    assert len(sp.find_spans(long, sp.BUILTIN)[0].text) > sp.MAX_VALUE
+    memory = sp.Memory(tmp_path)
+    got, moved = sp.stabilize(long, sp.BUILTIN, memory)
+    assert got is long and moved is None and not (tmp_path / sp.DIRECTORY).exists()
+
+
+# -- issue 52.3: a record per conversation --------------------------------------------------------
+
+
+def _opening(day: str, question: str) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": f"You are an agent.\n<env>\n  {day}\n</env>\n"},
+            {"role": "user", "content": question}]
+
+
+def _later(day: str, question: str, answer: str, follow: str) -> list[dict[str, Any]]:
+    return [*_opening(day, question), {"role": "assistant", "content": answer}, {"role": "user", "content": follow}]
+
+
+def test_a_new_conversation_gets_only_its_own_values(tmp_path) -> None:
+    """Conversation A on day 1, then conversation B on day 2 under the same system prompt
+    (another first question): B renders exactly as sent, its own date, no note (main: A's
+    date and "The environment changed"); B's next turn keeps B's date; A resumed on day 2
+    still keeps A's first date, today's in the update."""
+    memory = sp.Memory(tmp_path)
+    a1 = _opening(OC_DAY, "Which file prints hello?")
+    assert sp.stabilize(a1, sp.BUILTIN, memory) == (a1, None)
+    b1 = _opening(OC_NEXT, "What does README.md say?")
+    got, moved = sp.stabilize(b1, sp.BUILTIN, memory)
+    assert got is b1 and moved is None
+    b2 = _later(OC_NEXT, "What does README.md say?", "It says hi.", "And LICENSE?")
+    got, moved = sp.stabilize(b2, sp.BUILTIN, sp.Memory(tmp_path))  # a restart between
+    assert got is b2 and moved is None
+    a2 = _later(OC_NEXT, "Which file prints hello?", "main.py", "Thanks. Anything else?")
+    got, moved = sp.stabilize(a2, sp.BUILTIN, sp.Memory(tmp_path))
+    assert moved is not None and OC_DAY in got[0]["content"] and OC_NEXT not in got[0]["content"]
+    assert got[3]["role"] == "system" and got[3]["content"].startswith(sp.UPDATE_HEAD) and OC_NEXT in got[3]["content"]
+    assert len(list((tmp_path / sp.DIRECTORY).iterdir())) == 2
+
+
+def test_two_conversations_with_one_opening_and_other_values_get_none(tmp_path) -> None:
+    """Two first requests that differ only in their spans' values cannot be told apart
+    later: the record is marked shared and both render as sent from then on (the cache is
+    lost, never a value crosses)."""
+    memory = sp.Memory(tmp_path)
+    sp.stabilize(_opening(OC_DAY, "Hi"), sp.BUILTIN, memory)
+    assert sp.stabilize(_opening(OC_DAY, "Hi"), sp.BUILTIN, memory)[1] is None  # the same values: a retry
+    sp.stabilize(_opening(OC_NEXT, "Hi"), sp.BUILTIN, memory)
+    for day in (OC_DAY, OC_NEXT):
+        later = _later(day, "Hi", "Hello.", "Go on.")
+        assert sp.stabilize(later, sp.BUILTIN, memory) == (later, None)
+    [rec] = list((tmp_path / sp.DIRECTORY).iterdir())
+    assert json.loads(rec.read_text())["began"] is None
+
+
+# -- issue 52.4: bounded records ------------------------------------------------------------------
+
+
+def test_records_are_bounded_by_count_and_bytes_oldest_first_by_sequence(tmp_path) -> None:
+    """At most ``max_count`` records and ``max_bytes`` bytes; the oldest by kvstore's own
+    sequence go first, whatever the files' mtimes say (the oldest touched into the future,
+    the newest back to 1970)."""
+    import os
+
+    memory = sp.Memory(tmp_path, max_count=3)
+    for k in range(3):
+        sp.stabilize(_opening(OC_DAY, f"question {k}"), sp.BUILTIN, memory)
+    files = {json.loads(p.read_text())["seq"]: p for p in (tmp_path / sp.DIRECTORY).iterdir()}
+    os.utime(files[min(files)], (4e9, 4e9))
+    os.utime(files[max(files)], (1, 1))
+    memory = sp.Memory(tmp_path, max_count=3)  # a restart: the order is read back from the records
+    for k in range(3, 5):
+        sp.stabilize(_opening(OC_DAY, f"question {k}"), sp.BUILTIN, memory)
+    left = sorted(p.name for p in (tmp_path / sp.DIRECTORY).iterdir())
+    assert len(left) == 3 and files[min(files)].name not in left and files[max(files)].name in left
+
+    (tmp_path / "small").mkdir()
+    small = sp.Memory(tmp_path / "small", max_bytes=600)
+    for k in range(20):
+        sp.stabilize(_opening(OC_DAY, f"question {k}"), sp.BUILTIN, small)
+    sizes = [p.stat().st_size for p in (tmp_path / "small" / sp.DIRECTORY).iterdir()]
+    assert 0 < sum(sizes) <= 600 and len(sizes) < 20
+
+
+def test_a_record_too_large_drops_its_oldest_updates(tmp_path) -> None:
+    """Updates are kept until the record reaches ``MAX_RECORD``; then the oldest go, so a
+    record never exceeds it (each value is at most ``MAX_VALUE``)."""
+    memory = sp.Memory(tmp_path)
+    value = "v" * (sp.MAX_VALUE - 40)
+    opening = [{"role": "system", "content": f"{OC_DAY} {value}0\n"}, {"role": "user", "content": "Hi"}]
+    sp.stabilize(opening, sp.BUILTIN, memory)
+    history: list[dict[str, Any]] = list(opening)
+    for k in range(1, 60):
+        history = [{"role": "system", "content": f"{OC_DAY} {value}{k}\n"}, *history[1:],
+                   {"role": "assistant", "content": f"a{k}"}, {"role": "user", "content": f"u{k}"}]
+        sp.stabilize(history, sp.BUILTIN, memory)
+    [rec] = list((tmp_path / sp.DIRECTORY).iterdir())
+    assert 0 < rec.stat().st_size <= sp.MAX_RECORD and 10 < len(json.loads(rec.read_text())["updates"]) < 59
+
+
+# -- properties on arbitrary message lists (hypothesis) -------------------------------------------
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+DATES = ["Today's date is 2026-11-28.", "Today's date is 2026-11-29.", "Today's date: Sat Nov 28 2026",
+         "<current_date>2026-11-30</current_date>", "Build b7"]
+NEXT = {DATES[0]: DATES[1], DATES[1]: "Today's date is 2026-11-30.", DATES[2]: "Today's date: Sun Nov 29 2026",
+        DATES[3]: "<current_date>2026-12-01</current_date>", DATES[4]: "Build c8"}  # each value's next day
+ODD = st.text(st.characters(blacklist_categories=()), max_size=40)  # surrogates, controls, NUL, any plane
+TEXT = st.lists(st.one_of(ODD, st.sampled_from(DATES), st.just("\n")), max_size=6).map("".join)
+JUNK = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), ODD),
+                    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(ODD, inner, max_size=3)),
+                    max_leaves=12)
+PART = st.one_of(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), JUNK)
+CONTENT = st.one_of(TEXT, st.lists(PART, max_size=4), JUNK)
+ROLE = st.sampled_from(["system", "developer", "user", "assistant", "tool", None, 7])
+MESSAGE = st.one_of(st.fixed_dictionaries({"role": ROLE, "content": CONTENT}), JUNK)
+RULES = sp.BUILTIN + sp.user_rules([r"Build \w+"])
+PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPS
+@given(st.lists(MESSAGE, max_size=8), st.booleans())
+def test_any_message_list_renders_or_is_left_as_sent(messages, inline) -> None:
+    """Whatever the list holds, ``stabilize`` returns: the very list when it has no span
+    or is a first request; else a list whose messages after the opening are those sent."""
+    memory = sp.Memory(None)
+    sent = copy.deepcopy(messages)
+    for _ in range(2):
+        got, moved = sp.stabilize(messages, RULES, memory, inline=inline)
+        assert repr(messages) == repr(sent)  # never changed in place
+        n = sp.head_length(messages)
+        if not sp.find_spans(messages, RULES) or n == len(messages):
+            assert got is messages and moved is None
+        if moved is None:
+            assert got is messages
+
+
+@PROPS
+@given(st.lists(st.sampled_from(DATES), min_size=1, max_size=3), st.lists(st.sampled_from(DATES), min_size=1,
+       max_size=3), TEXT, TEXT, st.booleans())
+def test_never_another_conversations_value(a_values, b_values, a_question, b_question, a_first) -> None:
+    """Two conversations (any values, any first questions, either first) in one memory:
+    every value the later request of B is rendered with is one of B's own, and A's."""
+    memory = sp.Memory(None)
+
+    def opening(values: list[str], question: str) -> list[dict[str, Any]]:
+        return [{"role": "system", "content": "Agent.\n" + "\n".join(values) + "\n"}, {"role": "user", "content": question}]
+
+    def later(values: list[str], question: str) -> list[dict[str, Any]]:
+        return [*opening(values, question), {"role": "assistant", "content": "ok"}, {"role": "user", "content": "next"}]
+
+    def shown(messages: list[Any]) -> set[str]:
+        """The values in the system turns: the spans' place and the updates (the questions are free text)."""
+        return {s.text for s in sp.find_spans([m for m in messages if m["role"] == "system"], RULES)}
+
+    order = [("a", a_values, a_question), ("b", b_values, b_question)]
+    for _, values, question in (order if a_first else order[::-1]):
+        got, moved = sp.stabilize(opening(values, question), RULES, memory)
+        assert moved is None  # a first request: as sent
+    today = {"a": [NEXT[v] for v in a_values], "b": [NEXT[v] for v in b_values]}  # the next day's values
+    for name, values, question in order:
+        request = later(today[name], question)
+        got, moved = sp.stabilize(request, RULES, memory)
+        own = set(values) | set(today[name])
+        assert shown(got) <= own, (name, shown(got), own)
+
+
+def test_deep_huge_and_odd_requests_render_as_sent() -> None:
+    """A part nested a hundred thousand deep, a list of a hundred thousand parts, lone
+    surrogates next to a span: no exception, the request renders as sent."""
+    deep: Any = "x"
+    for _ in range(100_000):
+        deep = [deep]
+    cases = [
+        [{"role": "system", "content": [{"type": "text", "text": OC_DAY}, {"type": "image", "data": deep}]},
+         {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "?"}],
+        [{"role": "user", "content": [{"type": "text", "text": "a"}] * 100_000}],
+        [{"role": "system", "content": f"\ud800 {OC_DAY}\n"}, {"role": "user", "content": "\udfff"}],
+    ]
+    memory = sp.Memory(None)
+    for messages in cases:
+        got, moved = sp.stabilize(messages, sp.BUILTIN, memory)
+        assert got is messages and moved is None

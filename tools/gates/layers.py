@@ -27,6 +27,7 @@ PACKAGES = ("kvstore", "tools", "benchmarks")
 RANKS: dict[str, int] = {
     "kvstore.keys": 0, "kvstore.records": 0, "kvstore.files": 0, "kvstore.served_tokens": 0, "kvstore.bytes_written": 0,
     "kvstore.escape": 0, "kvstore.hoststate": 0, "kvstore.units": 0, "kvstore.floors": 0, "kvstore.layout": 0,
+    "kvstore.side_records": 1,
     "kvstore.codec": 1, "kvstore.segments": 1, "kvstore.blas": 1, "kvstore.alloc": 1, "kvstore.pressure": 1,
     "kvstore.identity": 2, "kvstore.model_layout": 2, "kvstore.fit": 2, "kvstore.index": 2,
     "kvstore.disk": 3,
