@@ -16,7 +16,8 @@ No mlx-lm file is edited. Before ``mlx_lm.server.main()`` runs, this module
 - turns SIGTERM into the KeyboardInterrupt mlx-lm already handles (``httpd.shutdown()``),
   then closes the store, which flushes the write-behind queue before the process exits,
 - answers ``HEAD`` for every GET route as GET does, without the body (unknown paths: 404;
-  mlx_lm.server answers 501),
+  mlx_lm.server answers 501), and ``GET /openapi.json`` with every route's description
+  (``kvstore.adapters.openapi``),
 - checks what mlx_lm.server's generation thread would run unchecked before its chat and
   text completions run (``kvstore.adapters.gen_args``: a 400 naming the field), and answers
   an exception its handler raises before a byte of the answer as a 500 with a JSON body,
@@ -47,7 +48,7 @@ from .. import metrics
 from ..floors import MIN_DISK_HIT
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..units import memory_floor, parse_size
-from . import (anthropic, gen_args, http, model_names, prompts, rendered, responses, stable_prefix, startup,
+from . import (anthropic, gen_args, http, model_names, openapi, prompts, rendered, responses, stable_prefix, startup,
                system_render, tenants)
 from .http import HeadersOnly, send_json
 from ..escape import logger
@@ -122,6 +123,8 @@ def _install_routes(server_mod: Any) -> None:
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+        elif path == "/openapi.json":  # every route's description (kvstore.adapters.openapi)
+            send_json(self, 200, openapi.document())
         elif models and served_models(self.response_generator.cli_args):
             _models(self, path)
         else:
