@@ -26,7 +26,8 @@ collect_ignore = [] if importlib.util.find_spec("vllm_mlx") else ["compat"]
 # or its module starts real servers or child processes at every test (SLOW_MODULES).
 SLOW_MODULES = {"test_anthropic", "test_responses", "test_tenants_server", "test_memory_pressure", "test_newcomer",
                 "test_benchmarks", "test_demo", "test_faults", "test_upstream_server", "test_families",
-                "test_request_bodies"}
+                "test_request_bodies",
+                "test_fuzz_routes"}
 
 
 

@@ -242,7 +242,8 @@ def chat_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     _need(isinstance(choice, dict) and choice.get("type") in ("auto", "any", "tool", "none"),
           "tool_choice: type must be 'auto', 'any', 'tool' or 'none'")
     if choice["type"] == "tool":
-        _need(choice.get("name") in {t["name"] for t in tools}, "tool_choice: name must be one of the tools")
+        _need(isinstance(choice.get("name"), str) and choice["name"] in {t["name"] for t in tools},
+              "tool_choice: name must be one of the tools")
     return out if out and choice["type"] != "none" else None
 
 
@@ -268,7 +269,7 @@ def chat_request(body: Any, images: bool, keep_billing_header: bool = False) -> 
     thinking = body.get("thinking")
     if thinking is not None:
         # budget_tokens cannot be enforced (mlx-lm cannot end a thinking block by count): accepted, unused
-        _need(isinstance(thinking, dict) and thinking.get("type") in THINKING,
+        _need(isinstance(thinking, dict) and isinstance(thinking.get("type"), str) and thinking["type"] in THINKING,
               f"thinking: type must be one of {', '.join(repr(t) for t in THINKING)}")
         chat["chat_template_kwargs"] = {"enable_thinking": THINKING[thinking["type"]]}
     if chat["stream"] is True:

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .http import body_of
+from .http import body_of, hand_over
 from ..escape import logger
 
 log = logger("kvstore")
@@ -105,7 +105,8 @@ def chat_error(status: int, body: bytes) -> tuple[int, str]:
     is a request it could not render or run (the model is always the served one), so 400,
     unless the generation thread died (500)."""
     try:
-        text = str(json.loads(body).get("error"))
+        error = json.loads(body).get("error")
+        text = str(error.get("message") if isinstance(error, dict) else error)
     except (ValueError, AttributeError):
         text = body.decode(errors="replace")[:500] or f"HTTP {status}"
     if status == 404:
@@ -156,12 +157,14 @@ def run_chat(handler: Any, original: Callable[[Any], None], chat: dict[str, Any]
     # this request (the route's answer, or the stream's head, logs it once)
     handler.log_request = lambda *args: None
     failure: Exception | None = None
+    hand_over(handler, chat)  # what kvstore.adapters.gen_args checks before mlx-lm runs it
     try:
         original(handler)
     except Exception as e:
         failure = e
         log.exception("kvstore: %s failed", route)
     finally:
+        hand_over(handler, None)
         handler.wfile, handler.rfile, handler.path, handler.response_generator = real_out, real_in, real_path, real_gen
         del handler.log_request
     if isinstance(failure, (BrokenPipeError, ConnectionResetError)):

@@ -33,6 +33,7 @@ _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 _CHUNK = 1 << 20
 _LOCAL = threading.local()  # this HTTP thread's admitted body: (its text, the object)
 _BODY = "_kvstore_body"  # APIHandler attribute: the current request's parsed body
+_CHAT = "_kvstore_chat"  # APIHandler attribute: the chat body a translated route hands mlx_lm.server
 _NONE = object()
 
 
@@ -40,9 +41,10 @@ class BodyError(ValueError):
     """A request body refused before any route reads it: ``status`` (400, 411, 413) and an
     error ``code`` for the API's error object."""
 
-    def __init__(self, status: int, message: str, code: str = "invalid_request_body") -> None:
+    def __init__(self, status: int, message: str, code: str = "invalid_request_body",
+                 param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.code = status, code
+        self.status, self.code, self.param = status, code, param
 
 
 def nesting(raw: bytes) -> int:
@@ -110,6 +112,19 @@ def admit_body(handler: Any, limit: int | None = None) -> Any:
     return body
 
 
+def hand_over(handler: Any, chat: dict[str, Any] | None) -> None:
+    """``chat`` is the body mlx_lm.server's handler reads next on ``handler`` (a translated
+    route's ``/v1/chat/completions`` body; None: the request's own again)."""
+    setattr(handler, _CHAT, chat)
+
+
+def route_body(handler: Any) -> Any:
+    """The body mlx_lm.server's handler runs on ``handler``: a translated route's chat body
+    (``hand_over``), else the request's own (``body_of``)."""
+    chat = getattr(handler, _CHAT, None)
+    return chat if chat is not None else body_of(handler)
+
+
 def forget_body(handler: Any) -> None:
     """The request ``handler`` serves now has no admitted body (not a POST)."""
     _LOCAL.body = None
@@ -167,6 +182,26 @@ class _Replay(io.RawIOBase):
     def readline(self, limit: int | None = -1) -> bytes:
         got = self._head.readline(-1 if limit is None else limit)
         return got if got else self._rest.readline(-1 if limit is None else limit)
+
+
+class Written(io.RawIOBase):
+    """Stands in for the handler's ``wfile`` while mlx_lm.server's own handler runs: passes
+    every write on and counts the bytes (0: nothing of an answer has left yet)."""
+
+    def __init__(self, out: Any) -> None:
+        super().__init__()
+        self._out, self.count = out, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        n = self._out.write(data)
+        self.count += len(data)
+        return int(n) if n is not None else len(data)
+
+    def flush(self) -> None:
+        self._out.flush()
 
 
 class HeadersOnly(io.RawIOBase):

@@ -225,7 +225,7 @@ def chat_tools(tools: Any, custom: set[str]) -> list[dict[str, Any]]:
                 params = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
             out.append({"type": "function", "function": {
                 "name": t["name"], "description": t.get("description") or "", "parameters": params}})
-        elif kind in HOSTED_TOOLS:
+        elif isinstance(kind, str) and kind in HOSTED_TOOLS:
             continue  # run by OpenAI's servers; Codex lists web_search on every request
         else:
             raise RequestError(f"{where}: tool type {kind!r} is not supported (function, namespace, custom; "
@@ -240,10 +240,10 @@ def _tool_choice(choice: Any, names: set[str]) -> bool:
     if choice == "none":
         return False
     kind = choice.get("type") if isinstance(choice, dict) else None
-    if kind in HOSTED_TOOLS:
+    if isinstance(kind, str) and kind in HOSTED_TOOLS:
         raise RequestError(f"tool_choice forces the hosted tool {kind!r}, which this server does not run", "tool_choice")
     if kind in ("function", "custom"):
-        _need(choice.get("name") in names, f"tool_choice.name must be one of the tools, got {choice.get('name')!r}",
+        _need(isinstance(choice.get("name"), str) and choice["name"] in names, f"tool_choice.name must be one of the tools, got {choice.get('name')!r}",
               "tool_choice.name")
         return True
     if kind == "allowed_tools":
@@ -274,7 +274,7 @@ def check_body(body: Any) -> dict[str, Any]:
     for key in ("reasoning", "text", "metadata", "client_metadata", "stream_options"):
         _need(body.get(key) is None or isinstance(body[key], dict), f"{key} must be an object", key)
     effort = (body.get("reasoning") or {}).get("effort")
-    _need(effort is None or effort in EFFORTS, f"reasoning.effort must be one of {sorted(EFFORTS)}, got {effort!r}",
+    _need(effort is None or (isinstance(effort, str) and effort in EFFORTS), f"reasoning.effort must be one of {sorted(EFFORTS)}, got {effort!r}",
           "reasoning.effort")
     include = body.get("include")
     _need(include is None or (isinstance(include, list) and all(isinstance(x, str) for x in include)),
@@ -552,6 +552,10 @@ def handle_post(handler: Any, original: Callable[[Any], None]) -> None:
         chat, conversation, custom = chat_request(body, history)
     except RequestError as e:
         _send_error(handler, e)
+        return
+    except Exception as e:  # never a dropped connection: a 500 with the error, the trace in the log
+        log.exception("kvstore: %s failed before generation", PATH)
+        send_json(handler, 500, error_body(f"internal error before generation: {type(e).__name__}: {e}", kind="server_error"))
         return
     model = body.get("model") or str(handler.response_generator.cli_args.model)
     reply = Reply(body, model, custom)

@@ -16,7 +16,11 @@ No mlx-lm file is edited. Before ``mlx_lm.server.main()`` runs, this module
 - turns SIGTERM into the KeyboardInterrupt mlx-lm already handles (``httpd.shutdown()``),
   then closes the store, which flushes the write-behind queue before the process exits,
 - answers ``HEAD`` for every GET route as GET does, without the body (unknown paths: 404;
-  mlx_lm.server answers 501),
+  mlx_lm.server answers 501), and ``GET /openapi.json`` with every route's description
+  (``kvstore.adapters.openapi``),
+- checks what mlx_lm.server's generation thread would run unchecked before its chat and
+  text completions run (``kvstore.adapters.gen_args``: a 400 naming the field), and answers
+  an exception its handler raises before a byte of the answer as a 500 with a JSON body,
 - routes ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (the Anthropic Messages
   API) through mlx_lm.server's own chat handler (``kvstore.adapters.anthropic``), and
   ``POST /v1/responses`` (the OpenAI Responses API) with its stored responses
@@ -44,7 +48,8 @@ from .. import metrics
 from ..floors import MIN_DISK_HIT
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..units import memory_floor, parse_size
-from . import anthropic, http, model_names, prompts, rendered, responses, stable_prefix, startup, system_render, tenants
+from . import (anthropic, gen_args, http, model_names, openapi, prompts, rendered, responses, stable_prefix, startup,
+               system_render, tenants)
 from .http import HeadersOnly, send_json
 from ..escape import logger
 
@@ -53,6 +58,7 @@ if TYPE_CHECKING:  # imported when used: MLX and mlx-lm take seconds, --help and
 
 log = logger("kvstore")
 _STORES: list[LRUPromptCache] = []
+MLX_LM_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions"})  # its do_POST's
 _METRICS = metrics.registry(lambda: _STORES[0].stats() if _STORES else None)
 
 
@@ -117,6 +123,8 @@ def _install_routes(server_mod: Any) -> None:
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+        elif path == "/openapi.json":  # every route's description (kvstore.adapters.openapi)
+            send_json(self, 200, openapi.document())
         elif models and served_models(self.response_generator.cli_args):
             _models(self, path)
         else:
@@ -132,9 +140,42 @@ def _install_routes(server_mod: Any) -> None:
 
     handler.do_GET = do_GET
     handler.do_HEAD = do_HEAD
+    handler.do_POST = _answered(handler.do_POST)
     handler._kvstore_patched = True
     anthropic.install(server_mod)  # POST /v1/messages[/count_tokens]
     responses.install(server_mod)  # POST /v1/responses, GET / DELETE /v1/responses/{id}
+
+
+def _answered(post: Any) -> Any:
+    """mlx_lm.server's ``do_POST``, its body's generation fields checked first
+    (``gen_args``: a 400 in the route's shape), and what it raises before a byte of its
+    answer is sent (a non-streamed completion whose generation failed: mlx-lm let the
+    exception end the connection with no answer) answered as a 500 with a JSON error body.
+    Once its answer began (a stream), the exception goes on: the connection ends there."""
+
+    def do_POST(self: Any) -> None:
+        path = self.path.split("?")[0]
+        if path in MLX_LM_ROUTES:
+            try:
+                gen_args.check(path, http.route_body(self), gen_args.vocab_size(self.response_generator.model_provider))
+            except http.BodyError as e:
+                send_json(self, e.status, tenants.error_body(path, e.status, str(e), param=e.param, code=e.code))
+                return
+        real = self.wfile
+        self.wfile = written = http.Written(real)
+        try:
+            post(self)
+        except Exception as e:
+            if written.count:
+                raise
+            log.exception("kvstore: %s failed before answering", self.path.split("?")[0])
+            self._headers_buffer = []  # the status line mlx-lm buffered, never sent
+            self.wfile = real
+            send_json(self, 500, tenants.error_body(self.path, 500, f"generation failed: {type(e).__name__}: {e}"))
+        finally:
+            self.wfile = real
+
+    return do_POST
 
 
 def caller_salt(handler: Any) -> Any:

@@ -258,7 +258,8 @@ def _admit(handler: Any) -> bool:
     try:  # read and parsed once, here: the object every route then gets (kvstore.adapters.http)
         body = admit_body(handler)
     except BodyError as e:  # 411 / 413 leave the body unread: the connection cannot go on
-        _send(handler, e.status, error_body(path, e.status, str(e), code=e.code), close=e.status in (411, 413))
+        _send(handler, e.status, error_body(path, e.status, str(e), param=e.param, code=e.code),
+              close=e.status in (411, 413))
         return False
     try:
         _LOCAL.salt = request_salt(body, key, policy)
