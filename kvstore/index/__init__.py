@@ -5,7 +5,7 @@ salvaged when damaged) and runs transactions; ``checks`` is what an open runs wh
 stamp does not vouch for the file (the crash check, the walk in a child, the salvage);
 ``txn`` reads and writes records inside one (``Reader``, ``WriteTxn``); ``trie`` is the
 trie over token prefixes the lookup walks; ``pages`` walks LMDB's pages without LMDB, for
-damaged files; ``scan`` reads every record in one transaction; ``errors`` names the errors its operations raise.
+damaged files; ``marks`` are the writer marks; ``scan`` reads every record in one transaction; ``errors`` names the errors its operations raise.
 """
 
 from .core import CORRUPTION, Index, IndexOpenError, chunk_size
