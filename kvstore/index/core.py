@@ -102,6 +102,15 @@ class IndexOpenError(RuntimeError):
     """The index cannot be opened or used; the message says what to do."""
 
 
+class FormatError(IndexOpenError):
+    """The index is of another format (``found``), refused before anything was written
+    into it; a writable opener sets the store aside (``formats.set_aside``)."""
+
+    def __init__(self, message: str, found: int) -> None:
+        super().__init__(message)
+        self.found = found
+
+
 class Index:
     """The LMDB index of one cache directory (``root/index``; its packs under
     ``root/blobs``). Safe to share between threads; open one per process (after fork).
@@ -119,10 +128,11 @@ class Index:
         self._shared: _Shared | None = None
         self.env = self._shared_open()
         try:
+            self._check_format()  # before any database is created in it
             before = self._state()
             self._db = {name: self.env.open_db(name.encode(), create=not readonly) for name in DBS}
             self._own_writes(before)
-            self._check_format()
+            self._tag_format()
         except BaseException:
             self.close()  # a refused index must not stay registered in this process
             raise
@@ -175,6 +185,9 @@ class Index:
 
     def _open(self) -> lmdb.Environment:
         self._own_files()
+        from .formats import stored_format
+
+        self._refuse_format(stored_format(self.path / "data.mdb"))  # read without LMDB: nothing written yet
         try:
             why = self.marked_damaged()
             if why is not None and not self.readonly:
@@ -413,25 +426,42 @@ class Index:
         finally:
             os.close(fd)
 
-    def _check_format(self) -> None:
-        have = self.meta(b"format")
-        if have is None and self.readonly:
+    def _refuse_format(self, fmt: int | None) -> None:
+        """FormatError if ``fmt`` (the stored format, None if none) is not this kvstore's."""
+        if fmt is None or fmt == FORMAT_VERSION:
             return
-        if have is None:
-            def tag(t: Any) -> None:
-                if not t.meta(b"format"):
-                    t.set_meta(b"format", str(FORMAT_VERSION).encode())
+        who = "an older" if 0 <= fmt < FORMAT_VERSION else "a newer" if fmt > FORMAT_VERSION else "another"
+        raise FormatError(f"index {self.path} has format {fmt} (written by {who} kvstore), this kvstore reads "
+                          f"{FORMAT_VERSION}: `kvstore serve` or `kvstore gc` on {self.root} sets that store aside "
+                          f"(kept, as a cache directory {who} kvstore can still use) and starts a new one; "
+                          "nothing was changed", fmt)
 
-            self.transact(tag)
+    def _check_format(self) -> None:
+        """FormatError if the index records another format (read before any database is
+        created in it: a refused index is left as it was)."""
+        try:
+            db = self.env.open_db(b"meta", create=False)
+        except lmdb.NotFoundError:
+            return
+        with self.env.begin(db=db) as txn:
+            have = txn.get(b"format")
+        if have is None:
             return
         try:
             fmt = int(have)
         except ValueError:
             fmt = -1
-        if fmt != FORMAT_VERSION:
-            raise IndexOpenError(f"index {self.path} has format {fmt}, this kvstore reads "
-                                 f"{FORMAT_VERSION}: use another --cache-dir, or remove {self.root} "
-                                 "(its cache is rebuilt as requests come)")
+        self._refuse_format(fmt)
+
+    def _tag_format(self) -> None:
+        if self.readonly or self.meta(b"format") is not None:
+            return
+
+        def tag(t: Any) -> None:
+            if not t.meta(b"format"):
+                t.set_meta(b"format", str(FORMAT_VERSION).encode())
+
+        self.transact(tag)
 
     def close(self) -> None:
         """Release this handle; the environment closes with the last one in the process.
