@@ -50,7 +50,10 @@ def set_aside(root: Path, found: int, reads: int, modes: files.Modes) -> tuple[P
     directories (``modes``) are made at once, under the lock."""
     fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass  # no locks here (some network file systems): a racing opener may fail its start, never mix stores
         if stored_format(root / "index" / "data.mdb") != found or found == reads:
             return None  # moved (or replaced) by another opener meanwhile
         aside = root / f"{ASIDE}{found}-{int(time.time())}-{os.urandom(4).hex()}"
