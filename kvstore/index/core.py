@@ -369,7 +369,7 @@ class Index:
         if shared is None or shared.mark is None:
             return None
         before = self._state()
-        if shared.chained and not marks.chained(before, shared.state, self.path, self._read_stamp()):
+        if shared.chained and not marks.chained(before, shared.state, self.path, self._read_stamp):
             shared.chained = shared.verified = False
             log.info("kvstore: index %s was changed by another process outside kvstore's commits; after a crash "
                      "it is checked whole", self.path)

@@ -29,7 +29,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .. import files
 
@@ -151,16 +151,24 @@ def vouch(found: list[Mark], state: dict[str, Any] | None) -> str | None:
     return how
 
 
-def chained(before: dict[str, Any] | None, own: dict[str, Any] | None, directory: Path, stamp: Any) -> bool:
+def chained(before: dict[str, Any] | None, own: dict[str, Any] | None, directory: Path,
+            stamp: Callable[[], Any]) -> bool:
     """The data file a transaction starts from (``before``) is one this process's last
-    transaction left (``own``), a checked open stamped (``stamp``), or a live or dead
-    marked writer's last transaction left: no one else changed it since a check."""
-    if before is None or own is None:
+    transaction left (``own``), a checked open stamped (``stamp()``), or a marked writer's
+    transaction left (its record, or the commit it is still recording: the transaction
+    just before ``before``'s on the same file): no one else changed it since a check."""
+    if before is None or own is None or before.get("txnid") is None:
         return False
     now = {k: before[k] for k in _FILE}
-    if now == {k: own[k] for k in _FILE} or stamp == before:
+    if now == {k: own.get(k) for k in _FILE} or stamp() == before:
         return True
-    return any((m.record or {}).get("file") == now for m in marks(directory))
+    for m in marks(directory):
+        rec = m.record or {}
+        c = rec.get("committing")
+        if rec.get("file") == now or (isinstance(c, dict) and c.get("dev") == now["dev"] and c.get("ino") == now["ino"]
+                                      and c.get("txnid") == now["txnid"] - 1):
+            return True
+    return False
 
 
 def sweep(directory: Path) -> None:
