@@ -96,6 +96,7 @@ def test_a_store_of_another_format_is_set_aside_and_persistence_goes_on(tmp_path
     for cmd in ("ls", "stats", "verify"):
         p = _cli(cmd, "--cache-dir", str(root))
         assert p.returncode == 0, (cmd, p.stdout, p.stderr)
+        assert cmd != "stats" or (aside[0].name in p.stdout and "--old-formats" in p.stdout), p.stdout
 
     outside = tmp_path / "outside"
     outside.mkdir()
