@@ -36,6 +36,9 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="remove every entry of this identity (see `kvstore ls`); repeatable")
     p.add_argument("--missing-models", action="store_true",
                    help="remove entries of identities whose model directory no longer exists")
+    p.add_argument("--old-formats", action="store_true",
+                   help="also remove the stores of other formats set aside in the cache directory "
+                        "(format-N-*/: kept when a kvstore of another format first opened it)")
     p.add_argument("--keep-orphans", action="store_true",
                    help="do not look for orphan blobs, temp files and broken records")
     p.add_argument("--dry-run", "-n", action="store_true",
@@ -66,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
                    pinned=args.include_pinned)
     finally:
         disk.close()
+    old = _old_formats(disk.root, args) if args.old_formats else []
     unfixed = [p for p in res.problems if not p.fixed and p.kind not in maintenance.NOT_OURS] \
         if not args.dry_run else []
     if args.json:
@@ -73,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         out.update(cache_dir=str(disk.root), blob_bytes_left=res.bytes_left)
         if args.dry_run:
             out["blob_bytes_left_exact"] = res.exact
+        if args.old_formats:
+            out["old_formats"] = [{"path": str(path), "bytes": n} for path, n in old]
         common.print_json(out)
         return 1 if unfixed else 0
     verb = "would remove" if args.dry_run else "removed"
@@ -90,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
               f"{common.human_bytes(sum(r['bytes'] for r in mine))}  (over --max-bytes, oldest first)")
     for p in res.problems:
         print(("would fix " if args.dry_run else "") + describe(p))
+    for path, n in old:
+        print(f"{verb} the store set aside as {path.name}  frees {common.human_bytes(n)}")
     P = common.plural
     files = sum(1 for p in res.problems if p.record == "file")
     summary = (f"{'would free' if args.dry_run else 'freed'} {common.human_bytes(res.freed)}: "
@@ -107,3 +115,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{len(unfixed)} problem(s) could not be fixed now: {common.run_hint('verify --fix', disk.root)}")
         return 1
     return 0
+
+
+def _old_formats(root: Any, args: argparse.Namespace) -> list:
+    """Remove (or, with --dry-run, list) the stores of other formats set aside under ``root``."""
+    from ..index.formats import reclaim
+
+    return reclaim(root, dry_run=args.dry_run)

@@ -29,6 +29,7 @@ def collect(disk) -> dict[str, Any]:
     from .. import files
     from ..index import scan
     from ..bytes_written import utc_day, written
+    from ..index.formats import set_aside_stores
     from ..side_records import usage as record_usage
 
     snap = scan(disk.index, full=False)
@@ -83,6 +84,7 @@ def collect(disk) -> dict[str, Any]:
         "written": {"day": utc_day(), "today_bytes": today, "total_bytes": total},
         "filesystem": {"free_bytes": usage.free, "total_bytes": usage.total, "used_bytes": usage.used},
         "by_identity": idents,
+        "set_aside": [{"path": str(p), "bytes": n} for p, n in set_aside_stores(disk.root)],
     }
 
 
@@ -117,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"written       {hb(w['today_bytes'])} today ({w['day']} UTC), {hb(w['total_bytes'])} in total")
     print(f"free space    {hb(fs['free_bytes'])} of {hb(fs['total_bytes'])} on this filesystem")
     print(f"memory tier   {MEMORY_NOTE}")
+    for old in s["set_aside"]:
+        print(f"set aside     {old['path']} ({hb(old['bytes'])}: a store of another format; "
+              "`kvstore gc --old-formats` removes it)")
     if s["by_identity"]:
         print()
         rows = [[r["identity"][:12], common.identity_name(r["identity"], r) + ("" if r["model_present"] is not False else " (missing)"),

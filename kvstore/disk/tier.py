@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from .. import files
-from ..index import Index, IndexOpenError, WriteTxn, chunk_size
+from ..index import FormatError, Index, IndexOpenError, WriteTxn, chunk_size
 from ..records import EntryRecord, RecordError
 from ..escape import logger
 
@@ -31,7 +31,13 @@ class Tier:
         if not readonly:
             for d in (self.root / "index", self.blob_root):
                 files.make_dir(d, self.modes)
-        self.index = Index(self.root, readonly=readonly, modes=self.modes)
+        try:
+            self.index = Index(self.root, readonly=readonly, modes=self.modes)
+        except FormatError as e:
+            if readonly or e.found < 0:
+                raise
+            self._set_aside(e.found)
+            self.index = Index(self.root, readonly=readonly, modes=self.modes)
         # The chunk size is part of the directory's format (it places every key boundary):
         # the first opener fixes it, later openers use it whatever they ask for.
         stored = self.index.meta_setdefault(b"chunk_tokens", str(int(chunk_tokens)).encode())
@@ -42,6 +48,20 @@ class Tier:
             raise
         if self.chunk != chunk_tokens:
             log.info("kvstore: %s uses chunk_tokens=%d (asked for %d)", self.root, self.chunk, chunk_tokens)
+
+    def _set_aside(self, found: int) -> None:
+        """Move the store of format ``found`` aside whole (``index.formats``) and make the
+        directories of a new one: persistence goes on, the old store is kept, named, sized."""
+        from ..index.formats import set_aside
+        from ..keys import FORMAT_VERSION
+        from ..units import human_bytes
+
+        moved = set_aside(self.root, found, FORMAT_VERSION, self.modes)  # makes the new store's directories
+        if moved is not None:
+            log.warning("kvstore: the store in %s has format %d, this kvstore reads %d: set it aside as %s (%s; "
+                        "the kvstore that wrote it can use it as its --cache-dir) and started a new store here. "
+                        "`kvstore gc --old-formats --cache-dir %s` removes it", self.root, found, FORMAT_VERSION,
+                        moved[0], human_bytes(moved[1]), self.root)
 
     def close(self) -> None:
         """Release the index (see ``Index.close``)."""

@@ -5,13 +5,13 @@ salvaged when damaged) and runs transactions; ``checks`` is what an open runs wh
 stamp does not vouch for the file (the crash check, the walk in a child, the salvage);
 ``txn`` reads and writes records inside one (``Reader``, ``WriteTxn``); ``trie`` is the
 trie over token prefixes the lookup walks; ``pages`` walks LMDB's pages without LMDB, for
-damaged files; ``scan`` reads every record in one transaction; ``errors`` names the errors its operations raise.
+damaged files; ``formats`` finds a store of another format and sets it aside; ``marks`` are the writer marks; ``scan`` reads every record in one transaction; ``errors`` names the errors its operations raise.
 """
 
-from .core import CORRUPTION, Index, IndexOpenError, chunk_size
+from .core import CORRUPTION, FormatError, Index, IndexOpenError, chunk_size
 from .errors import DAMAGE, IndexFailure
 from .scan import IndexRecords, scan
 from .txn import DBS, Reader, WriteTxn
 
-__all__ = ["chunk_size", "CORRUPTION", "DAMAGE", "DBS", "Index", "IndexFailure", "IndexOpenError", "Reader", "IndexRecords", "WriteTxn",
+__all__ = ["chunk_size", "CORRUPTION", "DAMAGE", "FormatError", "DBS", "Index", "IndexFailure", "IndexOpenError", "Reader", "IndexRecords", "WriteTxn",
            "scan"]

@@ -15,6 +15,7 @@ import lmdb
 
 from ..escape import logger
 from ..records import RecordError, parse
+from .marks import Mark, vouch
 from .txn import DBS
 
 log = logger("kvstore")
@@ -68,26 +69,26 @@ if unread:  # not read to the end (readers table full, out of memory...): no ver
 """
 
 
-def check(path: Path, *, readonly: bool, state: dict[str, Any] | None, marks: list[Any],
-          marked_damaged: bool, initial_map: int) -> tuple[bool, str | None]:
+def check(path: Path, *, readonly: bool, state: dict[str, Any] | None, marks: list[Mark],
+          marked_damaged: bool, initial_map: int) -> tuple[bool, str | None, bool]:
     """Check index directory ``path`` (its data file in ``state``, as ``Index`` reads it)
     before this process maps it: (whether a check ran to completion, why the index would
-    crash a process reading it or None). The crash check when a writer's mark (``marks``:
-    what each records) vouches for the file, else the walk in a child (``check_in_child``)."""
-    if crash_checked(path / "data.mdb", state, marks, marked_damaged=marked_damaged):
-        return True, None
-    return check_in_child(path, readonly=readonly, initial_map=initial_map)
+    crash a process reading it or None, whether a live writer's mark vouched for it). A
+    writer's mark (``marks``) vouches for a file exactly as a live writer's last commit left
+    it; the crash check runs for one a writer that is gone left or was committing to
+    (``marks.vouch``); any other file is walked in a child (``check_in_child``)."""
+    how = vouch(marks, state) if CHECK_AT_OPEN and not marked_damaged else None
+    if how == "live":
+        return True, None, True
+    if how == "crash" and crash_checked(path / "data.mdb"):
+        return True, None, False
+    verified, damage = check_in_child(path, readonly=readonly, initial_map=initial_map)
+    return verified, damage, False
 
 
-def crash_checked(data: Path, state: dict[str, Any] | None, marks: list[Any], *, marked_damaged: bool) -> bool:
-    """The data file is one a checked writer's mark names (same device and inode, its
-    transaction id not behind the mark's), and ``pages.crash_check`` finds nothing a
-    stopped writer could have left in it: the open needs no walk (``core``'s docstring)."""
-    if state is None or state["txnid"] is None or not CHECK_AT_OPEN or marked_damaged:
-        return False
-    if not any(isinstance(m, dict) and m.get("dev") == state["dev"] and m.get("ino") == state["ino"]
-               and isinstance(m.get("txnid"), int) and m["txnid"] <= state["txnid"] for m in marks):
-        return False
+def crash_checked(data: Path) -> bool:
+    """``pages.crash_check`` finds nothing a stopped writer could have left in ``data``
+    (a file a writer that is gone vouches for): the open needs no walk (``core``'s docstring)."""
     from .pages import crash_check  # the page walker: only after a crash
 
     why = crash_check(data)

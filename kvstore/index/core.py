@@ -16,24 +16,28 @@ that kvstore's own LMDB code produced from a checked state:
   stopped from outside, could not start) is logged and proves nothing: the index is
   opened unchecked for this process and left unstamped, so the next open checks again. An open whose data file matches the
   stamp skips the check: it costs a stat and one meta page, whatever the index holds.
-- a writer stopped without a clean close (killed, out of memory, power lost): each
-  writer whose open was so checked makes, before its first commit, a
-  ``writer-<pid>-<random>`` mark naming the file (device, inode, transaction id), and
-  removes it at its clean close (a process that never writes makes none). A
-  file a writer's mark names, its transaction id not behind it, was written since the
-  check by LMDB's commits only, which write a transaction's pages before the meta page
-  naming them: ``pages.crash_check`` checks what such a stop can leave (a file shorter
-  than its pages, a page a root names of the wrong kind) by pread, in time that does
-  not grow with the index, and the open stamps the file as after a full check. A mark
-  whose process is gone is removed once the file is checked or stamped again.
+- a writer stopped without a clean close (killed, out of memory, power lost), or still
+  running: each writer whose open was so checked makes, before its first commit, a
+  writer mark (``marks``): a file it holds under a lock for its life (the kernel releases
+  it when the process ends, in whatever pid namespace), recording the data file exactly
+  as its last transaction left it (device, inode, size, mtime, ctime, transaction id),
+  and removes it at its clean close (a process that never writes makes none). A file
+  exactly as a live writer left it needs no check; one a writer that is gone left, or
+  was committing to, was written since the check by LMDB's commits only, which write a
+  transaction's pages before the meta page naming them: ``pages.crash_check`` checks
+  what such a stop can leave (a file shorter than its pages, a page a root names of the
+  wrong kind) by pread, in time that does not grow with the index, and the open stamps
+  the file as after a full check. A mark whose writer is gone is removed once the file
+  is checked or stamped again. No mark vouches for a file edited in place since its
+  writer's last transaction (a new ctime), nor for another file.
 - any other state (the file edited, replaced, copied in from elsewhere: each changes
   ctime or inode; or a crash check that found something) is checked before this process
   maps it: a child process reads every record (and, for a writer, probes a write), so
   a damaged page kills the child, not the server. A damaged index is moved aside and its
   readable records salvaged (``pages.salvage``, which reads pages itself, without LMDB).
 Damage that reaches a file without going through the filesystem (bit rot under an
-unchanged ctime), or an edit of a file between a writer's crash and the next open, is
-not caught at open; ``kvstore verify`` walks every page. The crash check, the child's walk
+unchanged ctime), an edit of a file inside the clock tick of a writer's last commit, or
+one between a crash inside a commit and the next open, is not caught at open; ``kvstore verify`` walks every page. The crash check, the child's walk
 and the salvage are ``checks``, imported only by an open whose file does not match its stamp.
 """
 
@@ -45,7 +49,7 @@ import os
 import stat
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -55,6 +59,8 @@ from .. import files
 from ..escape import LazyLogger
 from ..keys import FORMAT_VERSION
 from ..records import MAX_CHUNK, IdentityRecord, RecordError, parse
+from . import marks
+from .marks import WRITER, OwnMark
 from .meta import last_txnid, unwritten_roots
 from .txn import DBS, Reader, WriteTxn, count
 
@@ -66,7 +72,6 @@ _PROBE_KEY = b"\x00kvstore-open-probe"  # main database; never committed
 _LOCK_BYTES = 64 << 10  # lock.mdb: LMDB's reader table for max_readers=512 needs ~33 KiB
 STAMP = "clean"
 DAMAGED = "damaged"  # written by a process that met damage: the next writable open salvages
-WRITER = "writer-"  # writer-<pid>-<random hex>: a writer holds the index open (module docstring)
 
 # Errors that mean the data file itself is damaged: only these move an index aside.
 CORRUPTION = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
@@ -83,8 +88,10 @@ class _Shared:
     refs: int
     state: dict[str, Any] | None = None
     verified: bool = False  # a check completed (or kvstore made the file): a clean close may stamp
-    mark: Path | None = None  # this process's writer mark, made before its first commit (removed at its clean close)
+    mark: OwnMark | None = None  # this process's writer mark, made before its first commit (removed at its clean close)
     marked: bool = False  # a mark was attempted (once per process and environment)
+    chained: bool = True  # every transaction started from a file a check, this writer or a marked one left
+    txn_lock: threading.Lock = field(default_factory=threading.Lock)  # a write transaction and its mark record
 
 
 _SHARED: dict[tuple[int, str], _Shared] = {}
@@ -93,6 +100,15 @@ _SHARED_LOCK = threading.Lock()
 
 class IndexOpenError(RuntimeError):
     """The index cannot be opened or used; the message says what to do."""
+
+
+class FormatError(IndexOpenError):
+    """The index is of another format (``found``), refused before anything was written
+    into it; a writable opener sets the store aside (``formats.set_aside``)."""
+
+    def __init__(self, message: str, found: int) -> None:
+        super().__init__(message)
+        self.found = found
 
 
 class Index:
@@ -112,8 +128,11 @@ class Index:
         self._shared: _Shared | None = None
         self.env = self._shared_open()
         try:
+            self._check_format()  # before any database is created in it
+            before = self._state()
             self._db = {name: self.env.open_db(name.encode(), create=not readonly) for name in DBS}
-            self._check_format()
+            self._own_writes(before)
+            self._tag_format()
         except BaseException:
             self.close()  # a refused index must not stay registered in this process
             raise
@@ -138,6 +157,17 @@ class Index:
             self._shared = _SHARED[key] = _Shared(env, self.readonly, 1, self._state(), self._verified)
             return env
 
+    def _own_writes(self, before: dict[str, Any] | None) -> None:
+        """The databases this open created are this process's commits: the file as it
+        leaves it (``_Shared.state``), as after a transaction."""
+        shared, after = self._shared, self._state()
+        if (shared is None or self.readonly or before is None or after is None or before == after
+                or shared.state != before or before["txnid"] is None or after["txnid"] is None):
+            return
+        if (before["dev"], before["ino"]) == (after["dev"], after["ino"]) and \
+                0 <= after["txnid"] - before["txnid"] <= len(DBS):
+            shared.state = after
+
     def _own_files(self) -> None:
         """IndexOpenError unless ``data.mdb`` and ``lock.mdb`` are regular files (or
         absent): LMDB would block reading a FIFO, and write through a symlink into a
@@ -155,6 +185,9 @@ class Index:
 
     def _open(self) -> lmdb.Environment:
         self._own_files()
+        from .formats import stored_format
+
+        self._refuse_format(stored_format(self.path / "data.mdb"))  # read without LMDB: nothing written yet
         try:
             why = self.marked_damaged()
             if why is not None and not self.readonly:
@@ -163,21 +196,23 @@ class Index:
                 self._allocate_lock_file()
                 self._create_data_file()
             checked = not self._stamp_matches()
-            self._verified = not checked
+            self._verified, live = not checked, False
             if checked:  # the checks: only for a file not as its stamp says (``checks``)
                 from .checks import check
 
-                self._verified, damage = check(self.path, readonly=self.readonly, state=self._state(),
-                                               marks=[m for _, m in self._marks()],
-                                               marked_damaged=self.marked_damaged() is not None,
-                                               initial_map=INITIAL_MAP)
+                self._verified, damage, live = check(self.path, readonly=self.readonly, state=self._state(),
+                                                     marks=marks.marks(self.path),
+                                                     marked_damaged=self.marked_damaged() is not None,
+                                                     initial_map=INITIAL_MAP)
                 if damage:
                     raise lmdb.CorruptedError(damage)
-            env = self._open_env(probe=checked)
-            if checked and self._verified:
+            # a file as a live writer's last commit left it: that writer's open was checked
+            # and probed, and it goes on writing (no stamp: the next commit changes the file)
+            env = self._open_env(probe=checked and not live)
+            if checked and self._verified and not live:
                 self._write_stamp()
             if self._verified:
-                self._sweep_marks()
+                marks.sweep(self.path)
             return env
         except lmdb.Error as e:
             if self.readonly or not isinstance(e, CORRUPTION):
@@ -258,6 +293,14 @@ class Index:
         state = self._state()
         return isinstance(stamp, dict) and state is not None and state["txnid"] is not None and stamp == state
 
+    def _read_stamp(self) -> Any:
+        """What the stamp records (None if there is none or it is unreadable)."""
+        try:
+            with os.fdopen(files.open_regular(self.path / STAMP), "rb") as f:
+                return json.loads(f.read(1 << 16))
+        except (OSError, ValueError, RecursionError, files.BlobError):
+            return None
+
     def _write_stamp(self) -> None:
         """Record that the data file, as it is now, is one kvstore checked or wrote. Best
         effort: without a stamp the next open checks the file."""
@@ -295,22 +338,6 @@ class Index:
         except OSError:
             pass
 
-    def _marks(self) -> list[tuple[Path, Any]]:
-        """Every writer mark beside the data file, with what it records (None if unreadable)."""
-        try:
-            names = [n for n in os.listdir(self.path) if n.startswith(WRITER) and not n.endswith(".tmp")]
-        except OSError:
-            return []
-        out: list[tuple[Path, Any]] = []
-        for name in names:
-            try:
-                fd = files.open_regular(self.path / name)  # a FIFO there must not block the open
-                with os.fdopen(fd, "rb") as f:
-                    out.append((self.path / name, json.loads(f.read(1 << 12))))
-            except (OSError, ValueError, RecursionError, files.BlobError):
-                out.append((self.path / name, None))
-        return out
-
     def _mark_once(self) -> None:
         """Before this process's first commit, its writer mark (if its open was checked):
         a process that never writes (``ls``, a server serving hits only) leaves none."""
@@ -319,36 +346,55 @@ class Index:
             return
         with _SHARED_LOCK:
             if not shared.marked:
-                shared.mark, shared.marked = self._write_mark(), True
+                shared.mark, shared.marked = self._write_mark(shared.state), True
 
-    def _write_mark(self) -> Path | None:
-        """Mark the index as held by this writer, from the state it was checked in. Best
-        effort: without a mark, the open after a crash walks the whole index."""
-        state = self._state()
+    def _write_mark(self, state: dict[str, Any] | None) -> OwnMark | None:
+        """Mark the index as held by this writer, recording the state its open checked
+        (``marks``). Best effort: without a mark, the open after a crash walks the index."""
         if state is None:
             return None
-        mark = self.path / f"{WRITER}{os.getpid()}-{os.urandom(8).hex()}"
         try:
-            files.replace_file(mark, json.dumps({k: state[k] for k in ("dev", "ino", "txnid")}).encode(),
-                               self.modes)
+            return OwnMark.make(self.path, state, self.modes)
         except OSError as e:
             log.info("kvstore: could not mark index %s open (%s); after a crash it is checked whole", self.path, e)
             return None
-        return mark
 
-    def _sweep_marks(self) -> None:
-        """Remove the marks of writers that are gone (the file is checked or stamped now)."""
-        for path, _ in self._marks():
-            try:
-                pid = int(path.name[len(WRITER):].split("-", 1)[0])
-            except ValueError:
-                pid = 0
-            if pid > 0 and _alive(pid):
-                continue
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+    def _starting(self) -> dict[str, Any] | None:
+        """Inside a write transaction (LMDB's writer lock held), before it writes: the file
+        it starts from, recorded in this writer's mark as the one it is committing to. A
+        file that neither this writer's last transaction, a check's stamp nor another
+        marked writer left was changed by someone else: this writer vouches for nothing
+        from then on (no state in its mark, no stamp at its close)."""
+        shared = self._shared
+        if shared is None or shared.mark is None:
+            return None
+        before = self._state()
+        if shared.chained and not marks.chained(before, shared.state, self.path, self._read_stamp):
+            shared.chained = shared.verified = False
+            log.info("kvstore: index %s was changed by another process outside kvstore's commits; after a crash "
+                     "it is checked whole", self.path)
+        try:
+            shared.mark.record(None, committing=before if shared.chained else None)
+        except OSError:
+            pass
+        return before
+
+    def _finished(self, before: dict[str, Any] | None) -> None:
+        """After a write transaction (committed or not): the file as this process left it,
+        recorded in its mark when it is this writer's commit on the file it started from."""
+        shared = self._shared
+        if shared is None or self.readonly:
+            return
+        shared.state = after = self._state()
+        if shared.mark is None:
+            return
+        ours = (shared.chained and before is not None and after is not None and after["txnid"] is not None
+                and before["txnid"] is not None and (after["dev"], after["ino"]) == (before["dev"], before["ino"])
+                and before["txnid"] <= after["txnid"] <= before["txnid"] + 1)
+        try:
+            shared.mark.record(after if ours else None)
+        except OSError:
+            pass
 
     def _create_data_file(self) -> None:
         """Make ``data.mdb`` (empty: LMDB starts a new environment in it) with this
@@ -380,25 +426,42 @@ class Index:
         finally:
             os.close(fd)
 
-    def _check_format(self) -> None:
-        have = self.meta(b"format")
-        if have is None and self.readonly:
+    def _refuse_format(self, fmt: int | None) -> None:
+        """FormatError if ``fmt`` (the stored format, None if none) is not this kvstore's."""
+        if fmt is None or fmt == FORMAT_VERSION:
             return
-        if have is None:
-            def tag(t: Any) -> None:
-                if not t.meta(b"format"):
-                    t.set_meta(b"format", str(FORMAT_VERSION).encode())
+        who = "an older" if 0 <= fmt < FORMAT_VERSION else "a newer" if fmt > FORMAT_VERSION else "another"
+        raise FormatError(f"index {self.path} has format {fmt} (written by {who} kvstore), this kvstore reads "
+                          f"{FORMAT_VERSION}: `kvstore serve` or `kvstore gc` on {self.root} sets that store aside "
+                          f"(kept, as a cache directory {who} kvstore can still use) and starts a new one; "
+                          "nothing was changed", fmt)
 
-            self.transact(tag)
+    def _check_format(self) -> None:
+        """FormatError if the index records another format (read before any database is
+        created in it: a refused index is left as it was)."""
+        try:
+            db = self.env.open_db(b"meta", create=False)
+        except lmdb.NotFoundError:
+            return
+        with self.env.begin(db=db) as txn:
+            have = txn.get(b"format")
+        if have is None:
             return
         try:
             fmt = int(have)
         except ValueError:
             fmt = -1
-        if fmt != FORMAT_VERSION:
-            raise IndexOpenError(f"index {self.path} has format {fmt}, this kvstore reads "
-                                 f"{FORMAT_VERSION}: use another --cache-dir, or remove {self.root} "
-                                 "(its cache is rebuilt as requests come)")
+        self._refuse_format(fmt)
+
+    def _tag_format(self) -> None:
+        if self.readonly or self.meta(b"format") is not None:
+            return
+
+        def tag(t: Any) -> None:
+            if not t.meta(b"format"):
+                t.set_meta(b"format", str(FORMAT_VERSION).encode())
+
+        self.transact(tag)
 
     def close(self) -> None:
         """Release this handle; the environment closes with the last one in the process.
@@ -420,10 +483,7 @@ class Index:
             else:
                 self._drop_stamp()  # damage seen, or someone else wrote after this process
             if got.mark is not None:
-                try:
-                    os.unlink(got.mark)
-                except OSError:
-                    pass
+                got.mark.close()
         self.env.close()
 
     def forget(self) -> None:
@@ -441,11 +501,18 @@ class Index:
         scheduled (``WriteTxn.unlink_after_commit``). An exception in ``fn`` aborts the
         transaction and unlinks nothing. The map grows and ``fn`` runs again when full."""
         self._mark_once()
+        lock = self._shared.txn_lock if self._shared is not None else threading.Lock()
         while True:
+            before = None
             try:
-                with self.env.begin(write=True) as txn:
-                    w = WriteTxn(txn, self._db, self.blob_root)
-                    out = fn(w)
+                with lock:  # this process's transactions are one at a time anyway (LMDB's writer lock)
+                    try:
+                        with self.env.begin(write=True) as txn:
+                            before = self._starting()
+                            w = WriteTxn(txn, self._db, self.blob_root)
+                            out = fn(w)
+                    finally:
+                        self._finished(before)  # the data file as this process left it (committed or not)
                 break
             except lmdb.MapFullError:
                 new = self.env.info()["map_size"] * 2
@@ -453,8 +520,6 @@ class Index:
                 self.env.set_mapsize(new)
             except lmdb.MapResizedError:
                 self.env.set_mapsize(0)
-        if self._shared is not None and not self.readonly:
-            self._shared.state = self._state()  # the data file as this process left it
         for path in w.unlink:
             try:
                 files.unlink_own(path)  # kvstore's own pack files only: never through a symlink
@@ -556,17 +621,6 @@ def _append_zeros(fd: int, size: int) -> None:
     zeros = memoryview(bytes(size - have))
     while zeros:
         zeros = zeros[os.write(fd, zeros):]
-
-
-def _alive(pid: int) -> bool:
-    """A process ``pid`` exists (one of another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 def aside_name(path: Path, what: str) -> Path:

@@ -230,6 +230,23 @@ def db_roots(data: Path) -> dict[str, int]:
     return subs
 
 
+def lookup(data: Path, db: str, key: bytes) -> bytes | None:
+    """The value of ``key`` in named database ``db`` of ``data``'s newest snapshot, read
+    page by page (no map, no lock file); None if absent. OSError, Damaged or struct.error
+    if the pages on the way cannot be read."""
+    pages = _Pages(data, page_size(data), None)
+    try:
+        sub: list[tuple] = []
+        got: list[bytes] = []
+        pages.walk(pages.main, lambda k, v, f: sub.append(struct.unpack("<IHHQQQQQ", v))
+                   if k == db.encode() and f & _F_SUBDATA and len(v) == 48 else None, [], "main")
+        if sub:
+            pages.walk(sub[0], lambda k, v, f: got.append(v) if k == key else None, [], db)
+    finally:
+        pages.close()
+    return got[0] if got else None
+
+
 def crash_check(data: Path) -> str | None:
     """Why the newest snapshot of ``data`` could fault a process that maps it, or None;
     read with pread only, at a cost that does not grow with the records it holds.

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lmdb
@@ -334,3 +336,161 @@ def test_salvage_keeps_the_subtrees_beside_a_damaged_branch_node(tmp_path):
     finally:
         disk.close()
     assert kept == sum(leaf_sizes) - leaf_sizes[1], (kept, leaf_sizes)
+
+
+# --------------------------------------------------------------------------- writer marks
+
+_WRITER = r"""
+import json, sys
+from kvstore import KVStore
+from tests.support.caches import ident, rand_tokens, synth_kv_cache
+a = json.loads(sys.argv[1])
+s = KVStore(a["cache"], chunk_tokens=64)
+for i in range(9):
+    s.insert(ident("marks"), rand_tokens(12, seed=40 + i), synth_kv_cache(1, 1, 12, 4, seed=i))
+assert s.flush()
+print("ready", flush=True)
+sys.stdin.readline()  # holds the store open (its writer mark) until told, or killed
+s.close()
+print("closed", flush=True)
+"""
+
+_OPENER = r"""
+import json, sys
+from kvstore import KVStore
+from tests.support.caches import ident, rand_tokens
+with KVStore(sys.argv[1]) as s:
+    print(json.dumps([s.fetch(ident("marks"), rand_tokens(12, seed=40 + i)).n for i in range(9)]))
+"""
+
+
+def _pid_namespace() -> list[str] | None:
+    """The command prefix that runs a program as PID 1 of a new pid namespace, or None
+    where this system has none (then the test plants what such a writer leaves)."""
+    import shutil
+
+    if not shutil.which("unshare"):
+        return None
+    for extra in ([], ["--user", "--map-root-user"]):
+        cmd = ["unshare", *extra, "--pid", "--fork", "--mount-proc"]
+        p = subprocess.run([*cmd, sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                           text=True, timeout=60)
+        if p.returncode == 0 and p.stdout.strip() == "1":
+            return cmd
+    return None
+
+
+def _start_writer(cache: Path, prefix: list[str] | None = None) -> tuple[subprocess.Popen, int]:
+    """A writer of 9 entries holding the store open: (its process, the pid of its Python
+    as this namespace sees it)."""
+    p = subprocess.Popen([*(prefix or []), sys.executable, "-c", _WRITER, json.dumps({"cache": str(cache)})],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(), cwd=str(ROOT))
+    assert p.stdout.readline().strip() == "ready"
+    if not prefix:
+        return p, p.pid
+    kids = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()  # unshare's one child
+    assert len(kids) == 1, kids
+    return p, int(kids[0])
+
+
+def _edit_in_place(data: Path) -> None:
+    """Damage node 4 of the tokens leaf, in place (same inode), once the file system's
+    clock has moved past the file's last change (so the edit is a new ctime, as any
+    edit after a writer's commit is)."""
+    probe = data.parent.parent / "clock-probe"
+    deadline = time.monotonic() + 60
+    while True:
+        probe.write_bytes(b"")
+        if probe.stat().st_ctime_ns > data.stat().st_ctime_ns or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    probe.unlink()
+    _damage_node(data, 4, "offset")
+
+
+def _open_and_fetch(cache: Path) -> list[int]:
+    """Tokens each of the 9 prompts is served, by a new process (a fault kills it, not us)."""
+    p = subprocess.run([sys.executable, "-c", _OPENER, str(cache)], capture_output=True, text=True,
+                       timeout=300, env=child_env(), cwd=str(ROOT))
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("between", ["an open", "nothing"])
+def test_a_writer_killed_as_pid_1_vouches_for_no_later_damage(tmp_path, between):
+    """Issue 52, item 9: a writer SIGKILLed as PID 1 of its pid namespace (a container's
+    entrypoint) left a mark every later open kept (pid 1 is "alive" everywhere), and it
+    vouched for whatever the file became: after an in-place damage the next process died
+    of SIGBUS. A mark now proves its writer alive by a lock the kernel releases at its
+    death, and vouches only for the file exactly as its last commit left it: the damage
+    is found by the child's walk, the index salvaged, and the 8 intact entries served.
+    With ``between``: an open after the crash, which removes the dead mark, as the next
+    open after the crash does; without: the dead mark is still there at the damage."""
+    cache = tmp_path / "cache"
+    prefix = _pid_namespace()
+    p, pid = _start_writer(cache, prefix)
+    os.kill(pid, signal.SIGKILL)  # PID 1 of its namespace: only the outside can kill it
+    p.wait(timeout=60)
+    idx = cache / "index"
+    if prefix is None:  # no pid namespace here: the same mark, as such a writer names it
+        for m in idx.glob("writer-*"):
+            m.rename(idx / ("writer-1-" + m.name.split("-", 2)[2]))
+    assert [m.name.split("-")[1] for m in idx.glob("writer-*")] == ["1"]
+    if between == "an open":
+        assert _open_and_fetch(cache) == [12] * 9  # the crash check: no damage yet
+        assert not list(idx.glob("writer-*"))  # the dead writer's mark went with it
+    _edit_in_place(idx / "data.mdb")
+    served = _open_and_fetch(cache)
+    assert list(cache.glob("index.corrupt-*")), "the damage was not found at open"
+    assert sorted(served) == [0] + [12] * 8, served
+    assert _open_and_fetch(cache) == served  # and the salvaged index opens again
+
+
+def test_a_live_writers_mark_does_not_vouch_for_a_file_edited_in_place(tmp_path):
+    """A live writer's mark vouches for the file as that writer's last commit left it,
+    never for an edit of it in place by someone else (same device, inode and transaction
+    id, a new ctime): the next open walks it in a child, finds the damage and salvages,
+    while the writer still holds its mark."""
+    cache = tmp_path / "cache"
+    p, _ = _start_writer(cache)
+    try:
+        assert len(list((cache / "index").glob("writer-*"))) == 1
+        _edit_in_place(cache / "index" / "data.mdb")
+        served = _open_and_fetch(cache)
+        assert list(cache.glob("index.corrupt-*")), "the damage was not found at open"
+        assert sorted(served) == [0] + [12] * 8, served
+        assert p.poll() is None  # the writer was alive (its lock held) throughout
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_live_writers_mark_vouches_for_its_own_commits(tmp_path, monkeypatch):
+    """What the mark is for: beside a live writer that has committed, an open walks
+    nothing (no child could start here) and serves the writer's entries; and a mark made
+    for another file (the index replaced by a copy: another inode) vouches for nothing."""
+    import logging
+
+    cache = tmp_path / "cache"
+    p, _ = _start_writer(cache)
+    try:
+        monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))  # no walk can run
+        warned: list[str] = []
+        handler = type("H", (logging.Handler,), {"emit": lambda s, r: warned.append(r.getMessage())})(logging.INFO)
+        logging.getLogger("kvstore").addHandler(handler)
+        try:
+            with KVStore(cache) as s:
+                assert [s.fetch(ident("marks"), rand_tokens(12, seed=40 + i)).n for i in range(9)] == [12] * 9
+            assert not any("did not complete" in w for w in warned), warned
+            data = cache / "index" / "data.mdb"
+            copy = data.with_name("copy")
+            copy.write_bytes(data.read_bytes())
+            os.replace(copy, data)  # the same bytes, another inode
+            with KVStore(cache):
+                pass
+            assert any("did not complete" in w for w in warned), warned  # it tried to walk it
+        finally:
+            logging.getLogger("kvstore").removeHandler(handler)
+    finally:
+        p.kill()
+        p.wait()

@@ -314,10 +314,11 @@ def test_record_with_another_entrys_chunk_list_costs_only_itself(tmp_path: Path,
 
 
 def test_refused_index_is_refused_the_same_way_every_time(tmp_path: Path) -> None:
-    """An index claiming another format is refused naming the format, and again on the
-    next open in the same process, read-only or not (a server retrying, or the CLI's
-    read-only then writable opens): the refused open left its environment registered,
-    and every later open said the index was "already open read-only in this process"."""
+    """An index claiming another format is refused naming the format by a read-only open,
+    and again on the next one in the same process; a writable open after them sets it
+    aside and opens a new store (issue 52, item 11): the refused open left its environment
+    registered, and every later open said the index was "already open read-only in this
+    process"."""
     cache = tmp_path / "cache"
     _synthetic_store(cache)
     craft.put_raw(cache, "meta", b"format", b"2")
@@ -328,7 +329,7 @@ def test_refused_index_is_refused_the_same_way_every_time(tmp_path: Path) -> Non
         from kvstore.store import open_disk
         a = json.loads(sys.argv[1])
         out = []
-        for how in ("readonly", "write", "store", "store"):
+        for how in ("readonly", "readonly", "write", "store"):
             try:
                 if how == "store":
                     KVStore(a["cache"]).close()
@@ -339,7 +340,8 @@ def test_refused_index_is_refused_the_same_way_every_time(tmp_path: Path) -> Non
                 out.append(str(e))
         print(json.dumps(out))
     """, {"cache": str(cache)})
-    assert all("has format 2" in m for m in got), got
+    assert ["has format 2" in m for m in got] == [True, True, False, False], got
+    assert got[2:] == ["opened", "opened"], got
 
 
 # -- finding: path traversal (not expressible in format 3) -----------------------------
