@@ -151,3 +151,27 @@ def test_check_names_what_is_wrong_with_a_cache_or_its_type() -> None:
     short.keys, short.values, short.offset = good[0].keys, good[0].values, 9
     with pytest.raises(ValueError, match="cache layer 0 .*claims 9 positions but its arrays hold 4"):
         check([short], "user")
+
+
+class StateOnly:
+    """A foreign layer with a class-level ``state`` and nothing else: no nbytes, no is_trimmable."""
+
+    state = property(lambda self: [])
+
+
+class BytesOnly:
+    """A foreign layer with ``nbytes`` alone."""
+
+    nbytes = 8
+
+
+def test_a_foreign_layer_without_sizes_or_trim_rules_counts_nothing_and_is_not_trimmable() -> None:
+    check_cache([StateOnly()])  # either mark of a cache object is enough
+    check_cache([BytesOnly()])
+    snap, covered, why = take([StateOnly(), Foreign(True)], 4, "user")
+    assert snap.opaque is not None and snap.nbytes == 100 and not snap.trimmable and covered == 0 and why
+    snap, _, _ = take([Foreign(True), BytesOnly()], 4, "user")
+    assert snap.nbytes == 108 and not snap.trimmable  # BytesOnly has no is_trimmable: mlx-lm's rule says no
+    odd = {Foreign(True)}  # not a list at all: nothing counted
+    snap, _, _ = take(odd, 4, "user")  # type: ignore[arg-type]
+    assert snap.opaque is odd and snap.nbytes == 0

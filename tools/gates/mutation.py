@@ -10,7 +10,8 @@ For each module: a scratch copy of the repo (``COPIED``) in a temporary director
 run`` there. mutmut's ``mutants/`` directory is made in that copy and removed with it, so
 the work tree never holds one, and runs of different modules cannot mix their results.
 
-A mutant counts as killed when a test failed on it or it timed out; every other outcome
+A mutant counts as killed when a test failed on it or it timed out (counted apart: a module
+whose mutants all time out has tests that hang, not tests that kill); every other outcome
 (survived, no test reached it, suspicious, ...) must be explained in ``SURVIVORS``
 (``tools/gates/mutation_survivors.txt``: ``<mutant> <diff hash> <why>`` a line). The hash
 is of the mutant's diff, so an explanation stops counting when the code under it changes
@@ -54,6 +55,15 @@ MODULES: dict[str, tuple[str, ...]] = {
     "kvstore/adapters/stable_prefix.py": ("tests/unit/test_adapters_stable_prefix.py",),
     "kvstore/index/checks.py": ("tests/system/test_index_checks.py",),
     "kvstore/memory/snapshot.py": ("tests/system/test_memory_snapshot.py",),
+}
+
+
+# [tool.mutmut] settings of one module's run beside pyproject's. MLX does not survive a fork of a
+# process that has used it (a forked test's first evaluation never returns: every mutant "timed
+# out"), so a module whose tests run MLX is tested in workers forked from a server that has not.
+SETTINGS: dict[str, dict[str, str]] = {
+    "kvstore/memory/snapshot.py": {"process_isolation": "forkserver", "forkserver_warmup": "collect"},
+    "kvstore/index/checks.py": {"process_isolation": "forkserver", "forkserver_warmup": "collect"},
 }
 
 
@@ -103,7 +113,8 @@ def _scratch(dest: Path, module: str, tests: tuple[str, ...]) -> None:
     if "[tool.mutmut]" not in text:
         raise SystemExit("pyproject.toml has no [tool.mutmut] section")
     extra = (f"only_mutate = {json.dumps([module])}\n"
-             f"pytest_add_cli_args_test_selection = {json.dumps(list(tests))}\n")
+             f"pytest_add_cli_args_test_selection = {json.dumps(list(tests))}\n"
+             + "".join(f"{k} = {json.dumps(v)}\n" for k, v in SETTINGS.get(module, {}).items()))
     (dest / "pyproject.toml").write_text(text.replace("[tool.mutmut]\n", "[tool.mutmut]\n" + extra, 1))
     tomllib.loads((dest / "pyproject.toml").read_text())  # still TOML
 
@@ -167,7 +178,8 @@ def run_module(module: str, *, max_children: int, keep: Path | None = None, log=
 def report(results: list[Result], explained: dict[str, tuple[str, str]], log=print) -> int:
     """Prints the table and each unexplained mutant; the number unexplained (failed runs count)."""
     bad = 0
-    log(f"{'module':40} {'mutants':>7} {'killed':>6} {'not killed':>10} {'explained':>9} {'score':>6} {'time':>6}")
+    log(f"{'module':40} {'mutants':>7} {'killed':>6} {'(timeout)':>9} {'not killed':>10} {'explained':>9} {'score':>6} "
+        f"{'time':>6}")
     unexplained: list[tuple[str, str, str]] = []
     for r in results:
         if r.error:
@@ -180,7 +192,9 @@ def report(results: list[Result], explained: dict[str, tuple[str, str]], log=pri
                 unexplained.append((k, r.status[k], r.diffs[k]))
         n, killed = len(r.status), len(r.status) - len(r.not_killed())
         score = f"{100 * killed / n:.1f}%" if n else "-"
-        log(f"{r.module:40} {n:>7} {killed:>6} {len(r.not_killed()):>10} {len(ok):>9} {score:>6} {r.seconds:>5.0f}s")
+        timeouts = sum(s == "timeout" for s in r.status.values())
+        log(f"{r.module:40} {n:>7} {killed:>6} {timeouts:>9} {len(r.not_killed()):>10} {len(ok):>9} {score:>6} "
+            f"{r.seconds:>5.0f}s")
     for k, status, diff in unexplained:
         log(f"\n{status}: {k} {diff_hash(diff)}\n{diff}")
     return bad + len(unexplained)
