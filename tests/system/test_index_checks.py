@@ -82,6 +82,7 @@ def test_a_damaged_index_is_named_by_the_real_walk(tmp_path: Path) -> None:
     ("import sys; print('x', file=sys.stderr); print('page 7 bad', file=sys.stderr); sys.exit(3)",
      "reading {data} fails: page 7 bad"),
     ("import sys; sys.exit(3)", "reading {data} fails: damaged"),
+    ("import sys; sys.stderr.buffer.write(b'bad \\xff page'); sys.exit(3)", "reading {data} fails: bad \ufffd page"),
     ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", "reading {data} kills the process (SIGSEGV)"),
     ("import os, signal, sys; print('at page 3', file=sys.stderr, flush=True); os.kill(os.getpid(), signal.SIGBUS)",
      "reading {data} kills the process (SIGBUS: at page 3)"),
@@ -118,11 +119,16 @@ def test_a_child_that_cannot_open_or_start_checks_nothing(tmp_path: Path, monkey
     walk_with(monkeypatch, "import sys; print('no such file', file=sys.stderr); sys.exit(5)")
     with caplog.at_level(logging.INFO, logger="kvstore"):
         assert checks.check_in_child(tmp_path, readonly=False, initial_map=1) == (False, None)
-    assert f"the check of index {tmp_path} could not open it: no such file" in caplog.text
+    assert f"kvstore: the check of index {tmp_path} could not open it: no such file" in caplog.messages
+    caplog.clear()
+    walk_with(monkeypatch, "import sys; sys.exit(5)")
+    with caplog.at_level(logging.INFO, logger="kvstore"):
+        assert checks.check_in_child(tmp_path, readonly=False, initial_map=1) == (False, None)
+    assert f"kvstore: the check of index {tmp_path} could not open it: " in caplog.messages
     monkeypatch.setattr(checks.sys, "executable", str(tmp_path / "no-python"))
     with caplog.at_level(logging.WARNING, logger="kvstore"):
         assert checks.check_in_child(tmp_path, readonly=True, initial_map=1) == (False, None)
-    assert "it could not start:" in caplog.text
+    assert f"the check of index {tmp_path} did not complete (it could not start:" in caplog.text
 
 
 def test_the_child_is_given_the_path_the_mode_and_a_map_as_large_as_the_file(tmp_path: Path,
@@ -156,6 +162,12 @@ def test_a_writers_mark_spares_the_walk_only_for_its_own_file(tmp_path: Path, mo
     monkeypatch.setattr(checks, "CHECK_AT_OPEN", True)
     assert checks.check(tmp_path, readonly=True, state=state, marks=[], marked_damaged=False,
                         initial_map=1) == (True, f"reading {data} fails: damaged")  # no mark: the walk
+    assert checks.check(tmp_path, readonly=True, state=state, marks=[mark], marked_damaged=True,
+                        initial_map=1) == (True, f"reading {data} fails: damaged")  # marked damaged: the walk
+    walk_with(monkeypatch, "import sys; print(sys.argv[2], file=sys.stderr); sys.exit(3)")
+    for readonly, mode in ((True, "1"), (False, "0")):
+        assert checks.check(tmp_path, readonly=readonly, state=state, marks=[], marked_damaged=False,
+                            initial_map=1) == (True, f"reading {data} fails: {mode}")
 
 
 def test_a_mark_does_not_vouch_for_a_file_the_crash_check_finds_damaged(tmp_path: Path,
@@ -166,7 +178,9 @@ def test_a_mark_does_not_vouch_for_a_file_the_crash_check_finds_damaged(tmp_path
     state = state_of(data, txnid=10**6)
     with caplog.at_level(logging.INFO, logger="kvstore"):
         assert not checks.crash_checked(data, state, [{**state, "txnid": 1}], marked_damaged=False)
-    assert f"index {tmp_path} after an unclean stop:" in caplog.text and "checking every record" in caplog.text
+    [line] = [m for m in caplog.messages if "unclean stop" in m]
+    assert line.startswith(f"kvstore: index {tmp_path} after an unclean stop: ") and line.endswith("; checking every record")
+    assert ": None;" not in line
 
 
 def test_salvage_copies_every_readable_record_and_recounts_the_bytes(tmp_path: Path) -> None:
@@ -197,3 +211,12 @@ def test_salvage_copies_every_readable_record_and_recounts_the_bytes(tmp_path: P
     assert got["meta"].pop(b"bytes") == str(want_bytes).encode() and want_bytes > 0
     records["meta"].pop(b"bytes")
     assert got == records and kept == sum(len(r) for r in records.values())
+
+
+def test_salvage_of_a_file_without_kvstores_databases_keeps_nothing(tmp_path: Path) -> None:
+    data = make_index(tmp_path / "foreign")
+    new = lmdb.open(str(tmp_path / "new"), max_dbs=len(DBS) + 2, map_size=1 << 24)
+    assert checks.salvage_into(new, data) == 0
+    with new.begin() as txn:
+        assert bytes(txn.get(b"bytes", db=new.open_db(b"meta", txn=txn))) == b"0"
+    new.close()
