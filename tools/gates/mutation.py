@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,7 +115,11 @@ def _scratch(dest: Path, module: str, tests: tuple[str, ...]) -> None:
              f"pytest_add_cli_args_test_selection = {json.dumps(list(tests))}\n"
              + "".join(f"{k} = {json.dumps(v)}\n" for k, v in SETTINGS.get(module, {}).items()))
     (dest / "pyproject.toml").write_text(text.replace("[tool.mutmut]\n", "[tool.mutmut]\n" + extra, 1))
-    tomllib.loads((dest / "pyproject.toml").read_text())  # still TOML
+    try:  # still TOML (tomllib: Python 3.11+)
+        import tomllib
+    except ImportError:
+        return
+    tomllib.loads((dest / "pyproject.toml").read_text())
 
 
 @contextlib.contextmanager
