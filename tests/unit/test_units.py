@@ -4,6 +4,7 @@ maintenance commands), through their real argument parsers."""
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -83,7 +84,8 @@ def test_a_memory_floor_is_a_fraction_below_one_or_a_size() -> None:
     assert memory_floor("0.2") == 0.2 and memory_floor("0") == 0.0 and memory_floor("0.999") == 0.999
     assert memory_floor("4G") == 4 << 30 and isinstance(memory_floor("4G"), int)
     for text in ("1", "1.5", "-0.1", "2"):
-        with pytest.raises(argparse.ArgumentTypeError, match=f"invalid memory floor {text!r}: a fraction below 1"):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(f"invalid memory floor {text!r}: a fraction below 1 "
+                                                                       "(e.g. 0.2) or a size (e.g. 4G)") + "$"):
             memory_floor(text)
     with pytest.raises(argparse.ArgumentTypeError, match="invalid size 'lots'"):
         memory_floor("lots")
