@@ -47,3 +47,31 @@ def test_response_store_bounds_tenants_and_foreign_files(tmp_path: Path) -> None
     for i in range(3):
         memory.put(None, f"resp_{i}", {"response": i})
     assert memory.get(None, "resp_0") is None and memory.get(None, "resp_2") == {"id": "resp_2", "response": 2}
+
+
+def test_any_response_id_names_one_record_file_and_an_unknown_one_is_a_miss(tmp_path: Path) -> None:
+    """Property test (hypothesis; tests/conftest.py's profile): a response id is outside
+    text (a URL path, a body's ``previous_response_id``, lone surrogates included): each
+    (tenant, id) names one well-formed file, distinct ids never share one, and looking up
+    one never stored is a miss, never an exception."""
+    import re
+
+    from hypothesis import given, strategies as st
+
+    from kvstore.adapters.response_store import ResponseStore, record_name
+
+    ids = st.text(st.characters(codec="utf-8") | st.characters(categories=["Cs"]) | st.sampled_from("/.\\\0"),
+                  max_size=80)
+    salts = st.none() | st.text(min_size=1, max_size=8) | st.binary(min_size=1, max_size=8)
+    stores = (ResponseStore(None), ResponseStore(tmp_path))
+
+    @given(ids, ids, salts)
+    def check(a: str, b: str, salt) -> None:
+        name = record_name(salt, a)
+        assert re.fullmatch(r"[0-9a-f]{32}\.json", name) and name == record_name(salt, a)
+        assert (name == record_name(salt, b)) == (a == b)
+        assert salt is None or name != record_name(None, a)
+        for store in stores:
+            assert store.get(salt, a) is None and store.delete(salt, a) is False
+
+    check()

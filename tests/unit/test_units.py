@@ -201,3 +201,13 @@ def test_every_size_and_duration_flag_reads_through_its_parser(text: str) -> Non
                 assert _named(err.getvalue(), text) and "Traceback" not in err.getvalue(), err.getvalue()
                 continue
         assert want is not None and got == want, (flag, text, got, want)
+    from kvstore.cli.vllm_mlx import split_args  # kvstore vllm-mlx serve's own flags
+
+    for flag, dest in (("--max-disk-bytes", "max_disk_bytes"), ("--max-write-bytes-per-day", "max_write_bytes_per_day")):
+        try:
+            want = units.parse_size(text)
+        except argparse.ArgumentTypeError:
+            with pytest.raises(ValueError, match=f"^{flag}: not a valid value"):
+                split_args(["model", flag, text])
+        else:
+            assert split_args(["model", f"{flag}={text}"]) == ({dest: want}, ["model"])
