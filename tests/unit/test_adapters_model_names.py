@@ -14,7 +14,7 @@ from kvstore.adapters import model_names
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
-                    max_leaves=12)
+                    max_leaves=6)
 
 
 def cli(draft: str | None = None, adapter: str | None = None) -> argparse.Namespace:

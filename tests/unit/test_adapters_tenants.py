@@ -43,7 +43,6 @@ def test_key_sources_and_their_errors(tmp_path: Path) -> None:
 # -- property tests of the key sources (hypothesis; tests/conftest.py's profile) -------------------
 
 import argparse  # noqa: E402
-import tempfile  # noqa: E402
 
 from hypothesis import example, given, strategies as st  # noqa: E402
 
@@ -51,12 +50,9 @@ KEYISH = st.text(st.characters(codec="utf-8") | st.sampled_from(list("\x0b\x0c\x
                  max_size=40)
 
 
-def _flags() -> argparse.ArgumentParser:
-    from kvstore.adapters import tenants
-
-    p = argparse.ArgumentParser()
-    tenants.add_arguments(p)
-    return p
+@pytest.fixture(scope="module")
+def files_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("keyfiles")  # one directory for every example
 
 
 def _file_keys(data: bytes) -> list[str] | None:
@@ -75,23 +71,23 @@ def _file_keys(data: bytes) -> list[str] | None:
 @example(b"abc-key\x0cdef-key\n")
 @example("\ufeffgood-key\r\n# note\n\n".encode())
 @example(b"\xff\xfe")
-def test_a_key_file_reads_as_its_lines_or_is_refused(data: bytes) -> None:
+def test_a_key_file_reads_as_its_lines_or_is_refused(files_dir: Path, data: bytes) -> None:
     """Every key accepted is a line of the file as written; anything else ends the start
     with a message (SystemExit naming the file or the key's number, never the key), not
     another exception, and a line is never split into keys the file did not hold."""
     from kvstore.adapters import tenants
 
-    with tempfile.TemporaryDirectory() as d:
-        f = Path(d) / "keys"
-        f.write_bytes(data)
-        try:
-            policy = tenants.policy_from(_flags().parse_args(["--api-key-file", str(f)]), {})
-        except SystemExit as e:
-            assert isinstance(e.code, str) and e.code.startswith("kvstore serve: "), e.code
-            want = _file_keys(data)
-            assert want is None or not want or any(
-                not k.isascii() or not k.isprintable() or len(k) > tenants.MAX_KEY_CHARS for k in want), (data, e.code)
-            return
+    f = files_dir / "keys"
+    f.write_bytes(data)
+    try:
+        policy = tenants.policy_from(argparse.Namespace(api_key=[], api_key_file=str(f), isolate_keys=False), {})
+    except SystemExit as e:
+        assert isinstance(e.code, str) and e.code.startswith("kvstore serve: "), e.code
+        want = _file_keys(data)
+        assert want is None or not want or any(
+            not k.isascii() or not k.isprintable() or " " in k or len(k) > tenants.MAX_KEY_CHARS for k in want), \
+            (data, e.code)
+        return
     want = _file_keys(data)
     assert want and all(policy.accepts(k) for k in want), (data, want)
     assert len(policy.digests) == len(set(want))

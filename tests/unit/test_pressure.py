@@ -39,6 +39,11 @@ PATHS = st.lists(st.text(PATH_CHARS, min_size=1, max_size=8).filter(lambda p: "/
     .map(lambda parts: "/" + "/".join(parts))
 
 
+@pytest.fixture(scope="module")
+def files_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cgroup")  # one directory for every example
+
+
 def _escape(path: str) -> str:  # as the kernel writes a mountinfo path field (fs/proc_namespace.c)
     return "".join(f"\\{ord(c):03o}" if c in " \t\n\\" else c for c in path)
 
@@ -72,18 +77,15 @@ def test_no_text_in_a_proc_or_cgroup_file_raises(text: str, kind: str) -> None:
 @given(st.binary(max_size=64))
 @example(b"\xff\xfe")
 @example("\u00b2".encode())
-def test_a_cgroup_file_of_any_bytes_reads_as_a_number_or_nothing(data: bytes) -> None:
+def test_a_cgroup_file_of_any_bytes_reads_as_a_number_or_nothing(files_dir: Path, data: bytes) -> None:
     """The file-reading side: bytes that are not UTF-8, or digits int() refuses, are
     nothing (None / 0), not an exception."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        f = Path(d) / "memory.max"
-        f.write_bytes(data)
-        got = pressure._read_int(f)
-        assert got is None or (data.strip().isdigit() and got == int(data.strip()))
-        f.write_bytes(b"total_active_file " + data + b"\ninactive_file 3\n")
-        assert pressure._stat(f, "inactive_file") in (0, 3) and pressure._stat(f, "total_active_file") >= 0
+    f = files_dir / "memory.max"
+    f.write_bytes(data)
+    got = pressure._read_int(f)
+    assert got is None or (data.strip().isdigit() and got == int(data.strip()))
+    f.write_bytes(b"total_active_file " + data + b"\ninactive_file 3\n")
+    assert pressure._stat(f, "inactive_file") in (0, 3) and pressure._stat(f, "total_active_file") >= 0
 
 
 @given(PATHS, PATHS, st.booleans())

@@ -14,7 +14,7 @@ from kvstore import salt
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
-                    max_leaves=8)
+                    max_leaves=5)
 SALTS = st.text(st.characters(codec="utf-8") | st.characters(categories=["Cs"]), max_size=300)  # lone surrogates too
 
 
