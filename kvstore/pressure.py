@@ -53,31 +53,65 @@ def _machine() -> Reading | None:
     return Reading(int(vm.available), int(vm.total))
 
 
-def _meminfo() -> Reading | None:
+# The kernel's files are ASCII numbers and names, and paths as bytes. Each parser below takes
+# the text as read (``_read_text``: undecodable bytes kept as surrogates, as os.fsdecode
+# does, so a path still names its file) and never raises: a file it cannot read says nothing.
+_NUMBER = re.compile(r"[0-9]{1,20}")  # ASCII digits only ("²".isdigit(), int() refuses it)
+
+
+def _read_text(path: Path) -> str | None:
     try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        return Reading(int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024)
-    except (OSError, KeyError, ValueError):
+        return path.read_bytes().decode("utf-8", "surrogateescape")
+    except (OSError, ValueError):  # ValueError: a path with a NUL in it
         return None
+
+
+def _lines(text: str) -> list[str]:
+    return text.split("\n")  # not splitlines(): a path may hold \x1c, \x85, \u2028 ... unescaped
+
+
+def parse_number(text: str | None) -> int | None:
+    """A cgroup file's single number (memory.max, memory.current, ...); None for ``max``
+    (no limit) or anything that is not a plain ASCII number."""
+    text = (text or "").strip()
+    return int(text) if _NUMBER.fullmatch(text) else None
+
+
+def stat_value(text: str | None, name: str) -> int:
+    """The value of ``name`` in a ``memory.stat`` text (``name value`` lines); 0 when absent
+    or not a plain number."""
+    for line in _lines(text or ""):
+        k, _, v = line.partition(" ")
+        if k == name:
+            return parse_number(v) or 0
+    return 0
+
+
+def parse_meminfo(text: str | None) -> Reading | None:
+    """(MemAvailable, MemTotal) of /proc/meminfo's text (``Name:   123 kB`` lines), or None."""
+    fields: dict[str, int] = {}
+    for line in _lines(text or ""):
+        name, colon, rest = line.partition(":")
+        parts = rest.split()
+        if colon and (len(parts) == 1 or (len(parts) == 2 and parts[1] == "kB")):
+            n = parse_number(parts[0])
+            if n is not None:
+                fields[name.strip()] = n * (1024 if parts[-1] == "kB" else 1)
+    if "MemAvailable" not in fields or "MemTotal" not in fields:
+        return None
+    return Reading(fields["MemAvailable"], fields["MemTotal"])
+
+
+def _meminfo() -> Reading | None:
+    return parse_meminfo(_read_text(Path("/proc/meminfo")))
 
 
 def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return None if text == "max" or not text.isdigit() else int(text)
+    return parse_number(_read_text(path))
 
 
 def _stat(path: Path, name: str) -> int:
-    try:
-        for line in path.read_text().splitlines():
-            k, _, v = line.partition(" ")
-            if k == name:
-                return int(v)
-    except (OSError, ValueError):
-        pass
-    return 0
+    return stat_value(_read_text(path), name)
 
 
 def _file_cache(stat: Path, prefix: str = "") -> int:
@@ -87,20 +121,25 @@ def _file_cache(stat: Path, prefix: str = "") -> int:
     return _stat(stat, prefix + "active_file") + _stat(stat, prefix + "inactive_file")
 
 
-def _cgroup_paths() -> tuple[str | None, str | None]:
-    """(the v2 path, the v1 memory controller's path) of this process, from /proc/self/cgroup."""
+def cgroup_paths(text: str | None) -> tuple[str | None, str | None]:
+    """(the v2 path, the v1 memory controller's path) in /proc/self/cgroup's text
+    (``id:controllers:path`` lines; a line of another shape is passed over)."""
     v2 = v1 = None
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None, None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
+    for line in _lines(text or ""):
+        parts = line.split(":", 2)
+        if len(parts) != 3 or not parts[2].startswith("/"):
+            continue
+        _, controllers, path = parts
         if controllers == "":
             v2 = path
         elif "memory" in controllers.split(","):
             v1 = path
     return v2, v1
+
+
+def _cgroup_paths() -> tuple[str | None, str | None]:
+    """(the v2 path, the v1 memory controller's path) of this process, from /proc/self/cgroup."""
+    return cgroup_paths(_read_text(Path("/proc/self/cgroup")))
 
 
 def _unescape(field: str) -> str:
@@ -114,8 +153,8 @@ def cgroup_mounts(mountinfo: str) -> tuple[list[tuple[str, Path]], list[tuple[st
     where it is mounted), in mount order: a later mount on the same point hides an earlier."""
     v2: list[tuple[str, Path]] = []
     v1: list[tuple[str, Path]] = []
-    for line in mountinfo.splitlines():
-        fields = line.split()
+    for line in _lines(mountinfo):
+        fields = [f for f in line.split(" ") if f]  # the kernel escapes " \t\n\\" in a field, nothing else
         if "-" not in fields[6:]:
             continue
         sep = fields.index("-", 6)
@@ -151,10 +190,10 @@ def _cgroup_dirs() -> tuple[tuple[Path, Path] | None, tuple[Path, Path] | None]:
     """(this process's v2 cgroup, its v1 memory cgroup), each as ``locate`` gives it,
     resolved through /proc/self/mountinfo."""
     v2_path, v1_path = _cgroup_paths()
-    try:
-        v2_mounts, v1_mounts = cgroup_mounts(Path("/proc/self/mountinfo").read_text())
-    except OSError:
+    text = _read_text(Path("/proc/self/mountinfo"))
+    if text is None:
         return None, None
+    v2_mounts, v1_mounts = cgroup_mounts(text)
     return (locate(v2_path, v2_mounts) if v2_path is not None else None,
             locate(v1_path, v1_mounts) if v1_path is not None else None)
 

@@ -241,6 +241,16 @@ _SLOW_IDS = _slow_ids()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# Property tests (hypothesis) of the parsers of outside text: a budget CI can afford (the
+# whole set runs in seconds), no deadline (a loaded machine is not a failure), no example
+# database written into the work tree. KVSTORE_HYPOTHESIS=thorough explores ten times more.
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile("kvstore", max_examples=200, deadline=None, database=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", parent=settings.get_profile("kvstore"), max_examples=2000)
+settings.load_profile("thorough" if os.environ.get("KVSTORE_HYPOTHESIS") == "thorough" else "kvstore")
+
 
 @pytest.fixture(scope="session")
 def load_named():

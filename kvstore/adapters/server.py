@@ -47,7 +47,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from .. import metrics
 from ..floors import MIN_DISK_HIT
 from ..pressure import DEFAULT_MEMORY_FLOOR
-from ..units import memory_floor, parse_size
+from ..units import memory_floor, milliseconds, parse_size, positive_seconds
 from . import (anthropic, gen_args, http, model_names, openapi, prompts, rendered, responses, stable_prefix, startup,
                system_render, tenants)
 from .http import HeadersOnly, send_json
@@ -286,9 +286,9 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
                    help="shared tier behind the disk: redis://[user:pass@]host:port/db, rediss://, "
                         "redis+cluster://h1:p1,h2:p2 (default: $KVSTORE_SHARED)")
     g.add_argument("--shared-prefix", metavar="P", default=None, help="key prefix in the shared tier (default kvstore)")
-    g.add_argument("--shared-ttl", metavar="SECONDS", type=float, default=None,
+    g.add_argument("--shared-ttl", metavar="SECONDS", type=positive_seconds, default=None,
                    help="expire shared values after this long (default: never; use maxmemory + allkeys-lru)")
-    g.add_argument("--shared-timeout", metavar="MS", type=float, default=None,
+    g.add_argument("--shared-timeout", metavar="MS", type=milliseconds, default=None,
                    help="per-command timeout of the shared tier in milliseconds (default 100)")
     g.add_argument("--shared-secret-file", metavar="FILE", default=None,
                    help="fleet secret (>= 16 bytes) signing every shared value; values without a valid "
@@ -549,7 +549,7 @@ def _exit_now(code: int) -> None:
 def shared_config(ours: argparse.Namespace) -> Any:
     """The SharedConfig of ``--shared`` and its options (``$KVSTORE_SHARED`` when only the
     options are given), or None: the store then reads ``$KVSTORE_SHARED`` itself."""
-    timeout = ours.shared_timeout / 1000 if ours.shared_timeout is not None else None
+    timeout = ours.shared_timeout  # seconds (units.milliseconds)
     secret = getattr(ours, "shared_secret_file", None)
     from ..shared.config import read_secret
 

@@ -127,8 +127,11 @@ def policy_from(ours: argparse.Namespace, environ: Mapping[str, str] | None = No
         try:
             from ..files import read_foreign  # never blocks on a FIFO, regular files only
 
-            lines = [ln.strip() for ln in read_foreign(Path(ours.api_key_file), limit=1 << 20)
-                     .decode("utf-8-sig").splitlines()]  # an editor's byte-order mark is not part of a key
+            # lines end at \n only (splitlines() also splits at \x0c, \x1c, \x85...: one line with a
+            # control character in it became two keys); an editor's byte-order mark, CR and
+            # surrounding spaces or tabs are not part of a key
+            lines = [ln.strip(" \t\r") for ln in read_foreign(Path(ours.api_key_file), limit=1 << 20)
+                     .decode("utf-8-sig").split("\n")]
         except (OSError, UnicodeDecodeError) as e:
             raise SystemExit(f"kvstore serve: cannot read --api-key-file: {e}") from None
         found = [ln for ln in lines if ln and not ln.startswith("#")]

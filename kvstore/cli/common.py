@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -265,17 +264,7 @@ def first_segment(disk: Any, rec: Any) -> Any:
     return None
 
 
-from ..units import human_bytes, parse_duration, parse_size  # noqa: F401 (the commands' one parser)
-
-
-def seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        return parse_duration(text)
-    if v < 0 or math.isnan(v):
-        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text!r}")
-    return v
+from ..units import human_bytes, parse_duration, parse_size, seconds  # noqa: F401 (the commands' one parser)
 
 
 def ago(ts: float | None, now: float | None = None) -> str:

@@ -492,6 +492,44 @@ def test_gc_identity_and_max_bytes(built, store_dir):
     assert main(["gc", "--identity", "ffffffffff", "--cache-dir", str(store_dir)]) == 1
 
 
+def test_gc_refuses_a_size_or_age_it_cannot_mean(built, store_dir):
+    """issue 52 item 8: ``--max-bytes 0.5`` was read as 0 (the bare-number guard checked the
+    truncated value): entries 3 -> 1, and ``.9 --include-pinned`` -> 0; 400 nines ended in
+    an OverflowError traceback. Every size and duration flag refuses what it cannot mean,
+    naming the value, before anything is removed."""
+    import contextlib
+    import io
+
+    from kvstore.cli import main
+
+    def entries() -> list[str]:
+        return sorted(e["key"] for g in cli_json("ls", cache_dir=store_dir)["identities"] for e in g["entries"])
+
+    before = entries()
+    assert len(before) == len(built["keys"])
+    nines = "9" * 400
+    for args, shown in ((["--max-bytes", "0.5"], "'0.5'"), (["--max-bytes", ".9", "--include-pinned"], "'.9'"),
+                        (["--max-bytes", nines], repr("9" * 40))):
+        p = cli("gc", *args, cache_dir=store_dir)  # the real command, a process of its own
+        assert p.returncode == 2 and shown in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+        assert "kvstore gc: error: argument --max-bytes: invalid size" in p.stderr, p.stderr
+    for flag, value in (("--max-bytes", "0.9B"), ("--max-bytes", "1048575.5"), ("--max-bytes", "0.0001K"),
+                        ("--max-bytes", "9" * 19 + "P"), ("--max-bytes", "\u0663G"), ("--max-age", nines),
+                        ("--max-age", "1e999"), ("--max-age", nines + "d"), ("--blob-age", "inf"),
+                        ("--blob-age", "nan"), ("--blob-age", "1e-400"), ("--blob-age", nines)):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            rc = main(["gc", flag, value, "--include-pinned", "--cache-dir", str(store_dir)])
+        assert rc == 2 and f"argument {flag}: invalid" in err.getvalue(), (flag, value, err.getvalue())
+        assert repr(value[:40]) in err.getvalue() or repr(value) in err.getvalue(), err.getvalue()
+    assert entries() == before  # nothing removed by any of them
+    # what is meant still works: half a GiB keeps everything, a whole 0 (as 0.0) empties
+    assert cli_json("gc", "--max-bytes", "0.5G", cache_dir=store_dir)["removed"] == []
+    assert entries() == before
+    res = main_json("gc", "--max-bytes", "0.0", "--include-pinned", cache_dir=store_dir)
+    assert sorted(r["key"] for r in res["removed"]) == before and res["entries_left"] == 0
+
+
 # ----------------------------------------------------------------------------- concurrency
 
 

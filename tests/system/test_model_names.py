@@ -86,3 +86,60 @@ def test_served_model_names_and_strict_model_names(model_dir: Path, tmp_path: Pa
         with pytest.raises(urllib.error.HTTPError) as h:
             urllib.request.urlopen(s.url + "/v1/models/gpt-4o", timeout=30)
         assert h.value.code == 404 and json.load(h.value)["error"]["code"] == "model_not_found"
+
+
+def _post(s: Server, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(s.url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def test_a_body_never_loads_a_draft_model_or_adapters(model_dir: Path, tmp_path: Path) -> None:
+    """issue 52 item 1: ``draft_model`` naming a local model directory was loaded (and the
+    server then died of SIGSEGV), a repo id was looked up on the hub; ``adapters`` too.
+    Each is pinned to the started value: anything else is a 400 naming the field, in the
+    route's shape; null / ``default_model`` are served with what was started."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    planted = tmp_path / "planted-model"  # a complete, loadable model directory
+    shutil.copytree(model_dir, planted)
+    chat = {"messages": QUESTION, "max_tokens": 4, "temperature": 0}
+    with Server(model_dir, tmp_path / "cache", tmp_path / "server.log") as s:
+        status, good = _post(s, "/v1/chat/completions", chat)
+        assert status == 200, good
+        answer = good["choices"][0]["message"]["content"]
+        refused = [("/v1/chat/completions", {**chat, "draft_model": str(planted)}, "draft_model"),
+                   ("/v1/chat/completions", {**chat, "draft_model": "org/some-repo"}, "draft_model"),
+                   ("/v1/chat/completions", {**chat, "draft_model": str(model_dir)}, "draft_model"),
+                   ("/v1/chat/completions", {**chat, "draft_model": ["x"] * 1000}, "draft_model"),
+                   ("/v1/chat/completions", {**chat, "adapters": str(planted)}, "adapters"),
+                   ("/v1/chat/completions", {**chat, "adapters": {"a": 1}}, "adapters"),
+                   ("/v1/completions", {"prompt": "The archive", "max_tokens": 2, "draft_model": str(planted)},
+                    "draft_model"),
+                   ("/v1/responses", {"input": "Hi", "max_output_tokens": 2, "adapters": "org/lora"}, "adapters")]
+        for path, body, field in refused:
+            status, err = _post(s, path, body)
+            assert status == 400, (path, field, status, err)
+            assert err["error"]["param"] == field and err["error"]["code"] == "unsupported_parameter", err
+            assert err["error"]["message"].startswith(f"{field} ") and "not served here" in err["error"]["message"]
+        status, err = _post(s, "/v1/messages", {"model": "claude-local", "max_tokens": 4, "messages": QUESTION,
+                                                "draft_model": str(planted)})
+        assert status == 400 and err["type"] == "error", err
+        assert err["error"]["type"] == "invalid_request_error" and "draft_model" in err["error"]["message"], err
+        with ThreadPoolExecutor(4) as pool:  # concurrent, replayed: every one refused, none loads
+            got = list(pool.map(lambda _: _post(s, "/v1/chat/completions", {**chat, "draft_model": str(planted)}),
+                                range(8)))
+        assert {status for status, _ in got} == {400}, got
+        # absent, null and mlx-lm's own name for the started value: served by the started model
+        for extra in ({"draft_model": None}, {"draft_model": "default_model"}, {"adapters": None},
+                      {"draft_model": None, "adapters": None}):
+            status, resp = _post(s, "/v1/chat/completions", {**chat, **extra})
+            assert status == 200 and resp["choices"][0]["message"]["content"] == answer, (extra, resp)
+        assert s.proc.poll() is None and s.get("/health") == {"status": "ok"}
+        log = s.log(tail=10**6)
+        assert "Draft model" not in log and "Traceback" not in log and "huggingface" not in log.lower(), log

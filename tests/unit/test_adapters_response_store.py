@@ -201,3 +201,31 @@ def test_in_memory_records_are_bounded_by_bytes_oldest_first() -> None:
         memory.put(None, "resp_huge", response("resp_huge", text="h" * 4000), CONVERSATION)
     assert memory.get(None, "resp_huge") is None
     assert [r for r in records if memory.get(None, r) is not None] == newest_that_fit(list(records))
+
+
+def test_any_response_id_names_one_record_file_and_an_unknown_one_is_a_miss(tmp_path: Path) -> None:
+    """Property test (hypothesis; tests/conftest.py's profile): a response id is outside
+    text (a URL path, a body's ``previous_response_id``, lone surrogates included): each
+    (tenant, id) names one well-formed file, distinct ids never share one, and looking up
+    one never stored is a miss, never an exception."""
+    import re
+
+    from hypothesis import given, strategies as st
+
+    from kvstore.adapters.response_store import ResponseStore, record_name
+
+    ids = st.text(st.characters(codec="utf-8") | st.characters(categories=["Cs"]) | st.sampled_from("/.\\\0"),
+                  max_size=80)
+    salts = st.none() | st.text(min_size=1, max_size=8) | st.binary(min_size=1, max_size=8)
+    stores = (ResponseStore(None), ResponseStore(tmp_path))
+
+    @given(ids, ids, salts)
+    def check(a: str, b: str, salt) -> None:
+        name = record_name(salt, a)
+        assert re.fullmatch(r"[0-9a-f]{32}\.json", name) and name == record_name(salt, a)
+        assert (name == record_name(salt, b)) == (a == b)
+        assert salt is None or name != record_name(None, a)
+        for store in stores:
+            assert store.get(salt, a) is None and store.delete(salt, a) is False
+
+    check()

@@ -27,3 +27,81 @@ def test_the_cgroup_is_located_through_mountinfo(mountinfo: str, path: str, want
     v2, v1 = pressure.cgroup_mounts(mountinfo)
     got = pressure.locate(path, v2 or v1)
     assert got is not None and got[0] == Path(want) and got[1] == Path(want), got
+
+
+# -- property tests of the /proc and cgroup parsers (hypothesis; tests/conftest.py's profile) ------
+
+from hypothesis import example, given, strategies as st  # noqa: E402
+
+ANY_TEXT = st.text(st.characters(codec="utf-8") | st.sampled_from(list(" \t\n:-,/\\0123456789\x85\u2028\x1c")))
+PATH_CHARS = st.characters(codec="utf-8", exclude_characters="\n\0") | st.sampled_from(list(" \t\\\x85\u2028\x1c"))
+PATHS = st.lists(st.text(PATH_CHARS, min_size=1, max_size=8).filter(lambda p: "/" not in p), max_size=4) \
+    .map(lambda parts: "/" + "/".join(parts))
+
+
+@pytest.fixture(scope="module")
+def files_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cgroup")  # one directory for every example
+
+
+def _escape(path: str) -> str:  # as the kernel writes a mountinfo path field (fs/proc_namespace.c)
+    return "".join(f"\\{ord(c):03o}" if c in " \t\n\\" else c for c in path)
+
+
+@given(ANY_TEXT, st.sampled_from(["memory.max", "stat", "meminfo", "cgroup", "mountinfo"]))
+@example("MemAvailable:\nMemTotal: 5 kB", "meminfo")
+@example("0::/\nnot a cgroup line", "cgroup")
+@example("\u00b2", "memory.max")
+@example("total_active_file \u00b2", "stat")
+def test_no_text_in_a_proc_or_cgroup_file_raises(text: str, kind: str) -> None:
+    """Whatever a file holds (a planted one, a kernel we do not know), reading it gives a
+    value or nothing: never an exception out of the memory gauge."""
+    if kind == "memory.max":
+        got = pressure.parse_number(text)
+        assert got is None or (got >= 0 and str(got) == text.strip().lstrip("0").rjust(1, "0"))
+    elif kind == "stat":
+        assert pressure.stat_value(text, "total_active_file") >= 0
+    elif kind == "meminfo":
+        r = pressure.parse_meminfo(text)
+        assert r is None or (r.available >= 0 and r.total >= 0)
+    elif kind == "cgroup":
+        v2, v1 = pressure.cgroup_paths(text)
+        assert all(p is None or p.startswith("/") for p in (v2, v1))
+    else:
+        v2, v1 = pressure.cgroup_mounts(text)
+        for root, point in v2 + v1:
+            assert isinstance(root, str) and isinstance(point, Path)
+            pressure.locate("/a/b", v2 or v1)
+
+
+@given(st.binary(max_size=64))
+@example(b"\xff\xfe")
+@example("\u00b2".encode())
+def test_a_cgroup_file_of_any_bytes_reads_as_a_number_or_nothing(files_dir: Path, data: bytes) -> None:
+    """The file-reading side: bytes that are not UTF-8, or digits int() refuses, are
+    nothing (None / 0), not an exception."""
+    f = files_dir / "memory.max"
+    f.write_bytes(data)
+    got = pressure._read_int(f)
+    assert got is None or (data.strip().isdigit() and got == int(data.strip()))
+    f.write_bytes(b"total_active_file " + data + b"\ninactive_file 3\n")
+    assert pressure._stat(f, "inactive_file") in (0, 3) and pressure._stat(f, "total_active_file") >= 0
+
+
+@given(PATHS, PATHS, st.booleans())
+@example("/docker/abc", "/sys/fs/cgroup/memory", False)
+@example("/a b\\c\u2028d", "/run/my\tcgroups\x85", True)
+def test_a_mountinfo_line_reads_back_its_paths(root: str, point: str, v2: bool) -> None:
+    """A mount the kernel lists (its path fields escaped as it escapes them) is read back
+    with exactly those paths, whatever characters they hold, among other lines."""
+    kind, supers = ("cgroup2", "rw,nsdelegate") if v2 else ("cgroup", "rw,memory")
+    line = f"63 51 0:32 {_escape(root)} {_escape(point)} rw,nosuid shared:4 - {kind} cgroup {supers}"
+    text = "\n".join(["25 1 8:1 / / rw - ext4 /dev/root rw", line, "garbage", ""])
+    got2, got1 = pressure.cgroup_mounts(text)
+    assert (got2 if v2 else got1) == [(root, Path(point))] and not (got1 if v2 else got2)
+
+
+@given(PATHS, PATHS)
+def test_proc_self_cgroup_reads_back_its_paths(v2: str, v1: str) -> None:
+    text = f"12:cpu,cpuacct:/x\n4:memory:{v1}\n0::{v2}\n"
+    assert pressure.cgroup_paths(text) == (v2, v1)

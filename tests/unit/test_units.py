@@ -83,7 +83,9 @@ def test_a_memory_floor_is_a_fraction_below_one_or_a_size() -> None:
 
     assert memory_floor("0.2") == 0.2 and memory_floor("0") == 0.0 and memory_floor("0.999") == 0.999
     assert memory_floor("4G") == 4 << 30 and isinstance(memory_floor("4G"), int)
-    for text in ("1", "1.5", "-0.1", "2"):
+    with pytest.raises(argparse.ArgumentTypeError, match="invalid size '-0.1'"):  # not a fraction: read as a size
+        memory_floor("-0.1")
+    for text in ("1", "1.5", "2"):
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(f"invalid memory floor {text!r}: a fraction below 1 "
                                                                        "(e.g. 0.2) or a size (e.g. 4G)") + "$"):
             memory_floor(text)
@@ -96,3 +98,164 @@ def test_the_bare_number_bound_is_exactly_one_mebibyte() -> None:
     for text in ("1", "1048575"):
         with pytest.raises(argparse.ArgumentTypeError, match="no unit and is under 1 MiB"):
             parse_size(text)
+
+
+# -- property tests (hypothesis; budget: the "kvstore" profile in tests/conftest.py) ----------------
+
+import contextlib  # noqa: E402
+import io  # noqa: E402
+from fractions import Fraction  # noqa: E402
+
+from hypothesis import example, given, settings, strategies as st  # noqa: E402
+
+from kvstore import units  # noqa: E402
+
+PARSERS = (units.parse_size, units.parse_duration, units.seconds, units.milliseconds, units.positive_seconds,
+           units.memory_floor)
+PREFIX = {"": 0, "k": 1, "K": 1, "m": 2, "M": 2, "g": 3, "G": 3, "t": 4, "T": 4, "p": 5, "P": 5}
+SUFFIX = ["", "B", "b", "iB", "ib"]
+NUMERALS = st.from_regex(r"\A[0-9]{0,45}(\.[0-9]{0,8})?\Z").filter(lambda t: t not in ("", ".") and t[0] != ".")
+TEXT = st.one_of(st.text(), st.builds(lambda n, u: f"{n}{u}", NUMERALS,
+                                      st.sampled_from(["", "k", "KiB", "gb", "B", "ib", "s", "d", "w", "e3", "E"])))
+
+
+def _named(message: str, text: str) -> bool:
+    return units._shown(text) in message or units._shown(text.strip()) in message
+
+
+@given(TEXT, st.sampled_from(PARSERS))
+@example("0.5", units.parse_size)
+@example(".9", units.parse_size)
+@example("9" * 400, units.parse_size)
+@example("9" * 400, units.parse_duration)
+@example("1e999", units.seconds)
+@example("1e-400", units.memory_floor)
+@example("\u0663G", units.parse_size)
+def test_every_parser_returns_a_value_or_refuses_naming_the_input(text: str, parse) -> None:
+    """Never another exception (OverflowError, ValueError from int(), ...), and a refusal
+    always names what was given."""
+    try:
+        got = parse(text)
+    except argparse.ArgumentTypeError as e:
+        assert _named(str(e), text), (text, str(e))
+        return
+    assert isinstance(got, (int, float)) and not isinstance(got, bool) and got >= 0
+    if parse is units.parse_size:
+        assert isinstance(got, int) and got <= units.MAX_SIZE
+    elif parse is not units.memory_floor:
+        assert got <= units.MAX_SECONDS
+
+
+@given(st.integers(0, units.MAX_SIZE), st.sampled_from(sorted(PREFIX)), st.sampled_from(SUFFIX))
+def test_a_whole_size_reads_as_written(n: int, prefix: str, suffix: str) -> None:
+    text = f"{n}{prefix}{suffix}"
+    want = n * 1024 ** PREFIX[prefix]
+    if suffix.lower() == "ib" and not prefix:  # "20ib": no such unit
+        ok = False
+    elif want > units.MAX_SIZE:
+        ok = False
+    else:
+        ok = not (not prefix and not suffix and 0 < n < units.BARE_MIN)  # a bare typo under 1 MiB
+    if ok:
+        assert units.parse_size(text) == want
+    else:
+        with pytest.raises(argparse.ArgumentTypeError):
+            units.parse_size(text)
+
+
+@given(st.decimals(min_value=0, max_value=10 ** 9, places=6, allow_nan=False, allow_infinity=False),
+       st.sampled_from(sorted(PREFIX)), st.sampled_from(["", "B"]))
+@example(__import__("decimal").Decimal("0.5"), "", "")
+@example(__import__("decimal").Decimal("0.9"), "", "")
+def test_a_fractional_size_is_never_silently_truncated(d, prefix: str, suffix: str) -> None:
+    """A size is read exactly: with a unit it is the nearest byte (never 0 for a non-zero
+    value); a bare number or one in B that is not a whole number of bytes is refused."""
+    text = f"{d:f}{prefix}{suffix}"
+    exact = Fraction(str(d)) * 1024 ** PREFIX[prefix]
+    try:
+        got = units.parse_size(text)
+    except argparse.ArgumentTypeError as e:
+        assert _named(str(e), text)
+        assert (not prefix and exact.denominator != 1) or 0 < exact < 1 or exact > units.MAX_SIZE \
+            or (not prefix and not suffix and 0 < exact < units.BARE_MIN), (text, str(e))
+        return
+    assert abs(got - exact) <= Fraction(1, 2) and (got == 0) == (exact == 0), (text, got)
+    assert prefix or exact.denominator == 1
+
+
+@given(st.integers(0, 10 ** 12), st.sampled_from(["", "s", "m", "h", "d", "w", "S", "D"]))
+def test_a_whole_duration_reads_as_written(n: int, unit: str) -> None:
+    want = n * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[unit.lower()]
+    text = f"{n}{unit}"
+    if want > units.MAX_SECONDS:
+        for parse in (units.parse_duration, units.seconds):
+            with pytest.raises(argparse.ArgumentTypeError, match="over"):
+                parse(text)
+    else:
+        assert units.parse_duration(text) == want == units.seconds(text)
+
+
+@given(st.floats(min_value=0, max_value=units.MAX_SECONDS, allow_nan=False))
+def test_seconds_read_every_float_as_written(f: float) -> None:
+    assert units.seconds(repr(f)) == f
+    if f > 0:
+        assert units.positive_seconds(repr(f)) == f
+
+
+@given(st.floats(min_value=0, max_value=1, exclude_max=True, allow_nan=False))
+def test_a_memory_floor_fraction_reads_as_written(f: float) -> None:
+    assert units.memory_floor(repr(f)) == f
+
+
+def _flag_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    serve = argparse.ArgumentParser()
+    serve_flags(serve)
+    return serve, _parser("gc", gc_command)
+
+
+_FLAG_PARSERS = _flag_parsers()
+
+
+@settings(max_examples=60)  # ten flags per example, argparse's usage text for each refusal
+@given(TEXT)
+@example("0.5")
+@example("9" * 400)
+def test_every_size_and_duration_flag_reads_through_its_parser(text: str) -> None:
+    """The flags of ``kvstore serve`` and ``kvstore gc`` / ``verify``: the parser's value, or
+    argparse's usage error (exit 2) naming the flag; never a traceback."""
+    serve, gc = _FLAG_PARSERS
+    flags = [(serve, "--max-disk-bytes", "max_disk_bytes", units.parse_size),
+             (serve, "--max-body-bytes", "max_body_bytes", units.parse_size),
+             (serve, "--max-write-bytes-per-day", "max_write_bytes_per_day", units.parse_size),
+             (serve, "--responses-max-bytes", "responses_max_bytes", units.parse_size),
+             (serve, "--memory-floor", "memory_floor", units.memory_floor),
+             (serve, "--shared-ttl", "shared_ttl", units.positive_seconds),
+             (serve, "--shared-timeout", "shared_timeout", units.milliseconds),
+             (gc, "--max-bytes", "max_bytes", units.parse_size),
+             (gc, "--max-age", "max_age", units.parse_duration),
+             (gc, "--blob-age", "blob_age", units.seconds)]
+    for parser, flag, dest, parse in flags:
+        try:
+            want = parse(text)
+        except argparse.ArgumentTypeError:
+            want = None
+        err = io.StringIO()
+        argv = ([] if parser is serve else ["gc"]) + [f"{flag}={text}"]
+        with contextlib.redirect_stderr(err):
+            try:
+                got = getattr(parser.parse_args(argv), dest)
+            except SystemExit as e:
+                assert e.code == 2 and want is None and f"argument {flag}: " in err.getvalue(), err.getvalue()
+                assert _named(err.getvalue(), text) and "Traceback" not in err.getvalue(), err.getvalue()
+                continue
+        assert want is not None and got == want, (flag, text, got, want)
+    from kvstore.cli.vllm_mlx import split_args  # kvstore vllm-mlx serve's own flags
+
+    for flag, dest in (("--max-disk-bytes", "max_disk_bytes"), ("--max-write-bytes-per-day", "max_write_bytes_per_day")):
+        try:
+            want = units.parse_size(text)
+        except argparse.ArgumentTypeError:
+            with pytest.raises(ValueError, match=f"^{flag}: not a valid value"):
+                split_args(["model", flag, text])
+        else:
+            assert split_args(["model", f"{flag}={text}"]) == ({dest: want}, ["model"])
