@@ -73,7 +73,7 @@ def _lines(text: str) -> list[str]:
 def parse_number(text: str | None) -> int | None:
     """A cgroup file's single number (memory.max, memory.current, ...); None for ``max``
     (no limit) or anything that is not a plain ASCII number."""
-    text = (text or "").strip()
+    text = (text or "").strip(" \t\n\r")  # ASCII whitespace only: str.strip() also takes \x1c-\x1f
     return int(text) if _NUMBER.fullmatch(text) else None
 
 
