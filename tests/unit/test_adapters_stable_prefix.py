@@ -500,3 +500,46 @@ def test_a_record_of_the_wrong_shape_is_no_record(tmp_path, rec) -> None:
     assert memory.load(key) is None
     memory.records.write(f"{key}.json", {"began": None, "updates": {"x": ["a"]}})
     assert memory.load(key) == {"began": None, "updates": {"x": ["a"]}}
+
+
+def test_session_keys_are_stable_across_versions() -> None:
+    """A record on disk is found after an upgrade only if the key of an opening never
+    changes: pinned, with non-ASCII text, a lone surrogate, keys out of order and a value
+    JSON has no type for (a part's bytes)."""
+    head = [{"role": "system", "content": "é ☃ \ud800"},
+            {"content": [{"type": "text", "text": "q"}, {"type": "image", "data": b"x"}], "role": "user"}]
+    assert sp.session_key(head, None) == "50bd1799c9126fbb06561a3d85615432"
+    assert sp.session_key(head, b"k") == "a20a66b8a4bc56360e3f4a9f7d6cea65"
+    assert sp.session_key([], None) == "a9aed74ec725304da2878f1258b8df83"
+
+
+def test_masked_marks_each_span_by_rule_and_shares_the_rest() -> None:
+    msgs = [{"role": "system", "content": "Today's date is 2026-11-28.\nX <current_date>2026-11-28</current_date>"},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Today's date: Sat"}]},
+            {"role": "assistant", "content": "Today's date is never"}, {"role": "user", "content": "Today's date is later"}]
+    sent = copy.deepcopy(msgs)
+    spans = sp.find_spans(msgs, sp.BUILTIN)
+    assert [(s.message, s.part, s.start, s.end, s.rule) for s in spans] == [
+        (0, None, 0, 27, "date"), (0, None, 30, 69, "codex-date"), (1, 1, 0, 17, "date")]
+    out = sp.masked(msgs, spans)
+    assert out == [{"role": "system", "content": "\x00date\x00\nX \x00codex-date\x00"},
+                   {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "\x00date\x00"}]},
+                   *msgs[2:]]
+    assert out[2] is msgs[2] and out[3] is msgs[3] and msgs == sent  # the request itself is never changed
+
+
+def test_overlapping_matches_the_earlier_then_the_longer_then_the_rule_name_wins() -> None:
+    rules = (sp.Rule("ab", sp.compile_rule("ab+")), sp.Rule("b", sp.compile_rule("b+c")),
+             sp.Rule("long", sp.compile_rule("abbb")), sp.Rule("short", sp.compile_rule("ab")))
+    spans = sp.find_spans([{"role": "user", "content": "abbbc abc"}], rules)
+    assert [(s.start, s.end, s.rule, s.text) for s in spans] == [(0, 4, "ab", "abbb"), (6, 8, "ab", "ab")]
+
+
+def test_at_most_max_spans_are_kept_across_messages() -> None:
+    line = "Today's date is 2026-11-28.\n"
+    msgs = [{"role": "system", "content": line * 20}, {"role": "user", "content": line * 20},
+            {"role": "user", "content": line}]
+    spans = sp.find_spans(msgs, sp.BUILTIN)
+    assert len(spans) == sp.MAX_SPANS == 32
+    assert [s.message for s in spans] == [0] * 20 + [1] * 12
+    assert spans[20].start == 0 and spans[-1].start == 11 * len(line)
