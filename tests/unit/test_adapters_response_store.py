@@ -261,6 +261,8 @@ def test_delete_removes_only_that_tenants_record(tmp_path: Path, on_disk: bool) 
     store.put("alice", "resp_b", response("resp_b"), CONVERSATION)
     store.put(None, "resp_a", response("resp_a"), CONVERSATION)
     assert not store.delete("bob", "resp_a")
+    assert store.delete("alice", "resp_b") and store.get("alice", "resp_b") is None  # no unsalted resp_b
+    store.put("alice", "resp_b", response("resp_b"), CONVERSATION)
     assert store.delete("alice", "resp_a")
     assert store.get("alice", "resp_a") is None and not store.delete("alice", "resp_a")
     assert store.get("alice", "resp_b") is not None and store.get(None, "resp_a") is not None
@@ -502,3 +504,21 @@ def test_running_out_of_descriptors_is_a_counted_miss_and_a_refusal_then_recover
                for m in (r.getMessage() for r in caplog.records))
     store.put(None, "r_1", response("r_1"), CONVERSATION)
     assert store.get(None, "r_0") is not None and store.get(None, "r_1").seq == 1  # type: ignore[union-attr]
+
+
+def test_a_symlink_named_as_a_record_is_not_counted_against_the_bound(tmp_path: Path) -> None:
+    """A symlink planted under a record's name (to a real record elsewhere) is never
+    followed: not counted, not removed, and it makes no real record go."""
+    from kvstore.adapters.response_store import ResponseStore, record_name
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    ResponseStore(elsewhere).put(None, "x", response("x"), CONVERSATION)
+    store = ResponseStore(tmp_path, max_count=3)
+    for i in range(3):
+        store.put(None, f"r_{i}", response(f"r_{i}"), CONVERSATION)
+    link = tmp_path / "responses" / record_name(None, "x")
+    link.symlink_to(elsewhere / "responses" / record_name(None, "x"))
+    store.put(None, "r_3", response("r_3"), CONVERSATION)
+    assert [store.get(None, f"r_{i}") is not None for i in range(4)] == [False, True, True, True]
+    assert link.is_symlink() and store.stats()["evicted"] == 1
