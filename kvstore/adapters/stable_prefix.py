@@ -291,7 +291,7 @@ class Memory:
 
     def load(self, key: str) -> dict[str, Any] | None:
         rec = self.records.read(f"{key}.json")
-        ok = (isinstance(rec, dict) and (rec.get("began") is None or _values(rec.get("began")))
+        ok = (isinstance(rec, dict) and "began" in rec and (rec["began"] is None or _values(rec["began"]))
               and isinstance(rec.get("updates"), dict)
               and all(_values(v) for v in rec["updates"].values()))
         return {"began": rec["began"], "updates": dict(rec["updates"])} if ok and rec is not None else None

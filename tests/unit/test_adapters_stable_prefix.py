@@ -424,3 +424,122 @@ def test_deep_huge_and_odd_requests_render_as_sent() -> None:
     for messages in cases:
         got, moved = sp.stabilize(messages, sp.BUILTIN, memory)
         assert got is messages and moved is None
+
+
+# -- mutation gate (tools.gates.mutation): behaviour the tests above left open -----------
+
+
+def test_describe_says_each_changed_value_and_where_the_update_went() -> None:
+    """``kvstore serve``'s log line and ``kvstore why``: exact text, values escaped to one
+    line and cut to ``width`` (a value of exactly ``width`` is whole)."""
+    M = sp.Moved
+    assert M((("date", "Today's date is 2026-11-28.", "Today's date is 2026-11-29."),), (3,), False).describe() == (
+        '--stable-prefix: date "Today\'s date is 2026-11-28." kept in place, '
+        '"Today\'s date is 2026-11-29." in the update (before message 3)')
+    assert M((("date", "a", "b"), ("git-status", "x\ny\nz", "x\nY\nz")), (2, 5), True).describe() == (
+        '--stable-prefix: date "a" kept in place, "b" in the update; '
+        'git-status "y" kept in place, "Y" in the update (inside messages 2, 5)')
+    assert M((("date", "a", "a"),), (), False).describe() == "--stable-prefix: values as the session began (no update)"
+    assert M((("r", "k" * 60, "n" * 48),), (1,), False).describe() == (
+        f'--stable-prefix: r "{"k" * 45}..." kept in place, "{"n" * 48}" in the update (before message 1)')
+    assert M((("r", "k" * 49, "n"),), (1,), False).describe(width=49).startswith(f'--stable-prefix: r "{"k" * 49}"')
+    line = M((("r", "a\x1b\nb", "c\nb"),), (1,), True).describe()
+    assert "\n" not in line and "\x1b" not in line and line.endswith("(inside message 1)"), line
+
+
+def test_first_change_is_the_first_line_that_differs() -> None:
+    assert sp._first_change("g", "x\ny\nz", "x\nY\nz") == ("g", "y", "Y")
+    assert sp._first_change("g", "a\nb", "c\nb") == ("g", "a\nb", "c\nb")  # the first line: whole values
+    assert sp._first_change("g", "x\ny", "x\ny\nz") == ("g", "", "z")  # a line added after the common ones
+    assert sp._first_change("g", "x\ny\nz\nw", "x\ny") == ("g", "z", "")
+    assert sp._first_change("g", "", "q") == ("g", "", "q")
+
+
+def test_update_text_lists_only_changed_values_each_without_trailing_newlines() -> None:
+    spans = [sp.Span(0, None, 0, 1, "a", "x"), sp.Span(0, None, 2, 3, "b", "y"), sp.Span(0, None, 4, 5, "c", "z")]
+    assert sp.update_text(spans, ["a", "b", "c"], ["\nA\n\n", "b", "C"]) == sp.UPDATE_HEAD + "\n\n\nA\n\nC"
+
+
+def test_an_inline_update_heads_the_user_turn() -> None:
+    parts = {"role": "user", "content": [{"type": "text", "text": "q"}]}
+    assert sp._insert(parts, "U", True) == [{"role": "user", "content": [{"type": "text", "text": "U"},
+                                                                          {"type": "text", "text": "q"}]}]
+    assert sp._insert({"role": "user", "content": None}, "U", True) == [{"role": "user", "content": "U\n\n"}]
+    assert sp._insert({"role": "user", "content": "q"}, "U", False) == [{"role": "system", "content": "U"},
+                                                                        {"role": "user", "content": "q"}]
+
+
+def test_user_rules_are_named_from_one_and_a_refusal_is_not_logged_by_re2(capfd) -> None:
+    assert [r.name for r in sp.user_rules(["a+", "b+"])] == ["volatile-1", "volatile-2"]
+    with pytest.raises(ValueError) as e:
+        sp.compile_rule(r"(a)\1")
+    assert str(e.value) == (r"--volatile '(a)\\1' cannot be searched in linear time (invalid escape sequence: \1): "
+                            "patterns run in RE2, which has no backreferences and no lookaround; write it without them")
+    out, err = capfd.readouterr()
+    assert "invalid escape" not in out + err  # said once, by kvstore: RE2's own log is off
+
+
+def test_anchors_depend_on_the_salt_and_every_message() -> None:
+    plain = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+             {"role": "assistant", "content": "a"}, {"role": "user", "content": "u2"}]
+    other = [*plain[:2], {"role": "assistant", "content": "b"}, plain[3]]
+    key = sp.session_key(plain[:2], None)
+    at = sp.anchors(plain, key, None)
+    assert sorted(at) == [1, 3] and at[1] != at[3]
+    assert sp.anchors(plain, key, b"k")[3] != at[3] and sp.anchors(plain, key, b"k")[1] != at[1]
+    assert sp.anchors(other, key, None)[1] == at[1] and sp.anchors(other, key, None)[3] != at[3]
+
+
+@pytest.mark.parametrize("rec", [{"began": [1], "updates": {}}, {"began": "abc", "updates": {}},
+                                 {"began": ["a"], "updates": {"x": "abc"}}, {"began": ["a"], "updates": []},
+                                 {"began": ["a"]}, {"updates": {}}])
+def test_a_record_of_the_wrong_shape_is_no_record(tmp_path, rec) -> None:
+    memory = sp.Memory(tmp_path)
+    key = sp.session_key([{"role": "user", "content": "q"}], None)
+    memory.records.write(f"{key}.json", rec)
+    assert memory.load(key) is None
+    memory.records.write(f"{key}.json", {"began": None, "updates": {"x": ["a"]}})
+    assert memory.load(key) == {"began": None, "updates": {"x": ["a"]}}
+
+
+def test_session_keys_are_stable_across_versions() -> None:
+    """A record on disk is found after an upgrade only if the key of an opening never
+    changes: pinned, with non-ASCII text, a lone surrogate, keys out of order and a value
+    JSON has no type for (a part's bytes)."""
+    head = [{"role": "system", "content": "é ☃ \ud800"},
+            {"content": [{"type": "text", "text": "q"}, {"type": "image", "data": b"x"}], "role": "user"}]
+    assert sp.session_key(head, None) == "50bd1799c9126fbb06561a3d85615432"
+    assert sp.session_key(head, b"k") == "a20a66b8a4bc56360e3f4a9f7d6cea65"
+    assert sp.session_key([], None) == "a9aed74ec725304da2878f1258b8df83"
+
+
+def test_masked_marks_each_span_by_rule_and_shares_the_rest() -> None:
+    msgs = [{"role": "system", "content": "Today's date is 2026-11-28.\nX <current_date>2026-11-28</current_date>"},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Today's date: Sat"}]},
+            {"role": "assistant", "content": "Today's date is never"}, {"role": "user", "content": "Today's date is later"}]
+    sent = copy.deepcopy(msgs)
+    spans = sp.find_spans(msgs, sp.BUILTIN)
+    assert [(s.message, s.part, s.start, s.end, s.rule) for s in spans] == [
+        (0, None, 0, 27, "date"), (0, None, 30, 69, "codex-date"), (1, 1, 0, 17, "date")]
+    out = sp.masked(msgs, spans)
+    assert out == [{"role": "system", "content": "\x00date\x00\nX \x00codex-date\x00"},
+                   {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "\x00date\x00"}]},
+                   *msgs[2:]]
+    assert out[2] is msgs[2] and out[3] is msgs[3] and msgs == sent  # the request itself is never changed
+
+
+def test_overlapping_matches_the_earlier_then_the_longer_then_the_rule_name_wins() -> None:
+    rules = (sp.Rule("ab", sp.compile_rule("ab+")), sp.Rule("b", sp.compile_rule("b+c")),
+             sp.Rule("long", sp.compile_rule("abbb")), sp.Rule("short", sp.compile_rule("ab")))
+    spans = sp.find_spans([{"role": "user", "content": "abbbc abc"}], rules)
+    assert [(s.start, s.end, s.rule, s.text) for s in spans] == [(0, 4, "ab", "abbb"), (6, 8, "ab", "ab")]
+
+
+def test_at_most_max_spans_are_kept_across_messages() -> None:
+    line = "Today's date is 2026-11-28.\n"
+    msgs = [{"role": "system", "content": line * 20}, {"role": "user", "content": line * 20},
+            {"role": "user", "content": line}]
+    spans = sp.find_spans(msgs, sp.BUILTIN)
+    assert len(spans) == sp.MAX_SPANS == 32
+    assert [s.message for s in spans] == [0] * 20 + [1] * 12
+    assert spans[20].start == 0 and spans[-1].start == 11 * len(line)
