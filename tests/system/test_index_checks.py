@@ -142,47 +142,6 @@ def test_the_child_is_given_the_path_the_mode_and_a_map_as_large_as_the_file(tmp
             assert why == f"reading {data} fails: {[str(tmp_path), mode, str(mapped)]!r}"
 
 
-def test_a_writers_mark_spares_the_walk_only_for_its_own_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    data = make_index(tmp_path)
-    walk_with(monkeypatch, "import sys; sys.exit(3)")  # were the walk run, it would say damaged
-    state = state_of(data, txnid=5)
-    mark = {"dev": state["dev"], "ino": state["ino"], "txnid": 5}
-    assert checks.crash_checked(data, state, ["junk", mark], marked_damaged=False)
-    assert checks.check(tmp_path, readonly=True, state=state, marks=[mark], marked_damaged=False,
-                        initial_map=1) == (True, None)
-    assert checks.crash_checked(data, state, [{**mark, "txnid": 4}], marked_damaged=False)  # behind: still vouches
-    for marks in ([], [{**mark, "txnid": 6}], [{**mark, "txnid": "5"}], [{**mark, "ino": mark["ino"] + 1}],
-                  [{**mark, "dev": mark["dev"] + 1}], [{k: v for k, v in mark.items() if k != "txnid"}]):
-        assert not checks.crash_checked(data, state, marks, marked_damaged=False), marks
-    assert not checks.crash_checked(data, None, [mark], marked_damaged=False)
-    assert not checks.crash_checked(data, {**state, "txnid": None}, [mark], marked_damaged=False)
-    assert not checks.crash_checked(data, state, [mark], marked_damaged=True)
-    monkeypatch.setattr(checks, "CHECK_AT_OPEN", False)
-    assert not checks.crash_checked(data, state, [mark], marked_damaged=False)
-    monkeypatch.setattr(checks, "CHECK_AT_OPEN", True)
-    assert checks.check(tmp_path, readonly=True, state=state, marks=[], marked_damaged=False,
-                        initial_map=1) == (True, f"reading {data} fails: damaged")  # no mark: the walk
-    assert checks.check(tmp_path, readonly=True, state=state, marks=[mark], marked_damaged=True,
-                        initial_map=1) == (True, f"reading {data} fails: damaged")  # marked damaged: the walk
-    walk_with(monkeypatch, "import sys; print(sys.argv[2], file=sys.stderr); sys.exit(3)")
-    for readonly, mode in ((True, "1"), (False, "0")):
-        assert checks.check(tmp_path, readonly=readonly, state=state, marks=[], marked_damaged=False,
-                            initial_map=1) == (True, f"reading {data} fails: {mode}")
-
-
-def test_a_mark_does_not_vouch_for_a_file_the_crash_check_finds_damaged(tmp_path: Path,
-                                                                      caplog: pytest.LogCaptureFixture) -> None:
-    data = make_index(tmp_path, n=400)
-    with open(data, "r+b") as f:
-        f.truncate(3 * 4096)
-    state = state_of(data, txnid=10**6)
-    with caplog.at_level(logging.INFO, logger="kvstore"):
-        assert not checks.crash_checked(data, state, [{**state, "txnid": 1}], marked_damaged=False)
-    [line] = [m for m in caplog.messages if "unclean stop" in m]
-    assert line.startswith(f"kvstore: index {tmp_path} after an unclean stop: ") and line.endswith("; checking every record")
-    assert ": None;" not in line
-
-
 def test_salvage_copies_every_readable_record_and_recounts_the_bytes(tmp_path: Path) -> None:
     who = ident("salvage")
     prompts = [rand_tokens(12 + i, seed=60 + i) for i in range(6)]
