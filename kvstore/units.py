@@ -112,6 +112,19 @@ def positive_seconds(text: str) -> float:
     return v
 
 
+MAX_COUNT = 1 << 31
+
+
+def count(text: str) -> int:
+    """A record count bound (``--responses-max-count``, ``--stable-prefix-max-count``): a
+    whole number from 0 (keep none) below 2**31, ASCII digits only; ``int()`` alone took
+    ``-5`` (a bound no record meets) and ``１０`` (full-width digits)."""
+    t = text.strip()
+    if not (t.isascii() and t.isdigit()) or int(t) >= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"invalid count {_shown(text.strip())}: a whole number from 0 below 2**31")
+    return int(t)
+
+
 def _bounded(exact: Fraction, text: str) -> float:
     if exact > MAX_SECONDS:
         raise argparse.ArgumentTypeError(f"invalid duration {text.strip()!r}: over {MAX_SECONDS:.0e} seconds "

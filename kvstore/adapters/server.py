@@ -47,7 +47,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from .. import metrics
 from ..floors import MIN_DISK_HIT
 from ..pressure import DEFAULT_MEMORY_FLOOR
-from ..units import memory_floor, milliseconds, parse_size, positive_seconds
+from ..units import count, memory_floor, milliseconds, parse_size, positive_seconds
 from . import (anthropic, gen_args, http, model_names, openapi, prompts, rendered, responses, stable_prefix, startup,
                system_render, tenants)
 from .http import HeadersOnly, send_json
@@ -297,7 +297,7 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
                    help="/v1/messages: keep Claude Code's per-request x-anthropic-billing-header system text "
                         "in the prompt (by default it is left out: it changes every request and would defeat "
                         "every cached prefix)")
-    g.add_argument("--responses-max-count", type=int, default=responses.DEFAULT_MAX_COUNT, metavar="N",
+    g.add_argument("--responses-max-count", type=count, default=responses.DEFAULT_MAX_COUNT, metavar="N",
                    help=f"/v1/responses: keep at most N stored responses in the cache directory, the oldest "
                         f"removed first (default {responses.DEFAULT_MAX_COUNT})")
     g.add_argument("--responses-max-bytes", type=parse_size, default=responses.DEFAULT_MAX_BYTES, metavar="BYTES",
@@ -316,7 +316,7 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
                    help="another volatile span for --stable-prefix (a regular expression in RE2 syntax: Python's "
                         "without backreferences or lookaround, searched in linear time in the system and user "
                         "messages before the first assistant turn); repeatable; implies --stable-prefix")
-    g.add_argument("--stable-prefix-max-count", type=int, default=stable_prefix.DEFAULT_MAX_COUNT, metavar="N",
+    g.add_argument("--stable-prefix-max-count", type=count, default=stable_prefix.DEFAULT_MAX_COUNT, metavar="N",
                    help=f"--stable-prefix: keep at most N conversation records in the cache directory, the oldest "
                         f"removed first (default {stable_prefix.DEFAULT_MAX_COUNT})")
     g.add_argument("--stable-prefix-max-bytes", type=parse_size, default=stable_prefix.DEFAULT_MAX_BYTES,

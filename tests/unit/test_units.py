@@ -259,3 +259,17 @@ def test_every_size_and_duration_flag_reads_through_its_parser(text: str) -> Non
                 split_args(["model", flag, text])
         else:
             assert split_args(["model", f"{flag}={text}"]) == ({dest: want}, ["model"])
+
+
+@pytest.mark.parametrize("text", ["-5", "1.5", "", "１０", "2147483648", "1e3", "0x10"])
+def test_a_count_bound_refuses_what_is_not_a_whole_number_from_0(text: str) -> None:
+    from kvstore.units import count
+
+    with pytest.raises(argparse.ArgumentTypeError, match=r"invalid count .*: a whole number from 0 below 2\*\*31$"):
+        count(text)
+
+
+def test_a_count_bound_reads_whole_numbers() -> None:
+    from kvstore.units import count
+
+    assert [count(t) for t in ("0", "5", " 1000 ", "2147483647")] == [0, 5, 1000, 2147483647]
