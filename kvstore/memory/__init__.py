@@ -63,8 +63,9 @@ class MemoryTier(Entries):
         for it until it is pending. Counted without taking the lock, so that nothing
         between the caller's call and the count can give another thread the chance to look
         up first: mlx_lm.server ends a response (``rqueue.put(None)``) just before it
-        inserts that response's cache, and a client's next lookup must find it (only the
-        counting thread changes its own count; the GIL keeps each change whole)."""
+        inserts that response's cache, and a client's next lookup should find it (only the
+        counting thread changes its own count; the GIL keeps each change whole). A lookup
+        that runs before the host calls the insert at all cannot see it."""
         me = threading.get_ident()
         self._inserting[me] = self._inserting.get(me, 0) + 1
         try:
