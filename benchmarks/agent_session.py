@@ -85,7 +85,7 @@ def run_chat_turn(client: Any, req: dict[str, Any]) -> dict[str, Any]:
     translates it (``anthropic.chat_request``), streamed through the openai SDK; TTFT to the
     first content or tool-call delta, usage from ``prompt_tokens_details.cached_tokens``,
     the reply as Messages content blocks (text, tool_use) for the session."""
-    from kvstore.adapters.anthropic import chat_request
+    from kvstore.serve.anthropic import chat_request
 
     extra = req.pop("extra_body", None) or {}
     chat = chat_request({**req, **extra, "stream": True}, False)

@@ -109,8 +109,8 @@ def render(model: str = "smollm2", rounds: int = 21, paragraphs: int = 128, n_to
     from mlx_lm.utils import load_tokenizer
 
     from benchmarks.agent_trace import Session, system_prompt, tools
-    from kvstore.adapters import system_render
-    from kvstore.adapters.anthropic import chat_request
+    from kvstore.serve import system_render
+    from kvstore.serve.anthropic import chat_request
     from tools.testing.model_builds import model_path
     from tools.testing.templates import TOOL_TEMPLATE
 

@@ -39,8 +39,8 @@ CREATED: tuple[str, ...] = (
     "index/", "blobs/", "blobs/*/", "blobs/*/*.kvpack", "index/data.mdb", "index/lock.mdb",
     f"index/{STAMP}", f"index/{DAMAGED}", f"index/{WRITER}*", MEMO, "index.rebuild-*/", "index.corrupt-*/",
     "format-*/",  # a store of another format, set aside whole (index.formats)
-    "responses/", "responses/*.json",  # kvstore serve's stored /v1/responses (adapters.response_store)
-    "stable-prefix/", "stable-prefix/*.json",  # kvstore serve --stable-prefix (adapters.stable_prefix.Memory)
+    "responses/", "responses/*.json",  # kvstore serve's stored /v1/responses (serve.response_store)
+    "stable-prefix/", "stable-prefix/*.json",  # kvstore serve --stable-prefix (serve.stable_prefix.Memory)
 )
 
 

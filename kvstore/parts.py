@@ -6,7 +6,7 @@ block, the character in it), ``model`` (the identity component that changed), th
 turn not in the store, and the chat template's own text (the generation prompt).
 
 How (the cost): nothing per request. A request's chat ``messages`` and ``tools`` are kept
-as the route rendered them (``adapters.rendered``), and only a lookup that made a miss asks
+as the route rendered them (``serve.rendered``), and only a lookup that made a miss asks
 ``locate``: it decodes the prompt's tokens up to the divergence once (their text's length
 is the character offset in the rendered prompt) and renders the chat template, text only,
 over prefixes of the message list (a binary search: about log2(messages) + 2 renders), so a

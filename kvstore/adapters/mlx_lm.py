@@ -20,7 +20,6 @@ from typing import Any
 
 from ..misses import Miss, log_line
 from ..parts import Part
-from .stable_prefix import note as stable_note
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..salt import Salt, salt_of
 from ..floors import MIN_DISK_HIT
@@ -78,8 +77,11 @@ class LRUPromptCache:
         # token ids -> text, for a miss's log line (``kvstore serve`` sets the model's tokenizer)
         self.decode: Callable[[list[int]], str] | None = None
         # a lookup's tokens -> what names a miss's part of the request (``kvstore serve``:
-        # ``adapters.rendered.namer``), or None
+        # ``serve.rendered.namer``), or None
         self.name_part: Callable[[list[int]], Callable[[Miss], Part] | None] | None = None
+        # what a miss's log line adds after the text ("; <what moved>": ``kvstore serve
+        # --stable-prefix``), or None
+        self.miss_note: Callable[[], str] | None = None
 
     @property
     def max_size(self) -> int:
@@ -120,7 +122,7 @@ class LRUPromptCache:
         if got.source in ("disk", "shared"):
             log_restore(got.n, len(tokens), got.source, time.perf_counter() - t0)
         if got.miss is not None and self.store.misses.worth_logging(got.miss):
-            log.info(log_line(got.miss, tokens, self.decode) + stable_note())  # what --stable-prefix moved
+            log.info(log_line(got.miss, tokens, self.decode) + (self.miss_note() if self.miss_note is not None else ""))
         return got.cache, tokens[got.n :]
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,

@@ -1,7 +1,7 @@
 """``kvstore why``: what the store holds for a request, where the request parts from it, and why.
 
 The request (a text file, or an OpenAI chat-completions or Anthropic Messages body as JSON)
-is rendered and tokenised as ``kvstore serve`` would (``adapters.prompts.request_tokens``:
+is rendered and tokenised as ``kvstore serve`` would (``serve.prompts.request_tokens``:
 mlx_lm.server's own ``_tokenize``, the model's tokenizer and chat template; no weights are
 loaded), its identity derived as the server derives it, and the index read (read-only) for
 every entry of the same model directory: those of its own identity (the longest prefix the
@@ -113,7 +113,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     from ..identity import DigestMemo, model_identity
     from ..index import scan
     from ..store import local_model_dir
-    from ..adapters.prompts import render_request
+    from ..serve.prompts import render_request
     from ..salt import salt_of_body, salted
     from .inspect import readable
 
@@ -184,7 +184,7 @@ def _stable(args: argparse.Namespace, body: Any) -> Any:
     the cache directory's records, read only, under the body's ``cache_salt``."""
     if not (args.stable_prefix or args.volatile):
         return None
-    from ..adapters import stable_prefix
+    from ..serve import stable_prefix
     from ..salt import salt_key
 
     try:
@@ -199,7 +199,7 @@ def _stable(args: argparse.Namespace, body: Any) -> Any:
 def _part(out: dict[str, Any], request: list[int], own: Nearest | None, rendered: Any, tokenizer: Any) -> Any:
     """Where in the request the verdict's miss starts (``kvstore.parts``), as the server
     names it: ``{"part": kind, "where": phrase}``, or None (no miss, or not a chat request)."""
-    from ..adapters.rendered import Rendered
+    from ..serve.rendered import Rendered
 
     if out["reason"] is None or rendered.messages is None:
         return None

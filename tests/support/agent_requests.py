@@ -65,7 +65,7 @@ def _cut(text: str) -> str:
     cut to 240 characters: the same cut for the same text, the spans kept whole."""
     if len(text) <= LONG:
         return text
-    from kvstore.adapters.stable_prefix import BUILTIN
+    from kvstore.serve.stable_prefix import BUILTIN
 
     lines = text.split("\n")
     keep = set(range(12)) | set(range(len(lines) - 4, len(lines)))

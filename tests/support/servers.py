@@ -28,7 +28,7 @@ def free_port() -> int:
 
 
 ADAPTER_COMMAND = [sys.executable, "-c",
-                   "import sys; from kvstore.adapters.server import main; sys.exit(main(sys.argv[1:]))"]
+                   "import sys; from kvstore.serve.server import main; sys.exit(main(sys.argv[1:]))"]
 CLI_COMMAND = [sys.executable, "-m", "kvstore.cli", "serve"]
 
 

@@ -92,7 +92,7 @@ def test_big_miss_is_counted_at_its_cost(tmp_path, tool_model, tier) -> None:
     same after a restart, from the disk tier's candidates."""
     from mlx_lm.utils import load_tokenizer
 
-    from kvstore.adapters.prompts import request_tokens
+    from kvstore.serve.prompts import request_tokens
     from tests.support.servers import Server
 
     tokenizer = load_tokenizer(tool_model)
@@ -355,8 +355,8 @@ def test_parts_located_from_the_rendered_request(tool_model) -> None:
 
     from mlx_lm.utils import load_tokenizer
 
-    from kvstore.adapters.prompts import request_tokens
-    from kvstore.adapters.rendered import Rendered, block_lengths
+    from kvstore.serve.prompts import request_tokens
+    from kvstore.serve.rendered import Rendered, block_lengths
     from kvstore.misses import Miss
 
     tok = load_tokenizer(tool_model)

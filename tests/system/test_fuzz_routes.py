@@ -1,7 +1,7 @@
 """Schema-driven fuzzing of every route ``kvstore serve`` answers (issue 52.13), against one real
 ``kvstore serve`` (tiny-llama, ``--max-body-bytes 64K``) on 127.0.0.1.
 
-schemathesis generates each route's requests from ``kvstore.adapters.openapi.document()``
+schemathesis generates each route's requests from ``kvstore.serve.openapi.document()``
 (what ``GET /openapi.json`` serves): valid ones with fields the schema does not name
 (unknown fields), and, in its negative mode, malformed bodies, wrong types and values out of
 range. Hand-written hostile requests add what a schema cannot say: bodies over the limit,
@@ -43,7 +43,7 @@ from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
                                                status_code_conformance)
 
-from kvstore.adapters.openapi import document
+from kvstore.serve.openapi import document
 from tests.support.servers import HOST, Server
 
 LIMIT = 64 << 10  # the server's --max-body-bytes

@@ -15,7 +15,7 @@ def test_a_fifo_as_secret_or_key_file_is_refused_without_blocking(tmp_path: Path
     got = run_py("""
         import argparse, json, sys
         from kvstore.shared.config import read_secret
-        from kvstore.adapters import tenants
+        from kvstore.serve import tenants
         out = {}
         try:
             read_secret(json.loads(sys.argv[1]))

@@ -91,7 +91,7 @@ def why_store(tmp_path_factory, tiny_llama) -> dict[str, Any]:
     from mlx_lm.utils import load_tokenizer
 
     from kvstore import KVStore
-    from kvstore.adapters.prompts import request_tokens
+    from kvstore.serve.prompts import request_tokens
     from tools.testing.model_builds import model_path
     from tools.testing.oracle import prefill
 
@@ -120,7 +120,7 @@ def why(request: Path, store: dict[str, Any], *extra: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("change", ["date", "uuid"])
 def test_why_names_where_a_changed_system_prompt_diverges(why_store, tmp_path, change) -> None:
-    from kvstore.adapters.prompts import request_tokens
+    from kvstore.serve.prompts import request_tokens
 
     sys_text = system(date=DATE2) if change == "date" else system(uuid=UUID2)
     body = openai_body(sys_text)
@@ -271,7 +271,7 @@ def test_reasons_for_real_date_uuid_tools_billing_header_and_template(tmp_path, 
     ``other_identity`` naming the component, in the log, the stats and ``why``."""
     from mlx_lm.utils import load_tokenizer
 
-    from kvstore.adapters.prompts import request_tokens
+    from kvstore.serve.prompts import request_tokens
     from tests.support.servers import Server
 
     tokenizer = load_tokenizer(tool_model)
@@ -415,7 +415,7 @@ def test_a_disk_miss_counts_the_stored_entry_not_the_request(tmp_path, tiny_llam
     from mlx_lm.utils import load_tokenizer
 
     from kvstore.adapters.mlx_lm import LRUPromptCache
-    from kvstore.adapters.prompts import request_tokens
+    from kvstore.serve.prompts import request_tokens
     from tools.testing.model_builds import model_path
     from tools.testing.oracle import prefill
 

@@ -14,7 +14,7 @@ Real ``kvstore serve`` subprocesses, the real SDK over HTTP:
   tools, ``store: false``, ``include``, ``prompt_cache_key``, ``client_metadata``), the
   event sequence Codex parses, then the next turn with its ``function_call`` /
   ``function_call_output`` history read from the cache;
-- ``response_store.ResponseStore`` on real files: tests/unit/test_adapters_response_store.py.
+- ``response_store.ResponseStore`` on real files: tests/unit/test_serve_response_store.py.
 - stored responses as a client sees them: a clock step never evicts the newest, a response
   is found the moment its answer arrives (or is answered ``store: false`` with
   ``store_error``), planted malformed records are counted JSON 404s.
@@ -350,7 +350,7 @@ def test_codex_shaped_stream_and_tool_history(tool_model: Path, tmp_path: Path) 
 
 
 # -- the store on its own ---------------------------------------------------------------------------
-#    tests/unit/test_adapters_response_store.py (and test_adapters_response_record.py: the
+#    tests/unit/test_serve_response_store.py (and test_serve_response_record.py: the
 #    record reader on any bytes); below, what a client of a real server sees of it.
 
 
@@ -449,7 +449,7 @@ def test_malformed_stored_records_are_404s(model_dir: Path, tmp_path: Path) -> N
     ``GET``, ``previous_response_id`` and ``DELETE`` each answer a JSON 404, counted in
     ``GET /v1/cache/stats`` under ``responses.invalid_records``; the server keeps serving and
     nothing planted outside is touched."""
-    from kvstore.adapters.response_store import record_name
+    from kvstore.serve.response_store import record_name
 
     cache = tmp_path / "cache"
     with Server(model_dir, cache, tmp_path / "server.log", ["--responses-max-bytes", "2M"]) as s:

@@ -141,7 +141,7 @@ def test_serve_help_imports_neither_mlx_lm_nor_transformers() -> None:
     transformers): every flag of the imported parser is there all the same."""
     script = (
         "import contextlib, io, json, sys\n"
-        "from kvstore.adapters.server import main\n"
+        "from kvstore.serve.server import main\n"
         "out = io.StringIO()\n"
         "with contextlib.redirect_stdout(out):\n"
         "    main(['--help'])\n"

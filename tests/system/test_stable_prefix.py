@@ -1,7 +1,7 @@
-"""``kvstore serve --stable-prefix`` (kvstore.adapters.stable_prefix): the rewrite
+"""``kvstore serve --stable-prefix`` (kvstore.serve.stable_prefix): the rewrite
 through a real tokenizer, five template families, and real servers replaying a resumed Claude
 Code and OpenCode session after a restart (each built-in rule and the rewrite's guarantees
-without a model: tests/unit/test_adapters_stable_prefix.py)."""
+without a model: tests/unit/test_serve_stable_prefix.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvstore.adapters import stable_prefix as sp
+from kvstore.serve import stable_prefix as sp
 from tests.support import agent_requests as agents
 from tests.support.agent_requests import CC_DAY, CC_NEXT, CHANGED_STATUS, OC_DAY, OC_NEXT
 
@@ -26,7 +26,7 @@ def test_no_volatile_span_is_the_same_request(tmp_path) -> None:
     those rendered without the option (both APIs, the logged requests with their dates
     taken out)."""
     from benchmarks.agent_session import TOOL_TEMPLATE
-    from kvstore.adapters.prompts import request_tokens
+    from kvstore.serve.prompts import request_tokens
 
     memory = sp.Memory(tmp_path)
     messages = [{"role": "system", "content": "You file ledgers."}, {"role": "user", "content": "Where?"}]
@@ -70,7 +70,7 @@ def test_families_render_the_rewritten_requests(family) -> None:
     resumed request has a system turn between its first user turn and the answer: Gemma's
     template refuses it with or without the option (checked)."""
     from tests.support.chat_templates import families
-    from kvstore.adapters.prompts import request_tokens
+    from kvstore.serve.prompts import request_tokens
 
     tokenizer = _family_tokenizer(families()[family])
     cases = [("opencode_stable_first", agents.opencode_resumed(), OC_DAY, OC_NEXT),
@@ -128,7 +128,7 @@ def test_a_resumed_session_after_a_restart_reads_its_prompt_from_the_cache(tmp_p
     OpenCode's date in the system prompt). The requests are the logged ones, cut to a size
     a CPU prefills in a minute (``agent_requests.shortened``)."""
     from benchmarks.agent_session import with_tool_template
-    from kvstore.adapters.prompts import request_tokens
+    from kvstore.serve.prompts import request_tokens
     from mlx_lm.utils import load_tokenizer
     from tests.support.servers import Server
     from tools.testing.model_builds import model_path
@@ -255,7 +255,7 @@ def test_a_new_conversation_renders_as_sent_on_a_real_server(tmp_path) -> None:
     from mlx_lm.utils import load_tokenizer
 
     from benchmarks.agent_session import with_tool_template
-    from kvstore.adapters.prompts import request_tokens
+    from kvstore.serve.prompts import request_tokens
     from tests.support.servers import Server
     from tools.testing.model_builds import model_path
 

@@ -1,5 +1,5 @@
 """mlx-lm's system-prompt probe rendered once per system prompt (issue 47, item 4):
-``kvstore.adapters.system_render`` on mlx_lm.server's own ``_tokenize``, a real tokenizer
+``kvstore.serve.system_render`` on mlx_lm.server's own ``_tokenize``, a real tokenizer
 and chat template (tiny-llama with the agent trace's tool template)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _generator(patched: bool) -> Any:
     ``system_render`` installed when ``patched``, and the ``self`` its ``_tokenize`` reads."""
     import mlx_lm.server as server_mod
 
-    from kvstore.adapters import system_render
+    from kvstore.serve import system_render
 
     cls = type("Generator", (server_mod.ResponseGenerator,), {})
     if patched:
@@ -59,7 +59,7 @@ def _counting(tokenizer: Any) -> list[dict[str, Any]]:
 
 
 def test_the_system_probe_is_rendered_once_per_system_prompt(tokenizer: Any) -> None:
-    from kvstore.adapters import system_render
+    from kvstore.serve import system_render
 
     system_render.forget()
     args = types.SimpleNamespace(chat_template_kwargs=None)
@@ -89,7 +89,7 @@ def test_the_system_probe_is_rendered_once_per_system_prompt(tokenizer: Any) -> 
 def test_only_the_probe_is_remembered(tokenizer: Any) -> None:
     """A prompt render, a text render and another tokenizer's probe are never answered
     from what was remembered."""
-    from kvstore.adapters.system_render import Probed, forget
+    from kvstore.serve.system_render import Probed, forget
 
     forget()
     probe = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ""}]
@@ -112,7 +112,7 @@ def test_only_the_probe_is_remembered(tokenizer: Any) -> None:
 def test_one_callers_probe_never_answers_anothers() -> None:
     """A remembered probe is faster: it is kept per ``cache_salt``, so no caller learns by
     timing that another rendered the same system prompt."""
-    from kvstore.adapters import system_render
+    from kvstore.serve import system_render
 
     calls: list[int] = []
 

@@ -269,7 +269,7 @@ def test_official_clients_with_and_without_a_key(model_dir: Path, tmp_path: Path
                                extra_body={"cache_salt": "w" * 257})
         assert ab.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
         assert "cache_salt" in ab.value.body["error"]["message"]  # type: ignore[index]
-        try:  # the key is accepted; /v1/messages itself is kvstore.adapters.anthropic's (another change)
+        try:  # the key is accepted; /v1/messages itself is kvstore.serve.anthropic's (another change)
             ac.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": QUESTION}])
         except anthropic.NotFoundError:
             pass

@@ -92,7 +92,7 @@ def test_ready_time_counts_from_the_process_start() -> None:
     """The "ready ... s after the process started" figure includes what happened before
     kvstore's code ran (here a 1 s sleep standing in for Python's start and the imports)."""
     p = subprocess.run([sys.executable, "-c", "import time; time.sleep(1.0); "
-                        "from kvstore.adapters.startup import since_process_start; print(since_process_start())"],
+                        "from kvstore.serve.startup import since_process_start; print(since_process_start())"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert float(p.stdout) >= 1.0, p.stdout

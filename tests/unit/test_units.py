@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from kvstore.adapters.server import setup_arg_parser as serve_flags
+from kvstore.serve.server import setup_arg_parser as serve_flags
 from kvstore.cli import gc as gc_command
 from kvstore.cli.main import _parser
 from kvstore.units import parse_size

@@ -37,6 +37,7 @@ RANKS: dict[str, int] = {
     "kvstore.metrics": 5,
     "kvstore.store": 6,
     "kvstore.maintenance": 7, "kvstore.generate": 7, "kvstore.adapters": 7,
+    "kvstore.serve": 8,
     "kvstore.cli": 9,
     "tools": 10, "benchmarks": 10,
 }
@@ -45,7 +46,7 @@ INNER: dict[str, list[str]] = {
     "kvstore.index": ["errors", "pages", "trie", "txn", "checks", "core", "scan"],
     "kvstore.disk": ["tier", "plan", "pieces", "restore", "persist", "transfer"],
     "kvstore.memory": ["snapshot", "entries"],
-    "kvstore.adapters": ["mlx_lm", "server", "vllm_mlx", "exo"],
+    "kvstore.adapters": ["mlx_lm", "vllm_mlx", "exo"],
 }
 
 

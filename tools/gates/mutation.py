@@ -49,9 +49,9 @@ MODULES: dict[str, tuple[str, ...]] = {
     "kvstore/served_tokens.py": ("tests/unit/test_served_tokens.py",),
     "kvstore/callers.py": ("tests/unit/test_callers.py",),
     "kvstore/units.py": ("tests/unit/test_units.py",),
-    "kvstore/adapters/http.py": ("tests/unit/test_adapters_http.py",),
-    "kvstore/adapters/response_store.py": ("tests/unit/test_adapters_response_store.py",),
-    "kvstore/adapters/stable_prefix.py": ("tests/unit/test_adapters_stable_prefix.py",),
+    "kvstore/serve/http.py": ("tests/unit/test_serve_http.py",),
+    "kvstore/serve/response_store.py": ("tests/unit/test_serve_response_store.py",),
+    "kvstore/serve/stable_prefix.py": ("tests/unit/test_serve_stable_prefix.py",),
     "kvstore/index/checks.py": ("tests/system/test_index_checks.py",),
     "kvstore/memory/snapshot.py": ("tests/system/test_memory_snapshot.py",),
 }
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = []
     for name in args.modules or MODULES:
         hits = [m for m in MODULES if m == name or m.removeprefix("kvstore/").removesuffix(".py") in
-                (name, f"adapters/{name}")]
+                (name, f"adapters/{name}", f"serve/{name}")]
         if len(hits) != 1:
             ap.error(f"unknown module {name!r}: one of {', '.join(MODULES)}")
         chosen.append(hits[0])

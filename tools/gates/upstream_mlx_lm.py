@@ -12,7 +12,7 @@ download it stops with ``SuiteMissing``, saying what to run where PyPI is reacha
 
 - ``mlx_lm``: plain mlx_lm.server, as upstream runs it;
 - ``kvstore``: the same suite with kvstore's server patched in before the suite imports
-  mlx_lm.server (``kvstore.adapters.server.patch``: kvstore's ``LRUPromptCache`` with a
+  mlx_lm.server (``kvstore.serve.server.patch``: kvstore's ``LRUPromptCache`` with a
   disk tier in a temp dir, and kvstore's routes), by this module loaded as a pytest plugin.
 
 The suite loads ``mlx-community/Qwen1.5-0.5B-Chat-4bit`` from the Hugging Face hub; a
@@ -199,7 +199,7 @@ def pytest_configure(config: object) -> None:
         return
     import mlx_lm.server as server_mod
 
-    from kvstore.adapters.server import patch
+    from kvstore.serve.server import patch
 
     patch(server_mod, cache_dir=os.environ[CACHE_ENV])
 

@@ -258,7 +258,7 @@ def _admit(handler: Any) -> bool:
         return False
     if handler.command != "POST":
         return True
-    try:  # read and parsed once, here: the object every route then gets (kvstore.adapters.http)
+    try:  # read and parsed once, here: the object every route then gets (kvstore.serve.http)
         body = admit_body(handler)
     except BodyError as e:  # 411 / 413 leave the body unread: the connection cannot go on
         _send(handler, e.status, error_body(path, e.status, str(e), param=e.param, code=e.code),

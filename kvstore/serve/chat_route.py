@@ -157,7 +157,7 @@ def run_chat(handler: Any, original: Callable[[Any], None], chat: dict[str, Any]
     # this request (the route's answer, or the stream's head, logs it once)
     handler.log_request = lambda *args: None
     failure: Exception | None = None
-    hand_over(handler, chat)  # what kvstore.adapters.gen_args checks before mlx-lm runs it
+    hand_over(handler, chat)  # what kvstore.serve.gen_args checks before mlx-lm runs it
     try:
         original(handler)
     except Exception as e:

@@ -1,4 +1,4 @@
-"""kvstore.adapters.tenants: where API keys come from, and what a bad source says."""
+"""kvstore.serve.tenants: where API keys come from, and what a bad source says."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 def test_key_sources_and_their_errors(tmp_path: Path) -> None:
     import argparse
 
-    from kvstore.adapters import tenants
+    from kvstore.serve import tenants
 
     p = argparse.ArgumentParser()
     tenants.add_arguments(p)
@@ -75,7 +75,7 @@ def test_a_key_file_reads_as_its_lines_or_is_refused(files_dir: Path, data: byte
     """Every key accepted is a line of the file as written; anything else ends the start
     with a message (SystemExit naming the file or the key's number, never the key), not
     another exception, and a line is never split into keys the file did not hold."""
-    from kvstore.adapters import tenants
+    from kvstore.serve import tenants
 
     f = files_dir / "keys"
     f.write_bytes(data)
@@ -95,7 +95,7 @@ def test_a_key_file_reads_as_its_lines_or_is_refused(files_dir: Path, data: byte
 
 @given(st.lists(KEYISH, max_size=4), st.booleans())
 def test_keys_are_printable_ascii_or_refused_by_number(keys: list[str], isolate: bool) -> None:
-    from kvstore.adapters import tenants
+    from kvstore.serve import tenants
 
     try:
         policy = tenants.Policy.from_keys(keys, isolate)
@@ -110,7 +110,7 @@ def test_keys_are_printable_ascii_or_refused_by_number(keys: list[str], isolate:
 
 @given(st.dictionaries(st.sampled_from(["Authorization", "x-api-key"]), KEYISH | st.builds(lambda k: "Bearer " + k, KEYISH)))
 def test_a_presented_key_is_read_from_any_header_text(headers: dict[str, str]) -> None:
-    from kvstore.adapters import tenants
+    from kvstore.serve import tenants
 
     got = tenants.presented_key(headers)
     assert got is None or (got and got == got.strip() and (got in headers.get("Authorization", "") or

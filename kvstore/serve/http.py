@@ -2,7 +2,7 @@
 mlx_lm.server's ``APIHandler``).
 
 A POST body is read and parsed once, when the request is admitted (``admit_body``, called
-by ``kvstore.adapters.tenants`` before any route runs), and that object is what every route
+by ``kvstore.serve.tenants`` before any route runs), and that object is what every route
 gets: kvstore's own routes through ``body_of``, mlx_lm.server's through its own
 ``json.loads`` of the same text, which returns the object already parsed (``ParsedOnce``).
 So kvstore's checks (``cache_salt``, keys) and the route can never read two different

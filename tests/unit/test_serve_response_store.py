@@ -1,4 +1,4 @@
-"""kvstore.adapters.response_store: stored responses are bounded, per tenant, evicted by the
+"""kvstore.serve.response_store: stored responses are bounded, per tenant, evicted by the
 store's own sequence (never by the clock), refused writes say why, and foreign or malformed
 files are counted misses."""
 
@@ -25,7 +25,7 @@ def response(response_id: str, **extra: Any) -> dict[str, Any]:
 
 
 def test_response_store_bounds_tenants_and_foreign_files(tmp_path: Path) -> None:
-    from kvstore.adapters.response_store import NotStored, ResponseStore, record_name
+    from kvstore.serve.response_store import NotStored, ResponseStore, record_name
 
     store = ResponseStore(tmp_path, max_count=3, max_bytes=4000)
     for i in range(5):
@@ -69,7 +69,7 @@ def test_eviction_follows_the_sequence_across_restarts_and_clock_steps(tmp_path:
     """Records whose mtimes are an hour ahead (a clock stepped back) or behind, a restart
     between the writes, records of the previous version (no ``seq``): the newest stay, the
     lowest in the sequence go first, and the record just written is never the one removed."""
-    from kvstore.adapters.response_store import ResponseStore, record_name
+    from kvstore.serve.response_store import ResponseStore, record_name
 
     d = tmp_path / "responses"
     first = ResponseStore(tmp_path, max_count=5)
@@ -102,7 +102,7 @@ def test_eviction_follows_the_sequence_across_restarts_and_clock_steps(tmp_path:
 
 
 def test_a_store_that_cannot_write_says_why(tmp_path: Path) -> None:
-    from kvstore.adapters.response_store import NotStored, ResponseStore
+    from kvstore.serve.response_store import NotStored, ResponseStore
 
     (tmp_path / "responses").write_text("not a directory")
     store = ResponseStore(tmp_path)
@@ -134,7 +134,7 @@ MALFORMED: dict[str, bytes] = {
 
 @pytest.mark.parametrize("name", sorted(MALFORMED))
 def test_malformed_records_are_counted_misses(tmp_path: Path, name: str) -> None:
-    from kvstore.adapters.response_store import ResponseStore, record_name
+    from kvstore.serve.response_store import ResponseStore, record_name
 
     store = ResponseStore(tmp_path)
     store.put(None, "good", response("good"), CONVERSATION)
@@ -150,7 +150,7 @@ def test_concurrent_writers_get_distinct_numbers_and_the_bound_holds(tmp_path: P
     number handed out once, ``max_count`` left, the last one written among them."""
     import threading
 
-    from kvstore.adapters.response_store import ResponseStore
+    from kvstore.serve.response_store import ResponseStore
 
     store = ResponseStore(tmp_path, max_count=20)
 
@@ -175,8 +175,8 @@ def test_in_memory_records_are_bounded_by_bytes_oldest_first() -> None:
     every test. Records of ~1 kB under a 3,500-byte bound and a count bound it never reaches:
     after every put the records still readable fit the bound, the newest are the ones kept,
     and one larger than the bound alone is refused without dropping anything."""
-    from kvstore.adapters.response_record import Record
-    from kvstore.adapters.response_store import NotStored, ResponseStore
+    from kvstore.serve.response_record import Record
+    from kvstore.serve.response_store import NotStored, ResponseStore
 
     def size(rid: str) -> int:  # what the store holds of a record: its bytes as written
         return len(Record(rid, records[rid], CONVERSATION, 0).to_bytes())
@@ -212,7 +212,7 @@ def test_any_response_id_names_one_record_file_and_an_unknown_one_is_a_miss(tmp_
 
     from hypothesis import given, strategies as st
 
-    from kvstore.adapters.response_store import ResponseStore, record_name
+    from kvstore.serve.response_store import ResponseStore, record_name
 
     ids = st.text(st.characters(codec="utf-8") | st.characters(categories=["Cs"]) | st.sampled_from("/.\\\0"),
                   max_size=80)
@@ -236,7 +236,7 @@ def test_any_response_id_names_one_record_file_and_an_unknown_one_is_a_miss(tmp_
 
 def sizes_of(*ids: str, seq: int = 0) -> list[int]:
     """The bytes a record of each id takes (on disk and in memory) at a one-digit ``seq``."""
-    from kvstore.adapters.response_record import Record
+    from kvstore.serve.response_record import Record
 
     return [len(Record(rid, response(rid), CONVERSATION, seq).to_bytes()) for rid in ids]
 
@@ -244,7 +244,7 @@ def sizes_of(*ids: str, seq: int = 0) -> list[int]:
 def test_record_names_are_stable_across_versions() -> None:
     """A record written by an earlier kvstore is found after an upgrade only if the name of
     (tenant, id) never changes: pinned values, a lone surrogate included."""
-    from kvstore.adapters.response_store import record_name
+    from kvstore.serve.response_store import record_name
 
     assert record_name(None, "resp_1") == "4ec3ba9cef11952155de7e1817f9f6cc.json"
     assert record_name(b"k", "resp_1") == "7441512eec3418361207d41036d91ac4.json"
@@ -254,7 +254,7 @@ def test_record_names_are_stable_across_versions() -> None:
 
 @pytest.mark.parametrize("on_disk", [True, False])
 def test_delete_removes_only_that_tenants_record(tmp_path: Path, on_disk: bool) -> None:
-    from kvstore.adapters.response_store import ResponseStore, record_name
+    from kvstore.serve.response_store import ResponseStore, record_name
 
     store = ResponseStore(tmp_path if on_disk else None)
     store.put("alice", "resp_a", response("resp_a"), CONVERSATION)
@@ -275,7 +275,7 @@ def test_delete_removes_only_that_tenants_record(tmp_path: Path, on_disk: bool) 
 
 
 def test_unlink_never_removes_what_is_not_a_regular_record(tmp_path: Path) -> None:
-    from kvstore.adapters.response_store import ResponseStore, record_name
+    from kvstore.serve.response_store import ResponseStore, record_name
 
     store = ResponseStore(tmp_path)
     store.put(None, "resp_1", response("resp_1"), CONVERSATION)
@@ -289,7 +289,7 @@ def test_unlink_never_removes_what_is_not_a_regular_record(tmp_path: Path) -> No
 def test_the_bytes_bound_is_inclusive_and_evicts_as_few_as_it_must(tmp_path: Path) -> None:
     """A record of exactly ``max_bytes`` is stored and read; records summing to exactly the
     bound all stay; a write past it removes the oldest until it holds, no more."""
-    from kvstore.adapters.response_store import ResponseStore, record_name
+    from kvstore.serve.response_store import ResponseStore, record_name
 
     ids = [f"resp_{i}" for i in range(4)]
     sizes = sizes_of(*ids)
@@ -314,7 +314,7 @@ def test_the_bytes_bound_is_inclusive_and_evicts_as_few_as_it_must(tmp_path: Pat
 
 
 def test_a_large_record_evicts_several_small_ones_in_memory() -> None:
-    from kvstore.adapters.response_store import ResponseStore
+    from kvstore.serve.response_store import ResponseStore
 
     small = sizes_of("s_0")[0]
     memory = ResponseStore(None, max_bytes=4 * small + 100)
@@ -327,7 +327,7 @@ def test_a_large_record_evicts_several_small_ones_in_memory() -> None:
 
 
 def test_memory_count_bound_keeps_exactly_max_count_and_a_replay_is_the_newest() -> None:
-    from kvstore.adapters.response_store import ResponseStore
+    from kvstore.serve.response_store import ResponseStore
 
     memory = ResponseStore(None, max_count=2)
     for rid in ("a", "b"):
@@ -349,7 +349,7 @@ def test_memory_count_bound_keeps_exactly_max_count_and_a_replay_is_the_newest()
 def test_files_not_named_as_records_are_skipped_not_the_end_of_the_listing(tmp_path: Path) -> None:
     """Foreign files among the records (many, made last, so a listing meets them early):
     the sequence still recovers past every record and eviction still sees them all."""
-    from kvstore.adapters.response_store import ResponseStore, record_name
+    from kvstore.serve.response_store import ResponseStore, record_name
 
     first = ResponseStore(tmp_path)
     for i in range(5):
@@ -365,7 +365,7 @@ def test_files_not_named_as_records_are_skipped_not_the_end_of_the_listing(tmp_p
 
 
 def test_an_empty_directory_starts_the_sequence_at_zero(tmp_path: Path) -> None:
-    from kvstore.adapters.response_store import ResponseStore
+    from kvstore.serve.response_store import ResponseStore
 
     (tmp_path / "responses").mkdir()
     store = ResponseStore(tmp_path)
@@ -377,7 +377,7 @@ def test_a_record_is_ranked_again_when_it_changes_and_only_then(tmp_path: Path) 
     """The eviction rank is read once per change of the file's (inode, size, mtime): a
     record rewritten (another size) is ranked by what it now says; one whose stat did not
     change is not read again."""
-    from kvstore.adapters.response_store import ResponseStore, record_name
+    from kvstore.serve.response_store import ResponseStore, record_name
 
     d = tmp_path / "responses"
     store = ResponseStore(tmp_path, max_count=3)
@@ -402,7 +402,7 @@ def test_a_record_is_ranked_again_when_it_changes_and_only_then(tmp_path: Path) 
 def test_a_record_of_another_writer_never_evicts_the_one_just_written(tmp_path: Path) -> None:
     """Two stores on one directory (two processes): the one that read the directory first
     hands out a low number; its write is still never the one removed."""
-    from kvstore.adapters.response_store import ResponseStore, record_name
+    from kvstore.serve.response_store import ResponseStore, record_name
 
     slow = ResponseStore(tmp_path, max_count=1)
     slow.put(None, "slow_0", response("slow_0"), CONVERSATION)  # seq 0; slow's next is 1
@@ -415,7 +415,7 @@ def test_a_record_of_another_writer_never_evicts_the_one_just_written(tmp_path: 
 
 def test_file_and_directory_modes_are_the_stores(tmp_path: Path) -> None:
     from kvstore import files
-    from kvstore.adapters.response_store import ResponseStore
+    from kvstore.serve.response_store import ResponseStore
 
     old = os.umask(0o022)
     try:
@@ -428,7 +428,7 @@ def test_file_and_directory_modes_are_the_stores(tmp_path: Path) -> None:
 
 
 def test_records_larger_than_max_bytes_on_disk_are_too_large_misses(tmp_path: Path, caplog) -> None:
-    from kvstore.adapters.response_store import ResponseStore, record_name
+    from kvstore.serve.response_store import ResponseStore, record_name
 
     size = sizes_of("r")[0]
     store = ResponseStore(tmp_path, max_bytes=size)
@@ -442,7 +442,7 @@ def test_records_larger_than_max_bytes_on_disk_are_too_large_misses(tmp_path: Pa
 
 
 def test_misses_and_refusals_are_logged_saying_which_and_why(tmp_path: Path, caplog) -> None:
-    from kvstore.adapters.response_store import NotStored, ResponseStore, record_name
+    from kvstore.serve.response_store import NotStored, ResponseStore, record_name
 
     store = ResponseStore(tmp_path, max_bytes=2000)
     store.put(None, "resp_a", response("resp_a"), CONVERSATION)
@@ -477,7 +477,7 @@ def test_running_out_of_descriptors_is_a_counted_miss_and_a_refusal_then_recover
     import errno
     import resource
 
-    from kvstore.adapters.response_store import NotStored, ResponseStore
+    from kvstore.serve.response_store import NotStored, ResponseStore
 
     ResponseStore(tmp_path).put(None, "r_0", response("r_0"), CONVERSATION)
     store = ResponseStore(tmp_path)
@@ -509,7 +509,7 @@ def test_running_out_of_descriptors_is_a_counted_miss_and_a_refusal_then_recover
 def test_a_symlink_named_as_a_record_is_not_counted_against_the_bound(tmp_path: Path) -> None:
     """A symlink planted under a record's name (to a real record elsewhere) is never
     followed: not counted, not removed, and it makes no real record go."""
-    from kvstore.adapters.response_store import ResponseStore, record_name
+    from kvstore.serve.response_store import ResponseStore, record_name
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -1,4 +1,4 @@
-"""kvstore.adapters.model_names: the body fields that would load a model (issue 52 item 1)
+"""kvstore.serve.model_names: the body fields that would load a model (issue 52 item 1)
 are pinned to the started values or refused, and the generation arguments always name the
 started model, draft model and adapters."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from hypothesis import given, strategies as st
 
-from kvstore.adapters import model_names
+from kvstore.serve import model_names
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),

@@ -1,4 +1,4 @@
-"""kvstore.adapters.http: a request body's JSON nesting is bounded by its structure, not its text."""
+"""kvstore.serve.http: a request body's JSON nesting is bounded by its structure, not its text."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvstore.adapters.http import BodyError
+from kvstore.serve.http import BodyError
 
 
 def nested(depth: int, inner: str = "1") -> str:
@@ -17,7 +17,7 @@ def test_brackets_inside_strings_do_not_count_as_nesting() -> None:
     """The depth bound reads the JSON's structure, not its text: a prompt full of brackets
     (code, a quoted bracket after an escaped quote) is accepted; the structure's own depth
     is what is refused."""
-    from kvstore.adapters.http import MAX_DEPTH, BodyError, nesting, parse_json
+    from kvstore.serve.http import MAX_DEPTH, BodyError, nesting, parse_json
 
     text = "x = [[[[{{{{" * 500 + ' \\" [[[ \\\\'
     body = json.dumps({"messages": [{"role": "user", "content": text}], "deep": json.loads(nested(MAX_DEPTH - 1))})
@@ -37,7 +37,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from kvstore.adapters import http as kvhttp
+from kvstore.serve import http as kvhttp
 
 LIMIT = 1000
 PARSED = kvhttp.ParsedOnce()  # what mlx_lm.server's module gets as ``json``
@@ -74,7 +74,7 @@ class Handler(BaseHTTPRequestHandler):
             reply["body_of"] = refusal(self)
         kvhttp.send_json(self, 200, reply)
 
-    def do_HEAD(self) -> None:  # kvstore.adapters.server's do_HEAD
+    def do_HEAD(self) -> None:  # kvstore.serve.server's do_HEAD
         if self.path == "/direct":  # send_json alone leaves a HEAD's body out too
             kvhttp.send_json(self, 200, {"path": self.path})
             return
@@ -269,7 +269,7 @@ def test_headers_only_passes_the_head_and_nothing_after_it() -> None:
 
 
 def test_nesting_is_counted_across_chunks() -> None:
-    from kvstore.adapters.http import _CHUNK, nesting, parse_json
+    from kvstore.serve.http import _CHUNK, nesting, parse_json
 
     deep = _CHUNK + 5
     assert nesting(b"[" * deep + b"]" * deep) == deep

@@ -1,4 +1,4 @@
-"""kvstore.adapters.response_record: the one reader of stored response records returns a
+"""kvstore.serve.response_record: the one reader of stored response records returns a
 valid record or raises RecordError, on any bytes and any JSON (property tests), and reads
 back what its writer wrote."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvstore.adapters.response_record import MAX_DEPTH, ROLES, Record, RecordError, check_message
+from kvstore.serve.response_record import MAX_DEPTH, ROLES, Record, RecordError, check_message
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),

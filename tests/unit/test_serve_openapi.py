@@ -1,11 +1,11 @@
-"""kvstore.adapters.openapi: the description of kvstore serve's routes is a valid OpenAPI
+"""kvstore.serve.openapi: the description of kvstore serve's routes is a valid OpenAPI
 document schemathesis loads, naming every route the server answers."""
 
 from __future__ import annotations
 
 import schemathesis
 
-from kvstore.adapters.openapi import document
+from kvstore.serve.openapi import document
 
 ROUTES = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/messages"),
           ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"), ("GET", "/v1/responses/{id}"),

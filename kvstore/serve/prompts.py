@@ -84,7 +84,7 @@ def request_tokens(tokenizer: Any, body: Any, *, sort_tools: bool = False,
 class RenderedRequest:
     """A request as ``kvstore serve`` renders it: its tokens and, for a chat request, the
     ``messages`` and ``tools`` the chat template rendered (what ``kvstore.parts`` names a
-    miss's part in), ``blocks`` (``adapters.rendered.block_lengths``) and the template's
+    miss's part in), ``blocks`` (``serve.rendered.block_lengths``) and the template's
     arguments."""
 
     tokens: list[int]

@@ -1,4 +1,4 @@
-"""kvstore.adapters.stable_prefix: each built-in rule on a logged real request, and the
+"""kvstore.serve.stable_prefix: each built-in rule on a logged real request, and the
 rewrite's guarantees (no model, no server: tests/system/test_stable_prefix.py has those)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvstore.adapters import anthropic
-from kvstore.adapters import stable_prefix as sp
+from kvstore.serve import anthropic
+from kvstore.serve import stable_prefix as sp
 from kvstore.salt import salt_key
 from tests.support import agent_requests as agents
 from tests.support.agent_requests import CC_DAY, CC_NEXT, CHANGED_STATUS, OC_DAY, OC_NEXT
@@ -53,7 +53,7 @@ def test_date_rule_on_opencode_system_prompt() -> None:
 def test_codex_date_rule_on_codex_environment_context() -> None:
     """Codex CLI 0.171.0 sends today's date in the <environment_context> of its first user
     message (after the developer messages and tools), rendered through /v1/responses."""
-    from kvstore.adapters import responses
+    from kvstore.serve import responses
 
     body = agents.body("codex")
     messages = responses.chat_request(responses.check_body(body), [])[0]["messages"]

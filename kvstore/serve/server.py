@@ -5,7 +5,7 @@ No mlx-lm file is edited. Before ``mlx_lm.server.main()`` runs, this module
   of kvstore's drop-in bound to the cache directory and budgets given here, told the KV
   quantisation by mlx_lm.server's own ``ResponseGenerator`` (``patch``),
 - wraps ``APIHandler.do_GET`` to answer ``GET /health`` exactly as mlx_lm.server does once
-  ready (503 ``{"status": "starting"}`` before: ``kvstore.adapters.startup``),
+  ready (503 ``{"status": "starting"}`` before: ``kvstore.serve.startup``),
   ``GET /v1/cache/stats`` with the store's counters and the start's progress, and
   ``GET /v1/models[/ID]`` with the model it serves, named as in its responses (the
   ``--model`` value, or ``--served-model-name``s; any name is served: ``model_names``). mlx_lm.server lists the Hugging Face hub cache there instead, and
@@ -17,14 +17,14 @@ No mlx-lm file is edited. Before ``mlx_lm.server.main()`` runs, this module
   then closes the store, which flushes the write-behind queue before the process exits,
 - answers ``HEAD`` for every GET route as GET does, without the body (unknown paths: 404;
   mlx_lm.server answers 501), and ``GET /openapi.json`` with every route's description
-  (``kvstore.adapters.openapi``),
+  (``kvstore.serve.openapi``),
 - checks what mlx_lm.server's generation thread would run unchecked before its chat and
-  text completions run (``kvstore.adapters.gen_args``: a 400 naming the field), and answers
+  text completions run (``kvstore.serve.gen_args``: a 400 naming the field), and answers
   an exception its handler raises before a byte of the answer as a 500 with a JSON body,
 - routes ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (the Anthropic Messages
-  API) through mlx_lm.server's own chat handler (``kvstore.adapters.anthropic``), and
+  API) through mlx_lm.server's own chat handler (``kvstore.serve.anthropic``), and
   ``POST /v1/responses`` (the OpenAI Responses API) with its stored responses
-  (``GET`` / ``DELETE /v1/responses/{id}``) the same way (``kvstore.adapters.responses``),
+  (``GET`` / ``DELETE /v1/responses/{id}``) the same way (``kvstore.serve.responses``),
 - makes SIGUSR1 print every thread's Python stack to stderr, so a server that stops
   answering can be looked into without stopping it; SIGUSR2 does the same from the
   signal itself, for a process whose Python no longer runs at all (see ``_dump_stacks``).
@@ -54,7 +54,7 @@ from .http import HeadersOnly, send_json
 from ..escape import logger
 
 if TYPE_CHECKING:  # imported when used: MLX and mlx-lm take seconds, --help and a refused start need neither
-    from .mlx_lm import LRUPromptCache
+    from ..adapters.mlx_lm import LRUPromptCache
 
 log = logger("kvstore")
 _STORES: list[LRUPromptCache] = []
@@ -65,7 +65,7 @@ _METRICS = metrics.registry(lambda: _STORES[0].stats() if _STORES else None)
 def bind_prompt_cache(**options: Any) -> type[LRUPromptCache]:
     """A ``LRUPromptCache`` class whose constructor takes mlx-lm's arguments only and adds
     ``options`` (cache_dir, max_disk_bytes, ...): what an engine instantiates itself."""
-    from .mlx_lm import LRUPromptCache
+    from ..adapters.mlx_lm import LRUPromptCache
 
     class BoundPromptCache(LRUPromptCache):
         def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63) -> None:
@@ -77,7 +77,7 @@ def bind_prompt_cache(**options: Any) -> type[LRUPromptCache]:
 
 def served_models(cli_args: Any) -> list[str]:
     """Model ids ``GET /v1/models`` lists: ``--served-model-name``s, else the ``--model`` value
-    as given (``kvstore.adapters.model_names``: any other name is served by the same model)."""
+    as given (``kvstore.serve.model_names``: any other name is served by the same model)."""
     return model_names.served(cli_args)
 
 
@@ -104,7 +104,7 @@ def _install_routes(server_mod: Any) -> None:
     def do_GET(self: Any) -> None:
         path = self.path.split("?")[0]
         models = path == "/v1/models" or path.startswith("/v1/models/")
-        if path == "/health":  # mlx_lm.server's; 503 while kvstore serve starts (kvstore.adapters.startup)
+        if path == "/health":  # mlx_lm.server's; 503 while kvstore serve starts (kvstore.serve.startup)
             send_json(self, *startup.health(self.response_generator))
         elif models and startup.STATE.installed and not startup.STATE.ready.is_set():
             send_json(self, 503, startup.not_ready_error())
@@ -123,7 +123,7 @@ def _install_routes(server_mod: Any) -> None:
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
-        elif path == "/openapi.json":  # every route's description (kvstore.adapters.openapi)
+        elif path == "/openapi.json":  # every route's description (kvstore.serve.openapi)
             send_json(self, 200, openapi.document())
         elif models and served_models(self.response_generator.cli_args):
             _models(self, path)
@@ -215,9 +215,9 @@ def patch(server_mod: Any, **options: Any) -> None:
     _learn_kv_quant(server_mod)
     system_render.install(server_mod)  # innermost: mlx-lm's system-prompt probe rendered once per system prompt
     rendered.install(server_mod)  # names a miss's part of the request (kvstore.parts)
-    tenants.install(server_mod)  # keys and cache_salt, for every route (kvstore.adapters.tenants)
-    prompts.install_tool_sorting(server_mod)  # --sort-tools (kvstore.adapters.prompts)
-    stable_prefix.install(server_mod)  # outermost: --stable-prefix (kvstore.adapters.stable_prefix)
+    tenants.install(server_mod)  # keys and cache_salt, for every route (kvstore.serve.tenants)
+    prompts.install_tool_sorting(server_mod)  # --sort-tools (kvstore.serve.prompts)
+    stable_prefix.install(server_mod)  # outermost: --stable-prefix (kvstore.serve.stable_prefix)
 
 
 def _learn_kv_quant(server_mod: Any) -> None:
@@ -227,7 +227,7 @@ def _learn_kv_quant(server_mod: Any) -> None:
     if getattr(generator, "_kvstore_patched", False):
         return
     original = generator.__init__
-    from .mlx_lm import LRUPromptCache
+    from ..adapters.mlx_lm import LRUPromptCache
 
     def __init__(self: Any, model_provider: Any, prompt_cache: Any, *args: Any, **kwargs: Any) -> None:
         cli = getattr(model_provider, "cli_args", None)
@@ -236,6 +236,7 @@ def _learn_kv_quant(server_mod: Any) -> None:
         if isinstance(prompt_cache, LRUPromptCache):
             prompt_cache.decode = _decoder(model_provider)
             prompt_cache.name_part = rendered.namer
+            prompt_cache.miss_note = stable_prefix.note  # what --stable-prefix moved
         original(self, model_provider, prompt_cache, *args, **kwargs)
 
     generator.__init__ = __init__

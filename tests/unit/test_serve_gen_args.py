@@ -1,4 +1,4 @@
-"""kvstore.adapters.gen_args: the generation fields mlx_lm.server leaves unchecked, refused
+"""kvstore.serve.gen_args: the generation fields mlx_lm.server leaves unchecked, refused
 with a 400 naming the field (MLX-free: plain bodies; the real server in
 tests/system/test_fuzz_routes.py)."""
 
@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from kvstore.adapters.gen_args import check, vocab_size
-from kvstore.adapters.http import BodyError
+from kvstore.serve.gen_args import check, vocab_size
+from kvstore.serve.http import BodyError
 
 CHAT = "/v1/chat/completions"
 M = [{"role": "user", "content": "hi"}]

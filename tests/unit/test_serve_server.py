@@ -1,4 +1,4 @@
-"""kvstore.adapters.server: the ``kvstore serve`` flags read into their configurations."""
+"""kvstore.serve.server: the ``kvstore serve`` flags read into their configurations."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 def test_serve_shared_flags():
     import argparse
 
-    from kvstore.adapters.server import setup_arg_parser, shared_config
+    from kvstore.serve.server import setup_arg_parser, shared_config
 
     p = argparse.ArgumentParser()
     setup_arg_parser(p)

@@ -124,7 +124,7 @@ def install(server_mod: Any) -> None:
     post = handler.do_POST
 
     def do_POST(self: Any) -> None:
-        body = body_of(self)  # the body admitted once (kvstore.adapters.http)
+        body = body_of(self)  # the body admitted once (kvstore.serve.http)
         cli_args = self.response_generator.cli_args
         path = self.path.split("?")[0]
         pinned = pinned_refusal(body, cli_args)

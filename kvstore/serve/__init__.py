@@ -1,0 +1,8 @@
+"""``kvstore serve``: mlx_lm.server with kvstore's prompt cache and the APIs agents speak.
+
+The engine adapter it serves through is ``kvstore.adapters.mlx_lm`` (the drop-in
+``LRUPromptCache``); everything here is about requests: routes (``server``, ``http``,
+``openapi``, ``startup``), callers (``tenants``, ``model_names``), prompts (``prompts``,
+``rendered``, ``system_render``, ``stable_prefix``) and the translated APIs (``anthropic``,
+``responses`` with ``response_store`` / ``response_record``, ``chat_route``, ``gen_args``).
+"""
