@@ -135,16 +135,26 @@ def _child(out: str, model: str) -> None:
     os._exit(0)  # the store's threads and mlx-lm's: nothing more to wait for
 
 
-def mlx_lm_server(root: Path, model: str) -> dict[str, Any]:
-    """Part 1, for the kvstore of ``root``: a child process (see the module docstring)."""
+def in_child(mode: str, root: Path, model: str, timeout: float) -> dict[str, Any]:
+    """This file run as a script in ``mode`` (``--child``, ``--trace``) with ``root``'s kvstore
+    first on the path: the JSON it wrote, or why it wrote none."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "shape.json"
+        out = Path(tmp) / "out.json"
         env = dict(os.environ, PYTHONPATH=str(root), KVSTORE_NO_OPENBLAS="1")
-        proc = subprocess.run([sys.executable, str(HERE), "--child", str(out), model], cwd=root, env=env,
-                              capture_output=True, text=True, timeout=600)
+        try:
+            proc = subprocess.run([sys.executable, str(HERE), mode, str(out), model], cwd=root, env=env,
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"the child ran past {timeout:.0f} s"}
         if not out.exists():
             return {"error": f"the child exited {proc.returncode}: {proc.stderr.strip()[-800:]}"}
         got: dict[str, Any] = json.loads(out.read_text())
+        return got
+
+
+def mlx_lm_server(root: Path, model: str) -> dict[str, Any]:
+    """Part 1, for the kvstore of ``root``: a child process (see the module docstring)."""
+    got = in_child("--child", root, model, 600)
     try:
         import importlib.metadata as md
 
@@ -155,7 +165,8 @@ def mlx_lm_server(root: Path, model: str) -> dict[str, Any]:
 
 
 def _trace(out: str, model: str) -> None:
-    """In a fresh process: ``kvstore serve`` on ``model`` in a thread, one chat request, and
+    """In a fresh process: ``kvstore serve`` on ``model`` (its main on this thread, as in a
+    server process), one chat request from a client thread, and
     in each thread the modules it is in (kvstore/serve, kvstore/adapters, mlx_lm.server)
     from the request's start to its answer, consecutive repeats folded."""
     import socket
@@ -248,15 +259,7 @@ def _trace(out: str, model: str) -> None:
 
 def chat_path(root: Path, model: str) -> dict[str, Any]:
     """Part 6: one chat request's path through the serve layer (a child process; see _trace)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "path.json"
-        env = dict(os.environ, PYTHONPATH=str(root), KVSTORE_NO_OPENBLAS="1")
-        proc = subprocess.run([sys.executable, str(HERE), "--trace", str(out), model], cwd=root, env=env,
-                              capture_output=True, text=True, timeout=900)
-        if not out.exists():
-            return {"error": f"the child exited {proc.returncode}: {proc.stderr.strip()[-800:]}"}
-        got: dict[str, Any] = json.loads(out.read_text())
-        return got
+    return in_child("--trace", root, model, 900)
 
 
 # ---- 2-5: the source ----
