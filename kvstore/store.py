@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Hashable
+from typing import Any, Hashable
 
 from .cachedir import MEMO, StoreOpenError, default_cache_dir, open_disk
 from .callers import Tallies, Tally
@@ -46,9 +46,10 @@ from .identity import DigestMemo, Identity
 from .keys import TokenError, decode_tokens, encode_tokens
 from .memory import ORDERING, MemoryTier, Snapshot
 from .misses import OTHER_IDENTITY, Miss, Misses, Near, changed_components, explain
+from .options import StoreOptions
 from .parts import Part
 from .preload import Preloaded, Preloader
-from .pressure import DEFAULT_MEMORY_FLOOR, Gauge, Watch
+from .pressure import Gauge, Watch
 from .query import Query
 from .resolver import MemoryOnly, Resolver, local_model_dir  # local_model_dir: re-exported (adapters)
 from .salt import Salt, check_salt, memory_key, salted
@@ -56,9 +57,6 @@ from .write_policy import WritePolicy
 from .writer import Writer
 from .writes import WritePath
 from .escape import logger
-
-if TYPE_CHECKING:
-    from .shared import SharedConfig
 
 __all__ = ["KVStore", "Fetched", "MIN_DISK_GAIN", "local_model_dir"]
 log = logger("kvstore")
@@ -77,6 +75,9 @@ class Fetched:
 
 class KVStore:
     """A two-tier prefix cache for mlx-lm prompt caches.
+
+    Its settings are one ``StoreOptions`` (``options=``) or that value's keywords; their
+    defaults are written there alone (``kvstore.options``), what they mean here.
 
     ``model`` arguments may be an ``Identity``, a model directory, or mlx-lm's server key
     ``(model path, adapter path, draft model path)``; a key that cannot be resolved to
@@ -100,44 +101,43 @@ class KVStore:
     ``--min-disk-hit``, so the usage it reports follows one rule for every tier.
     """
 
-    def __init__(self, cache_dir: str | Path | None = None, *, max_entries: int = 10, max_bytes: int = 1 << 63,
-                 max_disk_bytes: int | None = None, chunk_tokens: int = 256, queue_size: int = 16,
-                 touch_on_hit: bool = True, memory_only: bool = False, on_disk_error: str = "raise",
-                 kv_bits: int | None = None, kv_group_size: int = 64, shared_dir: bool = False,
-                 shared: "str | SharedConfig | None | bool" = None, persist: str = "all",
-                 max_write_bytes_per_day: int | None = None,
-                 memory_floor: float | int | None = DEFAULT_MEMORY_FLOOR, min_disk_hit: int = 0,
-                 min_memory_hit: int = 0) -> None:
-        self.write_policy = WritePolicy(persist, max_write_bytes_per_day)  # raises ValueError first
-        gauge = Gauge(memory_floor) if memory_floor else None  # raises ValueError first
-        if not isinstance(min_disk_hit, int) or min_disk_hit < 0:
-            raise ValueError(f"min_disk_hit must be a number of tokens >= 0, got {min_disk_hit!r}")
-        if not isinstance(min_memory_hit, int) or min_memory_hit < 0:
-            raise ValueError(f"min_memory_hit must be a number of tokens >= 0, got {min_memory_hit!r}")
-        self.min_disk_hit, self.min_memory_hit = min_disk_hit, min_memory_hit
-        self.max_bytes = max_bytes  # the user's hard cap; the gauge may hold the tier below it
-        self.max_disk_bytes = max_disk_bytes
-        self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    def __init__(self, cache_dir: str | Path | None = None, *, options: StoreOptions | None = None,
+                 **overrides: Any) -> None:
+        """``options`` (default ``StoreOptions()``) with ``overrides``, keywords naming its
+        fields (TypeError naming one that is not); ``cache_dir``, when given, is the
+        directory's. The value built is ``self.options``."""
+        self.options = o = (options or StoreOptions()).but(
+            **overrides, **({"cache_dir": cache_dir} if cache_dir is not None else {}))
+        self.write_policy = WritePolicy(o.persist, o.max_write_bytes_per_day)  # raises ValueError first
+        gauge = Gauge(o.memory_floor) if o.memory_floor else None  # raises ValueError first
+        if not isinstance(o.min_disk_hit, int) or o.min_disk_hit < 0:
+            raise ValueError(f"min_disk_hit must be a number of tokens >= 0, got {o.min_disk_hit!r}")
+        if not isinstance(o.min_memory_hit, int) or o.min_memory_hit < 0:
+            raise ValueError(f"min_memory_hit must be a number of tokens >= 0, got {o.min_memory_hit!r}")
+        self.min_disk_hit, self.min_memory_hit = o.min_disk_hit, o.min_memory_hit
+        self.max_bytes = o.max_bytes  # the user's hard cap; the gauge may hold the tier below it
+        self.max_disk_bytes = o.max_disk_bytes
+        self.cache_dir = Path(o.cache_dir).expanduser() if o.cache_dir is not None else default_cache_dir()
         self._counters = Counters()
         self._errors = DiskErrors(self._counters, self.cache_dir)
         self._memory_only = MemoryOnly()
-        self.disk: DiskTier | None = None if memory_only else self._open_disk(chunk_tokens, shared_dir, on_disk_error)
+        self.disk: DiskTier | None = None if o.memory_only else self._open_disk(o.chunk_tokens, o.shared_dir, o.on_disk_error)
         self.memo = DigestMemo(self.cache_dir / MEMO if self.disk else None, self.disk.modes if self.disk else None)
         disk = self.disk
         self.models = Resolver(self.memo, self._memory_only, self._errors.warn_once,
                                (lambda i: _file_identity(disk, i)) if disk is not None else None,
-                               kv_bits, kv_group_size)
-        self.writer = Writer(queue_size) if self.disk else None
+                               o.kv_bits, o.kv_group_size)
+        self.writer = Writer(o.queue_size) if self.disk else None
         self.writes = WritePath(self._counters, self._errors, self.disk, self.writer, self.write_policy,
-                                max_disk_bytes=max_disk_bytes)
-        self._memory = MemoryTier(max_entries, max_bytes, touch_on_hit=touch_on_hit, gauge=gauge,
+                                max_disk_bytes=o.max_disk_bytes)
+        self._memory = MemoryTier(o.max_entries, o.max_bytes, touch_on_hit=o.touch_on_hit, gauge=gauge,
                                   counters=self._counters, on_evict=self.writes.write_evicted,
                                   behind=self.writes.behind)
-        tier = open_shared(shared, queue_size) if self.disk else None
+        tier = open_shared(o.shared, o.queue_size) if self.disk else None
         self.shared = tier  # the shared tier itself (stats, its prefill rates), or None
         self.fleet = Fleet(tier, self.disk, self.writes, self._counters, self._errors) \
             if tier is not None and self.disk is not None else None
-        if self.disk is None and shared:
+        if self.disk is None and o.shared:
             log.warning("kvstore: the shared tier needs the disk tier (it restores through it); off")
         self._gauge = gauge
         self._watch = _watch_memory(self) if gauge is not None else None

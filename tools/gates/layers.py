@@ -34,7 +34,7 @@ RANKS: dict[str, int] = {
     "kvstore.budget": 4, "kvstore.write_policy": 4, "kvstore.memory": 4, "kvstore.writer": 4,
     "kvstore.cachedir": 4,
     "kvstore.shared": 5, "kvstore.counters": 0, "kvstore.disk_errors": 5, "kvstore.preload": 5,
-    "kvstore.metrics": 5,
+    "kvstore.metrics": 5, "kvstore.options": 5,
     "kvstore.store": 6,
     "kvstore.maintenance": 7, "kvstore.generate": 7, "kvstore.adapters": 7,
     "kvstore.serve": 8,
