@@ -59,7 +59,7 @@ def _entry(disk: Any, key: bytes) -> Any:
 class WritePolicy:
     """``admit(disk, job)`` says whether a persist job is written now; see the module doc."""
 
-    def __init__(self, persist: str = "all", max_write_bytes_per_day: int | None = None) -> None:
+    def __init__(self, persist: str, max_write_bytes_per_day: int | None) -> None:  # a store's (StoreOptions)
         if persist not in POLICIES:
             raise ValueError(f"persist must be one of {list(POLICIES)}, got {persist!r}")
         if max_write_bytes_per_day is not None and max_write_bytes_per_day < 0:

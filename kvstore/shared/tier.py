@@ -106,7 +106,7 @@ class SharedTier:
 
     ``max_value_bytes`` bounds every value read; ``queue_size`` the publisher's queue."""
 
-    def __init__(self, config: SharedConfig | str, *, queue_size: int = 16,
+    def __init__(self, config: SharedConfig | str, *, queue_size: int,
                  max_value_bytes: int | None = None, max_fields: int = MAX_FIELDS) -> None:
         self.client = SharedClient(config)
         cfg = self.config = self.client.config  # values (round trip 2, publishing) may be many

@@ -64,7 +64,7 @@ def test_system_admits_a_pinned_entry(tmp_path: Path) -> None:
         key = key_of(root_key(ID.digest), encode_tokens(toks), C)
         tensors, layout = encode_cache(synth(toks))
         job = PersistJob(ID, encode_tokens(toks), key, host_views(tensors), layout)
-        policy = WritePolicy("system")
+        policy = WritePolicy("system", None)
         assert policy.admit(disk, job) == "policy"
         disk.index.transact(lambda t: t.set_entry(key, t.entry(key).pinned_as(True)))
         assert policy.admit(disk, job) is job
