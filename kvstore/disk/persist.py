@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .. import bytes_written, files, segments
 from ..layout import Layout
@@ -61,10 +61,11 @@ class PersistJob:
         return self.query
 
 
-def persist(tier: Tier, job: PersistJob, committer: Callable[..., Commit]) -> int:
+def persist(tier: Tier, job: PersistJob) -> int:
     """Write a job's new segments into one pack file and commit its entry in one
-    transaction by ``committer`` (this module's ``commit``, looked up by the caller:
-    see ``DiskTier.persist``); returns the pack bytes written (0 if the entry existed)."""
+    transaction (``commit``; ``DiskTier.persist``); returns the pack bytes written (0 if
+    the entry already existed). Chunks already indexed are reused, not written. Raises
+    OSError on a failed write (nothing is indexed then, and the pack file is removed)."""
     C = tier.chunk
     bounds = job.chained(C).bounds
     chunked = job.layout.chunkable(job.n)
@@ -86,7 +87,7 @@ def persist(tier: Tier, job: PersistJob, committer: Callable[..., Commit]) -> in
             if writer.size:
                 writer.seal()
             rec = _entry_record(job, bounds, K, chunked, tail, C)
-            status = tier.index.transact(lambda t: committer(t, job.key, job.tokens, rec, writer, new, have, gone))
+            status = tier.index.transact(lambda t: commit(t, job.key, job.tokens, rec, writer, new, have, gone))
         except BaseException:
             writer.discard()
             raise

@@ -19,6 +19,7 @@ from ..misses import AFTER, Near, rank
 from ..query import Query
 from ..records import Kind, RecordError
 from ..served_tokens import bound, holds_prompt, serves
+from .tier import Tier
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,28 @@ def record(r: Reader, kind: Kind, key: bytes) -> Any:
         return None  # not kvstore's: passed over (verify --fix drops it)
 
 
+def lookup(tier: Tier, q: Query, skip: frozenset[bytes] = frozenset(), near: Near | None = None) -> Plan | None:
+    """The longest reusable stored prefix of the query ``q`` (its identity and chain
+    under this directory's chunk size), or None (``DiskTier.lookup``).
+
+    One read transaction. First the chain of stored full chunks matching the query is
+    followed as far as it goes; then the boundaries from the deepest down to the end of
+    that chain are searched for entries (and, at the chain's end, a chunk to trim),
+    stopping as soon as nothing shallower can be longer. Each boundary costs a few
+    seeks however many children it has (``trie.edges``). Records kvstore did not write
+    are passed over, and so are the entries in ``skip`` (a cut a restore refused). The
+    query's chain is the one every tier reads (hashed once); the plan returns the part
+    of it found stored and verified (``Plan.chain``: no second walk). ``near`` is told
+    the stored entries the walk compared (``misses.Near``: why a query was not served
+    further). Raises ValueError for a query chained under another chunk size."""
+    if q.chunk != tier.chunk:
+        raise ValueError(f"a query chained every {q.chunk} tokens, this directory every {tier.chunk}")
+    return tier.index.view(lambda r: find(r, q, skip, near))
+
+
 def find(r: Reader, q: Query, skip: frozenset[bytes] = frozenset(), near: Near | None = None) -> Plan | None:
-    """The longest reusable stored prefix of ``q`` in one read transaction, or None (see
-    ``DiskTier.lookup``). The plan carries the chain it verified (``Plan.chain``)."""
+    """The longest reusable stored prefix of ``q`` in the read transaction ``r``, or None
+    (see ``lookup``). The plan carries the chain it verified (``Plan.chain``)."""
     enc, bounds, C = q.enc, q.bounds, q.chunk
     n_q = q.n
     # Full chunks whose stored token ids equal the query's. Their keys chain from the
@@ -144,6 +164,13 @@ def _keyed(boundary: bytes, k: int, child: bytes, kind: Kind, stored: bytes, C: 
 BELOW_EDGES = 1024  # trie edges ``entry_below`` reads at most (a few per chunk of a conversation)
 
 
+def nearest(tier: Tier, q: Query, near: Near) -> bool:
+    """Name the stored entry ``near``'s nearest prefix is, when the walk left it at a
+    chunk others go on from (``entry_below``: a miss's cost is the entry's own length,
+    not the query's; ``DiskTier.nearest``). One read transaction; True when one was found."""
+    return tier.index.view(lambda r: entry_below(r, q, near))
+
+
 def entry_below(r: Reader, q: Query, near: Near, budget: int = BELOW_EDGES) -> bool:
     """Name the entry the nearest stored prefix is, when the walk left it at chunks others
     go on from (``near.below``: every entry filed below them shares the same ``near.common``
@@ -183,8 +210,14 @@ def entry_below(r: Reader, q: Query, near: Near, budget: int = BELOW_EDGES) -> b
     return True
 
 
-# ----------------------------------------------------------------------------- restoring
+# ----------------------------------------------------------------------------- chunks held here
 
+
+def held_chunks(tier: Tier, bounds: list[bytes], tokens: bytes) -> set[bytes]:
+    """The chunk keys of ``bounds[1:]`` (a query's chain) indexed here with exactly the
+    query's token ids (one read transaction; unreadable records are not held;
+    ``DiskTier.held_chunks``)."""
+    return tier.index.view(lambda r: held(r, bounds, tokens, tier.chunk))
 
 
 def held(r: Reader, bounds: list[bytes], tokens: bytes, C: int) -> set[bytes]:
