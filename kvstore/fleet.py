@@ -160,11 +160,11 @@ class Fleet:
 
         if self.errors.off:
             return
-        got = self.disk.export_entry(job.key)
+        got = self.disk.export_entry(job.query.key)
         if got is None:  # evicted or removed meanwhile
             return
         rec, tokens, chunks = got
-        self.tier.publish(PublishItem(job.identity.digest, job.key, rec, tokens, chunks, self.disk.segment_bytes))
+        self.tier.publish(PublishItem(job.identity.digest, job.query.key, rec, tokens, chunks, self.disk.segment_bytes))
 
 
 def open_shared(shared: Any, queue_size: int) -> "SharedTier | None":
