@@ -28,7 +28,6 @@ from typing import Sequence
 
 from ..identity import Identity
 from ..keys import encode_tokens
-from ..misses import Near
 from ..query import Query
 from . import persist as _persist, plan as _plan, restore as _restore, transfer as _transfer
 from .persist import Commit, PersistJob
@@ -56,9 +55,8 @@ class DiskTier(Tier):
     export_entry = _transfer.export_entry
     segment_bytes = _transfer.segment_bytes
 
-    def plan(self, ident: Identity, tokens: Sequence[int] | bytes, skip: frozenset[bytes] = frozenset(),
-             near: Near | None = None) -> Plan | None:
+    def plan(self, ident: Identity, tokens: Sequence[int] | bytes, skip: frozenset[bytes] = frozenset()) -> Plan | None:
         """``lookup`` of ``tokens`` (token ids, or their encoding) for ``ident``: for callers
         that hold tokens rather than a query (tools, tests, the CLI)."""
         enc = tokens if isinstance(tokens, bytes) else encode_tokens(tokens)
-        return self.lookup(Query(enc, ident.digest, self.chunk), skip, near)
+        return self.lookup(Query(enc, ident.digest, self.chunk), skip)
