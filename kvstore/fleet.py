@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .counters import Counters
-from .served_tokens import CutRefused
+from .floors import CutRefused
 from .disk import Commit, DiskTier, PersistJob, Plan, Restored
 from .disk_errors import DiskErrors, names_record
 from .identity import Identity

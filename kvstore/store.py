@@ -37,11 +37,10 @@ from typing import TYPE_CHECKING, Any, Hashable
 from .cachedir import MEMO, StoreOpenError, default_cache_dir, open_disk
 from .callers import Tallies, Tally
 from .counters import Counters
-from .served_tokens import CutRefused
 from .disk import DiskTier, Plan, Restored
 from .disk_errors import DiskErrors, Failure
 from .fleet import Fleet, SharedHit, open_shared
-from .floors import MIN_DISK_GAIN, memory_floor, restore_floor  # MIN_DISK_GAIN: re-exported (tests, README)
+from .floors import MIN_DISK_GAIN, CutRefused, memory_floor, restore_floor  # MIN_DISK_GAIN: re-exported (tests, README)
 from .identity import DigestMemo, Identity
 from .keys import TokenError, decode_tokens, encode_tokens
 from .memory import ORDERING, MemoryTier, Snapshot

@@ -18,7 +18,7 @@ from ..keys import common_tokens as _common
 from ..misses import AFTER, rank
 from ..query import Query
 from ..records import Kind, RecordError
-from ..served_tokens import bound, holds_prompt, serves
+from ..floors import bound, holds_prompt, serves
 from .tier import Tier
 
 
@@ -35,7 +35,7 @@ class Plan:
     entry: bytes | None = None     # entry credited with the hit (last_used, hits)
     cache_type: str = "assistant"  # kept when the hit is promoted to memory
     chain: tuple[bytes, ...] = ()  # the query's full chunks found stored here, verified (the walk's)
-    holds_prompt: bool = False     # it agrees with every query token (``served_tokens.holds_prompt``)
+    holds_prompt: bool = False     # it agrees with every query token (``floors.holds_prompt``)
 
 
 def record(r: Reader, kind: Kind, key: bytes) -> Any:
