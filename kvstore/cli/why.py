@@ -84,9 +84,9 @@ def _read_request(path: str) -> Any:
 
 def _nearest(request: list[int], entries: list[tuple[bytes, Any, bytes]]) -> Nearest | None:
     """Over ``(key, record, encoded tokens)`` of one identity: the nearest entry
-    (``misses.rank``, the order the server's lookup picks by), and the most any of them serves (``served_tokens.serves``: a prefix entry in full, a
+    (``misses.rank``, the order the server's lookup picks by), and the most any of them serves (``floors.serves``: a prefix entry in full, a
     longer one cut back where it can be; a chunked one to its last whole chunk)."""
-    from ..served_tokens import serves
+    from ..floors import serves
     from ..keys import common_tokens, decode_tokens, encode_tokens
 
     enc = encode_tokens(request)

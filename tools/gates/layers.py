@@ -25,7 +25,7 @@ PACKAGES = ("kvstore", "tools", "benchmarks")
 
 # Lower ranks are lower layers: bytes and names, then storage, then the store, then users.
 RANKS: dict[str, int] = {
-    "kvstore.keys": 0, "kvstore.records": 0, "kvstore.files": 0, "kvstore.served_tokens": 0, "kvstore.bytes_written": 0,
+    "kvstore.keys": 0, "kvstore.records": 0, "kvstore.files": 0, "kvstore.bytes_written": 0,
     "kvstore.escape": 0, "kvstore.hoststate": 0, "kvstore.units": 0, "kvstore.floors": 0, "kvstore.layout": 0,
     "kvstore.side_records": 1,
     "kvstore.codec": 1, "kvstore.segments": 1, "kvstore.blas": 1, "kvstore.alloc": 1, "kvstore.pressure": 1,
