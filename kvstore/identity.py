@@ -336,10 +336,24 @@ def code_digest(config: dict, layout: Record) -> str | None:
         for cls in getattr(getattr(mlx_cache, cls_name, None), "__mro__", ()):
             if getattr(cls, "__module__", None) == mlx_cache.__name__:
                 try:
-                    h.update(inspect.getsource(cls).encode())
+                    h.update(class_source(cls).encode())
                 except (OSError, TypeError):
                     h.update(cls.__qualname__.encode())
     return h.hexdigest()
+
+
+def class_source(cls: type, tries: int = 3) -> str:
+    """``inspect.getsource(cls)``, which parses the class's module with ``ast``. CPython 3.11
+    (seen on 3.11.7) can fail that parse with ``SystemError: AST constructor recursion depth
+    mismatch`` when another thread builds an AST at the same time; the source did not
+    change, so the parse is tried again (a fallback digest would split the cache)."""
+    for attempt in range(tries):
+        try:
+            return inspect.getsource(cls)
+        except SystemError:
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _model_modules(root: Any) -> dict[str, Any]:

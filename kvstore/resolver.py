@@ -45,6 +45,14 @@ class MemoryOnly:
             log.warning("kvstore: %s: %s; its caches are served from memory only", name, why)
 
 
+# Identities are derived one at a time in a process (they are derived once per model and
+# change of its files): two threads (a server's generation thread and its preload, say)
+# asking for a new model's identity at once wait for one derivation instead of making two,
+# which cost a second each and could disagree (one failing: its caches filed under another
+# key than the other's lookups use).
+_DERIVING = threading.RLock()
+
+
 class Resolver:
     """A store's model keys and their identities. ``file_identity`` files a new identity's
     description in the index (None: no disk tier); ``warn_once`` is the store's."""
@@ -67,14 +75,21 @@ class Resolver:
         except TypeError:
             key = repr(model)
         known = self._idents.get(key)
-        if known is not None:
-            ident, dirs, stamp = known
-            if dirs is None or (stamp is not None and _unchanged(stamp)) or watch(*dirs) == stamp:
-                return ident
-        ident = self._derive(model, key)
+        if known is not None and self._current(known):
+            return known[0]
+        with _DERIVING:  # one derivation at a time: a thread that waited takes the one just made
+            again = self._idents.get(key)
+            if again is not None and again is not known and self._current(again):
+                return again[0]
+            ident = self._derive(model, key)
         if known is not None and known[0] is not None and ident is not None and known[0].digest != ident.digest:
             self.previous[ident.digest] = known[0]
         return ident
+
+    @staticmethod
+    def _current(known: tuple[Identity | None, tuple | None, tuple | None]) -> bool:
+        ident, dirs, stamp = known
+        return dirs is None or (stamp is not None and _unchanged(stamp)) or watch(*dirs) == stamp
 
     def _derive(self, model: Any, key: Hashable) -> Identity | None:
         ident, dirs, stamp = None, None, None

@@ -274,3 +274,35 @@ def test_layout_falls_back_without_weights_or_probe(tmp_path, llama, monkeypatch
     layout = _components(llama["path"])["layout"]
     assert layout == layout_of(make_prompt_cache(llama["model"]))
     assert _kv_geometry(layout) == [(None, None, None)] * 3
+
+
+def test_threads_asking_at_once_share_one_derivation(tmp_path):
+    """A new model's identity asked for by several threads at once (a server's generation
+    thread, its preload, a stats request) is derived once and is the same for all: two
+    derivations at once cost twice the time and, when one failed (CPython 3.11's ast can
+    fail under a second thread's parse: ``identity.class_source``), filed one thread's
+    caches under another key than the other's lookups used."""
+    import threading
+
+    from kvstore.identity import DigestMemo
+    from kvstore.resolver import MemoryOnly, Resolver
+
+    path = _copy(model_path("tiny-llama"), tmp_path / "model")
+    filed: list[Identity] = []
+    warned: list[tuple] = []
+    resolver = Resolver(DigestMemo(None, None), MemoryOnly(), lambda *a: warned.append(a), filed.append)
+    threads, start, got = 6, threading.Barrier(6), []
+
+    def ask() -> None:
+        start.wait()
+        got.append(resolver.identity((str(path), None, None)))
+
+    workers = [threading.Thread(target=ask) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert not warned, warned
+    assert len(got) == threads and None not in got
+    assert len({i.digest for i in got}) == 1
+    assert len(filed) == 1, f"derived {len(filed)} times for {threads} threads"
