@@ -36,7 +36,7 @@ import openai
 import pytest
 
 from tests.support.servers import Server
-from tests.unit.test_adapters_response_store import stored
+from tests.unit.test_serve_response_store import stored
 
 SYSTEM = " ".join(f"Clause {i}: the archive keeps every ledger for {i + 3} years and lists it by shelf {i * 5 % 17}."
                   for i in range(10))
