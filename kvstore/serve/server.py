@@ -18,9 +18,9 @@ module names of ``mlx_lm.server`` at kvstore's subclasses, bound to that config
   for a miss's line, the salt), the KV quantisation told to the cache.
 - ``LRUPromptCache``: kvstore's drop-in bound to the cache directory and budgets given here;
   ``BatchGenerator``: each sequence's salt kept; ``json``: a body parsed once;
-  ``run``: mlx-lm's, serving with the handler named here; ``ModelProvider``: the warm
+  ``run``: kvstore's (``httpd``), a ThreadingHTTPServer serving the handler named here; ``ModelProvider``: the warm
   start (``startup``).
-- SIGTERM becomes the KeyboardInterrupt mlx-lm already handles (``httpd.shutdown()``),
+- SIGTERM becomes the KeyboardInterrupt ``run`` handles (``httpd.serve``: the HTTP server shut down),
   then the store is closed, which flushes the write-behind queue before the process exits;
   SIGUSR1 prints every thread's Python stack to stderr, so a server that stops answering
   can be looked into without stopping it; SIGUSR2 does the same from the signal itself,
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from ..floors import MIN_DISK_HIT
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..units import count, memory_floor, milliseconds, parse_size, positive_seconds
-from . import http, model_names, prompts, responses, stable_prefix, startup, tenants
+from . import http, httpd, model_names, prompts, responses, stable_prefix, startup, tenants
 from .config import ServeConfig, shared_config  # noqa: F401  (shared_config: the --shared flags, read here)
 from ..escape import logger
 
@@ -85,8 +85,8 @@ def patch(server_mod: Any, config: ServeConfig | None = None, *, progress: start
     both bound to ``config`` (default: every option off); ``LRUPromptCache`` bound to
     ``config``'s store options and ``options`` (``LRUPromptCache``'s keywords: cache_dir,
     ...); ``BatchGenerator`` keeping each sequence's salt; ``json`` (a body admitted once is
-    parsed once: ``http.ParsedOnce``); ``run`` (mlx-lm's, with kvstore's handler: mlx-lm's
-    own passes its original class); with ``warm_start`` (``kvstore serve``), ``ModelProvider``
+    parsed once: ``http.ParsedOnce``); ``run`` (``httpd.runner``: kvstore's HTTP server with
+    kvstore's handler; mlx-lm's own hands its server the class it was defined with); with ``warm_start`` (``kvstore serve``), ``ModelProvider``
     (``startup``: warm-up, preload, readiness). Returns what the server holds (``Served``).
     What ``main`` does before running it; an engine running mlx_lm.server in-process calls it."""
     from mlx_lm.generate import BatchGenerator
@@ -102,7 +102,7 @@ def patch(server_mod: Any, config: ServeConfig | None = None, *, progress: start
     server_mod.APIHandler = type("APIHandler", (Handler,), {**bound, "served": served})
     server_mod.BatchGenerator = tenants.salted_batches(BatchGenerator)
     server_mod.json = http.ParsedOnce()  # its json.loads of an admitted body returns the object admitted
-    server_mod.run = _runner(server_mod)
+    server_mod.run = httpd.runner(server_mod)  # kvstore's run(): mlx-lm's hands its server its own handler
     if warm_start:
         server_mod.ModelProvider = startup.provider_class(_mlx_own(server_mod, "ModelProvider"), config.start,
                                                           served.stores, progress)
@@ -112,25 +112,6 @@ def patch(server_mod: Any, config: ServeConfig | None = None, *, progress: start
 def _mlx_own(server_mod: Any, name: str) -> Any:
     """mlx_lm.server's own class ``name`` (``server_mod``'s, or the one kvstore's subclass of it there derives from)."""
     return prompts.mlx_own(getattr(server_mod, name), server_mod)
-
-
-def _runner(server_mod: Any) -> Any:
-    """mlx_lm.server's ``run()``, serving with the module's ``APIHandler`` (mlx-lm's own
-    ``run`` hands its HTTP server the class it was defined with, whatever the module names)."""
-
-    def run(host: str, port: int, model_provider: Any, server_class: Any = None, handler_class: Any = None) -> None:
-        import mlx.core as mx
-
-        group = mx.distributed.init()
-        prompt_cache = server_mod.LRUPromptCache(model_provider.cli_args.prompt_cache_size)
-        response_generator = server_mod.ResponseGenerator(model_provider, prompt_cache)
-        if group.rank() == 0:
-            server_mod._run_http_server(host, port, response_generator,
-                                        handler_class=handler_class or server_mod.APIHandler)
-        else:
-            response_generator.join()
-
-    return run
 
 
 def _sigterm(signum: int, frame: Any) -> None:

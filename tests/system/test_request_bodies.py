@@ -28,7 +28,7 @@ import pytest
 
 from tests.support.children import child_env
 from tests.support.servers import Server, serve_command
-from tests.unit.test_adapters_http import nested
+from tests.unit.test_serve_http import nested
 
 KEY = "reliability-key-0001"
 FILE_KEY = "key-from-a-file-with-a-bom"
