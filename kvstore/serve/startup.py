@@ -180,7 +180,7 @@ def entries(n: int) -> str:
 
 def since_process_start() -> float:
     """Seconds since this process was created (psutil: the kernel's start time, so Python's
-    start, the imports and a re-execution for OpenBLAS count too); since ``install`` when
+    start, the imports and a re-execution for OpenBLAS count too); since ``provider_class`` when
     the kernel's time cannot be read."""
     try:
         import psutil
