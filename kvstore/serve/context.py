@@ -38,6 +38,11 @@ class RequestContext:
     rendered: Rendered | None = None
     moved: Moved | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with its salt only (mlx_lm.server shares a distributed group's requests so;
+        the render holds the tokenizer and is the generating rank's own)."""
+        return {"salt": self.salt, "rendered": None, "moved": None}
+
     def note(self) -> str:
         """``; <what moved>`` for the miss line of this request's lookup ("" when nothing moved)."""
         return f"; {self.moved.describe()}" if self.moved is not None else ""
