@@ -90,7 +90,7 @@ def _install(out: Any) -> None:
                                              lambda self, ident, q, *a, **k: len(q.tokens))
             if not getattr(WritePath.persist, "_turn_parts", False):  # the writer thread's
                 WritePath.persist = _timed(WritePath.persist, "persist", out,  # type: ignore[method-assign]
-                                           lambda self, job: job.n)
+                                           lambda self, job: job.query.n)
         init(self, model_provider, prompt_cache, *args, **kwargs)
 
     generator.__init__ = __init__  # type: ignore[method-assign]

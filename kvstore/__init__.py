@@ -14,6 +14,7 @@ _EXPORTS = {
     "FORMAT_VERSION": "keys", "TokenError": "keys",
     "Identity": "identity", "model_identity": "identity",
     "Fetched": "store", "KVStore": "store", "StoreOpenError": "cachedir", "default_cache_dir": "cachedir",
+    "StoreOptions": "options",
     "LRUPromptCache": "adapters.mlx_lm",
 }
 __all__ = sorted(_EXPORTS)

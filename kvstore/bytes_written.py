@@ -1,7 +1,7 @@
 """Bytes written to a cache directory, per UTC day and in total (SSD wear, issue 23).
 
 Kept in the index's ``meta`` table and counted inside each persist's own commit
-(``disk._commit``), so the figures survive restarts, are shared by every process using
+(``disk.persist.commit``), so the figures survive restarts, are shared by every process using
 the directory, never disagree with what was committed, and cost no extra sync. A damaged
 figure counts from zero again. Imports nothing of kvstore: the disk tier counts, the write
 policy and ``stats`` read.

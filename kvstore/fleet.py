@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .counters import Counters
-from .served_tokens import CutRefused
+from .floors import CutRefused
 from .disk import Commit, DiskTier, PersistJob, Plan, Restored
 from .disk_errors import DiskErrors, names_record
 from .identity import Identity
 from .index import IndexFailure
-from .misses import Near
 from .query import Query
 from .writes import WritePath
 from . import files
@@ -51,8 +50,7 @@ class Fleet:
         self.tier, self.disk, self.writes, self.counters, self.errors = tier, disk, writes, counters, errors
         writes.on_written = self._queue_publish
 
-    def lookup(self, ident: Identity, q: Query, plan: Plan | None, better_than: int,
-               near: Near | None = None) -> SharedHit | bool:
+    def lookup(self, ident: Identity, q: Query, plan: Plan | None, better_than: int) -> SharedHit | bool:
         """Ask the shared tier for more than ``better_than`` tokens and the local ``plan``
         hold. A ``SharedHit`` to hand out, True when a longer prefix is now indexed on disk
         (the caller plans again), False for nothing. Never raises."""
@@ -62,7 +60,7 @@ class Fleet:
             if local >= q.n:
                 return False
             held = set(plan.chain) if plan is not None else set()  # the chain the plan verified
-            found = self.tier.lookup(q, held, local, near)
+            found = self.tier.lookup(q, held, local)
         except Exception as e:  # a disk problem is a miss, as in fetch
             if not self.errors.index_damaged(e, disk):
                 self.errors.warn_once("shared-bug", "kvstore: shared-tier lookup failed (%s); a miss", e)
@@ -75,7 +73,7 @@ class Fleet:
             # Not filed (this disk's write policy or budget says no): the chunks it holds
             # were not sent, so ask again for the whole entry and restore it from memory.
             try:
-                found = self.tier.lookup(q, set(), local, near)
+                found = self.tier.lookup(q, set(), local)
             except Exception as e:  # a miss, as above
                 if not self.errors.index_damaged(e, disk):
                     self.errors.warn_once("shared-bug", "kvstore: shared-tier lookup failed (%s); a miss", e)
@@ -160,11 +158,11 @@ class Fleet:
 
         if self.errors.off:
             return
-        got = self.disk.export_entry(job.key)
+        got = self.disk.export_entry(job.query.key)
         if got is None:  # evicted or removed meanwhile
             return
         rec, tokens, chunks = got
-        self.tier.publish(PublishItem(job.identity.digest, job.key, rec, tokens, chunks, self.disk.segment_bytes))
+        self.tier.publish(PublishItem(job.identity.digest, job.query.key, rec, tokens, chunks, self.disk.segment_bytes))
 
 
 def open_shared(shared: Any, queue_size: int) -> "SharedTier | None":

@@ -32,23 +32,23 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Hashable
+from typing import Any, Hashable
 
 from .cachedir import MEMO, StoreOpenError, default_cache_dir, open_disk
 from .callers import Tallies, Tally
 from .counters import Counters
-from .served_tokens import CutRefused
 from .disk import DiskTier, Plan, Restored
 from .disk_errors import DiskErrors, Failure
 from .fleet import Fleet, SharedHit, open_shared
-from .floors import MIN_DISK_GAIN, memory_floor, restore_floor  # MIN_DISK_GAIN: re-exported (tests, README)
+from .floors import MIN_DISK_GAIN, CutRefused, memory_floor, restore_floor  # MIN_DISK_GAIN: re-exported (tests, README)
 from .identity import DigestMemo, Identity
 from .keys import TokenError, decode_tokens, encode_tokens
 from .memory import ORDERING, MemoryTier, Snapshot
 from .misses import OTHER_IDENTITY, Miss, Misses, Near, changed_components, explain
+from .options import StoreOptions
 from .parts import Part
 from .preload import Preloaded, Preloader
-from .pressure import DEFAULT_MEMORY_FLOOR, Gauge, Watch
+from .pressure import Gauge, Watch
 from .query import Query
 from .resolver import MemoryOnly, Resolver, local_model_dir  # local_model_dir: re-exported (adapters)
 from .salt import Salt, check_salt, memory_key, salted
@@ -56,9 +56,6 @@ from .write_policy import WritePolicy
 from .writer import Writer
 from .writes import WritePath
 from .escape import logger
-
-if TYPE_CHECKING:
-    from .shared import SharedConfig
 
 __all__ = ["KVStore", "Fetched", "MIN_DISK_GAIN", "local_model_dir"]
 log = logger("kvstore")
@@ -77,6 +74,9 @@ class Fetched:
 
 class KVStore:
     """A two-tier prefix cache for mlx-lm prompt caches.
+
+    Its settings are one ``StoreOptions`` (``options=``) or that value's keywords; their
+    defaults are written there alone (``kvstore.options``), what they mean here.
 
     ``model`` arguments may be an ``Identity``, a model directory, or mlx-lm's server key
     ``(model path, adapter path, draft model path)``; a key that cannot be resolved to
@@ -100,44 +100,43 @@ class KVStore:
     ``--min-disk-hit``, so the usage it reports follows one rule for every tier.
     """
 
-    def __init__(self, cache_dir: str | Path | None = None, *, max_entries: int = 10, max_bytes: int = 1 << 63,
-                 max_disk_bytes: int | None = None, chunk_tokens: int = 256, queue_size: int = 16,
-                 touch_on_hit: bool = True, memory_only: bool = False, on_disk_error: str = "raise",
-                 kv_bits: int | None = None, kv_group_size: int = 64, shared_dir: bool = False,
-                 shared: "str | SharedConfig | None | bool" = None, persist: str = "all",
-                 max_write_bytes_per_day: int | None = None,
-                 memory_floor: float | int | None = DEFAULT_MEMORY_FLOOR, min_disk_hit: int = 0,
-                 min_memory_hit: int = 0) -> None:
-        self.write_policy = WritePolicy(persist, max_write_bytes_per_day)  # raises ValueError first
-        gauge = Gauge(memory_floor) if memory_floor else None  # raises ValueError first
-        if not isinstance(min_disk_hit, int) or min_disk_hit < 0:
-            raise ValueError(f"min_disk_hit must be a number of tokens >= 0, got {min_disk_hit!r}")
-        if not isinstance(min_memory_hit, int) or min_memory_hit < 0:
-            raise ValueError(f"min_memory_hit must be a number of tokens >= 0, got {min_memory_hit!r}")
-        self.min_disk_hit, self.min_memory_hit = min_disk_hit, min_memory_hit
-        self.max_bytes = max_bytes  # the user's hard cap; the gauge may hold the tier below it
-        self.max_disk_bytes = max_disk_bytes
-        self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    def __init__(self, cache_dir: str | Path | None = None, *, options: StoreOptions | None = None,
+                 **overrides: Any) -> None:
+        """``options`` (default ``StoreOptions()``) with ``overrides``, keywords naming its
+        fields (TypeError naming one that is not); ``cache_dir``, when given, is the
+        directory's. The value built is ``self.options``."""
+        self.options = o = (options or StoreOptions()).but(
+            **overrides, **({"cache_dir": cache_dir} if cache_dir is not None else {}))
+        self.write_policy = WritePolicy(o.persist, o.max_write_bytes_per_day)  # raises ValueError first
+        gauge = Gauge(o.memory_floor) if o.memory_floor else None  # raises ValueError first
+        if not isinstance(o.min_disk_hit, int) or o.min_disk_hit < 0:
+            raise ValueError(f"min_disk_hit must be a number of tokens >= 0, got {o.min_disk_hit!r}")
+        if not isinstance(o.min_memory_hit, int) or o.min_memory_hit < 0:
+            raise ValueError(f"min_memory_hit must be a number of tokens >= 0, got {o.min_memory_hit!r}")
+        self.min_disk_hit, self.min_memory_hit = o.min_disk_hit, o.min_memory_hit
+        self.max_bytes = o.max_bytes  # the user's hard cap; the gauge may hold the tier below it
+        self.max_disk_bytes = o.max_disk_bytes
+        self.cache_dir = Path(o.cache_dir).expanduser() if o.cache_dir is not None else default_cache_dir()
         self._counters = Counters()
         self._errors = DiskErrors(self._counters, self.cache_dir)
         self._memory_only = MemoryOnly()
-        self.disk: DiskTier | None = None if memory_only else self._open_disk(chunk_tokens, shared_dir, on_disk_error)
+        self.disk: DiskTier | None = None if o.memory_only else self._open_disk(o.chunk_tokens, o.shared_dir, o.on_disk_error)
         self.memo = DigestMemo(self.cache_dir / MEMO if self.disk else None, self.disk.modes if self.disk else None)
         disk = self.disk
         self.models = Resolver(self.memo, self._memory_only, self._errors.warn_once,
                                (lambda i: _file_identity(disk, i)) if disk is not None else None,
-                               kv_bits, kv_group_size)
-        self.writer = Writer(queue_size) if self.disk else None
+                               o.kv_bits, o.kv_group_size)
+        self.writer = Writer(o.queue_size) if self.disk else None
         self.writes = WritePath(self._counters, self._errors, self.disk, self.writer, self.write_policy,
-                                max_disk_bytes=max_disk_bytes)
-        self._memory = MemoryTier(max_entries, max_bytes, touch_on_hit=touch_on_hit, gauge=gauge,
+                                max_disk_bytes=o.max_disk_bytes)
+        self._memory = MemoryTier(o.max_entries, o.max_bytes, touch_on_hit=o.touch_on_hit, gauge=gauge,
                                   counters=self._counters, on_evict=self.writes.write_evicted,
                                   behind=self.writes.behind)
-        tier = open_shared(shared, queue_size) if self.disk else None
+        tier = open_shared(o.shared, o.queue_size) if self.disk else None
         self.shared = tier  # the shared tier itself (stats, its prefill rates), or None
         self.fleet = Fleet(tier, self.disk, self.writes, self._counters, self._errors) \
             if tier is not None and self.disk is not None else None
-        if self.disk is None and shared:
+        if self.disk is None and o.shared:
             log.warning("kvstore: the shared tier needs the disk tier (it restores through it); off")
         self._gauge = gauge
         self._watch = _watch_memory(self) if gauge is not None else None
@@ -227,10 +226,10 @@ class KVStore:
             return self._hit("memory", cache, n, snap, counts=tally.counters)
         q = None
         if self._disk_on(ident) and tokens:
-            q = self._query(ident, enc, tokens)  # type: ignore[arg-type]
+            q = self._query(ident, enc, tokens, near)  # type: ignore[arg-type]
             floor = restore_floor(n, len(tokens), self.min_disk_hit)  # what a disk or shared hit must beat,
             whole = restore_floor(n, len(tokens), self.min_disk_hit, holds_prompt=True)  # and one holding the prompt
-            got = self._fetch_disk(ident, q, floor, near, tally.counters, whole)  # type: ignore[arg-type]
+            got = self._fetch_disk(ident, q, floor, tally.counters, whole)  # type: ignore[arg-type]
             if self.shared is not None:  # the prefill of what was not served starts now
                 self.shared.prefill.fetched(ident.digest, got.n if got is not None else n)  # type: ignore[union-attr]
             if got is not None:  # a disk or shared hit may serve less than a stored prefix held too
@@ -256,23 +255,25 @@ class KVStore:
                 n = plan.n
         return n
 
-    def _fetch_disk(self, ident: Identity, q: Query, better_than: int, near: Near | None = None,
-                    counts: Counters | None = None, whole: int | None = None) -> Fetched | None:
+    def _fetch_disk(self, ident: Identity, q: Query, better_than: int, counts: Counters | None = None,
+                    whole: int | None = None) -> Fetched | None:
         """The disk tier's longest prefix of ``q`` beyond ``better_than`` tokens (asking the
         shared tier, with the same plan, when the disk holds less than the query), restored
-        and promoted into memory; None for nothing. ``whole``: the tokens a disk plan holding
+        and promoted into memory; None for nothing. The first plan and the shared tier
+        tell ``q.near`` what they saw; a plan made again (after a restore failed, or the
+        shared tier filed a longer prefix) tells nobody. ``whole``: the tokens a disk plan holding
         the whole prompt must exceed instead (``restore_floor(holds_prompt=True)``; the
         shared tier is asked with ``better_than``). ``counts``: the caller's (``callers``)."""
         counts = counts if counts is not None else self._counters
         source = "disk"
         skip: frozenset[bytes] = frozenset()  # entries whose cut a restore refused
-        plan = self._disk_plan(q, skip, near)
+        plan = self._disk_plan(q, skip)
         if self.fleet is not None:
-            shared = self.fleet.lookup(ident, q, plan, better_than, near)
+            shared = self.fleet.lookup(ident, q, plan, better_than)
             if isinstance(shared, SharedHit):
                 return self._promote(ident, q, shared.plan, shared.got, "shared", counts)
             if shared:  # a longer prefix is indexed on disk now
-                source, plan = "shared", self._disk_plan(q)
+                source, plan = "shared", self._disk_plan(q.reporting(None))
         for _ in range(4):  # each failure drops (or skips) a record; the next plan may still hit
             if plan is None or plan.n <= (whole if plan.holds_prompt and whole is not None else better_than):
                 return None
@@ -285,24 +286,25 @@ class KVStore:
                 return self._promote(ident, q, plan, got, source, counts)
             if got is Failure.REFUSED and plan.entry is not None:
                 skip |= {plan.entry}
-                if near is not None:
-                    near.refused(plan.n)
+                if q.near is not None:
+                    q.near.refused(plan.n)
             elif got in (Failure.UNREADABLE, Failure.REFUSED) or self._errors.off:  # a new plan would fail the same way
                 return None
-            plan = self._disk_plan(q, skip)
+            plan = self._disk_plan(q.reporting(None), skip)
         return None
 
-    def _query(self, ident: Identity, enc: bytes, tokens: list[int] | None = None) -> Query:
+    def _query(self, ident: Identity, enc: bytes, tokens: list[int] | None = None, near: Near | None = None) -> Query:
         """A lookup's one ``Query``: ``enc`` under ``ident``, chained as the disk tier chains
-        (the disk plan, the shared tier and a miss's explanation read its chain, hashed once)."""
-        return Query(enc, ident.digest, self.disk.chunk, tokens=tokens)  # type: ignore[union-attr]
+        (the disk plan, the shared tier and a miss's explanation read its chain, hashed
+        once), its searches telling ``near`` what they saw."""
+        return Query(enc, ident.digest, self.disk.chunk, tokens=tokens, near=near)  # type: ignore[union-attr]
 
-    def _disk_plan(self, q: Query, skip: frozenset[bytes] = frozenset(), near: Near | None = None) -> Plan | None:
+    def _disk_plan(self, q: Query, skip: frozenset[bytes] = frozenset()) -> Plan | None:
         """The disk tier's plan for ``q`` (passing over the entries in ``skip``): None when
         it has none or the lookup failed (a miss, logged once; a damaged index switches
         the disk tier off)."""
         try:
-            return self.disk.lookup(q, skip, near)  # type: ignore[union-attr]
+            return self.disk.lookup(q, skip)  # type: ignore[union-attr]
         except Exception as e:
             if not self._errors.index_damaged(e, self.disk):
                 self._errors.warn_once("plan", "kvstore: disk lookup failed (%s); treating as a miss", e)
@@ -338,7 +340,8 @@ class KVStore:
         what this process lost (``WritePath.ghosts``; the identity the model had before its
         files changed, whose entries are still in memory). ``ident``: the model's own
         (unsalted) identity. No hashing; no disk read but, where the nearest stored prefix
-        is a chunk others go on from, the index edges below it (``DiskTier.nearest``)."""
+        is a chunk others go on from, the index edges below it (``DiskTier.nearest``).
+        ``near``: the lookup's (``q.near`` when it made a query)."""
         if near.common <= served and served >= near.n_q - 1:
             return None  # served all a stored prefix shared, and all the prompt: nothing to explain
         bounds = q.hashed_bounds() if q is not None else None
@@ -351,7 +354,7 @@ class KVStore:
                 lost = (OTHER_IDENTITY, changed_components(old.info, ident.info), had, had)  # type: ignore[union-attr]
         if near.below and q is not None and self.disk is not None:
             try:  # the nearest is a chunk others go on from: its cost is the entry's own length
-                self.disk.nearest(q, near)
+                self.disk.nearest(q)
             except Exception as e:  # an explanation never costs the lookup: the chunk's end stays
                 log.debug("kvstore: could not name the entry below a chunk: %s", e)
         return explain(near, served, lost)

@@ -36,15 +36,14 @@ POLICIES = ("all", "system", "reused")
 SEEN_KEYS = 1 << 16  # prefixes "reused" remembers (16-byte keys: about 3 MB at most)
 
 
-def prefix_job(job: PersistJob, n: int, chunk: int) -> PersistJob:
+def prefix_job(job: PersistJob, n: int) -> PersistJob:
     """The job's first ``n`` tokens (a cuttable cache: KV on axis -2), as its own job.
     No MLX op: the writer thread slices the host views numpy-side, as ``disk`` does."""
     import numpy as np
 
-    query = job.chained(chunk).prefix(n)  # shares the job's chain: only the new residual is hashed
+    query = job.query.prefix(n)  # shares the job's chain: only the new residual is hashed
     tensors = {nm: (st, np.asarray(a)[..., :n, :]) for nm, (st, a) in job.tensors.items()}
-    return PersistJob(job.identity, query.enc, query.key, tensors, job.layout.with_offset(n), job.cache_type,
-                      job.created, query=query)
+    return PersistJob(job.identity, query, tensors, job.layout.with_offset(n), job.cache_type, job.created)
 
 
 def _entry(disk: Any, key: bytes) -> Any:
@@ -59,7 +58,7 @@ def _entry(disk: Any, key: bytes) -> Any:
 class WritePolicy:
     """``admit(disk, job)`` says whether a persist job is written now; see the module doc."""
 
-    def __init__(self, persist: str = "all", max_write_bytes_per_day: int | None = None) -> None:
+    def __init__(self, persist: str, max_write_bytes_per_day: int | None) -> None:  # a store's (StoreOptions)
         if persist not in POLICIES:
             raise ValueError(f"persist must be one of {list(POLICIES)}, got {persist!r}")
         if max_write_bytes_per_day is not None and max_write_bytes_per_day < 0:
@@ -76,7 +75,7 @@ class WritePolicy:
         n = self._wanted(disk, job)
         if n == 0:
             return "policy"
-        return self._over_budget(disk) or (job if n == job.n else prefix_job(job, n, disk.chunk))
+        return self._over_budget(disk) or (job if n == job.query.n else prefix_job(job, n))
 
     def admit_framed(self, disk: Any, key: bytes, n: int, cache_type: str) -> str | None:
         """Whether an entry framed elsewhere (a shared-tier hit filed here: entry ``key``,
@@ -101,24 +100,25 @@ class WritePolicy:
 
     def _wanted(self, disk: Any, job: PersistJob) -> int:
         """How many of the job's tokens the policy writes (0: none)."""
+        q = job.query
         if self.persist == "all":
-            return job.n
+            return q.n
         if self.persist == "system":
-            return job.n if self._system(disk, job.key, job.cache_type) else 0
-        bounds = job.chained(disk.chunk).bounds
+            return q.n if self._system(disk, q.key, job.cache_type) else 0
+        bounds = q.bounds
         with self._lock:
-            seen_whole = job.key in self._seen
+            seen_whole = q.key in self._seen
             depth = max((k for k in range(1, len(bounds)) if bounds[k] in self._seen), default=0)
-            for key in (job.key, *bounds[1:]):  # bounds[0] is the root: no token in common
+            for key in (q.key, *bounds[1:]):  # bounds[0] is the root: no token in common
                 self._seen[key] = None
                 self._seen.move_to_end(key)
             while len(self._seen) > SEEN_KEYS:
                 self._seen.popitem(last=False)
-        if seen_whole or _entry(disk, job.key) is not None:
-            return job.n
-        held = disk.held_chunks(bounds, job.tokens)
+        if seen_whole or _entry(disk, q.key) is not None:
+            return q.n
+        held = disk.held_chunks(bounds, q.enc)
         depth = max([depth] + [k for k in range(1, len(bounds)) if bounds[k] in held])
-        return 0 if depth == 0 else depth * disk.chunk if job.layout.chunkable(job.n) else job.n
+        return 0 if depth == 0 else depth * disk.chunk if job.layout.chunkable(q.n) else q.n
 
     def stats(self) -> dict[str, Any]:
         return {"persist_policy": self.persist, "max_write_bytes_per_day": self.max_write_bytes_per_day}

@@ -128,9 +128,9 @@ class WritePath:
         host = host if host is not None else self._host_views(snap)
         if host is None:
             return False
-        query = Query(enc, ident.digest, self.disk.chunk)
-        job = PersistJob(ident, enc, query.key, host, snap.layout or Layout(), snap.cache_type, query=query)
-        snap.disk_key = job.key
+        job = PersistJob(ident, Query(enc, ident.digest, self.disk.chunk), host, snap.layout or Layout(),
+                         snap.cache_type)
+        snap.disk_key = job.query.key
 
         def write() -> None:
             snap.ready()  # its arrays (and host views) computed: waited for once, then read here
@@ -174,7 +174,7 @@ class WritePath:
         assert self.disk is not None
         admitted = self.policy.admit(self.disk, job)
         if isinstance(admitted, str):
-            self._skipped(admitted, job.identity, job.tokens)
+            self._skipped(admitted, job.identity, job.query.enc)
             return None
         return admitted
 

@@ -58,6 +58,7 @@ import xxhash
 
 from .. import codec
 from ..identity import Identity, model_identity
+from ..options import EXO, StoreOptions
 from ..salt import check_salt, salted
 from ..store import KVStore
 from ..escape import logger
@@ -226,24 +227,24 @@ class ExoPrefixCache:
     ``_last_used`` are parallel lists; ``get_kv_cache`` returns an index into them). Each
     entry owns the store entries it wrote: its cache at the length it holds and one per
     snapshot; ``clear`` and eviction take those out of memory, never off the disk.
-    ``store_options``: KVStore options (``max_disk_bytes``, ``chunk_tokens``, ...).
+    The store's settings: ``options`` (default: ``install``'s, else ``options.EXO``) with
+    ``store_keywords`` (``cache_dir``, ``max_disk_bytes``, ``chunk_tokens``, ...); memory only
+    without a model path.
     ``salt``: this cache's entries are filed under the salted identity (``kvstore.salt``):
     shared only with caches of the same salt, in every tier.
     """
 
     def __init__(self, group: Any = None, *, model_path: str | Path | None = None, shard: Any = None,
-                 cache_dir: str | Path | None = None, store: KVStore | None = None,
-                 threshold: float | None = None, salt: str | bytes | None = None, **store_options: Any) -> None:
+                 store: KVStore | None = None, threshold: float | None = None, salt: str | bytes | None = None,
+                 options: StoreOptions | None = None, **store_keywords: Any) -> None:
         ctx = _BUILD.get() or {}
         self.salt = check_salt(salt if salt is not None else ctx.get("salt"), "salt")
         self._group = group
         self.model_path = model_path if model_path is not None else ctx.get("model_path")
         self.shard = shard if shard is not None else ctx.get("shard")
         self.threshold = threshold if threshold is not None else ctx.get("threshold")
-        options = {"max_entries": 1 << 40, "touch_on_hit": True, "on_disk_error": "memory",
-                   **ctx.get("store_options", {}), **store_options}
-        self.store = store or KVStore(cache_dir if cache_dir is not None else ctx.get("cache_dir"),
-                                      memory_only=self.model_path is None, **options)
+        opts = (options or ctx.get("store") or EXO).but(**store_keywords)  # TypeError naming no option
+        self.store = store or KVStore(options=opts.but(memory_only=True) if self.model_path is None else opts)
         if self.model_path is None:
             self.store.note_memory_only("exo", NO_MODEL_PATH)
         self._ident: Identity | None = None
@@ -377,7 +378,7 @@ class ExoPrefixCache:
                 if self.store.disk is not None:
                     self.store.close()
                     self.store = KVStore(memory_only=True, max_entries=self.store.memory.max_entries,
-                                         max_bytes=self.store.memory.max_bytes, touch_on_hit=True)
+                                         max_bytes=self.store.memory.max_bytes)
                 if why is not None:
                     self.store.note_memory_only("exo", why)
             self._ident = salted(ident, self.salt) or ident
@@ -493,31 +494,34 @@ class ExoPrefixCache:
 _ORIGINALS_ATTR = "_kvstore_originals"
 
 
-def install(*, cache_dir: str | Path | None = None, threshold: float | None = None, **store_options: Any) -> None:
+def install(*, threshold: float | None = None, options: StoreOptions | None = None, **store_keywords: Any) -> None:
     """Make exo's runner build ``ExoPrefixCache`` instead of its ``KVPrefixCache``.
 
     Patches exo's ``MlxBuilder``: ``load`` remembers the node's bound instance, and
     ``build`` constructs the prefix cache with the node's model directory and shard, so
     every runner built from now on uses kvstore: in this process, and in the runner
     processes exo's supervisor spawns (their entry point installs the adapter first).
-    Calling again updates the options. Raises ModuleNotFoundError saying how to get exo
-    when it is not importable.
+    Calling again updates the options. ``options`` / ``store_keywords``: the store's
+    settings (default ``options.EXO``; TypeError naming a keyword that is none). Raises
+    ModuleNotFoundError saying how to get exo when it is not importable.
     """
+    store = (options or EXO).but(**store_keywords)
     builder = _builder_module()
     cls = builder.MlxBuilder
-    options = {"cache_dir": cache_dir, "threshold": threshold, "store_options": store_options}
+    settings = {"threshold": threshold, "store": store}
     if _ORIGINALS_ATTR not in cls.__dict__:
         _patch(builder, cls)
-    cls._kvstore_options = options
+    cls._kvstore_options = settings
     supervisor = _exo("exo.worker.runner.supervisor")
     if supervisor is not None:  # exo spawns runners: a fresh interpreter, nothing patched
         target = getattr(supervisor.entrypoint, "args", (None, None))[1] or supervisor.entrypoint
-        supervisor.entrypoint = functools.partial(runner_entrypoint, options, target)
+        supervisor.entrypoint = functools.partial(runner_entrypoint, settings, target)
 
 
-def runner_entrypoint(options: dict[str, Any], target: Any, *args: Any, **kwargs: Any) -> Any:
-    """A spawned runner's entry point: ``install`` with ``options``, then exo's ``target``."""
-    install(cache_dir=options["cache_dir"], threshold=options["threshold"], **options["store_options"])
+def runner_entrypoint(settings: dict[str, Any], target: Any, *args: Any, **kwargs: Any) -> Any:
+    """A spawned runner's entry point: ``install`` with ``settings`` (``install``'s: the
+    threshold and the store's options), then exo's ``target``."""
+    install(threshold=settings["threshold"], options=settings["store"])
     return target(*args, **kwargs)
 
 

@@ -14,15 +14,13 @@ warn and run memory-only, so an engine never fails to start because of its cache
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
 from ..misses import Miss, log_line
+from ..options import DROP_IN, StoreOptions, store_changes
 from ..parts import Part
-from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..salt import Salt, salt_of
-from ..floors import MIN_DISK_HIT
 from ..store import KVStore, Preloaded
 from ..escape import logger
 
@@ -44,36 +42,22 @@ class LRUPromptCache:
     tokens a disk hit must restore when memory holds none of the prompt (``KVStore``);
     ``min_memory_hit`` the same for a memory hit (0: mlx-lm's own rules; ``kvstore serve``
     passes its ``--min-disk-hit``).
+
+    Settings: ``options`` (a ``StoreOptions``; default ``options.DROP_IN``, the drop-in's: a
+    hit does not move an entry, as mlx-lm's does not; an unusable cache directory means
+    memory only; ``MIN_DISK_HIT``) and that value's keywords; ``max_size`` / ``max_bytes``
+    (mlx-lm's, its defaults) are ``max_entries`` / ``max_bytes``; ``disk=False``: memory only.
+    ``store``: an open store to use instead (the settings are then checked, not used).
     """
 
-    def __init__(
-        self,
-        max_size: int = 10,
-        max_bytes: int = 1 << 63,
-        *,
-        cache_dir: str | Path | None = None,
-        max_disk_bytes: int | None = None,
-        chunk_tokens: int = 256,
-        queue_size: int = 16,
-        disk: bool = True,
-        kv_bits: int | None = None,
-        kv_group_size: int = 64,
-        store: KVStore | None = None,
-        shared: Any = None,
-        persist: str = "all",
-        max_write_bytes_per_day: int | None = None,
-        memory_floor: float | int | None = DEFAULT_MEMORY_FLOOR,
-        min_disk_hit: int = MIN_DISK_HIT,
-        min_memory_hit: int = 0,
-    ) -> None:
-        self.store = store or KVStore(
-            cache_dir, max_entries=max_size, max_bytes=max_bytes, max_disk_bytes=max_disk_bytes,
-            chunk_tokens=chunk_tokens, queue_size=queue_size, touch_on_hit=False,
-            memory_only=not disk, on_disk_error="memory", kv_bits=kv_bits,
-            kv_group_size=kv_group_size, shared=shared,
-            persist=persist, max_write_bytes_per_day=max_write_bytes_per_day, memory_floor=memory_floor,
-            min_disk_hit=min_disk_hit, min_memory_hit=min_memory_hit,
-        )
+    def __init__(self, max_size: int | None = None, max_bytes: int | None = None, *,
+                 options: StoreOptions | None = None, store: KVStore | None = None,
+                 disk: bool | None = None, **store_keywords: Any) -> None:
+        # the store's settings: ``options`` (default ``DROP_IN``) with the keywords (checked by
+        # name: TypeError), mlx-lm's two limits (None: the options') and ``disk`` (False: memory only)
+        changes = store_changes(disk=disk, **store_keywords)
+        changes.update({k: v for k, v in (("max_entries", max_size), ("max_bytes", max_bytes)) if v is not None})
+        self.store = store or KVStore(options=(options or DROP_IN).but(**changes))
         # token ids -> text, for a miss's log line (``kvstore serve`` sets the model's tokenizer)
         self.decode: Callable[[list[int]], str] | None = None
         # a lookup's tokens -> what names a miss's part of the request (``kvstore serve``:

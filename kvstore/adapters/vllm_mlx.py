@@ -22,9 +22,10 @@ Usage::
                                                         # after it started)
     kv_vllm.uninstall()                                 # back to vllm-mlx's own cache
 
-``store_options`` are kvstore's ``LRUPromptCache`` options (``max_disk_bytes``,
-``chunk_tokens``, ``queue_size``, ``disk``); ``max_size`` / ``max_bytes`` come from the
-engine's ``prefix_trie_cache_size`` / ``prefix_trie_cache_memory_mb``. ``engine.stop()``
+The store's settings are a ``StoreOptions`` (``options=``, default ``options.DROP_IN``) and
+its keywords (``cache_dir``, ``max_disk_bytes``, ``chunk_tokens``, ...; ``disk=False``: memory
+only), as ``LRUPromptCache`` takes them; ``max_size`` / ``max_bytes`` come from the engine's
+``prefix_trie_cache_size`` / ``prefix_trie_cache_memory_mb``. ``engine.stop()``
 closes the cache (flushing pending writes). Importing this module does not import vllm-mlx;
 ``install`` without vllm-mlx raises a ModuleNotFoundError that says how to install it.
 """
@@ -33,9 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from pathlib import Path
 from typing import Any
 
+from ..options import DROP_IN, StoreOptions, store_changes
 from ..salt import salt_of
 from .mlx_lm import LRUPromptCache
 
@@ -47,9 +48,9 @@ class EnginePromptCache(LRUPromptCache):
     """kvstore's ``LRUPromptCache`` for one engine: whatever model object vllm-mlx passes,
     entries are keyed by ``model_key`` (mlx-lm's ``(model path, adapter, draft)`` key)."""
 
-    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63, *,
-                 model_key: Any, **options: Any) -> None:
-        super().__init__(max_size, max_bytes, **options)
+    def __init__(self, max_size: int | None = None, max_bytes: int | None = None, *,
+                 model_key: Any, **settings: Any) -> None:  # ``LRUPromptCache``'s: options=, keywords
+        super().__init__(max_size, max_bytes, **settings)
         self.model_key = model_key
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int], *,
@@ -91,17 +92,18 @@ class _Peek:
         return PromptTrieResult(model, None, list(tokens[:n]) if n else None, None, 0)
 
 
-def install(engine: Any = None, *, cache_dir: str | Path | None = None, **store_options: Any) -> None:
+def install(engine: Any = None, *, options: StoreOptions | None = None, **store_keywords: Any) -> None:
     """Make vllm-mlx ``SimpleEngine``s use kvstore as their prefix trie cache.
 
     With ``engine=None`` every engine (existing ones included) builds kvstore's cache the
     next time it needs one; with an engine, only that engine does, and a cache it already
     built is replaced. Engines need ``prefix_trie_cache=True``. Calling again updates the
-    options for caches built afterwards.
+    options for caches built afterwards. ``options`` / ``store_keywords``: the store's
+    settings, as ``LRUPromptCache`` takes them (a keyword that is none: TypeError, here).
     """
+    options = (options or DROP_IN).but(**store_changes(**store_keywords))
     cls = _simple_engine()
     _patch(cls)
-    options = dict(store_options, cache_dir=cache_dir)
     if engine is None:
         setattr(cls, _OPTIONS_ATTR, options)
         return
@@ -112,21 +114,23 @@ def install(engine: Any = None, *, cache_dir: str | Path | None = None, **store_
             engine._prefix_trie_cache = None   # rebuilt as kvstore's on next use
 
 
-def install_all(*, cache_dir: str | Path | None = None, **store_options: Any) -> None:
+def install_all(**store_keywords: Any) -> None:
     """kvstore in every vllm-mlx engine from now on (what ``kvstore vllm-mlx serve`` does):
     SimpleEngine's prefix trie cache (``install``), its system-prompt KV slots
     (``vllm_mlx_system``) and the batched engine's prefix cache (``vllm_mlx_batched``).
-    ``store_options``: ``max_disk_bytes``, ``persist``, ``max_write_bytes_per_day``. A
-    ModuleNotFoundError says how to install vllm-mlx when it cannot be imported."""
+    ``store_keywords``: the store options the user set (``cache_dir``, ``max_disk_bytes``,
+    ``persist``, ``max_write_bytes_per_day``, ...), each engine's over its own defaults
+    (``options.DROP_IN``, ``options.VLLM_BATCHED``). A ModuleNotFoundError says how to
+    install vllm-mlx when it cannot be imported."""
     from . import vllm_mlx_batched
 
-    install(cache_dir=cache_dir, **store_options)
-    vllm_mlx_batched.install(cache_dir=cache_dir, **store_options)
+    install(**store_keywords)
+    vllm_mlx_batched.install(**store_keywords)
     try:
         from . import vllm_mlx_system
     except ImportError:
         return
-    vllm_mlx_system.install(cache_dir=cache_dir, **store_options)
+    vllm_mlx_system.install(**store_keywords)
 
 
 def uninstall() -> None:
@@ -149,14 +153,15 @@ def engine_cache(engine: Any) -> EnginePromptCache | None:
     return cache if isinstance(cache, EnginePromptCache) else None
 
 
-def make_cache(engine: Any, **options: Any) -> EnginePromptCache:
-    """kvstore's cache for ``engine``, with the limits the engine was configured with."""
+def make_cache(engine: Any, options: StoreOptions = DROP_IN) -> EnginePromptCache:
+    """kvstore's cache for ``engine``: ``options`` with the limits the engine was configured
+    with (no ``prefix_trie_cache_memory_mb``: the options' ``max_bytes``)."""
     mb = engine._prefix_trie_cache_memory_mb
     return EnginePromptCache(
         max_size=engine._prefix_trie_cache_size,
-        max_bytes=mb * 1024 * 1024 if mb is not None else 1 << 63,
+        max_bytes=mb * 1024 * 1024 if mb is not None else None,
         model_key=(str(engine._model_path), None, None),
-        **options,
+        options=options,
     )
 
 
@@ -196,7 +201,7 @@ def _patch(cls: Any) -> None:  # vllm-mlx's SimpleEngine: untyped here, its meth
         if options is not None and self._prefix_trie_cache_enabled and not self._is_mllm:
             with self._prefix_trie_cache_lock:
                 if not isinstance(self._prefix_trie_cache, EnginePromptCache):
-                    self._prefix_trie_cache = make_cache(self, **options)
+                    self._prefix_trie_cache = make_cache(self, options)
         return ensure(self)
 
     @functools.wraps(stop)

@@ -34,11 +34,12 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from ..escape import logger
+from ..options import VLLM_BATCHED, StoreOptions, store_changes
 
 log = logger("kvstore")
 
 _PATHS: dict[int, tuple[Any, str]] = {}    # id(model) -> (weak ref, path it was loaded from)
-_OPTIONS: dict[str, Any] = {}              # install()'s options, read by every new cache
+_OPTIONS: dict[str, Any] = {}              # install()'s: "store" (StoreOptions), "model_path"
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
 PAGED_REFUSAL = ("kvstore does not cover vllm-mlx's paged cache (--use-paged-cache); drop "
                  "--use-paged-cache to use the memory-aware prefix cache with kvstore's disk tier")
@@ -81,13 +82,14 @@ class _StoreBackedPrefixCache(_Base):
     """vllm-mlx's ``MemoryAwarePrefixCache`` with kvstore's disk tier underneath: mixed in
     over vllm-mlx's installed class by ``_make_class`` (vllm-mlx is imported only then)."""
 
-    def __init__(self, model: Any, config: Any = None, **options: Any) -> None:
+    def __init__(self, model: Any, config: Any = None, *, model_path: str | Path | None = None,
+                 options: StoreOptions | None = None, **store_keywords: Any) -> None:
         super().__init__(model, config)
         self._kv_promoting = threading.local()
         self._kv_served: set[tuple[int, ...]] = set()  # keys handed out from disk
         self._kv_reads_off = False
-        opts = dict(_OPTIONS, **options)
-        path = opts.pop("model_path", None) or model_path_of(model)
+        opts = (options or _OPTIONS.get("store", VLLM_BATCHED)).but(**store_changes(**store_keywords))
+        path = model_path or _OPTIONS.get("model_path") or model_path_of(model)
         self._kv_model = (str(path), None, None) if path else None
         self._kv_store = None
         if self._kv_model is None:
@@ -314,14 +316,12 @@ def from_mlx_lm(cache: list[Any]) -> list[Any]:
     return out
 
 
-def _open_store(opts: dict[str, Any], config: Any) -> Any:
+def _open_store(opts: StoreOptions, config: Any) -> Any:
+    """The store under one prefix cache: ``opts`` with no memory tier of kvstore's (vllm-mlx's
+    cache is the memory tier), quantised as the engine's ``config`` says."""
     from ..store import KVStore
 
-    store = KVStore(opts.get("cache_dir"), max_entries=0, max_disk_bytes=opts.get("max_disk_bytes"),
-                    chunk_tokens=opts.get("chunk_tokens", 256), queue_size=opts.get("queue_size", 16),
-                    touch_on_hit=True, on_disk_error="memory", shared=opts.get("shared", False),
-                    persist=opts.get("persist", "all"),
-                    max_write_bytes_per_day=opts.get("max_write_bytes_per_day"))
+    store = KVStore(options=opts.but(max_entries=VLLM_BATCHED.max_entries))
     if getattr(config, "kv_quantize", False):  # its entries are quantised: another identity
         store.set_kv_quant(int(config.kv_bits), int(config.kv_group_size))
     return store
@@ -335,20 +335,23 @@ def _warn_once(store: Any, what: str, msg: str, *args: Any) -> None:
         log.warning(msg, *args)
 
 
-def install(*, cache_dir: str | Path | None = None, model_path: str | Path | None = None,
-            **store_options: Any) -> None:
+def install(*, model_path: str | Path | None = None, options: StoreOptions | None = None,
+            **store_keywords: Any) -> None:
     """Make vllm-mlx's schedulers (text and multimodal) build ``KVPrefixCache``.
 
-    ``store_options``: ``max_disk_bytes``, ``persist``, ``max_write_bytes_per_day``,
-    ``chunk_tokens``, ``queue_size``, ``shared``. ``model_path``: the identity of a model
-    whose load kvstore did not see. Calling again replaces the options (for caches built
-    afterwards). ``--use-paged-cache`` is refused from now on (``PAGED_REFUSAL``).
+    The store's settings: ``options`` (default ``options.VLLM_BATCHED``) with
+    ``store_keywords`` (``cache_dir``, ``max_disk_bytes``, ``persist``, ...; ``disk=False``:
+    memory only; TypeError naming one that is none); kvstore's memory tier stays empty
+    whatever they say. ``model_path``: the identity of a model whose load kvstore did not
+    see. Calling again replaces the options (for caches built afterwards).
+    ``--use-paged-cache`` is refused from now on (``PAGED_REFUSAL``).
     """
+    store = (options or VLLM_BATCHED).but(**store_changes(**store_keywords))
     import vllm_mlx.scheduler as scheduler
     import vllm_mlx.utils.tokenizer as tok
 
     _OPTIONS.clear()
-    _OPTIONS.update(store_options, cache_dir=cache_dir)
+    _OPTIONS["store"] = store
     if model_path is not None:
         _OPTIONS["model_path"] = str(model_path)
     cls = prefix_cache_class()

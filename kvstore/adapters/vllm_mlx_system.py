@@ -25,15 +25,15 @@ import functools
 import hashlib
 import threading
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any
 from ..escape import logger
+from ..options import DROP_IN, StoreOptions, store_changes
 
 log = logger("kvstore")
 _TEXTS: "OrderedDict[str, tuple[str, Any]]" = OrderedDict()  # hash -> (prefix text, tokenizer)
 _TEXTS_MAX = 256
 _TEXTS_LOCK = threading.Lock()
-_OPTIONS: dict[str, Any] = {}
+_OPTIONS: dict[str, StoreOptions] = {}  # install()'s: "store", the slots' store settings
 _ORIGINALS: dict[str, Any] = {}
 
 
@@ -70,10 +70,10 @@ def _candidates(h: str) -> list[list[int]]:
 class SystemSlots(OrderedDict):
     """``engine._system_kv_cache`` with kvstore's disk tier underneath (see module doc)."""
 
-    def __init__(self, engine: Any, options: dict[str, Any]) -> None:
+    def __init__(self, engine: Any, options: StoreOptions) -> None:
         super().__init__()
         self._engine = engine
-        self._options = dict(options)
+        self._options = options
         self._store: Any = None
         self._opened = False
         self._lock = threading.RLock()
@@ -88,9 +88,7 @@ class SystemSlots(OrderedDict):
             try:
                 from .mlx_lm import LRUPromptCache
 
-                opts = dict(self._options)
-                cache_dir = opts.pop("cache_dir", None)
-                self._store = LRUPromptCache(max_size=0, cache_dir=cache_dir, **opts).store
+                self._store = LRUPromptCache(max_size=0, options=self._options).store
             except Exception as e:
                 log.warning("kvstore: system-prompt slots stay in memory only: %s", str(e))
         return self._store
@@ -163,14 +161,15 @@ class SystemSlots(OrderedDict):
         return cache
 
 
-def install(*, cache_dir: str | Path | None = None, **store_options: Any) -> None:
+def install(*, options: StoreOptions | None = None, **store_keywords: Any) -> None:
     """Every SimpleEngine built from now on keeps its system-prompt slots on disk too.
-    ``store_options``: kvstore ``LRUPromptCache`` options (``max_disk_bytes``, ``persist``,
-    ``max_write_bytes_per_day``)."""
+    ``options`` / ``store_keywords``: the store's settings, as ``LRUPromptCache`` takes them
+    (default ``options.DROP_IN``; TypeError naming a keyword that is none)."""
+    store = (options or DROP_IN).but(**store_changes(**store_keywords))
     import vllm_mlx.engine.simple as simple
 
     _OPTIONS.clear()
-    _OPTIONS.update(store_options, cache_dir=cache_dir)
+    _OPTIONS["store"] = store
     if _ORIGINALS:
         return
     cls = simple.SimpleEngine
@@ -181,7 +180,7 @@ def install(*, cache_dir: str | Path | None = None, **store_options: Any) -> Non
     def __init__(self: Any, *a: Any, **k: Any) -> None:
         init(self, *a, **k)
         if _OPTIONS:
-            self._system_kv_cache = SystemSlots(self, _OPTIONS)
+            self._system_kv_cache = SystemSlots(self, _OPTIONS["store"])
 
     @functools.wraps(build)
     def build_system_prompt_cache_prefix(tokenizer: Any, *a: Any, **k: Any) -> Any:

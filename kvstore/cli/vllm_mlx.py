@@ -16,13 +16,13 @@ import argparse
 import sys
 from typing import Any, Callable
 
+from ..options import StoreOptions
 from ..units import parse_size
 
-KV_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {  # flag -> (install option, parser)
-    "--cache-dir": ("cache_dir", str),
-    "--max-disk-bytes": ("max_disk_bytes", parse_size),
-    "--persist": ("persist", str),
-    "--max-write-bytes-per-day": ("max_write_bytes_per_day", parse_size),
+# kvstore's flags: a store option each (``kvstore.options``), spelt --with-dashes, and its parser
+KV_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "--" + name.replace("_", "-"): (name, conv) for name, conv in (
+        ("cache_dir", str), ("max_disk_bytes", parse_size), ("persist", str), ("max_write_bytes_per_day", parse_size))
 }
 USAGE = ("usage: kvstore vllm-mlx serve MODEL [vllm-mlx serve flags] [--cache-dir DIR] "
          "[--max-disk-bytes SIZE] [--persist {all,system,reused}] [--max-write-bytes-per-day SIZE]")
@@ -47,7 +47,8 @@ def setup_arg_parser(subparsers: "argparse._SubParsersAction") -> None:
 
 
 def split_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
-    """(kvstore's options, the arguments left for vllm-mlx). Raises ValueError naming a
+    """(the store options kvstore's flags set, the arguments left for vllm-mlx): what
+    ``install_all`` takes, each engine's defaults under it. Raises ValueError naming a
     kvstore flag without a value or with a bad one."""
     options: dict[str, Any] = {}
     rest: list[str] = []
@@ -117,10 +118,10 @@ def disk_tier_line(options: dict[str, Any], rest: list[str]) -> str:
     """What the start says of the disk tier: on, where, its budget, and in which engine."""
     from ..cachedir import default_cache_dir
 
-    where = options.get("cache_dir") or default_cache_dir()
-    budget = options.get("max_disk_bytes")
+    o = StoreOptions().but(**options)
+    where, budget = o.cache_dir or default_cache_dir(), o.max_disk_bytes
     engine = ("the batched engine's prefix cache (--continuous-batching)" if "--continuous-batching" in rest
               else "SimpleEngine's system-prompt KV slots" + (" and its --prefix-trie-cache"
                                                               if "--prefix-trie-cache" in rest else ""))
     return (f"disk tier on: entries in {where} ({f'at most {budget:,} bytes' if budget else 'no disk budget'}, "
-            f"--persist {options.get('persist', 'all')}), under {engine}")
+            f"--persist {o.persist}), under {engine}")

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..options import StoreOptions
 from . import common
 
 
@@ -30,12 +31,13 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help='a JSON file holding a list of {"role": ..., "content": ...} messages')
     p.add_argument("--step", type=int, default=512, metavar="TOKENS",
                    help="prefill step size (default 512)")
-    p.add_argument("--chunk-tokens", type=int, default=256, metavar="TOKENS",
-                   help="chunk size for a NEW cache directory (default 256, the KVStore default); an "
-                        "existing directory keeps the chunk size it was created with")
+    p.add_argument("--chunk-tokens", type=int, default=StoreOptions.chunk_tokens, metavar="TOKENS",
+                   help=f"chunk size for a NEW cache directory (default {StoreOptions.chunk_tokens}, the KVStore "
+                        "default); an existing directory keeps the chunk size it was created with")
     p.add_argument("--kv-bits", type=int, default=None,
                    help="warm for a server run with mlx_lm.server's --kv-bits (its own identity)")
-    p.add_argument("--kv-group-size", type=int, default=64, help="with --kv-bits (default 64)")
+    p.add_argument("--kv-group-size", type=int, default=StoreOptions.kv_group_size,
+                   help=f"with --kv-bits (default {StoreOptions.kv_group_size})")
     p.add_argument("--quantized-kv-start", type=int, default=5000,
                    help="with --kv-bits: position where the server starts quantising (mlx-lm default 5000)")
     common.add_cache_dir(p)

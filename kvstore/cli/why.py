@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import misses
+from ..options import StoreOptions
 from . import common
 
 def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -36,7 +37,8 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "or Anthropic Messages request body; - reads stdin")
     p.add_argument("--model", required=True, metavar="DIR", help="the model directory the server serves (--model)")
     p.add_argument("--kv-bits", type=int, default=None, help="the server's --kv-bits (part of the identity)")
-    p.add_argument("--kv-group-size", type=int, default=64, help="the server's --kv-group-size (default 64)")
+    p.add_argument("--kv-group-size", type=int, default=StoreOptions.kv_group_size,
+                   help=f"the server's --kv-group-size (default {StoreOptions.kv_group_size})")
     p.add_argument("--chat-template", default=None, help="the server's --chat-template, if it was given one")
     p.add_argument("--chat-template-args", type=json.loads, default={}, metavar="JSON",
                    help="the server's --chat-template-args")
@@ -82,9 +84,9 @@ def _read_request(path: str) -> Any:
 
 def _nearest(request: list[int], entries: list[tuple[bytes, Any, bytes]]) -> Nearest | None:
     """Over ``(key, record, encoded tokens)`` of one identity: the nearest entry
-    (``misses.rank``, the order the server's lookup picks by), and the most any of them serves (``served_tokens.serves``: a prefix entry in full, a
+    (``misses.rank``, the order the server's lookup picks by), and the most any of them serves (``floors.serves``: a prefix entry in full, a
     longer one cut back where it can be; a chunked one to its last whole chunk)."""
-    from ..served_tokens import serves
+    from ..floors import serves
     from ..keys import common_tokens, decode_tokens, encode_tokens
 
     enc = encode_tokens(request)

@@ -18,23 +18,20 @@ failure (I/O, memory or threads running out) passes as it is, and the entry is k
 The package has a room per job: ``tier`` (the directory's state: open, close, remove,
 touch), ``plan`` (the lookup), ``pieces`` (what a restore or an import reads, and the checks
 before anything is allocated), ``restore``, ``persist`` and ``transfer`` (segments that
-cross machines). ``DiskTier`` is the one door: each method hands its job to its room.
-``_plan`` and ``_commit`` are looked up here when called (tests count plans and fail
-commits through them).
+cross machines). ``DiskTier`` is the one door: its methods are the rooms' functions, each
+taking the tier first and documented where it is written.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 from ..identity import Identity
-from ..misses import Near
-from ..query import Query
 from ..keys import encode_tokens
-from ..records import ChunkRecord, EntryRecord, Segment
-from . import restore as _restore, transfer as _transfer
-from .persist import Commit, PersistJob, commit as _commit, persist as _persist
-from .plan import Plan, entry_below as _entry_below, find as _plan, held as _held
+from ..query import Query
+from . import persist as _persist, plan as _plan, restore as _restore, transfer as _transfer
+from .persist import Commit, PersistJob
+from .plan import Plan
 from .restore import READ_THREADS, Restored
 from .tier import Tier
 
@@ -43,103 +40,23 @@ __all__ = ["Commit", "DiskTier", "PersistJob", "Plan", "READ_THREADS", "Restored
 
 class DiskTier(Tier):
     """Pack files + index of one cache directory (``Tier``: its state), and the jobs that
-    read or write its segments, each handed to its room."""
+    read or write its segments: each method is its room's function (the tier first)."""
 
-    # -- lookup ------------------------------------------------------------------------
+    # the lookup (``plan``)
+    lookup = _plan.lookup              # the longest reusable stored prefix of a query, or None
+    nearest = _plan.nearest            # a miss's nearest entry below a chunk others go on from
+    held_chunks = _plan.held_chunks    # a query's chunks indexed here with its token ids
+    # reading and writing segments
+    restore = _restore.restore                 # a plan's segments, verified, built into live caches
+    restore_framed = _restore.restore_framed   # an entry framed elsewhere, restored from memory
+    persist = _persist.persist                 # a job's new segments in one pack, one commit
+    # segments from elsewhere (a shared tier, export / import)
+    import_entry = _transfer.import_entry
+    export_entry = _transfer.export_entry
+    segment_bytes = _transfer.segment_bytes
 
-    def lookup(self, q: Query, skip: frozenset[bytes] = frozenset(), near: Near | None = None) -> Plan | None:
-        """The longest reusable stored prefix of the query ``q`` (its identity and chain
-        under this directory's chunk size), or None.
-
-        One read transaction. First the chain of stored full chunks matching the query is
-        followed as far as it goes; then the boundaries from the deepest down to the end of
-        that chain are searched for entries (and, at the chain's end, a chunk to trim),
-        stopping as soon as nothing shallower can be longer. Each boundary costs a few
-        seeks however many children it has (``trie.edges``). Records kvstore did not write
-        are passed over, and so are the entries in ``skip`` (a cut a restore refused). The
-        query's chain is the one every tier reads (hashed once); the plan returns the part
-        of it found stored and verified (``Plan.chain``: no second walk). ``near`` is told
-        the stored entries the walk compared (``misses.Near``: why a query was not served
-        further). Raises ValueError for a query chained under another chunk size."""
-        if q.chunk != self.chunk:
-            raise ValueError(f"a query chained every {q.chunk} tokens, this directory every {self.chunk}")
-        return self.index.view(lambda r: _plan(r, q, skip, near))
-
-    def nearest(self, q: Query, near: Near) -> bool:
-        """Name the stored entry ``near``'s nearest prefix is, when the walk left it at a
-        chunk others go on from (``plan.entry_below``: a miss's cost is the entry's own
-        length, not the query's). One read transaction; True when one was found."""
-        return self.index.view(lambda r: _entry_below(r, q, near))
-
-    def plan(self, ident: Identity, tokens: Sequence[int] | bytes, skip: frozenset[bytes] = frozenset(),
-             near: Near | None = None) -> Plan | None:
+    def plan(self, ident: Identity, tokens: Sequence[int] | bytes, skip: frozenset[bytes] = frozenset()) -> Plan | None:
         """``lookup`` of ``tokens`` (token ids, or their encoding) for ``ident``: for callers
         that hold tokens rather than a query (tools, tests, the CLI)."""
         enc = tokens if isinstance(tokens, bytes) else encode_tokens(tokens)
-        return self.lookup(Query(enc, ident.digest, self.chunk), skip, near)
-
-    # -- restore -----------------------------------------------------------------------
-
-    def restore(self, plan: Plan, ident: Identity) -> Restored:
-        """Read a plan's segments (verified) and build live caches holding ``plan.n`` tokens.
-
-        The stored layout must fit ``ident``'s model (``fit.layout_problem``), checked
-        on the segments' headers before anything is allocated. Raises BlobError (naming the record in ``err.record``) when a record's
-        bytes are bad, anything else (OSError, MemoryError, RuntimeError) as it is; then
-        nothing is returned and the arrays being filled are dropped.
-        Raises ``CutRefused`` (before allocating) when the plan cuts a snapshot at a point
-        its layout refuses (``Layout.can_cut``): the entry is valid, the query a miss."""
-        return _restore.restore(self, plan, ident)
-
-    def restore_framed(self, ident: Identity, key: bytes, rec: EntryRecord, n: int,
-                       chunks: list[tuple[bytes, ChunkRecord, bytes, Any]], tail: Any) -> Restored:
-        """``n`` tokens of the entry ``import_entry`` would file (every chunk of ``rec``
-        given: nothing is read from here), restored straight from the segment bytes in
-        memory (a shared hit, before it is written here): each segment checked as
-        ``restore`` checks it before anything is allocated, then copied into the final
-        arrays. The checksums are the caller's (the shared tier verified them as the
-        bytes arrived; ``import_entry`` verifies them again as it writes)."""
-        return _restore.restore_framed(self, ident, key, rec, n, chunks, tail)
-
-    # -- persist -----------------------------------------------------------------------
-
-    def persist(self, job: PersistJob) -> int:
-        """Write a job's new segments into one pack file and commit its entry in one
-        transaction; returns the pack bytes written (0 if the entry already existed).
-        Chunks already indexed are reused, not written. Raises OSError on a failed write
-        (nothing is indexed then, and the pack file is removed)."""
-        return _persist(self, job, _commit)
-
-    # -- segments from elsewhere (a shared tier) ------------------------------------------
-
-    def held_chunks(self, bounds: list[bytes], tokens: bytes) -> set[bytes]:
-        """The chunk keys of ``bounds[1:]`` (a query's chain) indexed here with exactly
-        the query's token ids (one read transaction; unreadable records are not held)."""
-        return self.index.view(lambda r: _held(r, bounds, tokens, self.chunk))
-
-    def import_entry(self, ident: Identity, key: bytes, rec: EntryRecord, tokens: bytes,
-                     chunks: list[tuple[bytes, ChunkRecord, bytes, bytes]], tail: bytes) -> Commit:
-        """File segments framed elsewhere (another machine's, from a shared tier) as entry
-        ``key`` of ``tokens``: ``rec`` its record (its tail segment's place is ignored),
-        ``chunks`` the (key, record, token ids, segment bytes) of its chunks not indexed
-        here, ``tail`` its tail or snapshot bytes (b"" for none). Every chunk of ``rec``
-        not given must be indexed here.
-
-        Before anything is written, every segment is checked as ``restore`` checks it: its
-        header's metadata names this record, identity and token range, all share one
-        layout, and it fits ``ident``'s model. Then, as ``persist`` does: one new pack,
-        checksums verified as it is written, synced, and one transaction (``persist.commit``:
-        chunks indexed meanwhile are shared, the pack re-checked). Returns ``Commit``: OK,
-        EXISTS or RETRY (a gc removed what it needed; nothing is indexed). Raises
-        BlobError naming the failing record; OSError on a failed write."""
-        return _transfer.import_entry(self, ident, key, rec, tokens, chunks, tail)
-
-    def export_entry(self, key: bytes) -> tuple[EntryRecord, bytes, list[tuple[bytes, ChunkRecord, bytes]]] | None:
-        """Entry ``key``'s record and token ids, and (key, record, token ids) of each of
-        its chunks, from one read transaction; None if any is missing or unreadable."""
-        return _transfer.export_entry(self, key)
-
-    def segment_bytes(self, seg: Segment) -> bytes:
-        """A segment's bytes as its pack file holds them, verified against its checksum
-        (kvstore's own files only); BlobError otherwise."""
-        return _transfer.segment_bytes(self, seg)
+        return self.lookup(Query(enc, ident.digest, self.chunk), skip)

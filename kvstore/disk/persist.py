@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .. import bytes_written, files, segments
 from ..layout import Layout
@@ -37,39 +37,33 @@ class Commit(str, Enum):
 
 @dataclass
 class PersistJob:
-    """One cache snapshot to persist, prepared on the caller's thread: ``key`` is the entry
-    key of ``tokens`` (computed once), ``tensors`` ``segments.host_views`` of the cache."""
+    """One cache snapshot to persist, prepared on the caller's thread: ``query`` its
+    tokens under its identity, chained as the tier it is written to chains (their
+    encoding, the entry key and the chain, each computed once however many steps of a
+    persist read them: policy, prefix, write, commit), ``tensors`` ``segments.host_views``
+    of the cache."""
 
     identity: Identity
-    tokens: bytes
-    key: bytes
+    query: Query
     tensors: dict[str, tuple[str, Any]]
     layout: Layout
     cache_type: str = "assistant"
     created: float = field(default_factory=time.time)
-    query: Query | None = None  # ``tokens`` as a Query whose chain a caller may have hashed already
-
-    @property
-    def n(self) -> int:
-        return len(self.tokens) // TOKEN_BYTES
-
-    def chained(self, chunk: int) -> Query:
-        """The job's tokens as a ``Query``: their chain is hashed once per job, however
-        many steps of a persist (policy, prefix, write, commit) read it."""
-        if self.query is None or self.query.chunk != chunk:
-            self.query = Query(self.tokens, self.identity.digest, chunk)
-        return self.query
 
 
-def persist(tier: Tier, job: PersistJob, committer: Callable[..., Commit]) -> int:
+def persist(tier: Tier, job: PersistJob) -> int:
     """Write a job's new segments into one pack file and commit its entry in one
-    transaction by ``committer`` (this module's ``commit``, looked up by the caller:
-    see ``DiskTier.persist``); returns the pack bytes written (0 if the entry existed)."""
-    C = tier.chunk
-    bounds = job.chained(C).bounds
-    chunked = job.layout.chunkable(job.n)
+    transaction (``commit``; ``DiskTier.persist``); returns the pack bytes written (0 if
+    the entry already existed). Chunks already indexed are reused, not written. Raises
+    OSError on a failed write (nothing is indexed then, and the pack file is removed);
+    ValueError for a job chained under another chunk size."""
+    q, C = job.query, tier.chunk
+    if q.chunk != C:
+        raise ValueError(f"a job chained every {q.chunk} tokens, this directory every {C}")
+    bounds = q.bounds
+    chunked = job.layout.chunkable(q.n)
     K = len(bounds) - 1 if chunked else 0
-    held = tier.index.view(lambda r: None if r.raw("entries", job.key) else
+    held = tier.index.view(lambda r: None if r.raw("entries", q.key) else
                            {bounds[k + 1]: _readable_chunk(r, bounds[k + 1]) for k in range(K)
                             if r.raw("chunks", bounds[k + 1])})
     if held is None:
@@ -86,7 +80,7 @@ def persist(tier: Tier, job: PersistJob, committer: Callable[..., Commit]) -> in
             if writer.size:
                 writer.seal()
             rec = _entry_record(job, bounds, K, chunked, tail, C)
-            status = tier.index.transact(lambda t: committer(t, job.key, job.tokens, rec, writer, new, have, gone))
+            status = tier.index.transact(lambda t: commit(t, q.key, q.enc, rec, writer, new, have, gone))
         except BaseException:
             writer.discard()
             raise
@@ -111,10 +105,11 @@ def _write_segments(w: segments.PackWriter, job: PersistJob, bounds: list[bytes]
     Returns the new chunks' records (and token ids) and the tail / snapshot segment."""
     import numpy as np
 
-    n, enc = job.n, job.tokens
+    q = job.query
+    n, enc = q.n, q.enc
     host = {nm: (st, np.asarray(a)) for nm, (st, a) in job.tensors.items()}  # no MLX op on this thread
     if not chunked:
-        return {}, w.add(host, _meta(job, "snapshot", job.key, 0, n, job.layout.to_json()))
+        return {}, w.add(host, _meta(job, "snapshot", q.key, 0, n, job.layout.to_json()))
     # the layouts its chunks and its tail record, as JSON once (each chunk's is the same)
     chunk_layout, tail_layout = (job.layout.with_offset(m).to_json() for m in (C, n - K * C))
     new: dict[bytes, tuple[ChunkRecord, bytes]] = {}
@@ -127,12 +122,12 @@ def _write_segments(w: segments.PackWriter, job: PersistJob, bounds: list[bytes]
     if n == K * C:
         return new, None
     part = {nm: (st, a[..., K * C : n, :]) for nm, (st, a) in host.items()}
-    return new, w.add(part, _meta(job, "tail", job.key, K * C, n, tail_layout))
+    return new, w.add(part, _meta(job, "tail", q.key, K * C, n, tail_layout))
 
 
 def _entry_record(job: PersistJob, bounds: list[bytes], K: int, chunked: bool, tail: Segment | None,
                   C: int) -> EntryRecord:
-    return EntryRecord(job.identity.digest, job.n, C, chunked, chunked or job.layout.trimmable, bounds[-1],
+    return EntryRecord(job.identity.digest, job.query.n, C, chunked, chunked or job.layout.trimmable, bounds[-1],
                        tuple(bounds[1 : K + 1]), tail, job.cache_type, float(job.created),
                        float(job.created), 0, False)
 

@@ -18,7 +18,7 @@ from ..index import Reader
 from ..fit import ArraySpec, layout_problem
 from ..records import ChunkRecord, EntryRecord, Kind, RecordError, Segment
 from ..segments import SegmentMeta, SegmentMismatch
-from ..served_tokens import CutRefused
+from ..floors import CutRefused
 from .plan import Plan
 
 

@@ -15,10 +15,11 @@ from typing import Any
 from ..index import Reader
 from ..keys import KEY_BYTES, TOKEN_BYTES, chunk_key, entry_key
 from ..keys import common_tokens as _common
-from ..misses import AFTER, Near, rank
+from ..misses import AFTER, rank
 from ..query import Query
 from ..records import Kind, RecordError
-from ..served_tokens import bound, holds_prompt, serves
+from ..floors import bound, holds_prompt, serves
+from .tier import Tier
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Plan:
     entry: bytes | None = None     # entry credited with the hit (last_used, hits)
     cache_type: str = "assistant"  # kept when the hit is promoted to memory
     chain: tuple[bytes, ...] = ()  # the query's full chunks found stored here, verified (the walk's)
-    holds_prompt: bool = False     # it agrees with every query token (``served_tokens.holds_prompt``)
+    holds_prompt: bool = False     # it agrees with every query token (``floors.holds_prompt``)
 
 
 def record(r: Reader, kind: Kind, key: bytes) -> Any:
@@ -45,10 +46,29 @@ def record(r: Reader, kind: Kind, key: bytes) -> Any:
         return None  # not kvstore's: passed over (verify --fix drops it)
 
 
-def find(r: Reader, q: Query, skip: frozenset[bytes] = frozenset(), near: Near | None = None) -> Plan | None:
-    """The longest reusable stored prefix of ``q`` in one read transaction, or None (see
-    ``DiskTier.lookup``). The plan carries the chain it verified (``Plan.chain``)."""
-    enc, bounds, C = q.enc, q.bounds, q.chunk
+def lookup(tier: Tier, q: Query, skip: frozenset[bytes] = frozenset()) -> Plan | None:
+    """The longest reusable stored prefix of the query ``q`` (its identity and chain
+    under this directory's chunk size), or None (``DiskTier.lookup``).
+
+    One read transaction. First the chain of stored full chunks matching the query is
+    followed as far as it goes; then the boundaries from the deepest down to the end of
+    that chain are searched for entries (and, at the chain's end, a chunk to trim),
+    stopping as soon as nothing shallower can be longer. Each boundary costs a few
+    seeks however many children it has (``trie.edges``). Records kvstore did not write
+    are passed over, and so are the entries in ``skip`` (a cut a restore refused). The
+    query's chain is the one every tier reads (hashed once); the plan returns the part
+    of it found stored and verified (``Plan.chain``: no second walk). ``q.near`` is told
+    the stored entries the walk compared (``misses.Near``: why a query was not served
+    further). Raises ValueError for a query chained under another chunk size."""
+    if q.chunk != tier.chunk:
+        raise ValueError(f"a query chained every {q.chunk} tokens, this directory every {tier.chunk}")
+    return tier.index.view(lambda r: find(r, q, skip))
+
+
+def find(r: Reader, q: Query, skip: frozenset[bytes] = frozenset()) -> Plan | None:
+    """The longest reusable stored prefix of ``q`` in the read transaction ``r``, or None
+    (see ``lookup``). The plan carries the chain it verified (``Plan.chain``)."""
+    enc, bounds, C, near = q.enc, q.bounds, q.chunk, q.near
     n_q = q.n
     # Full chunks whose stored token ids equal the query's. Their keys chain from the
     # identity's root, so a chunk found under the query's own boundary is this identity's.
@@ -72,7 +92,7 @@ def find(r: Reader, q: Query, skip: frozenset[bytes] = frozenset(), near: Near |
             if best is not None and top <= beat and (near is None or k * C + in_common < near.common):
                 break  # what follows shares no more (trie.edges), so it cannot do better; a miss's
                 # explanation (near) still sees the candidates sharing as much: its cost is the one holding most
-            got = None if child in skip else _candidate(r, q, k, child, kind, chain, beat, near)
+            got = None if child in skip else _candidate(r, q, k, child, kind, chain, beat)
             if child in skip and near is not None:
                 near.refused(k * C + in_common)
             if got is not None and (best is None or got.n > best.n or (got.holds_prompt and got.n > beat)):
@@ -89,12 +109,12 @@ def _beat(best: Plan | None) -> int:
     return best.n if best.holds_prompt else best.n - 1
 
 
-def _candidate(r: Reader, q: Query, k: int, child: bytes, kind: Kind | None, chain: list[bytes], beat: int,
-               near: Near | None = None) -> Plan | None:
+def _candidate(r: Reader, q: Query, k: int, child: bytes, kind: Kind | None, chain: list[bytes],
+               beat: int) -> Plan | None:
     """What one child of boundary ``k`` can restore for the query if it is more than
     ``beat`` tokens, else None. Chunked pieces need the verified chain up to ``k``; the
     stored token ids decide every length (compared first: the cheap test)."""
-    enc, boundary, C, n_q = q.enc, q.bounds[k], q.chunk, q.n
+    enc, boundary, C, n_q, near = q.enc, q.bounds[k], q.chunk, q.n, q.near
     stored = r.tokens(child)
     if stored is None or len(stored) % TOKEN_BYTES or kind is None:
         return None
@@ -144,16 +164,24 @@ def _keyed(boundary: bytes, k: int, child: bytes, kind: Kind, stored: bytes, C: 
 BELOW_EDGES = 1024  # trie edges ``entry_below`` reads at most (a few per chunk of a conversation)
 
 
-def entry_below(r: Reader, q: Query, near: Near, budget: int = BELOW_EDGES) -> bool:
-    """Name the entry the nearest stored prefix is, when the walk left it at chunks others
-    go on from (``near.below``: every entry filed below them shares the same ``near.common``
+def nearest(tier: Tier, q: Query) -> bool:
+    """Name the stored entry ``q.near``'s nearest prefix is, when the walk left it at a
+    chunk others go on from (``entry_below``: a miss's cost is the entry's own length,
+    not the query's; ``DiskTier.nearest``). One read transaction; True when one was found."""
+    return tier.index.view(lambda r: entry_below(r, q))
+
+
+def entry_below(r: Reader, q: Query, budget: int = BELOW_EDGES) -> bool:
+    """Name the entry the nearest stored prefix is (``near``: ``q.near``), when the walk
+    left it at chunks others go on from (``near.below``: every entry filed below them shares the same ``near.common``
     tokens with the query): of those entries, the nearest by ``misses.rank`` (the one
     holding most of the query's length, then the shorter), found depth first through the
     trie under those chunks, reading at most ``budget`` edges. True when one was found
     (``Near.resolved``); else ``near`` keeps the chunk's end as a lower bound. Run on a
     miss only, after the walk (a hit never pays it); each entry's token ids are checked
     to share exactly ``near.common`` tokens with the query, so a damaged edge names nothing."""
-    if not near.below:
+    near = q.near
+    if near is None or not near.below:
         return False
     enc, C, n_q, common = q.enc, q.chunk, q.n, near.common
     best: tuple[tuple[int, int, int], bytes] | None = None
@@ -183,8 +211,14 @@ def entry_below(r: Reader, q: Query, near: Near, budget: int = BELOW_EDGES) -> b
     return True
 
 
-# ----------------------------------------------------------------------------- restoring
+# ----------------------------------------------------------------------------- chunks held here
 
+
+def held_chunks(tier: Tier, bounds: list[bytes], tokens: bytes) -> set[bytes]:
+    """The chunk keys of ``bounds[1:]`` (a query's chain) indexed here with exactly the
+    query's token ids (one read transaction; unreadable records are not held;
+    ``DiskTier.held_chunks``)."""
+    return tier.index.view(lambda r: held(r, bounds, tokens, tier.chunk))
 
 
 def held(r: Reader, bounds: list[bytes], tokens: bytes, C: int) -> set[bytes]:

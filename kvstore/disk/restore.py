@@ -50,7 +50,14 @@ class Restored:
 
 def restore(tier: Tier, plan: Plan, ident: Identity) -> Restored:
     """Read a plan's segments (verified) and build live caches holding ``plan.n`` tokens
-    (see ``DiskTier.restore``)."""
+    (``DiskTier.restore``).
+
+    The stored layout must fit ``ident``'s model (``fit.layout_problem``), checked on the
+    segments' headers before anything is allocated. Raises BlobError (naming the record in
+    ``err.record``) when a record's bytes are bad, anything else (OSError, MemoryError,
+    RuntimeError) as it is; then nothing is returned and the arrays being filled are
+    dropped. Raises ``CutRefused`` (before allocating) when the plan cuts a snapshot at a
+    point its layout refuses (``Layout.can_cut``): the entry is valid, the query a miss."""
     pieces = tier.index.view(lambda r: plan_pieces(r, plan))
     with _Packs(tier.blob_root) as packs, ThreadPoolExecutor(READ_THREADS, "kvstore-restore") as pool:
         heads = [_header(packs, p) for p in pieces]
@@ -73,8 +80,12 @@ def restore(tier: Tier, plan: Plan, ident: Identity) -> Restored:
 
 def restore_framed(tier: Tier, ident: Identity, key: bytes, rec: EntryRecord, n: int,
                    chunks: list[tuple[bytes, ChunkRecord, bytes, Any]], tail: Any) -> Restored:
-    """``n`` tokens of an entry framed elsewhere, restored from its segment bytes in memory
-    (see ``DiskTier.restore_framed``)."""
+    """``n`` tokens of the entry ``import_entry`` would file (every chunk of ``rec`` given:
+    nothing is read from here), restored straight from the segment bytes in memory (a
+    shared hit, before it is written here; ``DiskTier.restore_framed``): each segment
+    checked as ``restore`` checks it before anything is allocated, then copied into the
+    final arrays. The checksums are the caller's (the shared tier verified them as the
+    bytes arrived; ``import_entry`` verifies them again as it writes)."""
     got = framed(tier.chunk, ident, key, rec, chunks, tail, n)
     layout, specs = checked(got.pieces, got.heads, ident, got.plan)
     arrays, hosts = alloc.alloc(specs)

@@ -67,7 +67,6 @@ class Tier:
         """Release the index (see ``Index.close``)."""
         self.index.close()
 
-    # -- lookup ------------------------------------------------------------------------
     # -- removal -----------------------------------------------------------------------
 
     def remove(self, keys: list[bytes], *, only_if: Callable[[bytes, EntryRecord], bool] | None = None,
@@ -119,5 +118,3 @@ class Tier:
 
         self.index.transact(run)
 
-
-# ----------------------------------------------------------------------------- planning

@@ -23,8 +23,19 @@ from .tier import Tier
 
 def import_entry(tier: Tier, ident: Identity, key: bytes, rec: EntryRecord, tokens: bytes,
                  chunks: list[tuple[bytes, ChunkRecord, bytes, bytes]], tail: bytes) -> Commit:
-    """File entry ``key`` of ``tokens``, framed elsewhere, in ``tier``: checked as a
-    restore checks it, then written as a persist writes (see ``DiskTier.import_entry``)."""
+    """File segments framed elsewhere (another machine's, from a shared tier) as entry
+    ``key`` of ``tokens`` (``DiskTier.import_entry``): ``rec`` its record (its tail
+    segment's place is ignored), ``chunks`` the (key, record, token ids, segment bytes) of
+    its chunks not indexed here, ``tail`` its tail or snapshot bytes (b"" for none). Every
+    chunk of ``rec`` not given must be indexed here.
+
+    Before anything is written, every segment is checked as ``restore`` checks it: its
+    header's metadata names this record, identity and token range, all share one
+    layout, and it fits ``ident``'s model. Then, as ``persist`` does: one new pack,
+    checksums verified as it is written, synced, and one transaction (``persist.commit``:
+    chunks indexed meanwhile are shared, the pack re-checked). Returns ``Commit``: OK,
+    EXISTS or RETRY (a gc removed what it needed; nothing is indexed). Raises
+    BlobError naming the failing record; OSError on a failed write."""
     got = framed(tier.chunk, ident, key, rec, chunks, tail)
     if got.pieces:
         checked(got.pieces, got.heads, ident, got.plan)
@@ -71,6 +82,7 @@ def export_entry(tier: Tier, key: bytes) -> tuple[EntryRecord, bytes, list[tuple
         return tier.index.view(run)
     except RecordError:
         return None
+
 
 def segment_bytes(tier: Tier, seg: Segment) -> bytes:
     """A segment's bytes as its pack file holds them, verified against its checksum

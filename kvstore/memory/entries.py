@@ -4,7 +4,7 @@ Matching is mlx-lm's own (its ``PromptTrie`` rules, identical in 0.31 and 0.32; 
 makes one search linear): an exact hit;
 else a longer entry trimmed back to the common prefix when it can be cut there and that
 beats the longest shorter prefix; else the longest shorter prefix. Unlike mlx-lm, "can be
-cut there" is decided per cut point (``served_tokens.serves`` with ``Layout.can_cut``): mlx-lm's LRU
+cut there" is decided per cut point (``floors.serves`` with ``Layout.can_cut``): mlx-lm's LRU
 cuts a ChunkedKVCache inside the attention chunk of its first kept key, a wrong cache.
 Eviction is mlx-lm's too: three LRU lists (assistant, then user, then system are evicted
 first), by entry count and by bytes, and inserting an entry that covers its prefixes
@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import PromptTrie, PromptTrieResult
 
 from .. import codec
-from ..served_tokens import serves
+from ..floors import serves
 from ..misses import AFTER, Near
 from .snapshot import ORDERING, Snapshot
 

@@ -20,8 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..served_tokens import serves
-from ..misses import Near
+from ..floors import serves
 from ..query import Query
 from ..keys import TOKEN_BYTES, boundaries, chunk_key, common_tokens, entry_key, key_of, residual
 from ..records import ChunkRecord, EntryRecord, Segment
@@ -106,7 +105,7 @@ class SharedTier:
 
     ``max_value_bytes`` bounds every value read; ``queue_size`` the publisher's queue."""
 
-    def __init__(self, config: SharedConfig | str, *, queue_size: int = 16,
+    def __init__(self, config: SharedConfig | str, *, queue_size: int,
                  max_value_bytes: int | None = None, max_fields: int = MAX_FIELDS) -> None:
         self.client = SharedClient(config)
         cfg = self.config = self.client.config  # values (round trip 2, publishing) may be many
@@ -131,12 +130,12 @@ class SharedTier:
 
     # -- lookup ------------------------------------------------------------------------
 
-    def lookup(self, q: Query, held: set[bytes], better_than: int, near: Near | None = None) -> Found | None:
+    def lookup(self, q: Query, held: set[bytes], better_than: int) -> Found | None:
         """The longest verified prefix of the query ``q`` longer than ``better_than`` tokens,
         or None; at most two round trips (see the module docstring). ``q`` brings its
         identity's digest and its chain (``keys.boundaries`` from the identity's root,
         ``q.chunk`` tokens per chunk, hashed once for every tier); ``held``: its chunk keys
-        indexed locally (read from there); ``near`` is told of a candidate skipped for its
+        indexed locally (read from there); ``q.near`` is told of a candidate skipped for its
         cost (``misses.Near``)."""
         identity, bounds, C = q.digest, q.bounds, q.chunk
         n_q, K = q.n, len(bounds) - 1
@@ -168,8 +167,8 @@ class SharedTier:
         budget = self._budget(identity, moving, best.n - better_than)
         if budget is None:
             self._count("skipped_cost")
-            if near is not None:
-                near.skipped("its transfer would cost more than the prefill it saves", best.n)
+            if q.near is not None:
+                q.near.skipped("its transfer would cost more than the prefill it saves", best.n)
             return None
         until = time.monotonic() + budget  # round trip 1 had fetch_deadline; round trip 2 what the hit is worth
         found = self._fetch(q, held, best, better_than, until, moving)

@@ -506,13 +506,13 @@ def test_the_entry_below_a_chunk_is_read_within_a_budget_and_never_trusted_blind
     s.close()
     s = KVStore(tmp_path / "c", chunk_tokens=16)
     assert s.disk is not None
-    q = Query(encode_tokens(query), who.digest, 16, tokens=query)
     near = misses.Near(len(query))
-    s.disk.lookup(q, near=near)
+    q = Query(encode_tokens(query), who.digest, 16, tokens=query, near=near)
+    s.disk.lookup(q)
     assert (near.common, near.stored, len(near.below), near.bounded) == (20, 32, 1, True)  # the chunk, 16..32
-    assert s.disk.index.view(lambda r: entry_below(r, q, near, budget=1)) is False
+    assert s.disk.index.view(lambda r: entry_below(r, q, budget=1)) is False
     assert (near.stored, near.bounded) == (32, True)  # out of budget: the chunk's end stays
-    assert s.disk.index.view(lambda r: entry_below(r, q, near)) is True and near.stored == 130
+    assert s.disk.index.view(lambda r: entry_below(r, q)) is True and near.stored == 130
     keys = {r.n: k for k, r in scan(s.disk.index, full=True).entries.items() if r is not None}
     s.disk.index.transact(lambda t: t.delete_raw("tokens", keys[130]))  # deleted
     s.disk.index.transact(lambda t: t.put_raw("tokens", keys[90], encode_tokens([9] * 90)))  # planted: other tokens

@@ -3,7 +3,7 @@ per fetch and once per persist, with and without the shared tier (a real Redis).
 
 Counted, not estimated: every module's binding of ``keys.boundaries`` (the one function
 that hashes a chain; ``key_of`` calls it) is wrapped to count the calls made on the
-query's own tokens, and ``disk._plan`` (one read transaction and trie walk) to count plans.
+query's own tokens, and ``disk.plan.find`` (one read transaction's trie walk) to count plans.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Iterator
 import tests.support.stores as U
 from tests.support.caches import ident, rand_tokens, synth
 
-import kvstore.disk
+import kvstore.disk.plan
 import kvstore.keys
 from kvstore import KVStore
 from kvstore.keys import encode_tokens
@@ -33,7 +33,7 @@ def counting(tokens: list[int]) -> Iterator[dict[str, int]]:
     disk plans while the block runs."""
     enc = encode_tokens(tokens)
     counts = {"chains": 0, "plans": 0}
-    real_bounds, real_plan = kvstore.keys.boundaries, kvstore.disk._plan
+    real_bounds, real_plan = kvstore.keys.boundaries, kvstore.disk.plan.find
 
     def bounds(root: bytes, toks: bytes, chunk: int) -> list[bytes]:
         if len(toks) >= chunk * 8 and enc.startswith(bytes(toks)):
@@ -48,13 +48,13 @@ def counting(tokens: list[int]) -> Iterator[dict[str, int]]:
                if getattr(m, "__name__", "").startswith("kvstore") and getattr(m, "boundaries", None) is real_bounds]
     for m, name in patched:
         setattr(m, name, bounds)
-    kvstore.disk._plan = plan
+    kvstore.disk.plan.find = plan
     try:
         yield counts
     finally:
         for m, name in patched:
             setattr(m, name, real_bounds)
-        kvstore.disk._plan = real_plan
+        kvstore.disk.plan.find = real_plan
 
 
 def _persist_and_fetch(store: KVStore, tokens: list[int], written: int) -> tuple[dict[str, int], dict[str, int]]:

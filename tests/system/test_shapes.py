@@ -136,6 +136,7 @@ def _plant(src: Path, dst: Path, model_dir: Path, craft: Callable[[mx.array], mx
     from kvstore.codec import encode_cache
     from kvstore.disk import PersistJob
     from kvstore.index import scan
+    from kvstore.query import Query
 
     jobs = []
     with KVStore(src) as s:
@@ -147,7 +148,9 @@ def _plant(src: Path, dst: Path, model_dir: Path, craft: Callable[[mx.array], mx
             tensors, layout = encode_cache(s.disk.restore(plan, ident).cache)
             tensors = {n: craft(a) for n, a in tensors.items()}
             mx.eval(tensors)
-            jobs.append(PersistJob(ident, toks, key, host_views(tensors), layout, rec.cache_type))
+            job = PersistJob(ident, Query(toks, ident.digest, s.disk.chunk), host_views(tensors), layout, rec.cache_type)
+            assert job.query.key == key
+            jobs.append(job)
     with KVStore(dst) as d:
         for job in jobs:
             d.disk.persist(job)
@@ -197,6 +200,7 @@ def test_a_shared_entry_of_another_shape_is_a_miss_and_dropped_there(tmp_path, l
     from kvstore.codec import encode_cache
     from kvstore.disk import PersistJob
     from kvstore.keys import encode_tokens, key_of, root_key
+    from kvstore.query import Query
     from kvstore.shared import SharedConfig
     from kvstore.shared.tier import PublishItem
     from tools.testing.oracle import prefill
@@ -215,7 +219,7 @@ def test_a_shared_entry_of_another_shape_is_a_miss_and_dropped_there(tmp_path, l
 
     with machine("a") as a:
         assert a.disk is not None and a.shared is not None
-        a.disk.persist(PersistJob(ident, enc, key, host_views(tensors), layout))
+        a.disk.persist(PersistJob(ident, Query(enc, ident.digest, C), host_views(tensors), layout))
         rec, toks, chunks = a.disk.export_entry(key)  # type: ignore[misc]
         assert a.shared.publish(PublishItem(ident.digest, key, rec, toks, chunks, a.disk.segment_bytes))
     for i in range(4):  # the entry, then (as each is met) its two chunks: each a miss that drops what it met

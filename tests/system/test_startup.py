@@ -120,13 +120,15 @@ def test_persist_and_plan_load_no_mlx(tmp_path: Path) -> None:
         from kvstore.disk import DiskTier, PersistJob
         from kvstore.identity import Identity
         from kvstore.keys import encode_tokens, key_of, root_key
+        from kvstore.query import Query
         disk = DiskTier(json.loads(sys.argv[1]), chunk_tokens=4)
         ident = Identity.from_components({"test": "no-mlx"})
         toks = list(range(1, 11))
         enc = encode_tokens(toks)
         kv = np.zeros((1, 2, 10, 8), np.float32)
-        job = PersistJob(ident, enc, key_of(root_key(ident.digest), enc, 4), {"0.k": ("F32", kv), "0.v": ("F32", kv)},
+        job = PersistJob(ident, Query(enc, ident.digest, 4), {"0.k": ("F32", kv), "0.v": ("F32", kv)},
                          Layout.from_json([{"offset": 10, "class": "KVCache"}]))
+        assert job.query.key == key_of(root_key(ident.digest), enc, 4)
         wrote, plan = disk.persist(job), disk.plan(ident, toks)
         print(json.dumps({"wrote": wrote > 0, "n": plan.n, "chunks": len(plan.chunks),
                           "loaded": [m for m in ("mlx", "mlx_lm", "kvstore.codec") if m in sys.modules]}))

@@ -608,27 +608,21 @@ def test_failed_write_leaves_no_entry_and_no_file(tmp_path, monkeypatch, where):
     """A write that fails (the pack's sync, or the index commit: a full disk) costs that
     entry only: counted in write_errors, nothing indexed, no pack file left, no exception
     to the caller. (Regression: an index failure, lmdb.Error, was not counted.)"""
-    import lmdb
-
-    from kvstore import disk as D
-
     who = ident("failwrite")
     good, bad = rand_tokens(100, seed=41), rand_tokens(100, seed=42)
-    real = segments.PackWriter.seal if where == "blob" else D._commit
+    real = segments.PackWriter.seal
 
     def flaky(*a, **k):
         if flaky.fail:
-            if where == "blob":
-                raise OSError(28, "No space left on device")
-            raise lmdb.Error("mdb_txn_commit: No space left on device")
+            raise OSError(28, "No space left on device")
         return real(*a, **k)
 
     flaky.fail = False
     if where == "blob":
         monkeypatch.setattr(segments.PackWriter, "seal", flaky)
-    else:
-        monkeypatch.setattr(D, "_commit", flaky)
     with KVStore(tmp_path, chunk_tokens=C) as s:
+        if where == "index":
+            _fail_commits(s.disk.index, flaky)
         s.insert(who, good, synth(good))
         s.flush()
         flaky.fail = True
@@ -642,6 +636,27 @@ def test_failed_write_leaves_no_entry_and_no_file(tmp_path, monkeypatch, where):
         assert sorted(files) == sorted({seg.path for seg in U.entry_segments(s, good, who)})  # nothing of `bad`
         assert s.fetch(who, bad).cache is None
         assert s.fetch(who, good).n == len(good)
+
+
+def _fail_commits(index, armed) -> None:
+    """Make the live ``index`` one whose write transactions fail at their commit while
+    ``armed.fail`` is set (a subclass in the test, not a hook in kvstore): the
+    transaction's writes run, then LMDB's commit error (a full disk's) is raised inside it,
+    so LMDB aborts it, as a failed ``mdb_txn_commit`` leaves the index."""
+    import lmdb
+
+    class CommitFails(type(index)):
+        def transact(self, fn):
+            if not armed.fail:
+                return super().transact(fn)
+
+            def then_fail(t):
+                fn(t)
+                raise lmdb.Error("mdb_txn_commit: No space left on device")
+
+            return super().transact(then_fail)
+
+    index.__class__ = CommitFails
 
 
 # --------------------------------------------------------------------------- warm start

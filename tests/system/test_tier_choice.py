@@ -22,9 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.floors import MIN_DISK_GAIN, memory_floor, restore_floor
+from kvstore.floors import MIN_DISK_GAIN, memory_floor, restore_floor, serves
 from kvstore.keys import common_tokens, encode_tokens
-from kvstore.served_tokens import serves
 from tests.support.caches import assert_synth, ident, synth
 from tests.support.prompts import text_prompt
 
@@ -90,7 +89,7 @@ def variant(draw, base: list[int]) -> list[int]:
 
 
 def tier_serves(entry: list[int], query: list[int], trimmable: bool) -> int:
-    """What one stored entry serves the query by the one rule (``served_tokens.serves``)."""
+    """What one stored entry serves the query by the one rule (``floors.serves``)."""
     return serves(len(entry), common_tokens(encode_tokens(entry), encode_tokens(query)), len(query), trimmable) or 0
 
 

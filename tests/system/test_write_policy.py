@@ -55,6 +55,7 @@ def test_system_admits_a_pinned_entry(tmp_path: Path) -> None:
     from kvstore.codec import encode_cache
     from kvstore.disk import PersistJob
     from kvstore.keys import encode_tokens, key_of, root_key
+    from kvstore.query import Query
     from kvstore.write_policy import WritePolicy
 
     toks = rand_tokens(9, 3)
@@ -63,8 +64,9 @@ def test_system_admits_a_pinned_entry(tmp_path: Path) -> None:
         disk = s.disk
         key = key_of(root_key(ID.digest), encode_tokens(toks), C)
         tensors, layout = encode_cache(synth(toks))
-        job = PersistJob(ID, encode_tokens(toks), key, host_views(tensors), layout)
-        policy = WritePolicy("system")
+        job = PersistJob(ID, Query(encode_tokens(toks), ID.digest, C), host_views(tensors), layout)
+        assert job.query.key == key
+        policy = WritePolicy("system", None)
         assert policy.admit(disk, job) == "policy"
         disk.index.transact(lambda t: t.set_entry(key, t.entry(key).pinned_as(True)))
         assert policy.admit(disk, job) is job

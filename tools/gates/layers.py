@@ -25,7 +25,7 @@ PACKAGES = ("kvstore", "tools", "benchmarks")
 
 # Lower ranks are lower layers: bytes and names, then storage, then the store, then users.
 RANKS: dict[str, int] = {
-    "kvstore.keys": 0, "kvstore.records": 0, "kvstore.files": 0, "kvstore.served_tokens": 0, "kvstore.bytes_written": 0,
+    "kvstore.keys": 0, "kvstore.records": 0, "kvstore.files": 0, "kvstore.bytes_written": 0,
     "kvstore.escape": 0, "kvstore.hoststate": 0, "kvstore.units": 0, "kvstore.floors": 0, "kvstore.layout": 0,
     "kvstore.side_records": 1,
     "kvstore.codec": 1, "kvstore.segments": 1, "kvstore.blas": 1, "kvstore.alloc": 1, "kvstore.pressure": 1,
@@ -34,7 +34,7 @@ RANKS: dict[str, int] = {
     "kvstore.budget": 4, "kvstore.write_policy": 4, "kvstore.memory": 4, "kvstore.writer": 4,
     "kvstore.cachedir": 4,
     "kvstore.shared": 5, "kvstore.counters": 0, "kvstore.disk_errors": 5, "kvstore.preload": 5,
-    "kvstore.metrics": 5,
+    "kvstore.metrics": 5, "kvstore.options": 5,
     "kvstore.store": 6,
     "kvstore.maintenance": 7, "kvstore.generate": 7, "kvstore.adapters": 7,
     "kvstore.serve": 8,

@@ -46,7 +46,6 @@ KILLED = {"killed", "timeout"}
 # a server or child process that runs the code is invisible to it)
 MODULES: dict[str, tuple[str, ...]] = {
     "kvstore/floors.py": ("tests/unit/test_floors.py",),
-    "kvstore/served_tokens.py": ("tests/unit/test_served_tokens.py",),
     "kvstore/callers.py": ("tests/unit/test_callers.py",),
     "kvstore/units.py": ("tests/unit/test_units.py",),
     "kvstore/serve/http.py": ("tests/unit/test_serve_http.py",),
