@@ -61,11 +61,11 @@ class LRUPromptCache:
         # token ids -> text, for a miss's log line (``kvstore serve`` sets the model's tokenizer)
         self.decode: Callable[[list[int]], str] | None = None
         # a lookup's tokens -> what names a miss's part of the request (``kvstore serve``:
-        # ``serve.rendered.namer``), or None
+        # ``serve.context.name_part``), or None
         self.name_part: Callable[[list[int]], Callable[[Miss], Part] | None] | None = None
-        # what a miss's log line adds after the text ("; <what moved>": ``kvstore serve
-        # --stable-prefix``), or None
-        self.miss_note: Callable[[], str] | None = None
+        # a lookup's tokens -> what a miss's log line adds after the text ("; <what moved>":
+        # ``kvstore serve --stable-prefix``, read from the request the tokens carry), or None
+        self.miss_note: Callable[[list[int]], str] | None = None
 
     @property
     def max_size(self) -> int:
@@ -106,7 +106,7 @@ class LRUPromptCache:
         if got.source in ("disk", "shared"):
             log_restore(got.n, len(tokens), got.source, time.perf_counter() - t0)
         if got.miss is not None and self.store.misses.worth_logging(got.miss):
-            log.info(log_line(got.miss, tokens, self.decode) + (self.miss_note() if self.miss_note is not None else ""))
+            log.info(log_line(got.miss, tokens, self.decode) + (self.miss_note(tokens) if self.miss_note is not None else ""))
         return got.cache, tokens[got.n :]
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,

@@ -15,7 +15,7 @@ every prompt; there are no ``cache_control`` breakpoints to bill).
 
 Claude Code's per-request ``x-anthropic-billing-header: ...; cch=...;`` system text changes on
 every request and would end every cached prefix at the first system token; it is left out of
-the rendered prompt unless ``KEEP_BILLING_HEADER`` (``kvstore serve --keep-billing-header``).
+the rendered prompt unless ``kvstore serve --keep-billing-header`` (``ServeConfig.keep_billing_header``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from ..escape import logger
 
 log = logger("kvstore")
 BILLING_PREFIX = "x-anthropic-billing-header:"
-KEEP_BILLING_HEADER = False
 # thinking.type -> the template's enable_thinking: "adaptive" (the model decides) needs the
 # thinking switch on, as "enabled" does; the model then thinks or not as it was trained to
 THINKING = {"enabled": True, "adaptive": True, "disabled": False}
@@ -414,9 +413,9 @@ class Events:
 # -- HTTP: run mlx-lm's chat handler on the translated request --------------------------------
 
 
-def handle(handler: Any, original: Callable[[Any], None], server_mod: Any) -> None:
+def handle(handler: Any, original: Callable[[Any], None], keep_billing_header: bool = False) -> None:
     """``POST /v1/messages[/count_tokens]`` on an ``APIHandler`` whose own ``do_POST`` is
-    ``original``."""
+    ``original`` (``keep_billing_header``: ``--keep-billing-header``)."""
     path = handler.path.split("?")[0]
     try:
         try:
@@ -429,9 +428,9 @@ def handle(handler: Any, original: Callable[[Any], None], server_mod: Any) -> No
         if path == COUNT and isinstance(body, dict):
             body = {**body, "max_tokens": 1, "stream": False}
         images = getattr(handler.response_generator.model_provider, "processor", None) is not None  # none in mlx-lm 0.31
-        chat = chat_request(body, images, KEEP_BILLING_HEADER)
+        chat = chat_request(body, images, keep_billing_header)
         if path == COUNT:
-            send_json(handler, 200, {"input_tokens": count_tokens(handler.response_generator, chat, server_mod)})
+            send_json(handler, 200, {"input_tokens": count_tokens(handler.response_generator, chat)})
             return
     except RequestError as e:
         send_json(handler, e.status, error_body(e.status, str(e)))
@@ -443,13 +442,21 @@ def handle(handler: Any, original: Callable[[Any], None], server_mod: Any) -> No
     _run(handler, original, chat, model)
 
 
-def count_tokens(generator: Any, chat: dict[str, Any], server_mod: Any) -> int:
-    """The prompt length of ``chat`` rendered and tokenized by mlx_lm.server's own
-    ``_tokenize`` (what ``/v1/messages`` would prefill or restore)."""
+def count_tokens(generator: Any, chat: dict[str, Any]) -> int:
+    """The prompt length of ``chat`` rendered and tokenized by the server's ``_tokenize``
+    (what ``/v1/messages`` would prefill or restore), under the request's context (its salt)
+    when ``generator`` is a request's view (``context.RequestView``)."""
+    from mlx_lm.server import CompletionRequest
+
+    from .context import RequestContext, attach
+
     tokenizer = generator.model_provider.tokenizer
     if tokenizer is None:
         raise RequestError("the model is still loading", 503)
-    request = server_mod.CompletionRequest("chat", "", chat["messages"], chat.get("tools"), None)
+    request = CompletionRequest("chat", "", chat["messages"], chat.get("tools"), None)
+    context = getattr(generator, "context", None)
+    if isinstance(context, RequestContext):
+        attach(request, context)
     args = types.SimpleNamespace(chat_template_kwargs=chat.get("chat_template_kwargs"))
     if not TOKENIZING.acquire(timeout=TOKENIZE_WAIT_S):
         raise RequestError("too many count_tokens requests at once; retry shortly", 503)
@@ -500,21 +507,3 @@ def _answer(handler: Any, cap: "Capture", body: bytes, events: "Events", tap: "T
     else:  # failed before anything was written: drop the status line mlx-lm may have buffered
         drop_buffered_head(handler)
         send_json(handler, 500, error_body(500, f"generation failed: {failure}"))
-
-
-def install(server_mod: Any) -> None:
-    """Route ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (any query string, e.g.
-    Claude Code's ``?beta=true``) of ``server_mod.APIHandler`` here; other paths unchanged."""
-    handler_class = server_mod.APIHandler
-    if getattr(handler_class, "_kvstore_messages", False):
-        return
-    original = handler_class.do_POST
-
-    def do_POST(self: Any) -> None:
-        if self.path.split("?")[0] in (MESSAGES, COUNT):
-            handle(self, original, server_mod)
-        else:
-            original(self)
-
-    handler_class.do_POST = do_POST
-    handler_class._kvstore_messages = True

@@ -6,16 +6,25 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..options import StoreOptions
 from . import stable_prefix, startup, tenants
 from .http import MAX_BODY_BYTES
 from .responses import DEFAULT_MAX_BYTES as RESPONSES_MAX_BYTES, DEFAULT_MAX_COUNT as RESPONSES_MAX_COUNT
 
+# the store options kvstore serve's flags set (``StoreOptions`` names), handed to its prompt cache
+SERVED_STORE_OPTIONS = ("cache_dir", "max_disk_bytes", "chunk_tokens", "queue_size", "persist",
+                        "max_write_bytes_per_day", "memory_floor", "min_disk_hit", "min_memory_hit", "shared")
+
 
 @dataclass(frozen=True)
 class ServeConfig:
-    store: StoreOptions = field(default_factory=StoreOptions)
+    """What ``kvstore serve``'s flags decided. ``store`` None: the prompt cache's own
+    defaults (an engine's ``patch``, the upstream gate); else the options its flags set
+    (``SERVED_STORE_OPTIONS``)."""
+
+    store: StoreOptions | None = None
     policy: tenants.Policy = field(default_factory=tenants.Policy)
     stable: stable_prefix.Config = field(default_factory=stable_prefix.Config)
     start: startup.Options = field(default_factory=startup.Options)
@@ -28,7 +37,58 @@ class ServeConfig:
     responses_max_bytes: int = RESPONSES_MAX_BYTES
 
     @classmethod
-    def from_args(cls, ours: argparse.Namespace, policy: tenants.Policy) -> ServeConfig:
+    def from_args(cls, ours: argparse.Namespace, policy: tenants.Policy,
+                  rules: tuple[stable_prefix.Rule, ...] | None = None) -> ServeConfig:
         """The config of kvstore's own flags (``server.setup_arg_parser`` and the groups it
-        adds); ValueError naming a bad ``--volatile`` pattern."""
-        raise NotImplementedError  # the handler helper fills this in from server._install
+        adds); ValueError naming a bad ``--volatile`` pattern (``rules``: those already
+        compiled from them); SystemExit for a bad ``--shared-*`` flag (``shared_config``)."""
+        shared = shared_config(ours)
+        store = StoreOptions(
+            cache_dir=ours.cache_dir, max_disk_bytes=ours.max_disk_bytes, chunk_tokens=ours.chunk_tokens,
+            queue_size=ours.write_queue, persist=ours.persist, max_write_bytes_per_day=ours.max_write_bytes_per_day,
+            memory_floor=ours.memory_floor, min_disk_hit=ours.min_disk_hit,
+            min_memory_hit=ours.min_disk_hit,  # one rule for every tier in the usage it reports
+            shared=shared)
+        return cls(
+            store=store, policy=policy,
+            stable=stable_prefix.Config.from_flags(ours.stable_prefix, ours.volatile,
+                                                   max_count=ours.stable_prefix_max_count,
+                                                   max_bytes=ours.stable_prefix_max_bytes, rules=rules),
+            start=startup.options(ours), max_body_bytes=ours.max_body_bytes,
+            keep_billing_header=ours.keep_billing_header, sort_tools=ours.sort_tools,
+            served_names=tuple(n for n in ours.served_model_name if n),
+            strict_model_names=bool(ours.strict_model_names),
+            responses_max_count=ours.responses_max_count, responses_max_bytes=ours.responses_max_bytes)
+
+    def prompt_cache_options(self) -> dict[str, Any]:
+        """The keywords kvstore serve hands its ``LRUPromptCache`` (``SERVED_STORE_OPTIONS`` of
+        ``store``; ``shared`` only when a flag set it: else the store reads ``$KVSTORE_SHARED``)."""
+        if self.store is None:
+            return {}
+        out = {k: getattr(self.store, k) for k in SERVED_STORE_OPTIONS}
+        if out["shared"] is None:
+            del out["shared"]
+        return out
+
+
+def shared_config(ours: argparse.Namespace) -> Any:
+    """The SharedConfig of ``--shared`` and its options (``$KVSTORE_SHARED`` when only the
+    options are given), or None: the store then reads ``$KVSTORE_SHARED`` itself."""
+    timeout = ours.shared_timeout  # seconds (units.milliseconds)
+    secret = getattr(ours, "shared_secret_file", None)
+    from ..shared.config import read_secret
+
+    try:
+        secret = read_secret(secret) if secret else None
+    except ValueError as e:
+        raise SystemExit(f"kvstore serve: {e}") from None
+    over: dict[str, Any] = {k: v for k, v in (("prefix", ours.shared_prefix), ("ttl", ours.shared_ttl),
+                              ("command_timeout", timeout), ("secret", secret)) if v is not None}
+    if ours.shared is None and not over:
+        return None
+    from ..shared import SharedConfig
+
+    config = SharedConfig.from_url(ours.shared, **over) if ours.shared else SharedConfig.from_env(**over)
+    if config is None:
+        raise SystemExit("kvstore serve: --shared-* options need --shared URL (or $KVSTORE_SHARED)")
+    return config

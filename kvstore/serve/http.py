@@ -4,7 +4,9 @@ mlx_lm.server's ``APIHandler``).
 A POST body is read and parsed once, when the request is admitted (``admit_body``, called
 by ``kvstore.serve.tenants`` before any route runs), and that object is what every route
 gets: kvstore's own routes through ``body_of``, mlx_lm.server's through its own
-``json.loads`` of the same text, which returns the object already parsed (``ParsedOnce``).
+``json.loads`` of the same text, which returns the object already parsed (``ParsedOnce``:
+the bytes it reads again decode to a text that carries the object, once; nothing is kept
+per thread).
 So kvstore's checks (``cache_salt``, keys) and the route can never read two different
 bodies. A body that cannot be used is refused before any route sees it (``BodyError``):
 over ``MAX_BODY_BYTES`` (413, said before a byte of it is read), no Content-Length (411),
@@ -17,7 +19,6 @@ from __future__ import annotations
 import io
 import json
 import re
-import threading
 import types
 from typing import Any
 
@@ -31,7 +32,6 @@ MAX_DEPTH = 128  # JSON nesting: far beyond any real tool schema, far below the 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 _CHUNK = 1 << 20
-_LOCAL = threading.local()  # this HTTP thread's admitted body: (its text, the object)
 _BODY = "_kvstore_body"  # APIHandler attribute: the current request's parsed body
 _CHAT = "_kvstore_chat"  # APIHandler attribute: the chat body a translated route hands mlx_lm.server
 _NONE = object()
@@ -88,7 +88,6 @@ def admit_body(handler: Any, limit: int | None = None) -> Any:
     BodyError: 411 without a Content-Length, 413 over ``limit`` bytes (default
     ``MAX_BODY_BYTES``), before reading any of it; 400 for a body that is not usable JSON."""
     limit = MAX_BODY_BYTES if limit is None else limit
-    _LOCAL.body = None
     setattr(handler, _BODY, _NONE)
     length = handler.headers.get("Content-Length")
     if length is None:
@@ -105,10 +104,10 @@ def admit_body(handler: Any, limit: int | None = None) -> Any:
     raw = handler.rfile.read(n)
     if len(raw) < n:
         raise BodyError(400, f"the request body ended after {len(raw):,} of its {n:,} bytes (Content-Length)")
-    handler.rfile = _Replay(raw, handler.rfile)
+    replay = handler.rfile = _Replay(raw, handler.rfile)
     text, body = _parse(raw)
     setattr(handler, _BODY, body)
-    _LOCAL.body = (text, body)
+    replay.held = (text, body)
     return body
 
 
@@ -127,7 +126,6 @@ def route_body(handler: Any) -> Any:
 
 def forget_body(handler: Any) -> None:
     """The request ``handler`` serves now has no admitted body (not a POST)."""
-    _LOCAL.body = None
     setattr(handler, _BODY, _NONE)
 
 
@@ -139,9 +137,10 @@ def body_of(handler: Any) -> Any:
 
 
 class ParsedOnce(types.ModuleType):
-    """Stands in for ``json`` in mlx_lm.server's module: ``loads`` of the text of the body
-    this HTTP thread admitted returns the object parsed then (once); everything else, and
-    any other text, is ``json``'s own."""
+    """Stands in for ``json`` in mlx_lm.server's module: ``loads`` of an admitted body's text
+    (``AdmittedText``: what its bytes, read again from the handler's ``rfile``, decode to)
+    returns the object parsed then (once); everything else, and any other text, is
+    ``json``'s own."""
 
     def __init__(self) -> None:
         super().__init__("json")
@@ -150,11 +149,33 @@ class ParsedOnce(types.ModuleType):
         return getattr(json, name)
 
     def loads(self, s: Any, *args: Any, **kwargs: Any) -> Any:
-        held = getattr(_LOCAL, "body", None)
-        if held is not None and not args and not kwargs and isinstance(s, str) and s == held[0]:
-            _LOCAL.body = None
-            return held[1]
+        if isinstance(s, AdmittedText) and not args and not kwargs and s.held:
+            return s.held.pop()
         return json.loads(s, *args, **kwargs)
+
+
+class AdmittedText(str):
+    """An admitted body's text with the object parsed from it, handed out once (``ParsedOnce``)."""
+
+    held: list[Any]
+
+    def __new__(cls, text: str, parsed: Any) -> AdmittedText:
+        self = super().__new__(cls, text)
+        self.held = [parsed]
+        return self
+
+
+class _AdmittedBytes(bytes):
+    """An admitted body's bytes, read again whole: ``decode()`` (UTF-8, as mlx_lm.server
+    decodes) is its text carrying the parsed object, the first time."""
+
+    held: tuple[str, Any] | None
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        held, self.held = getattr(self, "held", None), None
+        if held is not None and encoding.lower().replace("-", "") == "utf8" and errors == "strict":
+            return AdmittedText(*held)
+        return bytes(self).decode(encoding, errors)
 
 
 class _Replay(io.RawIOBase):
@@ -164,11 +185,17 @@ class _Replay(io.RawIOBase):
         super().__init__()
         self._head = io.BytesIO(head)
         self._rest = rest
+        self._size = len(head)
+        self.held: tuple[str, Any] | None = None  # (its text, the object): for the first whole read
 
     def readable(self) -> bool:
         return True
 
     def read(self, n: int | None = -1) -> bytes:
+        if self.held is not None and self._head.tell() == 0 and n is not None and n == self._size:
+            whole = _AdmittedBytes(self._head.read(n))  # mlx_lm.server's read of the body, then its decode
+            whole.held, self.held = self.held, None
+            return whole
         got = self._head.read(n if n is not None and n >= 0 else -1)
         if got or n == 0:
             return got

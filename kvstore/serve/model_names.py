@@ -17,7 +17,7 @@ to the value the server was started with (``--draft-model``, ``--adapter-path``)
 may leave it out, send null, or name that value (or ``default_model``, draft_model only)
 and is served with what was started; any other value is a 400 naming the field
 (``pinned_refusal``), before anything runs. Whatever a body says, the generation arguments
-name the started model, draft model and adapters only (``_on_served_model``), so nothing in
+name the started model, draft model and adapters only (``on_served_model``), so nothing in
 a body loads a model.
 """
 
@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, cast
+from typing import Any, Sequence, cast
 
 from . import anthropic, tenants
 from .http import body_of, send_json
 from ..escape import visible
 
 ALIAS = "default_model"  # mlx_lm.server's own name for the --model it was started with
-NAMES: list[str] = []  # --served-model-name, in order
-STRICT = False  # --strict-model-names
 # body field mlx_lm.server passes to ModelProvider.load -> (its cli_args attribute, the flag)
 PINNED = {"draft_model": ("draft_model", "--draft-model"), "adapters": ("adapter_path", "--adapter-path")}
 _SHOWN = 120  # characters of a refused value the error message repeats
@@ -49,30 +47,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "that lists the served names, instead of serving it with the loaded model")
 
 
-def configure(ours: argparse.Namespace) -> None:
-    global STRICT
-    NAMES[:] = [n for n in ours.served_model_name if n]
-    STRICT = bool(ours.strict_model_names)
-
-
-def served(cli_args: Any) -> list[str]:
-    """The ids ``GET /v1/models`` lists: ``--served-model-name``s, else the ``--model`` value."""
-    if NAMES:
-        return list(NAMES)
+def served(cli_args: Any, names: Sequence[str] = ()) -> list[str]:
+    """The ids ``GET /v1/models`` lists: ``names`` (``--served-model-name``s), else the
+    ``--model`` value."""
+    if names:
+        return list(names)
     model = getattr(cli_args, "model", None)
     return [model] if model else []
 
 
-def refusal(name: Any, cli_args: Any) -> str | None:
-    """Why a request naming ``name`` is refused (None: it is served). Only under
-    ``--strict-model-names``; a request without a ``model`` is always served."""
-    if not STRICT or name is None or name == ALIAS:
+def refusal(name: Any, cli_args: Any, names: Sequence[str] = (), strict: bool = False) -> str | None:
+    """Why a request naming ``name`` is refused (None: it is served). Only when ``strict``
+    (``--strict-model-names``); a request without a ``model`` is always served."""
+    if not strict or name is None or name == ALIAS:
         return None
-    names = served(cli_args)
-    if name in names:
+    served_names = served(cli_args, names)
+    if name in served_names:
         return None
     return (f"model {name!r} is not served here (--strict-model-names); the served models are: "
-            f"{', '.join(repr(n) for n in names)} (GET /v1/models)")
+            f"{', '.join(repr(n) for n in served_names)} (GET /v1/models)")
 
 
 def pinned_refusal(body: Any, cli_args: Any) -> tuple[str, str] | None:
@@ -108,42 +101,25 @@ def not_found(path: str, message: str) -> dict[str, Any]:
                       "code": "model_not_found"}}
 
 
-def install(server_mod: Any) -> None:
-    """Serve every request of ``server_mod`` (mlx_lm.server) with the loaded model (its
-    generation arguments name ``default_model`` whatever the request said) and, under
-    ``STRICT``, refuse other names before anything runs. Idempotent."""
-    handler, generator = server_mod.APIHandler, server_mod.ResponseGenerator
-    if getattr(generator, "_kvstore_model_names", False):
-        return
-    generate = generator.generate
-
-    def generate_served(self: Any, request: Any, args: Any, *rest: Any, **kwargs: Any) -> Any:
-        cli_args = getattr(getattr(self, "model_provider", None), "cli_args", None)
-        return generate(self, request, _on_served_model(args, cli_args), *rest, **kwargs)
-
-    post = handler.do_POST
-
-    def do_POST(self: Any) -> None:
-        body = body_of(self)  # the body admitted once (kvstore.serve.http)
-        cli_args = self.response_generator.cli_args
-        path = self.path.split("?")[0]
-        pinned = pinned_refusal(body, cli_args)
-        if pinned is not None:  # a draft model or adapters other than the started ones
-            send_json(self, 400, refused(path, *pinned))
-            return
-        if STRICT:
-            why = refusal(body.get("model") if isinstance(body, dict) else None, cli_args)
-            if why is not None:
-                send_json(self, 404, not_found(path, why))
-                return
-        post(self)
-
-    generator.generate = generate_served
-    handler.do_POST = do_POST
-    generator._kvstore_model_names = True
+def check(handler: Any, names: Sequence[str], strict: bool) -> bool:
+    """A POST's pinned fields and (``strict``) its model name, checked before any route
+    runs: False when it was answered here (400 for a ``PINNED`` field naming something
+    else, 404 for a name not served)."""
+    body = body_of(handler)  # the body admitted once (kvstore.serve.http)
+    cli_args = handler.response_generator.cli_args
+    path = handler.path.split("?")[0]
+    pinned = pinned_refusal(body, cli_args)
+    if pinned is not None:  # a draft model or adapters other than the started ones
+        send_json(handler, 400, refused(path, *pinned))
+        return False
+    why = refusal(body.get("model") if isinstance(body, dict) else None, cli_args, names, strict)
+    if why is not None:
+        send_json(handler, 404, not_found(path, why))
+        return False
+    return True
 
 
-def _on_served_model(args: Any, cli_args: Any) -> Any:
+def on_served_model(args: Any, cli_args: Any) -> Any:
     """``args`` (mlx_lm.server's GenerationArguments) with the model ``default_model``,
     which mlx_lm.server maps to the loaded ``--model``: the model key stays the loaded one,
     so nothing is loaded, and requests under different names batch together. The draft

@@ -1,6 +1,6 @@
 """A request as the prompt mlx_lm.server renders: the one opt-in rewrite, and the tokens.
 
-- ``--sort-tools`` (``install_tool_sorting``): tool definitions sorted by name before the
+- ``--sort-tools`` (``with_sorted_tools``, a step of ``kvstore.serve.generator``'s ``_tokenize``): tool definitions sorted by name before the
   chat template renders them, on every route that renders one (``/v1/chat/completions``
   and ``/v1/messages``, which runs through the same handler). Clients that list the same
   tools in another order per process (MCP servers connecting in any order) then share one
@@ -23,30 +23,19 @@ from typing import Any
 from ..parts import tool_name
 from . import stable_prefix
 
-SORT_TOOLS = False  # kvstore serve --sort-tools
-
-
 def sorted_tools(tools: list[Any]) -> list[Any]:
     """``tools`` sorted by name (stable: tools of one name keep their order)."""
     return sorted(tools, key=tool_name)
 
 
-def install_tool_sorting(server_mod: Any) -> None:
-    """Make ``server_mod.ResponseGenerator._tokenize`` render a request's tools sorted by
-    name while ``SORT_TOOLS`` is set (the request object is copied, not changed)."""
-    generator = server_mod.ResponseGenerator
-    if getattr(generator, "_kvstore_tool_sorting", False):
-        return
-    tokenize = generator._tokenize
-
-    def _tokenize(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
-        if SORT_TOOLS and getattr(request, "tools", None):
-            request = copy.copy(request)
-            request.tools = sorted_tools(request.tools)
-        return tokenize(self, tokenizer, request, args)
-
-    generator._tokenize = _tokenize
-    generator._kvstore_tool_sorting = True
+def with_sorted_tools(request: Any) -> Any:
+    """``request`` (mlx_lm.server's CompletionRequest) with its tools sorted by name
+    (``--sort-tools``): a copy when it has tools, else the request itself (never changed)."""
+    if not getattr(request, "tools", None):
+        return request
+    request = copy.copy(request)
+    request.tools = sorted_tools(request.tools)
+    return request
 
 
 def body_kind(body: Any) -> str:
@@ -130,9 +119,16 @@ def render_request(tokenizer: Any, body: Any, *, sort_tools: bool = False, keep_
     generator: Any = types.SimpleNamespace(model_provider=provider)  # all _tokenize reads of its self
     blocks = block_lengths(request.messages)
     try:
-        got = server_mod.ResponseGenerator._tokenize(generator, tokenizer, request, args)
+        got = mlx_own(server_mod.ResponseGenerator, server_mod)._tokenize(generator, tokenizer, request, args)
     except Exception as e:  # the template's own complaint
         raise ValueError(f"the request cannot be rendered by the model's chat template: {e}") from None
     template_args = {**(chat_template_args or {}), **(body.get("chat_template_kwargs") or {})}
     return RenderedRequest([int(t) for t in got[0]], request.messages if kind != "text" else None,
                     request.tools or None, blocks, template_args)
+
+
+def mlx_own(cls: type, server_mod: Any) -> Any:
+    """mlx_lm.server's own class of ``cls`` (``cls`` itself, or the first class of its MRO
+    defined in ``server_mod``): kvstore's subclasses, once ``patch`` named them there, are
+    skipped (``render_request`` renders as mlx-lm does, the rewrites given explicitly)."""
+    return next((c for c in cls.__mro__ if c.__module__ == server_mod.__name__), cls)

@@ -1,27 +1,22 @@
 """The chat request mlx_lm.server's generation thread just rendered, for the lookup that follows.
 
-``install`` wraps ``ResponseGenerator._tokenize`` (innermost but for ``system_render``, which
-changes no request: it sees the request as the template renders it, tools sorted by
-``--sort-tools`` included) to keep, per thread, the
-chat ``messages`` and ``tools`` it rendered and the chat template arguments: references,
-no copy, no work per request. The lookup of those tokens (``LRUPromptCache``, on the same
-thread right after) asks ``namer`` for a function naming a miss's part (``kvstore.parts``),
-which renders and decodes only when a miss is made. Every route that renders chat messages
+``of`` (a step of ``kvstore.serve.generator``'s ``_tokenize``, after mlx-lm's own render)
+keeps the chat ``messages`` and ``tools`` it rendered (tools sorted by ``--sort-tools``
+included) and the chat template arguments: references, no copy, no work per request, in
+the request's ``RequestContext``. The lookup of those tokens (``LRUPromptCache``, right
+after) asks the context for a function naming a miss's part (``kvstore.parts``), which
+renders and decodes only when a miss is made. Every route that renders chat messages
 through ``_tokenize`` (chat completions, ``/v1/messages``) gets it.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .. import parts
 from ..misses import Miss
-
-_LOCAL = threading.local()
-
 
 @dataclass(frozen=True)
 class Rendered:
@@ -50,32 +45,22 @@ class Rendered:
                                          self.blocks)
 
 
-def install(server_mod: Any) -> None:
-    """Keep each chat request ``server_mod.ResponseGenerator._tokenize`` renders for the
-    lookup that follows on its thread; idempotent. Install it before the other wrappers
-    of ``_tokenize`` (it must see the request as rendered)."""
-    generator = server_mod.ResponseGenerator
-    if getattr(generator, "_kvstore_rendered", False):
-        return
-    tokenize = generator._tokenize
-
-    def _tokenize(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
-        _LOCAL.last = None
-        blocks = block_lengths(getattr(request, "messages", None))  # before _tokenize joins them
-        got = tokenize(self, tokenizer, request, args)
-        try:
-            if getattr(request, "request_type", None) == "chat" and tokenizer.has_chat_template:
-                template_args = dict(getattr(self.model_provider.cli_args, "chat_template_args", None) or {})
-                template_args.update(getattr(args, "chat_template_kwargs", None) or {})
-                prompt = got[0]
-                _LOCAL.last = Rendered(request.messages, request.tools or None, tokenizer, template_args,
-                                       len(prompt), tuple(prompt[-4:]), blocks)
-        except Exception:  # naming a miss's part is a diagnosis: the request is served regardless
-            _LOCAL.last = None
-        return got
-
-    generator._tokenize = _tokenize
-    generator._kvstore_rendered = True
+def of(provider: Any, tokenizer: Any, request: Any, args: Any, prompt: Sequence[int],
+       blocks: dict[int, list[int]]) -> Rendered | None:
+    """The chat request ``request`` as mlx_lm.server's ``_tokenize`` rendered it into
+    ``prompt`` with ``tokenizer`` (the real one), for naming a miss's part; None for a text
+    request, a tokenizer without a chat template, or anything that fails here (naming a
+    miss's part is a diagnosis: the request is served regardless). ``blocks``:
+    ``block_lengths`` of its messages, read before ``_tokenize`` joined them."""
+    try:
+        if getattr(request, "request_type", None) != "chat" or not tokenizer.has_chat_template:
+            return None
+        template_args = dict(getattr(provider.cli_args, "chat_template_args", None) or {})
+        template_args.update(getattr(args, "chat_template_kwargs", None) or {})
+        return Rendered(request.messages, request.tools or None, tokenizer, template_args,
+                        len(prompt), tuple(prompt[-4:]), blocks)
+    except Exception:
+        return None
 
 
 def block_lengths(messages: Any) -> dict[int, list[int]]:
@@ -86,11 +71,3 @@ def block_lengths(messages: Any) -> dict[int, list[int]]:
         if isinstance(content, list) and len(content) > 1:
             out[i] = [len(b["text"]) if isinstance(b, dict) and isinstance(b.get("text"), str) else 0 for b in content]
     return out
-
-
-def namer(tokens: Sequence[int]) -> Callable[[Miss], parts.Part] | None:
-    """What names a miss of ``tokens``' lookup, if this thread just rendered them."""
-    last: Rendered | None = getattr(_LOCAL, "last", None)
-    if last is None or last.n != len(tokens) or tuple(tokens[-4:]) != last.tail:
-        return None
-    return last.name(tokens)

@@ -44,6 +44,7 @@ and ``store_error`` saying why (``keep``). A stored record is read only through
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -64,17 +65,34 @@ HOSTED_TOOLS = frozenset({"web_search", "web_search_preview", "web_search_previe
                           "tool_search"})
 THINKING_OFF = frozenset({"none", "minimal"})
 EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh"})
-LIMITS = {"max_count": DEFAULT_MAX_COUNT, "max_bytes": DEFAULT_MAX_BYTES}  # kvstore serve --responses-max-*
-_STORE: list[ResponseStore] = []
-_DISK: list[Callable[[], Any]] = []  # the served store's disk tier, when asked (``configure``)
 
 
-def configure(disk: Callable[[], Any], max_count: int = DEFAULT_MAX_COUNT, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
-    """Keep stored responses beside the served store's disk tier (``disk()``: the
+class Stored:
+    """A server's stored responses: kept beside its store's disk tier (``disk()``: the
     ``DiskTier``, or None when the cache directory could not be used; asked on first use,
-    after the start made it), bounded by ``max_count`` records and ``max_bytes``."""
-    LIMITS.update(max_count=max_count, max_bytes=max_bytes)
-    _DISK[:] = [disk]
+    after the start made it), bounded by ``max_count`` records and ``max_bytes``, opened
+    once (``store``)."""
+
+    def __init__(self, disk: Callable[[], Any] = lambda: None, max_count: int = DEFAULT_MAX_COUNT,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self._disk, self.max_count, self.max_bytes = disk, max_count, max_bytes
+        self._store: ResponseStore | None = None
+        self._lock = threading.Lock()
+
+    def store(self) -> ResponseStore:
+        """The stored responses of the served cache directory (opened once, on first use)."""
+        with self._lock:
+            if self._store is None:
+                disk = self._disk()
+                root = Path(disk.root) if disk is not None else None
+                modes = disk.modes if disk is not None else files.PRIVATE
+                self._store = ResponseStore(root, modes, max_count=self.max_count, max_bytes=self.max_bytes)
+            return self._store
+
+    def stats(self) -> dict[str, Any]:
+        """What ``GET /v1/cache/stats`` says of stored responses under ``"responses"``
+        (``ResponseStore.stats``; zeros before the store was first used)."""
+        return self._store.stats() if self._store is not None else ResponseStore(None).stats()
 
 
 class RequestError(ValueError):
@@ -505,16 +523,6 @@ class Events:
 # -- HTTP ---------------------------------------------------------------------------------------
 
 
-def store() -> ResponseStore:
-    """The stored responses of the served cache directory (opened once, on first use)."""
-    if not _STORE:
-        disk = _DISK[0]() if _DISK else None
-        root = Path(disk.root) if disk is not None else None
-        modes = disk.modes if disk is not None else files.PRIVATE
-        _STORE.append(ResponseStore(root, modes, max_count=LIMITS["max_count"], max_bytes=LIMITS["max_bytes"]))
-    return _STORE[0]
-
-
 def _reasoning_tokens(tokenizer: Any, output: list[dict[str, Any]]) -> int:
     text = "".join(c.get("text", "") for item in output if item["type"] == "reasoning" for c in item["content"])
     return len(tokenizer.encode(text, add_special_tokens=False)) if text and tokenizer is not None else 0
@@ -530,8 +538,9 @@ def _param(text: str) -> str | None:
     return {"max_tokens": "max_output_tokens", "temperature": "temperature", "top_p": "top_p"}.get(field)
 
 
-def handle_post(handler: Any, original: Callable[[Any], None]) -> None:
-    """``POST /v1/responses`` on an ``APIHandler`` whose own ``do_POST`` is ``original``."""
+def handle_post(handler: Any, original: Callable[[Any], None], stored: Stored, salt: Any) -> None:
+    """``POST /v1/responses`` on an ``APIHandler`` whose own ``do_POST`` is ``original``:
+    ``stored`` the server's responses, ``salt`` the request's (``RequestContext.salt``)."""
     try:
         try:
             body = check_body(read_json(handler))
@@ -541,10 +550,9 @@ def handle_post(handler: Any, original: Callable[[Any], None]) -> None:
             if isinstance(e, RequestError):
                 raise
             raise RequestError(str(e), "body") from None
-        salt = tenants.current_salt()
         history: list[dict[str, Any]] = []
         if body.get("previous_response_id"):
-            record = store().get(salt, body["previous_response_id"])
+            record = stored.store().get(salt, body["previous_response_id"])
             if record is None:
                 raise RequestError(f"Previous response with id '{body['previous_response_id']}' not found.",
                                    "previous_response_id", 404)
@@ -572,7 +580,7 @@ def handle_post(handler: Any, original: Callable[[Any], None]) -> None:
             return
         prompt, cached = tap.prompt()
         obj = events.finish(usage(prompt, cached, len(tap.tokens), _reasoning_tokens(tokenizer, reply.obj["output"])))
-        keep(salt, body, obj, conversation)  # stored before the client hears it is done
+        keep(stored, salt, body, obj, conversation)  # stored before the client hears it is done
         events.completed(obj)
         handler.wfile.flush()
     elif outcome.cap.status == 200:
@@ -583,7 +591,7 @@ def handle_post(handler: Any, original: Callable[[Any], None]) -> None:
         cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         obj = reply.finish(choice.get("finish_reason"), usage(
             u["prompt_tokens"], cached, u["completion_tokens"], _reasoning_tokens(tokenizer, reply.obj["output"])))
-        keep(salt, body, obj, conversation)  # stored before the answer is sent
+        keep(stored, salt, body, obj, conversation)  # stored before the answer is sent
         send_json(handler, 200, obj)
     elif outcome.cap.status is not None:
         status, text = chat_error(outcome.cap.status, outcome.body)
@@ -593,7 +601,7 @@ def handle_post(handler: Any, original: Callable[[Any], None]) -> None:
         send_json(handler, 500, error_body(f"generation failed: {outcome.failure}", kind="server_error"))
 
 
-def keep(salt: Any, body: dict[str, Any], obj: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+def keep(stored: Stored, salt: Any, body: dict[str, Any], obj: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
     """Store the finished response ``obj`` (unless the request said ``store: false``), so
     that ``GET`` and ``previous_response_id`` find it as soon as the client has the answer;
     one that cannot be stored says so in ``obj``: ``store`` false and ``store_error``
@@ -601,7 +609,7 @@ def keep(salt: Any, body: dict[str, Any], obj: dict[str, Any], conversation: lis
     if not body.get("store", True):
         return
     try:
-        store().put(salt, str(obj["id"]), obj, [*conversation, *history_of(obj["output"])])
+        stored.store().put(salt, str(obj["id"]), obj, [*conversation, *history_of(obj["output"])])
     except NotStored as e:
         obj["store"] = False
         obj["store_error"] = {"code": "response_not_stored",
@@ -609,13 +617,7 @@ def keep(salt: Any, body: dict[str, Any], obj: dict[str, Any], conversation: lis
                                          "will not find it"}
 
 
-def stats() -> dict[str, Any]:
-    """What ``GET /v1/cache/stats`` says of stored responses under ``"responses"``
-    (``ResponseStore.stats``; zeros before the store was first used)."""
-    return _STORE[0].stats() if _STORE else ResponseStore(None).stats()
-
-
-def _target(handler: Any) -> tuple[str, Any]:
+def _target(handler: Any, policy: Any) -> tuple[str, Any]:
     """(the response id of a ``/v1/responses/{id}`` path, the tenant's salt: the key's
     under ``--isolate-keys`` with the ``cache_salt`` query parameter, as a POST's body)."""
     path, _, query = handler.path.partition("?")
@@ -623,55 +625,26 @@ def _target(handler: Any) -> tuple[str, Any]:
     salt_param = parse_qs(query).get("cache_salt")
     try:
         salt = tenants.request_salt({"cache_salt": salt_param[0]} if salt_param else {},
-                                    tenants.presented_key(handler.headers))
+                                    tenants.presented_key(handler.headers), policy)
     except ValueError as e:
         raise RequestError(str(e), "cache_salt") from None
     return response_id, salt
 
 
-def handle_get_or_delete(handler: Any) -> None:
-    """``GET`` / ``DELETE /v1/responses/{id}``: the stored response, or OpenAI's 404."""
+def handle_get_or_delete(handler: Any, stored: Stored, policy: Any) -> None:
+    """``GET`` / ``DELETE /v1/responses/{id}``: the stored response, or OpenAI's 404
+    (``policy``: the server's ``tenants.Policy``, whose ``--isolate-keys`` salts the lookup)."""
     try:
-        response_id, salt = _target(handler)
+        response_id, salt = _target(handler, policy)
     except RequestError as e:
         _send_error(handler, e)
         return
     if handler.command == "GET":
-        record = store().get(salt, response_id)
+        record = stored.store().get(salt, response_id)
         if record is not None:
             send_json(handler, 200, record.response)
             return
-    elif store().delete(salt, response_id):
+    elif stored.store().delete(salt, response_id):
         send_json(handler, 200, {"id": response_id, "object": "response", "deleted": True})
         return
     send_json(handler, 404, error_body(f"Response with id '{response_id}' not found.", code=None))
-
-
-def install(server_mod: Any) -> None:
-    """Route ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}`` of
-    ``server_mod.APIHandler`` here; other paths unchanged."""
-    handler_class = server_mod.APIHandler
-    if getattr(handler_class, "_kvstore_responses", False):
-        return
-    post, get = handler_class.do_POST, handler_class.do_GET
-
-    def do_POST(self: Any) -> None:
-        if self.path.split("?")[0] == PATH:
-            handle_post(self, post)
-        else:
-            post(self)
-
-    def do_GET(self: Any) -> None:
-        if self.path.split("?")[0].startswith(PATH + "/"):
-            handle_get_or_delete(self)
-        else:
-            get(self)
-
-    def do_DELETE(self: Any) -> None:
-        if self.path.split("?")[0].startswith(PATH + "/"):
-            handle_get_or_delete(self)
-        else:
-            send_json(self, 404, error_body(f"no route DELETE {self.path.split('?')[0]}"))
-
-    handler_class.do_POST, handler_class.do_GET, handler_class.do_DELETE = do_POST, do_GET, do_DELETE
-    handler_class._kvstore_responses = True

@@ -1,33 +1,30 @@
 """``kvstore serve``: mlx-lm's own OpenAI-compatible server with kvstore as its prompt cache.
 
-No mlx-lm file is edited. Before ``mlx_lm.server.main()`` runs, this module
-- replaces ``mlx_lm.server.LRUPromptCache`` (which ``run()`` instantiates) with a subclass
-  of kvstore's drop-in bound to the cache directory and budgets given here, told the KV
-  quantisation by mlx_lm.server's own ``ResponseGenerator`` (``patch``),
-- wraps ``APIHandler.do_GET`` to answer ``GET /health`` exactly as mlx_lm.server does once
-  ready (503 ``{"status": "starting"}`` before: ``kvstore.serve.startup``),
-  ``GET /v1/cache/stats`` with the store's counters and the start's progress, and
-  ``GET /v1/models[/ID]`` with the model it serves, named as in its responses (the
-  ``--model`` value, or ``--served-model-name``s; any name is served: ``model_names``). mlx_lm.server lists the Hugging Face hub cache there instead, and
-  answers 200 with an empty body when that cache does not exist (the status line is sent
-  before the scan raises); requesting the resolved path it lists would also reload the model,
-- leaves ``usage.prompt_tokens_details.cached_tokens`` to mlx_lm.server (0.31 and 0.32
-  report it, streamed usage included: the prompt tokens the prompt cache restored),
-- turns SIGTERM into the KeyboardInterrupt mlx-lm already handles (``httpd.shutdown()``),
-  then closes the store, which flushes the write-behind queue before the process exits,
-- answers ``HEAD`` for every GET route as GET does, without the body (unknown paths: 404;
-  mlx_lm.server answers 501), and ``GET /openapi.json`` with every route's description
-  (``kvstore.serve.openapi``),
-- checks what mlx_lm.server's generation thread would run unchecked before its chat and
-  text completions run (``kvstore.serve.gen_args``: a 400 naming the field), and answers
-  an exception its handler raises before a byte of the answer as a 500 with a JSON body,
-- routes ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (the Anthropic Messages
-  API) through mlx_lm.server's own chat handler (``kvstore.serve.anthropic``), and
-  ``POST /v1/responses`` (the OpenAI Responses API) with its stored responses
-  (``GET`` / ``DELETE /v1/responses/{id}``) the same way (``kvstore.serve.responses``),
-- makes SIGUSR1 print every thread's Python stack to stderr, so a server that stops
-  answering can be looked into without stopping it; SIGUSR2 does the same from the
-  signal itself, for a process whose Python no longer runs at all (see ``_dump_stacks``).
+No mlx-lm file is edited, and no attribute of its classes is set. ``main`` reads kvstore's
+flags once into a ``ServeConfig`` (``kvstore.serve.config``), then ``patch`` points a few
+module names of ``mlx_lm.server`` at kvstore's subclasses, bound to that config
+(``PATCHED_NAMES``): mlx_lm.server's ``main()`` and ``run()`` build them by name.
+- ``APIHandler``: ``kvstore.serve.handler``, one route table: ``GET /health`` as
+  mlx_lm.server answers it once ready (503 ``{"status": "starting"}`` before:
+  ``kvstore.serve.startup``), ``GET /v1/cache/stats``, ``/metrics``, ``/openapi.json``,
+  ``GET /v1/models[/ID]`` with the model it serves (``model_names``), HEAD for every GET
+  route, ``POST /v1/messages[/count_tokens]`` (``anthropic``), ``POST /v1/responses`` and
+  ``GET`` / ``DELETE /v1/responses/{id}`` (``responses``), mlx-lm's own routes with their
+  generation fields checked first (``gen_args``) and a 500 with a JSON body for what they
+  raise before answering; keys, body limit and salt checked for every request
+  (``tenants``), whose facts ride to the generation thread in a ``RequestContext``.
+- ``ResponseGenerator``: ``kvstore.serve.generator``, one ``_tokenize`` running the prompt
+  steps in order (``--stable-prefix``, ``--sort-tools``, the system probe, the render kept
+  for a miss's line, the salt), the KV quantisation told to the cache.
+- ``LRUPromptCache``: kvstore's drop-in bound to the cache directory and budgets given here;
+  ``BatchGenerator``: each sequence's salt kept; ``json``: a body parsed once;
+  ``run``: kvstore's (``httpd``), a ThreadingHTTPServer serving the handler named here; ``ModelProvider``: the warm
+  start (``startup``).
+- SIGTERM becomes the KeyboardInterrupt ``run`` handles (``httpd.serve``: the HTTP server shut down),
+  then the store is closed, which flushes the write-behind queue before the process exits;
+  SIGUSR1 prints every thread's Python stack to stderr, so a server that stops answering
+  can be looked into without stopping it; SIGUSR2 does the same from the signal itself,
+  for a process whose Python no longer runs at all (see ``_dump_stacks``).
 Every other flag is mlx_lm.server's own and passed through unchanged.
 """
 
@@ -42,213 +39,79 @@ import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs, unquote, urlsplit
 
-from .. import metrics
 from ..floors import MIN_DISK_HIT
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..units import count, memory_floor, milliseconds, parse_size, positive_seconds
-from . import (anthropic, gen_args, http, model_names, openapi, prompts, rendered, responses, stable_prefix, startup,
-               system_render, tenants)
-from .http import HeadersOnly, send_json
+from . import http, httpd, model_names, prompts, responses, stable_prefix, startup, tenants
+from .config import ServeConfig, shared_config  # noqa: F401  (shared_config: the --shared flags, read here)
 from ..escape import logger
 
 if TYPE_CHECKING:  # imported when used: MLX and mlx-lm take seconds, --help and a refused start need neither
     from ..adapters.mlx_lm import LRUPromptCache
+    from .handler import Served
 
 log = logger("kvstore")
-_STORES: list[LRUPromptCache] = []
-MLX_LM_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions"})  # its do_POST's
-_METRICS = metrics.registry(lambda: _STORES[0].stats() if _STORES else None)
+# the names of mlx_lm.server that ``patch`` points at kvstore's (nothing else of it is touched)
+PATCHED_NAMES = ("APIHandler", "ResponseGenerator", "LRUPromptCache", "BatchGenerator", "json", "run", "ModelProvider")
 
 
-def bind_prompt_cache(**options: Any) -> type[LRUPromptCache]:
+def bind_prompt_cache(stores: list[Any], **options: Any) -> type[LRUPromptCache]:
     """A ``LRUPromptCache`` class whose constructor takes mlx-lm's arguments only and adds
-    ``options`` (cache_dir, max_disk_bytes, ...): what an engine instantiates itself."""
+    ``options`` (cache_dir, max_disk_bytes, ...): what an engine instantiates itself. Each
+    instance is appended to ``stores`` (the server's: ``Served.stores``)."""
     from ..adapters.mlx_lm import LRUPromptCache
 
     class BoundPromptCache(LRUPromptCache):
         def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63) -> None:
             super().__init__(max_size, max_bytes, **options)
-            _STORES.append(self)
+            stores.append(self)
 
     return BoundPromptCache
 
 
-def served_models(cli_args: Any) -> list[str]:
+def served_models(cli_args: Any, config: ServeConfig | None = None) -> list[str]:
     """Model ids ``GET /v1/models`` lists: ``--served-model-name``s, else the ``--model`` value
     as given (``kvstore.serve.model_names``: any other name is served by the same model)."""
-    return model_names.served(cli_args)
+    return model_names.served(cli_args, config.served_names if config is not None else ())
 
 
-def _models(handler: Any, path: str) -> None:
-    """``GET /v1/models`` (a list) or ``GET /v1/models/ID`` (one model, 404 if not served)."""
-    ids = served_models(handler.response_generator.cli_args)
-    card = {i: {"id": i, "object": "model", "created": handler.created, "owned_by": "kvstore"} for i in ids}
-    wanted = unquote(path[len("/v1/models"):].lstrip("/"))
-    if not wanted:
-        send_json(handler, 200, {"object": "list", "data": list(card.values())})
-    elif wanted in card or "/" + wanted in card:
-        send_json(handler, 200, card.get(wanted) or card["/" + wanted])
-    else:
-        send_json(handler, 404, model_names.not_found(
-            path, f"model {wanted!r} is not served here; GET /v1/models lists the models that are"))
+def patch(server_mod: Any, config: ServeConfig | None = None, *, progress: startup.ProgressFactory | None = None,
+          warm_start: bool = False, **options: Any) -> Served:
+    """Make ``server_mod`` (mlx_lm.server) kvstore's server, by pointing at most seven of its
+    module names at kvstore's classes (``PATCHED_NAMES``) and setting nothing else of it:
+    ``APIHandler`` (``kvstore.serve.handler``: kvstore's routes), ``ResponseGenerator``
+    (``kvstore.serve.generator``: the prompt steps, the KV quantisation told to the cache),
+    both bound to ``config`` (default: every option off); ``LRUPromptCache`` bound to
+    ``config``'s store options and ``options`` (``LRUPromptCache``'s keywords: cache_dir,
+    ...); ``BatchGenerator`` keeping each sequence's salt; ``json`` (a body admitted once is
+    parsed once: ``http.ParsedOnce``); ``run`` (``httpd.runner``: kvstore's HTTP server with
+    kvstore's handler; mlx-lm's own hands its server the class it was defined with); with ``warm_start`` (``kvstore serve``), ``ModelProvider``
+    (``startup``: warm-up, preload, readiness). Returns what the server holds (``Served``).
+    What ``main`` does before running it; an engine running mlx_lm.server in-process calls it."""
+    from mlx_lm.generate import BatchGenerator
+
+    from .handler import Handler, Served
+    from .generator import Generator
+
+    config = config if config is not None else ServeConfig()
+    served = Served.of(config)
+    bound = {"config": config, "__module__": __name__}
+    server_mod.LRUPromptCache = bind_prompt_cache(served.stores, **{**config.prompt_cache_options(), **options})
+    server_mod.ResponseGenerator = type("ResponseGenerator", (Generator,), bound)
+    server_mod.APIHandler = type("APIHandler", (Handler,), {**bound, "served": served})
+    server_mod.BatchGenerator = tenants.salted_batches(BatchGenerator)
+    server_mod.json = http.ParsedOnce()  # its json.loads of an admitted body returns the object admitted
+    server_mod.run = httpd.runner(server_mod)  # kvstore's run(): mlx-lm's hands its server its own handler
+    if warm_start:
+        server_mod.ModelProvider = startup.provider_class(_mlx_own(server_mod, "ModelProvider"), config.start,
+                                                          served.stores, progress)
+    return served
 
 
-def _install_routes(server_mod: Any) -> None:
-    handler = server_mod.APIHandler
-    if getattr(handler, "_kvstore_patched", False):
-        return
-    original = handler.do_GET
-
-    def do_GET(self: Any) -> None:
-        path = self.path.split("?")[0]
-        models = path == "/v1/models" or path.startswith("/v1/models/")
-        if path == "/health":  # mlx_lm.server's; 503 while kvstore serve starts (kvstore.serve.startup)
-            send_json(self, *startup.health(self.response_generator))
-        elif models and startup.STATE.installed and not startup.STATE.ready.is_set():
-            send_json(self, 503, startup.not_ready_error())
-        elif path == "/v1/cache/stats":
-            try:
-                salt = caller_salt(self)
-            except ValueError as e:  # salt.SaltError: a bad ?cache_salt=
-                send_json(self, 400, {"error": {"message": str(e), "type": "invalid_request_error",
-                                                "param": "cache_salt", "code": "invalid_cache_salt"}})
-                return
-            send_json(self, 200, cache_stats(salt))
-        elif path == "/metrics":  # Prometheus text format, read from the same stats (kvstore.metrics)
-            body, ctype = metrics.exposition(_METRICS)
-            self.send_response(200)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-        elif path == "/openapi.json":  # every route's description (kvstore.serve.openapi)
-            send_json(self, 200, openapi.document())
-        elif models and served_models(self.response_generator.cli_args):
-            _models(self, path)
-        else:
-            original(self)
-
-    def do_HEAD(self: Any) -> None:  # every GET route, headers only (Claude Code sends HEAD / first)
-        real = self.wfile
-        self.wfile = HeadersOnly(real)
-        try:
-            self.do_GET()
-        finally:
-            self.wfile = real
-
-    handler.do_GET = do_GET
-    handler.do_HEAD = do_HEAD
-    handler.do_POST = _answered(handler.do_POST)
-    handler._kvstore_patched = True
-    anthropic.install(server_mod)  # POST /v1/messages[/count_tokens]
-    responses.install(server_mod)  # POST /v1/responses, GET / DELETE /v1/responses/{id}
-
-
-def _answered(post: Any) -> Any:
-    """mlx_lm.server's ``do_POST``, its body's generation fields checked first
-    (``gen_args``: a 400 in the route's shape), and what it raises before a byte of its
-    answer is sent (a non-streamed completion whose generation failed: mlx-lm let the
-    exception end the connection with no answer) answered as a 500 with a JSON error body.
-    Once its answer began (a stream), the exception goes on: the connection ends there."""
-
-    def do_POST(self: Any) -> None:
-        path = self.path.split("?")[0]
-        if path in MLX_LM_ROUTES:
-            try:
-                gen_args.check(path, http.route_body(self), gen_args.vocab_size(self.response_generator.model_provider))
-            except http.BodyError as e:
-                send_json(self, e.status, tenants.error_body(path, e.status, str(e), param=e.param, code=e.code))
-                return
-        real = self.wfile
-        self.wfile = written = http.Written(real)
-        try:
-            post(self)
-        except Exception as e:
-            if written.count:
-                raise
-            log.exception("kvstore: %s failed before answering", self.path.split("?")[0])
-            self._headers_buffer = []  # the status line mlx-lm buffered, never sent
-            self.wfile = real
-            send_json(self, 500, tenants.error_body(self.path, 500, f"generation failed: {type(e).__name__}: {e}"))
-        finally:
-            self.wfile = real
-
-    return do_POST
-
-
-def caller_salt(handler: Any) -> Any:
-    """The salt whose lookups a ``GET /v1/cache/stats`` counts (``kvstore.callers``): the
-    caller's key's under ``--isolate-keys``, with the query's ``?cache_salt=`` (as a body's
-    would be); None reads the unsalted lookups. SaltError for a bad ``cache_salt``."""
-    query = parse_qs(urlsplit(handler.path).query)
-    body = {"cache_salt": query["cache_salt"][0]} if "cache_salt" in query else {}
-    return tenants.request_salt(body, tenants.presented_key(handler.headers))
-
-
-def cache_stats(salt: Any = None) -> dict[str, Any]:
-    """``GET /v1/cache/stats``: the prompt cache's counters (``KVStore.stats``: with
-    ``salt``, its lookups' counts) and, under ``"startup"``, where ``kvstore serve``'s start
-    is (``startup.startup_stats``), and under ``"responses"`` the stored responses'
-    counters (``responses.stats``): only to an unsalted caller, since they count every
-    tenant's responses (a salted caller sees its own lookups and nothing of others')."""
-    out: dict[str, Any] = _STORES[0].stats(salt) if _STORES else {}
-    if salt is None:
-        out["responses"] = responses.stats()  # stored /v1/responses: invalid records, not stored, evicted
-    start = startup.startup_stats()
-    if start:
-        out["startup"] = start
-    return out
-
-
-def patch(server_mod: Any, **options: Any) -> None:
-    """Make ``server_mod`` (mlx_lm.server) kvstore's server: its ``LRUPromptCache`` bound to
-    ``options`` (``LRUPromptCache``'s keywords: cache_dir, ...), kvstore's routes, and a
-    ``ResponseGenerator`` that tells a kvstore prompt cache the server's KV quantisation
-    (``--kv-bits`` / ``--kv-group-size``: entries of a quantising server get their own
-    identity, so a plain cache is never handed to it, nor the reverse). What ``main`` does
-    before running it; an engine running mlx_lm.server in-process calls it."""
-    server_mod.LRUPromptCache = bind_prompt_cache(**options)
-    _install_routes(server_mod)
-    model_names.install(server_mod)  # any model name answers, never a hub lookup (--strict-model-names)
-    _learn_kv_quant(server_mod)
-    system_render.install(server_mod)  # innermost: mlx-lm's system-prompt probe rendered once per system prompt
-    rendered.install(server_mod)  # names a miss's part of the request (kvstore.parts)
-    tenants.install(server_mod)  # keys and cache_salt, for every route (kvstore.serve.tenants)
-    prompts.install_tool_sorting(server_mod)  # --sort-tools (kvstore.serve.prompts)
-    stable_prefix.install(server_mod)  # outermost: --stable-prefix (kvstore.serve.stable_prefix)
-
-
-def _learn_kv_quant(server_mod: Any) -> None:
-    """Also hands the prompt cache the server's tokenizer (``LRUPromptCache.decode``): the
-    text of a miss's log line (``kvstore.misses.log_line``)."""
-    generator = server_mod.ResponseGenerator
-    if getattr(generator, "_kvstore_patched", False):
-        return
-    original = generator.__init__
-    from ..adapters.mlx_lm import LRUPromptCache
-
-    def __init__(self: Any, model_provider: Any, prompt_cache: Any, *args: Any, **kwargs: Any) -> None:
-        cli = getattr(model_provider, "cli_args", None)
-        if isinstance(prompt_cache, LRUPromptCache) and cli is not None:  # before its thread starts
-            prompt_cache.store.set_kv_quant(getattr(cli, "kv_bits", None), getattr(cli, "kv_group_size", 64))
-        if isinstance(prompt_cache, LRUPromptCache):
-            prompt_cache.decode = _decoder(model_provider)
-            prompt_cache.name_part = rendered.namer
-            prompt_cache.miss_note = stable_prefix.note  # what --stable-prefix moved
-        original(self, model_provider, prompt_cache, *args, **kwargs)
-
-    generator.__init__ = __init__
-    generator._kvstore_patched = True
-
-
-def _decoder(model_provider: Any) -> Any:
-    """Token ids to text with the tokenizer ``model_provider`` has loaded (it loads the
-    model before the first request: a miss is only ever decoded after)."""
-    def decode(ids: list[int]) -> str:
-        return str(model_provider.tokenizer.decode(ids))
-    return decode
+def _mlx_own(server_mod: Any, name: str) -> Any:
+    """mlx_lm.server's own class ``name`` (``server_mod``'s, or the one kvstore's subclass of it there derives from)."""
+    return prompts.mlx_own(getattr(server_mod, name), server_mod)
 
 
 def _sigterm(signum: int, frame: Any) -> None:
@@ -348,8 +211,8 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     ours, rest = parser.parse_known_args(argv)
     policy = tenants.policy_from(ours)  # a bad key flag ends the start before anything heavy
     try:
-        stable_prefix.user_rules(ours.volatile)
-    except ValueError as e:
+        stable = stable_prefix.Config.from_flags(ours.stable_prefix, ours.volatile)
+    except ValueError as e:  # a bad --volatile pattern
         parser.error(str(e))
     if ours.stable_prefix_max_count < 1:
         parser.error(f"--stable-prefix-max-count {ours.stable_prefix_max_count}: keep at least 1 record")
@@ -378,9 +241,10 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     problem = listen_problem(where.host, where.port)
     if problem:
         raise SystemExit(f"kvstore serve: error: {problem}")
+    config = ServeConfig.from_args(ours, policy, stable.rules)  # one frozen value: every flag of ours, read once
     import mlx_lm.server as server_mod
 
-    _install(server_mod, ours, rest, policy, progress)
+    served = _install(server_mod, config, rest, progress)
     sys.argv = ["mlx_lm.server", *rest]
     code = 0
     try:
@@ -397,7 +261,7 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
             raise
     finally:
         startup.shutdown()
-        for s in _STORES:
+        for s in served.stores:
             s.close()
         log.info("kvstore: store flushed and closed")
     if exit_process:  # also when it failed: mlx-lm's generation thread (not a daemon) would keep it alive
@@ -441,37 +305,19 @@ def mlx_lm_help() -> str | None:
     return help_parser.format_help().strip("\n")
 
 
-def _install(server_mod: Any, ours: argparse.Namespace, rest: list[str], policy: Any,
-             progress: startup.ProgressFactory | None) -> None:
-    """Everything kvstore adds to ``mlx_lm.server`` before its ``main()`` runs: the prompt
-    cache with our flags, the callers' policy, the Anthropic routes, the start's phases and
-    the signals (this process is the server's: the handlers are ours to set)."""
-    options: dict[str, Any] = {
-        "cache_dir": ours.cache_dir, "max_disk_bytes": ours.max_disk_bytes,
-        "chunk_tokens": ours.chunk_tokens, "queue_size": ours.write_queue,
-        "persist": ours.persist, "max_write_bytes_per_day": ours.max_write_bytes_per_day,
-        "memory_floor": ours.memory_floor, "min_disk_hit": ours.min_disk_hit,
-        "min_memory_hit": ours.min_disk_hit,  # one rule for every tier in the usage it reports
-    }
-    shared = shared_config(ours)
-    if shared is not None:
-        options["shared"] = shared
-    patch(server_mod, **options)
-    tenants.configure(policy)
-    tenants.warn_if_exposed(tenants.host_of(rest), policy)
-    anthropic.KEEP_BILLING_HEADER = ours.keep_billing_header
-    http.MAX_BODY_BYTES = ours.max_body_bytes
-    prompts.SORT_TOOLS = ours.sort_tools
-    model_names.configure(ours)
-    responses.configure(lambda: _STORES[0].store.disk if _STORES else None,
-                        max_count=ours.responses_max_count, max_bytes=ours.responses_max_bytes)
-    stable_prefix.configure(ours.stable_prefix, ours.volatile, max_count=ours.stable_prefix_max_count,
-                            max_bytes=ours.stable_prefix_max_bytes)
-    startup.install(server_mod, startup.options(ours), _STORES, progress)
+def _install(server_mod: Any, config: ServeConfig, rest: list[str],
+             progress: startup.ProgressFactory | None) -> Served:
+    """Everything kvstore adds to ``mlx_lm.server`` before its ``main()`` runs: its module
+    names pointed at kvstore's classes bound to ``config`` (``patch``, with the warm start),
+    the warning for an exposed address, and the signals (this process is the server's: the
+    handlers are ours to set). Returns what the server holds (its stores: closed at the end)."""
+    served = patch(server_mod, config, progress=progress, warm_start=True)
+    tenants.warn_if_exposed(tenants.host_of(rest), config.policy)
     signal.signal(signal.SIGTERM, _sigterm)
     if hasattr(signal, "SIGUSR1"):  # POSIX (Linux, macOS)
         signal.signal(signal.SIGUSR1, _dump_stacks)
         faulthandler.register(signal.SIGUSR2, all_threads=True)
+    return served
 
 
 def _listen_args(rest: list[str]) -> argparse.Namespace:
@@ -545,30 +391,6 @@ def _exit_now(code: int) -> None:
         except Exception:
             pass
     os._exit(code)
-
-
-def shared_config(ours: argparse.Namespace) -> Any:
-    """The SharedConfig of ``--shared`` and its options (``$KVSTORE_SHARED`` when only the
-    options are given), or None: the store then reads ``$KVSTORE_SHARED`` itself."""
-    timeout = ours.shared_timeout  # seconds (units.milliseconds)
-    secret = getattr(ours, "shared_secret_file", None)
-    from ..shared.config import read_secret
-
-    try:
-        secret = read_secret(secret) if secret else None
-    except ValueError as e:
-        raise SystemExit(f"kvstore serve: {e}") from None
-    over: dict[str, Any] = {k: v for k, v in (("prefix", ours.shared_prefix), ("ttl", ours.shared_ttl),
-                              ("command_timeout", timeout), ("secret", secret)) if v is not None}
-    if ours.shared is None and not over:
-        return None
-    from ..shared import SharedConfig
-
-    config = SharedConfig.from_url(ours.shared, **over) if ours.shared else SharedConfig.from_env(**over)
-    if config is None:
-        raise SystemExit("kvstore serve: --shared-* options need --shared URL (or $KVSTORE_SHARED)")
-    return config
-
 
 
 def _tokens(text: str) -> int:

@@ -444,7 +444,7 @@ def stabilize(messages: list[Any], rules: Sequence[Rule], memory: Memory, *, sal
 # -- kvstore serve: the switch, the template probe, the hook ----------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     """``kvstore serve``'s choice: off by default; ``--stable-prefix`` turns the built-in
     rules on, each ``--volatile REGEX`` adds one (and turns the rewrite on); the records'
@@ -455,19 +455,18 @@ class Config:
     max_count: int = DEFAULT_MAX_COUNT
     max_bytes: int = DEFAULT_MAX_BYTES
 
+    @classmethod
+    def from_flags(cls, enabled: bool, patterns: Sequence[str] = (), *, max_count: int = DEFAULT_MAX_COUNT,
+                   max_bytes: int = DEFAULT_MAX_BYTES, rules: tuple[Rule, ...] | None = None) -> "Config":
+        """The config of the flags; ValueError naming a bad ``--volatile`` pattern. ``rules``:
+        the rules of these flags, already made by this function (not compiled again)."""
+        if rules is None:
+            rules = BUILTIN + user_rules(patterns)
+        return cls(enabled or len(rules) > len(BUILTIN), rules, max_count, max_bytes)
 
-CONFIG = Config()
+
 PROBE_MARK = "kvstore-probe-7f3a"
 _INLINE: dict[str, bool] = {}
-_NOTE = threading.local()  # the generation thread's last rewrite, read by its next lookup's miss line
-
-
-def configure(enabled: bool, patterns: Sequence[str] = (), *, max_count: int = DEFAULT_MAX_COUNT,
-              max_bytes: int = DEFAULT_MAX_BYTES) -> None:
-    """Set ``CONFIG`` from the flags; ValueError naming a bad ``--volatile`` pattern."""
-    extra = user_rules(patterns)
-    CONFIG.enabled, CONFIG.rules = enabled or bool(extra), BUILTIN + extra
-    CONFIG.max_count, CONFIG.max_bytes = max_count, max_bytes
 
 
 def inline_for(tokenizer: Any) -> bool:
@@ -487,60 +486,36 @@ def inline_for(tokenizer: Any) -> bool:
     return _INLINE[template]
 
 
-def memory_of(prompt_cache: Any) -> Memory:
+def memory_of(prompt_cache: Any, config: Config) -> Memory:
     """The ``Memory`` of a server's prompt cache: in its store's cache directory when it
-    has a disk tier (else this process only), made once, bounded by ``CONFIG`` and by a
-    share of the store's disk budget (``side_records.bound``)."""
-    got = getattr(prompt_cache, "_kvstore_stable_memory", None)
-    if got is None:
-        store = getattr(prompt_cache, "store", None)
-        disk = getattr(store, "disk", None)
-        budget = getattr(store, "max_disk_bytes", None)
-        got = Memory(store.cache_dir if store is not None and disk is not None else None, getattr(disk, "modes", None),
-                     max_count=CONFIG.max_count,
-                     max_bytes=side_records.bound(CONFIG.max_bytes, budget if isinstance(budget, int) else None))
-        try:
-            prompt_cache._kvstore_stable_memory = got
-        except AttributeError:
-            pass
-    return got
+    has a disk tier (else this process only), bounded by ``config`` and by a share of the
+    store's disk budget (``side_records.bound``). Made once per server (by its generator)."""
+    store = getattr(prompt_cache, "store", None)
+    disk = getattr(store, "disk", None)
+    budget = getattr(store, "max_disk_bytes", None)
+    return Memory(store.cache_dir if store is not None and disk is not None else None, getattr(disk, "modes", None),
+                  max_count=config.max_count,
+                  max_bytes=side_records.bound(config.max_bytes, budget if isinstance(budget, int) else None))
 
 
-def note() -> str:
-    """``; <what moved>`` for the miss line of the lookup that follows this thread's last
-    rewrite ("" when it rewrote nothing); cleared once read."""
-    moved, _NOTE.moved = getattr(_NOTE, "moved", None), None
-    return f"; {moved.describe()}" if moved is not None else ""
-
-
-def install(server_mod: Any) -> None:
-    """Make ``server_mod.ResponseGenerator._tokenize`` render every chat request (every
-    route: they all reach it as chat-completions messages) through ``stabilize`` while
-    ``CONFIG.enabled`` (the request object is copied, not changed). Idempotent."""
-    generator = server_mod.ResponseGenerator
-    if getattr(generator, "_kvstore_stable_prefix", False):
-        return
-    tokenize = generator._tokenize
+def rewrite(request: Any, tokenizer: Any, config: Config, memory: Callable[[], Memory],
+            salt: Any) -> tuple[Any, Moved | None]:
+    """``request`` (mlx_lm.server's CompletionRequest) as ``--stable-prefix`` renders it
+    (a copy with its messages stabilized; the same object when nothing moved or the
+    option is off) and what moved. ``salt``: the request's (records are kept per salt)."""
+    if not (config.enabled and getattr(request, "request_type", None) == "chat" and request.messages):
+        return request, None
     from ..salt import salt_key
-    from .tenants import salt_carried
 
-    def _tokenize(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
-        _NOTE.moved = None
-        if CONFIG.enabled and getattr(request, "request_type", None) == "chat" and request.messages:
-            salt = salt_carried(request)
-            messages, moved = stabilize(request.messages, CONFIG.rules, memory_of(self.prompt_cache),
-                                        salt_key=salt_key(salt) if salt is not None else None,
-                                        inline=inline_for(tokenizer))
-            if moved is not None:
-                request = copy.copy(request)
-                request.messages = messages
-                _NOTE.moved = moved
-                if moved.recorded:
-                    log.info("kvstore: %s", moved.describe())
-        return tokenize(self, tokenizer, request, args)
-
-    generator._tokenize = _tokenize
-    generator._kvstore_stable_prefix = True
+    messages, moved = stabilize(request.messages, config.rules, memory(),
+                                salt_key=salt_key(salt) if salt is not None else None, inline=inline_for(tokenizer))
+    if moved is None:
+        return request, None
+    request = copy.copy(request)
+    request.messages = messages
+    if moved.recorded:
+        log.info("kvstore: %s", moved.describe())
+    return request, moved
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Warm start for ``kvstore serve``: a warm-up pass and a preload before the server is ready.
 
 mlx_lm.server loads its model on its generation thread while the HTTP socket already
-listens. ``install`` gives it a ``ModelProvider`` whose ``load_default`` (run on that
+listens. ``provider_class`` is the ``ModelProvider`` kvstore serve gives it, whose ``load_default`` (run on that
 thread before it takes any request) then
 
 1. runs one forward pass of a few tokens on a scratch cache (``kvstore.generate.warm_up``),
@@ -58,7 +58,7 @@ class State:
     stop: threading.Event = field(default_factory=threading.Event)
     info: dict[str, Any] = field(default_factory=dict)
     thread: threading.Thread | None = None
-    installed: bool = False  # ``install`` ran: this process has a start to wait for
+    installed: bool = False  # ``provider_class`` ran: this process has a start to wait for
 
 
 STATE = State()
@@ -93,21 +93,23 @@ def options(ns: argparse.Namespace) -> Options:
     return Options(preload=ns.preload, background=ns.preload_background, warmup=not ns.no_warmup)
 
 
-def install(server_mod: Any, opts: Options, stores: list[Any], progress: ProgressFactory | None = None) -> None:
-    """Give ``server_mod`` (mlx_lm.server) a ModelProvider that warms up and preloads after
-    loading its default model, then marks this process ready. ``stores``: the server's
+def provider_class(base: type, opts: Options, stores: list[Any], progress: ProgressFactory | None = None) -> type:
+    """A subclass of ``base`` (mlx_lm.server's ModelProvider) whose ``load_default`` warms
+    up and preloads after loading its default model, then marks this process ready (what
+    ``kvstore serve`` names ``ModelProvider`` in mlx_lm.server). ``stores``: the server's
     prompt caches (filled as mlx_lm.server creates them)."""
     STATE.started = time.monotonic()
     STATE.installed = True
 
-    class WarmStartProvider(server_mod.ModelProvider):
+    class WarmStartProvider(base):
         def load_default(self) -> None:
             t0 = time.perf_counter()
             super().load_default()
             STATE.info["load_seconds"] = round(time.perf_counter() - t0, 3)
             start(self, opts, stores[0] if stores else None, progress)
 
-    server_mod.ModelProvider = WarmStartProvider
+    WarmStartProvider.__name__ = WarmStartProvider.__qualname__ = "ModelProvider"
+    return WarmStartProvider
 
 
 def start(provider: Any, opts: Options, cache: Any, progress: ProgressFactory | None) -> None:
@@ -178,7 +180,7 @@ def entries(n: int) -> str:
 
 def since_process_start() -> float:
     """Seconds since this process was created (psutil: the kernel's start time, so Python's
-    start, the imports and a re-execution for OpenBLAS count too); since ``install`` when
+    start, the imports and a re-execution for OpenBLAS count too); since ``provider_class`` when
     the kernel's time cannot be read."""
     try:
         import psutil
@@ -206,7 +208,7 @@ def mark_ready(opts: Options) -> None:
 def health(generator: Any) -> tuple[int, dict[str, Any]]:
     """``GET /health``, with mlx_lm.server's bodies and status codes: 200 ``{"status": "ok"}``,
     503 ``{"status": "unavailable"}`` when the generation thread died; and, only while
-    ``kvstore serve`` loads, warms up and preloads (``install`` was called, not ready yet),
+    ``kvstore serve`` loads, warms up and preloads (``provider_class`` was called, not ready yet),
     503 ``{"status": "starting"}``. Details (phase, timings) are in ``startup_stats``."""
     alive = generator is None or _generation_alive(generator)
     if not alive:

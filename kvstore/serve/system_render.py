@@ -7,7 +7,7 @@ prompt's tokens end (the prompt cache's system segment). An agent's system promp
 instructions and tool definitions: most of the prompt) is the same every turn, so that second
 render is too: at 12.5k tokens it was half of the ~62 ms ``_tokenize`` took per turn.
 
-``install`` hands mlx-lm's ``_tokenize`` a tokenizer that answers that probe, and only that
+``Probed`` (a step of ``kvstore.serve.generator``'s ``_tokenize``) hands mlx-lm's ``_tokenize`` a tokenizer that answers that probe, and only that
 call shape, from the last ``KEEP`` probes it rendered, keyed by everything the template
 reads (the messages, the tools, the template's keyword arguments), the tokenizer itself and
 the request's ``cache_salt`` (one caller's probe never answers another's: a remembered probe
@@ -23,8 +23,6 @@ import json
 import threading
 from collections import OrderedDict
 from typing import Any
-
-from .tenants import salt_carried
 
 KEEP = 8  # system prompts remembered (per process; a few tenants' agents at once)
 _LOCK = threading.Lock()
@@ -69,22 +67,6 @@ class Probed:
                 while len(_PROBES) > KEEP:
                     _PROBES.popitem(last=False)
         return tokens
-
-
-def install(server_mod: Any) -> None:
-    """Make ``server_mod.ResponseGenerator._tokenize`` render each system probe once
-    (``Probed``); idempotent. Install it first: innermost, so that every other wrapper
-    sees (and keeps) the real tokenizer."""
-    generator = server_mod.ResponseGenerator
-    if getattr(generator, "_kvstore_system_render", False):
-        return
-    tokenize = generator._tokenize
-
-    def _tokenize(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
-        return tokenize(self, Probed(tokenizer, salt_carried(request)), request, args)
-
-    generator._tokenize = _tokenize
-    generator._kvstore_system_render = True
 
 
 def forget() -> None:

@@ -1,9 +1,9 @@
 """``kvstore serve``'s callers: API keys, and the ``cache_salt`` of every request.
 
-Installed on mlx_lm.server (``install``) without editing it, at the one place every request
-passes whatever route serves it (OpenAI's, Anthropic's ``/v1/messages``, kvstore's own):
-``APIHandler.parse_request``, once the request line and headers are read, before any
-``do_*`` method runs (so a route added by another patch is guarded too).
+Checked at the one place every request passes whatever route serves it (OpenAI's,
+Anthropic's ``/v1/messages``, kvstore's own): ``admit``, which kvstore's handler
+(``kvstore.serve.handler``) calls from its ``parse_request``, once the request line and
+headers are read, before any ``do_*`` method runs.
 
 - Keys (``Policy``; ``--api-key`` repeatable, ``--api-key-file``, ``$KVSTORE_API_KEYS``):
   a request without a valid key (``Authorization: Bearer KEY`` or ``x-api-key: KEY``) gets
@@ -18,13 +18,11 @@ passes whatever route serves it (OpenAI's, Anthropic's ``/v1/messages``, kvstore
   field for anything but a non-empty string of at most 256 characters, before the route
   sees the request: nothing generated, nothing stored). With ``--isolate-keys`` every
   request is salted with its key's digest too (``salt.combine``). The salt then travels
-  with the request to mlx_lm.server's generation thread: ``ResponseGenerator.generate``
-  (called on the HTTP thread that parsed the request) tags the request object; the
-  generation thread's ``_tokenize`` hands its tokens out as ``salt.SaltedTokens``, which
-  ``LRUPromptCache`` reads; a ``BatchGenerator`` subclass keeps each sequence's salt by
-  uid and puts it back on the token lists it hands to ``insert_cache``. Nothing per
-  request is kept in a thread-local across threads: the HTTP thread's own value is set
-  by every ``parse_request`` and read only by that thread, inside that request.
+  with the request to mlx_lm.server's generation thread in its ``RequestContext``
+  (``kvstore.serve.context``): its ``_tokenize`` hands the tokens out as
+  ``salt.SaltedTokens``, which ``LRUPromptCache`` reads; a ``BatchGenerator`` subclass
+  (``salted_batches``) keeps each sequence's salt by uid and puts it back on the token lists
+  it hands to ``insert_cache``. Nothing per request is kept in a thread-local.
 """
 
 from __future__ import annotations
@@ -34,13 +32,12 @@ import hashlib
 import hmac
 import ipaddress
 import os
-import threading
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .anthropic import error_body as anthropic_error
-from .http import BodyError, ParsedOnce, admit_body, forget_body, send_json
+from .http import BodyError, admit_body, forget_body, send_json
 from ..salt import Salt, SaltedTokens, SaltError, combine, salt_of, salt_of_body, tag
 from ..escape import logger
 
@@ -49,8 +46,6 @@ ENV_KEYS = "KVSTORE_API_KEYS"
 OPEN_PATHS = frozenset({"/health"})
 MAX_KEY_CHARS = 4096
 PRINTABLE_ASCII = (0x21, 0x7E)  # what a key may hold: visible ASCII, no space
-_LOCAL = threading.local()  # the HTTP thread's current request's salt (see the docstring)
-_REQUEST_SALT = "_kvstore_salt"  # attribute of mlx_lm.server's CompletionRequest
 
 
 @dataclass(frozen=True)
@@ -95,7 +90,6 @@ class Policy:
         return b"apikey:" + _digest(key) if self.isolate and key is not None else None
 
 
-_POLICY = Policy()
 
 
 def _digest(key: str) -> bytes:
@@ -144,12 +138,6 @@ def policy_from(ours: argparse.Namespace, environ: Mapping[str, str] | None = No
         return Policy.from_keys(keys, ours.isolate_keys)
     except ValueError as e:
         raise SystemExit(f"kvstore serve: {e}") from None
-
-
-def configure(policy: Policy) -> None:
-    """Use ``policy`` for the requests served from now on (one server per process)."""
-    global _POLICY
-    _POLICY = policy
 
 
 def warn_if_exposed(host: str | None, policy: Policy) -> bool:
@@ -209,110 +197,47 @@ def error_body(path: str, status: int, message: str, *, param: str | None = None
 
 def request_salt(body: Any, key: str | None = None, policy: Policy | None = None) -> Salt | None:
     """The salt a request runs under: its body's ``cache_salt`` (validated: SaltError), with
-    ``--isolate-keys`` combined with its key's. What a route that reads its own body calls."""
-    policy = _POLICY if policy is None else policy
+    ``--isolate-keys`` (``policy``'s; None: no keys) combined with its key's. What a route
+    that reads its own body calls."""
+    policy = Policy() if policy is None else policy
     own = salt_of_body(body) if isinstance(body, dict) else None
     return combine(policy.key_salt(key), own)
-
-
-def tag_request(request: Any, salt: Salt | None) -> Any:
-    """Make mlx_lm.server's request object carry ``salt`` to the generation thread; a
-    request that cannot carry it is refused (RuntimeError), never served unsalted."""
-    if salt is not None and getattr(request, _REQUEST_SALT, None) is None:
-        try:
-            setattr(request, _REQUEST_SALT, salt)
-        except (AttributeError, TypeError) as e:
-            raise RuntimeError(f"kvstore: a {type(request).__name__} cannot carry its cache_salt ({e})") from None
-    return request
-
-
-def salt_carried(request: Any) -> Salt | None:
-    """The salt ``request`` carries (``tag_request``), else that of the request this HTTP
-    thread is serving (a route rendering on its own thread, e.g. ``count_tokens``)."""
-    salt = getattr(request, _REQUEST_SALT, None)
-    return salt if salt is not None else current_salt()
-
-
-def current_salt() -> Salt | None:
-    """The salt of the request this HTTP thread is serving (set by ``parse_request``)."""
-    return getattr(_LOCAL, "salt", None)
 
 
 def _send(handler: Any, status: int, body: dict[str, Any], close: bool) -> None:
     send_json(handler, status, body, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None, close=close)
 
 
-def _admit(handler: Any) -> bool:
-    """The check every request passes once its headers are read: its key, its salt."""
-    _LOCAL.salt = None
+def admit(handler: Any, policy: Policy, max_body_bytes: int | None = None) -> tuple[bool, Salt | None]:
+    """The check every request passes once its headers are read: its key, its body (read
+    and parsed once, at most ``max_body_bytes``: ``http.admit_body``), its salt. (False, None)
+    when it was answered here (401, 411, 413, 400); else (True, the salt it runs under)."""
     forget_body(handler)
     path = handler.path.split("?")[0]
     if handler.command == "OPTIONS" or path in OPEN_PATHS:
-        return True
-    policy = _POLICY
+        return True, None
     key = presented_key(handler.headers)
     if policy.on and not policy.accepts(key):
         msg = "missing API key: send Authorization: Bearer KEY or x-api-key: KEY" if key is None \
             else "invalid API key"
         _send(handler, 401, error_body(path, 401, msg, code="invalid_api_key"), close=True)
-        return False
+        return False, None
     if handler.command != "POST":
-        return True
+        return True, None
     try:  # read and parsed once, here: the object every route then gets (kvstore.serve.http)
-        body = admit_body(handler)
+        body = admit_body(handler, max_body_bytes)
     except BodyError as e:  # 411 / 413 leave the body unread: the connection cannot go on
         _send(handler, e.status, error_body(path, e.status, str(e), param=e.param, code=e.code),
               close=e.status in (411, 413))
-        return False
+        return False, None
     try:
-        _LOCAL.salt = request_salt(body, key, policy)
+        return True, request_salt(body, key, policy)
     except SaltError as e:
         _send(handler, 400, error_body(path, 400, str(e), param="cache_salt", code="invalid_cache_salt"), close=False)
-        return False
-    return True
+        return False, None
 
 
-# -- install ---------------------------------------------------------------------------
-
-
-def install(server_mod: Any) -> None:
-    """Guard and salt ``server_mod``'s (mlx_lm.server's) requests; idempotent."""
-    handler, generator = server_mod.APIHandler, server_mod.ResponseGenerator
-    if getattr(handler, "_kvstore_tenants", False):
-        return
-    parse = handler.parse_request
-
-    def parse_request(self: Any) -> bool:
-        return bool(parse(self)) and _admit(self)
-
-    handler.parse_request = parse_request
-    handler._kvstore_tenants = True
-    server_mod.json = ParsedOnce()  # its json.loads of an admitted body returns the object admitted
-
-    generate = generator.generate
-
-    def generate_salted(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        return generate(self, tag_request(request, current_salt()), *args, **kwargs)
-
-    tokenize = generator._tokenize
-
-    def _tokenize(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
-        got = tokenize(self, tokenizer, request, args)
-        salt = getattr(request, _REQUEST_SALT, None)
-        if salt is None:
-            return got
-        prompt, *rest = got
-        vision = rest[-1] if rest else None
-        if vision is not None and hasattr(vision, "cache_key"):
-            vision.cache_key = SaltedTokens(vision.cache_key, salt)
-        return (SaltedTokens(prompt, salt), *rest)
-
-    generator.generate = generate_salted
-    generator._tokenize = _tokenize
-    server_mod.BatchGenerator = _salted_batches(server_mod.BatchGenerator)
-
-
-def _salted_batches(base: type) -> type:
+def salted_batches(base: type) -> type:
     """``base`` (mlx-lm's BatchGenerator) keeping each sequence's salt by uid: what it is
     given as ``all_tokens`` (``SaltedTokens``) comes back on the token lists of
     ``extract_cache`` and of finished responses, which mlx_lm.server inserts."""

@@ -21,15 +21,18 @@ def tokenizer() -> Any:
 
 
 def _generator(patched: bool) -> Any:
-    """mlx_lm.server's ``ResponseGenerator`` (a subclass: the real one stays as it is), with
-    ``system_render`` installed when ``patched``, and the ``self`` its ``_tokenize`` reads."""
+    """mlx_lm.server's ``ResponseGenerator`` (a subclass: the real one stays as it is), whose
+    ``_tokenize`` renders through ``system_render.Probed`` when ``patched``, and the ``self``
+    its ``_tokenize`` reads."""
     import mlx_lm.server as server_mod
 
     from kvstore.serve import system_render
 
     cls = type("Generator", (server_mod.ResponseGenerator,), {})
-    if patched:
-        system_render.install(types.SimpleNamespace(ResponseGenerator=cls))
+    if patched:  # kvstore's _tokenize step 4 (kvstore.serve.generator): mlx-lm's own, with Probed
+        mlx_tokenize = server_mod.ResponseGenerator._tokenize
+        cls._tokenize = lambda self, tokenizer, request, args: mlx_tokenize(
+            self, system_render.Probed(tokenizer), request, args)
     self = types.SimpleNamespace(model_provider=types.SimpleNamespace(
         processor=None, cli_args=types.SimpleNamespace(chat_template_args={})))
     return cls, self

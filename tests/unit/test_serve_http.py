@@ -232,11 +232,12 @@ def test_parsed_once_hands_out_the_admitted_object_only_for_its_text() -> None:
     assert fresh == [{"a": 1}]
     with pytest.raises(TypeError):
         PARSED.loads("1", None)  # json.loads takes no second positional argument
-    kvhttp._LOCAL.body = ('{"a": 1}', held := {"held": True})
+    admitted = kvhttp.AdmittedText('{"a": 1}', held := {"held": True})  # what an admitted body decodes to
     assert PARSED.loads('{"a": 2}') == {"a": 2} and PARSED.loads(b'{"a": 1}') == {"a": 1}
-    assert PARSED.loads('{"a": 1}', parse_int=str) == {"a": "1"}  # arguments: json's own
-    assert PARSED.loads('{"a": 1}') is held and PARSED.loads('{"a": 1}') == {"a": 1}  # once
-    assert kvhttp._LOCAL.body is None
+    assert PARSED.loads('{"a": 1}') == {"a": 1} and PARSED.loads('{"a": 1}') is not held  # another text: json's own
+    assert PARSED.loads(admitted, parse_int=str) == {"a": "1"}  # arguments: json's own
+    assert PARSED.loads(admitted) is held and PARSED.loads(admitted) == {"a": 1}  # once
+    assert admitted.held == []
 
 
 def test_replay_serves_the_read_body_then_the_rest_of_the_connection() -> None:

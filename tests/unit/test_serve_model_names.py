@@ -65,9 +65,9 @@ class Arguments:  # GenerationArguments' model field (the rest does not matter h
 
 def test_generation_arguments_always_name_the_started_models() -> None:
     asked = Arguments(Described("org/other", "/planted/model", "/planted/adapter"))
-    got = model_names._on_served_model(asked, cli(adapter="/adapters/a"))
+    got = model_names.on_served_model(asked, cli(adapter="/adapters/a"))
     assert got.model == Described("default_model", "default_model", "/adapters/a") and got.max_tokens == 4
     same = Arguments(Described("default_model", "default_model", None))
-    assert model_names._on_served_model(same, cli()) is same
+    assert model_names.on_served_model(same, cli()) is same
     no_model = argparse.Namespace(model=None, draft_model=None, adapter_path=None)  # in-process engine
-    assert model_names._on_served_model(asked, no_model).model == Described("org/other", "default_model", None)
+    assert model_names.on_served_model(asked, no_model).model == Described("org/other", "default_model", None)

@@ -11,9 +11,11 @@ time (``--fetch``), so the tests need no network; a run that finds it missing an
 download it stops with ``SuiteMissing``, saying what to run where PyPI is reachable. It runs twice, each in a fresh pytest process:
 
 - ``mlx_lm``: plain mlx_lm.server, as upstream runs it;
-- ``kvstore``: the same suite with kvstore's server patched in before the suite imports
-  mlx_lm.server (``kvstore.serve.server.patch``: kvstore's ``LRUPromptCache`` with a
-  disk tier in a temp dir, and kvstore's routes), by this module loaded as a pytest plugin.
+- ``kvstore``: the same suite with kvstore's server named in before the suite imports
+  mlx_lm.server's names (``kvstore.serve.server.patch``: its ``APIHandler`` and
+  ``ResponseGenerator`` kvstore's subclasses, which the suite constructs itself with
+  mlx-lm's arguments; kvstore's ``LRUPromptCache`` with a disk tier in a temp dir), by this
+  module loaded as a pytest plugin.
 
 The suite loads ``mlx-community/Qwen1.5-0.5B-Chat-4bit`` from the Hugging Face hub; a
 private hub cache (``HF_HUB_CACHE``, offline) holds tiny-llama (tools/testing/model_builds.py) under that
