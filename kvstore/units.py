@@ -115,14 +115,24 @@ def positive_seconds(text: str) -> float:
 MAX_COUNT = 1 << 31
 
 
-def count(text: str) -> int:
-    """A record count bound (``--responses-max-count``, ``--stable-prefix-max-count``): a
-    whole number from 0 (keep none) below 2**31, ASCII digits only; ``int()`` alone took
-    ``-5`` (a bound no record meets) and ``１０`` (full-width digits)."""
+def whole(text: str, what: str = "count") -> int:
+    """A whole number from 0 below 2**31, ASCII digits only (``int()`` alone takes ``-5``,
+    `` 5`` and ``１０``, full-width digits); ArgumentTypeError naming ``what`` otherwise."""
     t = text.strip()
     if not (t.isascii() and t.isdigit()) or int(t) >= MAX_COUNT:
-        raise argparse.ArgumentTypeError(f"invalid count {_shown(text.strip())}: a whole number from 0 below 2**31")
+        raise argparse.ArgumentTypeError(f"invalid {what} {_shown(t)}: a whole number from 0 below 2**31")
     return int(t)
+
+
+def count(text: str) -> int:
+    """A record count bound (``--responses-max-count``, ``--stable-prefix-max-count``):
+    ``whole``; 0 keeps none."""
+    return whole(text, "count")
+
+
+def tokens(text: str) -> int:
+    """A number of tokens (``--min-disk-hit``): ``whole``."""
+    return whole(text, "number of tokens")
 
 
 def _bounded(exact: Fraction, text: str) -> float:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..floors import MIN_DISK_HIT
 from ..pressure import DEFAULT_MEMORY_FLOOR
-from ..units import count, memory_floor, milliseconds, parse_size, positive_seconds
+from ..units import count, memory_floor, milliseconds, parse_size, positive_seconds, tokens
 from . import http, httpd, model_names, prompts, responses, stable_prefix, startup, tenants
 from .config import ServeConfig, shared_config  # noqa: F401  (shared_config: the --shared flags, read here)
 from ..escape import logger
@@ -126,7 +126,7 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-dir", help="kvstore cache directory (default: $KVSTORE_DIR or the user cache dir)")
     g.add_argument("--max-disk-bytes", type=parse_size, default=None, help="disk budget, e.g. 20G (LRU eviction)")
     g.add_argument("--chunk-tokens", type=int, default=256, help="tokens per stored chunk (default 256)")
-    g.add_argument("--min-disk-hit", type=_tokens, default=MIN_DISK_HIT, metavar="TOKENS",
+    g.add_argument("--min-disk-hit", type=tokens, default=MIN_DISK_HIT, metavar="TOKENS",
                    help=f"the fewest tokens a disk or shared hit must restore when memory holds none of the "
                         f"prompt, unless it holds the whole prompt (default {MIN_DISK_HIT}: a prompt sharing "
                         f"only a chat template's header with a stored one is a miss; 0: any shared prefix)")
@@ -391,13 +391,3 @@ def _exit_now(code: int) -> None:
         except Exception:
             pass
     os._exit(code)
-
-
-def _tokens(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a number of tokens >= 0, got {text!r}")
-    return n

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..hoststate import releasing
+from ..units import whole
 from ..escape import logger
 
 log = logger("kvstore")
@@ -69,12 +70,9 @@ def preload_how(text: str) -> int | str:
     if text in ("pinned", "auto"):
         return text
     try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected pinned, auto or a number of entries >= 0, got {text!r}")
-    return n
+        return whole(text, "number of entries")
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected pinned, auto or a number of entries >= 0, got {text!r}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -273,3 +273,21 @@ def test_a_count_bound_reads_whole_numbers() -> None:
     from kvstore.units import count
 
     assert [count(t) for t in ("0", "5", " 1000 ", "2147483647")] == [0, 5, 1000, 2147483647]
+
+
+@pytest.mark.parametrize("text", ["-5", "1.5", "", "１０", "٣", "2147483648", "0x10"])
+def test_min_disk_hit_and_preload_refuse_what_is_not_a_whole_number_from_0(text: str) -> None:
+    """``--min-disk-hit`` and ``--preload N`` read their number as ``units.whole`` does:
+    ``int()`` took ``٣`` (an Arabic-Indic digit) and `` 5``, and their own -1 sentinel."""
+    from kvstore.serve import server, startup
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    server.setup_arg_parser(parser)
+    startup.add_arguments(parser)
+    with pytest.raises(argparse.ArgumentError, match=r"invalid number of tokens"):
+        parser.parse_args(["--min-disk-hit", text])
+    with pytest.raises(argparse.ArgumentError, match=r"expected pinned, auto or a number of entries >= 0"):
+        parser.parse_args(["--preload", text])
+    got = parser.parse_args(["--min-disk-hit", "0", "--preload", "12"])
+    assert (got.min_disk_hit, got.preload) == (0, 12)
+    assert parser.parse_args(["--preload", "pinned"]).preload == "pinned"
