@@ -363,6 +363,26 @@ def own_packs(blob_root: Path) -> tuple[list[OwnFile], list[Path]]:
     return own, foreign
 
 
+def named_files(directory: Path, name: re.Pattern[str]) -> list[tuple[str, os.stat_result]]:
+    """(name, lstat) of the regular files in ``directory`` whose whole name matches ``name``:
+    what kvstore's small record directories hold (``side_records``, stored responses). A
+    link, a directory or a FIFO of that name is not listed, and nothing is followed; an
+    entry gone between the listing and its stat is skipped. OSError if ``directory`` cannot
+    be listed (the caller says what that means)."""
+    out = []
+    with os.scandir(directory) as it:
+        for e in it:
+            if not name.fullmatch(e.name):
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                out.append((e.name, st))
+    return out
+
+
 def _scan(path: Path) -> list[os.DirEntry]:
     try:
         with os.scandir(path) as it:

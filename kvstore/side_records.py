@@ -54,21 +54,10 @@ def _listing(directory: Path) -> list[tuple[str, int]]:
     """(name, size) of the record files in ``directory`` (none if it is not a real directory)."""
     if not files.real_dir(directory):
         return []
-    out = []
     try:
-        with os.scandir(directory) as it:
-            for e in it:
-                if not _NAME.fullmatch(e.name):
-                    continue
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    out.append((e.name, st.st_size))
+        return [(name, st.st_size) for name, st in files.named_files(directory, _NAME)]
     except OSError:
         return []
-    return out
 
 
 def usage(root: Path) -> dict[str, Usage]:

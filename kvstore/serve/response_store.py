@@ -223,19 +223,11 @@ class ResponseStore:
         """Every record file (rank, size), lowest rank first; moves the next seq past theirs."""
         assert self.dir is not None
         found = []
-        with os.scandir(self.dir) as it:
-            for e in it:
-                if not _NAME.fullmatch(e.name):
-                    continue
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    kind, value = self._rank(e.name, st)
-                    found.append(((kind, value, e.name), st.st_size))
-                    if kind == _SEQ:
-                        self._next = max(self._next or 0, value + 1)
+        for name, st in files.named_files(self.dir, _NAME):
+            kind, value = self._rank(name, st)
+            found.append(((kind, value, name), st.st_size))
+            if kind == _SEQ:
+                self._next = max(self._next or 0, value + 1)
         names = {key[2] for key, _ in found}
         for gone in [n for n in self._ranks if n not in names]:
             del self._ranks[gone]
