@@ -108,13 +108,15 @@ def miss_note(tokens: Any) -> str:
 class RequestView:
     """The handler's ``response_generator`` for one request: the server's generator, whose
     ``generate`` attaches this request's context to the request it queues; all else the
-    generator's own."""
+    generator's own, read once per request (mlx-lm's handler reads ``cli_args`` nine times;
+    nothing it reads changes while a request is handled)."""
 
     def __init__(self, generator: Any, context: RequestContext) -> None:
         self._generator, self.context = generator, context
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._generator, name)
+        value = self.__dict__[name] = getattr(self._generator, name)
+        return value
 
     def generate(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         return self._generator.generate(attach(request, self.context), *args, **kwargs)
