@@ -47,6 +47,13 @@ def visible(text: Any, *, newlines: bool = True) -> str:
     return _control(newlines).sub(_escape, s)
 
 
+def shortened(text: str, limit: int = 100) -> str:
+    """``text`` as an error message repeats what a client sent: whole up to ``limit``
+    characters, else its first ``limit - 36`` and how long it was (a 60 KB id is not echoed
+    back whole)."""
+    return text if len(text) <= limit else f"{text[: limit - 36]}... ({len(text):,} characters)"
+
+
 class VisibleWriter(io.TextIOBase):
     """A text stream that writes ``visible(text)`` to ``raw`` (newlines kept)."""
 

@@ -56,7 +56,7 @@ from . import tenants
 from .chat_route import Tap, chat_error, drop_buffered_head, read_json, run_chat
 from .http import BodyError, send_json
 from .response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_COUNT, NotStored, ResponseStore
-from ..escape import logger
+from ..escape import logger, shortened
 
 log = logger("kvstore")
 PATH = "/v1/responses"
@@ -554,7 +554,7 @@ def handle_post(handler: Any, original: Callable[[Any], None], stored: Stored, s
         if body.get("previous_response_id"):
             record = stored.store().get(salt, body["previous_response_id"])
             if record is None:
-                raise RequestError(f"Previous response with id '{body['previous_response_id']}' not found.",
+                raise RequestError(f"Previous response with id '{shortened(str(body['previous_response_id']))}' not found.",
                                    "previous_response_id", 404)
             history = record.conversation
         chat, conversation, custom = chat_request(body, history)
@@ -647,4 +647,4 @@ def handle_get_or_delete(handler: Any, stored: Stored, policy: Any) -> None:
     elif stored.store().delete(salt, response_id):
         send_json(handler, 200, {"id": response_id, "object": "response", "deleted": True})
         return
-    send_json(handler, 404, error_body(f"Response with id '{response_id}' not found.", code=None))
+    send_json(handler, 404, error_body(f"Response with id '{shortened(response_id)}' not found.", code=None))

@@ -489,4 +489,11 @@ def test_malformed_stored_records_are_404s(model_dir: Path, tmp_path: Path) -> N
         assert outside.exists() and (d / record_name(None, "resp_link")).is_symlink()
         assert stat.S_ISFIFO(os.lstat(d / record_name(None, "resp_fifo")).st_mode)
         assert raw(s, "GET", f"/v1/responses/{good['id']}")[0] == 200 and continue_(s, good["id"])[0] == 200
+        long_id = "resp_" + "a" * 60_000  # an id no record has, of the longest a request line holds
+        for method, path, body in (("GET", f"/v1/responses/{long_id}", None),
+                                   ("POST", "/v1/responses", {"model": "tiny", "previous_response_id": long_id,
+                                                              "input": "x", "max_output_tokens": 1})):
+            status, err = raw(s, method, path, body)
+            message = err["error"]["message"]
+            assert status == 404 and len(message) < 200 and "(60,005 characters)" in message, (method, status, err)
         assert s.stop(signal.SIGTERM) == 0, s.log()
