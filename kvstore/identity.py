@@ -47,7 +47,7 @@ import xxhash
 
 from .files import open_foreign, read_foreign, special_files
 from .keys import FORMAT_VERSION
-from .model_layout import ModelLayout, Record, layout_from_config
+from .model_layout import ModelLayout, Record, layout_from_config, layout_of_model
 from .escape import logger
 
 log = logger("kvstore")
@@ -383,11 +383,16 @@ def model_identity(
     kv_group_size: int | None = None,
     layout: Record | None = None,
     memo: DigestMemo | None = None,
+    built: Any = None,
 ) -> Identity:
     """The identity of an mlx-lm model directory (plus adapter / draft / KV quantisation).
 
     ``layout`` defaults to what mlx-lm builds for this config; pass ``layout_of(cache)``
-    when the engine builds caches its own way (e.g. ``max_kv_size``).
+    when the engine builds caches its own way (e.g. ``max_kv_size``). ``built``: the model
+    the engine loaded from ``model_path`` (``mlx_lm.load``): the layout is probed on it
+    rather than on a second, lazily built one (``layout_of_model``: the same record, so
+    the same digest). Ignored with an adapter: the layout stays the base model's, probed
+    as before, whatever the adapter's layers do.
     """
     model_path = Path(model_path)
     comps: dict[str, Any] = dir_components(model_path, memo)
@@ -395,7 +400,9 @@ def model_identity(
     comps["draft"] = dir_components(Path(draft_path), memo) if draft_path else None
     comps["kv_bits"] = kv_bits
     comps["kv_group_size"] = kv_group_size if kv_bits else None
-    comps["layout"] = layout if layout is not None else layout_from_config(model_path)
+    if layout is None:
+        layout = layout_of_model(built) if built is not None and adapter_path is None else layout_from_config(model_path)
+    comps["layout"] = layout
     config = read_config(model_path)
     comps["code"] = code_digest(config, comps["layout"])
     try:

@@ -306,3 +306,20 @@ def test_threads_asking_at_once_share_one_derivation(tmp_path):
     assert len(got) == threads and None not in got
     assert len({i.digest for i in got}) == 1
     assert len(filed) == 1, f"derived {len(filed)} times for {threads} threads"
+
+
+LOADED_MODELS = [n for n in MODELS if n != "bench-qwen3-0.6b"]  # every model but the 2.4 GB one (built on demand)
+
+
+@pytest.mark.parametrize("name", LOADED_MODELS)
+def test_layout_of_the_loaded_model_is_the_one_built_lazily(name, load_named):
+    """``kvstore serve`` derives its identity with the model it loaded (``built=``) instead
+    of building a second one lazily: the layout record, so the digest, is the very same on
+    every architecture (a different digest would orphan every stored cache of the model)."""
+    from kvstore.model_layout import layout_from_config, layout_of_model
+
+    spec, path = MODELS[name], model_path(name)
+    model = load_named(name)[0]
+    assert layout_of_model(model) == layout_from_config(path)
+    quant = {"kv_bits": spec.kv_bits, "kv_group_size": spec.kv_group_size}
+    assert model_identity(path, built=model, **quant).digest == model_identity(path, **quant).digest
