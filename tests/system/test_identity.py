@@ -323,3 +323,24 @@ def test_layout_of_the_loaded_model_is_the_one_built_lazily(name, load_named):
     assert layout_of_model(model) == layout_from_config(path)
     quant = {"kv_bits": spec.kv_bits, "kv_group_size": spec.kv_group_size}
     assert model_identity(path, built=model, **quant).digest == model_identity(path, **quant).digest
+
+
+def test_the_code_digest_is_remembered_by_its_source_files(tmp_path):
+    """A memo gives the code digest computed without it, and its entry is used only while
+    its stamp (the Python version, each source file's stat) is current: a restart skips
+    parsing mlx-lm's sources, an mlx-lm upgrade (a source file replaced) computes it again."""
+    from kvstore.identity import DigestMemo, code_digest, read_config
+    from kvstore.model_layout import layout_from_config
+
+    path = model_path("tiny-gemma3")
+    config, layout = read_config(path), layout_from_config(path)
+    real = code_digest(config, layout)
+    memo_file = tmp_path / "memo.json"
+    assert code_digest(config, layout, DigestMemo(memo_file)) == real
+    [(key, (stamp, value))] = [(k, v) for k, v in json.loads(memo_file.read_text()).items() if k.startswith("code:")]
+    assert value == real
+    memo_file.write_text(json.dumps({key: [stamp, "remembered"]}))
+    assert code_digest(config, layout, DigestMemo(memo_file)) == "remembered"  # a hit: no source is read
+    stamp[2][0][-1] += 1  # the model module's ctime moved (its file was replaced): computed again
+    memo_file.write_text(json.dumps({key: [stamp, "remembered"]}))
+    assert code_digest(config, layout, DigestMemo(memo_file)) == real
