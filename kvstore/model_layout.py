@@ -5,8 +5,8 @@ what the model's own cache gives its arrays: for attention KV the geometry (KV h
 head_dim of keys and values, the KV dtype), for other arrays (recurrent state, a ``State``
 class's items) their whole shapes and dtypes. It is what tells a cache of one model from a
 cache of another with the same layer classes. ``layout_from_config`` derives it from
-mlx-lm's own ``make_prompt_cache`` and a lazy one-token forward; ``layout_of`` reads it off
-a prompt cache. An identity records it as JSON (``ModelLayout.to_json``: the ``layout``
+mlx-lm's own ``make_prompt_cache`` and a lazy one-token forward (``layout_of_model``: the same,
+probed on a model the engine already loaded); ``layout_of`` reads it off a prompt cache. An identity records it as JSON (``ModelLayout.to_json``: the ``layout``
 component, hashed, so its form never changes); ``fit`` checks caches against it.
 """
 

@@ -315,12 +315,24 @@ LOADED_MODELS = [n for n in MODELS if n != "bench-qwen3-0.6b"]  # every model bu
 def test_layout_of_the_loaded_model_is_the_one_built_lazily(name, load_named):
     """``kvstore serve`` derives its identity with the model it loaded (``built=``) instead
     of building a second one lazily: the layout record, so the digest, is the very same on
-    every architecture (a different digest would orphan every stored cache of the model)."""
+    every architecture (a different digest would orphan every stored cache of the model),
+    and the probe, traced on the served model, leaves that model computing what it did."""
     from kvstore.model_layout import layout_from_config, layout_of_model
+
+    import mlx.core as mx
 
     spec, path = MODELS[name], model_path(name)
     model = load_named(name)[0]
+    tokens = mx.array([[1, 2, 3, 4]])
+    try:
+        before = model(tokens)
+        mx.eval(before)
+    except Exception:  # tiny-muse-spark's kernels run on Metal only
+        before = None
     assert layout_of_model(model) == layout_from_config(path)
+    if before is not None:  # the probe left the served model as it was: the same logits
+        after = model(tokens)
+        assert mx.array_equal(before, after).item(), name
     quant = {"kv_bits": spec.kv_bits, "kv_group_size": spec.kv_group_size}
     assert model_identity(path, built=model, **quant).digest == model_identity(path, **quant).digest
 
