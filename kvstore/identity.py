@@ -41,13 +41,13 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import xxhash
 
 from .files import open_foreign, read_foreign, special_files
 from .keys import FORMAT_VERSION
-from .model_layout import ModelLayout, Record, layout_from_config
+from .model_layout import ModelLayout, Record, layout_from_config, layout_of_model
 from .escape import logger
 
 log = logger("kvstore")
@@ -130,15 +130,18 @@ class DigestMemo:
         return memo if isinstance(memo, dict) else {}
 
     def digest(self, file: Path) -> str:
-        st = file.stat()
-        key = str(file.resolve())
-        stamp = file_stamp(st)
+        """``hash_file(file)``, remembered by the file's ``file_stamp``."""
+        return self.remembered(str(file.resolve()), file_stamp(file.stat()), lambda: hash_file(file))
+
+    def remembered(self, key: str, stamp: list, compute: Callable[[], str]) -> str:
+        """The value filed under ``key`` with this ``stamp`` (a JSON list: what the value is
+        a function of), else ``compute()``, filed."""
         with self._lock:
             memo = self._read()
             hit = memo.get(key)
             if isinstance(hit, list) and len(hit) == 2 and hit[0] == stamp and isinstance(hit[1], str):
                 return hit[1]
-            value = hash_file(file)
+            value = compute()
             if self.path is not None and self.write:
                 from .files import PRIVATE, replace_file
 
@@ -310,21 +313,53 @@ def dir_components(model_dir: Path, memo: DigestMemo | None = None) -> dict[str,
     return comps
 
 
-def code_digest(config: dict, layout: Record) -> str | None:
+def code_digest(config: dict, layout: Record, memo: DigestMemo | None = None) -> str | None:
     """A digest of the code that computes this model's KV: the source of the mlx-lm module
     that builds the model, of every ``mlx_lm.models`` module it reaches (attention, RoPE,
     activations), and of each cache class in ``layout`` with its kvstore-relevant bases.
     ``mlx_lm.models.cache`` is hashed per class, so a change to an unrelated class (the
-    prompt cache, say) keeps the cache. None when mlx-lm cannot name the model's module."""
+    prompt cache, say) keeps the cache. None when mlx-lm cannot name the model's module.
+
+    With a ``memo`` the digest is remembered by what it is a function of: the Python
+    version (``inspect`` finds a class's source), the modules' names and the
+    ``file_stamp`` of each source file, and the layout's classes; a restart then skips
+    ``inspect.getsource``, which parses the whole of ``mlx_lm/models/cache.py`` once per
+    class (60 ms each here, most of a restarted server's identity)."""
     try:
         from mlx_lm.utils import _get_classes  # present in mlx-lm 0.31 and 0.32
 
         root = sys.modules[_get_classes(config)[0].__module__]
     except Exception:
         return None
-    h = xxhash.xxh3_128()
     others = sorted((n, m) for n, m in _model_modules(root).items() if m is not root)
-    for name, module in [("", root)] + others:  # the root's own name (model_type) is not code
+    modules = [("", root)] + others
+    classes = sorted(ModelLayout.from_json(layout).classes)
+    stamp = _code_stamp(root, [m for _, m in modules], classes) if memo is not None else None
+    if memo is None or stamp is None:
+        return _code_digest(modules, classes)
+    return memo.remembered(f"code:{root.__name__}:{','.join(classes)}", stamp, lambda: _code_digest(modules, classes))
+
+
+def _code_stamp(root: Any, modules: list[Any], classes: list[str]) -> list | None:
+    """What ``_code_digest`` of these modules and classes is a function of (JSON); None
+    when a source file cannot be named or stat'ed (then nothing is remembered)."""
+    from mlx_lm.models import cache as mlx_cache
+
+    files = []
+    for module in modules + [mlx_cache]:
+        try:
+            path = inspect.getsourcefile(module)
+            if not path:
+                return None
+            files.append([module.__name__, path, *file_stamp(os.stat(path))])
+        except (OSError, TypeError):
+            return None
+    return [sys.version, root.__name__, files, classes]
+
+
+def _code_digest(modules: list[tuple[str, Any]], classes: list[str]) -> str:
+    h = xxhash.xxh3_128()
+    for name, module in modules:  # the root's own name (model_type) is not code
         h.update(name.encode() + b"\0")
         try:
             h.update(Path(inspect.getsourcefile(module) or "").read_bytes())
@@ -332,7 +367,7 @@ def code_digest(config: dict, layout: Record) -> str | None:
             h.update(b"?")
     from mlx_lm.models import cache as mlx_cache
 
-    for cls_name in sorted(ModelLayout.from_json(layout).classes):
+    for cls_name in classes:
         for cls in getattr(getattr(mlx_cache, cls_name, None), "__mro__", ()):
             if getattr(cls, "__module__", None) == mlx_cache.__name__:
                 try:
@@ -383,11 +418,16 @@ def model_identity(
     kv_group_size: int | None = None,
     layout: Record | None = None,
     memo: DigestMemo | None = None,
+    built: Any = None,
 ) -> Identity:
     """The identity of an mlx-lm model directory (plus adapter / draft / KV quantisation).
 
     ``layout`` defaults to what mlx-lm builds for this config; pass ``layout_of(cache)``
-    when the engine builds caches its own way (e.g. ``max_kv_size``).
+    when the engine builds caches its own way (e.g. ``max_kv_size``). ``built``: the model
+    the engine loaded from ``model_path`` (``mlx_lm.load``): the layout is probed on it
+    rather than on a second, lazily built one (``layout_of_model``: the same record, so
+    the same digest). Ignored with an adapter: the layout stays the base model's, probed
+    as before, whatever the adapter's layers do.
     """
     model_path = Path(model_path)
     comps: dict[str, Any] = dir_components(model_path, memo)
@@ -395,9 +435,11 @@ def model_identity(
     comps["draft"] = dir_components(Path(draft_path), memo) if draft_path else None
     comps["kv_bits"] = kv_bits
     comps["kv_group_size"] = kv_group_size if kv_bits else None
-    comps["layout"] = layout if layout is not None else layout_from_config(model_path)
+    if layout is None:
+        layout = layout_of_model(built) if built is not None and adapter_path is None else layout_from_config(model_path)
+    comps["layout"] = layout
     config = read_config(model_path)
-    comps["code"] = code_digest(config, comps["layout"])
+    comps["code"] = code_digest(config, comps["layout"], memo)
     try:
         import mlx.core as mx
         import mlx_lm

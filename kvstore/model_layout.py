@@ -5,8 +5,8 @@ what the model's own cache gives its arrays: for attention KV the geometry (KV h
 head_dim of keys and values, the KV dtype), for other arrays (recurrent state, a ``State``
 class's items) their whole shapes and dtypes. It is what tells a cache of one model from a
 cache of another with the same layer classes. ``layout_from_config`` derives it from
-mlx-lm's own ``make_prompt_cache`` and a lazy one-token forward; ``layout_of`` reads it off
-a prompt cache. An identity records it as JSON (``ModelLayout.to_json``: the ``layout``
+mlx-lm's own ``make_prompt_cache`` and a lazy one-token forward (``layout_of_model``: the same,
+probed on a model the engine already loaded); ``layout_of`` reads it off a prompt cache. An identity records it as JSON (``ModelLayout.to_json``: the ``layout``
 component, hashed, so its form never changes); ``fit`` checks caches against it.
 """
 
@@ -155,13 +155,23 @@ def layout_from_config(model_dir: Path) -> Record:
     mlx-lm's ``make_prompt_cache`` gives them: never an error. Built on a thread of its own
     (``hoststate.isolated``): building a model draws from MLX's per-thread random key.
     """
-    return isolated(lambda: _layout(Path(model_dir)).to_json(), "kvstore-identity")  # draws no RNG of the caller
+    return isolated(lambda: _layout(*_lazy_model(Path(model_dir))).to_json(), "kvstore-identity")  # draws no RNG of the caller
 
 
-def _layout(model_dir: Path) -> ModelLayout:
+def layout_of_model(model: Any) -> Record:
+    """``layout_from_config``'s record, probed on a model the engine already loaded from
+    that directory (``mlx_lm.load``, no adapter): the same record, without building the
+    model a second time (config read, weight headers, module tree, quantisation). The
+    probe is the same lazy one-token forward, traced, never evaluated, on a thread of its
+    own; the model's weights are neither read nor changed. ``tests/system/test_identity``
+    proves the records equal on every tiny architecture."""
+    return isolated(lambda: _layout(model, True).to_json(), "kvstore-identity")
+
+
+def _layout(model: Any, real: bool) -> ModelLayout:
+    """The layout of ``model``; its dtypes only when ``real`` (its weights were loaded)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    model, real = _lazy_model(model_dir)
     try:
         made = model_layout_of(_probe(model))
         if made.has_shapes:  # recurrent state: which of its axes grow with the prompt?

@@ -66,8 +66,10 @@ class Resolver:
         self._vocab: dict[bytes, int | None] = {}
         self._kv_quant = (kv_bits, kv_group_size if kv_bits else None)
 
-    def identity(self, model: Any) -> Identity | None:
-        """``model``'s identity; None if it names no local files (said once, memory only)."""
+    def identity(self, model: Any, built: Any = None) -> Identity | None:
+        """``model``'s identity; None if it names no local files (said once, memory only).
+        ``built``: the engine's loaded model of that key, used if the identity is derived
+        now (``model_identity``: its layout probed on it, the same digest)."""
         if isinstance(model, Identity):
             return model
         try:
@@ -81,7 +83,7 @@ class Resolver:
             again = self._idents.get(key)
             if again is not None and again is not known and self._current(again):
                 return again[0]
-            ident = self._derive(model, key)
+            ident = self._derive(model, key, built)
         if known is not None and known[0] is not None and ident is not None and known[0].digest != ident.digest:
             self.previous[ident.digest] = known[0]
         return ident
@@ -91,7 +93,7 @@ class Resolver:
         ident, dirs, stamp = known
         return dirs is None or (stamp is not None and _unchanged(stamp)) or watch(*dirs) == stamp
 
-    def _derive(self, model: Any, key: Hashable) -> Identity | None:
+    def _derive(self, model: Any, key: Hashable, built: Any = None) -> Identity | None:
         ident, dirs, stamp = None, None, None
         try:
             parts = list(model) if isinstance(model, (tuple, list)) else [model]
@@ -100,7 +102,7 @@ class Resolver:
             if path is not None:
                 dirs = (path, adapter, draft)
                 stamp = watch(*dirs)
-                ident = model_identity(path, adapter_path=adapter, draft_path=draft, memo=self.memo,
+                ident = model_identity(path, adapter_path=adapter, draft_path=draft, memo=self.memo, built=built,
                                        kv_bits=self._kv_quant[0], kv_group_size=self._kv_quant[1])
                 if self._file is not None:
                     self._file(ident)

@@ -170,11 +170,12 @@ class KVStore:
 
     # -- identity ----------------------------------------------------------------------
 
-    def identity(self, model: Any) -> Identity | None:
+    def identity(self, model: Any, *, built: Any = None) -> Identity | None:
         """Map a model key to its identity; None if it names no local files (``Resolver``:
         re-derived when any file it came from changed, so a model replaced in place never
-        restores the old model's KV)."""
-        return self.models.identity(model)
+        restores the old model's KV). ``built``: the engine's loaded model of that key, so
+        a derivation now does not build it again (the same digest: ``model_identity``)."""
+        return self.models.identity(model, built)
 
     def set_kv_quant(self, kv_bits: int | None, kv_group_size: int | None = 64) -> None:
         """Name the KV quantisation the engine runs with (part of every identity this store

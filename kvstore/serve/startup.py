@@ -4,6 +4,9 @@ mlx_lm.server loads its model on its generation thread while the HTTP socket alr
 listens. ``provider_class`` is the ``ModelProvider`` kvstore serve gives it, whose ``load_default`` (run on that
 thread before it takes any request) then
 
+0. resolves the model's identity (``KVStore.identity``: file digests from the memo, the
+   code digest, the cache layout probed on the model just loaded rather than a second
+   one), so the first request does not pay it; ``identity_seconds`` says what it cost;
 1. runs one forward pass of a few tokens on a scratch cache (``kvstore.generate.warm_up``),
    so the first request does not pay the first call's cost (weights read in, kernels and
    BLAS set up); ``--no-warmup`` skips it;
@@ -11,7 +14,7 @@ thread before it takes any request) then
    tier (``--preload pinned | auto | N``: ``KVStore.preload``); ``--preload-background``
    runs it on its own thread once the server is ready, beside live traffic (a live insert
    always wins: the preload never evicts, and stops at the first entry that does not fit);
-3. marks the server ready and logs ``kvstore: ready: ...``.
+3. marks the server ready and logs ``kvstore: ready: ...`` (with the identity's time).
 
 Readiness: until step 3, ``GET /health`` and ``GET /v1/models`` answer 503, /health with
 ``{"status": "starting"}``; ``GET /v1/cache/stats`` says where the start is under
@@ -111,10 +114,13 @@ def provider_class(base: type, opts: Options, stores: list[Any], progress: Progr
 
 
 def start(provider: Any, opts: Options, cache: Any, progress: ProgressFactory | None) -> None:
-    """Steps 1-3 of the module docstring, on the generation thread."""
+    """Steps 0-3 of the module docstring, on the generation thread."""
     from ..generate import warm_up
 
     model = provider.model
+    store = getattr(cache, "store", None)
+    if store is not None and model is not None:
+        STATE.info["identity_seconds"] = identify(store, provider.model_key, model)
     if opts.warmup and model is not None:
         STATE.phase = "warming up"
         seconds = warm_up(model)
@@ -139,6 +145,15 @@ def start(provider: Any, opts: Options, cache: Any, progress: ProgressFactory | 
     if later is not None:
         STATE.thread = threading.Thread(target=releasing(later), name="kvstore-preload", daemon=True)
         STATE.thread.start()
+
+
+def identify(store: Any, model_key: Any, model: Any) -> float:
+    """Seconds ``store.identity(model_key)`` took, derived with the loaded ``model`` (its
+    layout is not built again); the store keeps it, so no request derives it. A failure
+    is the store's to say (memory only, logged once): the start goes on."""
+    t0 = time.perf_counter()
+    store.identity(model_key, built=model)
+    return round(time.perf_counter() - t0, 3)
 
 
 def preload(cache: Any, model_key: Any, opts: Options, max_bytes: int | None,
@@ -193,6 +208,9 @@ def mark_ready(opts: Options) -> None:
     STATE.phase = "ready"
     STATE.ready.set()
     parts = [f"model loaded in {STATE.info.get('load_seconds', 0):.1f} s"]
+    ident = STATE.info.get("identity_seconds")
+    if ident is not None:
+        parts.append(f"identity {ident:.2f} s")
     warm = STATE.info.get("warmup_seconds")
     parts.append(f"warm-up {warm:.2f} s" if warm is not None else "no warm-up")
     pre = STATE.info.get("preload")
@@ -228,7 +246,7 @@ def _generation_alive(generator: Any) -> bool:
 
 def startup_stats() -> dict[str, Any]:
     """What ``GET /v1/cache/stats`` says of the start under ``"startup"``: ``ready``,
-    ``phase`` and the timings (``load_seconds``, ``warmup_seconds``, ``ready_seconds``,
+    ``phase`` and the timings (``load_seconds``, ``identity_seconds``, ``warmup_seconds``, ``ready_seconds``,
     ``preload``: how, entries, stopped...)."""
     if not STATE.installed:  # mlx_lm.server's own start: no kvstore phases
         return {}

@@ -306,3 +306,53 @@ def test_threads_asking_at_once_share_one_derivation(tmp_path):
     assert len(got) == threads and None not in got
     assert len({i.digest for i in got}) == 1
     assert len(filed) == 1, f"derived {len(filed)} times for {threads} threads"
+
+
+LOADED_MODELS = [n for n in MODELS if n != "bench-qwen3-0.6b"]  # every model but the 2.4 GB one (built on demand)
+
+
+@pytest.mark.parametrize("name", LOADED_MODELS)
+def test_layout_of_the_loaded_model_is_the_one_built_lazily(name, load_named):
+    """``kvstore serve`` derives its identity with the model it loaded (``built=``) instead
+    of building a second one lazily: the layout record, so the digest, is the very same on
+    every architecture (a different digest would orphan every stored cache of the model),
+    and the probe, traced on the served model, leaves that model computing what it did."""
+    from kvstore.model_layout import layout_from_config, layout_of_model
+
+    import mlx.core as mx
+
+    spec, path = MODELS[name], model_path(name)
+    model = load_named(name)[0]
+    tokens = mx.array([[1, 2, 3, 4]])
+    try:
+        before = model(tokens)
+        mx.eval(before)
+    except Exception:  # tiny-muse-spark's kernels run on Metal only
+        before = None
+    assert layout_of_model(model) == layout_from_config(path)
+    if before is not None:  # the probe left the served model as it was: the same logits
+        after = model(tokens)
+        assert mx.array_equal(before, after).item(), name
+    quant = {"kv_bits": spec.kv_bits, "kv_group_size": spec.kv_group_size}
+    assert model_identity(path, built=model, **quant).digest == model_identity(path, **quant).digest
+
+
+def test_the_code_digest_is_remembered_by_its_source_files(tmp_path):
+    """A memo gives the code digest computed without it, and its entry is used only while
+    its stamp (the Python version, each source file's stat) is current: a restart skips
+    parsing mlx-lm's sources, an mlx-lm upgrade (a source file replaced) computes it again."""
+    from kvstore.identity import DigestMemo, code_digest, read_config
+    from kvstore.model_layout import layout_from_config
+
+    path = model_path("tiny-gemma3")
+    config, layout = read_config(path), layout_from_config(path)
+    real = code_digest(config, layout)
+    memo_file = tmp_path / "memo.json"
+    assert code_digest(config, layout, DigestMemo(memo_file)) == real
+    [(key, (stamp, value))] = [(k, v) for k, v in json.loads(memo_file.read_text()).items() if k.startswith("code:")]
+    assert value == real
+    memo_file.write_text(json.dumps({key: [stamp, "remembered"]}))
+    assert code_digest(config, layout, DigestMemo(memo_file)) == "remembered"  # a hit: no source is read
+    stamp[2][0][-1] += 1  # the model module's ctime moved (its file was replaced): computed again
+    memo_file.write_text(json.dumps({key: [stamp, "remembered"]}))
+    assert code_digest(config, layout, DigestMemo(memo_file)) == real

@@ -237,3 +237,27 @@ def test_background_preload_reports_ready_first_and_keeps_to_the_budget(model_di
     assert done["stopped"] == "budget" and done["preloaded_entries"] == st["preloaded_entries"], done
     assert before(log, "kvstore: ready: ", "kvstore: preloaded "), log
     assert "preload (auto) continues in the background" in log
+
+
+def test_the_start_resolves_the_identity_and_says_what_it_cost(model_dir: Path, tmp_path: Path) -> None:
+    """The model's identity is derived at the start, with the model just loaded (issue 56.3):
+    before any request the cache directory's index holds it, with the digest a lazily built
+    model gives (``model_identity``: a changed digest would orphan the stored caches), and
+    the ready line and ``/v1/cache/stats`` "startup" say what it took."""
+    from kvstore import model_identity
+    from kvstore.cachedir import open_disk
+
+    cache_dir = tmp_path / "cache"
+    with Server(model_dir, cache_dir, tmp_path / "server.log", ["--no-warmup"]) as s:
+        startup = s.stats()["startup"]
+        disk = open_disk(cache_dir)
+        try:
+            filed = set(disk.index.identities())
+        finally:
+            disk.close()
+        assert s.stop(signal.SIGTERM) == 0
+        log = full_log(s)
+    assert startup["ready"] and isinstance(startup["identity_seconds"], float), startup
+    assert filed == {model_identity(model_dir).hex}, filed
+    ready = next(line for line in log.splitlines() if "kvstore: ready: " in line)
+    assert f"identity {startup['identity_seconds']:.2f} s" in ready, ready
