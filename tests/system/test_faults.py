@@ -202,14 +202,20 @@ def test_damaged_free_page_list_met_by_a_store_is_reported_and_salvaged(tmp_path
     ident, prompts = _store_with_free_list(tmp_path)
     _damage_free_list(tmp_path)
 
-    def use() -> dict:
+    def use(writes: int = 1) -> dict:
+        """Serve every prompt, then write up to ``writes`` new entries, stopping at the first
+        that meets the damage: which commit reads the damaged page is LMDB's choice of pages
+        (seen once under load: the first new entry's commit did not read it)."""
         with KVStore(tmp_path, chunk_tokens=32) as s:
             served = sum(s.fetch(ident, t).n == len(t) for t in prompts)
-            s.insert(ident, list(range(300, 370)), synth_kv_cache(2, 2, 70, 8))
-            s.flush()
+            for i in range(writes):
+                s.insert(ident, list(range(300 + 100 * i, 370 + 100 * i)), synth_kv_cache(2, 2, 70, 8, seed=i))
+                s.flush()
+                if "disk_off" in s.stats():
+                    break
             return dict(s.stats(), served=served)
 
-    first = use()
+    first = use(writes=20)
     assert first["served"] > 0 and "disk_off" in first, first  # met at a write: memory keeps serving
     cli = [sys.executable, "-m", "kvstore.cli", "verify", "--cache-dir", str(tmp_path)]
     found = subprocess.run(cli, capture_output=True, text=True)
