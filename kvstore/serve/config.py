@@ -8,23 +8,19 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..options import StoreOptions
+from ..options import DROP_IN, StoreOptions
 from . import stable_prefix, startup, tenants
 from .http import MAX_BODY_BYTES
 from .responses import DEFAULT_MAX_BYTES as RESPONSES_MAX_BYTES, DEFAULT_MAX_COUNT as RESPONSES_MAX_COUNT
 
-# the store options kvstore serve's flags set (``StoreOptions`` names), handed to its prompt cache
-SERVED_STORE_OPTIONS = ("cache_dir", "max_disk_bytes", "chunk_tokens", "queue_size", "persist",
-                        "max_write_bytes_per_day", "memory_floor", "min_disk_hit", "min_memory_hit", "shared")
-
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """What ``kvstore serve``'s flags decided. ``store`` None: the prompt cache's own
-    defaults (an engine's ``patch``, the upstream gate); else the options its flags set
-    (``SERVED_STORE_OPTIONS``)."""
+    """What ``kvstore serve``'s flags decided. ``store``: the settings of its prompt cache,
+    the drop-in's (``options.DROP_IN``) with what the flags set; the default (an engine's
+    ``patch``, the upstream gate) is the drop-in's own."""
 
-    store: StoreOptions | None = None
+    store: StoreOptions = DROP_IN
     policy: tenants.Policy = field(default_factory=tenants.Policy)
     stable: stable_prefix.Config = field(default_factory=stable_prefix.Config)
     start: startup.Options = field(default_factory=startup.Options)
@@ -43,7 +39,7 @@ class ServeConfig:
         adds); ValueError naming a bad ``--volatile`` pattern (``rules``: those already
         compiled from them); SystemExit for a bad ``--shared-*`` flag (``shared_config``)."""
         shared = shared_config(ours)
-        store = StoreOptions(
+        store = DROP_IN.but(
             cache_dir=ours.cache_dir, max_disk_bytes=ours.max_disk_bytes, chunk_tokens=ours.chunk_tokens,
             queue_size=ours.write_queue, persist=ours.persist, max_write_bytes_per_day=ours.max_write_bytes_per_day,
             memory_floor=ours.memory_floor, min_disk_hit=ours.min_disk_hit,
@@ -59,16 +55,6 @@ class ServeConfig:
             served_names=tuple(n for n in ours.served_model_name if n),
             strict_model_names=bool(ours.strict_model_names),
             responses_max_count=ours.responses_max_count, responses_max_bytes=ours.responses_max_bytes)
-
-    def prompt_cache_options(self) -> dict[str, Any]:
-        """The keywords kvstore serve hands its ``LRUPromptCache`` (``SERVED_STORE_OPTIONS`` of
-        ``store``; ``shared`` only when a flag set it: else the store reads ``$KVSTORE_SHARED``)."""
-        if self.store is None:
-            return {}
-        out = {k: getattr(self.store, k) for k in SERVED_STORE_OPTIONS}
-        if out["shared"] is None:
-            del out["shared"]
-        return out
 
 
 def shared_config(ours: argparse.Namespace) -> Any:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..floors import MIN_DISK_HIT
+from ..options import StoreOptions
 from ..pressure import DEFAULT_MEMORY_FLOOR
 from ..units import count, memory_floor, milliseconds, parse_size, positive_seconds, tokens
 from . import http, httpd, model_names, prompts, responses, stable_prefix, startup, tenants
@@ -56,15 +57,15 @@ log = logger("kvstore")
 PATCHED_NAMES = ("APIHandler", "ResponseGenerator", "LRUPromptCache", "BatchGenerator", "json", "run", "ModelProvider")
 
 
-def bind_prompt_cache(stores: list[Any], **options: Any) -> type[LRUPromptCache]:
-    """A ``LRUPromptCache`` class whose constructor takes mlx-lm's arguments only and adds
-    ``options`` (cache_dir, max_disk_bytes, ...): what an engine instantiates itself. Each
-    instance is appended to ``stores`` (the server's: ``Served.stores``)."""
+def bind_prompt_cache(stores: list[Any], options: StoreOptions) -> type[LRUPromptCache]:
+    """A ``LRUPromptCache`` class whose constructor takes mlx-lm's arguments only and runs
+    on ``options`` (mlx-lm's limits, when given, over theirs): what an engine instantiates
+    itself. Each instance is appended to ``stores`` (the server's: ``Served.stores``)."""
     from ..adapters.mlx_lm import LRUPromptCache
 
     class BoundPromptCache(LRUPromptCache):
-        def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63) -> None:
-            super().__init__(max_size, max_bytes, **options)
+        def __init__(self, max_size: int | None = None, max_bytes: int | None = None) -> None:
+            super().__init__(max_size, max_bytes, options=options)
             stores.append(self)
 
     return BoundPromptCache
@@ -83,7 +84,7 @@ def patch(server_mod: Any, config: ServeConfig | None = None, *, progress: start
     ``APIHandler`` (``kvstore.serve.handler``: kvstore's routes), ``ResponseGenerator``
     (``kvstore.serve.generator``: the prompt steps, the KV quantisation told to the cache),
     both bound to ``config`` (default: every option off); ``LRUPromptCache`` bound to
-    ``config``'s store options and ``options`` (``LRUPromptCache``'s keywords: cache_dir,
+    ``config``'s store options with ``options`` (``StoreOptions`` names: cache_dir,
     ...); ``BatchGenerator`` keeping each sequence's salt; ``json`` (a body admitted once is
     parsed once: ``http.ParsedOnce``); ``run`` (``httpd.runner``: kvstore's HTTP server with
     kvstore's handler; mlx-lm's own hands its server the class it was defined with); with ``warm_start`` (``kvstore serve``), ``ModelProvider``
@@ -97,7 +98,7 @@ def patch(server_mod: Any, config: ServeConfig | None = None, *, progress: start
     config = config if config is not None else ServeConfig()
     served = Served.of(config)
     bound = {"config": config, "__module__": __name__}
-    server_mod.LRUPromptCache = bind_prompt_cache(served.stores, **{**config.prompt_cache_options(), **options})
+    server_mod.LRUPromptCache = bind_prompt_cache(served.stores, config.store.but(**options))
     server_mod.ResponseGenerator = type("ResponseGenerator", (Generator,), bound)
     server_mod.APIHandler = type("APIHandler", (Handler,), {**bound, "served": served})
     server_mod.BatchGenerator = tenants.salted_batches(BatchGenerator)
