@@ -14,8 +14,6 @@ import time
 from pathlib import Path
 from queue import Queue
 
-import pytest
-
 from kvstore.adapters.mlx_lm import LRUPromptCache
 from tests.support.caches import rand_tokens, synth
 
