@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import misses
+from ..escape import visible
 from ..options import StoreOptions
 from . import common
 
@@ -45,10 +46,12 @@ def setup_arg_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--sort-tools", action="store_true", help="the server runs with --sort-tools")
     p.add_argument("--keep-billing-header", action="store_true", help="the server runs with --keep-billing-header")
     p.add_argument("--stable-prefix", action="store_true",
-                   help="the server runs with --stable-prefix: render the request as it would (what the cache "
-                        "directory records of the session's first values is read, never written) and say what moved")
-    p.add_argument("--volatile", action="append", default=[], metavar="REGEX",
-                   help="the server's --volatile rules (imply --stable-prefix)")
+                   help="on by default, as in kvstore serve: render the request as the server would (the cache "
+                        "directory's records of the session's first values and its salt's learned spans are read, "
+                        "never written) and say what moved")
+    p.add_argument("--no-stable-prefix", action="store_true", help="the server runs with --no-stable-prefix")
+    p.add_argument("--no-learned-spans", action="store_true", help="the server runs with --no-learned-spans")
+    p.add_argument("--volatile", action="append", default=[], metavar="REGEX", help="the server's --volatile rules")
     common.add_cache_dir(p)
     common.add_json(p)
     return p
@@ -178,13 +181,15 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     out["part"] = _part(out, request, own, rendered, tokenizer)
     out["stable_prefix"] = stable.moved.as_json() if stable is not None and stable.moved is not None else None
     out["stable_prefix_said"] = stable.moved.describe() if stable is not None and stable.moved is not None else None
+    learner = stable.memory.learner if stable is not None else None
+    out["learned_spans"] = [x.as_json() for x in learner.learned(stable.salt_key)] if learner is not None else []
     return out
 
 
 def _stable(args: argparse.Namespace, body: Any) -> Any:
     """The server's ``--stable-prefix`` for ``request_tokens`` (None when it runs without):
     the cache directory's records, read only, under the body's ``cache_salt``."""
-    if not (args.stable_prefix or args.volatile):
+    if args.no_stable_prefix:
         return None
     from ..serve import stable_prefix
     from ..salt import salt_key
@@ -194,7 +199,8 @@ def _stable(args: argparse.Namespace, body: Any) -> Any:
     except ValueError as e:
         raise common.CLIError(str(e)) from None
     salt = body.get("cache_salt") if isinstance(body, dict) else None
-    return stable_prefix.Render(rules, stable_prefix.Memory(common.cache_dir(args), write=False),
+    return stable_prefix.Render(rules, stable_prefix.Memory(common.cache_dir(args), write=False,
+                                                            learn=not args.no_learned_spans),
                                 salt_key(salt) if isinstance(salt, str) and salt else None)
 
 
@@ -274,6 +280,9 @@ def run(args: argparse.Namespace) -> int:
               f"the nearest shares {o['shared_tokens']} tokens")
     if info.get("stable_prefix_said"):
         print(f"stable      {info['stable_prefix_said']}")
+    for x in info.get("learned_spans", []):
+        before, after = visible(x["before"][-60:], newlines=False), visible(x["after"][:60], newlines=False)
+        print(f'learned     {x["name"]}: the lines between "{before}" and "{after}"')
     reason = info["reason"]
     if reason is None:
         why = ("the store serves all it holds of this request" if info["serves"] else

@@ -4,6 +4,8 @@ and the start: no module global is written at run time."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,12 +47,13 @@ class ServeConfig:
             memory_floor=ours.memory_floor, min_disk_hit=ours.min_disk_hit,
             min_memory_hit=ours.min_disk_hit,  # one rule for every tier in the usage it reports
             shared=shared)
+        stable = stable_prefix.Config.from_flags(not ours.no_stable_prefix, ours.volatile,
+                                                 learn=not ours.no_learned_spans,
+                                                 max_count=ours.stable_prefix_max_count,
+                                                 max_bytes=ours.stable_prefix_max_bytes, rules=rules)
         return cls(
-            store=store, policy=policy,
-            stable=stable_prefix.Config.from_flags(ours.stable_prefix, ours.volatile,
-                                                   max_count=ours.stable_prefix_max_count,
-                                                   max_bytes=ours.stable_prefix_max_bytes, rules=rules),
-            start=startup.options(ours), max_body_bytes=ours.max_body_bytes,
+            store=store, policy=policy, stable=stable,
+            start=dataclasses.replace(startup.options(ours), said=(stable.said(),)), max_body_bytes=ours.max_body_bytes,
             keep_billing_header=ours.keep_billing_header, sort_tools=ours.sort_tools,
             served_names=tuple(n for n in ours.served_model_name if n),
             strict_model_names=bool(ours.strict_model_names),

@@ -72,6 +72,16 @@ class Generator(MlxResponseGenerator):
         ctx.rendered = rendered.of(self.model_provider, tokenizer, request, args, got[0], blocks)
         return _carried(got, ctx)
 
+    def learned_spans(self, salt: Any) -> list[dict[str, str]]:
+        """The spans ``--stable-prefix`` learned under ``salt`` (``GET /v1/cache/stats``:
+        the caller's salt only)."""
+        if not self.config.stable.enabled or not self.config.stable.learn:
+            return []
+        from ..salt import salt_key
+
+        learner = self._stable_memory().learner
+        return [x.as_json() for x in learner.learned(salt_key(salt) if salt is not None else None)] if learner else []
+
     def _stable_memory(self) -> stable_prefix.Memory:
         """The ``--stable-prefix`` records of this server's cache directory (made once)."""
         with self._memory_lock:

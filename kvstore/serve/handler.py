@@ -177,7 +177,11 @@ def stats(handler: Any) -> None:
         send_json(handler, 400, {"error": {"message": str(e), "type": "invalid_request_error",
                                            "param": "cache_salt", "code": "invalid_cache_salt"}})
         return
-    send_json(handler, 200, cache_stats(handler.served, salt))
+    out = cache_stats(handler.served, salt)
+    learned = getattr(handler.response_generator, "learned_spans", None)
+    if callable(learned):  # the caller's salt's learned spans only: a tenant sees its own
+        out["stable_prefix"] = {"learned_spans": learned(salt)}
+    send_json(handler, 200, out)
 
 
 def prometheus(handler: Any) -> None:

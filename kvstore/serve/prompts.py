@@ -108,7 +108,8 @@ def render_request(tokenizer: Any, body: Any, *, sort_tools: bool = False, keep_
         if stable is not None:
             messages, stable.moved = stable_prefix.stabilize(messages, stable.rules, stable.memory,
                                                              salt_key=stable.salt_key,
-                                                             inline=stable_prefix.inline_for(tokenizer))
+                                                             inline=stable_prefix.inline_for(tokenizer),
+                                                             tools=body.get("tools"))
         request = server_mod.CompletionRequest("chat", "", messages, body.get("tools") or None,
                                                body.get("role_mapping"))
     if sort_tools and request.tools:

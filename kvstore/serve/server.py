@@ -173,14 +173,20 @@ def setup_arg_parser(parser: argparse.ArgumentParser) -> None:
                         "and /v1/messages): clients listing the same tools in another order then share a cached "
                         "prefix; the model sees them sorted. Off by default")
     g.add_argument("--stable-prefix", action="store_true",
-                   help="keep a session's volatile lines (Claude Code's date and git status, OpenCode's date) "
-                        "at the values it began with, in place, and give changed values as an update before the "
-                        "user turn that first saw them: a session resumed on another day or work tree still "
-                        "reads its prompt from the cache; the model reads every current value. Off by default")
+                   help="on by default (kept for old command lines): a conversation's volatile spans (Claude "
+                        "Code's date and git status, OpenCode's date, Codex's date, and spans learned from the "
+                        "requests seen) move to the end of its first user turn with the values it began with, "
+                        "and changed values come as an update before the user turn that first saw them: system "
+                        "prompt and tools render the same for every session and day, and the model reads every "
+                        "current value")
+    g.add_argument("--no-stable-prefix", action="store_true",
+                   help="render every request as sent: no span is moved, learned or recorded")
+    g.add_argument("--no-learned-spans", action="store_true",
+                   help="use the built-in and --volatile spans only: learn none from the requests seen")
     g.add_argument("--volatile", action="append", default=[], metavar="REGEX",
-                   help="another volatile span for --stable-prefix (a regular expression in RE2 syntax: Python's "
-                        "without backreferences or lookaround, searched in linear time in the system and user "
-                        "messages before the first assistant turn); repeatable; implies --stable-prefix")
+                   help="another volatile span (a regular expression in RE2 syntax: Python's without "
+                        "backreferences or lookaround, searched in linear time in the system and user messages "
+                        "before the first assistant turn); repeatable")
     g.add_argument("--stable-prefix-max-count", type=count, default=stable_prefix.DEFAULT_MAX_COUNT, metavar="N",
                    help=f"--stable-prefix: keep at most N conversation records in the cache directory, the oldest "
                         f"removed first (default {stable_prefix.DEFAULT_MAX_COUNT})")
@@ -212,7 +218,9 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True,
     ours, rest = parser.parse_known_args(argv)
     policy = tenants.policy_from(ours)  # a bad key flag ends the start before anything heavy
     try:
-        stable = stable_prefix.Config.from_flags(ours.stable_prefix, ours.volatile)
+        if ours.no_stable_prefix and ours.volatile:
+            parser.error("--volatile needs the stable prefix: drop --no-stable-prefix or the --volatile patterns")
+        stable = stable_prefix.Config.from_flags(not ours.no_stable_prefix, ours.volatile)
     except ValueError as e:  # a bad --volatile pattern
         parser.error(str(e))
     if ours.stable_prefix_max_count < 1:

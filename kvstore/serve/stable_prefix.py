@@ -1,50 +1,50 @@
-"""``kvstore serve --stable-prefix``: a session's volatile lines keep the values it began with.
+"""``kvstore serve``'s stable prefix (on by default): volatile spans move out of the prompt's head.
 
-Agents put lines that change between days or work trees at the head of every request:
-Claude Code's environment message (today's date) and its git-status snapshot, OpenCode's
-date line in its system prompt. Rendered before the tools and the whole history, a new
-value there ends the cached prefix where it starts: a session resumed the next day is
-prefilled from scratch. With ``--stable-prefix`` the prompt keeps the values the session
-began with, in their place, and today's values follow as an update just before the user
-turn where they were first seen: system text, tools and history render as they were
-stored, and the model still reads every current value, last.
+Agents put text that changes between days or work trees at the head of every request:
+Claude Code's date and git-status snapshot, OpenCode's date line in its system prompt,
+Codex's ``<current_date>``. Rendered before the tools and the whole history, a new value
+there ends the cached prefix where it starts: a session resumed the next day, or a new
+one on a changed tree, is prefilled from scratch. Here every span of the conversation's
+*opening* leaves its place and the values it began with are appended, as one block, to
+the opening's last message: the system prompt, the tools and the rest of the opening
+render the same for every conversation and every day, so all of them share one cached
+prefix. Today's values follow as an update just before the user turn where they were
+first seen: the model still reads every current value, last.
 
 Guarantees (``stabilize``):
-- Spans are matches of ``Rule`` patterns (``BUILTIN``, plus ``--volatile REGEX``) in the
-  system and user messages before the first assistant or tool message (the conversation's
-  *opening*): the place agents send them. Nothing after an assistant turn or a tool result
-  is read or changed, and no text moves: a span keeps its place, only its value is the
-  first one seen.
+- Spans are matches of ``Rule`` patterns (``BUILTIN``, ``--volatile REGEX``, and those
+  learned per salt: ``learned_spans``) in the system, developer and user messages before
+  the first assistant or tool message (the *opening*, ``spans.find_spans``). Nothing after
+  an assistant turn or a tool result is read or changed. A request with no span renders
+  byte for byte as without the option (the same list object is returned).
 - Bounded: every pattern runs in RE2 (linear in the text; a pattern it cannot run, a
   backreference or lookaround, is refused when the server starts), only the first
   ``SCAN_CHARS`` characters of each text and ``SCAN_TOTAL`` of a request are searched, at
   most ``MAX_SPANS`` spans are kept, and a request with a span longer than ``MAX_VALUE``
   renders as sent: one client's huge message costs milliseconds, not every client's turn.
-- A conversation is its opening with the spans masked: the record is keyed by a digest of
+- Moving needs no record: a first request, a shared record and a lost one all render
+  moved, with the request's own values; an opening with no user message keeps its spans
+  in place (with the values the conversation began with).
+- A conversation is its opening with the spans masked: its record is keyed by a digest of
   it (keyed with the request's salt: tenants never share a record), so conversations with
-  another first question never share one. A conversation's first request (nothing but its
-  opening) renders as sent and starts its record; when another first request with the same
-  opening brings other values, the record is marked shared and neither conversation is
-  rewritten again (as sent: only the cache is lost, never another conversation's value).
-- A request with no span, a first request, a later one whose conversation has no record
-  (its first request was not seen, or its record was lost: a record is only ever made
+  another first question never share one. A conversation's first request starts its
+  record; when another first request with the same opening brings other values, the
+  record is marked shared and each request of either is rendered with its own values
+  (only the cache is lost, never another conversation's value). A record is only ever made
   from a first request, so today's values of one conversation never become another's
-  first ones), or one whose values are those its conversation began with and which
-  carries no recorded update renders byte for byte as without the option (the same list
-  object is returned).
+  first ones.
 - An update's place never moves from one turn to the next: it is recorded under a digest
   of the conversation up to and including the user turn it precedes (spans masked), and
   put back before that turn in every later request of the conversation. A new value adds
-  one update before the latest user turn after the opening; nothing is added when there is
-  none (the request renders as sent).
+  one update before the latest user turn after the opening; with none, the request is
+  rendered with its own values.
 - Records are kept across restarts in the cache directory (``Memory``:
   ``stable-prefix/<digest>.json``, ``side_records.RecordDir``): at most
   ``--stable-prefix-max-count`` records and ``--stable-prefix-max-bytes`` bytes (and a
   quarter of ``--max-disk-bytes``, in which they are counted), the oldest by kvstore's own
   sequence removed first, each at most ``MAX_RECORD`` bytes; ``kvstore ls``, ``stats`` and
   ``gc --max-bytes`` see them. A record lost, unreadable or not written only costs the
-  cache: the prompt then renders as sent, or with today's values as a new update, never
-  with a stale value last.
+  cache, never a stale value last.
 - The update is a system message where the chat template renders one mid-conversation
   (``Placement``, probed once per template), else the head of that user turn's text.
 """
@@ -53,25 +53,22 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import itertools
 import json
-import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import re2  # google-re2: every span search runs in linear time
 
 from .. import side_records
+from .learned_spans import Learner
+from .spans import (MAX_SPANS, SCAN_CHARS, SCAN_TOTAL, Rule, Span, compile_rule, find_spans, first_user,
+                    head_length, matches, texts_of, user_rules)
 from ..escape import logger, visible
 
 log = logger("kvstore")
 DIRECTORY = "stable-prefix"
 MAX_UPDATES = 64  # updates kept per record, oldest dropped (a dropped one costs a resumed session's cache only)
-SCAN_CHARS = 64 * 1024  # spans are searched in the first this many characters of each text
-SCAN_TOTAL = 512 * 1024  # ... and in at most this many characters of one request
-MAX_SPANS = 32  # spans of one request (later matches are plain text)
 MAX_VALUE = 32 * 1024  # characters of one span: a request with a longer one renders as sent
 MAX_RECORD = 1 << 20  # bytes of one record (its oldest updates dropped to fit)
 DEFAULT_MAX_COUNT = 1000  # records kept (--stable-prefix-max-count)
@@ -81,120 +78,18 @@ UPDATE_HEAD = ("The environment changed since the start of this conversation; "
 PERSON = b"kvstore-stable"
 
 
-@dataclass(frozen=True)
-class Rule:
-    """A kind of volatile span: ``pattern``'s non-empty matches (an RE2 regex: linear in the
-    text whatever the pattern)."""
-
-    name: str
-    pattern: Any
-
-
-def _options() -> Any:
-    o = re2.Options()
-    o.log_errors = False  # a refused pattern is said once, by us
-    return o
-
-
-def compile_rule(pattern: str) -> Any:
-    """``pattern`` compiled by RE2; ValueError saying why when it cannot run in linear time
-    (a backreference, lookaround) or is not a regular expression."""
-    try:
-        return re2.compile(pattern, _options())
-    except re2.error as e:
-        why = e.args[0].decode("utf-8", "replace") if e.args and isinstance(e.args[0], bytes) else str(e)
-    except (TypeError, ValueError, UnicodeError) as e:
-        why = str(e)
-    try:
-        re.compile(pattern)
-    except (re.error, TypeError, ValueError, RecursionError, OverflowError) as e:
-        raise ValueError(f"--volatile {pattern!r} is not a regular expression: {e}") from None
-    raise ValueError(f"--volatile {pattern!r} cannot be searched in linear time ({why}): patterns run in "
-                     f"RE2, which has no backreferences and no lookaround; write it without them") from None
-
-
 BUILTIN: tuple[Rule, ...] = (
     # Claude Code's environment message ("Today's date is 2026-11-28."), OpenCode's <env>
     # block ("  Today's date: Sat Nov 28 2026"): the rest of the line
     Rule("date", compile_rule(r"Today's date(?: is|:) [^\n]*")),
     # Codex CLI's <environment_context> (its first user message): <current_date>2026-11-28</current_date>
     Rule("codex-date", compile_rule(r"<current_date>[^<\n]*</current_date>")),
-    # Claude Code's git-status snapshot (a reminder in the session's first user turn):
-    # from its header through the last line of the commit list
-    Rule("git-status", compile_rule(r"# gitStatus\nThis is the git status at the start of the conversation\.[^\n]*\n"
-                                    r"(?:[^\n]*\n)*?Recent commits:\n(?:[^\n]+\n?)*")),
+    # Claude Code's git-status snapshot, from its header through the last line of the commit
+    # list: 2.1.332 sends "# gitStatus\n..." in a reminder of the session's first user turn,
+    # 2.1.197 "gitStatus: ..." (fields between blank lines) at the end of its system text
+    Rule("git-status", compile_rule(r"(?:# gitStatus\n|gitStatus: )This is the git status at the start of the "
+                                    r"conversation\.[^\n]*\n(?:[^\n]*\n)*?Recent commits:\n(?:[^\n]+\n?)*")),
 )
-
-
-def user_rules(patterns: Sequence[str]) -> tuple[Rule, ...]:
-    """``--volatile`` patterns as rules; ValueError naming a pattern that does not compile
-    or cannot run in RE2 (linear time), and why."""
-    return tuple(Rule(f"volatile-{i}", compile_rule(p)) for i, p in enumerate(patterns, 1))
-
-
-@dataclass(frozen=True)
-class Span:
-    """One match: in ``messages[message]``'s text (``part``: its index in a list content,
-    None for a string content), ``start``..``end``."""
-
-    message: int
-    part: int | None
-    start: int
-    end: int
-    rule: str
-    text: str
-
-
-def _texts(message: Any) -> list[tuple[int | None, str]]:
-    content = message.get("content") if isinstance(message, dict) else None
-    if isinstance(content, str):
-        return [(None, content)]
-    if isinstance(content, list):
-        return [(k, p["text"]) for k, p in enumerate(content)
-                if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)]
-    return []
-
-
-def head_length(messages: Sequence[Any]) -> int:
-    """How many leading messages may hold spans: those before the first assistant or tool
-    message (or any message that is not a system, developer or user message)."""
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user"):
-            return i
-    return len(messages)
-
-
-def _matches(rule: Rule, text: str, limit: int) -> list[tuple[int, int]]:
-    """``rule``'s first ``MAX_SPANS`` non-empty matches in ``text[:limit]`` (one cut at
-    ``limit`` in a longer text is dropped: its value would be a piece); none in a text RE2
-    cannot take (a lone surrogate is not UTF-8)."""
-    try:
-        found = [m.span() for m in itertools.islice(rule.pattern.finditer(text[:limit]), MAX_SPANS)]
-    except UnicodeError:
-        return []
-    return [(a, b) for a, b in found if b > a and (b < limit or limit == len(text))]
-
-
-def find_spans(messages: Sequence[Any], rules: Sequence[Rule]) -> list[Span]:
-    """The spans of ``rules`` in the head of ``messages`` (``head_length``), in order; where
-    two overlap the earlier (then the longer) wins. Bounded: only the first ``SCAN_CHARS``
-    of each text and ``SCAN_TOTAL`` of the request are searched, at most ``MAX_SPANS``
-    found, each search linear (RE2)."""
-    out: list[Span] = []
-    budget = SCAN_TOTAL
-    for i in range(head_length(messages)):
-        for part, text in _texts(messages[i]):
-            if budget <= 0 or len(out) >= MAX_SPANS:
-                return out
-            limit = min(len(text), SCAN_CHARS, budget)
-            budget -= limit
-            found = sorted((a, -b, r.name) for r in rules for a, b in _matches(r, text, limit))
-            end = 0
-            for start, neg_end, name in found:
-                if start >= end and len(out) < MAX_SPANS:
-                    out.append(Span(i, part, start, -neg_end, name, text[start:-neg_end]))
-                    end = -neg_end
-    return out
 
 
 def _with_values(message: dict[str, Any], spans: list[Span], values: Sequence[str],
@@ -278,7 +173,7 @@ class Memory:
     values, so neither is given one. One that cannot be read is no record. ``write``
     False: records are read, never written (``kvstore why``)."""
 
-    def __init__(self, root: Path | None, modes: Any = None, *, write: bool = True,
+    def __init__(self, root: Path | None, modes: Any = None, *, write: bool = True, learn: bool = True,
                  max_count: int = DEFAULT_MAX_COUNT, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         from .. import files
 
@@ -288,6 +183,7 @@ class Memory:
         self.write = write
         self.lock = threading.Lock()  # held over a request's read, rewrite and write
         self._warned = False
+        self.learner = (Learner(self.records, write, self._warn) if learn else None)  # spans learned per salt
 
     def load(self, key: str) -> dict[str, Any] | None:
         rec = self.records.read(f"{key}.json")
@@ -337,24 +233,27 @@ class Moved:
     updates: tuple[int, ...]
     inline: bool
     recorded: bool = field(default=False, compare=False)  # this request added an update
+    home: int | None = None  # the message the spans moved to, at its end: the opening's last (None: kept in place)
 
     def describe(self, width: int = 48) -> str:
-        """One line: each changed span's kept and current value (escaped, cut to
-        ``width``) and where the update is."""
+        """One line: the spans' rules and where they went, each changed span's kept and
+        current value (escaped, cut to ``width``) and where the update is."""
         def cut(s: str) -> str:
             s = visible(s, newlines=False)
             return s if len(s) <= width else s[:width - 3] + "..."
 
-        changed = [f'{rule} "{cut(kept)}" kept in place, "{cut(now)}" in the update'
+        names = ", ".join(dict.fromkeys(rule for rule, _, _ in self.spans))
+        place = f"moved to the end of message {self.home}" if self.home is not None else "kept in place"
+        changed = [f'{rule} "{cut(kept)}" kept, "{cut(now)}" in the update'
                    for rule, kept, now in (_first_change(*span) for span in self.spans) if kept != now]
         changed = changed or ["values as the session began"]
         where = (f"{'inside' if self.inline else 'before'} message{'s' if len(self.updates) > 1 else ''} "
                  f"{', '.join(map(str, self.updates))}") if self.updates else "no update"
-        return f"--stable-prefix: {'; '.join(changed)} ({where})"
+        return f"--stable-prefix: {names} {place}; {'; '.join(changed)} ({where})"
 
     def as_json(self) -> dict[str, Any]:
         return {"spans": [{"rule": r, "kept": k, "now": n} for r, k, n in self.spans],
-                "updates_at": list(self.updates), "inline": self.inline}
+                "moved_to": self.home, "updates_at": list(self.updates), "inline": self.inline}
 
 
 def _first_change(rule: str, kept: str, now: str) -> tuple[str, str, str]:
@@ -382,10 +281,36 @@ def _insert(message: dict[str, Any], text: str, inline: bool) -> list[dict[str, 
     return [{**message, "content": f"{text}\n\n{content or ''}"}]
 
 
+def _tools_text(tools: Any) -> str:
+    try:
+        return json.dumps(tools, sort_keys=True, ensure_ascii=False, default=str) if tools else ""
+    except (RecursionError, ValueError, TypeError):
+        return ""
+
+
+def block_text(values: Sequence[str]) -> str:
+    """The moved spans' values as one block: each without trailing newlines, a blank line
+    between them."""
+    return "\n\n".join(v.strip("\n") for v in values)
+
+
+def _append(message: dict[str, Any], text: str) -> dict[str, Any]:
+    """``message`` with ``text`` after its content, a blank line between (a text part of
+    its own in a list content: mlx-lm joins parts without a separator, so it starts with
+    one)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        return {**message, "content": [*content, {"type": "text", "text": "\n\n" + text}]}
+    return {**message, "content": f"{content}\n\n{text}" if content else text}
+
+
 def stabilize(messages: list[Any], rules: Sequence[Rule], memory: Memory, *, salt_key: bytes | None = None,
-              inline: bool = False) -> tuple[list[Any], Moved | None]:
+              inline: bool = False, tools: Any = None) -> tuple[list[Any], Moved | None]:
     """``messages`` (a chat-completions list) as ``--stable-prefix`` renders them, and what
-    moved (None: ``messages`` itself, unchanged). See the module docstring."""
+    moved (None: ``messages`` itself, unchanged). ``tools``: the request's (what follows
+    the leading texts, for learning). See the module docstring."""
+    if memory.learner is not None:
+        rules = (*rules, *memory.learner.observe(messages, _tools_text(tools), rules, salt_key))
     spans = find_spans(messages, rules)
     if not spans or any(len(s.text) > MAX_VALUE for s in spans):
         return messages, None  # nothing to keep, or a value too long to record: as sent
@@ -398,47 +323,50 @@ def stabilize(messages: list[Any], rules: Sequence[Rule], memory: Memory, *, sal
         return messages, None
     values = [s.text for s in spans]
     users = [i for i in at if i >= n]  # the user turns after the opening: where updates go
+    began, inserts, recorded = values, [], False
     with memory.lock:
         rec = memory.load(key)
-        if n == len(messages):  # a conversation's first request: its own values, as sent
+        if n == len(messages):  # a conversation's first request: its own values
             if rec is None:
                 memory.save(key, {"began": values, "updates": {}})
             elif rec["began"] is not None and rec["began"] != values:
                 memory.save(key, {"began": None, "updates": {}})  # two conversations: neither is given one
-            return messages, None
-        if rec is None or rec["began"] is None or len(rec["began"]) != len(spans):
-            return messages, None  # no first values known (or shared): as sent, and today's are no first values
-        began: list[str] = rec["began"]
-        inserts = [(i, list(rec["updates"][at[i]])) for i in users if at[i] in rec["updates"]
-                   and len(rec["updates"][at[i]]) == len(spans)]
-        current = inserts[-1][1] if inserts else began
-        recorded = False
-        if current != values and not users:
-            return messages, None  # no user turn follows the opening to carry today's values: as sent
-        if current != values:
-            if inserts and inserts[-1][0] == users[-1]:
-                inserts[-1] = (users[-1], values)
-            else:
-                inserts.append((users[-1], values))
-            rec["updates"][at[users[-1]]] = values
-            rec["updates"] = dict(list(rec["updates"].items())[-MAX_UPDATES:])
-            memory.save(key, rec)
-            recorded = True
-    if not inserts and began == values:
-        return messages, None
+        elif rec is not None and rec["began"] is not None and len(rec["began"]) == len(spans):
+            began = rec["began"]
+            inserts = [(i, list(rec["updates"][at[i]])) for i in users if at[i] in rec["updates"]
+                       and len(rec["updates"][at[i]]) == len(spans)]
+            current = inserts[-1][1] if inserts else began
+            if current != values and not users:
+                began, inserts = values, []  # no user turn after the opening to carry today's values
+            elif current != values:
+                if inserts and inserts[-1][0] == users[-1]:
+                    inserts[-1] = (users[-1], values)
+                else:
+                    inserts.append((users[-1], values))
+                rec["updates"][at[users[-1]]] = values
+                rec["updates"] = dict(list(rec["updates"].items())[-MAX_UPDATES:])
+                memory.save(key, rec)
+                recorded = True
+        # else: no first values known (not seen, lost or shared): this request's own, moved;
+        # today's values are never recorded as another conversation's first ones
+    home = n - 1 if first_user(messages, n) is not None else None  # the opening's end, after everything stable
     out: list[Any] = []
     shown, before, where = dict(inserts), began, []
     for i, m in enumerate(messages):
         mine = _spans_of(spans, i)
         if mine:
-            m = _with_values(m, mine, [began[spans.index(s)] for s in mine])
+            kept = [began[spans.index(s)] for s in mine]
+            m = _with_values(m, mine, [""] * len(mine) if home is not None else kept)
+        if i == home:
+            m = _append(m, block_text(began))
         if i in shown and shown[i] != before:
             where.append(len(out))
             out.extend(_insert(m, update_text(spans, before, shown[i]), inline))
             before = shown[i]
         else:
             out.append(m)
-    return out, Moved(tuple((s.rule, b, n) for s, b, n in zip(spans, began, before)), tuple(where), inline, recorded)
+    return out, Moved(tuple((s.rule, b, n) for s, b, n in zip(spans, began, before)), tuple(where), inline,
+                      recorded, home)
 
 
 # -- kvstore serve: the switch, the template probe, the hook ----------------------------------
@@ -446,23 +374,33 @@ def stabilize(messages: list[Any], rules: Sequence[Rule], memory: Memory, *, sal
 
 @dataclass(frozen=True)
 class Config:
-    """``kvstore serve``'s choice: off by default; ``--stable-prefix`` turns the built-in
-    rules on, each ``--volatile REGEX`` adds one (and turns the rewrite on); the records'
-    bounds (``--stable-prefix-max-count`` / ``-max-bytes``)."""
+    """``kvstore serve``'s choice (its flags: on by default, ``--no-stable-prefix`` off;
+    this dataclass's own default, an engine's ``patch``, is off): the built-in rules, each
+    ``--volatile REGEX`` adds one, spans learned per salt unless ``--no-learned-spans``
+    (``learned_spans``); the records' bounds (``--stable-prefix-max-count`` / ``-max-bytes``)."""
 
     enabled: bool = False
     rules: tuple[Rule, ...] = BUILTIN
     max_count: int = DEFAULT_MAX_COUNT
     max_bytes: int = DEFAULT_MAX_BYTES
+    learn: bool = True
 
     @classmethod
     def from_flags(cls, enabled: bool, patterns: Sequence[str] = (), *, max_count: int = DEFAULT_MAX_COUNT,
-                   max_bytes: int = DEFAULT_MAX_BYTES, rules: tuple[Rule, ...] | None = None) -> "Config":
+                   max_bytes: int = DEFAULT_MAX_BYTES, rules: tuple[Rule, ...] | None = None,
+                   learn: bool = True) -> "Config":
         """The config of the flags; ValueError naming a bad ``--volatile`` pattern. ``rules``:
         the rules of these flags, already made by this function (not compiled again)."""
         if rules is None:
             rules = BUILTIN + user_rules(patterns)
-        return cls(enabled or len(rules) > len(BUILTIN), rules, max_count, max_bytes)
+        return cls(enabled, rules, max_count, max_bytes, learn)
+
+    def said(self) -> str:
+        """What the ready line says of it."""
+        if not self.enabled:
+            return "stable prefix off"
+        rules = ", ".join(r.name for r in self.rules)
+        return f"stable prefix on ({rules}{'; learned spans' if self.learn else ''})"
 
 
 PROBE_MARK = "kvstore-probe-7f3a"
@@ -494,7 +432,7 @@ def memory_of(prompt_cache: Any, config: Config) -> Memory:
     disk = getattr(store, "disk", None)
     budget = getattr(store, "max_disk_bytes", None)
     return Memory(store.cache_dir if store is not None and disk is not None else None, getattr(disk, "modes", None),
-                  max_count=config.max_count,
+                  learn=config.learn, max_count=config.max_count,
                   max_bytes=side_records.bound(config.max_bytes, budget if isinstance(budget, int) else None))
 
 
@@ -508,7 +446,8 @@ def rewrite(request: Any, tokenizer: Any, config: Config, memory: Callable[[], M
     from ..salt import salt_key
 
     messages, moved = stabilize(request.messages, config.rules, memory(),
-                                salt_key=salt_key(salt) if salt is not None else None, inline=inline_for(tokenizer))
+                                salt_key=salt_key(salt) if salt is not None else None, inline=inline_for(tokenizer),
+                                tools=getattr(request, "tools", None))
     if moved is None:
         return request, None
     request = copy.copy(request)

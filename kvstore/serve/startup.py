@@ -49,6 +49,7 @@ class Options:
     preload: int | str | None = None  # "pinned", "auto", N entries, or None (off)
     background: bool = False
     warmup: bool = True
+    said: tuple[str, ...] = ()  # what else the ready line says (the stable prefix's choice)
 
 
 @dataclass
@@ -218,6 +219,7 @@ def mark_ready(opts: Options) -> None:
         parts.append(f"{entries(pre['preloaded_entries'])} ({pre['preloaded_tokens']:,} tokens) preloaded")
     elif opts.preload is not None:
         parts.append(f"preload ({opts.preload}) continues in the background")
+    parts.extend(opts.said)
     log.info("kvstore: ready: %s; %.1f s after the process started", ", ".join(parts), STATE.info["ready_seconds"])
 
 

@@ -22,9 +22,11 @@ from tests.support.agent_requests import CC_DAY, CC_NEXT, CHANGED_STATUS, OC_DAY
 
 
 def test_no_volatile_span_is_the_same_request(tmp_path) -> None:
-    """No span: the very list comes back, nothing is recorded, and the prompt's tokens are
-    those rendered without the option (both APIs, the logged requests with their dates
-    taken out)."""
+    """No span: the very list comes back, no conversation is recorded (only the openings
+    learning compares, in the salt's one record), and the prompt's tokens are those
+    rendered without the option (both APIs, the logged requests with their dates taken
+    out)."""
+    from kvstore.serve import learned_spans
     from benchmarks.agent_session import TOOL_TEMPLATE
     from kvstore.serve.prompts import request_tokens
 
@@ -39,7 +41,7 @@ def test_no_volatile_span_is_the_same_request(tmp_path) -> None:
         stable = sp.Render(sp.BUILTIN, memory)
         assert request_tokens(tokenizer, body, stable=stable) == request_tokens(tokenizer, body)
         assert stable.moved is None
-    assert not (tmp_path / sp.DIRECTORY).exists()
+    assert [p.name for p in (tmp_path / sp.DIRECTORY).iterdir()] == [learned_spans.record_name(None)]
 
 
 def test_serve_refuses_a_bad_volatile_pattern_before_loading() -> None:
@@ -77,8 +79,9 @@ def test_families_render_the_rewritten_requests(family) -> None:
              ("claude_code_stable_first", agents.claude_code_resumed(), CC_DAY, CC_NEXT)]
     for first, resumed, day, nxt in cases:
         stable = sp.Render(sp.BUILTIN, sp.Memory(None))
-        plain = request_tokens(tokenizer, agents.body(first), stable=stable)
-        assert stable.moved is None and plain == request_tokens(tokenizer, agents.body(first))
+        before = request_tokens(tokenizer, agents.body(first), stable=stable)
+        assert stable.moved is not None and stable.moved.home is not None and not stable.moved.updates
+        assert before != request_tokens(tokenizer, agents.body(first))  # its spans moved
         if family == "gemma" and first.startswith("claude"):  # its environment system turn, then an answer
             for s in (None, stable):
                 with pytest.raises(ValueError, match="roles must alternate"):
@@ -90,7 +93,6 @@ def test_families_render_the_rewritten_requests(family) -> None:
         assert day in text and nxt in text and text.index(day) < text.rindex(nxt), family
         if first.startswith("claude"):
             assert text.index("(clean)") < text.rindex(CHANGED_STATUS.strip())
-        before = request_tokens(tokenizer, agents.body(first))
         assert got[:len(before) - 8] == before[:len(before) - 8]  # all but the generation prompt's tail
 
 
@@ -154,14 +156,14 @@ def test_a_resumed_session_after_a_restart_reads_its_prompt_from_the_cache(tmp_p
           f"serves {plain['serves']} of {plain['request_tokens']} ({plain['serves'] / plain['request_tokens']:.1%}); "
           f"the first request was {n1}")
     assert hit >= 0.95 * n, (hit, n)
-    assert "kvstore: --stable-prefix: " in log and 'date "' in log and "kept in place" in log, log[-3000:]
+    assert "kvstore: --stable-prefix: " in log and 'date "' in log and "moved to the end of message" in log, log[-3000:]
     assert said["stable_prefix"] is not None and said["serves"] >= 0.95 * said["request_tokens"], said
     assert any(s["rule"] == "date" and s["kept"] != s["now"] for s in said["stable_prefix"]["spans"])
     assert "stable_prefix" in plain and plain["stable_prefix"] is None
     if client == "opencode":
         [miss] = [line for line in log.splitlines() if "kvstore: miss (diverged)" in line]
-        assert miss.endswith(f'; --stable-prefix: date "{OC_DAY}" kept in place, "{OC_NEXT}" in the update '
-                             f'(before message 3)'), miss
+        assert miss.endswith(f'; --stable-prefix: date moved to the end of message 1; date "{OC_DAY}" kept, '
+                             f'"{OC_NEXT}" in the update (before message 3)'), miss
     assert plain["request_tokens"] == len(as_sent) and plain["serves"] <= changed_at, (plain, changed_at)
 
 
@@ -246,11 +248,11 @@ def _oc(day: str, question: str, *turns: str) -> dict[str, Any]:
     return {"messages": messages, "max_tokens": 1, "temperature": 0}
 
 
-def test_a_new_conversation_renders_as_sent_on_a_real_server(tmp_path) -> None:
+def test_a_new_conversation_renders_its_own_values_on_a_real_server(tmp_path) -> None:
     """Conversation A on day 1, then conversation B on day 2 under the same system prompt
-    (another first question): B's prompt has exactly the tokens of B as sent (main: A's
-    date and the "changed" note, 515 tokens instead of 362 in the issue), and so does B's
-    second turn; A's next turn on day 2 keeps A's first date in place and says today's in
+    (another first question): B's prompt has exactly the tokens of B with its own date
+    moved (main before issue 52: A's date and the "changed" note, 515 tokens instead of
+    362), and so does B's second turn; A's next turn on day 2 keeps A's first date in place and says today's in
     the update, and is served from the cache up to it."""
     from mlx_lm.utils import load_tokenizer
 
@@ -270,7 +272,8 @@ def test_a_new_conversation_renders_as_sent_on_a_real_server(tmp_path) -> None:
         s.post(path, a1)
         for body in (b1, b2):
             got = s.post(path, body)["usage"]["prompt_tokens"]
-            assert got == len(request_tokens(tokenizer, body)), (got, len(request_tokens(tokenizer, body)))
+            own = request_tokens(tokenizer, body, stable=sp.Render(sp.BUILTIN, sp.Memory(None, learn=False)))
+            assert got == len(own), (got, len(own))
         got = s.post(path, a2)["usage"]["prompt_tokens"]
         log = s.log(1 << 30)
     rendered = request_tokens(tokenizer, a2, stable=sp.Render(sp.BUILTIN, sp.Memory(tmp_path / "cache", write=False)))
