@@ -40,7 +40,7 @@ import tests.support.stores as U
 from tests.support.caches import ident
 from tests.support.models import TINY_FAMILIES
 from tests.support.prompts import text_prompt
-from kvstore import KVStore, codec, pressure
+from kvstore import KVStore, codec, pressure, segments
 from kvstore.hoststate import changes, snapshot
 from kvstore.memory import MemoryTier, take
 from tools.testing.model_builds import MODELS, model_path
@@ -118,13 +118,17 @@ def test_restore_from_memory_and_disk_equals_a_cold_prefill(device: Any, family:
 # -- hazard c: the host keeps computing with the cache it inserted ------------------------
 
 
+@pytest.mark.parametrize("own_copies", [False, True], ids=["views", "own-copies"])
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_a_host_generating_on_after_insert_changes_nothing_stored(device: Any, family: str, load_named: Callable,
-                                                                  tmp_path: Path) -> None:
+def test_a_host_generating_on_after_insert_changes_nothing_stored(device: Any, family: str, own_copies: bool,
+                                                                  load_named: Callable, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """mlx-lm's server inserts the cache it generated with, and a host may go on with it:
     a snapshot's tensors are often the host's own arrays (a full slice is the same array;
     rotating and recurrent state are stored whole), and a KV write is a slice assignment
-    into them. Neither the memory hit nor the disk entry may see what came after."""
+    into them. Neither the memory hit nor the disk entry may see what came after, whether
+    the writer reads the shared buffers or copies of its own (``segments.own_copies``)."""
+    monkeypatch.setattr(segments, "OWN_COPIES", own_copies)
     r = family_ref(load_named, family, device)
     model, P = r["model"], r["P"]
     with KVStore(tmp_path / "c", chunk_tokens=C, **r["kv"]) as store:
@@ -221,12 +225,42 @@ def test_a_snapshot_of_a_computing_stream_is_read_by_the_writer_on_its_own(devic
         assert_parity(r, again.fetch(r["path"], P), "disk")
 
 
-def test_a_memory_hit_used_while_the_writer_reads_the_same_snapshot(device: Any, load_named: Callable,
-                                                                    tmp_path: Path) -> None:
+def test_the_writers_host_views_are_copies_of_their_own_where_a_view_moves_the_buffer(device: Any) -> None:
+    """Hazard a, what can be shown here: the writer's host (numpy) views of a snapshot are
+    the very memory the memory hits and the host's cache use (``copy=False``, the CPU and
+    Metal, where a view is free); with ``copy=True`` (``segments.own_copies``: a GPU with
+    memory of its own, where the first view moves the buffer) they share nothing with it
+    and hold the same bits, every stored dtype included."""
+    import numpy as np
+
+    base = mx.random.normal((1, 2, 16, 8), key=mx.random.key(3))
+    tensors = {"f32": base[..., :10, :], "bf16": base.astype(mx.bfloat16)[..., :10, :],
+               "f16": base.astype(mx.float16), "i8": (base * 20).astype(mx.int8), "b": base > 0}
+    mx.eval(tensors)
+
+    def host(a: Any) -> Any:
+        return np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+
+    shared = segments.host_views(tensors)
+    own = segments.host_views(tensors, copy=True)
+    for name, a in tensors.items():
+        assert np.shares_memory(host(shared[name][1]), host(a)), name
+        assert not np.shares_memory(host(own[name][1]), host(a)), name
+        assert own[name][0] == shared[name][0]
+        assert host(own[name][1]).tobytes() == host(a).tobytes(), name
+    assert segments.own_copies() == (mx.is_available(mx.gpu) and "free_memory" in mx.device_info(mx.gpu))
+
+
+@pytest.mark.parametrize("own_copies", [False, True], ids=["views", "own-copies"])
+def test_a_memory_hit_used_while_the_writer_reads_the_same_snapshot(device: Any, own_copies: bool,
+                                                                    load_named: Callable, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Hazard a: the writer's host (numpy) views of a snapshot are read while a memory hit on
     the same snapshot is extended by the host. On CUDA the first numpy view migrates the
     buffer to managed memory (MLX's ``raw_ptr``); that mechanism does not exist on the CPU
-    backend, so here the test shows the use pattern is right, not the migration."""
+    backend, so here the test shows the use pattern is right with the writer reading the
+    shared buffers and with the copies a CUDA machine makes (``segments.own_copies``)."""
+    monkeypatch.setattr(segments, "OWN_COPIES", own_copies)
     r = family_ref(load_named, "tiny-llama", device)
     model, P = r["model"], r["P"]
     with KVStore(tmp_path / "c", chunk_tokens=C) as store:
