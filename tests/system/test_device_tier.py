@@ -67,26 +67,28 @@ def device(request: pytest.FixtureRequest) -> Iterator[Any]:
 _refs: dict[tuple[str, str], dict[str, Any]] = {}
 
 
-def family_ref(load_named: Callable, family: str, device: Any) -> dict[str, Any]:
-    """The family's model, prompt ``P``, a cold prefill of ``P[:S]`` (its digest) and the cold
-    reference run split at ``S`` (exact mode), once per family and device."""
-    key = (family, str(device))
+def family_ref(load_named: Callable, family: str, device: Any, s: int = S) -> dict[str, Any]:
+    """The family's model, prompt ``P`` (``s + 20`` tokens), a cold prefill of ``P[:s]`` (its
+    digest) and the cold reference run split at ``s`` (exact mode), once per family, device
+    and ``s``."""
+    key = (family, str(device), s)
     if key not in _refs:
         model, tok = load_named(family)
         kv = MODELS[family].cache_kwargs
-        P = text_prompt(tok, L, seed=sorted(MODELS).index(family))
-        cold = prefill(model, P[:S], **kv)
-        _refs[key] = dict(model=model, P=P, kv=kv, path=str(model_path(family)), digest=U.cache_digest(cold),
-                          ref=cold_run(model, P, n_gen=N_GEN, split=S, **kv))
+        P = text_prompt(tok, s + L - S, seed=sorted(MODELS).index(family))
+        cold = prefill(model, P[:s], **kv)
+        _refs[key] = dict(model=model, P=P, S=s, kv=kv, path=str(model_path(family)), digest=U.cache_digest(cold),
+                          ref=cold_run(model, P, n_gen=N_GEN, split=s, **kv))
     return _refs[key]
 
 
 def assert_parity(r: dict[str, Any], fetched: Any, tier: str) -> None:
     """``fetched`` holds ``P[:S]`` from ``tier``: its arrays are the cold prefill's bit for
     bit, and continuing from it gives the cold run's tokens and log-probs bit for bit."""
-    assert (fetched.n, fetched.source) == (S, tier), (fetched.n, fetched.source)
+    assert (fetched.n, fetched.source) == (r["S"], tier), (fetched.n, fetched.source)
     assert U.cache_digest(fetched.cache) == r["digest"], f"{tier}: the KV arrays differ from a cold prefill"
-    res = check_restore(r["model"], r["P"], fetched.cache, S, n_gen=N_GEN, exact=True, reference=r["ref"], **r["kv"])
+    res = check_restore(r["model"], r["P"], fetched.cache, r["S"], n_gen=N_GEN, exact=True, reference=r["ref"],
+                        **r["kv"])
     assert res.ok, f"{tier}: {res.detail}"
 
 
@@ -140,6 +142,28 @@ def test_a_host_generating_on_after_insert_changes_nothing_stored(device: Any, f
         generate_on(model, cache, 4)
     with KVStore(tmp_path / "c", chunk_tokens=C, **r["kv"]) as store:
         assert_parity(r, store.fetch(r["path"], P), "disk")
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-llama-q"])
+def test_a_host_generating_on_an_exactly_sized_cache_changes_nothing_stored(device: Any, family: str,
+                                                                            load_named: Callable,
+                                                                            tmp_path: Path) -> None:
+    """A KVCache holding exactly what it allocated (256 positions, mlx-lm's step): the
+    snapshot's slice is the whole array, the host's own, and the host's next step grows it.
+    The memory hit, the disk entry and the restore kept hot (whose hit the oracle extends:
+    exactly sized too) all stay a cold prefill's."""
+    r = family_ref(load_named, family, device, s=256)
+    model, P = r["model"], r["P"]
+    with KVStore(tmp_path / "c", chunk_tokens=C, **r["kv"]) as store:
+        cache = prefill(model, P[:256], **r["kv"])
+        keys = cache[0].keys if not isinstance(cache[0].keys, tuple) else cache[0].keys[0]
+        assert keys.shape[-2] == cache[0].offset == 256
+        store.insert(r["path"], P[:256], cache)
+        generate_on(model, cache, 6)
+        assert_parity(r, store.fetch(r["path"], P), "memory")
+    with KVStore(tmp_path / "c", chunk_tokens=C, **r["kv"]) as store:
+        assert_parity(r, store.fetch(r["path"], P), "disk")
+        assert_parity(r, store.fetch(r["path"], P), "memory")
 
 
 def test_a_host_writing_recurrent_state_in_place_changes_nothing_stored(device: Any, tmp_path: Path) -> None:
