@@ -77,7 +77,12 @@ install() {
 
 run() {
     local out=${OUT:-/tmp}
-    exec > >(tee "$out/gpu_check.log") 2>&1
+    set -o pipefail
+    checks "$out" 2>&1 | tee "$out/gpu_check.log"
+}
+
+checks() {
+    local out=$1
     export PYTHONUNBUFFERED=1
     date -u
     install
