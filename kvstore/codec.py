@@ -7,7 +7,9 @@ mlx-lm's cache classes share one. Codecs read and set the classes' attributes ra
 
 Guarantees:
 - ``encode`` never copies KV data: tensors are views of the live arrays, cut to the filled
-  length (mlx-lm's own ``save_prompt_cache`` writes the whole over-allocated buffer).
+  length (mlx-lm's own ``save_prompt_cache`` writes the whole over-allocated buffer), and
+  never the host's own array objects: a host that goes on writing its cache in place
+  (``state[...] = x`` replaces what that Python object is) changes no snapshot.
 - ``decode`` hands out fresh array objects (free ``a[:]`` views), so a caller that extends
   the restored cache never changes the arrays it came from.
 - A cache kvstore cannot serialise raises ``Unsupported`` naming the class and why.
@@ -36,7 +38,9 @@ class Unsupported(TypeError):
 
 
 def _fresh(x: mx.array) -> mx.array:
-    return x[:] if x.ndim else x
+    """A new array object over the same data (no copy): writing into one in place
+    (``x[...] = y``) leaves the other as it was."""
+    return x[:] if x.ndim else x[...]
 
 
 def _kv_encode(c: Any, n: int) -> Tensors:
@@ -145,7 +149,7 @@ class _ArraysCodec(_Codec):
     def encode(self, c: Any) -> tuple[Tensors, dict]:
         if getattr(c, "left_padding", None) is not None or getattr(c, "lengths", None) is not None:
             raise Unsupported("ArraysCache with batch padding/lengths (a batched cache)")
-        t = {f"a{i}": a for i, a in enumerate(c.cache) if a is not None}
+        t = {f"a{i}": _fresh(a) for i, a in enumerate(c.cache) if a is not None}  # not the host's objects
         return t, {"size": len(c.cache)}
 
     def decode(self, t: Tensors, meta: Meta) -> Any:
@@ -203,7 +207,7 @@ class _StateCodec(_Codec):
         items: list[list] = []
         for i, v in enumerate(state):
             if isinstance(v, mx.array):
-                tensors[f"t{i}"] = v
+                tensors[f"t{i}"] = _fresh(v)  # not the host's object: it may write it in place
                 items.append(["a"])
             elif v is None:
                 items.append(["n"])

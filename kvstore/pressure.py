@@ -9,6 +9,12 @@ kills at its cgroup's 2 GB. The cgroup is found through /proc/self/mountinfo (``
 not under a fixed /sys/fs/cgroup path: a container may see its own cgroup mounted as the
 whole hierarchy while /proc/self/cgroup names the host's path for it.
 
+A GPU with memory of its own (MLX's CUDA backend: ``mx.device_info(mx.gpu)`` reports
+``free_memory`` and ``total_memory``) holds the snapshots' arrays in device memory, which
+host RAM says nothing about: there the budget is the lower of the two, each keeping its own
+floor (``device_read``). Metal's memory is the machine's own (unified: ``memory_size``
+only), and the CPU backend reports none: host RAM alone.
+
 Readings cost a few tens of microseconds (psutil, or /proc/meminfo, and two or three small
 cgroup files); ``Gauge`` caches one for a fraction of a second, so the request path never
 pays more than one reading per interval.
@@ -18,9 +24,10 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,6 +241,28 @@ def read() -> Reading | None:
     return Reading(min(machine.available, box.available), min(machine.total, box.total))
 
 
+def parse_device_info(info: Mapping[str, object]) -> Reading | None:
+    """(free, total) device memory of an ``mx.device_info`` dict, or None where the device
+    reports no memory of its own (CUDA reports ``free_memory`` / ``total_memory``; Metal
+    only ``memory_size``, the machine's unified memory; the CPU nothing)."""
+    free, total = info.get("free_memory"), info.get("total_memory")
+    if isinstance(free, int) and isinstance(total, int) and not isinstance(free, bool) and total > 0:
+        return Reading(max(0, min(free, total)), total)
+    return None
+
+
+def device_read() -> Reading | None:
+    """The GPU's own memory, when MLX (already imported: nothing here imports it) has a GPU
+    that reports memory of its own (``parse_device_info``); None otherwise, or on any error."""
+    mx = sys.modules.get("mlx.core")
+    try:
+        if mx is None or not mx.is_available(mx.gpu):
+            return None
+        return parse_device_info(mx.device_info(mx.gpu))
+    except Exception:  # an MLX without device_info, a driver that will not say: host RAM only
+        return None
+
+
 def floor_bytes(floor: float | int, total: int) -> int:
     """A floor given as a fraction of the total (0 < f < 1) or in bytes."""
     return int(floor * total) if isinstance(floor, float) and 0 < floor < 1 else int(floor)
@@ -241,9 +270,12 @@ def floor_bytes(floor: float | int, total: int) -> int:
 
 class Gauge:
     """The memory tier's byte budget: ``min(cap, held + available - floor)``, read at most
-    once per ``interval`` seconds. ``cap`` is the user's hard limit (``max_bytes``)."""
+    once per ``interval`` seconds. ``cap`` is the user's hard limit (``max_bytes``). Where
+    ``device`` reads a GPU's own memory (``device_read``, the default), the budget is also
+    at most ``held + device available - device floor``: the snapshots live there."""
 
-    def __init__(self, floor: float | int, interval: float = 0.25) -> None:
+    def __init__(self, floor: float | int, interval: float = 0.25,
+                 device: Callable[[], Reading | None] = device_read) -> None:
         if isinstance(floor, bool) or floor < 0 or (isinstance(floor, float) and floor >= 1):
             raise ValueError(f"memory_floor must be a fraction in [0, 1) or a number of bytes, got {floor!r}")
         self.floor = floor
@@ -251,20 +283,34 @@ class Gauge:
         self._lock = threading.Lock()
         self._at = -1e18
         self._reading: Reading | None = None
+        self._device = device
+        self._device_reading: Reading | None = None
 
-    def reading(self) -> Reading | None:
+    def _refresh(self) -> None:
         with self._lock:
             now = time.monotonic()
             if now - self._at >= self.interval:
-                self._reading, self._at = read(), now
-            return self._reading
+                self._reading, self._device_reading, self._at = read(), self._device(), now
+
+    def reading(self) -> Reading | None:
+        """Host memory (the machine's, or the container's), read at most once per interval."""
+        self._refresh()
+        return self._reading
+
+    def device_reading(self) -> Reading | None:
+        """The GPU's own memory where it has some (``device``), read with ``reading``."""
+        self._refresh()
+        return self._device_reading
 
     def budget(self, held: int, cap: int) -> int:
-        """Bytes the tier may hold now, given the ``held`` bytes it holds."""
-        r = self.reading()
-        if r is None:
-            return cap
-        return max(0, min(cap, held + r.available - floor_bytes(self.floor, r.total)))
+        """Bytes the tier may hold now, given the ``held`` bytes it holds: within the floor
+        of host memory and, on a GPU with memory of its own, of device memory too."""
+        self._refresh()
+        out = cap
+        for r in (self._reading, self._device_reading):
+            if r is not None:
+                out = min(out, held + r.available - floor_bytes(self.floor, r.total))
+        return max(0, out)
 
     def stats(self) -> dict[str, int | None]:
         """Available memory now and the floor under it (``stats()``'s memory figures)."""

@@ -160,11 +160,49 @@ def _dtype_name(d: Any) -> str:
     return str(d).split(".")[-1]
 
 
-def host_views(tensors: dict[str, Any], evaluate: bool = True) -> dict[str, tuple[str, Any]]:
+def own_copies() -> bool:
+    """Whether the writer must read copies of a snapshot's arrays in buffers of their own
+    (``host_views(copy=True)``) rather than the buffers the host's cache and the memory
+    hits share: on a GPU with memory of its own (MLX's CUDA backend reports
+    ``free_memory``), the first host (numpy) view of a device buffer moves it into managed
+    memory and frees the device memory on a side stream, not ordered against kernels other
+    streams still have queued on the old pointer (issue 55, hazard a). ``OWN_COPIES``
+    decides when set; otherwise True only there (a view is free on the CPU and on Metal,
+    whose memory is the host's)."""
+    if OWN_COPIES is not None:
+        return OWN_COPIES
+    if not _asked:
+        import mlx.core as mx
+
+        try:
+            _asked.append(bool(mx.is_available(mx.gpu) and "free_memory" in mx.device_info(mx.gpu)))
+        except Exception:  # an MLX without device_info: no GPU memory of its own known
+            _asked.append(False)
+    return _asked[0]
+
+
+OWN_COPIES: bool | None = None  # None: ``own_copies`` asks MLX (once)
+_asked: list[bool] = []
+
+
+_BITS = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}  # an unsigned type of each item size
+
+
+def own_copy(a: Any) -> Any:
+    """``a`` bit for bit in a buffer of its own (unevaluated): its bits as unsigned integers
+    plus 0, an exact new array whose input is shared (never donated), viewed back."""
+    import mlx.core as mx
+
+    bits = getattr(mx, _BITS[a.dtype.size])
+    return (a.view(bits) + 0).view(a.dtype)
+
+
+def host_views(tensors: dict[str, Any], evaluate: bool = True, copy: bool = False) -> dict[str, tuple[str, Any]]:
     """Prepare MLX tensors for a writer thread: ``name -> (safetensors dtype, evaluated
     array)``. Runs on the caller's thread (MLX ops stay there); bfloat16 becomes a free
     uint16 view so the writer needs nothing but numpy's buffer protocol. ``evaluate=False``:
-    the arrays are returned unevaluated, for the caller to schedule (``Snapshot.schedule``)."""
+    the arrays are returned unevaluated, for the caller to schedule (``Snapshot.schedule``).
+    ``copy``: each array a copy in a buffer of its own (``own_copies`` says when)."""
     import mlx.core as mx
 
     out: dict[str, tuple[str, Any]] = {}
@@ -172,6 +210,8 @@ def host_views(tensors: dict[str, Any], evaluate: bool = True) -> dict[str, tupl
         dn = _dtype_name(a.dtype)
         if dn not in _DTYPES:
             raise TypeError(f"tensor {name!r} has dtype {dn}, which blobs cannot hold")
+        if copy:
+            a = own_copy(a)
         out[name] = (_DTYPES[dn][0], a.view(mx.uint16) if dn == "bfloat16" else a)
     if evaluate:
         mx.eval([a for _, a in out.values()])

@@ -239,14 +239,18 @@ class WritePath:
         """``segments.host_views`` of a snapshot, None if its dtype cannot be stored (said
         once). ``here``: on the thread that took it (the insert), where the views' evaluation
         is scheduled with the snapshot's (``Snapshot.schedule``); elsewhere (an eviction) the
-        snapshot is waited for first and the views are evaluated on this thread."""
+        snapshot is waited for first and the views are evaluated on this thread. On a GPU
+        with memory of its own they are copies the writer alone reads (``segments.own_copies``:
+        its first numpy view moves the buffer it reads, which hits and the host's cache share
+        otherwise)."""
         try:
             if here:
-                host = segments.host_views(snap.tensors, evaluate=False)  # type: ignore[arg-type]
+                host = segments.host_views(snap.tensors, evaluate=False,  # type: ignore[arg-type]
+                                           copy=segments.own_copies())
                 snap.schedule([a for _, a in host.values()])
                 return host
             snap.ready()
-            return segments.host_views(snap.tensors)  # type: ignore[arg-type]
+            return segments.host_views(snap.tensors, copy=segments.own_copies())  # type: ignore[arg-type]
         except TypeError as e:
             self.errors.warn_once("dtype", "kvstore: %s; kept in memory only", e)
             return None

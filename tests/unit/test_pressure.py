@@ -105,3 +105,47 @@ def test_a_mountinfo_line_reads_back_its_paths(root: str, point: str, v2: bool) 
 def test_proc_self_cgroup_reads_back_its_paths(v2: str, v1: str) -> None:
     text = f"12:cpu,cpuacct:/x\n4:memory:{v1}\n0::{v2}\n"
     assert pressure.cgroup_paths(text) == (v2, v1)
+
+
+# -- a GPU with memory of its own (issue 55, hazard b) -----------------------------------
+
+# What MLX 0.32's backends report (mlx/backend/cuda/device_info.cpp; Metal's device_info; the CPU's).
+CUDA_INFO = {"device_name": "NVIDIA H200", "architecture": "sm_90", "free_memory": 40 << 30,
+             "total_memory": 140 << 30}
+METAL_INFO = {"architecture": "applegpu_g15s", "memory_size": 64 << 30, "max_recommended_working_set_size": 48 << 30}
+CPU_INFO = {"architecture": "x86_64", "device_name": "AMD EPYC"}
+
+
+def test_only_a_device_that_reports_memory_of_its_own_is_read() -> None:
+    assert pressure.parse_device_info(CUDA_INFO) == pressure.Reading(40 << 30, 140 << 30)
+    assert pressure.parse_device_info(METAL_INFO) is None  # unified memory: host RAM already says it
+    assert pressure.parse_device_info(CPU_INFO) is None
+    assert pressure.parse_device_info({"free_memory": "x", "total_memory": 1}) is None
+
+
+def test_the_budget_keeps_the_floor_of_device_memory_too() -> None:
+    """A host with RAM to spare and a GPU nearly full: the tier's snapshots live on the GPU,
+    so the GPU's room (less its floor) bounds the budget, not the host's."""
+    host = pressure.read()
+    assert host is not None and host.available > (1 << 30), host  # this test needs a GB of RAM free
+    gpu = pressure.Reading(available=300 << 20, total=1 << 30)  # 300 MiB free of 1 GiB
+    g = pressure.Gauge(100 << 20, device=lambda: gpu)  # a floor of 100 MiB
+    assert g.device_reading() == gpu
+    assert g.budget(0, 1 << 62) == 200 << 20
+    assert g.budget(50 << 20, 1 << 62) == 250 << 20  # what it holds is room it may keep
+    assert g.budget(0, 1000) == 1000  # the user's cap still caps
+    full = pressure.Gauge(0.5, device=lambda: gpu)  # half of the device: more than is free
+    assert full.budget(0, 1 << 62) == 0
+    none = pressure.Gauge(100 << 20, device=lambda: None)  # the CPU backend, or Metal
+    assert none.budget(0, 1 << 62) > 300 << 20  # host RAM alone
+
+
+def test_the_default_device_reading_follows_mlx() -> None:
+    """On this machine's MLX: a GPU with its own memory is read, anything else gives None."""
+    import mlx.core as mx
+
+    got = pressure.device_read()
+    if mx.is_available(mx.gpu):
+        assert (got is None) == (pressure.parse_device_info(mx.device_info(mx.gpu)) is None)
+    else:
+        assert got is None
