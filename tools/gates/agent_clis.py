@@ -2,9 +2,10 @@
 
     python -m tools.gates.agent_clis --install           # npm-install the pinned CLIs (once; needs npm; 1 if it cannot)
     python -m tools.gates.agent_clis run CLI --work DIR   # one CLI's three turns; DIR/report.json
+    python -m tools.gates.agent_clis run CLI --work DIR --scenario nextday [--server-arg=--stable-prefix]
 
 Claude Code, OpenCode and Codex CLI, pinned (``PINS``), are installed from npm into a
-private prefix in the user cache dir (``.../kvstore/agent-clis/<pins>/``), as
+private prefix per pin in the user cache dir (``.../kvstore/agent-clis/<package>@<version>/``), as
 tools/gates/upstream_mlx_lm.py fetches mlx-lm's suite: ``.ci/run`` installs them, and
 ``--install`` exits non-zero, saying why, when it cannot (no npm, npm failing), so CI stops
 there. tests/system/test_agent_clis.py skips, naming the command, where they are missing on a
@@ -16,6 +17,13 @@ template that renders tools; tools/testing/model_builds.py), through a recording
 1. a first turn (``claude -p``, ``opencode run``, ``codex exec``);
 2. a second turn continuing that conversation (``--continue``, ``exec resume --last``);
 3. the server SIGKILLed, restarted on the same cache directory, a third turn.
+
+``--scenario nextday`` (``nextday()``) drives two days instead: day 1 a first turn and a
+continue in a git work tree, the server stopped (SIGTERM, its queue empty), the tree changed
+and the CLI's clock moved a day on (libfaketime; a time zone for Codex); day 2 the server
+restarted on the same cache dir, a continue and a new session. Each request is marked with
+its step (``day1_first``, ``day1_continue``, ``day2_continue``, ``day2_new``) and the date
+texts it carries.
 
 Every request the CLI made is written to the report with its status, its body and, when
 the answer carried one, its usage (prompt tokens, tokens read from the cache). HOME is a
@@ -466,6 +474,28 @@ def nextday(cli: str, work: Path, server_args: list[str], timeout: float = 900) 
                                     f"the CLI's clock did not move; see {work / 'report.json'}")
     return report
 
+def save_fixtures(report: dict[str, Any], data: Path) -> list[Path]:
+    """Each step's conversation request of a next-day ``report`` (the last of its longest)
+    as ``data/nextday_<cli>_<step>.json`` (the body as the CLI sent it, with the usage the
+    server answered), for unit tests that replay them."""
+    cli = report["cli"]
+    name = "".join(c if c.isalnum() else "_" for c in cli)
+    written = []
+    for step in NEXTDAY_STEPS:
+        convo = conversation(report["requests"], step)
+        if not convo:
+            continue
+        r = convo[-1]
+        target = data / f"nextday_{name}_{step}.json"
+        target.write_text(json.dumps({
+            "client": f"{PINS[cli][0]} {report['version']}",
+            "captured": f"{time.strftime('%Y-%m-%d')}, tools/gates/agent_clis.py run {cli} --scenario nextday"
+                        + "".join(f" --server-arg={a}" for a in report.get("server_args", [])),
+            "what": f"the {step} step's conversation request (see nextday())", "path": r["path"],
+            "usage": r["usage"], "dates": r["dates"], "body": r["body"]}, indent=1) + "\n")
+        written.append(target)
+    return written
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.gates.agent_clis", description=__doc__,
@@ -480,6 +510,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="turns: three turns, a SIGKILL before the third; nextday: two days (see nextday())")
     r.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="an extra `kvstore serve` argument (repeatable; --server-arg=--stable-prefix)")
+    r.add_argument("--fixtures", type=Path, metavar="DIR",
+                   help="nextday: save each step's conversation request as DIR/nextday_<cli>_<step>.json")
+    r.add_argument("--fixtures-from", type=Path, metavar="REPORT",
+                   help="with --fixtures: save them from this report.json of an earlier run, running nothing")
     args = p.parse_args(argv)
     if args.install:
         try:
@@ -493,12 +527,18 @@ def main(argv: list[str] | None = None) -> int:
         if why:
             print(f"tools.gates.agent_clis: {why}", file=sys.stderr)
             return 2
+        if args.fixtures_from:
+            for f in save_fixtures(json.loads(args.fixtures_from.read_text()), args.fixtures or Path(".")):
+                print(f)
+            return 0
         if args.scenario == "nextday":
             try:
                 report = nextday(args.cli, args.work, args.server_arg)
             except ScenarioError as e:
                 print(f"tools.gates.agent_clis: {e}", file=sys.stderr)
                 return 1
+            if args.fixtures:
+                save_fixtures(report, args.fixtures)
             print(json.dumps({k: report[k] for k in ("cli", "seconds", "server_ready_seconds", "shares")}))
             return 0
         report = run(args.cli, args.work, server_args=args.server_arg)
