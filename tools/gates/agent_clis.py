@@ -332,7 +332,7 @@ def run(cli: str, work: Path, timeout: float = 900, server_args: list[str] | Non
 
 NEXTDAY_STEPS = ("day1_first", "day1_continue", "day2_continue", "day2_new")
 # the date text each CLI writes into its prompt (Claude Code, OpenCode, Codex's environment context)
-DATE_PATTERNS = (r"Today's date is [0-9]{4}-[0-9]{2}-[0-9]{2}", r"Today's date: [A-Z][a-z]{2} [A-Z][a-z]{2} [0-9]{1,2} [0-9]{4}",
+DATE_PATTERNS = (r"Today's date is (?:now )?[0-9]{4}-[0-9]{2}-[0-9]{2}", r"Today's date: [A-Z][a-z]{2} [A-Z][a-z]{2} [0-9]{1,2} [0-9]{4}",
                  r"<current_date>[^<]*</current_date>")
 FAKETIME_LIBS = ("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1", "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
                  "/usr/lib/faketime/libfaketime.so.1", "/usr/local/lib/faketime/libfaketime.so.1")
@@ -343,7 +343,11 @@ class ScenarioError(Exception):
 
 
 def libfaketime() -> Path | None:
-    """libfaketime's preload library (Debian's ``faketime`` package), None where missing."""
+    """libfaketime's preload library (Debian's ``faketime`` package), None where missing;
+    ``KVSTORE_LIBFAKETIME`` names it instead of the search (a path that is not there: missing)."""
+    if "KVSTORE_LIBFAKETIME" in os.environ:
+        named = Path(os.environ["KVSTORE_LIBFAKETIME"])
+        return named if named.is_file() else None
     for lib in FAKETIME_LIBS:
         if Path(lib).exists():
             return Path(lib)
@@ -355,13 +359,13 @@ def libfaketime() -> Path | None:
 
 
 def nextday_missing(cli: str) -> str | None:
-    """Why the next-day scenario cannot run ``cli`` here (None: it can), naming what to install."""
-    if why := missing(cli):
-        return why
-    if family(cli) != "codex" and libfaketime() is None:  # Codex's clock moves by its time zone
-        return "libfaketime is not installed (the next-day scenario moves the CLI's clock with it): " \
-               "`apt-get install -y faketime`"
-    return None
+    """Why the next-day scenario cannot run ``cli`` here (None: it can), naming what to install:
+    the CLI, and for Claude Code and OpenCode libfaketime (Codex's clock moves by its time zone)."""
+    why = [w for w in (missing(cli),) if w]
+    if family(cli) != "codex" and libfaketime() is None:
+        why.append("libfaketime is not installed (the next-day scenario moves the CLI's clock with it): "
+                   "`apt-get install -y faketime`")
+    return "; ".join(why) or None
 
 
 def next_day_env(cli: str, env: dict[str, str]) -> dict[str, str]:
@@ -492,7 +496,7 @@ def save_fixtures(report: dict[str, Any], data: Path) -> list[Path]:
             "captured": f"{time.strftime('%Y-%m-%d')}, tools/gates/agent_clis.py run {cli} --scenario nextday"
                         + "".join(f" --server-arg={a}" for a in report.get("server_args", [])),
             "what": f"the {step} step's conversation request (see nextday())", "path": r["path"],
-            "usage": r["usage"], "dates": r["dates"], "body": r["body"]}, indent=1) + "\n")
+            "usage": r["usage"], "dates": dates(r["body"]), "body": r["body"]}, indent=1) + "\n")
         written.append(target)
     return written
 
