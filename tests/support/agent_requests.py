@@ -7,7 +7,13 @@ turn and its environment (today's date) as a system message after it; ``--contin
 that first turn as stored and regenerates the environment message. The resumed request
 here is the real ``--continue`` request with the first turn's git status as Claude Code
 sent it on the changed tree (``claude_code_stable_changed_tree``: a client that
-regenerates it) and the next day's date (the one edit: the clock was not moved)."""
+regenerates it) and the next day's date (the one edit: the clock was not moved).
+
+``nextday_<cli>_<step>`` are real, unedited: each step's conversation request of
+``python -m tools.gates.agent_clis run CLI --scenario nextday`` (the clock moved a day on by
+libfaketime or a time zone, the tree changed overnight; ``usage``: what kvstore serve read
+from the cache with its default settings), for every pin; ``claude_code_2_1_197_*``
+captured as the ``*_stable_*`` ones (``capture_agent_requests --drive``)."""
 
 from __future__ import annotations
 

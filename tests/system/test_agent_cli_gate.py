@@ -64,7 +64,7 @@ def test_missing_clis_fail_the_tier_under_ci_and_skip_outside_it(ci: str | None,
                            "tests/system/test_agent_clis.py"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     out = done.stdout + done.stderr
-    n = len(agent_clis.PINS)
+    n = 2 * len(agent_clis.PINS)  # per pin: the three turns and the next day
     if ci is None:  # a developer's machine: skipped, naming the command
         assert done.returncode == 0 and f"{n} skipped" in out and "failed" not in out, out[-3000:]
         assert INSTALL in out, out[-3000:]
@@ -76,3 +76,19 @@ def test_missing_clis_fail_the_tier_under_ci_and_skip_outside_it(ci: str | None,
 def test_ci_is_read_as_ci_services_set_it() -> None:
     assert all(agent_clis.in_ci({"CI": v}) for v in ("true", "True", "1", "yes"))
     assert not any(agent_clis.in_ci(e) for e in ({}, {"CI": ""}, {"CI": "0"}, {"CI": "false"}, {"CI": "no"}))
+
+
+
+def test_missing_libfaketime_fails_the_next_day_tests_under_ci(tmp_path: Path) -> None:
+    """Claude Code's and OpenCode's next-day tests need libfaketime (their clock): under CI
+    its absence (``KVSTORE_LIBFAKETIME`` naming no file) fails them, naming the package;
+    Codex's (a time zone moves its clock) do not name it."""
+    env = child_env(XDG_CACHE_HOME=str(tmp_path / "cache"), KVSTORE_LIBFAKETIME=str(tmp_path / "none.so.1"), CI="true")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "-k", "next_day",
+                           "tests/system/test_agent_clis.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1 and f"{len(agent_clis.PINS)} failed" in out and "skipped" not in out, out[-3000:]
+    for cli in agent_clis.PINS:
+        line = next(x for x in out.splitlines() if x.startswith("FAILED") and f"[{cli}]" in x)
+        assert ("libfaketime is not installed" in line) == (agent_clis.family(cli) != "codex"), line

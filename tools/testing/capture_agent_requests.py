@@ -1,6 +1,7 @@
 """Record the requests a real agent CLI sends, for fixtures under tests/data/agent_requests/.
 
     python -m tools.testing.capture_agent_requests OUT_DIR [--port N]
+    python -m tools.testing.capture_agent_requests OUT_DIR --drive CLI --fixture NAME
 
 A tiny HTTP server on 127.0.0.1 that saves every POST body it receives as
 ``OUT_DIR/NNN-<path>.json`` and answers as a model that says "ok": an Anthropic Messages
@@ -9,6 +10,12 @@ reply (streamed or not) on ``/v1/messages``, ``{"input_tokens": 10}`` on
 a user's turn on ``/v1/messages`` is answered with a ``Read`` tool call of FILE first (the
 client runs it and sends the result: a history with tool calls). Point Claude Code
 (``ANTHROPIC_BASE_URL``) or OpenCode (an ``@ai-sdk/openai-compatible`` provider) at it.
+
+``--drive CLI`` (a pin of tools/gates/agent_clis.py, installed) runs that CLI against it
+itself, as the ``*_stable_*`` fixtures were made: ``NAME_first`` (a first turn in a fresh git
+repo, clean tree), then app.py edited and TODO.md added, ``NAME_continue`` (``--continue``,
+a new client process) and ``NAME_changed_tree`` (a new session on the changed tree), each the
+step's conversation request (its largest body) written to tests/data/agent_requests/.
 """
 
 from __future__ import annotations
@@ -136,6 +143,49 @@ class Recorder(BaseHTTPRequestHandler):
         pass
 
 
+def drive(cli: str, out: Path, fixture: str, data: Path) -> list[Path]:
+    """Capture ``cli``'s first, continue and changed-tree requests as ``data/<fixture>_<step>.json``
+    (the module's docstring); ``out`` holds every request and the CLI's home and project."""
+    import datetime
+    import subprocess
+
+    from tools.gates import agent_clis
+
+    if why := agent_clis.missing(cli):
+        raise SystemExit(why)
+    Recorder.out = out / "requests"
+    Recorder.out.mkdir(parents=True, exist_ok=True)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    project = out / "project"
+    agent_clis.git_project(project)
+    env = agent_clis.cli_env(cli, out / "home", f"http://127.0.0.1:{httpd.server_address[1]}")
+    package, version, _ = agent_clis.PINS[cli]
+    whats = {"first": f"`{cli}` first turn in a fresh git repo (clean tree): the session's first request",
+             "continue": "`--continue` after app.py was edited and TODO.md added (a new client process, same day)",
+             "changed_tree": "a new session on the changed tree: its git status shows the edit"}
+    written = []
+    for step, cont in (("first", 0), ("continue", 1), ("changed_tree", 0)):
+        if step == "continue":
+            agent_clis.change_tree(project)
+        before = set(Recorder.out.iterdir())
+        subprocess.run(agent_clis.turn_command(cli, cont, agent_clis.PROMPTS[cont]), cwd=project, env=env,
+                       capture_output=True, timeout=600, stdin=subprocess.DEVNULL, start_new_session=True)
+        mine = sorted(set(Recorder.out.iterdir()) - before)
+        if not mine:
+            raise SystemExit(f"{cli} sent no request in step {step}")
+        biggest = json.loads(max(mine, key=lambda f: f.stat().st_size).read_text())
+        target = data / f"{fixture}_{step}.json"
+        target.write_text(json.dumps({
+            "client": f"{package.rsplit('/', 1)[-1]} {version}",
+            "captured": f"{datetime.date.today()}, tools/testing/capture_agent_requests.py --drive {cli}",
+            "what": whats[step], "path": biggest["path"], "user_agent": biggest["headers"].get("User-Agent", ""),
+            "body": biggest["body"]}, indent=1) + "\n")
+        written.append(target)
+    httpd.shutdown()
+    return written
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
@@ -143,7 +193,16 @@ def main() -> None:
     p.add_argument("--read", default="", metavar="FILE",
                    help="answer each user turn on /v1/messages with a Read tool call of FILE (a session whose "
                         "history holds tool calls and results)")
+    p.add_argument("--drive", metavar="CLI", help="run this pinned CLI against the recorder (see the module)")
+    p.add_argument("--fixture", metavar="NAME", help="with --drive: the fixtures' name (NAME_first.json, ...)")
+    p.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[2] / "tests" / "data" / "agent_requests")
     a = p.parse_args()
+    if a.drive:
+        if not a.fixture:
+            p.error("--drive needs --fixture NAME")
+        for f in drive(a.drive, a.out, a.fixture, a.data):
+            print(f)
+        return
     global READ_FILE
     READ_FILE = a.read
     a.out.mkdir(parents=True, exist_ok=True)
