@@ -374,12 +374,12 @@ def stabilize(messages: list[Any], rules: Sequence[Rule], memory: Memory, *, sal
 
 @dataclass(frozen=True)
 class Config:
-    """``kvstore serve``'s choice (its flags: on by default, ``--no-stable-prefix`` off;
-    this dataclass's own default, an engine's ``patch``, is off): the built-in rules, each
+    """``kvstore serve``'s choice (on by default, as for ``server.patch``'s default config;
+    ``--no-stable-prefix`` off): the built-in rules, each
     ``--volatile REGEX`` adds one, spans learned per salt unless ``--no-learned-spans``
     (``learned_spans``); the records' bounds (``--stable-prefix-max-count`` / ``-max-bytes``)."""
 
-    enabled: bool = False
+    enabled: bool = True
     rules: tuple[Rule, ...] = BUILTIN
     max_count: int = DEFAULT_MAX_COUNT
     max_bytes: int = DEFAULT_MAX_BYTES

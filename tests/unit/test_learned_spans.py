@@ -243,3 +243,59 @@ def test_learned_spans_are_said_in_the_miss_line_why_and_stats(tmp_path) -> None
     assert moved is not None and f"{rule.name} moved to the end of message 1" in moved.describe()
     assert rule.as_json() == {"name": rule.name, "before": "Platform: linux\n", "after": "\nWorking directory: /w"}
     assert Path(tmp_path / sp.DIRECTORY / ls.record_name(None)).exists()
+
+
+# -- the CLIs' captured next-day requests (tools/gates/agent_clis.py --scenario nextday) -----------
+
+NEXTDAY = ("claude", "claude_2_1_197", "opencode", "codex")
+STEPS = ("day1_first", "day1_continue", "day2_continue", "day2_new")
+
+
+def _nextday(cli: str, step: str) -> dict[str, Any]:
+    """A captured next-day request as ``kvstore serve`` renders it (a chat body), or a
+    later day's made from day 2's: dates a day on, one more untracked file in the tree."""
+    from kvstore.serve import responses
+
+    day3 = step.startswith("day3")
+    name = f"nextday_{cli}_{step.replace('day3', 'day2')}"
+    logged = json.loads((agents.DATA / f"{name}.json").read_text())
+    text = json.dumps(logged["body"])
+    if day3:
+        text = text.replace("2026-12-03", "2026-12-04").replace("Thu Dec 03 2026", "Fri Dec 04 2026")
+        text = text.replace("?? TODO.md", "?? NOTES.md\\n?? TODO.md")
+    body = json.loads(text)
+    if logged["path"].startswith("/v1/messages"):
+        return dict(anthropic.chat_request({**body, "max_tokens": 1}, False))
+    if logged["path"].startswith("/v1/responses"):
+        return dict(responses.chat_request(responses.check_body(body), [])[0])
+    return dict(body)
+
+
+@pytest.mark.parametrize("builtin", [True, False], ids=["default", "built-in-rules-off"])
+@pytest.mark.parametrize("cli", NEXTDAY)
+def test_captured_next_day_requests_read_their_prompt_from_the_cache(tmp_path, tokenizer, cli, builtin) -> None:
+    """Each pinned CLI's real day-1 first turn and continue, then (a restart) its day-2
+    continue and new session, then a day-3 continue and new session on a changed tree:
+    with the defaults every later-day request shares >= 95% of its prompt with one before
+    it; with the built-in rules off, every one after the first that teaches a span does
+    (the teacher misses where the span was, as it would without learning)."""
+    rules = sp.BUILTIN if builtin else ()
+    seen: list[list[int]] = []
+    teachers, report = [], []
+
+    def learned() -> list[str]:
+        return [x.name for x in sp.Memory(tmp_path).learner.learned(None)]  # type: ignore[union-attr]
+
+    for step in (*STEPS, "day3_continue", "day3_new"):
+        before = learned()
+        got, moved = tokens(tokenizer, _nextday(cli, step), sp.Memory(tmp_path), rules)
+        best = max((shared(got, s) for s in seen), default=0)
+        report.append(f"{step} {best / len(got):.1%}")
+        if learned() != before:
+            teachers.append(step)
+        elif step.startswith(("day2", "day3")):
+            assert best >= 0.95 * len(got), (cli, step, best, len(got), report)
+        seen.append(got)
+    print(cli, "default" if builtin else "learned only", "; ".join(report), "; taught by", teachers or "none",
+          "; learned:", learned())
+    assert len(teachers) <= 1 and (builtin or teachers), teachers
