@@ -299,3 +299,62 @@ def test_captured_next_day_requests_read_their_prompt_from_the_cache(tmp_path, t
     print(cli, "default" if builtin else "learned only", "; ".join(report), "; taught by", teachers or "none",
           "; learned:", learned())
     assert len(teachers) <= 1 and (builtin or teachers), teachers
+
+
+# -- hostile: oversized, replayed, concurrent, planted -------------------------------------------
+
+
+def test_an_oversized_opening_is_compared_within_its_bounds() -> None:
+    """Thousands of system messages and parts: at most MAX_TEXTS texts and SCAN_TOTAL
+    characters are kept and compared."""
+    many = [{"role": "system", "content": "s" * 10_000} for _ in range(2000)] + [{"role": "user", "content": "q"}]
+    texts = ls.leading(many)
+    assert len(texts) <= ls.MAX_TEXTS and sum(len(t) for _, t in texts) <= sp.SCAN_TOTAL
+    memory = sp.Memory(None)
+    got, moved = sp.stabilize(many, sp.BUILTIN, memory, tools=TOOLS)
+    assert got is many and moved is None
+
+
+def test_a_replayed_opening_is_kept_once_and_not_written_again(tmp_path) -> None:
+    memory = sp.Memory(tmp_path)
+    for _ in range(50):
+        sp.stabilize(_opening(BASE), (), memory, tools=TOOLS)
+    path = tmp_path / sp.DIRECTORY / ls.record_name(None)
+    rec = json.loads(path.read_text())
+    assert len(rec["openings"]) == 1 and rec["seq"] == 0  # written by the first request only
+
+
+def test_concurrent_requests_of_one_salt_keep_one_valid_record(tmp_path) -> None:
+    import threading
+
+    memory = sp.Memory(tmp_path)
+    errors: list[BaseException] = []
+
+    def client(k: int) -> None:
+        try:
+            for day in range(6):
+                sp.stabilize(_opening(BASE.replace("Sat Nov 28", f"Day {day}"), f"question {k}"), (), memory,
+                             tools=TOOLS)
+        except BaseException as e:  # noqa: BLE001 - any failure fails the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    rec = json.loads((tmp_path / sp.DIRECTORY / ls.record_name(None)).read_text())
+    assert len(rec["openings"]) <= ls.MAX_OPENINGS and len(rec["rules"]) == 1, rec["rules"]
+
+
+def test_a_planted_link_at_the_learn_record_is_never_followed(tmp_path) -> None:
+    """A symlink where the salt's record goes: learning still works in this process and
+    the file it points at is untouched."""
+    d = tmp_path / sp.DIRECTORY
+    d.mkdir(mode=0o700)
+    target = tmp_path / "victim.txt"
+    target.write_text("precious")
+    (d / ls.record_name(None)).symlink_to(target)
+    memory, learned = _learn(BASE, BASE.replace("Sat", "Sun"), memory=sp.Memory(tmp_path))
+    assert len(learned) == 1 and target.read_text() == "precious"

@@ -45,6 +45,31 @@ def test_git_status_rule_on_claude_code_first_turn() -> None:
         assert "Claude Code attached this context" not in span.text
 
 
+def test_git_status_and_date_rules_on_claude_code_2_1_197() -> None:
+    """Claude Code 2.1.197 (one minor version back) ends its system text with
+    ``gitStatus: This is the git status ...`` (fields between blank lines, no trailing
+    newline) before ~17k tokens of tools, and dates its first user turn: both are spans, on
+    the clean tree, the changed one and the next day's new session, and moved they leave
+    the system text the same string on both days of one work tree."""
+    systems = set()
+    for name, status in (("claude_code_2_1_197_first", "Status:\n(clean)\n"),
+                         ("claude_code_2_1_197_changed_tree", "Status:\nM app.py\n?? TODO.md\n"),
+                         ("nextday_claude_2_1_197_day1_first", "Status:\n(clean)\n"),
+                         ("nextday_claude_2_1_197_day2_new", "Status:\nM app.py\n?? TODO.md\n")):
+        messages = chat(agents.body(name))
+        spans = sp.find_spans(messages, sp.BUILTIN)
+        assert [(s.message, s.rule) for s in spans] == [(0, "git-status"), (1, "date")], spans
+        git = spans[0]
+        assert git.text.startswith("gitStatus: This is the git status at the start of the conversation.")
+        assert status in git.text and git.end == len(messages[0]["content"]), git.text[-200:]
+        assert "Recent commits:\n" in git.text and spans[1].text.startswith("Today's date is 2026-12-0")
+        got, moved = sp.stabilize(messages, sp.BUILTIN, sp.Memory(None, learn=False))
+        assert moved is not None and "gitStatus" not in got[0]["content"]
+        if name.startswith("nextday"):
+            systems.add(got[0]["content"])
+    assert len(systems) == 1
+
+
 def test_date_rule_on_opencode_system_prompt() -> None:
     messages = chat(agents.body("opencode_stable_first"))
     assert [(s.message, s.rule, s.text) for s in sp.find_spans(messages, sp.BUILTIN)] == [(0, "date", OC_DAY)]
