@@ -51,6 +51,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "kvstore/serve/http.py": ("tests/unit/test_serve_http.py",),
     "kvstore/serve/response_store.py": ("tests/unit/test_serve_response_store.py",),
     "kvstore/serve/stable_prefix.py": ("tests/unit/test_serve_stable_prefix.py",),
+    "kvstore/serve/learned_spans.py": ("tests/unit/test_learned_spans.py",),
     "kvstore/index/checks.py": ("tests/system/test_index_checks.py",),
     "kvstore/memory/snapshot.py": ("tests/system/test_memory_snapshot.py",),
 }
