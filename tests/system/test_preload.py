@@ -211,3 +211,56 @@ def test_a_few_more_tokens_on_disk_do_not_beat_a_memory_hit(tmp_path: Path) -> N
         got = s.fetch(WHO, query)
         assert (got.source, got.n) == ("disk", len(system) + MIN_DISK_GAIN + 1)
         assert_synth(got.cache, query[:-1])
+
+
+def _fetch_work(store: KVStore, tokens: list[int]) -> tuple[object, int, int]:
+    """A fetch of ``tokens`` on this thread, and the work it did: Python calls (every
+    thread), and segment reads from pack files (``segments._preadv``)."""
+    import sys
+
+    from kvstore import segments
+
+    calls, reads, real = [0], [0], segments._preadv
+
+    def preadv(*a):
+        reads[0] += 1
+        return real(*a)
+
+    def profile(frame, event, arg):
+        if event in ("call", "c_call"):
+            calls[0] += 1
+
+    segments._preadv = preadv
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        got = store.fetch(WHO, tokens)
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+        segments._preadv = real
+    return got, calls[0], reads[0]
+
+
+def test_the_first_hit_after_a_pinned_preload_costs_what_a_memory_hit_costs(tmp_path: Path) -> None:
+    """Issue 56 (warm start): a restarted server's first request under its pinned system
+    prompt must cost what a memory hit costs. A preloaded entry is kept as a restore built
+    it (evaluated arrays, marked as on disk): its first hit reads no pack file and does no
+    more Python than a hit on the same prefix inserted live (no conversion, copy or check
+    left for first use). Counted, not timed."""
+    make_store(tmp_path, ENTRIES)
+    question = rand_tokens(40, seed=9)
+    with KVStore(tmp_path) as s:
+        s.fetch(WHO, rand_tokens(10, seed=10))  # the identity resolved, the index opened: as in a server
+        assert s.preload(WHO, "pinned").entries == 1
+        got, calls, reads = _fetch_work(s, A + question)
+        assert (got.source, got.n, reads) == ("memory", len(A), 0)
+        assert_synth(got.cache, A)
+        assert s.stats()["hits_memory"] == 1
+    with KVStore(tmp_path) as s:
+        s.fetch(WHO, rand_tokens(10, seed=10))
+        s.insert(WHO, A, synth(A), cache_type="system")
+        s.settle()
+        live, live_calls, _ = _fetch_work(s, A + question)
+        assert (live.source, live.n) == ("memory", len(A))
+    assert calls <= 1.1 * live_calls, f"a preloaded hit made {calls} Python calls, a live one {live_calls}"
