@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.system.test_misses import (RULES, UUID2, anthropic_body, cached, first_difference, miss_lines, openai_body,
+from tests.system.test_misses import (AS_SENT, RULES, UUID2, anthropic_body, cached, first_difference, miss_lines, openai_body,
                                system, tool_model)  # noqa: F401 (tool_model: a fixture)
 
 __all__ = ["tool_model"]
@@ -103,11 +103,11 @@ def test_big_miss_is_counted_at_its_cost(tmp_path, tool_model, tier) -> None:
     recomputed = len(tb) - at
     assert recomputed > 1000, (len(tb), at)
     cache = tmp_path / "cache"
-    with Server(tool_model, cache, tmp_path / "server1.log") as s:
+    with Server(tool_model, cache, tmp_path / "server1.log", AS_SENT) as s:  # a date that diverges, as sent
         s.post("/v1/chat/completions", probe)
         s.post("/v1/chat/completions", a)
         s.wait_flushed()
-    with Server(tool_model, cache, tmp_path / "server2.log") as s:
+    with Server(tool_model, cache, tmp_path / "server2.log", AS_SENT) as s:
         if tier == "memory":
             s.post("/v1/chat/completions", probe)
             s.post("/v1/chat/completions", a)
@@ -210,7 +210,7 @@ def test_why_salts_the_identity_from_the_body(tmp_path) -> None:
     body = dict(openai_body(system()), cache_salt="bob")
     store = {"model": model, "dir": cache}
     answers = {}
-    with Server(model, cache, tmp_path / "server.log") as s:
+    with Server(model, cache, tmp_path / "server.log", AS_SENT) as s:  # as test_misses.why renders
         n, _ = cached(s.post("/v1/chat/completions", body))
         s.wait_flushed()
         for salt in ("bob", "alice"):  # kvstore why first, on the directory the server uses
@@ -283,7 +283,7 @@ def test_misses_are_named_in_the_requests_terms(tmp_path, tool_model) -> None:
     cases.append(("/v1/messages", anthropic_body(system(uuid=UUID2, date="2026-11-26")), "system",
                   f"system, char {sys_char}"))
     cache = tmp_path / "cache"
-    with Server(tool_model, cache, tmp_path / "server.log") as s:
+    with Server(tool_model, cache, tmp_path / "server.log", AS_SENT) as s:
         s.post("/v1/chat/completions", base)
         s.post("/v1/messages", anthropic_base)
         s.wait_flushed()

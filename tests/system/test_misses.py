@@ -28,6 +28,10 @@ from tests.support.children import child_env
 
 UUID, UUID2 = "3f2a9c1e-7d41-4d2b-9a77-0c5e8b1f2a6d", "b81d4e02-59c3-4a6e-8f1d-6e2c7a9b0d13"
 DATE, DATE2 = "2026-11-25", "2026-11-26"
+# These tests change a date (or a UUID) in the system prompt to see what a miss says: the
+# server and `kvstore why` render as sent. By default the stable prefix moves such a date
+# out of the system prompt (tests/system/test_stable_prefix.py), and there is no miss to name.
+AS_SENT = ["--no-stable-prefix"]
 RULES = " ".join(f"Rule {i}: keep the ledgers of shelf {i * 7 % 13} for {i + 3} years." for i in range(12))
 
 
@@ -113,7 +117,7 @@ def why(request: Path, store: dict[str, Any], *extra: str) -> dict[str, Any]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = main(["why", str(request), "--model", str(store["model"]), "--cache-dir", str(store["dir"]),
-                   "--json", *extra])
+                   "--json", *AS_SENT, *extra])
     assert rc == 0, out.getvalue()
     return json.loads(out.getvalue())
 
@@ -178,7 +182,7 @@ def test_why_command_line_text_is_escaped_and_quick(why_store, tmp_path) -> None
             "messages": [{"role": "user", "content": "Which shelf keeps ledgers for 5 years?"}]}
     (tmp_path / "req.json").write_text(json.dumps(body))
     p = subprocess.run([sys.executable, "-m", "kvstore.cli", "why", str(tmp_path / "req.json"), "--model",
-                        str(why_store["model"]), "--cache-dir", str(why_store["dir"])],
+                        str(why_store["model"]), "--cache-dir", str(why_store["dir"]), *AS_SENT],
                        capture_output=True, text=True, timeout=120, env=child_env(), cwd=str(ROOT))
     assert p.returncode == 0, p.stderr
     assert "\x1b" not in p.stdout and "\\x1b[2J" in p.stdout, p.stdout
@@ -296,7 +300,7 @@ def test_reasons_for_real_date_uuid_tools_billing_header_and_template(tmp_path, 
         expected[name] = first_difference(toks, base_tokens[path])
         assert 300 < len(toks) - expected[name], (name, expected[name], len(toks))  # worth a log line
     cache = tmp_path / "cache"
-    extra = ["--keep-billing-header"]
+    extra = ["--keep-billing-header", *AS_SENT]
     with Server(tool_model, cache, tmp_path / "server1.log", extra) as s:
         for path, body in bases:
             s.post(path, body)
