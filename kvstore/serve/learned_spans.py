@@ -27,6 +27,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import json
@@ -47,9 +48,11 @@ MAX_LINES = 40  # lines of a learnable run
 MAX_CHARS = 4096  # characters of a learnable run
 MIN_AGREE = 1024  # characters of equal text that must follow it
 MAX_TEXTS = 64  # leading texts compared per request
+MAX_SALTS = 64  # salts whose openings and rules are held in memory (the least recent read again from disk)
+_NAME = re.compile(r"learned-[0-9]{1,4}")  # the names this module gives
 PERSON = b"kvstore-learned"
 MASK = "\x00"  # a known span, in a text compared
-_TAG = re.compile(r"<([A-Za-z_][\w-]{0,63})>")
+_ANY_TAG = re.compile(r"<(/?)([A-Za-z_][\w-]{0,63})>")  # an opening or closing tag
 
 
 @dataclass(frozen=True)
@@ -175,9 +178,19 @@ def _anchor_after(text: str, end: int) -> str | None:
 
 
 def _in_tagged_block(text: str, start: int, end: int) -> bool:
-    """Whether ``text[start:end]`` lies inside ``<tag>`` ... ``</tag>``."""
-    opened = [m for m in _TAG.finditer(text, 0, start) if f"</{m.group(1)}>" not in text[m.end():start]]
-    return any(f"</{m.group(1)}>" in text[end:] for m in opened)
+    """Whether ``text[start:end]`` lies inside ``<tag>`` ... ``</tag>``: the innermost tag
+    still open at ``start`` is closed after ``end``. One pass over the tags before
+    ``start`` (a stack) and one search after ``end``: linear, however many tags a client
+    sends."""
+    stack: list[str] = []
+    for m in _ANY_TAG.finditer(text, 0, start):
+        name = m.group(2)
+        if not m.group(1):
+            stack.append(name)
+        elif name in stack:
+            while stack.pop() != name:
+                pass
+    return bool(stack) and f"</{stack[-1]}>" in text[end:]
 
 
 def _region(a: str, b: str) -> tuple[int, int, int, int, int] | None:
@@ -295,14 +308,18 @@ class Learner:
                  warn: Callable[[str], None] | None = None) -> None:
         self.records, self.write, self.warn = records, write, warn
         self.lock = threading.Lock()
-        self._cache: dict[str, dict[str, Any]] = {}
+        self._cache: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
 
     def _load(self, name: str) -> dict[str, Any]:
-        if name not in self._cache:
+        if name in self._cache:
+            self._cache.move_to_end(name)
+        else:
             rec = self.records.read(name)
             ok = isinstance(rec, dict) and isinstance(rec.get("openings"), list) and isinstance(rec.get("rules"), list)
             self._cache[name] = ({"openings": rec["openings"], "rules": rec["rules"]}
                                  if ok and rec is not None else {"openings": [], "rules": []})
+            while len(self._cache) > MAX_SALTS:  # bounded: many tenants cost a re-read, never memory
+                self._cache.popitem(last=False)
         return self._cache[name]
 
     def learned(self, salt_key: bytes | None) -> list[Learned]:
@@ -370,7 +387,7 @@ def _rules_of(rec: dict[str, Any]) -> list[Learned]:
     out = []
     for r in rec["rules"]:
         if (isinstance(r, dict) and all(isinstance(r.get(k), str) for k in ("name", "before", "after"))
-                and len(r["before"]) <= MAX_CHARS and len(r["after"]) <= MAX_CHARS):
+                and _NAME.fullmatch(r["name"]) and len(r["before"]) <= MAX_CHARS and len(r["after"]) <= MAX_CHARS):
             learned = Learned(r["name"], r["before"], r["after"])
             try:
                 learned.rule()

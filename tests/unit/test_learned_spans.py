@@ -358,3 +358,40 @@ def test_a_planted_link_at_the_learn_record_is_never_followed(tmp_path) -> None:
     (d / ls.record_name(None)).symlink_to(target)
     memory, learned = _learn(BASE, BASE.replace("Sat", "Sun"), memory=sp.Memory(tmp_path))
     assert len(learned) == 1 and target.read_text() == "precious"
+
+
+def test_tagged_blocks_are_found_in_one_pass_whatever_the_tags() -> None:
+    """The innermost tag open at the run must close after it; 30,000 tags before a run
+    (a client's hostile message) are one pass (the scan per tag this replaced was
+    quadratic: minutes here)."""
+    inside = "<a>\n<b>x</b>\nrun\n</a>"
+    at = inside.index("run")
+    assert ls._in_tagged_block(inside, at, at + 3)
+    assert not ls._in_tagged_block("<a>\n</a>\nrun\n", 9, 12)  # closed before it
+    assert not ls._in_tagged_block("<a>\n<br>\nrun\n</a>", 9, 12)  # the innermost never closes
+    hostile = "<t>" * 30_000 + "\nrun\n" + "</t>"
+    at = hostile.index("run")
+    assert ls._in_tagged_block(hostile, at, at + 3)
+    many = "".join(f"<t{k}>" for k in range(20_000)) + "\nrun\n"
+    at = many.index("run")
+    assert not ls._in_tagged_block(many, at, at + 3)
+
+
+def test_many_salts_keep_at_most_max_salts_in_memory_and_lose_nothing_on_disk(tmp_path) -> None:
+    memory = sp.Memory(tmp_path)
+    salts = [salt_key(f"tenant-{k}") for k in range(ls.MAX_SALTS + 10)]
+    for s in salts:
+        _learn(BASE, BASE.replace("Sat", "Sun"), memory=memory, salt=s)
+    assert memory.learner is not None and len(memory.learner._cache) == ls.MAX_SALTS
+    assert len(memory.learner.learned(salts[0])) == 1  # read back from its record
+
+
+def test_a_planted_rule_name_is_not_one_of_ours_and_is_dropped(tmp_path) -> None:
+    d = tmp_path / sp.DIRECTORY
+    d.mkdir(mode=0o700)
+    rules = [{"name": "x" * 100_000, "before": "a\n", "after": "\nb"},
+             {"name": "learned-1\n[fake log line]", "before": "a\n", "after": "\nb"},
+             {"name": "learned-2", "before": "a\n", "after": "\nb"}]
+    (d / ls.record_name(None)).write_text(json.dumps({"openings": [], "rules": rules}))
+    memory = sp.Memory(tmp_path)
+    assert memory.learner is not None and [x.name for x in memory.learner.learned(None)] == ["learned-2"]
