@@ -381,8 +381,11 @@ def synth_cache(shape: dict[str, Any], n_tokens: int, seed: int = 0) -> list[Any
     return out
 
 
-def extend_cache(cache: list[Any] | None, shape: dict[str, Any], n_new: int, seed: int) -> list[Any]:
-    """``cache`` grown by ``n_new`` random positions (what a prefill of them would add)."""
+def extend_cache(cache: list[Any] | None, shape: dict[str, Any], n_new: int, seed: int,
+                 drop_old: bool = False) -> list[Any]:
+    """``cache`` grown by ``n_new`` random positions (what a prefill of them would add).
+    ``drop_old``: each old layer's arrays are let go as soon as its new ones exist (when
+    nothing else holds them, a build's peak is then one conversation, not two)."""
     import mlx.core as mx
 
     new = synth_cache(shape, n_new, seed)
@@ -394,6 +397,8 @@ def extend_cache(cache: list[Any] | None, shape: dict[str, Any], n_new: int, see
         c.values = mx.concatenate([old.values[..., :n, :], c.values], axis=2)
         c.offset = n + n_new
         mx.eval(c.keys, c.values)
+        if drop_old:
+            old.keys = old.values = None
     return new
 
 

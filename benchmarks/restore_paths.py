@@ -1,7 +1,8 @@
-"""Restore paths side by side (issue 47, item 2): one SmolLM2-shaped entry (float32
+"""Restore paths side by side (issues 47 and 56): one SmolLM2-shaped entry (float32
 ``KVCache`` layers, grown over a few turns like a conversation) read back in a fresh
-process per read by each path, against mlx-lm's ``load_prompt_cache`` of the same KV,
-page cache warm and dropped, in interleaved rounds.
+process per read by each path, against mlx-lm's ``load_prompt_cache`` of the same KV and
+against a plain read of the same bytes, page cache warm and dropped, in interleaved
+rounds, at each size of ``--tokens`` (one size built, measured and removed at a time).
 
 Paths (every kvstore path keeps every check: each segment's header names its record,
 identity and token range, and each segment's bytes hash to its xxh3-128 before the
@@ -10,40 +11,55 @@ arrays are handed out):
 - ``mlx_lm``: ``load_prompt_cache`` + ``mx.eval`` (the baseline of every ratio);
 - ``kvstore``: ``KVStore.fetch`` of this checkout (and ``kvstore_base``: of ``--base``);
 - ``host_buffers``: as ``kvstore``, but read into numpy buffers of fresh anonymous
-  memory (no zero-fill by anyone but the kernel's first touch), then one copy into MLX
-  (``mx.array``): the "numpy buffers without zero-fill" path;
+  memory, then one copy into MLX (``mx.array``);
 - ``one_group``: as ``kvstore``, but every array allocated at once (``alloc.MAX_GROUPS``
-  1): each segment is read in ``_SPAN`` reads, not one read per allocation group (fewer,
-  larger reads);
-- ``segment_files``: every segment as its own plain safetensors file (a format change:
-  today they share a pack file), ``mx.load`` of each (MLX's own reader, its own
-  threads), its header checked and its loaded buffers hashed, then each layer's chunks
-  joined by ``mx.concatenate`` (the final arrays must be whole).
+  1): each segment read in ``_SPAN`` reads, not one read per allocation group;
+- ``segment_files``: every segment as its own plain safetensors file (a format change),
+  ``mx.load`` of each (MLX's own reader, lazy arrays), its header checked and its loaded
+  buffers hashed, then each layer's chunks joined by one ``mx.concatenate``;
+- ``per_layer``: the longest entry stored as one contiguous run per tensor (a format
+  change; mlx-lm's own file is laid out so and is what is read): one contiguous read per
+  tensor straight into the final arrays (``alloc.alloc`` in groups, as a restore
+  allocates), on ``READ_THREADS`` reader threads, each tensor hashed (xxh3-128) as its
+  spans land and checked against the parent's sums;
+- ``larger_chunks``: ``KVStore.fetch`` from a second store made with ``chunk_tokens``
+  ``BIG_CHUNK`` (default 256), the same turns inserted;
+- ``plain_read`` / ``plain_read_mt``: the floor, not a restore: kvstore's pack files read
+  into fresh anonymous memory (``alloc.fresh_bytes``) by one thread / by one thread per
+  core in 8 MB spans, no hashing, no arrays.
 
-Not measured: ``mx.load`` of a segment through a Python file object (MLX would read
-straight into its own memory through ``readinto``): MLX calls ``readinto`` on its own
-worker thread holding no GIL, which is the deadlock ``alloc._zeroed_by_kernel`` avoids,
-and mlx 0.32 aborted the process at exit ("terminate called without an active
-exception") after such a load in a probe here.
+Each child counts, over its timed read only: bytes read by system calls
+(``/proc/self/io`` rchar, Linux), pages first touched (``getrusage`` minor faults) and
+major faults, CPU seconds of all its threads, and its peak resident growth
+(``VmHWM`` less ``VmRSS`` before); the table gives them per KV byte.
 
-``python -m benchmarks.restore_paths --tokens 8192 --reps 3 [--base CHECKOUT]`` writes
-``results/restore_paths.json`` and prints a table.
+Not measured: ``mx.load`` of a segment through a Python file object (MLX reads through
+``readinto`` on its own worker thread holding no GIL: the deadlock
+``alloc._zeroed_by_kernel`` avoids; mlx 0.32 aborted at exit after such a load here).
+
+``python -m benchmarks.restore_paths --tokens 8192,32768,131072 --reps 3 [--base CHECKOUT]``
+writes ``results/restore_paths.json`` and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from . import common as C
-from .bandwidth import grown, pack_files, child_in
+from .bandwidth import _tokens, child_in
 
 NAME = "restore_paths"
 SHAPE = "smollm2"
-PATHS = ("mlx_lm", "kvstore", "host_buffers", "one_group", "segment_files")
+BIG_CHUNK = 4096
+PATHS = ("mlx_lm", "kvstore", "host_buffers", "one_group", "segment_files", "per_layer", "larger_chunks",
+         "plain_read", "plain_read_mt")
+FLOORS = ("plain_read", "plain_read_mt")  # not restores: what the machine allows
+_SPAN = 8 << 20
 
 
 def _host_alloc(specs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -102,10 +118,138 @@ def _segment_files_read(seg_dir: str, pieces: list[dict[str, Any]]) -> list[Any]
     return list(whole.values())
 
 
-def read_child(path: str, kv_dir: str, mlx_file: str, seg_dir: str, pieces: list[dict[str, Any]],
-               tokens: list[int], drop: bool, payload: int) -> dict[str, Any]:
+def _per_layer_read(mlx_file: str, sums: dict[str, str]) -> list[Any]:
+    """Every tensor of a safetensors file (one contiguous run each) read by one read task
+    per tensor into the final arrays (allocated in groups as a restore allocates), hashed
+    as each span lands; ValueError if a tensor's hash is not the parent's."""
+    import json
+    import struct
+    from concurrent.futures import ThreadPoolExecutor
+
+    import xxhash
+
+    from kvstore import alloc, segments
+    from kvstore.disk.restore import READ_THREADS
+
+    fd = os.open(mlx_file, os.O_RDONLY)
+    try:
+        (hlen,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+        header = json.loads(os.pread(fd, hlen, 8))
+        header.pop("__metadata__", None)
+        base = 8 + hlen
+        specs = {name: (h["dtype"], tuple(h["shape"])) for name, h in header.items()}
+
+        def read_one(name: str, host: Any) -> tuple[str, str]:
+            lo, hi = header[name]["data_offsets"]
+            view, h, pos = segments.byte_view(host), xxhash.xxh3_128(), 0
+            while pos < hi - lo:
+                span = view[pos : pos + _SPAN]
+                got = os.preadv(fd, [span], base + lo + pos)
+                if got <= 0:
+                    raise OSError(f"{name}: short read")
+                h.update(span[:got])
+                pos += got
+            return name, h.hexdigest()
+
+        arrays: dict[str, Any] = {}
+        with ThreadPoolExecutor(READ_THREADS) as pool:
+            futures = []
+            for group in alloc.groups(specs):
+                got, hosts = alloc.alloc(group)
+                arrays.update(got)
+                futures += [pool.submit(read_one, name, hosts[name]) for name in group]
+            for f in futures:
+                name, digest = f.result()
+                if digest != sums[name]:
+                    raise ValueError(f"{name}: checksum mismatch")
+    finally:
+        os.close(fd)
+    return [alloc.finish(specs[n][0], arrays[n]) for n in specs]
+
+
+def _tensor_sums(mlx_file: str) -> dict[str, str]:
+    """The xxh3-128 of each tensor's bytes in a safetensors file (the parent's, for
+    ``per_layer``'s check)."""
+    import json
+    import struct
+
+    import xxhash
+
+    out = {}
+    with open(mlx_file, "rb") as f:
+        (hlen,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(hlen))
+        header.pop("__metadata__", None)
+        for name, h in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            lo, hi = h["data_offsets"]
+            f.seek(8 + hlen + lo)
+            x = xxhash.xxh3_128()
+            left = hi - lo
+            while left:
+                piece = f.read(min(left, _SPAN))
+                x.update(piece)
+                left -= len(piece)
+            out[name] = x.hexdigest()
+    return out
+
+
+def _plain_read(files: list[str], threads: int) -> int:
+    """The files' bytes read into fresh anonymous memory (``alloc.fresh_bytes``), in
+    ``_SPAN`` reads on ``threads`` threads; the bytes read."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvstore import alloc
+
+    fds = [os.open(p, os.O_RDONLY) for p in files]
+    try:
+        bufs = [alloc.fresh_bytes(os.fstat(fd).st_size) for fd in fds]
+        tasks = [(fd, buf[a : a + _SPAN], a) for fd, buf in zip(fds, bufs) for a in range(0, len(buf), _SPAN)]
+        with ThreadPoolExecutor(threads) as pool:
+            return sum(pool.map(lambda t: os.preadv(t[0], [t[1]], t[2]), tasks))
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _usage() -> dict[str, Any]:
+    """This process's counts so far: bytes read by system calls (Linux), page faults,
+    CPU seconds of all threads, resident set (KiB)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    out: dict[str, Any] = {"minflt": ru.ru_minflt, "majflt": ru.ru_majflt, "cpu_s": ru.ru_utime + ru.ru_stime,
+                           "rchar": None, "rss_kb": None, "hwm_kb": None}
+    try:
+        with open("/proc/self/io") as f:
+            out["rchar"] = next(int(x.split()[1]) for x in f if x.startswith("rchar:"))
+        with open("/proc/self/status") as f:
+            for x in f:
+                if x.startswith(("VmRSS:", "VmHWM:")):
+                    out["rss_kb" if x.startswith("VmRSS") else "hwm_kb"] = int(x.split()[1])
+    except (OSError, StopIteration):
+        pass
+    return out
+
+
+def _counts(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    def delta(k: str) -> Any:
+        return None if before[k] is None or after[k] is None else after[k] - before[k]
+
+    peak = None if after["hwm_kb"] is None or before["rss_kb"] is None else (after["hwm_kb"] - before["rss_kb"]) * 1024
+    return {"bytes_read": delta("rchar"), "pages_touched": delta("minflt"), "major_faults": delta("majflt"),
+            "cpu_s": delta("cpu_s"), "peak_growth_bytes": peak}
+
+
+def _files_of(path: str, kv_dir: str, big_dir: str, mlx_file: str, seg_dir: str) -> list[str]:
+    """What a path reads (to warm or drop)."""
+    return {"mlx_lm": [mlx_file], "per_layer": [mlx_file], "segment_files": [seg_dir],
+            "larger_chunks": [big_dir]}.get(path, [kv_dir])
+
+
+def read_child(path: str, kv_dir: str, big_dir: str, mlx_file: str, seg_dir: str, pieces: list[dict[str, Any]],
+               packs: list[str], sums: dict[str, str], tokens: list[int], drop: bool, payload: int) -> dict[str, Any]:
     """Child: one read by ``path`` in this fresh process (imports first, then the page
-    cache dropped when ``drop``, then the timed read)."""
+    cache dropped when ``drop``, then the timed, counted read)."""
     import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache
 
@@ -115,36 +259,45 @@ def read_child(path: str, kv_dir: str, mlx_file: str, seg_dir: str, pieces: list
         alloc.alloc = _host_alloc  # type: ignore[assignment]  # this process only
     elif path == "one_group":
         alloc.MAX_GROUPS, alloc.GROUP = 1, 1 << 50
-    files = {"mlx_lm": [mlx_file], "segment_files": [seg_dir]}.get(path, [kv_dir])
-    pc = C.drop_page_cache(files) if drop else {"dropped": False, "method": "prewarmed by the parent"}
+    pc = C.drop_page_cache(_files_of(path, kv_dir, big_dir, mlx_file, seg_dir)) if drop else {
+        "dropped": False, "method": "prewarmed by the parent"}
     out: dict[str, Any] = {"page_cache": pc, "loadavg1": C.loadavg1()}
-    t0 = time.perf_counter()
+    store = KVStore(big_dir if path == "larger_chunks" else kv_dir, max_entries=2) if path in (
+        "kvstore", "host_buffers", "one_group", "larger_chunks") else None  # the store's open is not the read
+    u0, t0 = _usage(), time.perf_counter()
     if path == "mlx_lm":
         cache = load_prompt_cache(mlx_file)
         mx.eval([a for c in cache for a in (c.keys, c.values)])
         out["ok"] = cache[0].offset == len(tokens)
-    elif path == "segment_files":
-        arrays = _segment_files_read(seg_dir, pieces)
-        out["ok"] = all(a.shape[-2] == len(tokens) for a in arrays)
+    elif path in ("segment_files", "per_layer"):
+        arrays = _segment_files_read(seg_dir, pieces) if path == "segment_files" else _per_layer_read(mlx_file, sums)
+        out["ok"] = all(a.shape[-2] == len(tokens) for a in arrays if a.ndim == 4)
+    elif path in FLOORS:
+        out["ok"] = _plain_read(packs, 1 if path == "plain_read" else (os.cpu_count() or 1)) == _file_bytes(packs)
     else:
-        store = KVStore(kv_dir, max_entries=2)
-        t0 = time.perf_counter()  # the store's open is not the read
+        assert store is not None
         got = store.fetch(C.bench_identity(f"bandwidth-{SHAPE}"), tokens)
         mx.eval([a for c in got.cache or [] for a in (c.keys, c.values)])
         out["ok"] = got.n == len(tokens) and got.source == "disk"
-        out["seconds"] = time.perf_counter() - t0
+    out["seconds"] = time.perf_counter() - t0
+    out.update(_counts(u0, _usage()))
+    if store is not None:
         store.close()
-    out.setdefault("seconds", time.perf_counter() - t0)
     out["gbps"] = C.gb(payload) / out["seconds"]
     return out
 
 
-def _segment_files(kv_dir: Path, seg_dir: Path) -> list[dict[str, Any]]:
-    """The entry's segments copied out of their packs, one plain safetensors file each."""
+def _file_bytes(files: list[str]) -> int:
+    return sum(os.path.getsize(p) for p in files)
+
+
+def _segment_files(kv_dir: str | Path, seg_dir: Path | None) -> list[dict[str, Any]]:
+    """The longest entry's segments, each copied out of its pack as one plain safetensors
+    file into ``seg_dir`` (only listed when None)."""
     from kvstore.cachedir import open_disk
     from kvstore.files import pack_path
 
-    disk = open_disk(kv_dir, readonly=True)
+    disk = open_disk(Path(kv_dir), readonly=True)
     out = []
     try:
         key = max(disk.index.view(lambda r: r.keys("entries")), key=lambda k: disk.index.entry(k).n)
@@ -159,9 +312,10 @@ def _segment_files(kv_dir: Path, seg_dir: Path) -> list[dict[str, Any]]:
             segs.append(("tail" if rec.chunked else "snapshot", key, rec.tail, lo, rec.n))
         for i, (kind, k, seg, a, b) in enumerate(segs):
             name = f"{i:05d}.safetensors"
-            with open(pack_path(disk.blob_root, seg.pack), "rb") as f:
-                f.seek(seg.offset)
-                (seg_dir / name).write_bytes(f.read(seg.length))
+            if seg_dir is not None:
+                with open(pack_path(disk.blob_root, seg.pack), "rb") as f:
+                    f.seek(seg.offset)
+                    (seg_dir / name).write_bytes(f.read(seg.length))
             out.append({"file": name, "kind": kind, "key": k.hex(), "lo": a, "hi": b,
                         "checksum": seg.checksum.hex(), "identity": rec.identity.hex()})
     finally:
@@ -169,63 +323,148 @@ def _segment_files(kv_dir: Path, seg_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def run(ctx: C.Context, n: int, turns: int, reps: int, base: str | None,
-        states: tuple[str, ...] = ("warm", "cold"), only: tuple[str, ...] = PATHS) -> dict[str, Any]:
-    started = time.perf_counter()
-    kv_dir, mlx_file, tokens, payload = grown(ctx, SHAPE, n, turns)
-    seg_dir = ctx.scratch("segment-files")
-    pieces = _segment_files(kv_dir, seg_dir)
-    paths = tuple(dict.fromkeys(("mlx_lm",) + only)) + (("kvstore_base",) if base else ())
-    args = {"kv_dir": str(kv_dir), "mlx_file": str(mlx_file), "seg_dir": str(seg_dir), "pieces": pieces,
-            "tokens": tokens, "payload": payload}
-    warm = {"mlx_lm": [mlx_file], "segment_files": [seg_dir]}
+def _build(ctx: C.Context, n: int, turns: int) -> dict[str, Any]:
+    """The entry of ``n`` tokens grown over ``turns`` turns, persisted each turn into two
+    stores (chunks of 256 and of ``BIG_CHUNK`` tokens), mlx-lm's file of the final cache,
+    its segments as plain files, and the per-tensor sums of mlx-lm's file."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from kvstore import KVStore
+
+    from .bandwidth import pack_files
+
+    shape, tokens = C.kv_shape(SHAPE), _tokens(n, n)
+    ident = C.bench_identity(f"bandwidth-{SHAPE}")
+    kv_dir, big_dir = ctx.scratch(f"paths-{n}-kv"), ctx.scratch(f"paths-{n}-kv{BIG_CHUNK}")
+    mlx_dir, seg_dir = ctx.scratch(f"paths-{n}-mlx"), ctx.scratch(f"paths-{n}-segments")
+    cache = None
+    with KVStore(kv_dir, max_entries=1) as a, KVStore(big_dir, max_entries=1, chunk_tokens=BIG_CHUNK) as b:
+        for t in range(turns):
+            lo, hi = n * t // turns, n * (t + 1) // turns
+            cache = C.extend_cache(cache, shape, hi - lo, seed=n + t, drop_old=True)
+            for store in (a, b):
+                store.insert(ident, tokens[:hi], cache)
+                store.flush()
+                store.memory.clear()  # else the memory tier holds the previous turn: 2x the KV at 128k
+    assert cache is not None
+    mlx_file = mlx_dir / "cache.safetensors"
+    save_prompt_cache(str(mlx_file), cache)
+    payload = C.cache_bytes(cache)
+    del cache
+    C.unload()
+    packs = [str(p) for p in pack_files(kv_dir)]
+    return {"kv_dir": str(kv_dir), "big_dir": str(big_dir), "mlx_file": str(mlx_file), "seg_dir": str(seg_dir),
+            "pieces": _segment_files(kv_dir, seg_dir), "packs": packs, "sums": _tensor_sums(str(mlx_file)),
+            "tokens": tokens, "payload": payload, "scratch": [str(kv_dir), str(big_dir), str(mlx_dir), str(seg_dir)],
+            "big_segments": len(_segment_files(big_dir, None))}
+
+
+def one_size(ctx: C.Context, n: int, turns: int, reps: int, base: str | None, states: tuple[str, ...],
+             paths: tuple[str, ...]) -> dict[str, Any]:
+    """Every path of ``paths`` at ``n`` tokens, ``reps`` interleaved rounds per state; the
+    size's files are removed afterwards."""
+    built = _build(ctx, n, turns)
+    args = {k: built[k] for k in ("kv_dir", "big_dir", "mlx_file", "seg_dir", "pieces", "packs", "sums",
+                                  "tokens", "payload")}
     reads: dict[str, dict[str, list[dict]]] = {s: {m: [] for m in paths} for s in states}
-    for rep in range(reps):
-        order = paths[rep % len(paths):] + paths[: rep % len(paths)]
-        for state in states:
-            for m in order:
-                drop = state == "cold" and ctx.drop
-                if not drop:
-                    C.warm_files(warm.get(m, [kv_dir]))
-                if m == "kvstore_base":
-                    r = child_in(base, "bandwidth:read_child",  # type: ignore[arg-type]  # base has no restore_paths
-                                 {"method": "kvstore", "kv_dir": str(kv_dir), "mlx_file": str(mlx_file), "files": [],
-                                  "tokens": tokens, "tag": f"bandwidth-{SHAPE}", "drop": drop, "payload": payload})
-                else:
-                    r = C.run_child(f"{NAME}:read_child", dict(args, path=m, drop=drop))
-                assert r["ok"], (m, r)
-                reads[state][m].append(r)
-                ctx.log(f"    round {rep + 1} {state} {m}: {C.fmt(r['seconds'], 's')} (load {r['loadavg1']})")
+    try:
+        for rep in range(reps):
+            order = paths[rep % len(paths):] + paths[: rep % len(paths)]
+            for state in states:
+                for m in order:
+                    drop = state == "cold" and ctx.drop
+                    files = _files_of(m.replace("kvstore_base", "kvstore"), built["kv_dir"], built["big_dir"],
+                                      built["mlx_file"], built["seg_dir"])
+                    if not drop:
+                        C.warm_files(files)
+                    if m == "kvstore_base":
+                        r = child_in(base, "bandwidth:read_child",  # type: ignore[arg-type]  # base: no restore_paths
+                                     {"method": "kvstore", "kv_dir": built["kv_dir"], "mlx_file": built["mlx_file"],
+                                      "files": [], "tokens": built["tokens"], "tag": f"bandwidth-{SHAPE}",
+                                      "drop": drop, "payload": built["payload"]})
+                    else:
+                        r = C.run_child(f"{NAME}:read_child", dict(args, path=m, drop=drop))
+                    assert r["ok"], (m, r)
+                    reads[state][m].append(r)
+                    ctx.log(f"    {n} tok, round {rep + 1} {state} {m}: {C.fmt(r['seconds'], 's')} "
+                            f"(load {r['loadavg1']})")
+        file_bytes = _file_bytes(built["packs"])
+    finally:
+        for d in built["scratch"]:
+            shutil.rmtree(d, ignore_errors=True)
+    return {"tokens": n, "payload_bytes": built["payload"], "pack_files": len(built["packs"]),
+            "file_bytes": file_bytes, "segments": len(built["pieces"]),
+            "segments_larger_chunks": built["big_segments"], "reads": reads,
+            "medians": _medians(reads, built["payload"])}
+
+
+def _medians(reads: dict[str, dict[str, list[dict]]], payload: int) -> dict[str, Any]:
+    """Per state and path: median time, GB/s, speed against ``load_prompt_cache``, and the
+    counts per KV byte (bytes read, bytes of pages first touched, peak growth) and CPU."""
+    def per_kv(rs: list[dict], k: str, scale: int = 1) -> float | None:
+        xs = [r[k] for r in rs if r.get(k) is not None]
+        return None if not xs else C.median(xs) * scale / payload  # type: ignore[operator]
+
     med: dict[str, Any] = {}
     for state, by in reads.items():
         base_s = C.median([r["seconds"] for r in by["mlx_lm"]])
-        med[state] = {m: {"seconds": C.median([r["seconds"] for r in rs]),
-                          "gbps": C.gb(payload) / C.median([r["seconds"] for r in rs]),
-                          "vs_mlx_lm": base_s / C.median([r["seconds"] for r in rs]),
-                          "dropped": all(r["page_cache"]["dropped"] for r in rs)} for m, rs in by.items()}
-    return C.document(NAME, ctx, {"shape": SHAPE, "tokens": n, "turns": turns, "reps": reps, "payload_bytes": payload,
-                                  "pack_files": len(pack_files(kv_dir)), "segments": len(pieces), "base": base,
-                                  "read_process": "a new process per read"},
-                      reads, med, med, ["vs_mlx_lm: load_prompt_cache's time / the path's time (1.0 = as fast; "
-                                        "higher is faster)"], started)
+        floor_s = min((C.median([r["seconds"] for r in by[f]]) for f in FLOORS if by.get(f)), default=None)
+        med[state] = {}
+        for m, rs in by.items():
+            t = C.median([r["seconds"] for r in rs])
+            med[state][m] = {"seconds": t, "gbps": C.gb(payload) / t, "vs_mlx_lm": C.ratio(base_s, t),
+                             "vs_floor": C.ratio(floor_s, t), "read_per_kv": per_kv(rs, "bytes_read"),
+                             "touched_per_kv": per_kv(rs, "pages_touched", os.sysconf("SC_PAGE_SIZE")),
+                             "peak_per_kv": per_kv(rs, "peak_growth_bytes"),
+                             "cpu_s": C.median([r["cpu_s"] for r in rs]),
+                             "loadavg1": C.median([r["loadavg1"] for r in rs if r["loadavg1"] is not None] or [0.0]),
+                             "dropped": all(r["page_cache"]["dropped"] for r in rs)}
+        med[state]["floor_allows_vs_mlx_lm"] = C.ratio(base_s, floor_s)
+    return med
+
+
+def run(ctx: C.Context, sizes: tuple[int, ...], turns: int, reps: int, base: str | None,
+        states: tuple[str, ...] = ("warm", "cold"), only: tuple[str, ...] = PATHS) -> dict[str, Any]:
+    started = time.perf_counter()
+    paths = tuple(dict.fromkeys(("mlx_lm",) + only)) + (("kvstore_base",) if base else ())
+    by_size = [one_size(ctx, n, turns, reps, base, states, paths) for n in sizes]
+    head = {str(r["tokens"]): r["medians"] for r in by_size}
+    return C.document(NAME, ctx, {"shape": SHAPE, "tokens": list(sizes), "turns": turns, "reps": reps,
+                                  "big_chunk": BIG_CHUNK, "base": base, "read_process": "a new process per read"},
+                      by_size, head, head,
+                      ["vs_mlx_lm: load_prompt_cache's time / the path's time (1.0 = as fast; higher is faster)",
+                       "vs_floor: the fastest plain read's time / the path's time (1.0 = the machine's limit)",
+                       "floor_allows_vs_mlx_lm: the highest vs_mlx_lm any restore could reach here",
+                       "read_per_kv: bytes read by system calls per KV byte (rchar); touched_per_kv: bytes of "
+                       "pages first touched (minor faults x page size) per KV byte; peak_per_kv: peak resident "
+                       "growth per KV byte; cpu_s: CPU seconds of all the reader's threads"], started)
 
 
 def report(doc: dict[str, Any]) -> str:
     s = doc["settings"]
     rows = []
-    for state, by in doc["medians"].items():
-        for m, r in by.items():
-            rows.append([state + ("" if state == "warm" or r["dropped"] else " (NOT dropped)"), m,
-                         C.fmt(r["seconds"], "s"), f"{r['gbps']:.2f}", f"{r['vs_mlx_lm']:.2f}x"])
-    return C.table(f"Restore paths, {s['tokens']} tokens of {s['shape']} float32 KV ({C.gb(s['payload_bytes']):.2f} GB, "
-                   f"{s['segments']} segments), a fresh process per read, median of {s['reps']}",
-                   ["page cache", "path", "time", "GB/s", "speed vs load_prompt_cache"], rows)
+    for size in doc["raw"]:
+        for state, by in size["medians"].items():
+            for m, r in by.items():
+                if not isinstance(r, dict):
+                    continue
+                f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+                rows.append([size["tokens"], state + ("" if state == "warm" or r["dropped"] else " (NOT dropped)"), m,
+                             C.fmt(r["seconds"], "s"), f"{r['gbps']:.2f}", f(r["vs_mlx_lm"]) + "x",
+                             f(r["vs_floor"]) + "x", f(r["read_per_kv"]), f(r["touched_per_kv"]), f(r["peak_per_kv"]),
+                             f(r["cpu_s"]), f(r["loadavg1"])])
+            rows.append([size["tokens"], state, "(floor allows)", "", "", f"{by['floor_allows_vs_mlx_lm'] or 0:.2f}x",
+                         "", "", "", "", "", ""])
+    return C.table(f"Restore paths, {s['shape']} float32 KV grown over {s['turns']} turns (chunks of 256 tokens; "
+                   f"larger_chunks: {s['big_chunk']}), a fresh process per read, median of {s['reps']}",
+                   ["tokens", "page cache", "path", "time", "GB/s", "vs load_prompt_cache", "vs plain read",
+                    "read/KV", "touched/KV", "peak/KV", "CPU s", "load"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.restore_paths", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--tokens", default="8192", help="comma-separated sizes, e.g. 8192,32768,131072")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--base", default=None, help="another checkout whose kvstore restores too")
@@ -236,8 +475,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paths", default=",".join(PATHS), help="the paths to run (mlx_lm always runs)")
     ap.add_argument("--out", default=str(C.REPO_ROOT / "benchmarks" / "results"))
     a = ap.parse_args(argv)
+    sizes = tuple(int(x) for x in a.tokens.split(","))
     return C.run_alone("kvstore-paths-", a.out, a.name, not a.no_drop, report=report, body=lambda ctx: run(
-        ctx, a.tokens, a.turns, a.reps, a.base, tuple(a.states.split(",")), tuple(a.paths.split(","))))
+        ctx, sizes, a.turns, a.reps, a.base, tuple(a.states.split(",")), tuple(a.paths.split(","))))
+
 
 if __name__ == "__main__":
     raise SystemExit(main())
