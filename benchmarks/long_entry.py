@@ -287,11 +287,13 @@ def run(ctx: C.Context) -> dict[str, Any]:
 
 def report(doc: dict[str, Any]) -> str:
     med = doc["medians"]
+    dropped = {str(r["tokens"]): r["page_cache_dropped"] for r in doc["raw"]}
     rows = []
     for state, per in med.items():
         for m, cells in per.items():
             for n, c in cells.items():
-                rows.append([m, state, n, C.fmt(c["seconds"], "s"), f"{c['us_per_token']:.1f}",
+                label = state if state == "warm" or dropped[n] else f"{state} (NOT dropped)"
+                rows.append([m, label, n, C.fmt(c["seconds"], "s"), f"{c['us_per_token']:.1f}",
                              f"{c['read_vs_kv']:.2f}x", f"{c['faults_vs_kv_pages']:.2f}x", f"{c['peak_vs_kv']:.2f}x",
                              f"{c['time_ratio']:.2f} / {c['length_ratio']:.0f} = {c['linearity']:.2f}",
                              c["loadavg1"]])
