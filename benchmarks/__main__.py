@@ -47,6 +47,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
     p.add_argument("--scale-entries", type=int, default=None, metavar="N",
                    help="entries for the scale benchmark (default 100000; 600 with --quick)")
+    p.add_argument("--long-entry-tokens", default=None, metavar="N1,N2,...",
+                   help="entry lengths for long_entry (default 16384,65536,131072; 2048,8192 tiny with --quick)")
     p.add_argument("--ttft-lengths", action="append", default=[], metavar="MODEL=L1,L2,...",
                    help="prompt lengths for one ttft model (tools/testing/model_builds.py name), e.g. "
                         "bench-qwen3-0.6b=1024,2048,4096; an empty list skips the model; repeatable")
@@ -123,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     work = common.new_workdir(args.work_dir)
     ctx = common.Context(quick=args.quick, work=work, out=out, drop=not args.no_drop,
                          options={"scale_entries": args.scale_entries,
+                                  "long_entry_tokens": [int(x) for x in (args.long_entry_tokens or "").split(",")
+                                                        if x.strip()],
                                   "ttft_lengths": _lengths(args.ttft_lengths)})
     names = [n for n in BENCHMARKS if not args.only or n in args.only]
     mach = common.machine()

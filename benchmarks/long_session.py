@@ -41,14 +41,6 @@ def _tokens(n: int) -> list[int]:
     return [rng.randrange(1, 30000) for _ in range(n)]
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
 def restore_child(cache_dir: str, n_final: int, n: int) -> dict[str, Any]:
     """Child: a new process restores the first ``n`` tokens of the conversation and
     evaluates every array; time and peak resident growth."""
@@ -58,12 +50,12 @@ def restore_child(cache_dir: str, n_final: int, n: int) -> dict[str, Any]:
 
     tokens = _tokens(n_final)[:n]
     store, open_s = C.timed(KVStore, cache_dir, max_entries=2)
-    rss0 = _status_kb("VmRSS")
+    rss0 = C.status_kb("VmRSS")
     t0 = time.perf_counter()
     got = store.fetch(C.bench_identity(NAME), tokens)
     mx.eval([a for c in got.cache or [] for a in (c.keys, c.values)])
     seconds = time.perf_counter() - t0
-    peak = _status_kb("VmHWM")
+    peak = C.status_kb("VmHWM")
     out = {"n": got.n, "source": got.source, "seconds": seconds, "open_s": open_s,
            "peak_growth_bytes": (peak - rss0) * 1024, "loadavg1": C.loadavg1()}
     store.close()
@@ -86,17 +78,20 @@ def _extended(cache: list[Any] | None, shape: dict[str, Any], n_new: int, seed: 
     return new
 
 
-def _build(d: Path, n_final: int, log: Any) -> dict[str, Any]:
-    """The conversation persisted turn by turn; what each persist wrote."""
+def build(d: Path, n_final: int, log: Any, *, model: Any = None, tokens: list[int] | None = None,
+          shape_name: str = SHAPE, n_turns: int = TURNS) -> dict[str, Any]:
+    """The conversation persisted turn by turn in ``d`` (``n_turns`` turns to ``n_final``
+    tokens, each a longer prefix of ``tokens``, stored for ``model``: a model directory
+    or an identity, this benchmark's by default); what each persist wrote."""
     from kvstore import KVStore
 
-    shape = C.kv_shape(SHAPE)
-    tokens = _tokens(n_final)
-    ident = C.bench_identity(NAME)
+    shape = C.kv_shape(shape_name)
+    tokens = tokens if tokens is not None else _tokens(n_final)
+    ident = model if model is not None else C.bench_identity(NAME)
     cache, turns = None, []
     with KVStore(d, max_entries=1, queue_size=4) as store:
-        for t in range(TURNS):
-            lo, hi = n_final * t // TURNS, n_final * (t + 1) // TURNS
+        for t in range(n_turns):
+            lo, hi = n_final * t // n_turns, n_final * (t + 1) // n_turns
             cache = _extended(cache, shape, hi - lo, seed=t)
             w0 = store.stats()["bytes_written"]
             t0 = time.perf_counter()
@@ -113,7 +108,7 @@ def _build(d: Path, n_final: int, log: Any) -> dict[str, Any]:
     C.unload()
     total = sum(t["bytes_written"] for t in turns)
     final = n_final * shape["bytes_per_token"]
-    log(f"  {TURNS} turns to {n_final} tokens: wrote {C.gb(total):.2f} GB for {C.gb(final):.2f} GB of KV "
+    log(f"  {n_turns} turns to {n_final} tokens: wrote {C.gb(total):.2f} GB for {C.gb(final):.2f} GB of KV "
         f"({total / final:.3f}x)")
     return {"turns": turns, "total_written": total, "final_kv_bytes": final, "written_vs_kv": total / final,
             "max_turn_written_vs_new": max(t["bytes_written"] / t["new_kv_bytes"] for t in turns)}
@@ -140,7 +135,7 @@ def _entry_id(d: Path) -> str:
 def run(ctx: C.Context, n_final: int, reps: int, base: str | None) -> dict[str, Any]:
     started = time.perf_counter()
     d = ctx.scratch("long-session")
-    writes = _build(d, n_final, ctx.log)
+    writes = build(d, n_final, ctx.log)
     trees = {"this": None} | ({"base": base} if base else {})
     sizes = [n_final * f // TURNS for f in FRACTIONS]
     kv = C.kv_shape(SHAPE)["bytes_per_token"]

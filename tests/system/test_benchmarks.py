@@ -25,7 +25,7 @@ import pytest
 from tools.testing.procs import end_group, run_watched
 
 ROOT = Path(__file__).resolve().parents[2]
-NAMES = ("ttft", "bandwidth", "agent_loop", "overhead", "scale", "shared", "server", "serve")
+NAMES = ("ttft", "bandwidth", "agent_loop", "overhead", "scale", "shared", "server", "serve", "long_entry")
 TOP_KEYS = {"benchmark", "schema", "quick", "machine", "settings", "raw", "medians", "headline", "notes", "seconds"}
 MACHINE_KEYS = {"cpu", "cores", "ram_bytes", "os", "blas", "versions", "loadavg"}
 
@@ -103,6 +103,11 @@ def test_expected_medians(quick_run):
             assert per["mlx_lm"]["tokens_per_s"] > 0 and per["kvstore"]["tokens_per_s"] > 0
     assert all(per["kvstore"]["cached_tokens"] > 0 for per in serve["shared"].values())  # from disk
     assert all(v["insert_ms"] > 0 for v in serve["thread"].values())
+    long_entry = load("long_entry")["medians"]["warm"]  # each way's entry restored (sources checked by the run)
+    assert set(long_entry) == {"one_insert", "many_turns", "import", "shared", "mlx_lm"}
+    for cells in long_entry.values():
+        for c in cells.values():  # every KV byte came through a read call (file or socket), counted
+            assert c["seconds"] > 0 and c["read_vs_kv"] >= 1 and c["faults_vs_kv_pages"] > 0.5 and c["linearity"] > 0
 
 
 def test_chart_and_summary(quick_run):
