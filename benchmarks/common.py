@@ -288,7 +288,8 @@ def proc_counters() -> dict[str, int]:
     """What this process has done so far: bytes its read system calls returned (``rchar``
     of ``/proc/self/io``, files and sockets alike; 0 where there is none), minor page
     faults of all its threads (pages first touched: fresh memory, or page-cache pages
-    mapped), resident and peak resident KB. Subtract two of them around a block."""
+    mapped) and major ones, CPU seconds of all its threads, resident and peak resident KB.
+    Subtract two of them around a block."""
     import resource
 
     rchar = 0
@@ -299,7 +300,8 @@ def proc_counters() -> dict[str, int]:
                     rchar = int(line.split()[1])
     except OSError:
         pass
-    return {"rchar": rchar, "minflt": resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return {"rchar": rchar, "minflt": ru.ru_minflt, "majflt": ru.ru_majflt, "cpu_s": ru.ru_utime + ru.ru_stime,
             "rss_kb": status_kb("VmRSS"), "hwm_kb": status_kb("VmHWM")}
 
 

@@ -62,22 +62,6 @@ def restore_child(cache_dir: str, n_final: int, n: int) -> dict[str, Any]:
     return out
 
 
-def _extended(cache: list[Any] | None, shape: dict[str, Any], n_new: int, seed: int) -> list[Any]:
-    """``C.extend_cache``, dropping each old layer's arrays as soon as its new ones exist
-    (nothing else holds them here): the build's peak is one conversation, not two."""
-    import mlx.core as mx
-
-    new = C.synth_cache(shape, n_new, seed)
-    for old, c in zip(cache or [], new):
-        n = old.offset
-        c.keys = mx.concatenate([old.keys[..., :n, :], c.keys], axis=2)
-        c.values = mx.concatenate([old.values[..., :n, :], c.values], axis=2)
-        c.offset = n + n_new
-        mx.eval(c.keys, c.values)
-        old.keys = old.values = None
-    return new
-
-
 def build(d: Path, n_final: int, log: Any, *, model: Any = None, tokens: list[int] | None = None,
           shape_name: str = SHAPE, n_turns: int = TURNS) -> dict[str, Any]:
     """The conversation persisted turn by turn in ``d`` (``n_turns`` turns to ``n_final``
@@ -92,7 +76,7 @@ def build(d: Path, n_final: int, log: Any, *, model: Any = None, tokens: list[in
     with KVStore(d, max_entries=1, queue_size=4) as store:
         for t in range(n_turns):
             lo, hi = n_final * t // n_turns, n_final * (t + 1) // n_turns
-            cache = _extended(cache, shape, hi - lo, seed=t)
+            cache = C.extend_cache(cache, shape, hi - lo, seed=t, drop_old=True)
             w0 = store.stats()["bytes_written"]
             t0 = time.perf_counter()
             store.insert(ident, tokens[:hi], cache)

@@ -31,7 +31,7 @@ arrays are handed out):
 Each child counts, over its timed read only: bytes read by system calls
 (``/proc/self/io`` rchar, Linux), pages first touched (``getrusage`` minor faults) and
 major faults, CPU seconds of all its threads, and its peak resident growth
-(``VmHWM`` less ``VmRSS`` before); the table gives them per KV byte.
+(``VmHWM`` less ``VmRSS`` before): ``C.proc_counters``; the table gives them per KV byte.
 
 Not measured: ``mx.load`` of a segment through a Python file object (MLX reads through
 ``readinto`` on its own worker thread holding no GIL: the deadlock
@@ -211,33 +211,11 @@ def _plain_read(files: list[str], threads: int) -> int:
             os.close(fd)
 
 
-def _usage() -> dict[str, Any]:
-    """This process's counts so far: bytes read by system calls (Linux), page faults,
-    CPU seconds of all threads, resident set (KiB)."""
-    import resource
-
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    out: dict[str, Any] = {"minflt": ru.ru_minflt, "majflt": ru.ru_majflt, "cpu_s": ru.ru_utime + ru.ru_stime,
-                           "rchar": None, "rss_kb": None, "hwm_kb": None}
-    try:
-        with open("/proc/self/io") as f:
-            out["rchar"] = next(int(x.split()[1]) for x in f if x.startswith("rchar:"))
-        with open("/proc/self/status") as f:
-            for x in f:
-                if x.startswith(("VmRSS:", "VmHWM:")):
-                    out["rss_kb" if x.startswith("VmRSS") else "hwm_kb"] = int(x.split()[1])
-    except (OSError, StopIteration):
-        pass
-    return out
-
-
 def _counts(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    def delta(k: str) -> Any:
-        return None if before[k] is None or after[k] is None else after[k] - before[k]
-
-    peak = None if after["hwm_kb"] is None or before["rss_kb"] is None else (after["hwm_kb"] - before["rss_kb"]) * 1024
-    return {"bytes_read": delta("rchar"), "pages_touched": delta("minflt"), "major_faults": delta("majflt"),
-            "cpu_s": delta("cpu_s"), "peak_growth_bytes": peak}
+    """What a read did, from two ``C.proc_counters``."""
+    return {"bytes_read": after["rchar"] - before["rchar"], "pages_touched": after["minflt"] - before["minflt"],
+            "major_faults": after["majflt"] - before["majflt"], "cpu_s": after["cpu_s"] - before["cpu_s"],
+            "peak_growth_bytes": (after["hwm_kb"] - before["rss_kb"]) * 1024}
 
 
 def _files_of(path: str, kv_dir: str, big_dir: str, mlx_file: str, seg_dir: str) -> list[str]:
@@ -246,10 +224,17 @@ def _files_of(path: str, kv_dir: str, big_dir: str, mlx_file: str, seg_dir: str)
             "larger_chunks": [big_dir]}.get(path, [kv_dir])
 
 
-def read_child(path: str, kv_dir: str, big_dir: str, mlx_file: str, seg_dir: str, pieces: list[dict[str, Any]],
-               packs: list[str], sums: dict[str, str], tokens: list[int], drop: bool, payload: int) -> dict[str, Any]:
-    """Child: one read by ``path`` in this fresh process (imports first, then the page
-    cache dropped when ``drop``, then the timed, counted read)."""
+def read_child(path: str, spec: str, drop: bool) -> dict[str, Any]:
+    """Child: one read by ``path`` of the entry ``spec`` (a JSON file: ``_build``'s paths,
+    segments, sums; too long for a command line) in this fresh process (imports first, then
+    the page cache dropped when ``drop``, then the timed, counted read)."""
+    import json
+
+    with open(spec) as f:
+        b = json.load(f)
+    kv_dir, big_dir, mlx_file, seg_dir = b["kv_dir"], b["big_dir"], b["mlx_file"], b["seg_dir"]
+    pieces, packs, sums, payload = b["pieces"], b["packs"], b["sums"], b["payload"]
+    tokens = _tokens(b["n"], b["n"])
     import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache
 
@@ -264,7 +249,7 @@ def read_child(path: str, kv_dir: str, big_dir: str, mlx_file: str, seg_dir: str
     out: dict[str, Any] = {"page_cache": pc, "loadavg1": C.loadavg1()}
     store = KVStore(big_dir if path == "larger_chunks" else kv_dir, max_entries=2) if path in (
         "kvstore", "host_buffers", "one_group", "larger_chunks") else None  # the store's open is not the read
-    u0, t0 = _usage(), time.perf_counter()
+    u0, t0 = C.proc_counters(), time.perf_counter()
     if path == "mlx_lm":
         cache = load_prompt_cache(mlx_file)
         mx.eval([a for c in cache for a in (c.keys, c.values)])
@@ -280,7 +265,7 @@ def read_child(path: str, kv_dir: str, big_dir: str, mlx_file: str, seg_dir: str
         mx.eval([a for c in got.cache or [] for a in (c.keys, c.values)])
         out["ok"] = got.n == len(tokens) and got.source == "disk"
     out["seconds"] = time.perf_counter() - t0
-    out.update(_counts(u0, _usage()))
+    out.update(_counts(u0, C.proc_counters()))
     if store is not None:
         store.close()
     out["gbps"] = C.gb(payload) / out["seconds"]
@@ -355,7 +340,8 @@ def _build(ctx: C.Context, n: int, turns: int) -> dict[str, Any]:
     packs = [str(p) for p in pack_files(kv_dir)]
     return {"kv_dir": str(kv_dir), "big_dir": str(big_dir), "mlx_file": str(mlx_file), "seg_dir": str(seg_dir),
             "pieces": _segment_files(kv_dir, seg_dir), "packs": packs, "sums": _tensor_sums(str(mlx_file)),
-            "tokens": tokens, "payload": payload, "scratch": [str(kv_dir), str(big_dir), str(mlx_dir), str(seg_dir)],
+            "n": n, "tokens": tokens, "payload": payload,
+            "scratch": [str(kv_dir), str(big_dir), str(mlx_dir), str(seg_dir)],
             "big_segments": len(_segment_files(big_dir, None))}
 
 
@@ -363,9 +349,12 @@ def one_size(ctx: C.Context, n: int, turns: int, reps: int, base: str | None, st
              paths: tuple[str, ...]) -> dict[str, Any]:
     """Every path of ``paths`` at ``n`` tokens, ``reps`` interleaved rounds per state; the
     size's files are removed afterwards."""
+    import json
+
     built = _build(ctx, n, turns)
-    args = {k: built[k] for k in ("kv_dir", "big_dir", "mlx_file", "seg_dir", "pieces", "packs", "sums",
-                                  "tokens", "payload")}
+    spec = Path(built["mlx_file"]).parent / "spec.json"
+    spec.write_text(json.dumps({k: v for k, v in built.items() if k != "tokens"}))
+    args = {"spec": str(spec)}
     reads: dict[str, dict[str, list[dict]]] = {s: {m: [] for m in paths} for s in states}
     try:
         for rep in range(reps):
