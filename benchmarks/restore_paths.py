@@ -25,8 +25,10 @@ arrays are handed out):
 - ``larger_chunks``: ``KVStore.fetch`` from a second store made with ``chunk_tokens``
   ``BIG_CHUNK`` (default 256), the same turns inserted;
 - ``plain_read`` / ``plain_read_mt``: the floor, not a restore: kvstore's pack files read
-  into fresh anonymous memory (``alloc.fresh_bytes``) by one thread / by one thread per
-  core in 8 MB spans, no hashing, no arrays.
+  into fresh anonymous memory (``alloc.fresh_bytes``) in 8 MB reads by one thread / by
+  ``READ_THREADS`` threads (as many as a restore reads with), no hashing, no arrays. The
+  floor of a size and state is the fastest of the two and of ``mlx_lm`` (itself a plain
+  read into fresh memory, then arrays over it).
 
 Each child counts, over its timed read only: bytes read by system calls
 (``/proc/self/io`` rchar, Linux), pages first touched (``getrusage`` minor faults) and
@@ -258,7 +260,9 @@ def read_child(path: str, spec: str, drop: bool) -> dict[str, Any]:
         arrays = _segment_files_read(seg_dir, pieces) if path == "segment_files" else _per_layer_read(mlx_file, sums)
         out["ok"] = all(a.shape[-2] == len(tokens) for a in arrays if a.ndim == 4)
     elif path in FLOORS:
-        out["ok"] = _plain_read(packs, 1 if path == "plain_read" else (os.cpu_count() or 1)) == _file_bytes(packs)
+        from kvstore.disk.restore import READ_THREADS
+
+        out["ok"] = _plain_read(packs, 1 if path == "plain_read" else READ_THREADS) == _file_bytes(packs)
     else:
         assert store is not None
         got = store.fetch(C.bench_identity(f"bandwidth-{SHAPE}"), tokens)
@@ -397,7 +401,7 @@ def _medians(reads: dict[str, dict[str, list[dict]]], payload: int) -> dict[str,
     med: dict[str, Any] = {}
     for state, by in reads.items():
         base_s = C.median([r["seconds"] for r in by["mlx_lm"]])
-        floor_s = min((C.median([r["seconds"] for r in by[f]]) for f in FLOORS if by.get(f)), default=None)
+        floor_s = min(C.median([r["seconds"] for r in by[f]]) or 0.0 for f in FLOORS + ("mlx_lm",) if by.get(f))
         med[state] = {}
         for m, rs in by.items():
             t = C.median([r["seconds"] for r in rs])
@@ -422,7 +426,8 @@ def run(ctx: C.Context, sizes: tuple[int, ...], turns: int, reps: int, base: str
                                   "big_chunk": BIG_CHUNK, "base": base, "read_process": "a new process per read"},
                       by_size, head, head,
                       ["vs_mlx_lm: load_prompt_cache's time / the path's time (1.0 = as fast; higher is faster)",
-                       "vs_floor: the fastest plain read's time / the path's time (1.0 = the machine's limit)",
+                       "vs_floor: the fastest plain read's time (plain_read, plain_read_mt or mlx_lm) / the "
+                       "path's time (1.0 = the machine's limit)",
                        "floor_allows_vs_mlx_lm: the highest vs_mlx_lm any restore could reach here",
                        "read_per_kv: bytes read by system calls per KV byte (rchar); touched_per_kv: bytes of "
                        "pages first touched (minor faults x page size) per KV byte; peak_per_kv: peak resident "
