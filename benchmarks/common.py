@@ -286,22 +286,25 @@ def status_kb(field: str) -> int:
 
 def proc_counters() -> dict[str, int]:
     """What this process has done so far: bytes its read system calls returned (``rchar``
-    of ``/proc/self/io``, files and sockets alike; 0 where there is none), minor page
+    of ``/proc/self/io``, files and sockets alike; 0 where there is none) and read system
+    calls made (``syscr``), minor page
     faults of all its threads (pages first touched: fresh memory, or page-cache pages
     mapped) and major ones, CPU seconds of all its threads, resident and peak resident KB.
     Subtract two of them around a block."""
     import resource
 
-    rchar = 0
+    rchar = syscr = 0
     try:
         with open("/proc/self/io") as f:
             for line in f:
                 if line.startswith("rchar:"):
                     rchar = int(line.split()[1])
+                elif line.startswith("syscr:"):
+                    syscr = int(line.split()[1])
     except OSError:
         pass
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    return {"rchar": rchar, "minflt": ru.ru_minflt, "majflt": ru.ru_majflt, "cpu_s": ru.ru_utime + ru.ru_stime,
+    return {"rchar": rchar, "syscr": syscr, "minflt": ru.ru_minflt, "majflt": ru.ru_majflt, "cpu_s": ru.ru_utime + ru.ru_stime,
             "rss_kb": status_kb("VmRSS"), "hwm_kb": status_kb("VmHWM")}
 
 

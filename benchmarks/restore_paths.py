@@ -14,6 +14,8 @@ arrays are handed out):
   memory, then one copy into MLX (``mx.array``);
 - ``one_group``: as ``kvstore``, but every array allocated at once (``alloc.MAX_GROUPS``
   1): each segment read in ``_SPAN`` reads, not one read per allocation group;
+- ``eight_groups``: as ``kvstore``, with the allocation groups of before issue 56
+  (``alloc.MAX_GROUPS`` groups whatever the number of segments: today's path until then);
 - ``segment_files``: every segment as its own plain safetensors file (a format change),
   ``mx.load`` of each (MLX's own reader, lazy arrays), its header checked and its loaded
   buffers hashed, then each layer's chunks joined by one ``mx.concatenate``;
@@ -58,8 +60,8 @@ from .bandwidth import _tokens, child_in
 NAME = "restore_paths"
 SHAPE = "smollm2"
 BIG_CHUNK = 4096
-PATHS = ("mlx_lm", "kvstore", "host_buffers", "one_group", "segment_files", "per_layer", "larger_chunks",
-         "plain_read", "plain_read_mt")
+PATHS = ("mlx_lm", "kvstore", "eight_groups", "host_buffers", "one_group", "segment_files", "per_layer",
+         "larger_chunks", "plain_read", "plain_read_mt")
 FLOORS = ("plain_read", "plain_read_mt")  # not restores: what the machine allows
 _SPAN = 8 << 20
 
@@ -215,7 +217,8 @@ def _plain_read(files: list[str], threads: int) -> int:
 
 def _counts(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """What a read did, from two ``C.proc_counters``."""
-    return {"bytes_read": after["rchar"] - before["rchar"], "pages_touched": after["minflt"] - before["minflt"],
+    return {"bytes_read": after["rchar"] - before["rchar"], "read_calls": after["syscr"] - before["syscr"],
+            "pages_touched": after["minflt"] - before["minflt"],
             "major_faults": after["majflt"] - before["majflt"], "cpu_s": after["cpu_s"] - before["cpu_s"],
             "peak_growth_bytes": (after["hwm_kb"] - before["rss_kb"]) * 1024}
 
@@ -246,11 +249,14 @@ def read_child(path: str, spec: str, drop: bool) -> dict[str, Any]:
         alloc.alloc = _host_alloc  # type: ignore[assignment]  # this process only
     elif path == "one_group":
         alloc.MAX_GROUPS, alloc.GROUP = 1, 1 << 50
+    elif path == "eight_groups":  # the policy before issue 56: MAX_GROUPS whatever the segments
+        every = alloc.groups
+        alloc.groups = lambda specs, nbytes=None, segments=1: every(specs, nbytes)  # type: ignore[assignment]
     pc = C.drop_page_cache(_files_of(path, kv_dir, big_dir, mlx_file, seg_dir)) if drop else {
         "dropped": False, "method": "prewarmed by the parent"}
     out: dict[str, Any] = {"page_cache": pc, "loadavg1": C.loadavg1()}
     store = KVStore(big_dir if path == "larger_chunks" else kv_dir, max_entries=2) if path in (
-        "kvstore", "host_buffers", "one_group", "larger_chunks") else None  # the store's open is not the read
+        "kvstore", "host_buffers", "one_group", "eight_groups", "larger_chunks") else None  # the store's open is not the read
     u0, t0 = C.proc_counters(), time.perf_counter()
     if path == "mlx_lm":
         cache = load_prompt_cache(mlx_file)
@@ -368,6 +374,11 @@ def one_size(ctx: C.Context, n: int, turns: int, reps: int, base: str | None, st
                     drop = state == "cold" and ctx.drop
                     files = _files_of(m.replace("kvstore_base", "kvstore"), built["kv_dir"], built["big_dir"],
                                       built["mlx_file"], built["seg_dir"])
+                    # only the files this path reads may be cached: at 128k the four copies (24 GB) do not
+                    # fit this machine's memory, and reclaiming another copy's pages during a read's page
+                    # faults slowed whichever read came after a different path (2-4x, seen here)
+                    C.drop_page_cache([d for d in built["scratch"]
+                                       if not any(Path(d) == Path(f) or Path(d) in Path(f).parents for f in files)])
                     if not drop:
                         C.warm_files(files)
                     if m == "kvstore_base":
@@ -410,6 +421,7 @@ def _medians(reads: dict[str, dict[str, list[dict]]], payload: int) -> dict[str,
                              "touched_per_kv": per_kv(rs, "pages_touched", os.sysconf("SC_PAGE_SIZE")),
                              "peak_per_kv": per_kv(rs, "peak_growth_bytes"),
                              "cpu_s": C.median([r["cpu_s"] for r in rs]),
+                             "read_calls": C.median([r.get("read_calls") or 0 for r in rs]),
                              "loadavg1": C.median([r["loadavg1"] for r in rs if r["loadavg1"] is not None] or [0.0]),
                              "dropped": all(r["page_cache"]["dropped"] for r in rs)}
         med[state]["floor_allows_vs_mlx_lm"] = C.ratio(base_s, floor_s)
@@ -445,14 +457,14 @@ def report(doc: dict[str, Any]) -> str:
                 f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
                 rows.append([size["tokens"], state + ("" if state == "warm" or r["dropped"] else " (NOT dropped)"), m,
                              C.fmt(r["seconds"], "s"), f"{r['gbps']:.2f}", f(r["vs_mlx_lm"]) + "x",
-                             f(r["vs_floor"]) + "x", f(r["read_per_kv"]), f(r["touched_per_kv"]), f(r["peak_per_kv"]),
-                             f(r["cpu_s"]), f(r["loadavg1"])])
+                             f(r["vs_floor"]) + "x", f(r["read_per_kv"]), r.get("read_calls", "-"),
+                             f(r["touched_per_kv"]), f(r["peak_per_kv"]), f(r["cpu_s"]), f(r["loadavg1"])])
             rows.append([size["tokens"], state, "(floor allows)", "", "", f"{by['floor_allows_vs_mlx_lm'] or 0:.2f}x",
-                         "", "", "", "", "", ""])
+                         "", "", "", "", "", "", ""])
     return C.table(f"Restore paths, {s['shape']} float32 KV grown over {s['turns']} turns (chunks of 256 tokens; "
                    f"larger_chunks: {s['big_chunk']}), a fresh process per read, median of {s['reps']}",
                    ["tokens", "page cache", "path", "time", "GB/s", "vs load_prompt_cache", "vs plain read",
-                    "read/KV", "touched/KV", "peak/KV", "CPU s", "load"], rows)
+                    "read/KV", "read calls", "touched/KV", "peak/KV", "CPU s", "load"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:

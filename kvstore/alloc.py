@@ -39,9 +39,12 @@ SHARED_MEMORY = True
 # Bytes of one ``alloc`` call in a restore: the arrays are made a group at a time, so the
 # first segments' reads start while MLX still allocates (pages the rest) of the others.
 GROUP = 32 << 20
-# At most this many groups: each group is read from every segment of the entry (a chunked
-# entry has one per 256 tokens), so a fixed group size made the reads (segment ``add``
-# calls, tasks, spans) grow as the square of the conversation's length (issue 47, item 3).
+# At most this many groups, fewer the more segments an entry has (``groups``): each group is
+# read from every segment (a chunked entry has one per 256 tokens), so groups multiply the
+# reads. A fixed group size made them grow as the square of the length (issue 47, item 3);
+# eight groups whatever the segments still made 8 x 512 reads of a 128k-token conversation,
+# and measured slower than one group at 8k, 32k and 128k tokens, warm and cold (issue 56:
+# docs/design.md, "The restore path").
 MAX_GROUPS = 8
 
 
@@ -56,12 +59,14 @@ def fresh_bytes(n: int) -> memoryview:
     return memoryview(mmap.mmap(-1, max(n, 1)))[:n]
 
 
-def groups(specs: Specs, nbytes: int | None = None) -> list[Specs]:
+def groups(specs: Specs, nbytes: int | None = None, segments: int = 1) -> list[Specs]:
     """``specs`` cut, in order, into runs of about ``nbytes`` (every tensor whole; by
-    default ``GROUP``, or larger so there are at most about ``MAX_GROUPS``)."""
+    default ``GROUP``, or larger so there are at most about ``MAX_GROUPS // segments``,
+    at least one): the reads of a restore from ``segments`` segments, one per group and
+    segment, stay at most about ``MAX_GROUPS`` beyond one per segment."""
     if not nbytes:
         total = sum(host_dtype(st).itemsize * math.prod(shape) for st, shape in specs.values())
-        nbytes = max(GROUP, -(-total // MAX_GROUPS))
+        nbytes = max(GROUP, -(-total // max(1, MAX_GROUPS // max(1, segments))))
     out: list[Specs] = [{}]
     size = 0
     for name, (st, shape) in specs.items():

@@ -67,7 +67,7 @@ def restore(tier: Tier, plan: Plan, ident: Identity) -> Restored:
         reading = _Reading(pool, packs, pieces, heads, plan.chunked)
         arrays: dict[str, Any] = {}
         try:
-            for group in alloc.groups(specs):  # reads start as soon as their arrays exist
+            for group in alloc.groups(specs, segments=len(pieces)):  # reads start as soon as their arrays exist
                 got, hosts = alloc.alloc(group)
                 arrays.update(got)
                 reading.add(hosts)

@@ -16,3 +16,22 @@ def test_a_long_conversation_is_read_in_a_bounded_number_of_groups():
         got = alloc.groups(specs)
         assert len(got) <= 8, (n, len(got))
         assert [name for g in got for name in g] == list(specs)
+
+
+def test_an_entry_of_many_segments_is_allocated_in_fewer_groups():
+    """Issue 56: each group is read from every segment, so eight groups made 8 x 512 reads
+    of a 128k-token conversation (256-token chunks) and measured slower than one group at
+    8k, 32k and 128k tokens. The groups shrink as the segments grow: a snapshot (one
+    segment) is still read group by group as its arrays are made (the overlap), a
+    conversation of 8 or more segments is allocated at once; never more than one read
+    per group and segment beyond ``MAX_GROUPS``."""
+    from kvstore import alloc
+
+    specs = {f"{i:02d}.{kv}": ("F32", (1, 3, 131072, 64)) for i in range(30) for kv in ("keys", "values")}
+    assert len(alloc.groups(specs, segments=1)) == alloc.MAX_GROUPS
+    assert len(alloc.groups(specs, segments=2)) == alloc.MAX_GROUPS // 2
+    for segments in (8, 32, 512):
+        got = alloc.groups(specs, segments=segments)
+        assert len(got) == 1 and list(got[0]) == list(specs), segments
+    for segments in range(1, 20):
+        assert len(alloc.groups(specs, segments=segments)) * segments <= alloc.MAX_GROUPS + segments
