@@ -55,7 +55,7 @@ METHODS = ("kvstore", "raw", "mlx_lm")
 SYNC_CALLS = ("fsync", "fdatasync", "sync_file_range", "msync")
 
 
-def _tokens(n: int, seed: int) -> list[int]:
+def random_tokens(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1, 30000) for _ in range(n)]
 
@@ -115,7 +115,7 @@ def persist_child(cache_dir: str, shape_name: str, n: int, entries: int) -> dict
     ident = C.bench_identity("bandwidth-syncs")
     with KVStore(cache_dir, max_entries=1) as store:
         for i in range(entries):
-            store.insert(ident, _tokens(n, 1000 + i), C.synth_cache(shape, n, seed=i))
+            store.insert(ident, random_tokens(n, 1000 + i), C.synth_cache(shape, n, seed=i))
             store.flush()
         st = store.stats()
     return {"writes": st["writes"], "write_errors": st["write_errors"]}
@@ -219,7 +219,7 @@ def run_shape(ctx: C.Context, name: str, n: int, reps: int) -> dict[str, Any]:
     shape = C.kv_shape(name)
     cache = C.synth_cache(shape, n, seed=n)
     payload = C.cache_bytes(cache)
-    tokens = _tokens(n, n)
+    tokens = random_tokens(n, n)
     tag = f"bandwidth-{name}"
     ident = C.bench_identity(tag)
     ctx.log(f"  {name}-shaped KV, {n} tokens, {payload / 1e6:.0f} MB: writes ...")
@@ -428,7 +428,7 @@ def grown(ctx: C.Context, name: str, n: int, turns: int) -> tuple[Path, Path, li
 
     from kvstore import KVStore
 
-    shape, tokens = C.kv_shape(name), _tokens(n, n)
+    shape, tokens = C.kv_shape(name), random_tokens(n, n)
     ident = C.bench_identity(f"bandwidth-{name}")
     kv_dir, mlx_dir = ctx.scratch(f"limit-{name}-{n}-{turns}-kv"), ctx.scratch(f"limit-{name}-{n}-{turns}-mlx")
     cache = None

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from . import common as C
-from .bandwidth import _tokens, child_in
+from .bandwidth import child_in, random_tokens
 
 NAME = "restore_paths"
 SHAPE = "smollm2"
@@ -239,7 +239,7 @@ def read_child(path: str, spec: str, drop: bool) -> dict[str, Any]:
         b = json.load(f)
     kv_dir, big_dir, mlx_file, seg_dir = b["kv_dir"], b["big_dir"], b["mlx_file"], b["seg_dir"]
     pieces, packs, sums, payload = b["pieces"], b["packs"], b["sums"], b["payload"]
-    tokens = _tokens(b["n"], b["n"])
+    tokens = random_tokens(b["n"], b["n"])
     import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache
 
@@ -328,7 +328,7 @@ def _build(ctx: C.Context, n: int, turns: int) -> dict[str, Any]:
 
     from .bandwidth import pack_files
 
-    shape, tokens = C.kv_shape(SHAPE), _tokens(n, n)
+    shape, tokens = C.kv_shape(SHAPE), random_tokens(n, n)
     ident = C.bench_identity(f"bandwidth-{SHAPE}")
     kv_dir, big_dir = ctx.scratch(f"paths-{n}-kv"), ctx.scratch(f"paths-{n}-kv{BIG_CHUNK}")
     mlx_dir, seg_dir = ctx.scratch(f"paths-{n}-mlx"), ctx.scratch(f"paths-{n}-segments")
