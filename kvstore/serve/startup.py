@@ -119,7 +119,7 @@ def provider_class(base: type, opts: Options, stores: list[Any], progress: Progr
 
 def start(provider: Any, opts: Options, cache: Any, progress: ProgressFactory | None) -> None:
     """Steps 0-3 of the module docstring, on the generation thread."""
-    from ..generate import warm_up
+    from ..generate import warm_cache, warm_up
 
     model = provider.model
     store = getattr(cache, "store", None)
@@ -127,11 +127,13 @@ def start(provider: Any, opts: Options, cache: Any, progress: ProgressFactory | 
         STATE.info["identity_seconds"] = identify(store, provider.model_key, model)
     if opts.warmup and model is not None:
         STATE.phase = "warming up"
-        seconds = warm_up(model)
+        t0 = time.perf_counter()
+        held = warm_cache(model)  # warm_up's pass, its cache kept for the request path's
+        seconds = time.perf_counter() - t0
         if provider.draft_model is not None:
             seconds += warm_up(provider.draft_model)
         STATE.info["warmup_seconds"] = round(seconds, 3)
-        STATE.info["warmup_request_seconds"] = warm_up_request(provider)
+        STATE.info["warmup_request_seconds"] = warm_up_request(provider, held)
     later: Callable[[], None] | None = None  # a preload that runs once the server is ready
     if opts.preload is not None and cache is not None and model is not None:
         budget = getattr(provider.cli_args, "prompt_cache_bytes", None)
@@ -153,19 +155,20 @@ def start(provider: Any, opts: Options, cache: Any, progress: ProgressFactory | 
 
 
 WARM_TEXT = "kvstore warm-up"
+WARM_HELD = 16  # tokens of warm_up's cache (kvstore.generate.warm_cache's default)
 
 
-def warm_up_request(provider: Any) -> float | None:
+def warm_up_request(provider: Any, held: list[Any]) -> float | None:
     """Seconds of doing once, on scratch state, what a request would otherwise do first:
     the chat template rendered (its Jinja compile; ``--stable-prefix``'s placement probe),
-    then, when mlx-lm batches this model, its batched generation of two tokens on a
-    throwaway cache already holding a prefix (what a hit hands it: the batch caches
-    merged, prefill on top, decode, extract) and the detokenizer's first use. No store is
-    touched (nothing counted, inserted or learned) and decoding is greedy (MLX's random
-    key is not drawn). None when it failed (logged: the server starts without it)."""
+    then, when mlx-lm batches this model, its batched generation of two tokens after a
+    three-token prompt on ``held`` (``warm_up``'s throwaway cache of ``WARM_HELD`` tokens:
+    what a hit hands it; the batch caches merged, prefill on top, decode, extract) and the
+    detokenizer's first use. A few tokens' forward passes: the start pays little more. No
+    store is touched (nothing counted, inserted or learned) and decoding is greedy (MLX's
+    random key is not drawn). None when it failed (logged: the server starts without it)."""
     from mlx_lm import server as mlx_server
 
-    from ..generate import warm_cache
     from .stable_prefix import inline_for
 
     t0 = time.perf_counter()
@@ -174,12 +177,11 @@ def warm_up_request(provider: Any) -> float | None:
         prompt = rendered(tokenizer, dict(getattr(cli, "chat_template_args", None) or {}))
         inline_for(tokenizer)
         if getattr(provider, "is_batchable", False) and getattr(cli, "kv_bits", None) is None:
-            held = 16
             batch = mlx_server.BatchGenerator(model, prefill_step_size=getattr(cli, "prefill_step_size", 2048),
                                               stream=mx_default_stream())
             try:
-                batch.insert_segments(segments=[[prompt]], max_tokens=[2], caches=[warm_cache(model, held)],
-                                      all_tokens=[list(range(1, held + 1))])
+                batch.insert_segments(segments=[[prompt[-3:]]], max_tokens=[2], caches=[held],
+                                      all_tokens=[list(range(1, WARM_HELD + 1))])
                 detok, done = tokenizer.detokenizer, False
                 while not done:
                     for r in batch.next()[1]:
@@ -196,7 +198,7 @@ def warm_up_request(provider: Any) -> float | None:
 
 def rendered(tokenizer: Any, template_args: dict[str, Any]) -> list[int]:
     """A two-message chat rendered as a request is (its template compiled on the way), or
-    16 token ids when the tokenizer has no template or its template refuses the chat (a
+    ``WARM_HELD`` token ids when the tokenizer has no template or its template refuses the chat (a
     request's own render then fails the same way, as it did before)."""
     if getattr(tokenizer, "has_chat_template", False):
         messages = [{"role": "system", "content": WARM_TEXT}, {"role": "user", "content": WARM_TEXT}]
@@ -205,7 +207,7 @@ def rendered(tokenizer: Any, template_args: dict[str, Any]) -> list[int]:
             return list(getattr(got, "input_ids", got))
         except Exception:  # the template's own refusal (a system role it does not take): compiled all the same
             pass
-    return list(range(1, 17))
+    return list(range(1, WARM_HELD + 1))
 
 
 def mx_default_stream() -> Any:

@@ -55,10 +55,10 @@ CHILD = """
     host = {}
     warm = startup.warm_up_request if hasattr(startup, "warm_up_request") else None
 
-    def watched(provider):
+    def watched(*a):
         before = hoststate.snapshot()
         try:
-            return warm(provider)
+            return warm(*a)
         finally:
             host["changes"] = repr(hoststate.changes(before, hoststate.snapshot()))
 
@@ -92,6 +92,8 @@ CHILD = """
                 except OSError:
                     pass
                 time.sleep(0.05)
+            else:
+                raise RuntimeError("kvstore serve never said it was ready")
             out["stats_at_ready"], out["ready"] = get("/v1/cache/stats"), now()
             d = os.path.join(args["cache"], "stable-prefix")
             out["records_at_ready"] = {os.path.relpath(os.path.join(r, f), d): open(os.path.join(r, f), "rb").read().hex()
@@ -101,6 +103,8 @@ CHILD = """
                 out["cached"].append(chat(q)["usage"].get("prompt_tokens_details", {}).get("cached_tokens"))
                 out[f"after_{k + 1}"] = now()
             out["host"] = host.get("changes")
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"
         finally:
             print(json.dumps(out), flush=True)
             os._exit(0)
@@ -145,6 +149,7 @@ def test_the_first_request_after_a_warm_start_does_no_first_time_work(model_dir:
     warm = serve(model_dir, cache_dir, [], ["Which rule names a navigator?", "Quote rule 15, please."])
 
     for got in (cold, warm):  # both requests are memory hits of the pinned system prompt
+        assert "error" not in got, got.get("error")
         assert got["cached"][0] == got["cached"][1] == n_sys, got["cached"]
     # the control: without the warm-up the first request compiles the template and makes
     # many more request-path calls than the second (what the counters catch)
