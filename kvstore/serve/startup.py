@@ -10,7 +10,7 @@ thread before it takes any request) then
 1. runs one forward pass of a few tokens on a scratch cache (``kvstore.generate.warm_up``),
    so the first request does not pay the first call's cost (weights read in, kernels and
    BLAS set up), then what a request does the first time (``warm_up_request``: the chat
-   template compiled, a two-token generation through mlx-lm's batched path on a scratch
+   template compiled, a one-token generation through mlx-lm's batched path on a scratch
    cache), touching no store; ``warmup_seconds`` and ``warmup_request_seconds`` say what
    each cost; ``--no-warmup`` skips both;
 2. restores this model's pinned entries, then the most valuable others, into the memory
@@ -161,7 +161,7 @@ WARM_HELD = 16  # tokens of warm_up's cache (kvstore.generate.warm_cache's defau
 def warm_up_request(provider: Any, held: list[Any]) -> float | None:
     """Seconds of doing once, on scratch state, what a request would otherwise do first:
     the chat template rendered (its Jinja compile; ``--stable-prefix``'s placement probe),
-    then, when mlx-lm batches this model, its batched generation of two tokens after a
+    then, when mlx-lm batches this model, its batched generation of one token after a
     three-token prompt on ``held`` (``warm_up``'s throwaway cache of ``WARM_HELD`` tokens:
     what a hit hands it; the batch caches merged, prefill on top, decode, extract) and the
     detokenizer's first use. A few tokens' forward passes: the start pays little more. No
@@ -180,13 +180,15 @@ def warm_up_request(provider: Any, held: list[Any]) -> float | None:
             batch = mlx_server.BatchGenerator(model, prefill_step_size=getattr(cli, "prefill_step_size", 2048),
                                               stream=mx_default_stream())
             try:
-                batch.insert_segments(segments=[[prompt[-3:]]], max_tokens=[2], caches=[held],
+                batch.insert_segments(segments=[[prompt[-3:]]], max_tokens=[1], caches=[held],
                                       all_tokens=[list(range(1, WARM_HELD + 1))])
                 detok, done = tokenizer.detokenizer, False
-                while not done:
+                for _ in range(8):  # prefill, then the token: a few steps (bounded all the same)
                     for r in batch.next()[1]:
                         detok.add_token(r.token)
                         done = done or r.finish_reason is not None
+                    if done:
+                        break
                 detok.finalize()
             finally:
                 batch.close()
