@@ -65,9 +65,15 @@ def warm_up(model: Any, n_tokens: int = 16) -> float:
     does not pay first-call costs (weights read in from disk, kernels and BLAS threads set
     up). Returns its seconds; changes no store."""
     t0 = time.perf_counter()
+    warm_cache(model, n_tokens)
+    return time.perf_counter() - t0
+
+
+def warm_cache(model: Any, n_tokens: int = 16) -> list[Any]:
+    """``warm_up``'s pass: a throwaway cache holding ``n_tokens`` tokens (ids 1..n_tokens)."""
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([list(range(1, n_tokens + 1))]), cache=cache))
-    return time.perf_counter() - t0
+    return cache
 
 
 ProgressFn = Callable[[str, int, int], None]

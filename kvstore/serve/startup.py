@@ -9,7 +9,10 @@ thread before it takes any request) then
    one), so the first request does not pay it; ``identity_seconds`` says what it cost;
 1. runs one forward pass of a few tokens on a scratch cache (``kvstore.generate.warm_up``),
    so the first request does not pay the first call's cost (weights read in, kernels and
-   BLAS set up); ``--no-warmup`` skips it;
+   BLAS set up), then what a request does the first time (``warm_up_request``: the chat
+   template compiled, a one-token generation through mlx-lm's batched path on a scratch
+   cache), touching no store; ``warmup_seconds`` and ``warmup_request_seconds`` say what
+   each cost; ``--no-warmup`` skips both;
 2. restores this model's pinned entries, then the most valuable others, into the memory
    tier (``--preload pinned | auto | N``: ``KVStore.preload``); ``--preload-background``
    runs it on its own thread once the server is ready, beside live traffic (a live insert
@@ -116,7 +119,7 @@ def provider_class(base: type, opts: Options, stores: list[Any], progress: Progr
 
 def start(provider: Any, opts: Options, cache: Any, progress: ProgressFactory | None) -> None:
     """Steps 0-3 of the module docstring, on the generation thread."""
-    from ..generate import warm_up
+    from ..generate import warm_cache, warm_up
 
     model = provider.model
     store = getattr(cache, "store", None)
@@ -124,10 +127,13 @@ def start(provider: Any, opts: Options, cache: Any, progress: ProgressFactory | 
         STATE.info["identity_seconds"] = identify(store, provider.model_key, model)
     if opts.warmup and model is not None:
         STATE.phase = "warming up"
-        seconds = warm_up(model)
+        t0 = time.perf_counter()
+        held = warm_cache(model)  # warm_up's pass, its cache kept for the request path's
+        seconds = time.perf_counter() - t0
         if provider.draft_model is not None:
             seconds += warm_up(provider.draft_model)
         STATE.info["warmup_seconds"] = round(seconds, 3)
+        STATE.info["warmup_request_seconds"] = warm_up_request(provider, held)
     later: Callable[[], None] | None = None  # a preload that runs once the server is ready
     if opts.preload is not None and cache is not None and model is not None:
         budget = getattr(provider.cli_args, "prompt_cache_bytes", None)
@@ -146,6 +152,71 @@ def start(provider: Any, opts: Options, cache: Any, progress: ProgressFactory | 
     if later is not None:
         STATE.thread = threading.Thread(target=releasing(later), name="kvstore-preload", daemon=True)
         STATE.thread.start()
+
+
+WARM_TEXT = "kvstore warm-up"
+WARM_HELD = 16  # tokens of warm_up's cache (kvstore.generate.warm_cache's default)
+
+
+def warm_up_request(provider: Any, held: list[Any]) -> float | None:
+    """Seconds of doing once, on scratch state, what a request would otherwise do first:
+    the chat template rendered (its Jinja compile; ``--stable-prefix``'s placement probe),
+    then, when mlx-lm batches this model, its batched generation of one token after a
+    three-token prompt on ``held`` (``warm_up``'s throwaway cache of ``WARM_HELD`` tokens:
+    what a hit hands it; the batch caches merged, prefill on top, decode, extract) and the
+    detokenizer's first use. A few tokens' forward passes: the start pays little more. No
+    store is touched (nothing counted, inserted or learned) and decoding is greedy (MLX's
+    random key is not drawn). None when it failed (logged: the server starts without it)."""
+    from mlx_lm import server as mlx_server
+
+    from .stable_prefix import inline_for
+
+    t0 = time.perf_counter()
+    model, tokenizer, cli = provider.model, provider.tokenizer, provider.cli_args
+    try:
+        prompt = rendered(tokenizer, dict(getattr(cli, "chat_template_args", None) or {}))
+        inline_for(tokenizer)
+        if getattr(provider, "is_batchable", False) and getattr(cli, "kv_bits", None) is None:
+            batch = mlx_server.BatchGenerator(model, prefill_step_size=getattr(cli, "prefill_step_size", 2048),
+                                              stream=mx_default_stream())
+            try:
+                batch.insert_segments(segments=[[prompt[-3:]]], max_tokens=[1], caches=[held],
+                                      all_tokens=[list(range(1, WARM_HELD + 1))])
+                detok, done = tokenizer.detokenizer, False
+                for _ in range(8):  # prefill, then the token: a few steps (bounded all the same)
+                    for r in batch.next()[1]:
+                        detok.add_token(r.token)
+                        done = done or r.finish_reason is not None
+                    if done:
+                        break
+                detok.finalize()
+            finally:
+                batch.close()
+    except Exception:  # a defect: the server still starts, its first request pays this
+        log.exception("kvstore: the request path's warm-up failed (a kvstore bug: please report); going on")
+        return None
+    return round(time.perf_counter() - t0, 3)
+
+
+def rendered(tokenizer: Any, template_args: dict[str, Any]) -> list[int]:
+    """A two-message chat rendered as a request is (its template compiled on the way), or
+    ``WARM_HELD`` token ids when the tokenizer has no template or its template refuses the chat (a
+    request's own render then fails the same way, as it did before)."""
+    if getattr(tokenizer, "has_chat_template", False):
+        messages = [{"role": "system", "content": WARM_TEXT}, {"role": "user", "content": WARM_TEXT}]
+        try:
+            got = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_args)
+            return list(getattr(got, "input_ids", got))
+        except Exception:  # the template's own refusal (a system role it does not take): compiled all the same
+            pass
+    return list(range(1, WARM_HELD + 1))
+
+
+def mx_default_stream() -> Any:
+    """This thread's default MLX stream: the one mlx_lm.server's generation loop runs on."""
+    import mlx.core as mx
+
+    return mx.default_stream(mx.default_device())
 
 
 def identify(store: Any, model_key: Any, model: Any) -> float:
@@ -213,7 +284,9 @@ def mark_ready(opts: Options) -> None:
     if ident is not None:
         parts.append(f"identity {ident:.2f} s")
     warm = STATE.info.get("warmup_seconds")
-    parts.append(f"warm-up {warm:.2f} s" if warm is not None else "no warm-up")
+    path = STATE.info.get("warmup_request_seconds")
+    parts.append((f"warm-up {warm:.2f} s" + (f" + request path {path:.2f} s" if path is not None else ""))
+                 if warm is not None else "no warm-up")
     pre = STATE.info.get("preload")
     if pre and "preloaded_entries" in pre:
         parts.append(f"{entries(pre['preloaded_entries'])} ({pre['preloaded_tokens']:,} tokens) preloaded")
@@ -248,7 +321,8 @@ def _generation_alive(generator: Any) -> bool:
 
 def startup_stats() -> dict[str, Any]:
     """What ``GET /v1/cache/stats`` says of the start under ``"startup"``: ``ready``,
-    ``phase`` and the timings (``load_seconds``, ``identity_seconds``, ``warmup_seconds``, ``ready_seconds``,
+    ``phase`` and the timings (``load_seconds``, ``identity_seconds``, ``warmup_seconds``,
+    ``warmup_request_seconds``, ``ready_seconds``,
     ``preload``: how, entries, stopped...)."""
     if not STATE.installed:  # mlx_lm.server's own start: no kvstore phases
         return {}
