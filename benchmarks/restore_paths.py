@@ -480,7 +480,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default=NAME, help="JSON file name (without .json)")
     ap.add_argument("--paths", default=",".join(PATHS), help="the paths to run (mlx_lm always runs)")
     ap.add_argument("--out", default=str(C.REPO_ROOT / "benchmarks" / "results"))
+    ap.add_argument("--report", default=None, metavar="JSON",
+                    help="only print the table of a results file (its medians computed again from its reads)")
     a = ap.parse_args(argv)
+    if a.report:
+        import json
+
+        doc = json.loads(Path(a.report).read_text())
+        for size in doc["raw"]:
+            size["medians"] = _medians(size["reads"], size["payload_bytes"])
+        print(report(doc))
+        return 0
     sizes = tuple(int(x) for x in a.tokens.split(","))
     return C.run_alone("kvstore-paths-", a.out, a.name, not a.no_drop, report=report, body=lambda ctx: run(
         ctx, sizes, a.turns, a.reps, a.base, tuple(a.states.split(",")), tuple(a.paths.split(","))))
