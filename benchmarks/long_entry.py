@@ -296,7 +296,7 @@ def report(doc: dict[str, Any]) -> str:
                 rows.append([m, label, n, C.fmt(c["seconds"], "s"), f"{c['us_per_token']:.1f}",
                              f"{c['read_vs_kv']:.2f}x", f"{c['faults_vs_kv_pages']:.2f}x", f"{c['peak_vs_kv']:.2f}x",
                              f"{c['time_ratio']:.2f} / {c['length_ratio']:.0f} = {c['linearity']:.2f}",
-                             c["loadavg1"]])
+                             C.fmt(c["loadavg1"])])
     s = doc["settings"]
     made = [[r["tokens"], f"{C.gb(r['payload_bytes']):.2f}"] + [C.fmt(r["make_s"].get(k), "s") for k in
             ("one_insert", "shared_publish", "import", "many_turns")] + [f"{r['many_turns_written_vs_kv']:.3f}x"]
