@@ -49,6 +49,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="entries for the scale benchmark (default 100000; 600 with --quick)")
     p.add_argument("--long-entry-tokens", default=None, metavar="N1,N2,...",
                    help="entry lengths for long_entry (default 16384,65536,131072; 2048,8192 tiny with --quick)")
+    p.add_argument("--server-model", action="append", default=[], metavar="MODEL=TOKENS",
+                   help="a model (tools/testing/model_builds.py name) and the system prompt's tokens for the "
+                        "server benchmark instead of its defaults, e.g. smollm2=1528; repeatable")
     p.add_argument("--ttft-lengths", action="append", default=[], metavar="MODEL=L1,L2,...",
                    help="prompt lengths for one ttft model (tools/testing/model_builds.py name), e.g. "
                         "bench-qwen3-0.6b=1024,2048,4096; an empty list skips the model; repeatable")
@@ -127,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                          options={"scale_entries": args.scale_entries,
                                   "long_entry_tokens": [int(x) for x in (args.long_entry_tokens or "").split(",")
                                                         if x.strip()],
-                                  "ttft_lengths": _lengths(args.ttft_lengths)})
+                                  "ttft_lengths": _lengths(args.ttft_lengths),
+                                  "server_models": [(m, int(n)) for m, _, n in (x.partition("=") for x in args.server_model)]})
     names = [n for n in BENCHMARKS if not args.only or n in args.only]
     mach = common.machine()
     print(f"kvstore benchmarks{' (quick)' if args.quick else ''}: {', '.join(names)}\n"

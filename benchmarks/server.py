@@ -266,7 +266,7 @@ def medians(row: dict[str, Any]) -> dict[str, Any]:
 
 def run(ctx: C.Context) -> dict[str, Any]:
     started_at = time.perf_counter()
-    models = QUICK if ctx.quick else DEFAULT
+    models = ctx.options.get("server_models") or (QUICK if ctx.quick else DEFAULT)
     from concurrent.futures import ThreadPoolExecutor
 
     ctx.log(f"  kvstore warm + pin for {', '.join(n for n, _ in models)}, concurrently (cold prefills) ...")
