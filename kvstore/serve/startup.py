@@ -128,7 +128,7 @@ def start(provider: Any, opts: Options, cache: Any, progress: ProgressFactory | 
     if opts.warmup and model is not None:
         STATE.phase = "warming up"
         t0 = time.perf_counter()
-        held = warm_cache(model)  # warm_up's pass, its cache kept for the request path's
+        held = warm_cache(model, WARM_HELD)  # warm_up's pass, its cache kept for the request path's
         seconds = time.perf_counter() - t0
         if provider.draft_model is not None:
             seconds += warm_up(provider.draft_model)
@@ -155,7 +155,7 @@ def start(provider: Any, opts: Options, cache: Any, progress: ProgressFactory | 
 
 
 WARM_TEXT = "kvstore warm-up"
-WARM_HELD = 16  # tokens of warm_up's cache (kvstore.generate.warm_cache's default)
+WARM_HELD = 16  # tokens of the warm-up's throwaway cache (passed to kvstore.generate.warm_cache)
 
 
 def warm_up_request(provider: Any, held: list[Any]) -> float | None:
