@@ -9,7 +9,9 @@ Guarantees:
 - ``encode`` never copies KV data: tensors are views of the live arrays, cut to the filled
   length (mlx-lm's own ``save_prompt_cache`` writes the whole over-allocated buffer), and
   never the host's own array objects: a host that goes on writing its cache in place
-  (``state[...] = x`` replaces what that Python object is) changes no snapshot.
+  (``state[...] = x`` replaces what that Python object is) changes no snapshot. (A
+  full slice is still the host's own MLX array under a new Python object: ``memory.take``
+  wraps each tensor, so nothing kvstore waits on is the host's array.)
 - ``decode`` hands out fresh array objects (free ``a[:]`` views), so a caller that extends
   the restored cache never changes the arrays it came from.
 - A cache kvstore cannot serialise raises ``Unsupported`` naming the class and why.

@@ -112,11 +112,20 @@ def take(cache: list[Any], n_tokens: int, cache_type: str) -> tuple[Snapshot, in
     Raises ValueError when the cache holds more positions than ``n_tokens`` or its layers
     disagree."""
     snap, covered, why = _encoded(cache, n_tokens, cache_type)
-    # Scheduled before any lookup can find it: its views are made on this thread's stream,
+    # Every array kvstore waits on is its own: a view that spans the whole array (an
+    # exactly-sized KVCache, rotating and recurrent state) is the host's own array, whose
+    # event and status the host's thread goes on using in new graphs while a reader's wait
+    # clears them (MLX does not synchronise them). ``stop_gradient`` is a new array on the
+    # same buffer: no copy, and the host's buffer is still not donated while it is held.
+    if snap.tensors is not None:
+        snap.tensors = {k: mx.stop_gradient(a) for k, a in snap.tensors.items()}
+        waited = list(snap.tensors.values())
+    else:  # opaque: deep-copied on hit; waiting on wrappers waits for the host's arrays
+        waited = [mx.stop_gradient(a) for c in snap.opaque or [] for a in codec.layer_arrays(c)]
+    # Scheduled before any lookup can find it: its arrays are made on this thread's stream,
     # and MLX streams are per thread (MLX >= 0.31.2), so no other thread could evaluate
     # them; readers wait (``Snapshot.ready``). (Views: free once the caller's cache is computed.)
-    snap.schedule([a for c in snap.opaque for a in codec.layer_arrays(c)] if snap.opaque is not None
-                  else list((snap.tensors or {}).values()))
+    snap.schedule(waited)
     return snap, covered, why
 
 

@@ -12,7 +12,8 @@ the same greedy tokens and bit-identical log-probs, and the same KV arrays,
 - a restore from memory and from disk onto the default device;
 - a host that keeps generating with the cache it inserted (mlx-lm's server does) changes
   neither what is stored nor what a hit hands out (hazard c), also for a host that writes
-  its recurrent state in place;
+  its recurrent state in place; and no array kvstore keeps, schedules or waits on is one of
+  the host's own arrays (a full slice returns the array itself), though it shares its memory;
 - a snapshot taken by a generation thread whose stream still computes, on a stream of its
   own, read by the writer thread, while the host goes on generating on it; a memory hit
   used beside the writer's reads of the same snapshot (hazard a: the CUDA mechanism, a
@@ -164,6 +165,57 @@ def test_a_host_generating_on_an_exactly_sized_cache_changes_nothing_stored(devi
     with KVStore(tmp_path / "c", chunk_tokens=C, **r["kv"]) as store:
         assert_parity(r, store.fetch(r["path"], P), "disk")
         assert_parity(r, store.fetch(r["path"], P), "memory")
+
+
+def _one_array(a: Any, b: Any) -> bool:
+    """Whether two evaluated MLX arrays are one array (one C++ array: one event, one
+    status), not two arrays on a buffer: MLX's graph export names each array once."""
+    import io
+    out = io.StringIO()
+    mx.export_to_dot(out, a, b)
+    return out.getvalue().count("rank=source") == 1
+
+
+def test_every_array_kvstore_waits_on_is_its_own_not_the_hosts() -> None:
+    """Hazard c, the mechanism: a full slice is the host's own array, and waiting on an
+    array clears its event and status, which MLX does not synchronise, while the host's
+    thread uses the same array in its next step. So no array a snapshot keeps, schedules
+    or hands the writer is one of the host's (an exactly-sized KVCache, a rotating cache,
+    recurrent state, a CacheList, an object kvstore cannot encode), though they share its
+    memory (no copy is made)."""
+    import numpy as np
+    from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
+
+    def kv(n: int, seed: int) -> tuple[Any, Any]:
+        k = mx.random.normal((1, 2, n, 8), key=mx.random.key(seed))
+        return k, k + 1
+
+    full, rot, rec = KVCache(), RotatingKVCache(max_size=32), ArraysCache(2)
+    full.update_and_fetch(*kv(256, 1))  # mlx-lm's step is 256: the slice is the whole array
+    rot.update_and_fetch(*kv(32, 2))
+    rec[0], rec[1] = mx.ones((1, 8)), mx.zeros((1, 2, 4))
+
+    class Opaque:  # no codec for it: kept as given
+        def __init__(self) -> None:
+            self.keys, self.values = kv(8, 3)
+            self.nbytes = self.keys.nbytes * 2
+
+    for cache, n in (([full], 256), ([rot], 32), ([rec], 5), ([CacheList(KVCache(), rec)], 5), ([Opaque()], 8)):
+        if isinstance(cache[0], CacheList):
+            cache[0].caches[0].update_and_fetch(*kv(5, 4))
+        host = [a for c in cache for a in codec.layer_arrays(c)]
+        mx.eval(host)
+        snap, _, _ = take(cache, n, "assistant")
+        waited = list(snap.scheduled)
+        snap.ready()
+        mine = waited + list((snap.tensors or {}).values())
+        mine += [a for _, a in segments.host_views(snap.tensors).values()] if snap.tensors else []
+        assert mine
+        for a in mine:
+            for h in host:
+                assert not _one_array(a, h), f"{type(cache[0]).__name__}: a snapshot array is the host's own"
+        if snap.tensors is not None:  # and still the host's memory: nothing was copied
+            assert any(np.shares_memory(np.asarray(a), np.asarray(h)) for a in snap.tensors.values() for h in host)
 
 
 def test_a_host_writing_recurrent_state_in_place_changes_nothing_stored(device: Any, tmp_path: Path) -> None:
