@@ -35,3 +35,22 @@ def test_an_entry_of_many_segments_is_allocated_in_fewer_groups():
         assert len(got) == 1 and list(got[0]) == list(specs), segments
     for segments in range(1, 20):
         assert len(alloc.groups(specs, segments=segments)) * segments <= alloc.MAX_GROUPS + segments
+
+
+def test_fresh_bytes_are_private_memory_of_the_length_asked():
+    """Private anonymous memory (shared anonymous memory is shmem on Linux, slower to
+    fault in): a forked child's write to it is its own copy, never seen here."""
+    import os
+
+    from kvstore.alloc import fresh_bytes
+
+    view = fresh_bytes(3 * 4096 + 5)
+    assert len(view) == 3 * 4096 + 5 and not view.readonly and bytes(view[:8]) == bytes(8)
+    pid = os.fork()
+    if pid == 0:  # the child: writes, and leaves at once
+        view[0] = 7
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert view[0] == 0, "the child's write reached this process: the memory is shared"
+    assert len(fresh_bytes(0)) == 0
