@@ -345,13 +345,13 @@ class Learner:
                 return tuple(r.rule() for r in _rules_of(rec))
             have = _rules_of(rec)
             rules = [*known, *(r.rule() for r in have)]
+            tools_hash = hashlib.blake2b(tools.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
             fresh: list[Learned] = []
             for o in reversed(rec["openings"]):
                 old = _texts_of(o)
                 if old is None:
                     continue
-                same_tools = o.get("tools") == hashlib.blake2b(tools.encode("utf-8", "surrogatepass"),
-                                                               digest_size=16).hexdigest()
+                same_tools = o.get("tools") == tools_hash
                 taken = {r.name for r in have}
                 names = [f"learned-{k}" for k in range(1, 10 * MAX_RULES) if f"learned-{k}" not in taken]
                 fresh = learn(old, texts, len(tools) if same_tools else 0, rules, names)
@@ -360,7 +360,7 @@ class Learner:
             rec["rules"] = [r.as_json() for r in (have + fresh)[-MAX_RULES:]]
             rec["openings"] = [*rec["openings"], {
                 "digest": digest, "texts": [list(t) for t in texts],
-                "tools": hashlib.blake2b(tools.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()},
+                "tools": tools_hash},
             ][-MAX_OPENINGS:]
             if self.write:
                 self._save(name, rec)
