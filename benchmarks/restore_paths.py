@@ -492,8 +492,12 @@ def main(argv: list[str] | None = None) -> int:
         print(report(doc))
         return 0
     sizes = tuple(int(x) for x in a.tokens.split(","))
+    states, paths = tuple(a.states.split(",")), tuple(a.paths.split(","))
+    wrong = [x for x in states if x not in ("warm", "cold")] + [x for x in paths if x not in PATHS]
+    if wrong:  # a misspelt state or path would run the wrong measurement under its name
+        ap.error(f"unknown --states or --paths: {', '.join(wrong)} (states: warm, cold; paths: {', '.join(PATHS)})")
     return C.run_alone("kvstore-paths-", a.out, a.name, not a.no_drop, report=report, body=lambda ctx: run(
-        ctx, sizes, a.turns, a.reps, a.base, tuple(a.states.split(",")), tuple(a.paths.split(","))))
+        ctx, sizes, a.turns, a.reps, a.base, states, paths))
 
 
 if __name__ == "__main__":
