@@ -71,7 +71,7 @@ def part_child(part: str, path: str, n: int, sums: dict[str, str], store: str) -
 
     from .bandwidth import random_tokens
 
-    from .restore_paths import _per_layer_read
+    from .restore_paths import per_layer_read
 
     specs = _specs(n)
     alloc.alloc({"w": ("F32", (1, 8))})  # the scratch directory found before the clock
@@ -114,7 +114,7 @@ def part_child(part: str, path: str, n: int, sums: dict[str, str], store: str) -
         with ThreadPoolExecutor(READ_THREADS) as pool:
             list(pool.map(lambda i: xxhash.xxh3_128(mv[i * per : (i + 1) * per]).digest(), range(len(specs))))
     elif part == "per_layer":
-        _per_layer_read(path, sums)
+        per_layer_read(path, sums)
     elif part == "kvstore":
         assert kv is not None
         got = kv.fetch(C.bench_identity(NAME), random_tokens(n, n))
@@ -132,14 +132,14 @@ def part_child(part: str, path: str, n: int, sums: dict[str, str], store: str) -
 def run(ctx: C.Context, n: int, reps: int, parts: tuple[str, ...]) -> dict[str, Any]:
     import mlx.core as mx
 
-    from .restore_paths import _tensor_sums
+    from .restore_paths import tensor_sums
 
     started = time.perf_counter()
     work = ctx.scratch("parts")
     path = str(work / "kv.safetensors")
     mx.save_safetensors(path, {name: mx.random.normal(shape, key=mx.random.key(1000 * n + i))
                                for i, (name, (_, shape)) in enumerate(_specs(n).items())})
-    sums = _tensor_sums(path)
+    sums = tensor_sums(path)
     store = str(work / "store")
     if "kvstore" in parts:  # the same KV, as a one-insert entry
         from mlx_lm.models.cache import KVCache

@@ -122,7 +122,7 @@ def _segment_files_read(seg_dir: str, pieces: list[dict[str, Any]]) -> list[Any]
     return list(whole.values())
 
 
-def _per_layer_read(mlx_file: str, sums: dict[str, str]) -> list[Any]:
+def per_layer_read(mlx_file: str, sums: dict[str, str]) -> list[Any]:
     """Every tensor of a safetensors file (one contiguous run each) read by one read task
     per tensor into the final arrays (allocated in groups as a restore allocates), hashed
     as each span lands; ValueError if a tensor's hash is not the parent's."""
@@ -171,7 +171,7 @@ def _per_layer_read(mlx_file: str, sums: dict[str, str]) -> list[Any]:
     return [alloc.finish(specs[n][0], arrays[n]) for n in specs]
 
 
-def _tensor_sums(mlx_file: str) -> dict[str, str]:
+def tensor_sums(mlx_file: str) -> dict[str, str]:
     """The xxh3-128 of each tensor's bytes in a safetensors file (the parent's, for
     ``per_layer``'s check)."""
     import json
@@ -263,7 +263,7 @@ def read_child(path: str, spec: str, drop: bool) -> dict[str, Any]:
         mx.eval([a for c in cache for a in (c.keys, c.values)])
         out["ok"] = cache[0].offset == len(tokens)
     elif path in ("segment_files", "per_layer"):
-        arrays = _segment_files_read(seg_dir, pieces) if path == "segment_files" else _per_layer_read(mlx_file, sums)
+        arrays = _segment_files_read(seg_dir, pieces) if path == "segment_files" else per_layer_read(mlx_file, sums)
         out["ok"] = all(a.shape[-2] == len(tokens) for a in arrays if a.ndim == 4)
     elif path in FLOORS:
         from kvstore.disk.restore import READ_THREADS
@@ -349,7 +349,7 @@ def _build(ctx: C.Context, n: int, turns: int) -> dict[str, Any]:
     C.unload()
     packs = [str(p) for p in pack_files(kv_dir)]
     return {"kv_dir": str(kv_dir), "big_dir": str(big_dir), "mlx_file": str(mlx_file), "seg_dir": str(seg_dir),
-            "pieces": _segment_files(kv_dir, seg_dir), "packs": packs, "sums": _tensor_sums(str(mlx_file)),
+            "pieces": _segment_files(kv_dir, seg_dir), "packs": packs, "sums": tensor_sums(str(mlx_file)),
             "n": n, "tokens": tokens, "payload": payload,
             "scratch": [str(kv_dir), str(big_dir), str(mlx_dir), str(seg_dir)],
             "big_segments": len(_segment_files(big_dir, None))}
