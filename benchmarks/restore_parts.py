@@ -50,13 +50,15 @@ def _data_region(path: str) -> tuple[int, int]:
 
 
 def _faulted(nbytes: int) -> memoryview:
-    """Private anonymous memory with every page touched (as an allocation leaves it)."""
+    """``alloc.fresh_bytes`` with every page touched (as an allocation leaves it)."""
     import mmap
 
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    from kvstore.alloc import fresh_bytes
+
+    view = fresh_bytes(nbytes)
     for i in range(0, nbytes, mmap.PAGESIZE):
-        m[i] = 0
-    return memoryview(m)
+        view[i] = 0
+    return view
 
 
 def part_child(part: str, path: str, n: int, sums: dict[str, str], store: str) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from queue import Empty, Queue
 
@@ -96,10 +97,11 @@ def _attempt(tmp_path: Path, k: int) -> tuple[bool, list[str], int | None]:
     threading.Thread(target=_lines, args=(host.stdout, out), daemon=True).start()
     threading.Thread(target=_lines, args=(peer.stdout, Queue()), daemon=True).start()  # drained
     said: list[str] = []
+    end = time.monotonic() + DEADLINE  # one deadline for every line, however many come
     try:
         try:
             while not said or said[-1] != "inserted":
-                line = out.get(timeout=DEADLINE)
+                line = out.get(timeout=max(0.0, end - time.monotonic()))
                 if line is None:
                     break
                 said.append(line)
