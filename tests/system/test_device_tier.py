@@ -211,6 +211,7 @@ def test_every_array_kvstore_waits_on_is_its_own_not_the_hosts() -> None:
         mine = waited + list((snap.tensors or {}).values())
         mine += [a for _, a in segments.host_views(snap.tensors).values()] if snap.tensors else []
         assert mine
+        assert all(_one_array(h, h[...]) for h in host)  # the check tells one array from two (a control)
         for a in mine:
             for h in host:
                 assert not _one_array(a, h), f"{type(cache[0]).__name__}: a snapshot array is the host's own"
