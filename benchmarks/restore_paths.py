@@ -26,6 +26,11 @@ arrays are handed out):
   spans land and checked against the parent's sums;
 - ``larger_chunks``: ``KVStore.fetch`` from a second store made with ``chunk_tokens``
   ``BIG_CHUNK`` (default 256), the same turns inserted;
+- ``kvstore_whole``: ``KVStore.fetch`` of this checkout from a copy of the store in which
+  the entry was restored twice first (each time in a fresh process), so it has a whole
+  copy (``kvstore.disk.whole``): ``mx.load`` of that one file, its header checked and its
+  loaded bytes hashed. What a long entry served again costs; only the copy is warmed or
+  dropped, and the child checks the restore read the copy;
 - ``plain_read`` / ``plain_read_mt``: the floor, not a restore: kvstore's pack files read
   into fresh anonymous memory (``alloc.fresh_bytes``) in 8 MB reads by one thread / by
   ``READ_THREADS`` threads (as many as a restore reads with), no hashing, no arrays. The
@@ -61,7 +66,7 @@ NAME = "restore_paths"
 SHAPE = "smollm2"
 BIG_CHUNK = 4096
 PATHS = ("mlx_lm", "kvstore", "eight_groups", "host_buffers", "one_group", "segment_files", "per_layer",
-         "larger_chunks", "plain_read", "plain_read_mt")
+         "larger_chunks", "kvstore_whole", "plain_read", "plain_read_mt")
 FLOORS = ("plain_read", "plain_read_mt")  # not restores: what the machine allows
 _SPAN = 8 << 20
 
@@ -223,10 +228,33 @@ def _counts(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
             "peak_growth_bytes": (after["hwm_kb"] - before["rss_kb"]) * 1024}
 
 
-def _files_of(path: str, kv_dir: str, big_dir: str, mlx_file: str, seg_dir: str) -> list[str]:
+def _files_of(path: str, kv_dir: str, big_dir: str, mlx_file: str, seg_dir: str, copy: str = "") -> list[str]:
     """What a path reads (to warm or drop)."""
     return {"mlx_lm": [mlx_file], "per_layer": [mlx_file], "segment_files": [seg_dir],
-            "larger_chunks": [big_dir]}.get(path, [kv_dir])
+            "larger_chunks": [big_dir], "kvstore_whole": [copy]}.get(path, [kv_dir])
+
+
+def whole_child(whole_dir: str, n: int) -> dict[str, Any]:
+    """Child: restore the entry of ``n`` tokens in ``whole_dir`` twice, each by a store of
+    its own (the first use credits a hit; the second restore writes the whole copy on the
+    writer thread). Returns the copy's file."""
+    from kvstore import KVStore
+    from kvstore.files import pack_path
+
+    tokens = random_tokens(n, n)
+    written = 0
+    for _ in range(2):
+        with KVStore(whole_dir, max_entries=1) as store:
+            got = store.fetch(C.bench_identity(f"bandwidth-{SHAPE}"), tokens)
+            assert got.n == n and got.source == "disk", (got.n, got.source)
+            assert store.flush(600)
+            written += store.stats()["whole_copies_written"]
+    with KVStore(whole_dir) as store:
+        disk = store.disk
+        assert disk is not None
+        rec = max((disk.index.entry(k) for k in disk.index.view(lambda r: r.keys("entries"))), key=lambda r: r.n)
+    assert written == 1 and rec.whole is not None, (written, rec)
+    return {"copy": str(pack_path(disk.blob_root, rec.whole.pack))}
 
 
 def read_child(path: str, spec: str, drop: bool) -> dict[str, Any]:
@@ -238,6 +266,7 @@ def read_child(path: str, spec: str, drop: bool) -> dict[str, Any]:
     with open(spec) as f:
         b = json.load(f)
     kv_dir, big_dir, mlx_file, seg_dir = b["kv_dir"], b["big_dir"], b["mlx_file"], b["seg_dir"]
+    whole_dir, copy = b.get("whole_dir", ""), b.get("copy", "")
     pieces, packs, sums, payload = b["pieces"], b["packs"], b["sums"], b["payload"]
     tokens = random_tokens(b["n"], b["n"])
     import mlx.core as mx
@@ -252,11 +281,12 @@ def read_child(path: str, spec: str, drop: bool) -> dict[str, Any]:
     elif path == "eight_groups":  # the policy before issue 56: MAX_GROUPS whatever the segments
         every = alloc.groups
         alloc.groups = lambda specs, nbytes=None, segments=1: every(specs, nbytes)  # type: ignore[assignment]
-    pc = C.drop_page_cache(_files_of(path, kv_dir, big_dir, mlx_file, seg_dir)) if drop else {
+    pc = C.drop_page_cache(_files_of(path, kv_dir, big_dir, mlx_file, seg_dir, copy)) if drop else {
         "dropped": False, "method": "prewarmed by the parent"}
     out: dict[str, Any] = {"page_cache": pc, "loadavg1": C.loadavg1()}
-    store = KVStore(big_dir if path == "larger_chunks" else kv_dir, max_entries=2) if path in (
-        "kvstore", "host_buffers", "one_group", "eight_groups", "larger_chunks") else None  # the store's open is not the read
+    where = {"larger_chunks": big_dir, "kvstore_whole": whole_dir}.get(path, kv_dir)
+    store = KVStore(where, max_entries=2) if path in (
+        "kvstore", "host_buffers", "one_group", "eight_groups", "larger_chunks", "kvstore_whole") else None  # the store's open is not the read
     u0, t0 = C.proc_counters(), time.perf_counter()
     if path == "mlx_lm":
         cache = load_prompt_cache(mlx_file)
@@ -275,6 +305,8 @@ def read_child(path: str, spec: str, drop: bool) -> dict[str, Any]:
         mx.eval([a for c in got.cache or [] for a in (c.keys, c.values)])
         out["ok"] = got.n == len(tokens) and got.source == "disk"
     out["seconds"] = time.perf_counter() - t0
+    if path == "kvstore_whole":  # the copy was what it read
+        out["ok"] = out["ok"] and store is not None and store.stats()["restores_whole"] == 1
     out.update(_counts(u0, C.proc_counters()))
     if store is not None:
         store.close()
@@ -362,6 +394,12 @@ def one_size(ctx: C.Context, n: int, turns: int, reps: int, base: str | None, st
     import json
 
     built = _build(ctx, n, turns)
+    if "kvstore_whole" in paths:  # a copy of the store, in which the entry got its whole copy
+        whole_dir = ctx.scratch(f"paths-{n}-whole")
+        shutil.rmtree(whole_dir)
+        shutil.copytree(built["kv_dir"], whole_dir)
+        built.update(whole_dir=str(whole_dir), scratch=built["scratch"] + [str(whole_dir)],
+                     **C.run_child(f"{NAME}:whole_child", {"whole_dir": str(whole_dir), "n": n}))
     spec = Path(built["mlx_file"]).parent / "spec.json"
     spec.write_text(json.dumps({k: v for k, v in built.items() if k != "tokens"}))
     args = {"spec": str(spec)}
@@ -373,7 +411,7 @@ def one_size(ctx: C.Context, n: int, turns: int, reps: int, base: str | None, st
                 for m in order:
                     drop = state == "cold" and ctx.drop
                     files = _files_of(m.replace("kvstore_base", "kvstore"), built["kv_dir"], built["big_dir"],
-                                      built["mlx_file"], built["seg_dir"])
+                                      built["mlx_file"], built["seg_dir"], built.get("copy", ""))
                     # only the files this path reads may be cached: at 128k the four copies (24 GB) do not
                     # fit this machine's memory, and reclaiming another copy's pages during a read's page
                     # faults slowed whichever read came after a different path (2-4x, seen here)

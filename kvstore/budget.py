@@ -1,4 +1,5 @@
-"""The disk budget: least recently used entries that free space go first, pinned ones last.
+"""The disk budget: whole copies first (redundant), then least recently used entries that
+free space, pinned ones last.
 
 Used by the writer thread after each persist (``KVStore(max_disk_bytes=...)``) and by
 ``kvstore gc --max-bytes``. Bytes are pack-file bytes on disk: removing an entry frees a
@@ -78,6 +79,14 @@ class Sim:
         return sum(self.packs[p][1] for p, n in self._drops(rec).items()
                    if p in self.packs and 0 < self.packs[p][0] <= n)
 
+    def drop_copy(self, rec: EntryRecord) -> int:
+        """Count ``rec``'s whole copy (``disk.whole``) as dropped; returns the bytes that frees."""
+        if rec.whole is None:
+            return 0
+        freed = self._release(rec.whole.pack)
+        self.total -= freed
+        return freed
+
     def remove(self, key: bytes, rec: EntryRecord) -> int:
         """Count ``rec`` as removed; returns the bytes that frees."""
         if key in self.gone:
@@ -135,17 +144,34 @@ def victims(sim: Sim, order: list[tuple[bytes, EntryRecord]], excess: int) -> li
     return out
 
 
+def drop_copies(disk: DiskTier, sim: Sim, order: list[tuple[bytes, EntryRecord]], excess: int,
+                dry_run: bool = False) -> int:
+    """Drop entries' whole copies (``disk.whole``), in ``order``, until ``excess`` bytes are
+    freed: a copy is redundant (its entry's segments stay), so a budget takes copies before
+    any entry. Returns the bytes freed (counted in ``sim``)."""
+    freed = 0
+    for key, rec in order:
+        if freed >= excess:
+            break
+        if rec.whole is not None and (dry_run or disk.forget_whole(key, rec.whole)):
+            freed += sim.drop_copy(rec)
+    return freed
+
+
 def evict_to(disk: DiskTier, max_bytes: int, *, dry_run: bool = False,
              snap: IndexRecords | None = None, sim: Sim | None = None, pinned: bool = True) -> list[Removed]:
-    """Drop entries (see ``victims`` for the order) until the pack files fit
-    ``max_bytes``, a batch per transaction; ``dry_run`` only counts. Without ``pinned``
+    """Drop entries' whole copies (``drop_copies``), then entries (see ``victims`` for
+    the order), until the pack files fit ``max_bytes``, a batch per transaction; ``dry_run`` only counts. Without ``pinned``
     no pinned entry goes, even when the budget is then not met. Returns what went."""
     if not dry_run and snap is None and disk.index.total_bytes() <= max_bytes:
         return []
     snap = snap or scan(disk.index, full=False)
     sim = sim or Sim(snap)
     order = [kr for kr in lru_order((k, r) for k, r in snap.entries.items() if r) if kr[0] not in sim.gone]
+    drop_copies(disk, sim, order, (sim.total if dry_run else disk.index.total_bytes()) - max_bytes, dry_run)
     total = sim.total if dry_run else disk.index.total_bytes()
+    if total <= max_bytes:
+        return []
     planned = victims(sim, order if pinned else [kr for kr in order if not kr[1].pinned], total - max_bytes)
     if dry_run:
         return planned

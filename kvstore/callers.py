@@ -24,7 +24,8 @@ from .salt import Salt, salt_key
 # The counters a lookup moves (``KVStore.fetch``): these are a caller's own. The others
 # (writes, evictions, errors, gauges) are the server's.
 LOOKUP_KEYS = ("hits_memory", "hits_disk", "hits_shared", "misses", "tokens_saved", "tokens_memory",
-               "tokens_disk", "tokens_shared", "bytes_read", "restore_seconds", "restores", "refused_cuts")
+               "tokens_disk", "tokens_shared", "bytes_read", "restore_seconds", "restores", "refused_cuts",
+               "restores_whole")
 KEEP = 4096  # tallies kept: salts are per tenant or per conversation, not per request
 
 

@@ -118,6 +118,15 @@ def open_own(path: Path) -> int:
         os.close(dfd)
 
 
+def fd_path(fd: int) -> str:
+    """A path that opens the file behind descriptor ``fd`` itself (for a reader that takes
+    only paths, such as MLX's loader): ``/proc/self/fd/N`` on Linux, ``/dev/fd/N`` on
+    macOS and the BSDs. Whatever the name the file had is renamed, replaced or swapped
+    for a symlink meanwhile, this opens the file already checked through ``fd``."""
+    proc = f"/proc/self/fd/{fd}"
+    return proc if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
+
+
 def unlink_own(path: Path) -> bool:
     """Remove pack file ``path`` if it is kvstore's: a regular file reached as ``open_own``
     reaches one. Anything else there (a symlink, a FIFO, a directory, or a path through a

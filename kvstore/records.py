@@ -119,7 +119,10 @@ class EntryRecord:
     the chained key of the prefix it ends) plus, when ``n`` is not a multiple of the chunk
     size, a ``tail`` segment; otherwise one snapshot segment (``tail``) at exactly ``n``.
     ``boundary``: the last chunk boundary at or before ``n`` (the trie node it is filed
-    under). ``trimmable``: a restore may cut it to a shorter prefix."""
+    under). ``trimmable``: a restore may cut it to a shorter prefix. ``whole``: a copy of
+    all ``n`` tokens as one safetensors file of its own (a pack holding only it, at offset
+    0), which MLX's loader reads in one pass (``disk.whole``); redundant, dropped first
+    under a disk budget and whenever it fails a check."""
 
     identity: bytes
     n: int
@@ -134,6 +137,7 @@ class EntryRecord:
     last_used: float = 0.0
     hits: int = 0
     pinned: bool = False
+    whole: Segment | None = None
 
     TAG: ClassVar[bytes] = _tag(b"E")
     FMT: ClassVar[struct.Struct] = struct.Struct(f"<2sBB{KEY_BYTES}sIIddQ{KEY_BYTES}sI")
@@ -155,34 +159,42 @@ class EntryRecord:
             _need((self.tail is not None) == bool(self.n % self.chunk), "a chunked entry has a tail iff n % chunk")
         else:
             _need(not self.chunks and self.tail is not None, "a snapshot entry has one segment and no chunks")
+        _need(self.whole is None or (self.whole.offset == 0 and (self.tail is None or self.whole.pack != self.tail.pack)),
+              "a whole copy starts a pack of its own")
 
     @property
     def segments(self) -> tuple[Segment, ...]:
-        """The entry's own segment(s): its tail or snapshot (chunks are separate records)."""
-        return (self.tail,) if self.tail is not None else ()
+        """The entry's own segment(s): its tail or snapshot, and its whole copy (chunks are
+        separate records)."""
+        return tuple(s for s in (self.tail, self.whole) if s is not None)
 
     def to_bytes(self) -> bytes:
-        flags = self.chunked | self.trimmable << 1 | self.pinned << 2 | (self.tail is not None) << 3
+        flags = (self.chunked | self.trimmable << 1 | self.pinned << 2 | (self.tail is not None) << 3
+                 | (self.whole is not None) << 4)
         head = self.FMT.pack(self.TAG, flags, CACHE_TYPES.index(self.cache_type), self.identity, self.n,
                              self.chunk, self.created, self.last_used, self.hits, self.boundary,
                              len(self.chunks))
         tail = self.tail.to_bytes() if self.tail is not None else _NO_SEGMENT
-        return head + tail + b"".join(self.chunks)
+        return head + tail + b"".join(self.chunks) + (self.whole.to_bytes() if self.whole is not None else b"")
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview, now: float | None = None) -> "EntryRecord":
         data = bytes(data)
         tag, flags, ctype, ident, n, chunk, created, used, hits, boundary, count = _unpack(cls.FMT, data, "entry")
         _need(tag == cls.TAG, f"not an entry record of this format (tag {tag!r})")
-        _need(flags < 16 and ctype < len(CACHE_TYPES), f"flags {flags} / cache type {ctype}")
+        _need(flags < 32 and ctype < len(CACHE_TYPES), f"flags {flags} / cache type {ctype}")
         _need(count <= MAX_TOKENS // max(chunk, 1), f"{count} chunks")
         rest = data[cls.FMT.size :]
+        whole = rest[len(rest) - Segment.FMT.size :] if flags & 16 else b""
+        rest = rest[: len(rest) - len(whole)]
         seg, keys = rest[: Segment.FMT.size], rest[Segment.FMT.size :]
-        _need(len(seg) == Segment.FMT.size, "entry record truncated")
+        _need(len(seg) == Segment.FMT.size and len(whole) == (Segment.FMT.size if flags & 16 else 0),
+              "entry record truncated")
         try:
             return cls(ident, n, chunk, bool(flags & 1), bool(flags & 2), boundary, _keys(keys, count, "chunks"),
                        Segment.from_bytes(seg) if flags & 8 else None, CACHE_TYPES[ctype],
-                       _clamp(created, now), _clamp(used, now), hits, bool(flags & 4))
+                       _clamp(created, now), _clamp(used, now), hits, bool(flags & 4),
+                       Segment.from_bytes(whole) if whole else None)
         except (TypeError, ValueError) as e:
             raise RecordError(f"entry record: {e}") from None
 
@@ -191,6 +203,9 @@ class EntryRecord:
 
     def pinned_as(self, pinned: bool) -> "EntryRecord":
         return replace(self, pinned=pinned)
+
+    def with_whole(self, whole: Segment | None) -> "EntryRecord":
+        return replace(self, whole=whole)
 
 
 # ----------------------------------------------------------------------------- chunk

@@ -97,7 +97,7 @@ def mlx_dtype_name(st: str) -> str:
 
 
 FORMAT_TAG = str(FORMAT_VERSION)  # "kvstore.format" of every segment this version writes
-KINDS = ("snapshot", "chunk", "tail")
+KINDS = ("snapshot", "chunk", "tail", "whole")
 
 
 class SegmentMismatch(ValueError):

@@ -282,8 +282,11 @@ class KVStore:
             got = self._restore(ident, plan, counts)
             if isinstance(got, Restored):
                 took = time.perf_counter() - t0
-                counts.add("restores", restore_seconds=took, bytes_read=got.nbytes)
+                counts.add("restores", restore_seconds=took, bytes_read=got.nbytes, restores_whole=int(got.whole))
                 counts.observe("restore_seconds", took)
+                if got.copy_dropped:
+                    self._counters.add("whole_copies_dropped")
+                self.writes.copy_whole(ident, plan, got)
                 return self._promote(ident, q, plan, got, source, counts)
             if got is Failure.REFUSED and plan.entry is not None:
                 skip |= {plan.entry}

@@ -75,7 +75,7 @@ class WritePolicy:
         n = self._wanted(disk, job)
         if n == 0:
             return "policy"
-        return self._over_budget(disk) or (job if n == job.query.n else prefix_job(job, n))
+        return self.over_budget(disk) or (job if n == job.query.n else prefix_job(job, n))
 
     def admit_framed(self, disk: Any, key: bytes, n: int, cache_type: str) -> str | None:
         """Whether an entry framed elsewhere (a shared-tier hit filed here: entry ``key``,
@@ -84,9 +84,9 @@ class WritePolicy:
         asked for it)."""
         if n == 0 or (self.persist == "system" and not self._system(disk, key, cache_type)):
             return "policy"
-        return self._over_budget(disk)
+        return self.over_budget(disk)
 
-    def _over_budget(self, disk: Any) -> str | None:
+    def over_budget(self, disk: Any) -> str | None:
         """"budget" once today's bytes written reached the daily budget, else None."""
         if self.max_write_bytes_per_day is not None and written(disk.index)[0] >= self.max_write_bytes_per_day:
             return "budget"

@@ -24,7 +24,8 @@ import numpy as np
 from . import files, segments, side_records
 from .budget import evict_to
 from .counters import Counters
-from .disk import DiskTier, PersistJob
+from .disk import DiskTier, PersistJob, Plan, Restored
+from .disk.whole import wanted as whole_wanted
 from .disk_errors import DiskErrors
 from .identity import Identity
 from .index import IndexFailure
@@ -166,6 +167,41 @@ class WritePath:
         self.counters.observe("persist_seconds", took)
         if self.on_written is not None:
             self.on_written(job)
+
+    def copy_whole(self, ident: Identity, plan: Plan, got: Restored) -> None:
+        """After a restore from segments: keep the entry also as one whole file
+        (``disk.whole``) when it is worth it, on the writer thread, never on the request
+        path (a full queue skips it). Within the daily write budget and the room the disk
+        budget leaves (a copy never evicts an entry); the writer checks the entry was
+        served before. Not after a copy just failed its checks (``Restored.copy_dropped``). A failed write is counted and said once, as a persist's is."""
+        if self.disk is None or self.errors.off or got.whole or got.copy_dropped or plan.entry is None:
+            return  # a copy that just failed a check is written again by the next restore, not this one
+        try:
+            host = segments.host_views(got.tensors, copy=segments.own_copies())
+        except TypeError:
+            return
+        if not whole_wanted(plan, got.nbytes, got.segments, {st for st, _ in host.values()}):
+            return
+        disk, key = self.disk, plan.entry
+
+        def job() -> None:
+            if self.errors.off or self.policy.over_budget(disk):
+                return
+            room = None
+            if self.max_disk_bytes is not None:
+                room = side_records.budget_for(disk.root, self.max_disk_bytes) - disk.index.total_bytes()
+            try:
+                n = disk.write_whole(ident, key, plan.n, host, got.layout, room=room)
+            except (OSError, IndexFailure, files.BlobError) as e:
+                self.counters.add("write_errors")
+                if not self.errors.index_damaged(e, disk):
+                    self.errors.warn_once(f"whole:{getattr(e, 'errno', None) or type(e).__name__}",
+                                          "kvstore: writing a whole copy failed (%s); the entry stays as it was", e)
+                return
+            if n:
+                self.counters.add("whole_copies_written", bytes_written=n)
+
+        self.behind(job)
 
     def admit(self, job: PersistJob) -> PersistJob | None:
         """The one door to the disk tier: every write asks the write policy and the daily

@@ -17,7 +17,8 @@ failure (I/O, memory or threads running out) passes as it is, and the entry is k
 
 The package has a room per job: ``tier`` (the directory's state: open, close, remove,
 touch), ``plan`` (the lookup), ``pieces`` (what a restore or an import reads, and the checks
-before anything is allocated), ``restore``, ``persist`` and ``transfer`` (segments that
+before anything is allocated), ``restore``, ``persist``, ``whole`` (a long entry served
+again, also kept as one file MLX's loader reads in one pass) and ``transfer`` (segments that
 cross machines). ``DiskTier`` is the one door: its methods are the rooms' functions, each
 taking the tier first and documented where it is written.
 """
@@ -29,7 +30,7 @@ from typing import Sequence
 from ..identity import Identity
 from ..keys import encode_tokens
 from ..query import Query
-from . import persist as _persist, plan as _plan, restore as _restore, transfer as _transfer
+from . import persist as _persist, plan as _plan, restore as _restore, transfer as _transfer, whole as _whole
 from .persist import Commit, PersistJob
 from .plan import Plan
 from .restore import READ_THREADS, Restored
@@ -50,6 +51,7 @@ class DiskTier(Tier):
     restore = _restore.restore                 # a plan's segments, verified, built into live caches
     restore_framed = _restore.restore_framed   # an entry framed elsewhere, restored from memory
     persist = _persist.persist                 # a job's new segments in one pack, one commit
+    write_whole = _whole.write                 # an entry just restored, kept also as one file (``whole``)
     # segments from elsewhere (a shared tier, export / import)
     import_entry = _transfer.import_entry
     export_entry = _transfer.export_entry

@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from .. import alloc, files, segments
+from ..escape import logger
 from ..layout import Layout
 from ..identity import Identity
 from ..records import ChunkRecord, EntryRecord
 from .pieces import Piece, blame, blamed, checked, framed, plan_pieces
 from .plan import Plan
 from .tier import Tier
+from . import whole as _whole
 
 if TYPE_CHECKING:
     import numpy as np
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
 # and the hashing. Cold, the device is kept busy (it was also told to read everything
 # ahead, while MLX allocates); warm, the copies and hashes spread over every core.
 READ_THREADS = 8
+
+log = logger("kvstore")
 
 
 @dataclass
@@ -45,6 +49,9 @@ class Restored:
     layout: Layout
     n: int
     nbytes: int
+    whole: bool = False  # read from the entry's whole copy (``disk.whole``), not its segments
+    segments: int = 0    # the segments read
+    copy_dropped: bool = False  # the entry's whole copy failed a check and was dropped
 
 
 
@@ -57,7 +64,22 @@ def restore(tier: Tier, plan: Plan, ident: Identity) -> Restored:
     ``err.record``) when a record's bytes are bad, anything else (OSError, MemoryError,
     RuntimeError) as it is; then nothing is returned and the arrays being filled are
     dropped. Raises ``CutRefused`` (before allocating) when the plan cuts a snapshot at a
-    point its layout refuses (``Layout.can_cut``): the entry is valid, the query a miss."""
+    point its layout refuses (``Layout.can_cut``): the entry is valid, the query a miss.
+    A plan of exactly an entry that has a whole copy reads the copy (``disk.whole``); a
+    copy that fails a check is dropped, and the entry's segments are read instead."""
+    copy = tier.index.view(lambda r: _whole.of_plan(r, plan))
+    dropped = False
+    if copy is not None and plan.entry is not None:
+        try:
+            w_pieces, w_specs, w_arrays, w_layout = _whole.read(tier, ident, plan, copy[1])
+            done = _built(_whole.as_snapshot(plan), w_pieces, w_specs, w_arrays, w_layout)
+            done.whole, done.segments = True, 1
+            return done
+        except files.BlobError as e:
+            foreign = getattr(e, "foreign", False)
+            tier.forget_whole(plan.entry, copy[1], release=not foreign)
+            dropped = True
+            log.warning("kvstore: %s; dropped the whole copy, restoring the entry from its segments", e)
     pieces = tier.index.view(lambda r: plan_pieces(r, plan))
     with _Packs(tier.blob_root) as packs, ThreadPoolExecutor(READ_THREADS, "kvstore-restore") as pool:
         heads = [_header(packs, p) for p in pieces]
@@ -75,7 +97,9 @@ def restore(tier: Tier, plan: Plan, ident: Identity) -> Restored:
         except BaseException:
             reading.cancel()  # no reader may still write into arrays being dropped
             raise
-    return _built(plan, pieces, specs, arrays, layout)
+    done = _built(plan, pieces, specs, arrays, layout)
+    done.segments, done.copy_dropped = len(pieces), dropped
+    return done
 
 
 def restore_framed(tier: Tier, ident: Identity, key: bytes, rec: EntryRecord, n: int,

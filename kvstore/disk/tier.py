@@ -1,6 +1,7 @@
 """A disk tier's state: one cache directory's pack files under ``blobs/`` and the LMDB
 index under ``index/`` that names them, opened with the directory's own chunk size; and
-what changes entries without reading a segment (remove, drop a damaged chunk, touch).
+what changes entries without reading a segment (remove, drop a damaged chunk or a whole
+copy, touch).
 The jobs that read or write segments (plan, restore, persist, transfer) are rooms of
 their own, given this state (see ``kvstore.disk``).
 """
@@ -12,7 +13,7 @@ from typing import Callable
 
 from .. import files
 from ..index import FormatError, Index, IndexOpenError, WriteTxn, chunk_size
-from ..records import EntryRecord, RecordError
+from ..records import EntryRecord, RecordError, Segment
 from ..escape import logger
 
 log = logger("kvstore")
@@ -104,6 +105,25 @@ class Tier:
             t.remove_chunk(key, release=release)
 
         self.index.transact(run)
+
+    def forget_whole(self, key: bytes, seg: Segment, *, release: bool = True) -> bool:
+        """Drop entry ``key``'s whole copy ``seg`` (``disk.whole``) if its record still names
+        it, the pack released (the file goes after the commit) unless ``release`` is False
+        (the copy's header names another record: the pack is not the copy's). The entry
+        and its segments stay. True if it was dropped."""
+        def run(t: WriteTxn) -> bool:
+            try:
+                rec = t.entry(key)
+            except RecordError:
+                return False
+            if rec is None or rec.whole != seg:
+                return False
+            t.set_entry(key, rec.with_whole(None))
+            if release:
+                t.release(seg)
+            return True
+
+        return self.index.transact(run)
 
     def touch(self, hits: dict[bytes, tuple[float, int]]) -> None:
         """Record uses: ``key -> (when, extra hits)``; missing or unreadable keys skipped."""

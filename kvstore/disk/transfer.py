@@ -52,7 +52,7 @@ def import_entry(tier: Tier, ident: Identity, key: bytes, rec: EntryRecord, toke
         new = {ck: (replace(crec, refs=1, segment=seg), toks)
                for (ck, crec, toks, _), seg in zip(chunks, segs)}
         local = replace(rec, tail=segs[-1] if rec.tail is not None else None, created=now,
-                        last_used=now, hits=0, pinned=False)
+                        last_used=now, hits=0, pinned=False, whole=None)  # a copy names a file of the sender's
         status = tier.index.transact(lambda t: commit(t, key, tokens, local, writer, new, have))
     except BaseException:
         writer.discard()

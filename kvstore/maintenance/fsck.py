@@ -60,7 +60,8 @@ class Problem:
 
     ``key``: entry / chunk / pack key (hex) the problem is about, if any; ``path``: the
     file (relative to the cache directory) if any; ``record``: "entry", "chunk", "pack",
-    "bound", "tokens", "meta" or "file"; ``bytes``: bytes the repair frees (files)."""
+    "whole" (an entry's whole copy: only the copy is repaired away), "bound", "tokens",
+    "meta" or "file"; ``bytes``: bytes the repair frees (files)."""
 
     kind: str
     key: str | None = None
@@ -237,7 +238,9 @@ def _entry_problems(snap: IndexRecords, segs: SegmentCheck, chunk: int) -> list[
             continue
         for seg in rec.segments:
             bad = segs.problem(seg)
-            if bad:
+            if bad and seg == rec.whole:  # only the copy is lost: the entry stays (``disk.whole``)
+                out.append(Problem(bad[0], hx, bad[2], f"whole copy: {bad[1]}", "whole"))
+            elif bad:
                 out.append(Problem(bad[0], hx, bad[2], bad[1], "entry"))
     return out
 
@@ -356,6 +359,11 @@ def _fix(disk: DiskTier, problems: list[Problem], snap: IndexRecords, blob_age: 
         for p in problems:
             if (p.record, p.key) in broken:
                 p.fixed = (p.record, p.key) in gone
+    for p in problems:
+        if p.record == "whole" and p.key:  # the copy goes, its entry stays
+            key = bytes.fromhex(p.key)
+            was = snap.entries.get(key)
+            p.fixed = bool(was and was.whole and disk.forget_whole(key, was.whole))
     for p in (p for p in problems if p.kind == "orphan_blob"):
         p.fixed = remove_orphan(disk, bytes.fromhex(p.key), blob_age)  # type: ignore[arg-type]
     if any(p.record not in ("file",) for p in problems):
@@ -407,8 +415,10 @@ def _drop_broken(t: WriteTxn, snap: IndexRecords, broken: set[tuple[str, str | N
             t.remove_chunk(ck, crec)
             bad_chunks.add(ck)
     for ek, rec in _readable(t, "entries").items():
-        if bad_chunks.intersection(rec.chunks) or any(s.pack in bad_packs for s in rec.segments):
+        if bad_chunks.intersection(rec.chunks) or (rec.tail is not None and rec.tail.pack in bad_packs):
             t.remove_entry(ek)
+        elif rec.whole is not None and rec.whole.pack in bad_packs:  # only its copy went
+            t.set_entry(ek, rec.with_whole(None))
     return gone
 
 
