@@ -9,7 +9,10 @@ identity and token range, and each segment's bytes hash to its xxh3-128 before t
 arrays are handed out):
 
 - ``mlx_lm``: ``load_prompt_cache`` + ``mx.eval`` (the baseline of every ratio);
-- ``kvstore``: ``KVStore.fetch`` of this checkout (and ``kvstore_base``: of ``--base``);
+- ``kvstore``: ``KVStore.fetch`` of this checkout (and ``kvstore_base``: of ``--base``),
+  from the segments: the restore of an entry not served before (whole copies are switched
+  off in every path but ``kvstore_whole``, or the second read of a round would leave one
+  for the third);
 - ``host_buffers``: as ``kvstore``, but read into numpy buffers of fresh anonymous
   memory, then one copy into MLX (``mx.array``);
 - ``one_group``: as ``kvstore``, but every array allocated at once (``alloc.MAX_GROUPS``
@@ -274,6 +277,10 @@ def read_child(path: str, spec: str, drop: bool) -> dict[str, Any]:
 
     from kvstore import KVStore, alloc
 
+    if path != "kvstore_whole":  # every other path reads segments: no read may leave a whole copy for the next
+        from kvstore.disk import whole
+
+        whole.MIN_BYTES = 1 << 62
     if path == "host_buffers":
         alloc.alloc = _host_alloc  # type: ignore[assignment]  # this process only
     elif path == "one_group":
@@ -306,7 +313,7 @@ def read_child(path: str, spec: str, drop: bool) -> dict[str, Any]:
         out["ok"] = got.n == len(tokens) and got.source == "disk"
     out["seconds"] = time.perf_counter() - t0
     if path == "kvstore_whole":  # the copy was what it read
-        out["ok"] = out["ok"] and store is not None and store.stats()["restores_whole"] == 1
+        out["ok"] = out["ok"] and store is not None and store.stats()["restores_one_pass"] == 1
     out.update(_counts(u0, C.proc_counters()))
     if store is not None:
         store.close()

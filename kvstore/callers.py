@@ -25,7 +25,7 @@ from .salt import Salt, salt_key
 # (writes, evictions, errors, gauges) are the server's.
 LOOKUP_KEYS = ("hits_memory", "hits_disk", "hits_shared", "misses", "tokens_saved", "tokens_memory",
                "tokens_disk", "tokens_shared", "bytes_read", "restore_seconds", "restores", "refused_cuts",
-               "restores_whole")
+               "restores_one_pass")
 KEEP = 4096  # tallies kept: salts are per tenant or per conversation, not per request
 
 

@@ -17,7 +17,7 @@ KEYS = ("hits_memory", "hits_disk", "hits_shared", "misses", "tokens_saved", "by
         "corrupt", "races", "io_errors", "write_errors", "unpersistable", "refused_cuts",
         "warnings_suppressed", "tokens_memory", "tokens_disk", "tokens_shared", "evictions_memory",
         "evictions_disk", "gc_runs", "gc_freed_bytes", "writes_skipped_policy", "writes_skipped_budget",
-        "evictions_pressure", "restores_whole", "whole_copies_written", "whole_copies_dropped")
+        "evictions_pressure", "restores_one_pass", "whole_copies_written", "whole_copies_dropped")
 SECONDS = ("restore_seconds", "write_seconds")  # floats; the others count
 HISTOGRAMS = ("restore_seconds", "persist_seconds")  # distributions, reported as "<name>_histogram"
 

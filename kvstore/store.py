@@ -282,7 +282,7 @@ class KVStore:
             got = self._restore(ident, plan, counts)
             if isinstance(got, Restored):
                 took = time.perf_counter() - t0
-                counts.add("restores", restore_seconds=took, bytes_read=got.nbytes, restores_whole=int(got.whole))
+                counts.add("restores", restore_seconds=took, bytes_read=got.nbytes, restores_one_pass=int(got.one_pass))
                 counts.observe("restore_seconds", took)
                 if got.copy_dropped:
                     self._counters.add("whole_copies_dropped")

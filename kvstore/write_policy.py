@@ -75,7 +75,7 @@ class WritePolicy:
         n = self._wanted(disk, job)
         if n == 0:
             return "policy"
-        return self.over_budget(disk) or (job if n == job.query.n else prefix_job(job, n))
+        return self._over_budget(disk) or (job if n == job.query.n else prefix_job(job, n))
 
     def admit_framed(self, disk: Any, key: bytes, n: int, cache_type: str) -> str | None:
         """Whether an entry framed elsewhere (a shared-tier hit filed here: entry ``key``,
@@ -84,9 +84,17 @@ class WritePolicy:
         asked for it)."""
         if n == 0 or (self.persist == "system" and not self._system(disk, key, cache_type)):
             return "policy"
-        return self.over_budget(disk)
+        return self._over_budget(disk)
 
-    def over_budget(self, disk: Any) -> str | None:
+    def admit_copy(self, disk: Any, key: bytes, cache_type: str) -> str | None:
+        """Whether entry ``key``'s whole copy (``disk.whole``: a second copy of an entry
+        already stored) is written: None, or "policy" (under "system", only a system
+        segment's or a pinned entry's) or "budget" (the daily budget, as ``admit``)."""
+        if self.persist == "system" and not self._system(disk, key, cache_type):
+            return "policy"
+        return self._over_budget(disk)
+
+    def _over_budget(self, disk: Any) -> str | None:
         """"budget" once today's bytes written reached the daily budget, else None."""
         if self.max_write_bytes_per_day is not None and written(disk.index)[0] >= self.max_write_bytes_per_day:
             return "budget"

@@ -171,21 +171,23 @@ class WritePath:
     def copy_whole(self, ident: Identity, plan: Plan, got: Restored) -> None:
         """After a restore from segments: keep the entry also as one whole file
         (``disk.whole``) when it is worth it, on the writer thread, never on the request
-        path (a full queue skips it). Within the daily write budget and the room the disk
-        budget leaves (a copy never evicts an entry); the writer checks the entry was
-        served before. Not after a copy just failed its checks (``Restored.copy_dropped``). A failed write is counted and said once, as a persist's is."""
-        if self.disk is None or self.errors.off or got.whole or got.copy_dropped or plan.entry is None:
-            return  # a copy that just failed a check is written again by the next restore, not this one
+        path (a full queue skips it). Only as the write policy and the daily budget allow
+        (``WritePolicy.admit_copy``) and within the room the disk budget leaves (a copy
+        never evicts an entry); the writer checks the entry was served before. Not after
+        a copy just failed its checks (``Restored.copy_dropped``): the next restore writes
+        it again. A skipped copy is not counted (the entry is stored; nothing is lost); a
+        failed write is counted and said once, as a persist's is."""
+        if (self.disk is None or self.errors.off or got.whole or got.copy_dropped or plan.entry is None
+                or not whole_wanted(plan, got.nbytes, got.segments)):
+            return
         try:
             host = segments.host_views(got.tensors, copy=segments.own_copies())
         except TypeError:
             return
-        if not whole_wanted(plan, got.nbytes, got.segments, {st for st, _ in host.values()}):
-            return
         disk, key = self.disk, plan.entry
 
         def job() -> None:
-            if self.errors.off or self.policy.over_budget(disk):
+            if self.errors.off or self.policy.admit_copy(disk, key, plan.cache_type) is not None:
                 return
             room = None
             if self.max_disk_bytes is not None:

@@ -49,7 +49,8 @@ class Restored:
     layout: Layout
     n: int
     nbytes: int
-    whole: bool = False  # read from the entry's whole copy (``disk.whole``), not its segments
+    whole: bool = False     # read from the entry's whole copy (``disk.whole``), not its segments
+    one_pass: bool = False  # read by MLX's loader in one pass (a whole copy, a snapshot alone in its pack)
     segments: int = 0    # the segments read
     copy_dropped: bool = False  # the entry's whole copy failed a check and was dropped
 
@@ -66,21 +67,23 @@ def restore(tier: Tier, plan: Plan, ident: Identity) -> Restored:
     dropped. Raises ``CutRefused`` (before allocating) when the plan cuts a snapshot at a
     point its layout refuses (``Layout.can_cut``): the entry is valid, the query a miss.
     A plan of exactly an entry that has a whole copy reads the copy (``disk.whole``); a
-    copy that fails a check is dropped, and the entry's segments are read instead."""
+    copy that fails a check is dropped, and the entry's segments are read instead. A
+    snapshot alone in its pack is read the same way, by MLX's loader in one pass."""
     copy = tier.index.view(lambda r: _whole.of_plan(r, plan))
     dropped = False
-    if copy is not None and plan.entry is not None:
+    if copy is not None:
+        piece = _whole.copy_piece(plan, copy[1])
         try:
-            w_pieces, w_specs, w_arrays, w_layout = _whole.read(tier, ident, plan, copy[1])
-            done = _built(_whole.as_snapshot(plan), w_pieces, w_specs, w_arrays, w_layout)
-            done.whole, done.segments = True, 1
-            return done
+            return _loaded(_whole.as_snapshot(plan), piece, _whole.load(tier, ident, _whole.as_snapshot(plan), piece))
         except files.BlobError as e:
-            foreign = getattr(e, "foreign", False)
-            tier.forget_whole(plan.entry, copy[1], release=not foreign)
+            tier.forget_whole(piece.record[1], copy[1], release=not getattr(e, "foreign", False))
             dropped = True
             log.warning("kvstore: %s; dropped the whole copy, restoring the entry from its segments", e)
     pieces = tier.index.view(lambda r: plan_pieces(r, plan))
+    if not plan.chunked and len(pieces) == 1 and pieces[0].segment.offset == 0:  # a snapshot that may be alone in its pack
+        one = _whole.load(tier, ident, plan, pieces[0])
+        if one is not None:
+            return _loaded(plan, pieces[0], one)
     with _Packs(tier.blob_root) as packs, ThreadPoolExecutor(READ_THREADS, "kvstore-restore") as pool:
         heads = [_header(packs, p) for p in pieces]
         layout, specs = checked(pieces, heads, ident, plan)
@@ -247,6 +250,15 @@ class _Reading:
         for f in self.futures:
             f.cancel()
         wait(self.futures)
+
+
+def _loaded(plan: Plan, piece: Piece, got: tuple[segments.Specs, dict[str, Any], Layout] | None) -> Restored:
+    """The restore of ``plan`` from ``piece`` loaded by MLX in one pass (``whole.load``)."""
+    assert got is not None  # a whole copy is never passed over
+    specs, arrays, layout = got
+    done = _built(plan, [piece], specs, arrays, layout)
+    done.one_pass, done.whole, done.segments = True, piece.kind == "whole", 1
+    return done
 
 
 def _built(plan: Plan, pieces: list[Piece], specs: segments.Specs, arrays: dict[str, Any], layout: Layout) -> Restored:

@@ -47,13 +47,12 @@ MIN_SEGMENTS = 2       # an entry of one segment is read in one pass already
 LOADABLE = ("BF16", "F16", "F32", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "BOOL")  # mx.load's
 
 
-def wanted(plan: Plan, nbytes: int, segments_read: int, dtypes: set[str]) -> bool:
-    """Whether a restore of ``plan`` (``nbytes`` from ``segments_read`` segments, tensors of
-    safetensors ``dtypes``) is worth a whole copy: all of one entry, long, from several
-    segments, in dtypes MLX's loader reads. Whether it was served before is the writer's
-    check (``write``), on the record."""
+def wanted(plan: Plan, nbytes: int, segments_read: int) -> bool:
+    """Whether a restore of ``plan`` (``nbytes`` from ``segments_read`` segments) is worth a
+    whole copy: all of one entry, long, from several segments. Whether it was served
+    before, and its dtypes, are the writer's checks (``write``), on the record and arrays."""
     return (plan.entry is not None and plan.last == (Kind.ENTRY, plan.entry) and plan.n == plan.stored_n
-            and nbytes >= MIN_BYTES and segments_read >= MIN_SEGMENTS and dtypes <= set(LOADABLE))
+            and nbytes >= MIN_BYTES and segments_read >= MIN_SEGMENTS)
 
 
 def of_plan(r: Reader, plan: Plan) -> tuple[EntryRecord, Segment] | None:
@@ -70,36 +69,42 @@ def of_plan(r: Reader, plan: Plan) -> tuple[EntryRecord, Segment] | None:
     return rec, rec.whole
 
 
-def read(tier: Tier, ident: Identity, plan: Plan, seg: Segment) -> tuple[list[Piece], segments.Specs, dict[str, Any], Layout]:
-    """The entry's whole copy ``seg`` loaded by ``mx.load`` and verified: its piece, the
-    specs, the evaluated arrays and the stored layout (for ``restore``'s builder; the plan
-    to build with is ``as_snapshot(plan)``). BlobError naming the entry (``err.foreign``
-    when its header names another record) if any check fails."""
+def load(tier: Tier, ident: Identity, plan: Plan, piece: Piece) -> tuple[segments.Specs, dict[str, Any], Layout] | None:
+    """``piece``, a segment at offset 0 of its pack holding all of ``plan`` (a whole copy,
+    kind "whole", with the plan ``as_snapshot``; or a snapshot entry's own segment),
+    loaded by ``mx.load`` and verified: the specs, the evaluated arrays and the stored
+    layout, for ``restore``'s builder. None, with nothing read but the header, when a
+    snapshot's pack holds more than it or its dtypes are not ones MLX's loader reads (a
+    restore from segments reads it then). BlobError naming the record (``err.foreign``
+    when the header names another record) if a check fails; OSError when MLX cannot open
+    the descriptor's file (the process's limits, not the file)."""
     import mlx.core as mx
     import xxhash
 
-    key = plan.entry
-    assert key is not None
-    piece = Piece(("entry", key), "whole", seg, 0, plan.n)
+    seg, copy = piece.segment, piece.kind == "whole"
+    what = "the whole copy" if copy else "the snapshot"
     with blame(*piece.record):
         fd = files.open_own(files.pack_path(tier.blob_root, seg.pack))
         try:
-            if os.fstat(fd).st_size < seg.end:
-                raise files.BlobError(f"pack {seg.pack.hex()[:12]} is shorter than the whole copy")
-            head = segments.read_header(fd, seg, f"entry {key.hex()[:12]} (whole copy)")
-            layout, specs = checked([piece], [head], ident, as_snapshot(plan))  # foreign: another record's pack
-            if os.fstat(fd).st_size != seg.length:
-                raise files.BlobError(f"pack {seg.pack.hex()[:12]} holds more than the whole copy")
-            if any(st not in LOADABLE for st, _ in specs.values()):
-                raise files.BlobError("a whole copy in a dtype MLX's loader does not read")
+            size = os.fstat(fd).st_size
+            if seg.offset != 0 or size < seg.end:
+                raise files.BlobError(f"pack {seg.pack.hex()[:12]} is shorter than {what}")
+            head = segments.read_header(fd, seg, f"{piece.record[0]} {piece.record[1].hex()[:12]} ({what})")
+            layout, specs = checked([piece], [head], ident, plan)  # foreign: another record's pack
+            if size != seg.length or any(st not in LOADABLE for st, _ in specs.values()):
+                if copy:
+                    raise files.BlobError(f"{what} is not alone in its pack, or in a dtype MLX's loader does not read")
+                return None
             try:  # the descriptor checked above, not the path: nothing swapped in meanwhile is read
                 arrays: dict[str, Any] = mx.load(files.fd_path(fd), format="safetensors")  # type: ignore[assignment]
             except (RuntimeError, ValueError, OSError) as e:
-                raise files.BlobError(f"MLX cannot load the whole copy: {e}") from None
+                if "Failed to open" in str(e):
+                    raise OSError(f"MLX could not open {what}'s file: {e}") from None
+                raise files.BlobError(f"MLX cannot load {what}: {e}") from None
             got = {n: (str(a.dtype).split(".")[-1], tuple(a.shape)) for n, a in arrays.items()}
             want = {n: (segments.mlx_dtype_name(st), shape) for n, (st, shape) in specs.items()}
             if got != want:  # before MLX allocates anything: its parse must be ours
-                raise files.BlobError("MLX reads the whole copy's header otherwise than kvstore")
+                raise files.BlobError(f"MLX reads {what}'s header otherwise than kvstore")
             mx.eval(list(arrays.values()))
         finally:
             os.close(fd)
@@ -107,8 +112,14 @@ def read(tier: Tier, ident: Identity, plan: Plan, seg: Segment) -> tuple[list[Pi
         for name in specs:  # file order
             h.update(memoryview(arrays[name]))
         if h.digest() != seg.checksum:
-            raise files.BlobError("whole copy checksum mismatch")
-    return [piece], specs, arrays, layout
+            raise files.BlobError(f"{what}: checksum mismatch")
+    return specs, arrays, layout
+
+
+def copy_piece(plan: Plan, seg: Segment) -> Piece:
+    """The piece of entry ``plan.entry``'s whole copy ``seg``."""
+    assert plan.entry is not None
+    return Piece(("entry", plan.entry), "whole", seg, 0, plan.n)
 
 
 def as_snapshot(plan: Plan) -> Plan:
@@ -120,13 +131,18 @@ def write(tier: Tier, ident: Identity, key: bytes, n: int, host: dict[str, tuple
           *, room: int | None = None) -> int:
     """Write entry ``key``'s whole copy from ``host`` (``segments.host_views`` of the
     ``n``-token arrays a restore verified, ``layout`` theirs) and name it in the record:
-    only if the record still holds ``n`` tokens, has no copy and was served before, and
-    the copy fits ``room`` bytes (what the disk budget leaves; None for no budget).
+    only if the record still holds ``n`` tokens, has no copy and was served before, the
+    dtypes are ones MLX's loader reads, and the copy fits ``room`` bytes (what the disk
+    budget leaves; None for no budget).
     Returns the bytes written (0 for none). OSError / IndexFailure as the write or the
     commit raised them; the file is removed then."""
-    rec = tier.index.entry(key)
+    try:
+        rec = tier.index.entry(key)
+    except RecordError:
+        return 0
     size = sum(a.nbytes for _, a in host.values())
-    if rec is None or rec.whole is not None or rec.n != n or rec.hits < 1 or (room is not None and size > room):
+    if (rec is None or rec.whole is not None or rec.n != n or rec.hits < 1 or (room is not None and size > room)
+            or any(st not in LOADABLE for st, _ in host.values())):
         return 0
     w = segments.PackWriter(tier.blob_root, modes=tier.modes)
     try:

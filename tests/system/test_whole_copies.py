@@ -97,9 +97,9 @@ def with_copy(tmp_path: Path, model_dir: Path) -> tuple[Path, list[int], list[KV
     tokens = rand_tokens(N, 1, 259)
     full = conversation(d, model_dir, tokens)
     first = fetch(d, model_dir, tokens, full)
-    assert first["restores_whole"] == 0 and first["whole_copies_written"] == 0  # never served before
+    assert first["restores_one_pass"] == 0 and first["whole_copies_written"] == 0  # never served before
     second = fetch(d, model_dir, tokens, full)
-    assert second["restores_whole"] == 0 and second["whole_copies_written"] == 1
+    assert second["restores_one_pass"] == 0 and second["whole_copies_written"] == 1
     key, rec = entry_of(d, N)
     assert rec.whole is not None and rec.whole.offset == 0
     return d, tokens, full, key, rec
@@ -111,7 +111,7 @@ def test_a_copy_is_written_once_served_again_and_then_restored_from(tmp_path: Pa
     assert path.stat().st_size == rec.whole.length
     assert rec.whole.length >= sum(a.nbytes for c in full for a in (c.keys, c.values))
     third = fetch(d, model_dir, tokens, full)
-    assert third["restores_whole"] == 1 and third["whole_copies_written"] == 0 and third["corrupt"] == 0
+    assert third["restores_one_pass"] == 1 and third["whole_copies_written"] == 0 and third["corrupt"] == 0
     assert entry_of(d, N)[1].whole == rec.whole  # one copy, kept
     with KVStore(d) as s:
         assert verify(s.disk) == []  # type: ignore[arg-type]
@@ -124,7 +124,7 @@ def test_a_shorter_query_is_served_from_the_segments(tmp_path: Path, model_dir: 
     short = tokens[:1100]
     with KVStore(d) as s:
         got = s.fetch(model_dir, short + EXTRA)
-        assert got.n == 1100 and s.stats()["restores_whole"] == 0
+        assert got.n == 1100 and s.stats()["restores_one_pass"] == 0
         for c, want in zip(got.cache, full):
             assert np.array_equal(np.asarray(c.keys[..., :1100, :]), np.asarray(want.keys[..., :1100, :]))
 
@@ -152,7 +152,7 @@ def test_a_damaged_copy_is_dropped_and_the_entry_served_from_its_segments(
     else:
         path.unlink()
     got = fetch(d, model_dir, tokens, full)
-    assert got["restores_whole"] == 0 and got["whole_copies_dropped"] == 1 and got["corrupt"] == 0
+    assert got["restores_one_pass"] == 0 and got["whole_copies_dropped"] == 1 and got["corrupt"] == 0
     key2, now = entry_of(d, N)
     assert key2 == key and now.whole is None and now.tail == rec.tail  # only the copy went
     if damage == "symlink":
@@ -182,7 +182,7 @@ def test_a_copy_naming_another_records_pack_never_releases_it(tmp_path: Path, mo
         before = idx.pack(b_first.pack)
         idx.transact(lambda t: t.set_entry(a_key, a_rec.with_whole(b_first)))
     got = fetch(d, model_dir, a_tokens, a_full)
-    assert got["restores_whole"] == 0 and got["whole_copies_dropped"] == 1
+    assert got["restores_one_pass"] == 0 and got["whole_copies_dropped"] == 1
     with KVStore(d) as s:
         assert s.disk.index.pack(b_first.pack) == before  # type: ignore[union-attr]
         assert pack_path(d / "blobs", b_first.pack).exists()
@@ -286,3 +286,100 @@ def test_verify_reports_a_damaged_copy_and_fix_drops_only_the_copy(tmp_path: Pat
     key2, now = entry_of(d, N)
     assert key2 == key and now.whole is None and now.tail == rec.tail and not path.exists()
     fetch(d, model_dir, tokens, full)  # still served, from its segments
+
+
+def test_the_system_write_policy_copies_no_conversation(tmp_path: Path, model_dir: Path) -> None:
+    """``persist="system"`` keeps the SSD to system prompts and pinned entries: a copy is a
+    write too."""
+    d = tmp_path / "c"
+    tokens = rand_tokens(N, 1, 259)
+    full = conversation(d, model_dir, tokens)
+    for _ in range(2):
+        got = fetch(d, model_dir, tokens, full, persist="system")
+    assert got["whole_copies_written"] == 0 and entry_of(d, N)[1].whole is None
+    key, rec = entry_of(d, N)
+    with KVStore(d) as s:
+        s.disk.index.transact(lambda t: t.set_entry(key, rec.pinned_as(True)))  # type: ignore[union-attr]
+    assert fetch(d, model_dir, tokens, full, persist="system")["whole_copies_written"] == 1  # pinned: copied
+
+
+def test_a_bfloat16_entry_round_trips_through_its_copy(tmp_path: Path) -> None:
+    """bfloat16 (no numpy dtype: stored as its uint16 bits) loads and hashes as written."""
+    from kvstore import Identity
+
+    model_dir = Identity.from_components({"test": "whole-copies-bf16"}, name="bf16-kv")  # an identity of no model
+    d = tmp_path / "c"
+    tokens = rand_tokens(N, 1, 259)
+    full = synth_kv_cache(3, 2, N, 32, seed=5, dtype=mx.bfloat16)
+    with KVStore(d) as s:
+        for k in [*range(TURN, N, TURN), N]:
+            s.insert(model_dir, tokens[:k], prefix(full, k))
+            assert s.flush(120)
+
+    def fetched() -> dict[str, Any]:
+        with KVStore(d) as s:
+            got = s.fetch(model_dir, tokens + EXTRA)
+            assert (got.source, got.n) == ("disk", N)
+            for c, want in zip(got.cache, full):
+                assert c.keys.dtype == mx.bfloat16 and c.values.dtype == mx.bfloat16
+                assert mx.array_equal(c.keys[..., :N, :], want.keys).item()
+                assert mx.array_equal(c.values[..., :N, :], want.values).item()
+            assert s.flush(120)
+            return s.stats()
+
+    fetched()
+    assert fetched()["whole_copies_written"] == 1
+    assert fetched()["restores_one_pass"] == 1
+
+
+# ----------------------------------------------------------------------------- snapshots
+
+
+def snapshot_store(d: Path, tokens: list[int]) -> tuple[Any, Path]:
+    """A snapshot entry (a recurrent-state layer: stored whole, one segment) and its pack."""
+    from tests.support.caches import ident, synth
+
+    who = ident("whole-copies-snapshot")
+    with KVStore(d) as s:
+        s.insert(who, tokens, synth(tokens, snapshot=True))
+        assert s.flush(120)
+    (rec,) = records(d).values()
+    assert not rec.chunked and rec.tail.offset == 0
+    return who, pack_path(d / "blobs", rec.tail.pack)
+
+
+def test_a_snapshot_alone_in_its_pack_is_read_in_one_pass(tmp_path: Path) -> None:
+    from tests.support.caches import assert_synth
+
+    tokens = list(range(100, 400))
+    who, path = snapshot_store(tmp_path / "c", tokens)
+    with KVStore(tmp_path / "c") as s:
+        got = s.fetch(who, tokens + EXTRA)
+        assert (got.source, got.n) == ("disk", len(tokens)) and s.stats()["restores_one_pass"] == 1
+        assert_synth(got.cache, tokens, snapshot=True)
+    with path.open("ab") as f:  # a pack holding more than the segment: read from the segment instead
+        f.write(b"\0" * 64)
+    with KVStore(tmp_path / "c") as s:
+        got = s.fetch(who, tokens + EXTRA)
+        assert got.source == "disk" and s.stats()["restores_one_pass"] == 0
+        assert_synth(got.cache, tokens, snapshot=True)
+
+
+@pytest.mark.parametrize("damage", ["flip_data", "flip_header_key", "truncate"])
+def test_a_damaged_snapshot_read_in_one_pass_is_a_miss_and_dropped(tmp_path: Path, damage: str) -> None:
+    tokens = list(range(100, 400))
+    who, path = snapshot_store(tmp_path / "c", tokens)
+    data = bytearray(path.read_bytes())
+    if damage == "flip_data":
+        data[-3] ^= 0x01
+    elif damage == "flip_header_key":
+        at = data.index(b'"kvstore.key":"') + 15
+        data[at] = ord("0") if data[at] != ord("0") else ord("1")
+    else:
+        data = data[: len(data) - 8]
+    path.write_bytes(bytes(data))
+    with KVStore(tmp_path / "c") as s:
+        got = s.fetch(who, tokens + EXTRA)
+        st = s.stats()
+        assert got.source is None and st["restores_one_pass"] == 0 and st["corrupt"] == 1
+    assert records(tmp_path / "c") == {}  # dropped: the next insert stores it again
