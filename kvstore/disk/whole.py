@@ -105,12 +105,13 @@ def load(tier: Tier, ident: Identity, plan: Plan, piece: Piece) -> tuple[segment
             want = {n: (segments.mlx_dtype_name(st), shape) for n, (st, shape) in specs.items()}
             if got != want:  # before MLX allocates anything: its parse must be ours
                 raise files.BlobError(f"MLX reads {what}'s header otherwise than kvstore")
-            mx.eval(list(arrays.values()))
+            mx.async_eval(list(arrays.values()))  # MLX reads them all on its own threads
+            h = xxhash.xxh3_128(head.prefix)
+            for name in specs:  # file order; each hashed (GIL released) while the next ones load
+                mx.eval(arrays[name])
+                h.update(memoryview(arrays[name]))
         finally:
             os.close(fd)
-        h = xxhash.xxh3_128(head.prefix)
-        for name in specs:  # file order
-            h.update(memoryview(arrays[name]))
         if h.digest() != seg.checksum:
             raise files.BlobError(f"{what}: checksum mismatch")
     return specs, arrays, layout
