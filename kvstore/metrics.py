@@ -75,6 +75,11 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
                   [("memory", "evictions_memory"), ("disk", "evictions_disk")], "tier")
     yield counter("evictions_pressure", "Entries that left the memory tier because available memory fell "
                   "under the floor (each written to disk first)")
+    yield counter("restores_one_pass", "Disk restores read by MLX's loader in one pass (an entry's whole copy, "
+                  "or a snapshot alone in its pack)")
+    yield counter("whole_copies", "Whole copies of long entries served again (kvstore.disk.whole): written, "
+                  "or dropped after failing a check", [("written", "whole_copies_written"),
+                                                       ("dropped", "whole_copies_dropped")], "event")
     yield counter("gc_runs", "Disk budget enforcements that removed entries")
     yield counter("gc_freed_bytes", "Bytes of pack files the disk budget freed")
     yield counter("errors", "Problems served as a miss or kept in memory only, by kind",

@@ -41,6 +41,7 @@ def collect(disk) -> dict[str, Any]:
             "chunks": len(rec.chunks), "kind": "chunked" if rec.chunked else "snapshot",
             "cache_type": rec.cache_type, "created": rec.created, "last_used": rec.last_used,
             "hits": rec.hits, "pinned": rec.pinned,
+            "whole_copy_bytes": rec.whole.length if rec.whole is not None else 0,  # part of own_bytes
         } for key, rec in items]
         out.append({
             "identity": hx, "name": info.name if info else None, "path": info.path if info else None,

@@ -112,7 +112,15 @@ def test_a_copy_is_written_once_served_again_and_then_restored_from(tmp_path: Pa
     assert rec.whole.length >= sum(a.nbytes for c in full for a in (c.keys, c.values))
     third = fetch(d, model_dir, tokens, full)
     assert third["restores_one_pass"] == 1 and third["whole_copies_written"] == 0 and third["corrupt"] == 0
+    from kvstore import metrics
+
+    body = metrics.exposition(metrics.registry(lambda: third))[0].decode()
+    assert "kvstore_restores_one_pass_total 1.0" in body and 'kvstore_whole_copies_total{event="written"} 0.0' in body
     assert entry_of(d, N)[1].whole == rec.whole  # one copy, kept
+    from tests.system.test_cli import cli_json
+
+    (listed,) = [e for g in cli_json("ls", cache_dir=d)["identities"] for e in g["entries"] if e["tokens"] == N]
+    assert listed["whole_copy_bytes"] == rec.whole.length and listed["own_bytes"] > rec.whole.length
     with KVStore(d) as s:
         assert verify(s.disk) == []  # type: ignore[arg-type]
         s.disk.remove([key])  # type: ignore[union-attr]
