@@ -29,6 +29,7 @@ class Removed:
     key: bytes
     record: EntryRecord
     freed: int
+    copy: bool = False  # only the entry's whole copy went (``drop_copies``); the entry stays
 
 
 def lru_order(records: Iterable[tuple[bytes, EntryRecord]]) -> list[tuple[bytes, EntryRecord]]:
@@ -145,37 +146,40 @@ def victims(sim: Sim, order: list[tuple[bytes, EntryRecord]], excess: int) -> li
 
 
 def drop_copies(disk: DiskTier, sim: Sim, order: list[tuple[bytes, EntryRecord]], excess: int,
-                dry_run: bool = False) -> int:
+                dry_run: bool = False) -> list[Removed]:
     """Drop entries' whole copies (``disk.whole``), in ``order``, until ``excess`` bytes are
     freed: a copy is redundant (its entry's segments stay), so a budget takes copies before
-    any entry. Returns the bytes freed (counted in ``sim``)."""
+    any entry. Returns the copies dropped (``Removed.copy``), their bytes counted in ``sim``."""
+    out: list[Removed] = []
     freed = 0
     for key, rec in order:
         if freed >= excess:
             break
         if rec.whole is not None and (dry_run or disk.forget_whole(key, rec.whole)):
-            freed += sim.drop_copy(rec)
-    return freed
+            out.append(Removed(key, rec, sim.drop_copy(rec), copy=True))
+            freed += out[-1].freed
+    return out
 
 
 def evict_to(disk: DiskTier, max_bytes: int, *, dry_run: bool = False,
              snap: IndexRecords | None = None, sim: Sim | None = None, pinned: bool = True) -> list[Removed]:
     """Drop entries' whole copies (``drop_copies``), then entries (see ``victims`` for
     the order), until the pack files fit ``max_bytes``, a batch per transaction; ``dry_run`` only counts. Without ``pinned``
-    no pinned entry goes, even when the budget is then not met. Returns what went."""
+    no pinned entry goes, even when the budget is then not met. Returns what went (the
+    copies first, marked ``Removed.copy``)."""
     if not dry_run and snap is None and disk.index.total_bytes() <= max_bytes:
         return []
     snap = snap or scan(disk.index, full=False)
     sim = sim or Sim(snap)
     order = [kr for kr in lru_order((k, r) for k, r in snap.entries.items() if r) if kr[0] not in sim.gone]
-    drop_copies(disk, sim, order, (sim.total if dry_run else disk.index.total_bytes()) - max_bytes, dry_run)
+    copies = drop_copies(disk, sim, order, (sim.total if dry_run else disk.index.total_bytes()) - max_bytes, dry_run)
     total = sim.total if dry_run else disk.index.total_bytes()
     if total <= max_bytes:
-        return []
+        return copies
     planned = victims(sim, order if pinned else [kr for kr in order if not kr[1].pinned], total - max_bytes)
     if dry_run:
-        return planned
-    gone: list[Removed] = []
+        return copies + planned
+    gone: list[Removed] = copies
     for i in range(0, len(planned), BATCH):
         if disk.index.total_bytes() <= max_bytes:
             break

@@ -243,9 +243,10 @@ class WritePath:
         """After every write: evict least recently used entries until they and the side
         records (``side_records``: ``--stable-prefix``'s) fit ``max_disk_bytes``."""
         if self.max_disk_bytes is not None and self.disk is not None:
-            gone = evict_to(self.disk, side_records.budget_for(self.disk.root, self.max_disk_bytes))  # records count
-            self.counters.add("gc_runs", int(bool(gone)), evictions_disk=len(gone),
-                              gc_freed_bytes=sum(r.freed for r in gone))
+            went = evict_to(self.disk, side_records.budget_for(self.disk.root, self.max_disk_bytes))  # records count
+            gone = [r for r in went if not r.copy]  # a whole copy's entry is still here: no eviction
+            self.counters.add("gc_runs", int(bool(went)), evictions_disk=len(gone),
+                              gc_freed_bytes=sum(r.freed for r in went))
             C = self.disk.chunk
             for r in gone:
                 self.ghosts.add(r.record.identity, EVICTED_DISK, "the disk budget", r.record.n,

@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     for r in res.removed:
         why = {"max_age": f"last used {common.ago(r['last_used'], now)}", "max_bytes": "over --max-bytes",
                "identity": "--identity", "missing_model": "model directory is gone",
-               "superseded": "superseded: a newer identity of its model directory is in use"}.get(r["reason"], r["reason"])
+               "superseded": "superseded: a newer identity of its model directory is in use",
+               "whole_copy": "its whole copy only, the entry stays: over --max-bytes"}.get(r["reason"], r["reason"])
         print(f"{verb} {common.short_id(r['key'])}  {r['model'] or common.short_id(r['identity'] or '')}  "
               f"{r['tokens']} tokens  frees {common.human_bytes(r['bytes'])}  ({why}"
               f"{', pinned' if r['pinned'] else ''})")
@@ -100,9 +101,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"{verb} the store set aside as {path.name}  frees {common.human_bytes(n)}")
     P = common.plural
     files = sum(1 for p in res.problems if p.record == "file")
+    copies = sum(r["reason"] == "whole_copy" for r in res.removed)
     summary = (f"{'would free' if args.dry_run else 'freed'} {common.human_bytes(res.freed)}: "
-               f"{P(len(res.removed), 'entry', 'entries')}, "
-               f"{P(len(res.records_removed), 'record') + ', ' if res.records_removed else ''}{P(files, 'stray file')}, "
+               f"{P(sum(r['reason'] != 'whole_copy' for r in res.removed), 'entry', 'entries')}, "
+               + (f"{P(copies, 'whole copy', 'whole copies')}, " if copies else "")
+               + f"{P(len(res.records_removed), 'record') + ', ' if res.records_removed else ''}{P(files, 'stray file')}, "
                f"{P(len(res.problems) - files, 'broken record')}")
     remains = (f"{'' if res.exact else 'at most '}{common.human_bytes(res.bytes_left)} in "
                f"{P(res.entries_left, 'entry', 'entries')}"

@@ -79,7 +79,8 @@ def gc(disk: DiskTier, *, max_bytes: int | None = None, max_age: float | None = 
     def note(removed: Iterable[Removed], reason: str) -> None:
         for r in removed:
             info = snap.identities.get(r.record.identity.hex())
-            res.removed.append({"key": r.key.hex(), "reason": reason, "bytes": r.freed, "tokens": r.record.n,
+            res.removed.append({"key": r.key.hex(), "reason": "whole_copy" if r.copy else reason, "bytes": r.freed,
+                                "tokens": r.record.n,
                                 "identity": r.record.identity.hex(), "model": info.name if info else None,
                                 "pinned": r.record.pinned, "last_used": r.record.last_used})
 

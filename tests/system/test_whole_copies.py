@@ -198,15 +198,32 @@ def test_a_copy_naming_another_records_pack_never_releases_it(tmp_path: Path, mo
 
 
 def test_a_budget_drops_copies_before_any_entry(tmp_path: Path, model_dir: Path) -> None:
+    from tests.system.test_cli import cli_json
+
     d, tokens, full, key, rec = with_copy(tmp_path, model_dir)
+    before = set(records(d))
     with KVStore(d) as s:
-        disk = s.disk
-        before = set(records(d))
-        total = disk.index.total_bytes()  # type: ignore[union-attr]
-        gone = evict_to(disk, total - 1)  # type: ignore[arg-type]
-        assert gone == [] and disk.index.total_bytes() == total - rec.whole.length  # type: ignore[union-attr]
+        total = s.disk.index.total_bytes()  # type: ignore[union-attr]
+        planned = evict_to(s.disk, total - 1, dry_run=True)  # type: ignore[arg-type]
+        assert [(r.key, r.copy, r.freed) for r in planned] == [(key, True, rec.whole.length)]
+    out = cli_json("gc", "--max-bytes", total - 1, cache_dir=d)
+    assert [(r["key"], r["reason"], r["bytes"]) for r in out["removed"]] == [(key.hex(), "whole_copy", rec.whole.length)]
+    assert out["bytes_left"] == total - rec.whole.length and out["entries_left"] == len(before)
     assert set(records(d)) == before and entry_of(d, N)[1].whole is None
     assert not pack_path(d / "blobs", rec.whole.pack).exists()
+
+
+def test_the_write_paths_budget_takes_the_copy_not_an_entry(tmp_path: Path, model_dir: Path) -> None:
+    d, tokens, full, key, rec = with_copy(tmp_path, model_dir)
+    before = set(records(d))
+    with KVStore(d) as s:
+        total = s.disk.index.total_bytes()  # type: ignore[union-attr]
+    with KVStore(d, max_disk_bytes=total + 4096) as s:  # a small new entry puts it over by less than the copy
+        s.insert(model_dir, tokens[:300], prefix(full, 300))
+        assert s.flush(120)
+        st = s.stats()
+    assert st["evictions_disk"] == 0 and st["gc_runs"] == 1 and st["gc_freed_bytes"] == rec.whole.length
+    assert before < set(records(d)) and entry_of(d, N)[1].whole is None
 
 
 def test_no_copy_where_the_disk_budget_has_no_room(tmp_path: Path, model_dir: Path) -> None:
