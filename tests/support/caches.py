@@ -4,7 +4,8 @@
   (tokens[i], i) only, so the right content of any prefix is known (``assert_synth``);
   ``snapshot=True`` adds a recurrent-state layer.
 - ``synth_kv_cache(layers, heads, n, dim)``: KVCache layers of seeded random keys / values,
-  for tests that need bytes of a given size rather than checkable content.
+  for tests that need bytes of a given size rather than checkable content; ``kv_prefix``
+  cuts such a cache to its first positions (a conversation's earlier turn).
 
 (The fault harness has its own prefix-hash caches, ``tools.harness.faults.synth.syn_cache``.)
 """
@@ -75,3 +76,15 @@ def synth_kv_cache(layers: int, heads: int, n: int, dim: int, *, dtype=mx.float3
         c.keys, c.values, c.offset = k, v, n
         cache.append(c)
     return cache
+
+
+def kv_prefix(cache: list, k: int) -> list:
+    """The first ``k`` positions of KVCache layers ``cache`` as a cache of their own (copies,
+    evaluated): what a conversation's earlier turn inserted."""
+    out = []
+    for c in cache:
+        p = KVCache()
+        p.keys, p.values, p.offset = mx.array(c.keys[..., :k, :]), mx.array(c.values[..., :k, :]), k
+        out.append(p)
+    mx.eval([a for p in out for a in (p.keys, p.values)])
+    return out

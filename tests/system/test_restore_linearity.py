@@ -34,7 +34,7 @@ from mlx_lm.models.cache import KVCache, save_prompt_cache
 from kvstore import KVStore
 from kvstore.cli.transfer import TOKENS_KEY
 from kvstore.shared import SharedConfig
-from tests.support.caches import rand_tokens, synth_kv_cache
+from tests.support.caches import kv_prefix as prefix, rand_tokens, synth_kv_cache
 from tests.system.test_cli import cli
 
 pytest_plugins = ("tests.support.redis_servers",)
@@ -56,17 +56,6 @@ def model_dir() -> Path:
 def kv(n: int, seed: int) -> list[KVCache]:
     """``n`` positions of tiny-llama-shaped KV (random, evaluated)."""
     return synth_kv_cache(3, 2, n, 32, seed=seed)
-
-
-def prefix(cache: list[KVCache], k: int) -> list[KVCache]:
-    """The first ``k`` positions of ``cache`` as a cache of their own (copies, evaluated)."""
-    out = []
-    for c in cache:
-        p = KVCache()
-        p.keys, p.values, p.offset = mx.array(c.keys[..., :k, :]), mx.array(c.values[..., :k, :]), k
-        out.append(p)
-    mx.eval([a for p in out for a in (p.keys, p.values)])
-    return out
 
 
 # ----------------------------------------------------------------------------- counting

@@ -23,7 +23,7 @@ from kvstore.budget import evict_to
 from kvstore.disk import whole
 from kvstore.files import pack_path
 from kvstore.maintenance import verify
-from tests.support.caches import rand_tokens, synth_kv_cache
+from tests.support.caches import kv_prefix as prefix, rand_tokens, synth_kv_cache
 
 N = 1300           # tokens: 5 chunks of 256 and a tail
 TURN = 512         # a conversation: three inserts, each pack its own
@@ -44,16 +44,6 @@ def any_size(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def kv(n: int, seed: int = 3) -> list[KVCache]:
     return synth_kv_cache(3, 2, n, 32, seed=seed)
-
-
-def prefix(cache: list[KVCache], k: int) -> list[KVCache]:
-    out = []
-    for c in cache:
-        p = KVCache()
-        p.keys, p.values, p.offset = mx.array(c.keys[..., :k, :]), mx.array(c.values[..., :k, :]), k
-        out.append(p)
-    mx.eval([a for p in out for a in (p.keys, p.values)])
-    return out
 
 
 def conversation(d: Path, model_dir: Path, tokens: list[int], seed: int = 3) -> list[KVCache]:
