@@ -87,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
         why = {"max_age": f"last used {common.ago(r['last_used'], now)}", "max_bytes": "over --max-bytes",
                "identity": "--identity", "missing_model": "model directory is gone",
                "superseded": "superseded: a newer identity of its model directory is in use",
-               "whole_copy": "its whole copy only, the entry stays: over --max-bytes"}.get(r["reason"], r["reason"])
-        print(f"{verb} {common.short_id(r['key'])}  {r['model'] or common.short_id(r['identity'] or '')}  "
+               "whole_copy": "over --max-bytes; the entry stays"}.get(r["reason"], r["reason"])
+        what = f"the whole copy of {common.short_id(r['key'])}" if r["reason"] == "whole_copy" else common.short_id(r["key"])
+        print(f"{verb} {what}  {r['model'] or common.short_id(r['identity'] or '')}  "
               f"{r['tokens']} tokens  frees {common.human_bytes(r['bytes'])}  ({why}"
               f"{', pinned' if r['pinned'] else ''})")
     for d in sorted({r["directory"] for r in res.records_removed}):

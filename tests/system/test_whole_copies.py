@@ -188,7 +188,7 @@ def test_a_copy_naming_another_records_pack_never_releases_it(tmp_path: Path, mo
 
 
 def test_a_budget_drops_copies_before_any_entry(tmp_path: Path, model_dir: Path) -> None:
-    from tests.system.test_cli import cli_json
+    from tests.system.test_cli import cli_json, main_text
 
     d, tokens, full, key, rec = with_copy(tmp_path, model_dir)
     before = set(records(d))
@@ -196,6 +196,8 @@ def test_a_budget_drops_copies_before_any_entry(tmp_path: Path, model_dir: Path)
         total = s.disk.index.total_bytes()  # type: ignore[union-attr]
         planned = evict_to(s.disk, total - 1, dry_run=True)  # type: ignore[arg-type]
         assert [(r.key, r.copy, r.freed) for r in planned] == [(key, True, rec.whole.length)]
+    text = main_text("gc", "--max-bytes", total - 1, "--dry-run", cache_dir=d)
+    assert f"would remove the whole copy of {key.hex()[:12]}" in text and "0 entries, 1 whole copy" in text
     out = cli_json("gc", "--max-bytes", total - 1, cache_dir=d)
     assert [(r["key"], r["reason"], r["bytes"]) for r in out["removed"]] == [(key.hex(), "whole_copy", rec.whole.length)]
     assert out["bytes_left"] == total - rec.whole.length and out["entries_left"] == len(before)
