@@ -277,10 +277,6 @@ def read_child(path: str, spec: str, drop: bool) -> dict[str, Any]:
 
     from kvstore import KVStore, alloc
 
-    if path != "kvstore_whole":  # every other path reads segments: no read may leave a whole copy for the next
-        from kvstore.disk import whole
-
-        whole.MIN_BYTES = 1 << 62
     if path == "host_buffers":
         alloc.alloc = _host_alloc  # type: ignore[assignment]  # this process only
     elif path == "one_group":
@@ -292,7 +288,8 @@ def read_child(path: str, spec: str, drop: bool) -> dict[str, Any]:
         "dropped": False, "method": "prewarmed by the parent"}
     out: dict[str, Any] = {"page_cache": pc, "loadavg1": C.loadavg1()}
     where = {"larger_chunks": big_dir, "kvstore_whole": whole_dir}.get(path, kv_dir)
-    store = KVStore(where, max_entries=2) if path in (
+    # every path but kvstore_whole reads segments: no read may leave a whole copy for the next
+    store = KVStore(where, max_entries=2, whole_copy_min_bytes=None) if path in (
         "kvstore", "host_buffers", "one_group", "eight_groups", "larger_chunks", "kvstore_whole") else None  # the store's open is not the read
     u0, t0 = C.proc_counters(), time.perf_counter()
     if path == "mlx_lm":

@@ -50,6 +50,7 @@ class StoreOptions:
     memory_floor: float | int | None = DEFAULT_MEMORY_FLOOR
     min_disk_hit: int = 0
     min_memory_hit: int = 0
+    whole_copy_min_bytes: int | None = 64 << 20  # ``disk.whole``: the smallest entry copied; None: no copies
 
     def but(self, **changes: Any) -> StoreOptions:
         """A copy with ``changes``; TypeError naming a keyword that is no option."""

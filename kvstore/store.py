@@ -98,6 +98,9 @@ class KVStore:
     whole prompt, a lookup is a miss in memory as on disk). 0 here and in the drop-in:
     mlx-lm's own memory rules, which its suite pins; ``kvstore serve`` passes its
     ``--min-disk-hit``, so the usage it reports follows one rule for every tier.
+    ``whole_copy_min_bytes``: the smallest entry that, served again from disk, is also kept
+    as one file MLX's loader reads in one pass (``disk.whole``); None writes no copies (a
+    copy already stored is still read).
     """
 
     def __init__(self, cache_dir: str | Path | None = None, *, options: StoreOptions | None = None,
@@ -111,6 +114,9 @@ class KVStore:
         gauge = Gauge(o.memory_floor) if o.memory_floor else None  # raises ValueError first
         if not isinstance(o.min_disk_hit, int) or o.min_disk_hit < 0:
             raise ValueError(f"min_disk_hit must be a number of tokens >= 0, got {o.min_disk_hit!r}")
+        if o.whole_copy_min_bytes is not None and (not isinstance(o.whole_copy_min_bytes, int)
+                                                   or isinstance(o.whole_copy_min_bytes, bool) or o.whole_copy_min_bytes < 0):
+            raise ValueError(f"whole_copy_min_bytes must be a number of bytes >= 0 or None, got {o.whole_copy_min_bytes!r}")
         if not isinstance(o.min_memory_hit, int) or o.min_memory_hit < 0:
             raise ValueError(f"min_memory_hit must be a number of tokens >= 0, got {o.min_memory_hit!r}")
         self.min_disk_hit, self.min_memory_hit = o.min_disk_hit, o.min_memory_hit
@@ -128,7 +134,7 @@ class KVStore:
                                o.kv_bits, o.kv_group_size)
         self.writer = Writer(o.queue_size) if self.disk else None
         self.writes = WritePath(self._counters, self._errors, self.disk, self.writer, self.write_policy,
-                                max_disk_bytes=o.max_disk_bytes)
+                                max_disk_bytes=o.max_disk_bytes, whole_copy_min_bytes=o.whole_copy_min_bytes)
         self._memory = MemoryTier(o.max_entries, o.max_bytes, touch_on_hit=o.touch_on_hit, gauge=gauge,
                                   counters=self._counters, on_evict=self.writes.write_evicted,
                                   behind=self.writes.behind)

@@ -48,10 +48,12 @@ class WritePath:
     tier and writer (None: memory only), the write policy, the disk budget."""
 
     def __init__(self, counters: Counters, errors: DiskErrors, disk: DiskTier | None, writer: Writer | None,
-                 policy: WritePolicy, *, max_disk_bytes: int | None) -> None:
+                 policy: WritePolicy, *, max_disk_bytes: int | None,
+                 whole_copy_min_bytes: int | None = None) -> None:
         self.counters, self.errors = counters, errors
         self.disk, self.writer, self.policy = disk, writer, policy
         self.max_disk_bytes = max_disk_bytes
+        self.whole_copy_min_bytes = whole_copy_min_bytes  # ``copy_whole``: None writes no copies
         self.ghosts = Ghosts()
         self.on_written: Callable[[PersistJob], None] | None = None  # the shared tier's publish
         self._lock = threading.Lock()  # the state below, and each snapshot's write claimed once
@@ -178,7 +180,8 @@ class WritePath:
         it again. A skipped copy is not counted (the entry is stored; nothing is lost); a
         failed write is counted and said once, as a persist's is."""
         if (self.disk is None or self.errors.off or got.whole or got.copy_dropped or plan.entry is None
-                or not whole_wanted(plan, got.nbytes, got.segments)):
+                or self.whole_copy_min_bytes is None
+                or not whole_wanted(plan, got.nbytes, got.segments, self.whole_copy_min_bytes)):
             return
         try:
             host = segments.host_views(got.tensors, copy=segments.own_copies())
@@ -194,9 +197,9 @@ class WritePath:
                 room = side_records.budget_for(disk.root, self.max_disk_bytes) - disk.index.total_bytes()
             try:
                 n = disk.write_whole(ident, key, plan.n, host, got.layout, room=room)
-            except (OSError, IndexFailure, files.BlobError) as e:
+            except Exception as e:  # counted and said here, never left to the writer thread uncounted
                 self.counters.add("write_errors")
-                if not self.errors.index_damaged(e, disk):
+                if not (isinstance(e, (OSError, IndexFailure, files.BlobError)) and self.errors.index_damaged(e, disk)):
                     self.errors.warn_once(f"whole:{getattr(e, 'errno', None) or type(e).__name__}",
                                           "kvstore: writing a whole copy failed (%s); the entry stays as it was", e)
                 return

@@ -10,7 +10,7 @@ reads them: the pass ``load_prompt_cache`` makes, and all a restore needs.
 Guarantees:
 - A copy is written off the request path (the writer thread), from the arrays a restore
   from segments just verified, only for an entry restored whole (``wanted``: every token
-  of it, ``MIN_BYTES`` or more, from ``MIN_SEGMENTS`` or more segments) that was served
+  of it, ``StoreOptions.whole_copy_min_bytes`` or more, from ``MIN_SEGMENTS`` or more segments) that was served
   before (``hits``), and only while the daily write budget and the disk budget have room
   for it: a copy never makes an entry be evicted, and budgets drop copies first
   (``budget.evict_to``).
@@ -42,17 +42,18 @@ from .pieces import Piece, blame, checked
 from .plan import Plan
 from .tier import Tier
 
-MIN_BYTES = 64 << 20   # below this a restore takes a fraction of a second either way
 MIN_SEGMENTS = 2       # an entry of one segment is read in one pass already
 LOADABLE = ("BF16", "F16", "F32", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "BOOL")  # mx.load's
 
 
-def wanted(plan: Plan, nbytes: int, segments_read: int) -> bool:
+def wanted(plan: Plan, nbytes: int, segments_read: int, min_bytes: int) -> bool:
     """Whether a restore of ``plan`` (``nbytes`` from ``segments_read`` segments) is worth a
-    whole copy: all of one entry, long, from several segments. Whether it was served
+    whole copy: all of one entry, ``min_bytes`` or more (``StoreOptions.whole_copy_min_bytes``:
+    64 MB by default, below which a restore takes a fraction of a second either way), from
+    several segments. Whether it was served
     before, and its dtypes, are the writer's checks (``write``), on the record and arrays."""
     return (plan.entry is not None and plan.last == (Kind.ENTRY, plan.entry) and plan.n == plan.stored_n
-            and nbytes >= MIN_BYTES and segments_read >= MIN_SEGMENTS)
+            and nbytes >= min_bytes and segments_read >= MIN_SEGMENTS)
 
 
 def of_plan(r: Reader, plan: Plan) -> tuple[EntryRecord, Segment] | None:

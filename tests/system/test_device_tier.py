@@ -120,20 +120,18 @@ def test_restore_from_memory_and_disk_equals_a_cold_prefill(device: Any, family:
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_a_restore_read_in_one_pass_equals_a_cold_prefill(device: Any, family: str, load_named: Callable,
-                                                           tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                           tmp_path: Path) -> None:
     """What MLX's loader reads (``disk.whole``: an entry's whole copy, written at its second
     restore; a snapshot alone in its pack, at every restore) lands on the default device
     with the cold prefill's bits. The copy's size floor is lowered to this test's entry."""
-    from kvstore.disk import whole
-
-    monkeypatch.setattr(whole, "MIN_BYTES", 0)
     r = family_ref(load_named, family, device)
     model, P = r["model"], r["P"]
     with KVStore(tmp_path / "c", chunk_tokens=C, **r["kv"]) as store:
         store.insert(r["path"], P[:S], prefill(model, P[:S], **r["kv"]))
     one_pass = []
+    copy = {"whole_copy_min_bytes": 0}
     for _ in range(3):  # a restart each: the first use, the restore that writes the copy, the copy's
-        with KVStore(tmp_path / "c", chunk_tokens=C, **r["kv"]) as store:
+        with KVStore(tmp_path / "c", chunk_tokens=C, **r["kv"], **copy) as store:
             assert_parity(r, store.fetch(r["path"], P), "disk")
             assert store.flush(120)
             one_pass.append(store.stats()["restores_one_pass"])

@@ -3,8 +3,8 @@ that MLX's loader reads in one pass, and the copy is never trusted more than a s
 
 Real stores on real files and LMDB, fresh ``KVStore`` objects for restarts. The entries are
 conversations of tiny-llama's KV geometry (synthesized: the bytes are what is checked),
-and ``whole.MIN_BYTES`` is lowered to 0 so a test-sized entry qualifies (the threshold is
-a size, not behaviour). Every restore's arrays are compared with the KV inserted.
+and every store is opened with ``whole_copy_min_bytes=0`` so a test-sized entry
+qualifies (the option is a size, not behaviour). Every restore's arrays are compared with the KV inserted.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from kvstore import KVStore
+from kvstore.options import StoreOptions
 from kvstore.budget import evict_to
-from kvstore.disk import whole
 from kvstore.files import pack_path
 from kvstore.maintenance import verify
 from tests.support.caches import kv_prefix as prefix, rand_tokens, synth_kv_cache
@@ -37,9 +37,7 @@ def model_dir() -> Path:
     return model_path("tiny-llama")
 
 
-@pytest.fixture(autouse=True)
-def any_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(whole, "MIN_BYTES", 0)
+COPY = {"whole_copy_min_bytes": 0}  # every test-sized entry qualifies for a copy
 
 
 def kv(n: int, seed: int = 3) -> list[KVCache]:
@@ -49,7 +47,7 @@ def kv(n: int, seed: int = 3) -> list[KVCache]:
 def conversation(d: Path, model_dir: Path, tokens: list[int], seed: int = 3) -> list[KVCache]:
     """Store ``tokens`` as a conversation of inserts (several segments); returns its KV."""
     full = kv(len(tokens), seed)
-    with KVStore(d) as s:
+    with KVStore(d, **COPY) as s:
         for k in [*range(TURN, len(tokens), TURN), len(tokens)]:
             s.insert(model_dir, tokens[:k], prefix(full, k))
             assert s.flush(120)
@@ -59,7 +57,7 @@ def conversation(d: Path, model_dir: Path, tokens: list[int], seed: int = 3) -> 
 def fetch(d: Path, model_dir: Path, tokens: list[int], full: list[KVCache], **kw: Any) -> dict[str, Any]:
     """One fetch of ``tokens`` + a follow-up by a fresh store (a restart): all of
     ``tokens`` from disk, the arrays equal to ``full``'s. Returns the store's stats."""
-    with KVStore(d, **kw) as s:
+    with KVStore(d, **{**COPY, **kw}) as s:
         got = s.fetch(model_dir, tokens + EXTRA)
         assert (got.source, got.n) == ("disk", len(tokens))
         for c, want in zip(got.cache, full):
@@ -71,7 +69,7 @@ def fetch(d: Path, model_dir: Path, tokens: list[int], full: list[KVCache], **kw
 
 
 def records(d: Path) -> dict[bytes, Any]:
-    with KVStore(d) as s:
+    with KVStore(d, **COPY) as s:
         return s.disk.index.view(lambda r: {k: r.entry(k) for k in r.keys("entries")})  # type: ignore[union-attr]
 
 
@@ -111,7 +109,7 @@ def test_a_copy_is_written_once_served_again_and_then_restored_from(tmp_path: Pa
 
     (listed,) = [e for g in cli_json("ls", cache_dir=d)["identities"] for e in g["entries"] if e["tokens"] == N]
     assert listed["whole_copy_bytes"] == rec.whole.length and listed["own_bytes"] > rec.whole.length
-    with KVStore(d) as s:
+    with KVStore(d, **COPY) as s:
         assert verify(s.disk) == []  # type: ignore[arg-type]
         s.disk.remove([key])  # type: ignore[union-attr]
     assert not path.exists()  # the copy goes with its entry
@@ -120,7 +118,7 @@ def test_a_copy_is_written_once_served_again_and_then_restored_from(tmp_path: Pa
 def test_a_shorter_query_is_served_from_the_segments(tmp_path: Path, model_dir: Path) -> None:
     d, tokens, full, key, rec = with_copy(tmp_path, model_dir)
     short = tokens[:1100]
-    with KVStore(d) as s:
+    with KVStore(d, **COPY) as s:
         got = s.fetch(model_dir, short + EXTRA)
         assert got.n == 1100 and s.stats()["restores_one_pass"] == 0
         for c, want in zip(got.cache, full):
@@ -157,7 +155,7 @@ def test_a_damaged_copy_is_dropped_and_the_entry_served_from_its_segments(
         assert path.is_symlink() and outside.read_bytes() == bytes(data)
     else:
         assert not path.exists()
-    with KVStore(d) as s:
+    with KVStore(d, **COPY) as s:
         left = [p for p in verify(s.disk) if p.kind != "foreign_file"]  # type: ignore[arg-type]
         assert left == []
 
@@ -170,7 +168,7 @@ def test_a_copy_naming_another_records_pack_never_releases_it(tmp_path: Path, mo
     a_full = conversation(d, model_dir, a_tokens, 3)
     a_key = entry_of(d, N)[0]
     conversation(d, model_dir, b_tokens, 4)
-    with KVStore(d) as s:
+    with KVStore(d, **COPY) as s:
         idx = s.disk.index  # type: ignore[union-attr]
         recs = idx.view(lambda r: {k: r.entry(k) for k in r.keys("entries")})
         a_rec = recs[a_key]
@@ -181,7 +179,7 @@ def test_a_copy_naming_another_records_pack_never_releases_it(tmp_path: Path, mo
         idx.transact(lambda t: t.set_entry(a_key, a_rec.with_whole(b_first)))
     got = fetch(d, model_dir, a_tokens, a_full)
     assert got["restores_one_pass"] == 0 and got["whole_copies_dropped"] == 1
-    with KVStore(d) as s:
+    with KVStore(d, **COPY) as s:
         assert s.disk.index.pack(b_first.pack) == before  # type: ignore[union-attr]
         assert pack_path(d / "blobs", b_first.pack).exists()
         assert s.disk.index.entry(a_key).whole is None  # type: ignore[union-attr]
@@ -192,7 +190,7 @@ def test_a_budget_drops_copies_before_any_entry(tmp_path: Path, model_dir: Path)
 
     d, tokens, full, key, rec = with_copy(tmp_path, model_dir)
     before = set(records(d))
-    with KVStore(d) as s:
+    with KVStore(d, **COPY) as s:
         total = s.disk.index.total_bytes()  # type: ignore[union-attr]
         planned = evict_to(s.disk, total - 1, dry_run=True)  # type: ignore[arg-type]
         assert [(r.key, r.copy, r.freed) for r in planned] == [(key, True, rec.whole.length)]
@@ -208,9 +206,9 @@ def test_a_budget_drops_copies_before_any_entry(tmp_path: Path, model_dir: Path)
 def test_the_write_paths_budget_takes_the_copy_not_an_entry(tmp_path: Path, model_dir: Path) -> None:
     d, tokens, full, key, rec = with_copy(tmp_path, model_dir)
     before = set(records(d))
-    with KVStore(d) as s:
+    with KVStore(d, **COPY) as s:
         total = s.disk.index.total_bytes()  # type: ignore[union-attr]
-    with KVStore(d, max_disk_bytes=total + 4096) as s:  # a small new entry puts it over by less than the copy
+    with KVStore(d, max_disk_bytes=total + 4096, **COPY) as s:  # a small new entry puts it over by less than the copy
         s.insert(model_dir, tokens[:300], prefix(full, 300))
         assert s.flush(120)
         st = s.stats()
@@ -223,7 +221,7 @@ def test_no_copy_where_the_disk_budget_has_no_room(tmp_path: Path, model_dir: Pa
     tokens = rand_tokens(N, 1, 259)
     full = conversation(d, model_dir, tokens)
     fetch(d, model_dir, tokens, full)
-    with KVStore(d) as s:
+    with KVStore(d, **COPY) as s:
         total = s.disk.index.total_bytes()  # type: ignore[union-attr]
     got = fetch(d, model_dir, tokens, full, max_disk_bytes=total + 1000)
     assert got["whole_copies_written"] == 0 and got["evictions_disk"] == 0
@@ -241,7 +239,7 @@ def test_a_copy_of_an_entry_removed_meanwhile_is_not_kept(tmp_path: Path, model_
     full = conversation(d, model_dir, tokens)
     fetch(d, model_dir, tokens, full)  # served once: the next restore qualifies
     key, _ = entry_of(d, N)
-    with KVStore(d) as s:
+    with KVStore(d, **COPY) as s:
         disk = s.disk
         got = s.fetch(model_dir, tokens + EXTRA)
         assert s.flush(120) and s.stats()["whole_copies_written"] == 1  # what the copy would be
@@ -294,7 +292,7 @@ def test_verify_reports_a_damaged_copy_and_fix_drops_only_the_copy(tmp_path: Pat
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF
     path.write_bytes(bytes(data))
-    with KVStore(d) as s:
+    with KVStore(d, **COPY) as s:
         found = verify(s.disk)  # type: ignore[arg-type]
         assert [(p.kind, p.record, p.key) for p in found] == [("bad_checksum", "whole", key.hex())]
         fixed = verify(s.disk, fix=True)  # type: ignore[arg-type]
@@ -315,7 +313,7 @@ def test_the_system_write_policy_copies_no_conversation(tmp_path: Path, model_di
         got = fetch(d, model_dir, tokens, full, persist="system")
     assert got["whole_copies_written"] == 0 and entry_of(d, N)[1].whole is None
     key, rec = entry_of(d, N)
-    with KVStore(d) as s:
+    with KVStore(d, **COPY) as s:
         s.disk.index.transact(lambda t: t.set_entry(key, rec.pinned_as(True)))  # type: ignore[union-attr]
     assert fetch(d, model_dir, tokens, full, persist="system")["whole_copies_written"] == 1  # pinned: copied
 
@@ -328,13 +326,13 @@ def test_a_bfloat16_entry_round_trips_through_its_copy(tmp_path: Path) -> None:
     d = tmp_path / "c"
     tokens = rand_tokens(N, 1, 259)
     full = synth_kv_cache(3, 2, N, 32, seed=5, dtype=mx.bfloat16)
-    with KVStore(d) as s:
+    with KVStore(d, **COPY) as s:
         for k in [*range(TURN, N, TURN), N]:
             s.insert(model_dir, tokens[:k], prefix(full, k))
             assert s.flush(120)
 
     def fetched() -> dict[str, Any]:
-        with KVStore(d) as s:
+        with KVStore(d, **COPY) as s:
             got = s.fetch(model_dir, tokens + EXTRA)
             assert (got.source, got.n) == ("disk", N)
             for c, want in zip(got.cache, full):
@@ -357,7 +355,7 @@ def snapshot_store(d: Path, tokens: list[int]) -> tuple[Any, Path]:
     from tests.support.caches import ident, synth
 
     who = ident("whole-copies-snapshot")
-    with KVStore(d) as s:
+    with KVStore(d, **COPY) as s:
         s.insert(who, tokens, synth(tokens, snapshot=True))
         assert s.flush(120)
     (rec,) = records(d).values()
@@ -370,13 +368,13 @@ def test_a_snapshot_alone_in_its_pack_is_read_in_one_pass(tmp_path: Path) -> Non
 
     tokens = list(range(100, 400))
     who, path = snapshot_store(tmp_path / "c", tokens)
-    with KVStore(tmp_path / "c") as s:
+    with KVStore(tmp_path / "c", **COPY) as s:
         got = s.fetch(who, tokens + EXTRA)
         assert (got.source, got.n) == ("disk", len(tokens)) and s.stats()["restores_one_pass"] == 1
         assert_synth(got.cache, tokens, snapshot=True)
     with path.open("ab") as f:  # a pack holding more than the segment: read from the segment instead
         f.write(b"\0" * 64)
-    with KVStore(tmp_path / "c") as s:
+    with KVStore(tmp_path / "c", **COPY) as s:
         got = s.fetch(who, tokens + EXTRA)
         assert got.source == "disk" and s.stats()["restores_one_pass"] == 0
         assert_synth(got.cache, tokens, snapshot=True)
@@ -395,8 +393,23 @@ def test_a_damaged_snapshot_read_in_one_pass_is_a_miss_and_dropped(tmp_path: Pat
     else:
         data = data[: len(data) - 8]
     path.write_bytes(bytes(data))
-    with KVStore(tmp_path / "c") as s:
+    with KVStore(tmp_path / "c", **COPY) as s:
         got = s.fetch(who, tokens + EXTRA)
         st = s.stats()
         assert got.source is None and st["restores_one_pass"] == 0 and st["corrupt"] == 1
     assert records(tmp_path / "c") == {}  # dropped: the next insert stores it again
+
+
+def test_copies_are_an_option_and_a_bad_value_is_refused(tmp_path: Path, model_dir: Path) -> None:
+    d = tmp_path / "c"
+    tokens = rand_tokens(N, 1, 259)
+    full = conversation(d, model_dir, tokens)
+    for _ in range(3):  # served again and again, but copies are switched off
+        got = fetch(d, model_dir, tokens, full, whole_copy_min_bytes=None)
+    assert got["whole_copies_written"] == 0 and entry_of(d, N)[1].whole is None
+    default = fetch(d, model_dir, tokens, full, whole_copy_min_bytes=StoreOptions().whole_copy_min_bytes)
+    assert default["whole_copies_written"] == 0  # the default, 64 MB: this entry is 2 MB
+    for bad in (-1, 1.5, "64M", True):
+        with pytest.raises(ValueError, match="whole_copy_min_bytes"):
+            KVStore(d, whole_copy_min_bytes=bad)
+

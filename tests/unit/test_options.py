@@ -32,7 +32,7 @@ def test_an_unknown_name_is_refused_naming_it() -> None:
         store_changes(disk=False, nope=1)
     with pytest.raises(TypeError):
         StoreOptions(nope=1)  # type: ignore[call-arg]
-    assert NAMES == {f.name for f in dataclasses.fields(StoreOptions)} and len(NAMES) == 18
+    assert NAMES == {f.name for f in dataclasses.fields(StoreOptions)} and len(NAMES) == 19
 
 
 def test_but_copies_with_changes_and_the_value_is_frozen() -> None:
